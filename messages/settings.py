@@ -1,0 +1,41 @@
+"""Serving settings: every llama-server setting that changes what the server allocates.
+
+A node advertises the settings it is configured with (telemetry), placement stamps them onto an admitted
+instance, and the runner pins each one on the llama-server command line. Field names follow llama-server's
+own long flags where one exists.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+#: KV cache element types llama-server accepts for -ctk/-ctv (and -ctkd/-ctvd).
+CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class ServingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a node runs llama-server; every field changes the allocation.
+
+    Defaults are llama-server's own defaults for a server started with an explicit slot count, except
+    that flash attention is explicit ("on"/"off") because "auto" resolves differently per device.
+    """
+
+    slots: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 4  # -np
+    kv_unified: bool = False  # -kvu
+    cache_type_k: CacheType = "f16"  # -ctk
+    cache_type_v: CacheType = "f16"  # -ctv
+    flash_attn: Literal["on", "off"] = "on"  # -fa
+    batch: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 2048  # -b
+    ubatch: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 512  # -ub
+    swa_full: bool = False  # --swa-full
+    spec_type: str = "none"  # --spec-type (e.g. "none", "draft-mtp")
+    spec_draft_n_max: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 3  # --spec-draft-n-max
+    spec_draft_type_k: CacheType = "f16"  # -ctkd
+    spec_draft_type_v: CacheType = "f16"  # -ctvd
+    ctx_checkpoints: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 32  # --ctx-checkpoints
+    cache_ram_mib: Annotated[int, msgspec.Meta(ge=-1)] = 8192  # --cache-ram (-1: unlimited, 0: off)
