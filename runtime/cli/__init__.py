@@ -28,10 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler = args.func
     try:
-        if inspect.iscoroutinefunction(handler):
-            code = asyncio.run(handler(args))
-        else:
-            code = handler(args)
+        code = asyncio.run(handler(args)) if inspect.iscoroutinefunction(handler) else handler(args)
     except KeyboardInterrupt:
         return 130
     return int(code)

@@ -1,0 +1,76 @@
+"""Subject names. Every subject starts with a configurable prefix (default `mesh`).
+
+Node ids and other tokens placed in subjects must be valid single NATS tokens; `check_token` says why not.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final
+
+DEFAULT_PREFIX: Final = "mesh"
+
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_token(value: str, what: str = "token") -> str:
+    """Returns `value` if it can be one subject token; raises ValueError naming `what` otherwise."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"invalid {what} {value!r}: use 1-64 characters from A-Z a-z 0-9 _ -")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """The subject names of one mesh (one prefix)."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        for part in self.prefix.split("."):
+            check_token(part, "subject prefix")
+
+    @property
+    def _upper(self) -> str:
+        return self.prefix.replace(".", "_").replace("-", "_").upper()
+
+    # JetStream names (not subjects) follow the prefix, so two meshes can share one NATS deployment:
+    # the default prefix gives MESH_EVENTS, MESH_NODES and MESH_RESERVATIONS.
+    @property
+    def events_stream(self) -> str:
+        return f"{self._upper}_EVENTS"
+
+    @property
+    def nodes_bucket(self) -> str:
+        return f"{self._upper}_NODES"
+
+    @property
+    def reservations_bucket(self) -> str:
+        return f"{self._upper}_RESERVATIONS"
+
+    def telemetry(self, node: str) -> str:
+        return f"{self.prefix}.telemetry.{node}"
+
+    @property
+    def telemetry_all(self) -> str:
+        return f"{self.prefix}.telemetry.*"
+
+    @property
+    def placement_request(self) -> str:
+        return f"{self.prefix}.placement.request"
+
+    @property
+    def placement_fit(self) -> str:
+        return f"{self.prefix}.placement.fit"
+
+    def runner(self, node: str, verb: str) -> str:
+        return f"{self.prefix}.runner.{node}.{verb}"
+
+    def event(self, actor: str, kind: str) -> str:
+        return f"{self.prefix}.events.{actor}.{kind}"
+
+    @property
+    def events_all(self) -> str:
+        return f"{self.prefix}.events.>"

@@ -1,0 +1,62 @@
+"""Node telemetry: what a node has and how it would run llama-server (`mesh.telemetry.<node>`).
+
+The same message is the value of the node's key in the nodes KV bucket, whose per-key TTL makes a node
+that stopped reporting disappear from the cluster view.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from messages.settings import ServingSettings
+
+
+class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One NVIDIA GPU as NVML reports it. `usable_bytes` is free memory capped by the node's memory limit."""
+
+    index: int
+    name: str
+    uuid: str
+    total_bytes: int
+    free_bytes: int
+    used_bytes: int
+    usable_bytes: int
+
+
+class HostInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Host RAM and CPUs. `usable_bytes` is available RAM capped by the node's memory limit."""
+
+    ram_total_bytes: int
+    ram_available_bytes: int
+    usable_bytes: int
+    cpu_count: int
+
+
+class LlamaServerInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """The llama-server this node would start, as `llama-server --version` describes itself."""
+
+    path: str
+    version: str  # e.g. "11434 (a1b2c3d)"
+    build_info: str  # the rest of the version output (compiler, target, backends)
+
+
+class NodeResources(msgspec.Struct, frozen=True, kw_only=True):
+    """One node's telemetry report.
+
+    `settings` is None when the node cannot serve (no llama-server found): such a node has not advertised
+    serving settings, and placement refuses models whose footprint depends on them.
+    """
+
+    node_id: str
+    seq: int  # increases with every report of this node process
+    sent_at: float  # unix seconds
+    started_at: float  # when this node process started, unix seconds
+    ttl_s: float  # the report is stale after this many seconds
+    host: HostInfo
+    gpus: tuple[GpuInfo, ...] = ()
+    nvml: str | None = None  # driver version when NVML answered, None otherwise
+    nvml_error: str | None = None  # why there is no NVML (absent library, no device); not an error
+    memory_limit_bytes: int | None = None
+    llama_server: LlamaServerInfo | None = None
+    llama_server_error: str | None = None
+    settings: ServingSettings | None = None

@@ -1,0 +1,341 @@
+"""Actors and their supervisor.
+
+An actor is a class with a `name` and an async `run(ctx)` that declares what it serves (request
+endpoints, subscriptions) and what it does on its own (tasks), all inside the `ActorContext` of one
+incarnation. Each incarnation owns an `asyncio.TaskGroup` and a NATS micro service (`mesh-<name>`), so
+`$SRV.PING/INFO/STATS` find it. Messages of one endpoint or subscription are handled one at a time by a
+task of that group. The incarnation lasts as long as its tasks; an exception escaping any of them is a
+crash: the group is torn down (the service unregistered, waiting requesters answered `unavailable`) and
+the supervisor restarts the actor with capped exponential backoff, or gives it up for good when it
+crashes too often. Every start, crash, restart, give-up and stop is a journal event.
+
+A handler answers a request by returning a Struct, or refuses it by raising `RequestError`; a message
+that is not valid JSON or not of the endpoint's schema is answered `bad_request` with the offending path
+and never reaches the handler. Neither is a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, ClassVar, Generic, TypeVar
+
+import nats.errors
+import nats.micro
+from nats.aio.msg import Msg
+from nats.micro.request import Request
+from nats.micro.service import EndpointConfig, Service
+
+from messages.errors import BUSY, INTERNAL, TIMEOUT, UNAVAILABLE, ErrorReply
+from messages.events import ActorCrashed, ActorGaveUp, ActorRestarted, ActorStarted, ActorStopped
+from messages.subjects import Subjects
+from runtime.bus import BadMessage, Bus, PayloadTooLarge, decode_checked, encode, error_headers
+from runtime.journal import Journal
+from runtime.logging import get_logger
+from runtime.restart import GiveUp, RestartPolicy
+
+Req = TypeVar("Req")
+Msg_T = TypeVar("Msg_T")
+
+SERVICE_VERSION = "0.1.0"
+
+
+class RequestError(Exception):
+    """Raised by a handler to answer with an error reply; the actor keeps running."""
+
+    def __init__(self, code: str, message: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.reply = ErrorReply(code=code, message=message, details=details or {})
+
+
+class ActorGaveUpError(RuntimeError):
+    """An actor exceeded its restart intensity; raised by the supervisor when it escalates."""
+
+
+RequestHandler = Callable[[Req], Awaitable[Any]]
+
+
+class _Pending(Generic[Req]):
+    __slots__ = ("done", "request")
+
+    def __init__(self, request: Request, done: asyncio.Future[None]) -> None:
+        self.request = request
+        self.done = done
+
+
+class ActorContext:
+    """What one incarnation of an actor may use: the bus, the journal, its task group and its service."""
+
+    def __init__(
+        self,
+        *,
+        actor: str,
+        node_id: str,
+        bus: Bus,
+        journal: Journal,
+        subjects: Subjects,
+        tg: asyncio.TaskGroup,
+        service: Service,
+        request_deadline_s: float,
+    ) -> None:
+        self.actor = actor
+        self.node_id = node_id
+        self.bus = bus
+        self.journal = journal
+        self.subjects = subjects
+        self.log = get_logger(actor=actor, node=node_id)
+        self._tg = tg
+        self._service = service
+        self._deadline = request_deadline_s
+        self._pending: set[asyncio.Future[None]] = set()
+        self._subscriptions: list[Any] = []
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Runs `coro` in this incarnation's task group; its exception is a crash of the actor."""
+        return self._tg.create_task(coro, name=f"{self.actor}:{name}")
+
+    def emit(self, event_class: type[Any], **fields: Any) -> Any:
+        """Records a journal event from this actor."""
+        return self.journal.emit(event_class, self.actor, **fields)
+
+    async def add_endpoint(
+        self,
+        name: str,
+        subject: str,
+        request_type: type[Req],
+        handler: RequestHandler[Req],
+        *,
+        queue_group: str | None = None,
+        inbox: int = 256,
+    ) -> None:
+        """Serves request/reply on `subject` (a micro service endpoint), one request at a time."""
+        queue: asyncio.Queue[_Pending[Req]] = asyncio.Queue(maxsize=inbox)
+        loop = asyncio.get_running_loop()
+
+        async def on_request(request: Request) -> None:
+            # Runs in the client library's task; the work happens in ours. Waiting here keeps the
+            # endpoint statistics ($SRV.STATS) honest about processing time.
+            done: asyncio.Future[None] = loop.create_future()
+            try:
+                queue.put_nowait(_Pending(request, done))
+            except asyncio.QueueFull:
+                await _respond_error(request, ErrorReply(code=BUSY, message=f"{self.actor} is busy; retry"))
+                return
+            self._pending.add(done)
+            try:
+                async with asyncio.timeout(self._deadline):
+                    await asyncio.shield(done)
+            except TimeoutError:
+                await _respond_error(
+                    request,
+                    ErrorReply(code=TIMEOUT, message=f"{self.actor} did not answer in {self._deadline}s"),
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the incarnation ended; the worker could not answer
+                await _respond_error(
+                    request, ErrorReply(code=UNAVAILABLE, message=f"{self.actor} is restarting; retry")
+                )
+            finally:
+                self._pending.discard(done)
+
+        async def worker() -> None:
+            while True:
+                pending = await queue.get()
+                try:
+                    await self._answer(pending.request, request_type, handler, name)
+                except BaseException as exc:
+                    if not pending.done.done():
+                        pending.done.set_exception(exc if isinstance(exc, Exception) else RuntimeError("stopped"))
+                    raise
+                if not pending.done.done():
+                    pending.done.set_result(None)
+
+        self.spawn(worker(), f"endpoint:{name}")
+        await self._service.add_endpoint(
+            EndpointConfig(name=name, subject=subject, handler=on_request, queue_group=queue_group)
+        )
+
+    async def _answer(self, request: Request, request_type: type[Req], handler: RequestHandler[Req], name: str) -> None:
+        try:
+            message = decode_checked(request.data, request_type, f"request on {request.subject!r}")
+            reply = await handler(message)
+        except BadMessage as exc:
+            self.log.info("bad_request", endpoint=name, error=str(exc))
+            await _respond_error(request, exc.to_reply())
+            return
+        except RequestError as exc:
+            await _respond_error(request, exc.reply)
+            return
+        except Exception as exc:
+            await _respond_error(request, ErrorReply(code=INTERNAL, message=f"{self.actor} failed: {exc!r}"))
+            raise
+        payload = encode(reply)
+        try:
+            self.bus.check_size(request.subject, payload)
+        except PayloadTooLarge as exc:
+            await _respond_error(request, ErrorReply(code=INTERNAL, message=str(exc)))
+            return
+        await request.respond(payload)
+
+    async def subscribe(
+        self,
+        subject: str,
+        message_type: type[Msg_T],
+        handler: Callable[[Msg_T, Msg], Awaitable[None]],
+        *,
+        queue: str = "",
+        pending_limit: int = 4096,
+    ) -> None:
+        """Handles messages on `subject` one at a time; undecodable ones are logged and skipped."""
+        sub = await self.bus.nc.subscribe(subject, queue=queue, pending_msgs_limit=pending_limit)
+        self._subscriptions.append(sub)
+
+        async def worker() -> None:
+            async for msg in sub.messages:
+                try:
+                    message = decode_checked(msg.data, message_type, f"message on {msg.subject!r}")
+                except BadMessage as exc:
+                    self.log.warning("bad_message", subject=msg.subject, error=str(exc))
+                    if msg.reply:
+                        await self.bus.nc.publish(
+                            msg.reply, encode(exc.to_reply()), headers=error_headers(exc.to_reply())
+                        )
+                    continue
+                await handler(message, msg)
+
+        self.spawn(worker(), f"subscription:{subject}")
+
+    async def close(self) -> None:
+        for done in list(self._pending):
+            if not done.done():
+                done.set_exception(RuntimeError("incarnation ended"))
+        for sub in self._subscriptions:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+
+async def _respond_error(request: Request, reply: ErrorReply) -> None:
+    with contextlib.suppress(nats.errors.Error):
+        await request.respond(encode(reply), headers=error_headers(reply))
+
+
+class Actor:
+    """Base class of every actor. Subclasses set `name` and implement `run`."""
+
+    name: ClassVar[str] = "actor"
+    description: ClassVar[str] = ""
+
+    async def run(self, ctx: ActorContext) -> None:
+        """Declares endpoints, subscriptions and tasks; the incarnation lives as long as they do."""
+        raise NotImplementedError
+
+
+class Supervisor:
+    """Runs actors, restarting each one after a crash within its restart intensity."""
+
+    def __init__(
+        self,
+        *,
+        bus: Bus,
+        journal: Journal,
+        subjects: Subjects,
+        node_id: str,
+        policy: Callable[[], RestartPolicy] = RestartPolicy,
+        escalate: bool = True,
+        request_deadline_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._bus = bus
+        self._journal = journal
+        self._subjects = subjects
+        self._node_id = node_id
+        self._policy = policy
+        self._escalate = escalate
+        self._deadline = request_deadline_s
+        self._clock = clock
+        self._log = get_logger(component="supervisor", node=node_id)
+
+    async def run(self, actors: Sequence[Actor]) -> None:
+        async with asyncio.TaskGroup() as tg:
+            for actor in actors:
+                tg.create_task(self.supervise(actor), name=f"supervise:{actor.name}")
+
+    async def supervise(self, actor: Actor) -> None:
+        policy = self._policy()
+        attempt = 0
+        while True:
+            attempt += 1
+            if attempt == 1:
+                self._journal.emit(ActorStarted, actor.name, attempt=attempt)
+            else:
+                self._journal.emit(ActorRestarted, actor.name, attempt=attempt)
+            try:
+                await self._incarnation(actor)
+            except asyncio.CancelledError:
+                self._journal.emit(ActorStopped, actor.name)
+                raise
+            except Exception as exc:
+                error = _describe(exc)
+                decision = policy.on_crash(self._clock())
+                if isinstance(decision, GiveUp):
+                    self._log.error("actor_gave_up", actor=actor.name, error=error, crashes=decision.crashes_in_window)
+                    self._journal.emit(
+                        ActorGaveUp,
+                        actor.name,
+                        error=error,
+                        crashes=decision.crashes_in_window,
+                        window_s=policy.window_s,
+                    )
+                    if self._escalate:
+                        raise ActorGaveUpError(f"actor {actor.name} gave up after repeated crashes: {error}") from exc
+                    return
+                self._log.warning("actor_crashed", actor=actor.name, error=error, restart_in_s=decision.delay_s)
+                self._journal.emit(
+                    ActorCrashed,
+                    actor.name,
+                    error=error,
+                    crashes_in_window=decision.crashes_in_window,
+                    restart_in_s=decision.delay_s,
+                )
+                await asyncio.sleep(decision.delay_s)
+                continue
+            self._journal.emit(ActorStopped, actor.name)
+            return
+
+    async def _incarnation(self, actor: Actor) -> None:
+        service = await nats.micro.add_service(
+            self._bus.nc,
+            name=f"mesh-{actor.name}",
+            version=SERVICE_VERSION,
+            description=actor.description or actor.name,
+            metadata={"node": self._node_id, "prefix": self._subjects.prefix},
+        )
+        ctx: ActorContext | None = None
+        try:
+            async with asyncio.TaskGroup() as tg:
+                ctx = ActorContext(
+                    actor=actor.name,
+                    node_id=self._node_id,
+                    bus=self._bus,
+                    journal=self._journal,
+                    subjects=self._subjects,
+                    tg=tg,
+                    service=service,
+                    request_deadline_s=self._deadline,
+                )
+                await actor.run(ctx)
+        finally:
+            if ctx is not None:
+                await ctx.close()
+            with contextlib.suppress(nats.errors.Error, AssertionError, RuntimeError):
+                await service.stop()
+
+
+def _describe(exc: BaseException) -> str:
+    """The first real error inside (possibly nested) exception groups, as `Type: message`."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,264 @@
+"""The bus: one NATS connection, typed publish/request helpers over msgspec Structs, and their errors.
+
+Control messages are JSON encoded by msgspec. Encoders and typed decoders are built once per type and
+reused. Everything that can go wrong on the way is a `BusError` subclass with a message a person can act
+on: no responders is immediate, a payload over the server's `max_payload` fails at the sender naming both
+sizes, every request has a deadline, and an error reply from a service is raised as `RemoteError` with its
+stable code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from messages.errors import (
+    BAD_REQUEST,
+    ERROR_CODE_HEADER,
+    ERROR_HEADER,
+    MESH_ERROR_HEADER,
+    ErrorReply,
+)
+from runtime.config import NatsOptions
+from runtime.logging import get_logger
+
+T = TypeVar("T")
+
+_ENCODER = msgspec.json.Encoder()
+_DECODERS: dict[Any, msgspec.json.Decoder[Any]] = {}
+_ERROR_DECODER = msgspec.json.Decoder(ErrorReply)
+_PATH = re.compile(r"- at `([^`]*)`$")
+
+
+def encode(message: Any) -> bytes:
+    """JSON bytes of a Struct (or any msgspec-encodable value)."""
+    return _ENCODER.encode(message)
+
+
+def decoder(message_type: Any) -> msgspec.json.Decoder[Any]:
+    """The cached typed decoder for `message_type`."""
+    dec = _DECODERS.get(message_type)
+    if dec is None:
+        dec = _DECODERS[message_type] = msgspec.json.Decoder(message_type)
+    return dec
+
+
+def decode(data: bytes, message_type: type[T]) -> T:
+    result: T = decoder(message_type).decode(data)
+    return result
+
+
+class BusError(Exception):
+    """Something on the bus failed; the message says what and where."""
+
+
+class ConnectFailed(BusError):
+    pass
+
+
+class NoResponders(BusError):
+    def __init__(self, subject: str) -> None:
+        super().__init__(f"no service is listening on {subject!r} (no responders)")
+        self.subject = subject
+
+
+class RequestTimeout(BusError):
+    def __init__(self, subject: str, timeout: float) -> None:
+        super().__init__(f"no reply on {subject!r} within {timeout:g}s")
+        self.subject = subject
+        self.timeout = timeout
+
+
+class PayloadTooLarge(BusError):
+    def __init__(self, subject: str, size: int, max_payload: int) -> None:
+        super().__init__(
+            f"message for {subject!r} is {size} bytes, over the server's max_payload of {max_payload} bytes"
+        )
+        self.subject = subject
+        self.size = size
+        self.max_payload = max_payload
+
+
+class BadMessage(BusError):
+    """A payload that is not valid JSON or does not match its schema. `path` locates the schema error."""
+
+    def __init__(self, what: str, error: str, path: str | None = None) -> None:
+        super().__init__(f"{what}: {error}")
+        self.error = error
+        self.path = path
+
+    def to_reply(self) -> ErrorReply:
+        details: dict[str, Any] = {"error": self.error}
+        if self.path is not None:
+            details["path"] = self.path
+        return ErrorReply(code=BAD_REQUEST, message=str(self), details=details)
+
+
+class RemoteError(BusError):
+    """A service answered with an error reply."""
+
+    def __init__(self, subject: str, reply: ErrorReply) -> None:
+        super().__init__(f"{subject}: {reply.code}: {reply.message}")
+        self.subject = subject
+        self.code = reply.code
+        self.reply = reply
+
+
+def decode_checked(data: bytes, message_type: type[T], what: str) -> T:
+    """Decodes `data`, turning msgspec's errors into `BadMessage` with the offending path."""
+    try:
+        return decode(data, message_type)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _PATH.search(text)
+        raise BadMessage(what, text, match.group(1) if match else "$") from exc
+    except msgspec.DecodeError as exc:
+        raise BadMessage(what, f"malformed JSON: {exc}") from exc
+
+
+def error_headers(reply: ErrorReply) -> dict[str, str]:
+    # Nats-Service-Error(-Code) follow the NATS micro convention (a numeric code), so generic tools show it.
+    numeric = "400" if reply.code == BAD_REQUEST else "500"
+    return {ERROR_HEADER: reply.message[:256], ERROR_CODE_HEADER: numeric, MESH_ERROR_HEADER: reply.code}
+
+
+def _tls_context(options: NatsOptions) -> ssl.SSLContext | None:
+    if not (options.tls_ca or options.tls_cert):
+        return None
+    context = ssl.create_default_context(cafile=options.tls_ca)
+    if options.tls_cert:
+        context.load_cert_chain(options.tls_cert, options.tls_key)
+    return context
+
+
+class Bus:
+    """A connected NATS client with typed helpers. Create with `Bus.connect`; close with `close`."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self._log = get_logger(component="bus")
+
+    @classmethod
+    async def connect(
+        cls,
+        options: NatsOptions,
+        *,
+        name: str,
+        on_reconnect: Callable[[], Awaitable[None]] | None = None,
+    ) -> Bus:
+        """Connects to the first reachable URL; reconnects forever afterwards."""
+        log = get_logger(component="bus", client=name)
+
+        async def disconnected() -> None:
+            log.warning("nats_disconnected")
+
+        async def reconnected() -> None:
+            log.info("nats_reconnected", url=str(nc.connected_url.geturl()) if nc.connected_url else None)
+            if on_reconnect is not None:
+                await on_reconnect()
+
+        async def error(exc: Exception) -> None:
+            log.warning("nats_error", error=str(exc) or type(exc).__name__)
+
+        kwargs: dict[str, Any] = {}
+        if options.creds_file:
+            kwargs["user_credentials"] = options.creds_file
+        if options.token:
+            kwargs["token"] = options.token
+        if options.user:
+            kwargs["user"] = options.user
+            kwargs["password"] = options.password or ""
+        try:
+            tls = _tls_context(options)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConnectFailed(f"cannot set up TLS: {exc}") from exc
+        nc = Client()
+        try:
+            await nc.connect(
+                servers=list(options.urls),
+                name=name,
+                tls=tls,
+                connect_timeout=options.connect_timeout_s,  # type: ignore[arg-type]
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,  # type: ignore[arg-type]
+                disconnected_cb=disconnected,
+                reconnected_cb=reconnected,
+                error_cb=error,
+                **kwargs,
+            )
+        except nats.errors.NoServersError as exc:
+            await _close_quietly(nc)
+            urls = ", ".join(options.urls)
+            raise ConnectFailed(f"cannot connect to NATS at {urls}: no server answered") from exc
+        except (nats.errors.Error, OSError, TimeoutError) as exc:
+            await _close_quietly(nc)
+            reason = str(exc) or type(exc).__name__
+            raise ConnectFailed(f"cannot connect to NATS at {', '.join(options.urls)}: {reason}") from exc
+        return cls(nc)
+
+    @property
+    def max_payload(self) -> int:
+        return int(self.nc.max_payload)
+
+    def check_size(self, subject: str, payload: bytes) -> None:
+        if len(payload) > self.max_payload:
+            raise PayloadTooLarge(subject, len(payload), self.max_payload)
+
+    async def publish(self, subject: str, message: Any, headers: dict[str, str] | None = None) -> None:
+        payload = encode(message)
+        self.check_size(subject, payload)
+        await self.nc.publish(subject, payload, headers=headers)
+
+    async def request(self, subject: str, message: Any, reply_type: type[T], *, timeout: float) -> T:
+        """Sends `message`, waits at most `timeout` seconds, returns the typed reply."""
+        payload = encode(message)
+        self.check_size(subject, payload)
+        msg = await self.request_raw(subject, payload, timeout=timeout)
+        return parse_reply(subject, msg, reply_type)
+
+    async def request_raw(self, subject: str, payload: bytes, *, timeout: float) -> Msg:
+        try:
+            return await self.nc.request(subject, payload, timeout=timeout)
+        except nats.errors.NoRespondersError as exc:
+            raise NoResponders(subject) from exc
+        except nats.errors.TimeoutError as exc:
+            raise RequestTimeout(subject, timeout) from exc
+        except nats.errors.MaxPayloadError as exc:  # the server lowered max_payload since we checked
+            raise PayloadTooLarge(subject, len(payload), self.max_payload) from exc
+
+    async def close(self) -> None:
+        await _close_quietly(self.nc)
+
+
+def parse_reply(subject: str, msg: Msg, reply_type: type[T]) -> T:
+    """Turns a reply into `reply_type`, or raises `RemoteError` for an error reply."""
+    headers = msg.headers or {}
+    if ERROR_HEADER in headers or MESH_ERROR_HEADER in headers:
+        try:
+            reply = _ERROR_DECODER.decode(msg.data)
+        except msgspec.MsgspecError:
+            reply = ErrorReply(
+                code=headers.get(MESH_ERROR_HEADER, headers.get(ERROR_CODE_HEADER, "error")),
+                message=headers.get(ERROR_HEADER, "error reply without a body"),
+            )
+        raise RemoteError(subject, reply)
+    return decode_checked(msg.data, reply_type, f"reply on {subject!r}")
+
+
+async def _close_quietly(nc: Client) -> None:
+    if nc.is_closed:
+        return
+    with contextlib.suppress(nats.errors.Error, OSError):  # already gone; nothing more to release
+        await nc.close()

@@ -1,0 +1,236 @@
+"""Node configuration: flags > environment (`MESH_ACTOR_*`) > `config.toml` in the data dir > defaults.
+
+The data dir itself comes from `--data-dir`, else `MESH_ACTOR_HOME`, else `~/.local/share/mesh-actor`.
+Serving settings (what this node advertises and runs llama-server with) live in the `[serving]` table of
+the TOML file, in `MESH_ACTOR_SERVING_<FIELD>` variables, or in llama-server-named flags of `mesh-actor run`.
+Every value is validated once, here; an invalid one is a `ConfigError` naming its source.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from messages.settings import ServingSettings
+from messages.subjects import DEFAULT_PREFIX, Subjects, check_token
+from runtime.sizes import parse_size
+
+ENV_PREFIX = "MESH_ACTOR_"
+CONFIG_FILE = "config.toml"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names where it came from."""
+
+
+@dataclass(frozen=True, slots=True)
+class NatsOptions:
+    """How to reach NATS. No URLs means: start the embedded server."""
+
+    urls: tuple[str, ...] = ()
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    connect_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    data_dir: Path
+    node_id: str
+    prefix: str = DEFAULT_PREFIX
+    nats: NatsOptions = field(default_factory=NatsOptions)
+    nats_port: int = 4222  # preferred port of the embedded server; a free one is used if taken
+    memory_limit_bytes: int | None = None
+    telemetry_interval_s: float = 5.0
+    telemetry_ttl_s: float = 15.0
+    llama_server: str | None = None  # path override; default: the one the `llama` extra installed
+    serving: ServingSettings = field(default_factory=ServingSettings)
+    journal_max_age_s: float = 7 * 24 * 3600.0
+    journal_max_bytes: int = 1 << 30
+    log_level: str = "info"
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.prefix)
+
+
+def default_data_dir(env: Mapping[str, str]) -> Path:
+    home = env.get("MESH_ACTOR_HOME")
+    return Path(home) if home else Path.home() / ".local" / "share" / "mesh-actor"
+
+
+def _positive_float(text: Any) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"{text!r} is not a positive number")
+    return value
+
+
+def _port(text: Any) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(f"{text!r} is not a TCP port")
+    return value
+
+
+def _size(text: Any) -> int:
+    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
+        return text
+    return parse_size(str(text))
+
+
+def _urls(text: Any) -> tuple[str, ...]:
+    items = text if isinstance(text, list | tuple) else str(text).split(",")
+    urls = tuple(str(u).strip() for u in items if str(u).strip())
+    for url in urls:
+        if "://" not in url:
+            raise ValueError(f"{url!r} is not a URL (expected e.g. nats://host:4222)")
+    return urls
+
+
+def _node_id(text: Any) -> str:
+    return check_token(str(text), "node id")
+
+
+def _prefix(text: Any) -> str:
+    return Subjects(str(text)).prefix
+
+
+def _level(text: Any) -> str:
+    value = str(text).lower()
+    if value not in ("debug", "info", "warning", "error"):
+        raise ValueError(f"{text!r} is not a log level (debug, info, warning, error)")
+    return value
+
+
+# Scalar options: name -> parser. The flag is --name-with-dashes, the variable MESH_ACTOR_NAME, the TOML
+# key `name` (top level), and NATS options also under a `[nats]` table without the `nats_` prefix.
+_OPTIONS: dict[str, Callable[[Any], Any]] = {
+    "node_id": _node_id,
+    "prefix": _prefix,
+    "nats_port": _port,
+    "memory_limit": _size,
+    "telemetry_interval": _positive_float,
+    "telemetry_ttl": _positive_float,
+    "llama_server": str,
+    "journal_max_age": _positive_float,
+    "journal_max_bytes": _size,
+    "log_level": _level,
+    "nats": _urls,
+    "nats_user": str,
+    "nats_password": str,
+    "nats_token": str,
+    "nats_creds": str,
+    "nats_tls_ca": str,
+    "nats_tls_cert": str,
+    "nats_tls_key": str,
+}
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    nats_table = data.pop("nats", None)
+    if isinstance(nats_table, dict):
+        for key, value in nats_table.items():
+            data["nats" if key == "urls" else f"nats_{key}"] = value
+    return data
+
+
+def load_config(
+    flags: Mapping[str, Any],
+    env: Mapping[str, str] | None = None,
+    serving_flags: Mapping[str, Any] | None = None,
+) -> NodeConfig:
+    """Builds the node configuration. `flags` maps option names to values (None = not given)."""
+    env = os.environ if env is None else env
+    data_dir = Path(flags["data_dir"]) if flags.get("data_dir") else default_data_dir(env)
+    toml_path = data_dir / CONFIG_FILE
+    file_values = _read_toml(toml_path)
+
+    values: dict[str, Any] = {}
+    for name, parse in _OPTIONS.items():
+        for source, raw in (
+            (f"--{name.replace('_', '-')}", flags.get(name)),
+            (f"{ENV_PREFIX}{name.upper()}", env.get(f"{ENV_PREFIX}{name.upper()}")),
+            (f"{toml_path} key {name!r}", file_values.get(name)),
+        ):
+            if raw is not None:
+                try:
+                    values[name] = parse(raw)
+                except (ValueError, TypeError) as exc:
+                    raise ConfigError(f"{source}: {exc}") from exc
+                break
+
+    serving = _serving_settings(file_values.get("serving"), env, serving_flags or {}, toml_path)
+    nats = NatsOptions(
+        urls=values.get("nats", ()),
+        user=values.get("nats_user"),
+        password=values.get("nats_password"),
+        token=values.get("nats_token"),
+        creds_file=values.get("nats_creds"),
+        tls_ca=values.get("nats_tls_ca"),
+        tls_cert=values.get("nats_tls_cert"),
+        tls_key=values.get("nats_tls_key"),
+    )
+    interval = values.get("telemetry_interval", 5.0)
+    ttl = values.get("telemetry_ttl", max(15.0, 3 * interval))
+    if ttl <= interval:
+        raise ConfigError(f"telemetry ttl ({ttl}s) must be longer than the interval ({interval}s)")
+    return NodeConfig(
+        data_dir=data_dir,
+        node_id=values.get("node_id") or _node_id(_default_node_id()),
+        prefix=values.get("prefix", DEFAULT_PREFIX),
+        nats=nats,
+        nats_port=values.get("nats_port", 4222),
+        memory_limit_bytes=values.get("memory_limit"),
+        telemetry_interval_s=interval,
+        telemetry_ttl_s=ttl,
+        llama_server=values.get("llama_server"),
+        serving=serving,
+        journal_max_age_s=values.get("journal_max_age", 7 * 24 * 3600.0),
+        journal_max_bytes=values.get("journal_max_bytes", 1 << 30),
+        log_level=values.get("log_level", "info"),
+    )
+
+
+def _default_node_id() -> str:
+    name = "".join(c if c.isalnum() or c in "_-" else "-" for c in socket.gethostname())[:64]
+    return name or "node"
+
+
+def _serving_settings(
+    table: Any, env: Mapping[str, str], flags: Mapping[str, Any], toml_path: Path
+) -> ServingSettings:
+    merged: dict[str, Any] = {}
+    if table is not None:
+        if not isinstance(table, dict):
+            raise ConfigError(f"{toml_path}: [serving] must be a table")
+        merged.update(table)
+    fields = ServingSettings.__struct_fields__
+    for name in fields:
+        raw = env.get(f"{ENV_PREFIX}SERVING_{name.upper()}")
+        if raw is not None:
+            merged[name] = raw  # msgspec's lax mode turns "4"/"true" into the field's type
+    merged.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        return msgspec.convert(merged, ServingSettings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"serving settings: {exc}") from exc

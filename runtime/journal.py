@@ -1,0 +1,139 @@
+"""The journal: every event goes to the JetStream stream `MESH_EVENTS` (subjects `mesh.events.>`).
+
+The stream is created idempotently and never deleted or recreated: on start we look it up and only create
+it when it does not exist (durable consumers of operators survive restarts). It is file-backed and bounded
+by age and bytes. Events are published through a bounded outbox drained by one task, so an actor never
+waits on the journal and an outage of NATS loses nothing until the outbox overflows (then the oldest
+events are dropped and counted in the log). Each event's id is its `Nats-Msg-Id`, so a publish retried
+after a lost acknowledgement is stored once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import nats.errors
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import NotFoundError
+
+from messages.events import Event, event_type
+from messages.subjects import Subjects
+from runtime.bus import Bus, encode
+from runtime.logging import get_logger
+
+E = TypeVar("E", bound=Event)
+
+MSG_ID_HEADER = "Nats-Msg-Id"
+
+
+async def ensure_events_stream(bus: Bus, subjects: Subjects, *, max_age_s: float, max_bytes: int) -> None:
+    """Creates the events stream if it does not exist; updates its limits if they changed. Never deletes."""
+    name = subjects.events_stream
+    wanted = StreamConfig(
+        name=name,
+        subjects=[subjects.events_all],
+        storage=StorageType.FILE,
+        retention=RetentionPolicy.LIMITS,
+        discard=DiscardPolicy.OLD,
+        max_age=max_age_s,
+        max_bytes=max_bytes,
+        duplicate_window=120.0,
+        description="mesh-actor journal: every decision and lifecycle event",
+    )
+    try:
+        info = await bus.js.stream_info(name)
+    except NotFoundError:
+        try:
+            await bus.js.add_stream(wanted)
+            return
+        except nats.js.errors.BadRequestError:
+            info = await bus.js.stream_info(name)  # another node created it at the same moment
+    current = info.config
+    if (current.max_age, current.max_bytes) != (max_age_s, max_bytes):
+        await bus.js.update_stream(wanted)
+
+
+class Journal:
+    """Records events for one node. `record` never blocks; `run` publishes; `flush` waits for the outbox."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        subjects: Subjects,
+        node_id: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        outbox_limit: int = 10_000,
+        publish_timeout_s: float = 5.0,
+    ) -> None:
+        self._bus = bus
+        self._subjects = subjects
+        self._node_id = node_id
+        self._clock = clock
+        self._outbox: deque[tuple[str, bytes, str]] = deque()
+        self._limit = outbox_limit
+        self._timeout = publish_timeout_s
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.dropped = 0
+        self._log = get_logger(component="journal", node=node_id)
+
+    def new(self, event_class: type[E], actor: str, **fields: Any) -> E:
+        """An event of `event_class` with its envelope (id, time, node, actor) filled in."""
+        return event_class(id=uuid.uuid4().hex, time=self._clock(), node=self._node_id, actor=actor, **fields)
+
+    def record(self, event: Event) -> None:
+        subject = self._subjects.event(event.actor, event_type(event))
+        if len(self._outbox) >= self._limit:
+            self._outbox.popleft()
+            self.dropped += 1
+            self._log.error("journal_outbox_overflow", dropped_total=self.dropped, limit=self._limit)
+        self._outbox.append((subject, encode(event), event.id))
+        self._idle.clear()
+        self._wakeup.set()
+
+    def emit(self, event_class: type[E], actor: str, **fields: Any) -> E:
+        event = self.new(event_class, actor, **fields)
+        self.record(event)
+        return event
+
+    async def run(self) -> None:
+        """Publishes the outbox in order, retrying each event until JetStream acknowledges it."""
+        backoff = 0.1
+        while True:
+            if not self._outbox:
+                self._idle.set()
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            subject, payload, msg_id = self._outbox[0]
+            try:
+                await self._bus.js.publish(subject, payload, timeout=self._timeout, headers={MSG_ID_HEADER: msg_id})
+            except (nats.errors.Error, TimeoutError) as exc:
+                self._log.warning("journal_publish_retry", subject=subject, error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            backoff = 0.1
+            # The head may have been dropped by an overflow while we awaited; only pop what we sent.
+            if self._outbox and self._outbox[0][2] == msg_id:
+                self._outbox.popleft()
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Waits until every recorded event is stored; False if the deadline passed first."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    @property
+    def pending(self) -> int:
+        return len(self._outbox)
