@@ -1,0 +1,525 @@
+"""Model geometry from a GGUF header (placement core).
+
+This module owns the translation of a GGUF header into a `ModelGeometry`: for every block, whether
+llama.cpp gives it attention KV cells (and how wide they are), a recurrent state (and how wide), whether it
+slides (SWA), and whether it is an MTP (`nextn`) block, plus the tensor bytes the memory model places on
+devices. The rules mirror llama.cpp's `load_hparams`/`load_arch_hparams` and `create_memory` for the version
+named in `actors.placement.memory.LLAMA_CPP_VERSION`; each family's rule is written once, in a table or a
+small function, and an architecture without a rule is refused by name (`UnsupportedArchitecture`), never
+guessed. Pure core: it reads a `GGUFHeader` value and returns a message.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from actors.placement.gguf_header import GGUFHeader, KVValue, SkippedArray
+from messages.model import LayerGeometry, ModelGeometry, SwaType
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "GeometryError",
+    "UnsupportedArchitecture",
+    "geometry_from_header",
+]
+
+LLAMA_MAX_LAYERS = 512
+
+
+class GeometryError(ValueError):
+    """The header names a supported architecture but its metadata is missing or inconsistent."""
+
+
+class UnsupportedArchitecture(GeometryError):
+    """The architecture has no geometry rule here; the memory model refuses it rather than guessing."""
+
+    def __init__(self, architecture: str) -> None:
+        self.architecture = architecture
+        super().__init__(
+            f"unsupported architecture {architecture!r}: no memory-model rule for it "
+            f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+        )
+
+
+# --- metadata access --------------------------------------------------------------------------------------
+
+
+class _Meta:
+    """Typed access to `{arch}.*` keys with llama.cpp's required/optional and scalar-or-array rules."""
+
+    def __init__(self, header: GGUFHeader, arch: str) -> None:
+        self.header = header
+        self.arch = arch
+
+    def raw(self, suffix: str) -> KVValue | None:
+        return self.header.get(f"{self.arch}.{suffix}")
+
+    def uint(self, suffix: str, default: int | None = None) -> int:
+        key = f"{self.arch}.{suffix}"
+        value = self.header.get(key)
+        if value is None:
+            if default is None:
+                raise GeometryError(f"{key} is required for {self.arch} but missing")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise GeometryError(f"{key} must be an unsigned integer, got {value!r}")
+        if value < 0 or value >= 1 << 32:
+            raise GeometryError(f"{key} out of range for a u32: {value}")
+        return value
+
+    def has(self, suffix: str) -> bool:
+        return self.raw(suffix) is not None
+
+    def per_layer(self, suffix: str, n_layer: int, default: Sequence[int] | int | None) -> list[int]:
+        """`get_key_or_arr`: a scalar repeated per layer, or an array of exactly `n_layer` entries."""
+        key = f"{self.arch}.{suffix}"
+        value = self.header.get(key)
+        if value is None:
+            if default is None:
+                raise GeometryError(f"{key} is required for {self.arch} but missing")
+            return [default] * n_layer if isinstance(default, int) else list(default)
+        if isinstance(value, SkippedArray):
+            raise GeometryError(f"{key} has {value.count} entries, expected {n_layer}")
+        if isinstance(value, tuple):
+            if len(value) != n_layer:
+                raise GeometryError(f"{key} has wrong array length; expected {n_layer}, got {len(value)}")
+            return [_as_uint(key, v) for v in value]
+        return [_as_uint(key, value)] * n_layer
+
+    def bool_array(self, suffix: str) -> list[bool] | None:
+        key = f"{self.arch}.{suffix}"
+        value = self.header.get(key)
+        if not isinstance(value, tuple):
+            return None
+        if len(value) > LLAMA_MAX_LAYERS:
+            raise GeometryError(f"{key} has {len(value)} entries, more than {LLAMA_MAX_LAYERS}")
+        out: list[bool] = []
+        for v in value:
+            if isinstance(v, bool):
+                out.append(v)
+            elif isinstance(v, int):
+                out.append(v != 0)
+            else:
+                raise GeometryError(f"{key} must hold booleans or integers, got {v!r}")
+        return out
+
+
+def _as_uint(key: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value >= 1 << 32:
+        raise GeometryError(f"{key} must hold unsigned integers, got {value!r}")
+    return value
+
+
+# --- per-family rules -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Draft:
+    """Per-layer facts being assembled, mirroring llama.cpp's hparams arrays."""
+
+    n_layer_all: int
+    n_nextn: int
+    n_head: list[int]
+    n_head_kv: list[int]
+    n_ff: list[int]
+    is_swa: list[bool]
+    is_recr: list[bool]
+    swa_type: SwaType = "none"
+    n_swa: int = 0
+    r_width: int = 0
+    s_width: int = 0
+    mla: bool = False
+
+    @property
+    def n_layer(self) -> int:
+        return self.n_layer_all - self.n_nextn
+
+    def set_swa_pattern(self, n_pattern: int, dense_first: bool = False) -> None:
+        """`llama_hparams::set_swa_pattern`: every n-th layer is dense; nextn layers never slide."""
+        for il in range(self.n_layer_all):
+            if il >= self.n_layer:
+                self.is_swa[il] = False
+            elif dense_first:
+                self.is_swa[il] = n_pattern == 0 or il % n_pattern != 0
+            else:
+                self.is_swa[il] = n_pattern == 0 or il % n_pattern < n_pattern - 1
+
+    def load_swa_pattern(self, meta: _Meta, n_pattern: int) -> None:
+        """`load_swa_pattern`: a bool array if present, else an integer pattern (default per arch)."""
+        flags = meta.bool_array("attention.sliding_window_pattern")
+        if flags is not None:
+            for il in range(self.n_layer_all):
+                self.is_swa[il] = il < len(flags) and flags[il]
+            return
+        self.set_swa_pattern(meta.uint("attention.sliding_window_pattern", n_pattern))
+
+
+def _ssm(meta: _Meta, d: _Draft, *, groups: bool) -> None:
+    """Mamba-style state: conv rows (d_conv-1)·(d_inner + 2·groups·d_state) and d_state·d_inner."""
+    d_conv = meta.uint("ssm.conv_kernel")
+    d_inner = meta.uint("ssm.inner_size")
+    d_state = meta.uint("ssm.state_size")
+    meta.uint("ssm.time_step_rank")
+    n_group = meta.uint("ssm.group_count") if groups else 0
+    d.r_width = (d_conv - 1 if d_conv > 0 else 0) * (d_inner + 2 * n_group * d_state)
+    d.s_width = d_state * d_inner
+
+
+def _rwkv(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    head_size = meta.uint("wkv.head_size")
+    shift = meta.uint("token_shift_count", 2)
+    d.r_width = shift * n_embd
+    d.s_width = n_embd * head_size
+
+
+def _dense(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    del meta, d, n_embd
+
+
+def _gemma2(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    d.swa_type = "standard"
+    d.n_swa = 4096  # gemma 2's default window
+    d.load_swa_pattern(meta, 2)
+    d.n_swa = meta.uint("attention.sliding_window", d.n_swa)
+
+
+def _gemma3(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    n_swa = meta.uint("attention.sliding_window", 0)
+    if n_swa > 0:
+        d.swa_type = "standard"
+        d.n_swa = n_swa
+        d.load_swa_pattern(meta, 6)
+
+
+def _cohere2(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    d.swa_type = "standard"
+    d.load_swa_pattern(meta, 4)
+    d.n_swa = meta.uint("attention.sliding_window")
+
+
+def _gpt_oss(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    d.n_swa = meta.uint("attention.sliding_window")
+    d.swa_type = "standard"
+    d.load_swa_pattern(meta, 2)
+
+
+def _phi3(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    # llama.cpp disables Phi-3's sliding window (a full cache on every layer) whatever the header says.
+    d.swa_type = "none"
+    d.n_swa = 0
+
+
+def _deepseek2(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    # MLA GGUFs cache one latent K row per token (key_length = kv_lora_rank + rope dims, 1 KV head), no V.
+    d.mla = meta.uint("attention.key_length_mla", 0) != 0 and meta.uint("attention.value_length_mla", 0) != 0
+
+
+def _qwen_hybrid(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    _ssm(meta, d, groups=True)
+    if meta.has("attention.recurrent_layers"):
+        flags = meta.bool_array("attention.recurrent_layers")
+        if flags is None or len(flags) != d.n_layer_all:
+            raise GeometryError(f"{meta.arch}.attention.recurrent_layers must be an array of {d.n_layer_all} flags")
+        d.is_recr = flags
+        return
+    interval = meta.uint("full_attention_interval", 4)
+    if interval == 0:
+        raise GeometryError(f"{meta.arch}.full_attention_interval must be positive")
+    d.is_recr = [il < d.n_layer and (il + 1) % interval != 0 for il in range(d.n_layer_all)]
+
+
+def _recurrent_when_no_kv_heads(d: _Draft) -> None:
+    for il in range(d.n_layer):
+        d.is_recr[il] = d.n_head_kv[il] == 0
+
+
+def _granitehybrid(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    _ssm(meta, d, groups=True)
+    _recurrent_when_no_kv_heads(d)
+
+
+def _jamba(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    _ssm(meta, d, groups=False)
+    _recurrent_when_no_kv_heads(d)
+
+
+def _plamo2(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    _ssm(meta, d, groups=True)
+    _recurrent_when_no_kv_heads(d)
+
+
+def _nemotron_h(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    _ssm(meta, d, groups=True)
+    for il in range(d.n_layer_all):
+        d.is_recr[il] = il < d.n_layer and d.n_head_kv[il] == 0 and d.n_ff[il] == 0
+
+
+def _falcon_h1(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    _ssm(meta, d, groups=True)
+    d.is_recr = [True] * d.n_layer_all
+
+
+def _lfm2(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    l_cache = meta.uint("shortconv.l_cache")
+    d.r_width = n_embd * (l_cache - 1) if l_cache > 0 else 0
+    d.s_width = 0
+    _recurrent_when_no_kv_heads(d)
+    n_swa = meta.uint("attention.sliding_window", 0)
+    if n_swa > 0:
+        d.swa_type = "standard"
+        d.n_swa = n_swa
+        for il in range(d.n_layer):
+            d.is_swa[il] = not d.is_recr[il]
+
+
+def _mamba(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    _ssm(meta, d, groups=False)
+
+
+def _mamba2(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    _ssm(meta, d, groups=True)
+
+
+def _rwkv_family(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    _rwkv(meta, d, n_embd)
+
+
+@dataclass(frozen=True)
+class _Family:
+    """How llama.cpp builds an architecture's memory.
+
+    memory: "kv" (attention KV only, SWA split when a layer slides), "hybrid" (KV + recurrent with layer
+    filters), "recurrent" (recurrent state on every trunk layer, no KV).
+    attn_filter: which layers of a hybrid get KV ("not_recr", "nemotron", "all", "trunk_not_recr").
+    rollback: llama.cpp's `llm_arch_supports_rs_rollback`.
+    mtp: what a `draft-mtp` context holds ("nextn" for the nextn blocks, or "" when MTP is unavailable).
+    """
+
+    rule: Callable[[_Meta, _Draft, int], None]
+    memory: str
+    attn_filter: str = "not_recr"
+    rollback: bool = False
+    mtp: str = ""
+    mla_keys: bool = False
+
+
+_FAMILIES: dict[str, _Family] = {
+    # dense transformers (MoE included): KV on every trunk layer
+    "llama": _Family(_dense, "kv"),
+    "qwen2": _Family(_dense, "kv"),
+    "qwen2moe": _Family(_dense, "kv"),
+    "qwen3": _Family(_dense, "kv"),
+    "qwen3moe": _Family(_dense, "kv"),
+    "mistral3": _Family(_dense, "kv"),
+    "phi3": _Family(_phi3, "kv"),
+    "gemma": _Family(_dense, "kv"),
+    "granite": _Family(_dense, "kv"),
+    "granitemoe": _Family(_dense, "kv"),
+    "command-r": _Family(_dense, "kv"),
+    "starcoder2": _Family(_dense, "kv"),
+    "glm4moe": _Family(_dense, "kv", mtp="nextn"),
+    "deepseek2": _Family(_deepseek2, "kv", mtp="nextn", mla_keys=True),
+    # sliding-window transformers
+    "gemma2": _Family(_gemma2, "kv"),
+    "gemma3": _Family(_gemma3, "kv"),
+    "cohere2": _Family(_cohere2, "kv"),
+    "gpt-oss": _Family(_gpt_oss, "kv"),
+    # hybrids: attention KV on some layers, recurrent state on others
+    "qwen35": _Family(_qwen_hybrid, "hybrid", "trunk_not_recr", rollback=True, mtp="nextn"),
+    "qwen35moe": _Family(_qwen_hybrid, "hybrid", "trunk_not_recr", rollback=True, mtp="nextn"),
+    "qwen3next": _Family(_qwen_hybrid, "hybrid", "trunk_not_recr", mtp="nextn"),
+    "granitehybrid": _Family(_granitehybrid, "hybrid"),
+    "jamba": _Family(_jamba, "hybrid"),
+    "plamo2": _Family(_plamo2, "hybrid"),
+    "lfm2": _Family(_lfm2, "hybrid", rollback=True),
+    "lfm2moe": _Family(_lfm2, "hybrid", rollback=True),
+    "nemotron_h": _Family(_nemotron_h, "hybrid", "nemotron", rollback=True),
+    "nemotron_h_moe": _Family(_nemotron_h, "hybrid", "nemotron", rollback=True, mtp="nextn"),
+    "falcon-h1": _Family(_falcon_h1, "hybrid", "all"),
+    # pure recurrent
+    "mamba": _Family(_mamba, "recurrent"),
+    "mamba2": _Family(_mamba2, "recurrent"),
+    "rwkv6": _Family(_rwkv_family, "recurrent"),
+    "rwkv6qwen2": _Family(_rwkv_family, "recurrent"),
+    "rwkv7": _Family(_rwkv_family, "recurrent"),
+    "arwkv7": _Family(_rwkv_family, "recurrent"),
+}
+
+SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(_FAMILIES)
+
+_INPUT_TENSOR = re.compile(r"^(token_embd|position_embd|token_types)\.")
+_LAYER_TENSOR = re.compile(r"^blk\.([0-9]+)\.")
+
+
+def _vocab_size(header: GGUFHeader, meta: _Meta) -> int:
+    tokens = header.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, SkippedArray):
+        return tokens.count
+    if isinstance(tokens, tuple):
+        return len(tokens)
+    if meta.has("vocab_size"):
+        return meta.uint("vocab_size")
+    for t in header.tensors:
+        if t.name == "token_embd.weight" and len(t.shape) >= 2:
+            return t.shape[1]
+    return 0
+
+
+def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
+    """The model's geometry, or `UnsupportedArchitecture` / `GeometryError` naming what is wrong."""
+    arch = header.architecture
+    family = _FAMILIES.get(arch)
+    if family is None:
+        raise UnsupportedArchitecture(arch)
+    meta = _Meta(header, arch)
+
+    n_layer_all = meta.uint("block_count")
+    if not 0 < n_layer_all <= LLAMA_MAX_LAYERS:
+        raise GeometryError(f"{arch}.block_count must be in 1..{LLAMA_MAX_LAYERS}, got {n_layer_all}")
+    n_nextn = meta.uint("nextn_predict_layers", 0)
+    if n_nextn > n_layer_all:
+        raise GeometryError(f"{arch}.nextn_predict_layers ({n_nextn}) exceeds block_count ({n_layer_all})")
+    n_embd = meta.uint("embedding_length")
+    n_ctx_train = meta.uint("context_length")
+
+    n_head = meta.per_layer("attention.head_count", n_layer_all, 0)
+    n_head_kv = meta.per_layer("attention.head_count_kv", n_layer_all, n_head)
+    n_ff = meta.per_layer("feed_forward_length", n_layer_all, 0)
+    n_expert = meta.uint("expert_count", 0)
+    n_expert_used = max(meta.per_layer("expert_used_count", n_layer_all, 0), default=0)
+
+    # Head sizes: llama.cpp derives them from layer 0's head count, then lets explicit keys override.
+    if n_head[0] > 0:
+        head_k = meta.uint("attention.key_length", n_embd // n_head[0])
+        head_v = meta.uint("attention.value_length", n_embd // n_head[0])
+    else:
+        head_k = head_v = 0
+    head_k_swa = meta.uint("attention.key_length_swa", head_k)
+    head_v_swa = meta.uint("attention.value_length_swa", head_v)
+
+    draft = _Draft(
+        n_layer_all=n_layer_all,
+        n_nextn=n_nextn,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ff=n_ff,
+        is_swa=[False] * n_layer_all,
+        is_recr=[family.memory == "recurrent"] * n_layer_all,
+    )
+    family.rule(meta, draft, n_embd)
+    if family.memory == "recurrent" and (draft.r_width + draft.s_width) == 0:
+        raise GeometryError(f"{arch} has an empty recurrent state (check its ssm/wkv keys)")
+
+    layer_bytes = _layer_tensor_bytes(header, n_layer_all)
+    layers: list[LayerGeometry] = []
+    for il in range(n_layer_all):
+        swa = draft.is_swa[il]
+        heads_kv = draft.n_head_kv[il]
+        nextn = il >= draft.n_layer
+        recurrent = _has_recurrent(family, draft, il)
+        attention = _has_attention(family, draft, il)
+        k_width = (head_k_swa if swa else head_k) * heads_kv
+        v_width = 0 if draft.mla else (head_v_swa if swa else head_v) * heads_kv
+        if (attention or (nextn and family.mtp)) and k_width == 0:
+            raise GeometryError(f"{arch} layer {il} has attention but no KV heads")
+        layers.append(
+            LayerGeometry(
+                index=il,
+                attention=attention,
+                recurrent=recurrent,
+                swa=swa,
+                nextn=nextn,
+                n_head=draft.n_head[il],
+                n_head_kv=heads_kv,
+                k_width=k_width,
+                v_width=v_width,
+                r_width=draft.r_width if recurrent else 0,
+                s_width=draft.s_width if recurrent else 0,
+                n_ff=draft.n_ff[il],
+                tensor_bytes=layer_bytes[il],
+            )
+        )
+    if draft.swa_type != "none" and not any(layer.swa for layer in layers):
+        raise GeometryError(f"{arch} declares a sliding window but no layer slides")
+
+    input_bytes, output_bytes, token_embd_bytes, has_output = _global_tensor_bytes(header)
+    return ModelGeometry(
+        architecture=arch,
+        n_layer=n_layer_all,
+        n_layer_nextn=n_nextn,
+        n_embd=n_embd,
+        n_vocab=_vocab_size(header, meta),
+        n_ctx_train=n_ctx_train,
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
+        swa_type=draft.swa_type,
+        n_swa=draft.n_swa if draft.swa_type != "none" else 0,
+        mla=draft.mla,
+        rollback=family.rollback,
+        mtp_context=bool(family.mtp) and n_nextn > 0 and n_nextn < n_layer_all,
+        layers=tuple(layers),
+        input_tensor_bytes=input_bytes,
+        output_tensor_bytes=output_bytes,
+        tied_output=not has_output,
+        token_embd_bytes=token_embd_bytes,
+        file_size=header.file_size,
+    )
+
+
+def _has_recurrent(family: _Family, d: _Draft, il: int) -> bool:
+    """llama.cpp's recurrent filter; recurrent memory only ever spans the trunk (il < n_layer)."""
+    if family.memory == "kv" or il >= d.n_layer:
+        return False
+    if family.memory == "recurrent" or family.attn_filter == "all":
+        return True
+    if family.attn_filter == "nemotron":
+        return d.is_recr[il] and d.n_ff[il] == 0
+    return d.is_recr[il]
+
+
+def _has_attention(family: _Family, d: _Draft, il: int) -> bool:
+    """llama.cpp's attention filter for the target context (`create_memory`), layer by layer.
+
+    nextn blocks are kept out of a dense model's target context (when it has a trunk) and out of the qwen
+    hybrids'; the other hybrids' filters do not look at the layer index, and llama.cpp applies them as is.
+    """
+    if family.memory == "recurrent":
+        return False
+    if family.memory == "kv":
+        return not (d.n_nextn > 0 and d.n_layer > 0 and il >= d.n_layer)
+    if family.attn_filter == "all":
+        return True
+    if family.attn_filter == "nemotron":
+        return not d.is_recr[il] and d.n_ff[il] == 0
+    if family.attn_filter == "trunk_not_recr":
+        return il < d.n_layer and not d.is_recr[il]
+    return not d.is_recr[il]
+
+
+def _layer_tensor_bytes(header: GGUFHeader, n_layer_all: int) -> list[int]:
+    out = [0] * n_layer_all
+    for index, n_bytes in header.layer_tensor_bytes.items():
+        if index >= n_layer_all:
+            raise GeometryError(f"tensor block blk.{index} is beyond block_count ({n_layer_all})")
+        out[index] = n_bytes
+    return out
+
+
+def _global_tensor_bytes(header: GGUFHeader) -> tuple[int, int, int, bool]:
+    """(input bytes, output bytes, token_embd bytes, has a separate output matrix)."""
+    input_bytes = output_bytes = token_embd = 0
+    has_output = False
+    for t in header.tensors:
+        if _LAYER_TENSOR.match(t.name):
+            continue
+        if _INPUT_TENSOR.match(t.name):
+            input_bytes += t.n_bytes
+            if t.name == "token_embd.weight":
+                token_embd = t.n_bytes
+        else:
+            output_bytes += t.n_bytes
+            if t.name == "output.weight":
+                has_output = True
+    return input_bytes, output_bytes, token_embd, has_output

@@ -1,0 +1,303 @@
+"""llama-server allocation log parsing (runner core).
+
+This module owns reading what llama-server says it allocated: model buffers per buffer type, and for each
+llama context it creates (the serving context first, then an MTP/draft context if any) its resolved
+parameters (n_ctx, n_ctx_seq, n_seq_max, n_ubatch, n_rs_seq, …), its KV caches (one line per cache; a
+sliding-window model has a non-SWA and a SWA cache), its recurrent state, output and compute buffers, and
+the `fit_memory_breakdown` JSON record that `--log-jsonl` adds at shutdown.
+
+Input is the log text as the server wrote it: plain lines with or without the `M.SS.mmm.uuu L ` time and
+level prefix, ANSI colours, or `--log-jsonl` records (whose `msg` is parsed the same way). Anything else is
+ignored, so a log with unrelated or garbled lines still parses. MiB figures are kept as printed (`Decimal`
+with two places) together with the exact integers of the same line (cells, layers, seqs); `printed_mib`
+reproduces llama.cpp's own formatting so a predicted byte count can be compared with a printed figure
+exactly. Pure core: it takes text and returns values.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+import numpy as np
+
+__all__ = [
+    "AllocationLog",
+    "BreakdownRow",
+    "ContextAllocation",
+    "KvCacheLine",
+    "RecurrentLine",
+    "parse_allocation_log",
+    "printed_mib",
+    "printed_mib_f32",
+]
+
+MIB = 1 << 20
+
+
+def printed_mib(n_bytes: int) -> Decimal:
+    """`%.2f` of bytes/1024.0/1024.0 in double precision, as the buffer-size lines print it."""
+    return Decimal(f"{n_bytes / 1024.0 / 1024.0:.2f}")
+
+
+def printed_mib_f32(n_bytes: int) -> Decimal:
+    """`%.2f` of `(float)bytes / (1024.0f*1024.0f)`, as the cache `size =` lines print it (float32)."""
+    value = np.float32(n_bytes) / np.float32(1024.0 * 1024.0)
+    return Decimal(f"{float(value):.2f}")
+
+
+@dataclass(frozen=True)
+class KvCacheLine:
+    """One `llama_kv_cache: size = …` line. `swa` is None outside an interleaved-SWA cache pair."""
+
+    size_mib: Decimal
+    cells: int
+    layers: int
+    seqs: int
+    streams: int
+    k_type: str
+    k_mib: Decimal
+    v_type: str
+    v_mib: Decimal
+    swa: bool | None = None
+    buffers: tuple[tuple[str, Decimal], ...] = ()  # (buffer name, MiB) from the preceding "KV buffer" lines
+
+
+@dataclass(frozen=True)
+class RecurrentLine:
+    """One `llama_memory_recurrent: size = …` line. `layers` is the model's trunk layer count."""
+
+    size_mib: Decimal
+    cells: int
+    layers: int
+    seqs: int
+    rs_seq: int
+    r_type: str
+    r_mib: Decimal
+    s_type: str
+    s_mib: Decimal
+    p_mib: Decimal
+    buffers: tuple[tuple[str, Decimal], ...] = ()
+
+
+@dataclass
+class ContextAllocation:
+    """Everything one llama context reported, in order of appearance."""
+
+    n_seq_max: int | None = None
+    n_ctx: int | None = None
+    n_ctx_seq: int | None = None
+    n_batch: int | None = None
+    n_ubatch: int | None = None
+    n_rs_seq: int | None = None
+    flash_attn: str | None = None
+    kv_unified: bool | None = None
+    kv: list[KvCacheLine] = field(default_factory=list)
+    recurrent: list[RecurrentLine] = field(default_factory=list)
+    output_buffers: dict[str, Decimal] = field(default_factory=dict)
+    # buffer name -> largest size reported: a context may reserve its graph more than once and ggml keeps
+    # the largest allocation
+    compute_buffers: dict[str, Decimal] = field(default_factory=dict)
+
+    def kv_mib(self) -> Decimal:
+        return sum((line.size_mib for line in self.kv), Decimal(0))
+
+
+@dataclass(frozen=True)
+class BreakdownRow:
+    """One row of the `fit_memory_breakdown` JSON record (whole MiB, rounded down by llama.cpp)."""
+
+    kind: str
+    name: str
+    self_mib: int
+    model_mib: int
+    context_mib: int
+    compute_mib: int
+
+
+@dataclass
+class AllocationLog:
+    """The parsed allocation facts of one llama-server run."""
+
+    model_buffers: dict[str, Decimal] = field(default_factory=dict)
+    contexts: list[ContextAllocation] = field(default_factory=list)
+    breakdown: list[BreakdownRow] | None = None
+    build_info: str | None = None
+    unused_tensors: list[str] = field(default_factory=list)
+
+    @property
+    def target(self) -> ContextAllocation | None:
+        """The serving context (the first one created)."""
+        return self.contexts[0] if self.contexts else None
+
+    @property
+    def draft(self) -> ContextAllocation | None:
+        """The MTP/draft context, when the server created one."""
+        return self.contexts[1] if len(self.contexts) > 1 else None
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_PREFIX = re.compile(r"^\s*\d+\.\d{2}\.\d{3}\.\d{3}\s+[IWEDT]\s+")
+_NUM = r"([0-9]+(?:\.[0-9]+)?)"
+_MODEL_BUF = re.compile(rf"^load_tensors:\s+(\S+) model buffer size\s*=\s*{_NUM} MiB")
+_CTX_START = re.compile(r"^llama_context: constructing llama_context")
+_CTX_PARAM = re.compile(r"^llama_context: (n_seq_max|n_ctx|n_ctx_seq|n_batch|n_ubatch|n_rs_seq)\s+=\s+(\d+)\s*$")
+_CTX_FLAG = re.compile(r"^llama_context: (flash_attn|kv_unified)\s+=\s+(\S+)\s*$")
+_OUTPUT_BUF = re.compile(rf"^llama_context:\s+(\S+)\s+output buffer size\s*=\s*{_NUM} MiB")
+_ISWA = re.compile(r"^llama_kv_cache_iswa: creating\s+(non-SWA|SWA) KV cache")
+_KV_BUF = re.compile(rf"^llama_kv_cache:\s+(\S+) KV buffer size\s*=\s*{_NUM} MiB")
+_KV_SIZE = re.compile(
+    rf"^llama_kv_cache: size =\s*{_NUM} MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)/(\d+) seqs\), "
+    rf"K \((\w+)\):\s*{_NUM} MiB, V \((\w+)\):\s*{_NUM} MiB"
+)
+_RS_BUF = re.compile(rf"^llama_memory_recurrent:\s+(\S+) RS buffer size\s*=\s*{_NUM} MiB")
+_RS_SIZE = re.compile(
+    rf"^llama_memory_recurrent: size =\s*{_NUM} MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+) seqs\s+(\d+) rs_seq\), "
+    rf"R \((\w+)\):\s*{_NUM} MiB, S \((\w+)\):\s*{_NUM} MiB(?:, P \(\w+\):\s*{_NUM} MiB)?"
+)
+_COMPUTE = re.compile(rf"^sched_reserve:\s+(\S+) compute buffer size\s*=\s*{_NUM} MiB")
+_BUILD = re.compile(r"common_params_print_info: (build .*)$")
+_UNUSED = re.compile(r"model has unused tensor (\S+)")
+
+
+def _messages(text: str) -> Iterable[tuple[str | None, object]]:
+    """Yields (message line, None) for log lines and (None, record) for JSON records that are not logs."""
+    for raw in text.splitlines():
+        line = _ANSI.sub("", raw).strip()
+        if line.startswith("{"):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict):
+                if record.get("type") == "log" and isinstance(record.get("msg"), str):
+                    for sub in record["msg"].splitlines():
+                        yield sub.strip(), None
+                else:
+                    yield None, record
+                continue
+        yield _PREFIX.sub("", line), None
+
+
+def _breakdown(record: object) -> list[BreakdownRow] | None:
+    if not isinstance(record, dict) or record.get("type") != "fit_memory_breakdown":
+        return None
+    data = record.get("data")
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not isinstance(rows, list):
+        return None
+    out: list[BreakdownRow] = []
+    for row in rows:
+        if not isinstance(row, dict):
+            continue
+        try:
+            out.append(
+                BreakdownRow(
+                    kind=str(row.get("kind", "")),
+                    name=str(row.get("name", "")),
+                    self_mib=int(row.get("self", 0)),
+                    model_mib=int(row.get("model", 0)),
+                    context_mib=int(row.get("context", 0)),
+                    compute_mib=int(row.get("compute", 0)),
+                )
+            )
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def parse_allocation_log(text: str) -> AllocationLog:
+    """Parses a llama-server log; never raises on unrelated or malformed lines."""
+    result = AllocationLog()
+    ctx: ContextAllocation | None = None
+    pending_swa: bool | None = None
+    kv_buffers: list[tuple[str, Decimal]] = []
+    rs_buffers: list[tuple[str, Decimal]] = []
+
+    def current() -> ContextAllocation:
+        nonlocal ctx
+        if ctx is None:
+            ctx = ContextAllocation()
+            result.contexts.append(ctx)
+        return ctx
+
+    for line, record in _messages(text):
+        if line is None:
+            rows = _breakdown(record)
+            if rows is not None:
+                result.breakdown = rows
+            continue
+        if m := _MODEL_BUF.match(line):
+            result.model_buffers[m.group(1)] = result.model_buffers.get(m.group(1), Decimal(0)) + Decimal(m.group(2))
+        elif _CTX_START.match(line):
+            ctx = ContextAllocation()
+            result.contexts.append(ctx)
+            pending_swa = None
+        elif m := _CTX_PARAM.match(line):
+            c = current()
+            if m.group(1) == "n_seq_max" and c.n_seq_max is not None:
+                # a second context whose "constructing" line was lost
+                ctx = None
+                c = current()
+            setattr(c, m.group(1), int(m.group(2)))
+        elif m := _CTX_FLAG.match(line):
+            c = current()
+            if m.group(1) == "flash_attn":
+                c.flash_attn = m.group(2)
+            else:
+                c.kv_unified = m.group(2) == "true"
+        elif m := _OUTPUT_BUF.match(line):
+            current().output_buffers[m.group(1)] = Decimal(m.group(2))
+        elif m := _ISWA.match(line):
+            pending_swa = m.group(1) == "SWA"
+        elif m := _KV_BUF.match(line):
+            kv_buffers.append((m.group(1), Decimal(m.group(2))))
+        elif m := _KV_SIZE.match(line):
+            current().kv.append(
+                KvCacheLine(
+                    size_mib=Decimal(m.group(1)),
+                    cells=int(m.group(2)),
+                    layers=int(m.group(3)),
+                    seqs=int(m.group(4)),
+                    streams=int(m.group(5)),
+                    k_type=m.group(6),
+                    k_mib=Decimal(m.group(7)),
+                    v_type=m.group(8),
+                    v_mib=Decimal(m.group(9)),
+                    swa=pending_swa,
+                    buffers=tuple(kv_buffers),
+                )
+            )
+            kv_buffers = []
+            pending_swa = None
+        elif m := _RS_BUF.match(line):
+            rs_buffers.append((m.group(1), Decimal(m.group(2))))
+        elif m := _RS_SIZE.match(line):
+            current().recurrent.append(
+                RecurrentLine(
+                    size_mib=Decimal(m.group(1)),
+                    cells=int(m.group(2)),
+                    layers=int(m.group(3)),
+                    seqs=int(m.group(4)),
+                    rs_seq=int(m.group(5)),
+                    r_type=m.group(6),
+                    r_mib=Decimal(m.group(7)),
+                    s_type=m.group(8),
+                    s_mib=Decimal(m.group(9)),
+                    p_mib=Decimal(m.group(10) or "0"),
+                    buffers=tuple(rs_buffers),
+                )
+            )
+            rs_buffers = []
+        elif m := _COMPUTE.match(line):
+            c = current()
+            size = Decimal(m.group(2))
+            c.compute_buffers[m.group(1)] = max(size, c.compute_buffers.get(m.group(1), Decimal(0)))
+        elif m := _BUILD.search(line):
+            result.build_info = m.group(1).strip()
+        elif m := _UNUSED.search(line):
+            result.unused_tensors.append(m.group(1))
+    return result

@@ -1,0 +1,71 @@
+"""Model geometry: every fact about a GGUF model that the memory model needs, taken from its header.
+
+A `ModelGeometry` is pure data: it can be computed from the file (`actors.placement.geometry`), or carried by a
+signed registry entry so that a node can be admitted without reading the file. Widths are in elements per
+KV cell (K, V) or per recurrent cell (R, S), exactly as llama.cpp sizes its cache tensors; byte sizes of the
+weights are the tensor bytes the header declares.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+#: How a sliding-window layer masks (llama.cpp `llama_swa_type`); the cache size does not depend on it.
+SwaType = Literal["none", "standard", "chunked", "symmetric"]
+
+
+class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One block (`blk.<index>.*`) of the model.
+
+    `k_width`/`v_width` are llama.cpp's `n_embd_k_gqa(il)`/`n_embd_v_gqa(il)` (head size times KV heads) even for
+    a layer that gets no KV cache, because the non-flash-attention V cache is padded to the widest layer.
+    `attention` says the layer holds KV cells in the target (serving) context; a `nextn` (MTP) block holds
+    its KV in the MTP draft context instead. `recurrent` says it holds a recurrent state of
+    `r_width + s_width` f32 elements per cell. A layer may have both (falcon-h1) or neither (an MLP-only
+    layer of nemotron_h).
+    """
+
+    index: NonNegative
+    attention: bool
+    recurrent: bool
+    swa: bool
+    nextn: bool
+    n_head: NonNegative
+    n_head_kv: NonNegative
+    k_width: NonNegative
+    v_width: NonNegative  # 0 for MLA models: they cache K only
+    r_width: NonNegative
+    s_width: NonNegative
+    n_ff: NonNegative
+    tensor_bytes: NonNegative
+
+
+class ModelGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything the memory model needs from a GGUF header, for one architecture family."""
+
+    architecture: str
+    n_layer: NonNegative  # block_count, nextn layers included
+    n_layer_nextn: NonNegative
+    n_embd: NonNegative
+    n_vocab: NonNegative
+    n_ctx_train: NonNegative
+    n_expert: NonNegative
+    n_expert_used: NonNegative
+    swa_type: SwaType
+    n_swa: NonNegative  # sliding window in tokens; 0 when no layer slides
+    mla: bool  # K-only cache (DeepSeek-style multi-head latent attention)
+    rollback: bool  # the architecture keeps per-token recurrent snapshots for speculative rollback
+    mtp_context: bool  # `--spec-type draft-mtp` creates a draft context over the nextn layers
+    layers: tuple[LayerGeometry, ...]
+    # Tensor bytes outside blk.N: input tensors (token embeddings) stay on the host; output tensors follow
+    # the output layer's device. `tied_output` means the output matrix is the token embedding matrix, which
+    # llama.cpp duplicates onto the output device when that is not the host.
+    input_tensor_bytes: NonNegative
+    output_tensor_bytes: NonNegative
+    tied_output: bool
+    token_embd_bytes: NonNegative
+    file_size: NonNegative

@@ -1,0 +1,458 @@
+"""Tiny GGUF models that llama-server really loads, one writer per architecture family.
+
+Each `write_<arch>` writes a random-weight (or, with `sparse=True`, all-zero) model with exactly the tensors
+llama.cpp's loader creates for that architecture, a byte-fallback SPM vocabulary, and the metadata the
+architecture requires. With `sparse=True` the tensor data region is left as a file hole (the header is
+written, then the file is truncated to its full size), so realistic 9B-30B shapes cost almost no disk and
+load as zeros. Used by the end-to-end tests and by `python -m benchmarks.accuracy`.
+
+Shapes follow ggml order ({ne0, ne1, …}); numpy arrays are the reverse.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+__all__ = [
+    "ModelSpec",
+    "write_gemma3",
+    "write_granitehybrid",
+    "write_llama",
+    "write_mamba2",
+    "write_model",
+    "write_qwen35",
+]
+
+_TYPES = {
+    "f32": gguf.GGMLQuantizationType.F32,
+    "f16": gguf.GGMLQuantizationType.F16,
+    "bf16": gguf.GGMLQuantizationType.BF16,
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
+}
+
+
+@dataclass
+class ModelSpec:
+    """Metadata and tensor list of a model to write. `tensors` holds (name, ggml shape, type name)."""
+
+    arch: str
+    kv: dict[str, Any]
+    tensors: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)
+    negative: set[str] = field(default_factory=set)  # tensors whose values must be negative (ssm_a)
+
+    def add(self, name: str, shape: Sequence[int], dtype: str = "f32") -> None:
+        self.tensors.append((name, tuple(int(d) for d in shape), dtype))
+
+
+def _n_bytes(shape: tuple[int, ...], dtype: str) -> int:
+    block, size = gguf.GGML_QUANT_SIZES[_TYPES[dtype]]
+    n = int(np.prod(shape))
+    if shape[0] % block:
+        raise ValueError(f"row of {shape[0]} is not a multiple of {dtype}'s block of {block}")
+    return n // block * size
+
+
+def _vocab(spec: ModelSpec, n_vocab: int) -> None:
+    """Byte-fallback SPM: <unk>, <s>, </s>, 256 byte tokens, then plain filler tokens up to n_vocab."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    if n_vocab < len(tokens):
+        raise ValueError(f"n_vocab must be at least {len(tokens)}")
+    tokens += [f"t{i}" for i in range(n_vocab - len(tokens))]
+    types += [1] * (n_vocab - len(types))
+    spec.kv["tokenizer.ggml.model"] = "llama"
+    spec.kv["tokenizer.ggml.tokens"] = tokens
+    spec.kv["tokenizer.ggml.scores"] = [0.0] * n_vocab
+    spec.kv["tokenizer.ggml.token_type"] = types
+    spec.kv["tokenizer.ggml.bos_token_id"] = 1
+    spec.kv["tokenizer.ggml.eos_token_id"] = 2
+    spec.kv["tokenizer.ggml.unknown_token_id"] = 0
+
+
+def write_model(spec: ModelSpec, path: str | os.PathLike[str], *, sparse: bool = False, seed: int = 0) -> Path:
+    """Writes `spec` as a GGUF file; with `sparse`, the data region is a hole (loads as zeros)."""
+    out = Path(path)
+    writer = gguf.GGUFWriter(str(out), spec.arch)
+    for key, value in spec.kv.items():
+        if key == "general.architecture":
+            continue
+        _add_kv(writer, key, value)
+    for name, shape, dtype in spec.tensors:
+        np_dtype = np.float32 if dtype == "f32" else np.float16 if dtype == "f16" else np.uint8
+        n_bytes = _n_bytes(shape, dtype)
+        raw = None if dtype in ("f32", "f16") else _TYPES[dtype]
+        np_shape: tuple[int, ...] = tuple(reversed(shape))
+        if raw is not None:
+            # quantized/bf16 tensors are described by their byte shape, as gguf's writer expects
+            block, size = gguf.GGML_QUANT_SIZES[raw]
+            np_shape = (*np_shape[:-1], shape[0] // block * size)
+        writer.add_tensor_info(name, np_shape, np.dtype(np_dtype), n_bytes, raw_dtype=raw)
+    writer.write_header_to_file(out)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    assert writer.fout is not None
+    fout = writer.fout[0]
+    writer.write_padding(fout, fout.tell())
+    start = fout.tell()
+    alignment = writer.data_alignment
+    total = sum(gguf.GGUFWriter.ggml_pad(_n_bytes(s, d), alignment) for _, s, d in spec.tensors)
+    if sparse:
+        fout.truncate(start + total)
+    else:
+        rng = np.random.default_rng(seed)
+        for name, shape, dtype in spec.tensors:
+            n_bytes = _n_bytes(shape, dtype)
+            if dtype == "f32":
+                data = rng.normal(0.0, 0.02, size=int(np.prod(shape))).astype(np.float32)
+                if name in spec.negative:
+                    data = -np.abs(data) - 0.5
+                fout.write(data.tobytes())
+            elif dtype == "f16":
+                fout.write(rng.normal(0.0, 0.02, size=int(np.prod(shape))).astype(np.float16).tobytes())
+            else:
+                fout.write(bytes(n_bytes))
+            writer.write_padding(fout, n_bytes)
+    writer.close()
+    return out
+
+
+def _add_kv(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, list | tuple):
+        writer.add_array(key, list(value))
+    else:
+        raise TypeError(f"unsupported metadata value for {key}: {value!r}")
+
+
+def _base(
+    arch: str,
+    *,
+    n_layer: int,
+    n_embd: int,
+    n_head: int | list[int],
+    n_head_kv: int | list[int],
+    n_ff: int | list[int],
+    n_vocab: int,
+    n_ctx_train: int = 32768,
+    head_dim: int | None = None,
+) -> ModelSpec:
+    spec = ModelSpec(arch=arch, kv={})
+    spec.kv["general.name"] = f"tiny-{arch}"
+    spec.kv[f"{arch}.block_count"] = n_layer
+    spec.kv[f"{arch}.context_length"] = n_ctx_train
+    spec.kv[f"{arch}.embedding_length"] = n_embd
+    spec.kv[f"{arch}.feed_forward_length"] = n_ff
+    spec.kv[f"{arch}.attention.head_count"] = n_head
+    spec.kv[f"{arch}.attention.head_count_kv"] = n_head_kv
+    spec.kv[f"{arch}.attention.layer_norm_rms_epsilon"] = 1e-6
+    spec.kv[f"{arch}.rope.freq_base"] = 10000.0
+    if head_dim is not None:
+        spec.kv[f"{arch}.attention.key_length"] = head_dim
+        spec.kv[f"{arch}.attention.value_length"] = head_dim
+    _vocab(spec, n_vocab)
+    return spec
+
+
+def _globals(spec: ModelSpec, n_embd: int, n_vocab: int, dtype: str, *, tied: bool = False) -> None:
+    # Global tensors first, blocks after: the nextn blocks then end the file, so a model loaded without
+    # them maps one contiguous range, as converted models do.
+    spec.add("token_embd.weight", (n_embd, n_vocab), dtype)
+    spec.add("output_norm.weight", (n_embd,))
+    if not tied:
+        spec.add("output.weight", (n_embd, n_vocab), dtype)
+
+
+def _per_layer(value: int | list[int], il: int) -> int:
+    return value[il] if isinstance(value, list) else value
+
+
+def write_llama(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 4,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int | list[int] = 2,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+    dtype: str = "f32",
+    tied: bool = False,
+    sparse: bool = False,
+) -> Path:
+    """A llama model; `n_head_kv` may be a per-layer list (variable GQA)."""
+    head_dim = n_embd // n_head
+    spec = _base(
+        "llama", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, n_vocab=n_vocab
+    )
+    spec.kv["llama.rope.dimension_count"] = head_dim
+    _globals(spec, n_embd, n_vocab, dtype, tied=tied)
+    for il in range(n_layer):
+        kv = _per_layer(n_head_kv, il) * head_dim
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        spec.add(p + "attn_q.weight", (n_embd, n_embd), dtype)
+        spec.add(p + "attn_k.weight", (n_embd, kv), dtype)
+        spec.add(p + "attn_v.weight", (n_embd, kv), dtype)
+        spec.add(p + "attn_output.weight", (n_embd, n_embd), dtype)
+        spec.add(p + "ffn_norm.weight", (n_embd,))
+        spec.add(p + "ffn_gate.weight", (n_embd, n_ff), dtype)
+        spec.add(p + "ffn_up.weight", (n_embd, n_ff), dtype)
+        spec.add(p + "ffn_down.weight", (n_ff, n_embd), dtype)
+    return write_model(spec, path, sparse=sparse)
+
+
+def write_gemma3(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 6,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 32,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+    n_swa: int = 128,
+    swa_pattern: int | list[bool] | None = 3,
+    sparse: bool = False,
+) -> Path:
+    """A gemma3 model with sliding-window layers (pattern: every `swa_pattern`-th layer is global)."""
+    spec = _base(
+        "gemma3",
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ff=n_ff,
+        n_vocab=n_vocab,
+        head_dim=head_dim,
+    )
+    spec.kv["gemma3.attention.sliding_window"] = n_swa
+    if swa_pattern is not None:
+        spec.kv["gemma3.attention.sliding_window_pattern"] = swa_pattern
+    spec.kv["gemma3.rope.freq_base_swa"] = 10000.0
+    _globals(spec, n_embd, n_vocab, "f32", tied=True)
+    q = n_head * head_dim
+    kv = n_head_kv * head_dim
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        spec.add(p + "attn_q.weight", (n_embd, q))
+        spec.add(p + "attn_k.weight", (n_embd, kv))
+        spec.add(p + "attn_v.weight", (n_embd, kv))
+        spec.add(p + "attn_output.weight", (q, n_embd))
+        spec.add(p + "post_attention_norm.weight", (n_embd,))
+        spec.add(p + "attn_k_norm.weight", (head_dim,))
+        spec.add(p + "attn_q_norm.weight", (head_dim,))
+        spec.add(p + "ffn_norm.weight", (n_embd,))
+        spec.add(p + "ffn_gate.weight", (n_embd, n_ff))
+        spec.add(p + "ffn_up.weight", (n_embd, n_ff))
+        spec.add(p + "ffn_down.weight", (n_ff, n_embd))
+        spec.add(p + "post_ffw_norm.weight", (n_embd,))
+    return write_model(spec, path)
+
+
+def write_qwen35(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 4,
+    n_nextn: int = 1,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 32,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+    interval: int = 4,
+    conv_kernel: int = 4,
+    state_size: int = 16,
+    group_count: int = 2,
+    dt_rank: int = 4,
+    dtype: str = "f32",
+    n_ctx_train: int = 32768,
+    sparse: bool = False,
+) -> Path:
+    """A qwen35 hybrid: `n_layer` trunk layers (every `interval`-th full attention) + `n_nextn` MTP blocks.
+
+    `inner_size = state_size · dt_rank` (the value dimension of the gated delta net).
+    """
+    n_all = n_layer + n_nextn
+    inner = state_size * dt_rank
+    spec = _base(
+        "qwen35",
+        n_layer=n_all,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ff=n_ff,
+        n_vocab=n_vocab,
+        n_ctx_train=n_ctx_train,
+        head_dim=head_dim,
+    )
+    spec.kv["qwen35.rope.dimension_count"] = head_dim
+    spec.kv["qwen35.rope.dimension_sections"] = [head_dim // 4, head_dim // 8, head_dim // 8, 0]
+    spec.kv["qwen35.ssm.conv_kernel"] = conv_kernel
+    spec.kv["qwen35.ssm.inner_size"] = inner
+    spec.kv["qwen35.ssm.state_size"] = state_size
+    spec.kv["qwen35.ssm.time_step_rank"] = dt_rank
+    spec.kv["qwen35.ssm.group_count"] = group_count
+    spec.kv["qwen35.full_attention_interval"] = interval
+    if n_nextn:
+        spec.kv["qwen35.nextn_predict_layers"] = n_nextn
+    _globals(spec, n_embd, n_vocab, dtype)
+    key_dim = state_size * group_count
+    q = n_head * head_dim
+    kv = n_head_kv * head_dim
+
+    def attention_block(p: str) -> None:
+        spec.add(p + "attn_q.weight", (n_embd, q * 2), dtype)
+        spec.add(p + "attn_k.weight", (n_embd, kv), dtype)
+        spec.add(p + "attn_v.weight", (n_embd, kv), dtype)
+        spec.add(p + "attn_output.weight", (q, n_embd), dtype)
+        spec.add(p + "attn_q_norm.weight", (head_dim,))
+        spec.add(p + "attn_k_norm.weight", (head_dim,))
+
+    for il in range(n_all):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        spec.add(p + "post_attention_norm.weight", (n_embd,))
+        if il >= n_layer or (il + 1) % interval == 0:
+            attention_block(p)
+        else:
+            spec.add(p + "attn_qkv.weight", (n_embd, 2 * key_dim + inner), dtype)
+            spec.add(p + "attn_gate.weight", (n_embd, inner), dtype)
+            spec.add(p + "ssm_conv1d.weight", (conv_kernel, 2 * key_dim + inner))
+            spec.add(p + "ssm_dt.bias", (dt_rank,))
+            spec.add(p + "ssm_a", (dt_rank,))
+            spec.negative.add(p + "ssm_a")
+            spec.add(p + "ssm_beta.weight", (n_embd, dt_rank), dtype)
+            spec.add(p + "ssm_alpha.weight", (n_embd, dt_rank), dtype)
+            spec.add(p + "ssm_norm.weight", (state_size,))
+            spec.add(p + "ssm_out.weight", (inner, n_embd), dtype)
+        spec.add(p + "ffn_gate.weight", (n_embd, n_ff), dtype)
+        spec.add(p + "ffn_up.weight", (n_embd, n_ff), dtype)
+        spec.add(p + "ffn_down.weight", (n_ff, n_embd), dtype)
+        if il >= n_layer:
+            spec.add(p + "nextn.eh_proj.weight", (2 * n_embd, n_embd), dtype)
+            spec.add(p + "nextn.enorm.weight", (n_embd,))
+            spec.add(p + "nextn.hnorm.weight", (n_embd,))
+    return write_model(spec, path, sparse=sparse)
+
+
+def write_granitehybrid(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 4,
+    n_embd: int = 64,
+    n_head: int = 4,
+    attention_layers: Sequence[int] = (1, 3),
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+    conv_kernel: int = 4,
+    state_size: int = 16,
+    group_count: int = 1,
+    dt_rank: int = 8,
+) -> Path:
+    """A granitehybrid (Granite-4.0-H) model: Mamba2 layers, attention where head_count_kv > 0."""
+    inner = 2 * n_embd  # llama.cpp asserts an expansion factor of 2
+    head_dim = n_embd // n_head
+    kv_heads = [n_head_kv if il in attention_layers else 0 for il in range(n_layer)]
+    spec = _base(
+        "granitehybrid",
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=kv_heads,
+        n_ff=n_ff,
+        n_vocab=n_vocab,
+    )
+    spec.kv["granitehybrid.rope.dimension_count"] = head_dim
+    spec.kv["granitehybrid.ssm.conv_kernel"] = conv_kernel
+    spec.kv["granitehybrid.ssm.inner_size"] = inner
+    spec.kv["granitehybrid.ssm.state_size"] = state_size
+    spec.kv["granitehybrid.ssm.time_step_rank"] = dt_rank
+    spec.kv["granitehybrid.ssm.group_count"] = group_count
+    _globals(spec, n_embd, n_vocab, "f32")
+    conv_dim = inner + 2 * group_count * state_size
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        if kv_heads[il] == 0:
+            spec.add(p + "ssm_in.weight", (n_embd, 2 * inner + 2 * group_count * state_size + dt_rank))
+            spec.add(p + "ssm_conv1d.weight", (conv_kernel, conv_dim))
+            spec.add(p + "ssm_conv1d.bias", (conv_dim,))
+            spec.add(p + "ssm_dt.bias", (dt_rank,))
+            spec.add(p + "ssm_a", (1, dt_rank))
+            spec.negative.add(p + "ssm_a")
+            spec.add(p + "ssm_d", (1, dt_rank))
+            spec.add(p + "ssm_norm.weight", (inner // group_count, group_count))
+            spec.add(p + "ssm_out.weight", (inner, n_embd))
+        else:
+            kv = kv_heads[il] * head_dim
+            spec.add(p + "attn_q.weight", (n_embd, n_embd))
+            spec.add(p + "attn_k.weight", (n_embd, kv))
+            spec.add(p + "attn_v.weight", (n_embd, kv))
+            spec.add(p + "attn_output.weight", (n_embd, n_embd))
+        spec.add(p + "ffn_norm.weight", (n_embd,))
+        spec.add(p + "ffn_gate.weight", (n_embd, n_ff))
+        spec.add(p + "ffn_up.weight", (n_embd, n_ff))
+        spec.add(p + "ffn_down.weight", (n_ff, n_embd))
+    return write_model(spec, path)
+
+
+def write_mamba2(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 4,
+    n_embd: int = 64,
+    inner: int = 128,
+    conv_kernel: int = 4,
+    state_size: int = 16,
+    group_count: int = 2,
+    dt_rank: int = 8,
+    n_vocab: int = 259,
+) -> Path:
+    """A pure-recurrent Mamba2 model (no attention, no KV cache)."""
+    spec = ModelSpec(arch="mamba2", kv={})
+    spec.kv["general.name"] = "tiny-mamba2"
+    spec.kv["mamba2.block_count"] = n_layer
+    spec.kv["mamba2.context_length"] = 1 << 20
+    spec.kv["mamba2.embedding_length"] = n_embd
+    spec.kv["mamba2.feed_forward_length"] = 0
+    spec.kv["mamba2.attention.head_count"] = 0
+    spec.kv["mamba2.attention.layer_norm_rms_epsilon"] = 1e-6
+    spec.kv["mamba2.ssm.conv_kernel"] = conv_kernel
+    spec.kv["mamba2.ssm.inner_size"] = inner
+    spec.kv["mamba2.ssm.state_size"] = state_size
+    spec.kv["mamba2.ssm.time_step_rank"] = dt_rank
+    spec.kv["mamba2.ssm.group_count"] = group_count
+    _vocab(spec, n_vocab)
+    _globals(spec, n_embd, n_vocab, "f32")
+    conv_dim = inner + 2 * group_count * state_size
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        spec.add(p + "ssm_in.weight", (n_embd, inner + conv_dim + dt_rank))
+        spec.add(p + "ssm_conv1d.weight", (conv_kernel, conv_dim))
+        spec.add(p + "ssm_conv1d.bias", (conv_dim,))
+        spec.add(p + "ssm_dt.bias", (dt_rank,))
+        spec.add(p + "ssm_a", (1, dt_rank))
+        spec.negative.add(p + "ssm_a")
+        spec.add(p + "ssm_d", (1, dt_rank))
+        spec.add(p + "ssm_norm.weight", (inner // group_count, group_count))
+        spec.add(p + "ssm_out.weight", (inner, n_embd))
+    return write_model(spec, path)
