@@ -161,7 +161,8 @@ class Bus:
         log = get_logger(component="bus", client=name)
 
         async def disconnected() -> None:
-            log.warning("nats_disconnected")
+            if not nc.is_closed and not nc.is_draining:
+                log.warning("nats_disconnected")
 
         async def reconnected() -> None:
             log.info("nats_reconnected", url=str(nc.connected_url.geturl()) if nc.connected_url else None)

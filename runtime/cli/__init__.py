@@ -1,7 +1,8 @@
 """The `mesh-actor` command line: one module per family of subcommands, each with `register(subparsers)`.
 
-Every subcommand handler takes the parsed arguments and returns the process exit code. Handlers may be
-coroutine functions; `main` runs them with `asyncio.run`.
+Every subcommand handler takes the parsed arguments and returns the process exit code (0 success,
+1 failure, 2 usage or configuration error, 130 interrupted). Handlers may be coroutine functions. Errors
+are one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ import inspect
 import sys
 from collections.abc import Sequence
 
-from runtime.cli import model
+from runtime.cli import journal, model, node
+from runtime.cli.common import CliError
+from runtime.logging import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mesh-actor", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="mesh-actor", description="Control plane for llama-server nodes.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for family in (model,):
+    for family in (node, journal, model):
         family.register(sub)
     return parser
 
@@ -26,9 +29,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_logging("warning")  # client commands: only problems, on stderr; `run` sets its own level
     handler = args.func
     try:
         code = asyncio.run(handler(args)) if inspect.iscoroutinefunction(handler) else handler(args)
+    except CliError as exc:
+        print(f"mesh-actor {args.command}: error: {exc}", file=sys.stderr)
+        return exc.code
+    except TimeoutError:
+        print(f"mesh-actor {args.command}: error: timed out", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return int(code)

@@ -1,0 +1,104 @@
+"""Telemetry actor (shell): reports this node's resources every few seconds and on change.
+
+Each report goes to `mesh.telemetry.<node>` and into the nodes KV bucket under the node id with a
+per-message TTL, so a node that stops reporting disappears from the bucket (watchers see a delete marker).
+Material changes (first report, settings, devices, engine) are journal events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import nats.errors
+
+from actors.telemetry.probes import Nvml, read_host
+from actors.telemetry.resources import HostReading, NodeFacts, NvmlReading, build_report, material_change, usable_moved
+from messages.events import TelemetryChanged
+from messages.telemetry import NodeResources
+from runtime.actor import Actor, ActorContext
+from runtime.bus import Bus, encode
+
+TTL_HEADER = "Nats-TTL"
+
+
+async def ensure_nodes_bucket(bus: Bus, bucket: str) -> None:
+    """Creates the nodes KV bucket (history 1, per-message TTL, delete markers on expiry) if missing."""
+    try:
+        await bus.js.key_value(bucket)
+    except nats.js.errors.BucketNotFoundError:
+        await bus.js.create_key_value(
+            bucket=bucket,
+            history=1,
+            description="mesh-actor: last telemetry of each live node",
+            limit_marker_ttl=60.0,
+        )
+
+
+class TelemetryActor(Actor):
+    name = "telemetry"
+    description = "node resources and serving settings"
+
+    def __init__(
+        self,
+        facts: NodeFacts,
+        *,
+        interval_s: float,
+        probe_interval_s: float = 1.0,
+        read_host_fn: Callable[[], HostReading] = read_host,
+        nvml: Nvml | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.facts = facts
+        self.interval_s = interval_s
+        self.probe_interval_s = min(probe_interval_s, interval_s)
+        self._read_host = read_host_fn
+        self._nvml = nvml or Nvml()
+        self._clock = clock
+        self._seq = 0
+        self._last_sent: NodeResources | None = None
+        self._last_journaled: NodeResources | None = None
+
+    async def run(self, ctx: ActorContext) -> None:
+        await ensure_nodes_bucket(ctx.bus, ctx.subjects.nodes_bucket)
+        ctx.spawn(self._report_loop(ctx), "report")
+
+    def _read(self) -> tuple[HostReading, NvmlReading]:
+        return self._read_host(), self._nvml.read()
+
+    async def _report_loop(self, ctx: ActorContext) -> None:
+        self._nvml.open()
+        try:
+            while True:
+                host, nvml = await asyncio.to_thread(self._read)
+                self._seq += 1
+                report = build_report(self.facts, seq=self._seq, now=self._clock(), host=host, nvml=nvml)
+                last = self._last_sent
+                due = last is None or report.sent_at - last.sent_at >= self.interval_s
+                reason = material_change(self._last_journaled, report)
+                if due or reason is not None or (last is not None and usable_moved(last, report)):
+                    await self._send(ctx, report)
+                if reason is not None:
+                    ctx.emit(TelemetryChanged, reason=reason, resources=report)
+                    self._last_journaled = report
+                await asyncio.sleep(self.probe_interval_s)
+        finally:
+            self._nvml.close()
+
+    async def _send(self, ctx: ActorContext, report: NodeResources) -> None:
+        payload = encode(report)
+        ctx.bus.check_size(ctx.subjects.telemetry(report.node_id), payload)
+        await ctx.bus.nc.publish(ctx.subjects.telemetry(report.node_id), payload)
+        ttl = max(1, round(report.ttl_s))
+        try:
+            await ctx.bus.js.publish(
+                f"$KV.{ctx.subjects.nodes_bucket}.{report.node_id}",
+                payload,
+                timeout=min(5.0, self.interval_s),
+                headers={TTL_HEADER: f"{ttl}s"},
+            )
+        except (nats.errors.Error, TimeoutError) as exc:
+            # NATS is away (it reconnects by itself); the next report retries. Not a crash.
+            ctx.log.warning("telemetry_kv_put_failed", error=str(exc) or type(exc).__name__)
+        self._last_sent = report

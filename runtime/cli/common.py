@@ -1,0 +1,115 @@
+"""Options and helpers shared by the bus-facing commands: where the data dir is, how to reach NATS.
+
+A client command finds the embedded server's URL and credentials in the data dir; `--nats` (and the
+credential flags, or `MESH_ACTOR_NATS*` variables) point it at any other NATS deployment instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from runtime.bus import Bus, BusError
+from runtime.config import NatsOptions, default_data_dir
+from runtime.embedded import EmbeddedNatsError, read_credentials
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A failure to report on stderr as one line, with an exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILURE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def add_data_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data-dir",
+        help="node data dir (default: $MESH_ACTOR_HOME or ~/.local/share/mesh-actor)",
+    )
+
+
+def add_nats_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("NATS connection (default: the embedded server recorded in the data dir)")
+    group.add_argument("--nats", action="append", metavar="URL", help="NATS URL; repeat or comma-separate for several")
+    group.add_argument("--nats-user")
+    group.add_argument("--nats-password")
+    group.add_argument("--nats-token")
+    group.add_argument("--nats-creds", metavar="FILE", help="NATS credentials file (JWT + nkey)")
+    group.add_argument("--nats-tls-ca", metavar="FILE")
+    group.add_argument("--nats-tls-cert", metavar="FILE")
+    group.add_argument("--nats-tls-key", metavar="FILE")
+    group.add_argument("--prefix", help="subject prefix (default: mesh)")
+
+
+def add_client_options(parser: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
+    add_data_dir(parser)
+    add_nats_options(parser)
+    if json_flag:
+        parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def data_dir(args: argparse.Namespace) -> Path:
+    return Path(args.data_dir) if getattr(args, "data_dir", None) else default_data_dir(os.environ)
+
+
+def _flag_or_env(args: argparse.Namespace, name: str) -> str | None:
+    value = getattr(args, name, None)
+    if value is None:
+        value = os.environ.get(f"MESH_ACTOR_{name.upper()}")
+    return str(value) if value is not None else None
+
+
+def client_options(args: argparse.Namespace) -> NatsOptions:
+    """How this command reaches NATS: flags, then MESH_ACTOR_NATS* variables, then the data dir."""
+    urls: list[str] = []
+    for item in getattr(args, "nats", None) or []:
+        urls += [u.strip() for u in item.split(",") if u.strip()]
+    if not urls and os.environ.get("MESH_ACTOR_NATS"):
+        urls = [u.strip() for u in os.environ["MESH_ACTOR_NATS"].split(",") if u.strip()]
+    if urls:
+        return NatsOptions(
+            urls=tuple(urls),
+            user=_flag_or_env(args, "nats_user"),
+            password=_flag_or_env(args, "nats_password"),
+            token=_flag_or_env(args, "nats_token"),
+            creds_file=_flag_or_env(args, "nats_creds"),
+            tls_ca=_flag_or_env(args, "nats_tls_ca"),
+            tls_cert=_flag_or_env(args, "nats_tls_cert"),
+            tls_key=_flag_or_env(args, "nats_tls_key"),
+        )
+    directory = data_dir(args)
+    try:
+        creds = read_credentials(directory)
+    except EmbeddedNatsError as exc:
+        raise CliError(str(exc)) from exc
+    if creds is None:
+        raise CliError(
+            f"no NATS to talk to: {directory} has no embedded server record; start `mesh-actor run` "
+            "(or pass --data-dir of a running node, or --nats URL)"
+        )
+    return creds.options()
+
+
+def prefix(args: argparse.Namespace) -> str:
+    return str(getattr(args, "prefix", None) or os.environ.get("MESH_ACTOR_PREFIX") or "mesh")
+
+
+async def connect(args: argparse.Namespace, name: str) -> Bus:
+    try:
+        return await Bus.connect(client_options(args), name=f"mesh-actor {name}")
+    except BusError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def emit_json(value: Any) -> None:
+    sys.stdout.write(json.dumps(value, indent=None, sort_keys=False) + "\n")
+    sys.stdout.flush()

@@ -1,0 +1,129 @@
+"""Journal commands: `events` reads (or follows) the event stream.
+
+Events are shown as stored, decoded as JSON without a schema, so events of a newer producer still show.
+`--json` prints one object per line: `{"seq", "subject", "time", "event"}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import nats.errors
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from messages.subjects import Subjects
+from runtime.cli.common import EXIT_USAGE, CliError, add_client_options, connect, emit_json, prefix
+
+_RELATIVE = re.compile(r"^(\d+)([smhd])$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+
+
+def register(sub: argparse._SubParsersAction[Any]) -> None:
+    events = sub.add_parser("events", help="read the event journal")
+    add_client_options(events)
+    events.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    events.add_argument(
+        "--subject",
+        metavar="PATTERN",
+        help="subject filter, e.g. 'telemetry.>' (relative to <prefix>.events.) or a full subject",
+    )
+    events.add_argument("--since", metavar="SEQ|TIME", help="a stream sequence, an ISO time, or an age like 10m")
+    events.set_defaults(func=cmd_events)
+
+
+def parse_since(text: str, now: datetime) -> tuple[int | None, datetime | None]:
+    """A sequence number, an ISO-8601 time, or a relative age (`90s`, `10m`, `2h`, `1d`)."""
+    if text.isdigit():
+        return int(text), None
+    match = _RELATIVE.match(text)
+    if match:
+        return None, now - timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise CliError(f"--since {text!r}: use a sequence number, an ISO time or an age like 10m", EXIT_USAGE) from exc
+    return None, when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+def _filter(subjects: Subjects, pattern: str | None) -> str:
+    if not pattern:
+        return subjects.events_all
+    root = f"{subjects.prefix}.events"
+    return pattern if pattern == root or pattern.startswith(root + ".") else f"{root}.{pattern}"
+
+
+def _render(seq: int, subject: str, stamp: datetime, data: bytes) -> dict[str, Any]:
+    try:
+        event: Any = json.loads(data)
+    except ValueError:
+        event = {"unparsable": data.decode(errors="replace")}
+    return {"seq": seq, "subject": subject, "time": stamp.isoformat(), "event": event}
+
+
+def _summary(event: Any) -> str:
+    if not isinstance(event, dict):
+        return str(event)
+    skip = {"id", "time", "node", "actor", "type", "resources"}
+    parts = [f"{k}={v}" for k, v in event.items() if k not in skip]
+    return f"{event.get('node', '?')} {event.get('type', '?')} " + " ".join(parts)
+
+
+async def cmd_events(args: argparse.Namespace) -> int:
+    subjects = Subjects(prefix(args))
+    config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+    if args.since:
+        seq, when = parse_since(args.since, datetime.now(UTC))
+        if seq is not None:
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, seq))
+        else:
+            assert when is not None
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=when)
+    bus = await connect(args, "events")
+    try:
+        try:
+            info = await bus.js.stream_info(subjects.events_stream)
+        except NotFoundError as exc:
+            raise CliError(f"no journal: stream {subjects.events_stream} does not exist yet") from exc
+        if info.state.messages == 0 and not args.follow:
+            return 0
+        sub = await bus.js.subscribe(
+            _filter(subjects, args.subject),
+            stream=subjects.events_stream,
+            ordered_consumer=True,
+            config=config,
+        )
+        try:
+            await _print_events(sub, args)
+        finally:
+            await sub.unsubscribe()
+    finally:
+        await bus.close()
+    return 0
+
+
+async def _print_events(sub: Any, args: argparse.Namespace) -> None:
+    idle_limit = 2.0  # without --follow: stop once nothing more arrives (the stream has no pending match)
+    while True:
+        try:
+            msg = await sub.next_msg(timeout=3600 if args.follow else idle_limit)
+        except (TimeoutError, nats.errors.TimeoutError):
+            if args.follow:
+                continue
+            return
+        meta = msg.metadata
+        row = _render(meta.sequence.stream, msg.subject, meta.timestamp, msg.data)
+        if args.json:
+            emit_json(row)
+        else:
+            print(f"{row['seq']:>8} {row['time'][:23]} {_summary(row['event'])}")
+            sys.stdout.flush()
+        if not args.follow and meta.num_pending == 0:
+            return
+        await asyncio.sleep(0)

@@ -1,0 +1,213 @@
+"""Node commands: `run` (the node launcher), `status` (live nodes), `nats-env` (how to connect)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from typing import Any, get_args
+
+import msgspec
+import nats.js.errors
+
+from messages.settings import CacheType
+from messages.subjects import Subjects
+from messages.telemetry import NodeResources
+from runtime.bus import BadMessage, decode_checked
+from runtime.cli.common import (
+    EXIT_USAGE,
+    CliError,
+    add_client_options,
+    add_data_dir,
+    add_nats_options,
+    client_options,
+    connect,
+    emit_json,
+    prefix,
+)
+from runtime.config import ConfigError, load_config
+from runtime.embedded import EmbeddedNatsError
+from runtime.launcher import DataDirBusy, run_node
+from runtime.logging import configure_logging
+from runtime.sizes import format_size
+
+CACHE_TYPES = get_args(CacheType)
+
+
+def add_serving_flags(parser: argparse.ArgumentParser) -> None:
+    """llama-server's own flags for the settings that change allocation (what this node advertises)."""
+    group = parser.add_argument_group("serving settings (advertised by this node, pinned on llama-server)")
+    group.add_argument("-np", "--parallel", dest="slots", type=int, metavar="N", help="server slots")
+    group.add_argument("-kvu", "--kv-unified", dest="kv_unified", action="store_true", default=None)
+    group.add_argument("--no-kv-unified", dest="kv_unified", action="store_false")
+    group.add_argument("-ctk", "--cache-type-k", dest="cache_type_k", choices=CACHE_TYPES)
+    group.add_argument("-ctv", "--cache-type-v", dest="cache_type_v", choices=CACHE_TYPES)
+    group.add_argument("-fa", "--flash-attn", dest="flash_attn", choices=("on", "off"))
+    group.add_argument("-b", "--batch-size", dest="batch", type=int, metavar="N")
+    group.add_argument("-ub", "--ubatch-size", dest="ubatch", type=int, metavar="N")
+    group.add_argument("--swa-full", dest="swa_full", action="store_true", default=None)
+    group.add_argument("--spec-type", dest="spec_type", metavar="TYPE")
+    group.add_argument("--spec-draft-n-max", dest="spec_draft_n_max", type=int, metavar="N")
+    group.add_argument("-ctkd", "--spec-draft-type-k", dest="spec_draft_type_k", choices=CACHE_TYPES)
+    group.add_argument("-ctvd", "--spec-draft-type-v", dest="spec_draft_type_v", choices=CACHE_TYPES)
+    group.add_argument("--ctx-checkpoints", dest="ctx_checkpoints", type=int, metavar="N")
+    group.add_argument("--cache-ram", dest="cache_ram_mib", type=int, metavar="MiB")
+
+
+SERVING_DESTS = (
+    "slots",
+    "kv_unified",
+    "cache_type_k",
+    "cache_type_v",
+    "flash_attn",
+    "batch",
+    "ubatch",
+    "swa_full",
+    "spec_type",
+    "spec_draft_n_max",
+    "spec_draft_type_k",
+    "spec_draft_type_v",
+    "ctx_checkpoints",
+    "cache_ram_mib",
+)
+
+
+def register(sub: argparse._SubParsersAction[Any]) -> None:
+    run = sub.add_parser("run", help="run this node: embedded NATS (unless --nats) and its actors")
+    add_data_dir(run)
+    add_nats_options(run)
+    run.add_argument("--node-id", help="this node's id (default: the host name)")
+    run.add_argument("--memory-limit", metavar="SIZE", help="cap on what each device advertises as usable")
+    run.add_argument("--nats-port", type=int, help="preferred port of the embedded server (default 4222)")
+    run.add_argument("--telemetry-interval", type=float, metavar="S", help="seconds between reports (default 5)")
+    run.add_argument("--telemetry-ttl", type=float, metavar="S", help="seconds a report stays valid (default 15)")
+    run.add_argument("--llama-server", metavar="PATH", help="llama-server binary (default: the llama extra's)")
+    run.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    add_serving_flags(run)
+    run.set_defaults(func=cmd_run)
+
+    status = sub.add_parser("status", help="live nodes with their resources and telemetry age")
+    add_client_options(status)
+    status.set_defaults(func=cmd_status)
+
+    env = sub.add_parser("nats-env", help="how any NATS client connects to this mesh")
+    add_client_options(env)
+    env.set_defaults(func=cmd_nats_env)
+
+
+async def cmd_run(args: argparse.Namespace) -> int:
+    flags = {
+        "data_dir": args.data_dir,
+        "node_id": args.node_id,
+        "memory_limit": args.memory_limit,
+        "nats_port": args.nats_port,
+        "telemetry_interval": args.telemetry_interval,
+        "telemetry_ttl": args.telemetry_ttl,
+        "llama_server": args.llama_server,
+        "log_level": args.log_level,
+        "prefix": args.prefix,
+        "nats": ",".join(args.nats) if args.nats else None,
+        "nats_user": args.nats_user,
+        "nats_password": args.nats_password,
+        "nats_token": args.nats_token,
+        "nats_creds": args.nats_creds,
+        "nats_tls_ca": args.nats_tls_ca,
+        "nats_tls_cert": args.nats_tls_cert,
+        "nats_tls_key": args.nats_tls_key,
+    }
+    serving = {name: getattr(args, name) for name in SERVING_DESTS}
+    try:
+        config = load_config(flags, os.environ, serving)
+    except ConfigError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from exc
+    configure_logging(config.log_level)
+
+    def announce(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        return await run_node(config, announce=announce)
+    except (DataDirBusy, EmbeddedNatsError, OSError) as exc:
+        raise CliError(str(exc)) from exc
+
+
+async def fetch_nodes(args: argparse.Namespace) -> list[NodeResources]:
+    bus = await connect(args, "status")
+    subjects = Subjects(prefix(args))
+    try:
+        try:
+            kv = await bus.js.key_value(subjects.nodes_bucket)
+        except nats.js.errors.BucketNotFoundError:
+            return []
+        nodes: list[NodeResources] = []
+        try:
+            keys = await kv.keys()
+        except nats.js.errors.NoKeysError:
+            return []
+        for key in keys:
+            try:
+                entry = await kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                continue  # expired between listing and reading
+            if entry.value:
+                try:
+                    nodes.append(decode_checked(entry.value, NodeResources, f"telemetry of {key}"))
+                except BadMessage as exc:
+                    print(f"mesh-actor: warning: skipping {key}: {exc}", file=sys.stderr)
+        return sorted(nodes, key=lambda n: n.node_id)
+    finally:
+        await bus.close()
+
+
+async def cmd_status(args: argparse.Namespace) -> int:
+    nodes = await asyncio.wait_for(fetch_nodes(args), timeout=30)
+    now = time.time()
+    if args.json:
+        emit_json(
+            {
+                "nodes": [
+                    {**msgspec.to_builtins(node), "age_s": round(max(0.0, now - node.sent_at), 3)} for node in nodes
+                ]
+            }
+        )
+        return 0
+    if not nodes:
+        print("no live nodes")
+        return 0
+    print(f"{'NODE':<20} {'AGE':>6} {'CPUS':>4} {'RAM USABLE':>12} {'GPUS':<28} {'LLAMA-SERVER':<24} SETTINGS")
+    for node in nodes:
+        gpus = ", ".join(f"{g.index}:{format_size(g.usable_bytes)}" for g in node.gpus) or "-"
+        engine = node.llama_server.version[:24] if node.llama_server else "(none)"
+        settings = (
+            f"np={node.settings.slots} kvu={int(node.settings.kv_unified)} "
+            f"ctk={node.settings.cache_type_k} ctv={node.settings.cache_type_v} fa={node.settings.flash_attn} "
+            f"spec={node.settings.spec_type}"
+            if node.settings
+            else "(not advertised)"
+        )
+        age = f"{max(0.0, now - node.sent_at):.1f}s"
+        usable = format_size(node.host.usable_bytes)
+        print(f"{node.node_id:<20} {age:>6} {node.host.cpu_count:>4} {usable:>12} {gpus:<28} {engine:<24} {settings}")
+    return 0
+
+
+def cmd_nats_env(args: argparse.Namespace) -> int:
+    options = client_options(args)
+    url = ",".join(options.urls)
+    record: dict[str, str] = {"url": url}
+    if options.creds_file:
+        record["creds"] = options.creds_file
+    elif options.token:
+        record["token"] = options.token
+    elif options.user:
+        record.update(user=options.user, password=options.password or "")
+    if args.json:
+        emit_json(record)
+        return 0
+    names = {"url": "NATS_URL", "user": "NATS_USER", "password": "NATS_PASSWORD", "token": "NATS_TOKEN"}
+    names["creds"] = "NATS_CREDS"
+    for key, value in record.items():
+        print(f"{names[key]}={value}")
+    return 0

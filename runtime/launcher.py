@@ -1,0 +1,159 @@
+"""`mesh-actor run`: wires one node together.
+
+Starts the embedded NATS server unless URLs are configured, connects the bus, makes sure the journal
+stream exists, starts this node's actors under a supervisor, and on SIGINT/SIGTERM stops them, records
+`node_stopped`, flushes the journal and stops the embedded server last. Nothing else imports this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from actors.runner.engine import EngineNotFound, find_llama_server, probe_llama_server
+from actors.telemetry.actor import TelemetryActor
+from actors.telemetry.resources import NodeFacts
+from messages.events import NodeStarted, NodeStopped
+from messages.telemetry import LlamaServerInfo
+from runtime.actor import Actor, ActorGaveUpError, Supervisor
+from runtime.bus import Bus
+from runtime.config import NodeConfig
+from runtime.embedded import EmbeddedNats
+from runtime.journal import Journal, ensure_events_stream
+from runtime.logging import get_logger
+
+VERSION = "0.1.0"
+
+
+class DataDirBusy(RuntimeError):
+    pass
+
+
+def lock_data_dir(data_dir: Path) -> IO[str]:
+    """Holds an exclusive lock on the data dir for this process's lifetime (one node per data dir)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    handle = (data_dir / "run.lock").open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        handle.seek(0)
+        owner = handle.read().strip() or "another process"
+        handle.close()
+        raise DataDirBusy(f"{data_dir} is in use by mesh-actor run (pid {owner}); use another --data-dir") from exc
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+async def describe_engine(config: NodeConfig) -> tuple[LlamaServerInfo | None, str | None]:
+    try:
+        return await probe_llama_server(find_llama_server(config.llama_server)), None
+    except (EngineNotFound, OSError) as exc:
+        return None, str(exc)
+
+
+async def run_node(config: NodeConfig, *, announce: Callable[[str], None]) -> int:
+    """Runs the node until a signal arrives. Returns the process exit code."""
+    log = get_logger(node=config.node_id)
+    lock = lock_data_dir(config.data_dir)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            embedded = not config.nats.urls
+            if embedded:
+                server = EmbeddedNats(config.data_dir, preferred_port=config.nats_port)
+                options = (await server.start()).options()
+                stack.push_async_callback(server.stop)
+            else:
+                options = config.nats
+            bus = await Bus.connect(options, name=f"mesh-actor node {config.node_id}")
+            stack.push_async_callback(bus.close)
+            await ensure_events_stream(
+                bus, config.subjects, max_age_s=config.journal_max_age_s, max_bytes=config.journal_max_bytes
+            )
+            journal = Journal(bus, config.subjects, config.node_id)
+            engine, engine_error = await describe_engine(config)
+            if engine_error:
+                log.warning("no_llama_server", reason=engine_error)
+            facts = NodeFacts(
+                node_id=config.node_id,
+                started_at=time.time(),
+                ttl_s=config.telemetry_ttl_s,
+                memory_limit_bytes=config.memory_limit_bytes,
+                llama_server=engine,
+                llama_server_error=engine_error,
+                settings=config.serving,
+            )
+            actors: list[Actor] = [TelemetryActor(facts, interval_s=config.telemetry_interval_s)]
+            supervisor = Supervisor(bus=bus, journal=journal, subjects=config.subjects, node_id=config.node_id)
+            url = ",".join(options.urls)
+            journal.emit(
+                NodeStarted,
+                "node",
+                version=VERSION,
+                nats_url=url,
+                embedded_nats=embedded,
+                actors=tuple(a.name for a in actors),
+            )
+            return await _serve(config, journal, supervisor, actors, stop, announce, url, embedded)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        lock.close()
+
+
+async def _serve(
+    config: NodeConfig,
+    journal: Journal,
+    supervisor: Supervisor,
+    actors: list[Actor],
+    stop: asyncio.Event,
+    announce: Callable[[str], None],
+    url: str,
+    embedded: bool,
+) -> int:
+    log = get_logger(node=config.node_id)
+    code, reason = 0, "signal"
+    async with asyncio.TaskGroup() as tg:
+        journal_task = tg.create_task(journal.run(), name="journal")
+        supervised = tg.create_task(_supervise(supervisor, actors), name="supervisor")
+        stopped = tg.create_task(stop.wait(), name="stop-signal")
+        where = "embedded" if embedded else "external"
+        announce(f"mesh-actor node {config.node_id} running; NATS {url} ({where}); data dir {config.data_dir}")
+        await asyncio.wait({supervised, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if supervised.done():
+            code, reason = 1, supervised.result()
+            log.error("node_stopping", reason=reason)
+        stopped.cancel()
+        supervised.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await supervised
+        journal.emit(NodeStopped, "node", reason=reason)
+        if not await journal.flush(5.0):
+            log.warning("journal_not_flushed", pending=journal.pending)
+        journal_task.cancel()
+    return code
+
+
+async def _supervise(supervisor: Supervisor, actors: list[Actor]) -> str:
+    """Runs the actors; returns why they all ended (an actor that gave up ends the node)."""
+    try:
+        await supervisor.run(actors)
+    except ExceptionGroup as group:
+        gave_up = group.subgroup(ActorGaveUpError)
+        if gave_up is None:
+            raise
+        return str(gave_up.exceptions[0])
+    return "every actor stopped"

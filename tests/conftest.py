@@ -1,0 +1,126 @@
+"""Shared fixtures: a real nats-server per test (JetStream, credentials), a connected bus, a journal reader."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from messages.subjects import Subjects
+from runtime.bus import Bus
+from runtime.config import NatsOptions
+from runtime.embedded import EmbeddedNats
+from runtime.journal import ensure_events_stream
+from runtime.logging import configure_logging
+
+configure_logging("warning", json=True)
+
+
+class NatsServer:
+    """A real nats-server for one test; `restart` keeps its port, data (JetStream files) and password."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self._server = EmbeddedNats(data_dir, preferred_port=0)
+        self.options = NatsOptions()
+
+    async def start(self) -> None:
+        creds = await self._server.start()
+        self.options = creds.options()
+        self._server.preferred_port = int(creds.url.rsplit(":", 1)[1])
+
+    async def stop(self) -> None:
+        await self._server.stop()
+
+    async def kill(self) -> None:
+        """Kills the server without a graceful shutdown."""
+        pid = self._server.pid
+        assert pid is not None
+        os.kill(pid, 9)
+        await self._server.stop()
+
+    @property
+    def url(self) -> str:
+        return self.options.urls[0]
+
+
+@pytest.fixture
+async def nats_server(tmp_path: Path) -> AsyncIterator[NatsServer]:
+    server = NatsServer(tmp_path / "nats")
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@pytest.fixture
+async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
+    connected = await Bus.connect(nats_server.options, name="test")
+    await ensure_events_stream(connected, Subjects(), max_age_s=3600, max_bytes=64 << 20)
+    try:
+        yield connected
+    finally:
+        await connected.close()
+
+
+class JournalReader:
+    """Reads the events stream from its start and waits for events matching a predicate."""
+
+    def __init__(self, bus: Bus, subjects: Subjects) -> None:
+        self._bus = bus
+        self._subjects = subjects
+        self.events: list[dict[str, Any]] = []
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        self._sub = await self._bus.js.subscribe(
+            self._subjects.events_all, stream=self._subjects.events_stream, ordered_consumer=True
+        )
+
+    async def wait_for(
+        self, predicate: Callable[[dict[str, Any]], bool], *, timeout: float = 10.0, count: int = 1
+    ) -> list[dict[str, Any]]:
+        async with asyncio.timeout(timeout):
+            while True:
+                matching = [e for e in self.events if predicate(e)]
+                if len(matching) >= count:
+                    return matching
+                msg = await self._sub.next_msg(timeout=timeout)
+                self.events.append(json.loads(msg.data))
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+
+@pytest.fixture
+async def journal_reader(bus: Bus) -> AsyncIterator[JournalReader]:
+    reader = JournalReader(bus, Subjects())
+    await reader.start()
+    try:
+        yield reader
+    finally:
+        await reader.stop()
+
+
+def of_type(kind: str, **fields: Any) -> Callable[[dict[str, Any]], bool]:
+    return lambda e: e.get("type") == kind and all(e.get(k) == v for k, v in fields.items())
+
+
+def mesh_actor_command() -> list[str]:
+    """The installed console script, or the module when it is not on PATH."""
+    script = Path(sys.executable).parent / "mesh-actor"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("mesh-actor")
+    return [found] if found else [sys.executable, "-m", "runtime.cli"]

@@ -1,0 +1,199 @@
+"""The actor base, supervisor and bus against a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+import nats
+import nats.errors
+import pytest
+
+from messages.errors import BAD_REQUEST
+from messages.subjects import Subjects
+from runtime.actor import Actor, ActorContext, ActorGaveUpError, RequestError, Supervisor
+from runtime.bus import Bus, NoResponders, PayloadTooLarge, RemoteError
+from runtime.journal import Journal
+from runtime.restart import RestartPolicy
+from tests.conftest import JournalReader, NatsServer, of_type
+
+
+class Ping(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    n: int
+    crash: bool = False
+
+
+class Pong(msgspec.Struct, frozen=True, kw_only=True):
+    n: int
+    incarnation: int
+
+
+class EchoActor(Actor):
+    name = "echo"
+
+    def __init__(self, crash_on_start: int = 0) -> None:
+        self.incarnations = 0
+        self.crash_on_start = crash_on_start
+
+    async def run(self, ctx: ActorContext) -> None:
+        self.incarnations += 1
+        incarnation = self.incarnations
+        if incarnation <= self.crash_on_start:
+            raise RuntimeError(f"cannot start (incarnation {incarnation})")
+
+        async def handle(ping: Ping) -> Pong:
+            if ping.crash:
+                raise RuntimeError("asked to crash")
+            if ping.n < 0:
+                raise RequestError(BAD_REQUEST, "n must not be negative", {"path": "$.n"})
+            return Pong(n=ping.n, incarnation=incarnation)
+
+        await ctx.add_endpoint("ping", "test.echo.ping", Ping, handle)
+
+
+@contextlib.asynccontextmanager
+async def supervised(
+    bus: Bus, actor: Actor, policy: RestartPolicy | None = None, escalate: bool = True
+) -> AsyncIterator[asyncio.Task[None]]:
+    journal = Journal(bus, Subjects(), "test-node")
+    supervisor = Supervisor(
+        bus=bus,
+        journal=journal,
+        subjects=Subjects(),
+        node_id="test-node",
+        policy=lambda: policy or RestartPolicy(backoff_initial_s=0.01),
+        escalate=escalate,
+    )
+    # Plain tasks, not a TaskGroup: a test may let the supervisor fail on purpose and inspect it.
+    journal_task = asyncio.create_task(journal.run())
+    task = asyncio.create_task(supervisor.run([actor]))
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        await journal.flush(5)
+        journal_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await journal_task
+
+
+async def ping(bus: Bus, n: int, crash: bool = False, timeout: float = 5.0) -> Pong:
+    return await bus.request("test.echo.ping", Ping(n=n, crash=crash), Pong, timeout=timeout)
+
+
+async def wait_serving(bus: Bus) -> None:
+    async with asyncio.timeout(10):
+        while True:
+            try:
+                await ping(bus, 0, timeout=1)
+                return
+            except (NoResponders, RemoteError):
+                await asyncio.sleep(0.02)
+
+
+async def test_crashed_actor_is_restarted_and_serves_again(bus: Bus, journal_reader: JournalReader) -> None:
+    actor = EchoActor()
+    async with supervised(bus, actor):
+        await wait_serving(bus)
+        assert (await ping(bus, 1)).incarnation == 1
+        with pytest.raises(RemoteError) as crashed:
+            await ping(bus, 2, crash=True)
+        assert crashed.value.code == "internal"
+        await journal_reader.wait_for(of_type("actor_crashed", actor="echo"))
+        await journal_reader.wait_for(of_type("actor_restarted", actor="echo", attempt=2))
+        await wait_serving(bus)
+        assert (await ping(bus, 3)).incarnation == 2
+    crash = (await journal_reader.wait_for(of_type("actor_crashed")))[0]
+    assert "asked to crash" in crash["error"]
+    assert crash["node"] == "test-node"
+
+
+async def test_restart_intensity_exceeded_gives_up_for_good(bus: Bus, journal_reader: JournalReader) -> None:
+    actor = EchoActor(crash_on_start=100)
+    policy = RestartPolicy(max_restarts=3, window_s=60, backoff_initial_s=0.01)
+    async with supervised(bus, actor, policy) as task:
+        gave_up = (await journal_reader.wait_for(of_type("actor_gave_up", actor="echo")))[0]
+        with pytest.raises(ExceptionGroup) as group:
+            await asyncio.wait_for(asyncio.shield(task), 5)
+        assert group.value.subgroup(ActorGaveUpError) is not None
+    assert gave_up["crashes"] == 4
+    assert "cannot start" in gave_up["error"]
+    assert actor.incarnations == 4
+    crashes = [e for e in journal_reader.events if e["type"] == "actor_crashed"]
+    assert [c["crashes_in_window"] for c in crashes] == [1, 2, 3]
+    with pytest.raises(NoResponders):
+        await ping(bus, 1)
+
+
+async def test_malformed_and_schema_invalid_requests_get_errors_and_actor_keeps_serving(bus: Bus) -> None:
+    async with supervised(bus, EchoActor()):
+        await wait_serving(bus)
+        cases = {
+            b"{not json": None,
+            b'{"n": "seven"}': "$.n",
+            b'{"n": 1, "extra": true}': "$",
+            b"[]": "$",
+            b"": None,
+        }
+        for payload, path in cases.items():
+            msg = await bus.nc.request("test.echo.ping", payload, timeout=5)
+            assert msg.headers is not None and msg.headers["Mesh-Error"] == BAD_REQUEST
+            assert msg.headers["Nats-Service-Error-Code"] == "400"
+            body = json.loads(msg.data)
+            assert body["code"] == BAD_REQUEST
+            assert body["message"]
+            if path is not None:
+                assert body["details"]["path"] == path
+        with pytest.raises(RemoteError) as refused:
+            await ping(bus, -1)
+        assert refused.value.code == BAD_REQUEST
+        assert (await ping(bus, 5)).n == 5
+
+
+async def test_oversize_payload_is_refused_at_the_sender_naming_both_sizes(bus: Bus) -> None:
+    big = Ping(n=1)
+    limit = bus.max_payload
+    oversized = {"n": 1, "padding": "x" * (limit + 10)}
+    with pytest.raises(PayloadTooLarge) as refused:
+        await bus.request("test.echo.ping", oversized, Pong, timeout=5)
+    size = len(msgspec.json.encode(oversized))
+    assert str(size) in str(refused.value) and str(limit) in str(refused.value)
+    with pytest.raises(PayloadTooLarge):
+        await bus.publish("test.anything", oversized)
+    assert big  # the small message type itself is fine
+
+
+async def test_no_responders_is_immediate_and_clear(bus: Bus) -> None:
+    started = time.monotonic()
+    with pytest.raises(NoResponders, match="test.nobody.home"):
+        await bus.request("test.nobody.home", Ping(n=1), Pong, timeout=30)
+    assert time.monotonic() - started < 5  # far below the 30 s deadline: not a timeout
+
+
+async def test_client_without_credentials_is_refused(nats_server: NatsServer) -> None:
+    with pytest.raises((nats.errors.Error, OSError)) as refused:
+        await nats.connect(nats_server.url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+    assert "authorization" in str(refused.value).lower() or "auth" in repr(refused.value).lower()
+    with pytest.raises((nats.errors.Error, OSError)):
+        await nats.connect(
+            nats_server.url, user="mesh", password="wrong", allow_reconnect=False, max_reconnect_attempts=0
+        )
+
+
+async def test_actor_registers_as_micro_service_with_endpoint_stats(bus: Bus) -> None:
+    async with supervised(bus, EchoActor()):
+        await wait_serving(bus)
+        await ping(bus, 1)
+        reply = await bus.nc.request("$SRV.PING.mesh-echo", b"", timeout=5)
+        assert json.loads(reply.data)["name"] == "mesh-echo"
+        info = json.loads((await bus.nc.request("$SRV.INFO.mesh-echo", b"", timeout=5)).data)
+        assert info["metadata"]["node"] == "test-node"
+        assert [e["subject"] for e in info["endpoints"]] == ["test.echo.ping"]
+        stats = json.loads((await bus.nc.request("$SRV.STATS.mesh-echo", b"", timeout=5)).data)
+        assert stats["endpoints"][0]["num_requests"] >= 2

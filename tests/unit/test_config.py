@@ -1,0 +1,77 @@
+import re
+from pathlib import Path
+
+import pytest
+
+from runtime.config import ConfigError, load_config
+from runtime.sizes import format_size, parse_size
+
+
+def test_flags_beat_environment_beat_file_beat_defaults(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text(
+        'node_id = "from-file"\nmemory_limit = "1GiB"\ntelemetry_interval = 7\n'
+        '[serving]\nslots = 2\nflash_attn = "off"\n'
+    )
+    env = {"MESH_ACTOR_MEMORY_LIMIT": "2GiB", "MESH_ACTOR_SERVING_SLOTS": "8"}
+    config = load_config({"data_dir": str(tmp_path), "memory_limit": "3GiB"}, env, {"kv_unified": True})
+    assert config.node_id == "from-file"
+    assert config.memory_limit_bytes == 3 << 30
+    assert config.telemetry_interval_s == 7.0
+    assert config.telemetry_ttl_s == 21.0  # three intervals when not configured
+    assert config.serving.slots == 8
+    assert config.serving.flash_attn == "off"
+    assert config.serving.kv_unified is True
+
+    config = load_config({"data_dir": str(tmp_path)}, env)
+    assert config.memory_limit_bytes == 2 << 30
+
+
+def test_nats_table_in_file_configures_urls_and_credentials(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text('[nats]\nurls = ["nats://a:4222", "nats://b:4222"]\nuser = "u"\n')
+    config = load_config({"data_dir": str(tmp_path), "node_id": "n"}, {})
+    assert config.nats.urls == ("nats://a:4222", "nats://b:4222")
+    assert config.nats.user == "u"
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "needle"),
+    [
+        ({"memory_limit": "lots"}, {}, "--memory-limit"),
+        ({"node_id": "bad id!"}, {}, "--node-id"),
+        ({"nats_port": None}, {"MESH_ACTOR_NATS_PORT": "99999"}, "MESH_ACTOR_NATS_PORT"),
+        ({"nats": "localhost:4222"}, {}, "not a URL"),
+        ({"telemetry_interval": "5", "telemetry_ttl": "5"}, {}, "must be longer"),
+        ({}, {"MESH_ACTOR_SERVING_SLOTS": "0"}, "serving settings"),
+        ({}, {"MESH_ACTOR_SERVING_CACHE_TYPE_K": "q3_k"}, "cache_type_k"),
+    ],
+)
+def test_invalid_values_name_their_source(
+    tmp_path: Path, flags: dict[str, str], env: dict[str, str], needle: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config({"data_dir": str(tmp_path), "node_id": "n", **flags}, env)
+
+
+def test_malformed_config_file_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text("node_id = [unclosed\n")
+    with pytest.raises(ConfigError, match=r"config\.toml"):
+        load_config({"data_dir": str(tmp_path)}, {})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("4096", 4096), ("512MiB", 512 << 20), ("8G", 8 << 30), ("1.5GiB", 3 << 29), ("2GB", 2 * 10**9), ("1k", 1024)],
+)
+def test_sizes_parse(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "-1G", "1.5", "12 parsecs", "0", "1e9", "99999999999TiB"])
+def test_bad_sizes_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="invalid size"):
+        parse_size(text)
+
+
+def test_format_size() -> None:
+    assert format_size(1536 << 20) == "1.50 GiB"
+    assert format_size(100) == "100 B"
