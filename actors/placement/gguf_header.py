@@ -428,9 +428,7 @@ def _read_tensor_infos(r: _Reader, n_tensors: int, alignment: int) -> tuple[list
             n_elements *= dim
             # Checked per dimension so a lying shape fails at the field that made it overflow.
             if n_elements > INT64_MAX:
-                raise r.error(
-                    dim_at, f"tensor {name!r}: element count of shape {[*shape, dim]} overflows int64"
-                )
+                raise r.error(dim_at, f"tensor {name!r}: element count of shape {[*shape, dim]} overflows int64")
             shape.append(dim)
         type_at = r.pos
         ggml_type = r.u32(f"tensor {name!r} type")
@@ -442,8 +440,7 @@ def _read_tensor_infos(r: _Reader, n_tensors: int, alignment: int) -> tuple[list
         if shape[0] % block:
             raise r.error(
                 dims_at + 4,
-                f"tensor {name!r}: row of {shape[0]} elements is not a multiple of the {type_name} "
-                f"block size {block}",
+                f"tensor {name!r}: row of {shape[0]} elements is not a multiple of the {type_name} block size {block}",
             )
         offset_at = r.pos
         offset = r.u64(f"tensor {name!r} data offset")
@@ -455,9 +452,7 @@ def _read_tensor_infos(r: _Reader, n_tensors: int, alignment: int) -> tuple[list
     return tensors, offset_fields
 
 
-def _check_data_regions(
-    r: _Reader, tensors: list[TensorInfo], offset_fields: list[int], data_offset: int
-) -> None:
+def _check_data_regions(r: _Reader, tensors: list[TensorInfo], offset_fields: list[int], data_offset: int) -> None:
     for t, at in zip(tensors, offset_fields, strict=True):
         end = data_offset + t.offset + t.n_bytes
         if end > r.file_size:

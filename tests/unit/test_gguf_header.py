@@ -123,9 +123,7 @@ class HeaderBuilder:
         self._tensors.append(_Tensor(name, tuple(shape), ggml_type, offset, n_dims))
         return self
 
-    def build(
-        self, *, n_kv: int | None = None, n_tensors: int | None = None, data_size: int | None = None
-    ) -> Built:
+    def build(self, *, n_kv: int | None = None, n_tensors: int | None = None, data_size: int | None = None) -> Built:
         out = bytearray()
         b = Built(b"", 0, 0, {})
 
@@ -204,9 +202,7 @@ def parse(data: bytes, *, limits: HeaderLimits = DEFAULT_LIMITS, file_size: int 
     return parse_header(io.BytesIO(data), len(data) if file_size is None else file_size, limits=limits)
 
 
-def refused(
-    data: bytes, *, limits: HeaderLimits = DEFAULT_LIMITS, file_size: int | None = None
-) -> GGUFFormatError:
+def refused(data: bytes, *, limits: HeaderLimits = DEFAULT_LIMITS, file_size: int | None = None) -> GGUFFormatError:
     with pytest.raises(GGUFFormatError) as info:
         parse(data, limits=limits, file_size=file_size)
     return info.value
@@ -303,12 +299,7 @@ def test_small_arrays_are_materialized_as_tuples(tmp_path: Path) -> None:
 
 def test_empty_string_and_empty_array_round_trip() -> None:
     # GGUFWriter drops both, so the builder writes them.
-    b = (
-        HeaderBuilder()
-        .kv("s", T.STRING, "")
-        .kv("a.none", T.ARRAY, [], etype=T.STRING)
-        .kv("after", T.UINT8, 7)
-    )
+    b = HeaderBuilder().kv("s", T.STRING, "").kv("a.none", T.ARRAY, [], etype=T.STRING).kv("after", T.UINT8, 7)
     h = parse(b.build().data)
     assert h.get("s") == ""
     assert h.get("a.none") == ()
@@ -339,11 +330,7 @@ def test_tokenizer_arrays_over_the_limit_are_skipped_with_their_count(tmp_path: 
 
 
 def test_materialize_limits_decide_what_is_skipped() -> None:
-    b = (
-        HeaderBuilder()
-        .kv("s", T.ARRAY, ["a", "b", "c"], etype=T.STRING)
-        .kv("n", T.ARRAY, [1, 2], etype=T.INT32)
-    )
+    b = HeaderBuilder().kv("s", T.ARRAY, ["a", "b", "c"], etype=T.STRING).kv("n", T.ARRAY, [1, 2], etype=T.INT32)
     data = b.build().data
     assert parse(data).get("s") == ("a", "b", "c")
     tight = HeaderLimits(materialize_string_max=2, materialize_numeric_max=1)
@@ -362,9 +349,7 @@ def test_layer_tensor_bytes_match_gguf_reader(tmp_path: Path) -> None:
         for layer in range(3):
             w.add_tensor(f"blk.{layer}.attn_norm.weight", np.zeros(32, dtype=np.float32))
             qtype, block_bytes = quantized[layer]
-            w.add_tensor(
-                f"blk.{layer}.ffn_up.weight", np.zeros((3, 2 * block_bytes), dtype=np.uint8), raw_dtype=qtype
-            )
+            w.add_tensor(f"blk.{layer}.ffn_up.weight", np.zeros((3, 2 * block_bytes), dtype=np.uint8), raw_dtype=qtype)
         w.add_tensor("blk.10.ffn_down.weight", np.zeros((2, 18), dtype=np.uint8), raw_dtype=Q.Q4_0)
         w.add_tensor("output_norm.weight", np.zeros(32, dtype=np.float32))
         w.add_tensor("rope_freqs", np.zeros(4, dtype=np.int32))
@@ -431,6 +416,35 @@ def test_builder_matches_gguf_writer_bytes(tmp_path: Path) -> None:
         .tensor("output.weight", (64, 3), Q.Q8_0)
     )
     assert b.build().data == path.read_bytes()
+
+
+class CountingFile(io.BytesIO):
+    """Records how many bytes were read and the furthest offset reached."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.bytes_read = 0
+        self.furthest = 0
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        chunk = super().read(size)
+        self.bytes_read += len(chunk)
+        self.furthest = max(self.furthest, self.tell())
+        return chunk
+
+
+def test_reads_stay_near_the_header_and_never_reread_it() -> None:
+    tokens = [f"token-{i}" * (1 + i % 7) for i in range(50_000)]
+    b = HeaderBuilder().kv("tokenizer.ggml.tokens", T.ARRAY, tokens, etype=T.STRING)
+    built = b.tensor("blk.0.w", (1 << 20,)).tensor("blk.1.w", (1 << 20,)).build()  # 8 MiB of tensor data
+    f = CountingFile(built.data)
+    h = parse_header(f, len(built.data))
+    assert h.get("tokenizer.ggml.tokens") == SkippedArray(T.STRING, 50_000)
+    # One bounded read-ahead window past the header at most, and each header byte read about once.
+    window = 1 << 20
+    assert f.furthest <= built.header_end + window
+    assert f.bytes_read <= built.header_end + window
+    assert len(built.data) - built.data_offset >= 8 << 20
 
 
 def test_version_2_is_accepted() -> None:
@@ -770,9 +784,7 @@ def test_tensor_data_past_end_of_file_is_refused() -> None:
 
 
 def test_overlapping_tensor_data_is_refused() -> None:
-    built = (
-        HeaderBuilder().tensor("a", (64,)).tensor("b", (8,), offset=224).tensor("c", (8,), offset=128).build()
-    )
+    built = HeaderBuilder().tensor("a", (64,)).tensor("b", (8,), offset=224).tensor("c", (8,), offset=128).build()
     err = refused(built.data)
     # sorted by offset: a [0, 256), c [128, 160), b [224, 256); c is the first to overlap.
     assert err.offset == built.at["t:c:offset"]
