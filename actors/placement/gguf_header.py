@@ -240,9 +240,10 @@ class _Reader:
     def error(self, offset: int, problem: str) -> GGUFFormatError:
         return GGUFFormatError(offset, problem, self.source)
 
-    def past_end(self, offset: int, what: str, need: int) -> GGUFFormatError:
-        """The error for ``need`` bytes of ``what`` at ``offset`` that run past the header region."""
-        if offset + need > self.file_size:
+    def past_end(self, offset: int, what: str, need: int, reach: int | None = None) -> GGUFFormatError:
+        """The error for ``need`` bytes of ``what`` (reported at ``offset``, ending at ``reach``) that run past
+        the header region."""
+        if (offset + need if reach is None else reach) > self.file_size:
             where = f"the end of the file ({self.file_size} bytes)"
         else:
             where = f"the header size limit ({self.limits.max_header_bytes} bytes)"
@@ -250,7 +251,7 @@ class _Reader:
 
     def check_room(self, need: int, what: str, at: int | None = None) -> None:
         if self.pos + need > self.end:
-            raise self.past_end(self.pos if at is None else at, what, need)
+            raise self.past_end(self.pos if at is None else at, what, need, reach=self.pos + need)
 
     def fill(self, n: int, what: str) -> int:
         """Make ``n`` bytes at ``pos`` available in ``buf``; return their index in ``buf``."""

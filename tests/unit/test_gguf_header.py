@@ -820,3 +820,11 @@ def test_header_past_the_header_size_limit_is_refused() -> None:
 def test_invalid_limits_are_a_programming_error() -> None:
     with pytest.raises(ValueError, match="max_kv"):
         HeaderLimits(max_kv=-1)
+
+
+def test_count_past_the_header_limit_but_inside_the_file_names_the_limit() -> None:
+    built = HeaderBuilder().kv("a", T.ARRAY, list(range(100)), etype=T.UINT32).build()
+    limit = built.at["kv:a:count"] + 8 + 200  # the file holds all 400 bytes; the limit cuts them off
+    err = refused(built.data, limits=HeaderLimits(max_header_bytes=limit))
+    assert err.offset == built.at["kv:a:count"]
+    assert f"header size limit ({limit} bytes)" in err.problem
