@@ -16,6 +16,10 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 #: How a sliding-window layer masks (llama.cpp `llama_swa_type`); the cache size does not depend on it.
 SwaType = Literal["none", "standard", "chunked", "symmetric"]
+#: How llama.cpp builds the model's memory: attention KV only, KV plus recurrent state, or recurrent only.
+MemoryKind = Literal["kv", "hybrid", "recurrent"]
+#: What a recurrent layer computes; it shapes the compute buffer, not the state size.
+RecurrentKind = Literal["none", "mamba", "gated_delta", "rwkv", "shortconv"]
 
 
 class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -48,6 +52,7 @@ class ModelGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Everything the memory model needs from a GGUF header, for one architecture family."""
 
     architecture: str
+    memory: MemoryKind
     n_layer: NonNegative  # block_count, nextn layers included
     n_layer_nextn: NonNegative
     n_embd: NonNegative
@@ -60,6 +65,11 @@ class ModelGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     mla: bool  # K-only cache (DeepSeek-style multi-head latent attention)
     rollback: bool  # the architecture keeps per-token recurrent snapshots for speculative rollback
     mtp_context: bool  # `--spec-type draft-mtp` creates a draft context over the nextn layers
+    recurrent_kind: RecurrentKind
+    ssm_d_inner: NonNegative  # SSM hyperparameters (0 when absent), used by the compute-buffer model
+    ssm_d_state: NonNegative
+    ssm_n_group: NonNegative
+    ssm_dt_rank: NonNegative
     layers: tuple[LayerGeometry, ...]
     # Tensor bytes outside blk.N: input tensors (token embeddings) stay on the host; output tensors follow
     # the output layer's device. `tied_output` means the output matrix is the token embedding matrix, which

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["ServerRun", "find_server", "require_server", "run_server"]
+from messages.settings import ServingSettings
+
+__all__ = ["ServerRun", "find_server", "require_server", "run_server", "server_args"]
 
 ENV_BINARY = "MESH_ACTOR_LLAMA_SERVER"
 
@@ -135,3 +137,28 @@ def run_server(
         returncode=proc.returncode,
         seconds=time.monotonic() - started,
     )
+
+
+def server_args(settings: ServingSettings, n_ctx: int, *, extra: Sequence[str] = ()) -> list[str]:
+    """The llama-server flags that pin every allocation-relevant setting, as the runner pins them."""
+    args = [
+        "-c", str(n_ctx),
+        "-np", str(settings.slots),
+        "-kvu" if settings.kv_unified else "-no-kvu",
+        "-ctk", settings.cache_type_k,
+        "-ctv", settings.cache_type_v,
+        "-fa", settings.flash_attn,
+        "-b", str(settings.batch),
+        "-ub", str(settings.ubatch),
+        "--ctx-checkpoints", str(settings.ctx_checkpoints),
+        "--cache-ram", str(settings.cache_ram_mib),
+        "--fit", "off",
+        "--no-warmup",
+        "-lv", "4",
+    ]  # fmt: skip
+    if settings.swa_full:
+        args.append("--swa-full")
+    if settings.spec_type != "none":
+        args += ["--spec-type", settings.spec_type, "--spec-draft-n-max", str(settings.spec_draft_n_max)]
+        args += ["-ctkd", settings.spec_draft_type_k, "-ctvd", settings.spec_draft_type_v]
+    return [*args, *extra]

@@ -359,7 +359,7 @@ def write_granitehybrid(
     n_embd: int = 64,
     n_head: int = 4,
     attention_layers: Sequence[int] = (1, 3),
-    n_head_kv: int = 2,
+    n_head_kv: int | Sequence[int] = 2,
     n_ff: int = 128,
     n_vocab: int = 259,
     conv_kernel: int = 4,
@@ -367,10 +367,16 @@ def write_granitehybrid(
     group_count: int = 1,
     dt_rank: int = 8,
 ) -> Path:
-    """A granitehybrid (Granite-4.0-H) model: Mamba2 layers, attention where head_count_kv > 0."""
+    """A granitehybrid (Granite-4.0-H) model: Mamba2 layers, attention where head_count_kv > 0.
+
+    `n_head_kv` may give one count per attention layer (in `attention_layers` order): granitehybrid sizes
+    each attention layer's K/V projections by its own head count.
+    """
     inner = 2 * n_embd  # llama.cpp asserts an expansion factor of 2
     head_dim = n_embd // n_head
-    kv_heads = [n_head_kv if il in attention_layers else 0 for il in range(n_layer)]
+    per_attention = [n_head_kv] * len(attention_layers) if isinstance(n_head_kv, int) else list(n_head_kv)
+    heads = dict(zip(attention_layers, per_attention, strict=True))
+    kv_heads = [heads.get(il, 0) for il in range(n_layer)]
     spec = _base(
         "granitehybrid",
         n_layer=n_layer,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from actors.placement.gguf_header import GGUFHeader, KVValue, SkippedArray
-from messages.model import LayerGeometry, ModelGeometry, SwaType
+from messages.model import LayerGeometry, MemoryKind, ModelGeometry, RecurrentKind, SwaType
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -131,6 +131,7 @@ class _Draft:
     r_width: int = 0
     s_width: int = 0
     mla: bool = False
+    ssm: tuple[int, int, int, int] = (0, 0, 0, 0)  # d_inner, d_state, n_group, dt_rank
 
     @property
     def n_layer(self) -> int:
@@ -161,10 +162,10 @@ def _ssm(meta: _Meta, d: _Draft, *, groups: bool) -> None:
     d_conv = meta.uint("ssm.conv_kernel")
     d_inner = meta.uint("ssm.inner_size")
     d_state = meta.uint("ssm.state_size")
-    meta.uint("ssm.time_step_rank")
     n_group = meta.uint("ssm.group_count") if groups else 0
     d.r_width = (d_conv - 1 if d_conv > 0 else 0) * (d_inner + 2 * n_group * d_state)
     d.s_width = d_state * d_inner
+    d.ssm = (d_inner, d_state, n_group, meta.uint("ssm.time_step_rank"))
 
 
 def _rwkv(meta: _Meta, d: _Draft, n_embd: int) -> None:
@@ -298,7 +299,8 @@ class _Family:
     """
 
     rule: Callable[[_Meta, _Draft, int], None]
-    memory: str
+    memory: MemoryKind
+    recurrent_kind: RecurrentKind = "none"
     attn_filter: str = "not_recr"
     rollback: bool = False
     mtp: str = ""
@@ -327,24 +329,24 @@ _FAMILIES: dict[str, _Family] = {
     "cohere2": _Family(_cohere2, "kv"),
     "gpt-oss": _Family(_gpt_oss, "kv"),
     # hybrids: attention KV on some layers, recurrent state on others
-    "qwen35": _Family(_qwen_hybrid, "hybrid", "trunk_not_recr", rollback=True, mtp="nextn"),
-    "qwen35moe": _Family(_qwen_hybrid, "hybrid", "trunk_not_recr", rollback=True, mtp="nextn"),
-    "qwen3next": _Family(_qwen_hybrid, "hybrid", "trunk_not_recr", mtp="nextn"),
-    "granitehybrid": _Family(_granitehybrid, "hybrid"),
-    "jamba": _Family(_jamba, "hybrid"),
-    "plamo2": _Family(_plamo2, "hybrid"),
-    "lfm2": _Family(_lfm2, "hybrid", rollback=True),
-    "lfm2moe": _Family(_lfm2, "hybrid", rollback=True),
-    "nemotron_h": _Family(_nemotron_h, "hybrid", "nemotron", rollback=True),
-    "nemotron_h_moe": _Family(_nemotron_h, "hybrid", "nemotron", rollback=True, mtp="nextn"),
-    "falcon-h1": _Family(_falcon_h1, "hybrid", "all"),
+    "qwen35": _Family(_qwen_hybrid, "hybrid", "gated_delta", "trunk_not_recr", rollback=True, mtp="nextn"),
+    "qwen35moe": _Family(_qwen_hybrid, "hybrid", "gated_delta", "trunk_not_recr", rollback=True, mtp="nextn"),
+    "qwen3next": _Family(_qwen_hybrid, "hybrid", "gated_delta", "trunk_not_recr", mtp="nextn"),
+    "granitehybrid": _Family(_granitehybrid, "hybrid", "mamba"),
+    "jamba": _Family(_jamba, "hybrid", "mamba"),
+    "plamo2": _Family(_plamo2, "hybrid", "mamba"),
+    "lfm2": _Family(_lfm2, "hybrid", "shortconv", rollback=True),
+    "lfm2moe": _Family(_lfm2, "hybrid", "shortconv", rollback=True),
+    "nemotron_h": _Family(_nemotron_h, "hybrid", "mamba", "nemotron", rollback=True),
+    "nemotron_h_moe": _Family(_nemotron_h, "hybrid", "mamba", "nemotron", rollback=True, mtp="nextn"),
+    "falcon-h1": _Family(_falcon_h1, "hybrid", "mamba", "all"),
     # pure recurrent
-    "mamba": _Family(_mamba, "recurrent"),
-    "mamba2": _Family(_mamba2, "recurrent"),
-    "rwkv6": _Family(_rwkv_family, "recurrent"),
-    "rwkv6qwen2": _Family(_rwkv_family, "recurrent"),
-    "rwkv7": _Family(_rwkv_family, "recurrent"),
-    "arwkv7": _Family(_rwkv_family, "recurrent"),
+    "mamba": _Family(_mamba, "recurrent", "mamba"),
+    "mamba2": _Family(_mamba2, "recurrent", "mamba"),
+    "rwkv6": _Family(_rwkv_family, "recurrent", "rwkv"),
+    "rwkv6qwen2": _Family(_rwkv_family, "recurrent", "rwkv"),
+    "rwkv7": _Family(_rwkv_family, "recurrent", "rwkv"),
+    "arwkv7": _Family(_rwkv_family, "recurrent", "rwkv"),
 }
 
 SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(_FAMILIES)
@@ -447,6 +449,7 @@ def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
     input_bytes, output_bytes, token_embd_bytes, has_output = _global_tensor_bytes(header)
     return ModelGeometry(
         architecture=arch,
+        memory=family.memory,
         n_layer=n_layer_all,
         n_layer_nextn=n_nextn,
         n_embd=n_embd,
@@ -459,6 +462,11 @@ def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
         mla=draft.mla,
         rollback=family.rollback,
         mtp_context=bool(family.mtp) and n_nextn > 0 and n_nextn < n_layer_all,
+        recurrent_kind=family.recurrent_kind,
+        ssm_d_inner=draft.ssm[0],
+        ssm_d_state=draft.ssm[1],
+        ssm_n_group=draft.ssm[2],
+        ssm_dt_rank=draft.ssm[3],
         layers=tuple(layers),
         input_tensor_bytes=input_bytes,
         output_tensor_bytes=output_bytes,

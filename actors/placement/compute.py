@@ -1,0 +1,115 @@
+"""Compute-buffer model (placement core).
+
+llama.cpp reserves its compute buffers by allocating a worst-case graph (`sched_reserve`): the buffer is the
+peak of live intermediate tensors under ggml-alloc's reuse, which has no closed form. This module models it
+from the terms that dominate that peak, each derived from the graph llama.cpp builds, with coefficients
+calibrated on llama-server's own reports (`sched_reserve: … compute buffer size`):
+
+* the attention masks, live for the whole graph: f16 (flash attention) or f32 `n_kv x n_ubatch` per KV
+  cache (a sliding-window model has a second, window-sized mask);
+* the peak of one layer, whichever stage is larger:
+  - the activation stage, `4 · n_ubatch · (3 · n_ff + 5 · n_embd)` bytes (the SwiGLU FFN: gate, up and their
+    product live with the residual stream), or for Mamba-style layers `3.5 ·` their input projection width,
+    plus one state copy per sequence;
+  - without flash attention, the attention-score stage: the f32 `n_kv x n_ubatch x n_head` score matrix
+    plus `4 · n_ubatch · (7 · n_embd + 2 · n_kv_width)`;
+  - the output stage: logits for the reserved outputs plus two embedding-sized rows per token.
+
+Calibration: 608 llama-server runs of llama, gemma3, qwen35 (with and without MTP), granitehybrid and mamba2
+shapes (n_embd 64-1024, n_ff 128-3072, contexts 1024/4096, micro-batches 128/512, 1 and 4 slots, unified
+and per-slot KV, flash attention on and off); `benchmarks/accuracy.py` reproduces the error table.
+`MEASURED_ERROR_RATIO` is the largest relative error seen there on realistic shapes (n_ff ≥ 2·n_embd).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from messages.memory import ContextShape
+from messages.model import LayerGeometry, ModelGeometry
+
+__all__ = ["CALIBRATION_VERSION", "MEASURED_ERROR_RATIO", "ComputeEstimate", "compute_buffers"]
+
+CALIBRATION_VERSION = "compute-2"
+#: Largest relative error of the model against llama-server's reported compute buffers in calibration.
+MEASURED_ERROR_RATIO = 0.25
+
+FFN_FACTOR = 3  # gate, up and their product, n_ff wide, live at once
+EMBD_FACTOR = 5  # residual stream, FFN input, norm output and two more n_embd-wide rows
+MAMBA_IN_FACTOR = 3.5  # input projection, conv window and scan output of a Mamba layer, per input width
+SCORE_EMBD_FACTOR = 7
+SCORE_KV_FACTOR = 2
+HOST_EMBD_FACTOR = 2  # with GPUs: token embeddings looked up on the host, and their copy for upload
+
+
+@dataclass(frozen=True)
+class ComputeEstimate:
+    """Compute buffer bytes: `device` for each device holding layers (the host when there is no GPU),
+    `host` for the host-side buffer llama.cpp adds when layers are offloaded, `draft` for an MTP context."""
+
+    device: int
+    host: int
+    draft: int
+
+
+def _layer_peak(
+    geometry: ModelGeometry,
+    layers: list[LayerGeometry],
+    shape: ContextShape,
+    *,
+    flash_attn: bool,
+    n_outputs: int,
+) -> int:
+    t = shape.n_ubatch
+    n_embd = geometry.n_embd
+    attention = [layer for layer in layers if layer.attention or layer.nextn]
+    n_ff = max((layer.n_ff for layer in layers), default=0)
+    activation = 4 * t * (FFN_FACTOR * n_ff + EMBD_FACTOR * n_embd)
+    if geometry.recurrent_kind == "mamba" and any(layer.recurrent for layer in layers):
+        width = 2 * geometry.ssm_d_inner + 2 * geometry.ssm_n_group * geometry.ssm_d_state + geometry.ssm_dt_rank
+        state = max(layer.r_width + layer.s_width for layer in layers if layer.recurrent)
+        mamba = int(4 * t * MAMBA_IN_FACTOR * width) + 4 * shape.n_seq_max * state
+        activation = max(activation, mamba)
+    scores = 0
+    if attention and not flash_attn:
+        n_head = max(layer.n_head for layer in attention)
+        kv_width = max(layer.k_width for layer in attention)
+        n_kv = max(shape.swa_cells if layer.swa else shape.n_ctx_seq for layer in attention)
+        scores = 4 * n_kv * t * n_head + 4 * t * (SCORE_EMBD_FACTOR * n_embd + SCORE_KV_FACTOR * kv_width)
+    output = 4 * geometry.n_vocab * n_outputs + 4 * t * 2 * n_embd
+    return max(activation, scores, output)
+
+
+def _masks(layers: list[LayerGeometry], shape: ContextShape, *, flash_attn: bool) -> int:
+    element = 2 if flash_attn else 4
+    total = 0
+    if any(not layer.swa for layer in layers):
+        total += element * shape.n_ctx_seq * shape.n_ubatch
+    if any(layer.swa for layer in layers):
+        total += element * shape.swa_cells * shape.n_ubatch
+    return total
+
+
+def compute_buffers(
+    geometry: ModelGeometry,
+    shape: ContextShape,
+    *,
+    flash_attn: bool,
+    n_outputs: int,
+    draft_shape: ContextShape | None = None,
+    offloaded: bool = False,
+) -> ComputeEstimate:
+    """The modelled compute buffers of the target context (and of the MTP context, if `draft_shape`)."""
+    trunk = [layer for layer in geometry.layers if not layer.nextn]
+    attention = [layer for layer in trunk if layer.attention]
+    target = _masks(attention, shape, flash_attn=flash_attn) + _layer_peak(
+        geometry, trunk, shape, flash_attn=flash_attn, n_outputs=n_outputs
+    )
+    draft = 0
+    if draft_shape is not None:
+        nextn = [layer for layer in geometry.layers if layer.nextn]
+        draft = _masks(nextn, draft_shape, flash_attn=flash_attn) + _layer_peak(
+            geometry, nextn, draft_shape, flash_attn=flash_attn, n_outputs=draft_shape.n_seq_max
+        )
+    host = 4 * shape.n_ubatch * HOST_EMBD_FACTOR * geometry.n_embd if offloaded else 0
+    return ComputeEstimate(device=target, host=host, draft=draft)
