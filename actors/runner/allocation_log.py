@@ -193,19 +193,20 @@ def _breakdown(record: object) -> list[BreakdownRow] | None:
     for row in rows:
         if not isinstance(row, dict):
             continue
-        try:
-            out.append(
-                BreakdownRow(
-                    kind=str(row.get("kind", "")),
-                    name=str(row.get("name", "")),
-                    self_mib=int(row.get("self", 0)),
-                    model_mib=int(row.get("model", 0)),
-                    context_mib=int(row.get("context", 0)),
-                    compute_mib=int(row.get("compute", 0)),
-                )
-            )
-        except (TypeError, ValueError):
+        sizes = [row.get(key, 0) for key in ("self", "model", "context", "compute")]
+        # llama.cpp writes whole MiB; anything else (floats, overflowing numbers, strings) is not its record
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
             continue
+        out.append(
+            BreakdownRow(
+                kind=str(row.get("kind", "")),
+                name=str(row.get("name", "")),
+                self_mib=sizes[0],
+                model_mib=sizes[1],
+                context_mib=sizes[2],
+                compute_mib=sizes[3],
+            )
+        )
     return out
 
 

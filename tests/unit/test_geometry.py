@@ -1,0 +1,224 @@
+"""Geometry rules per architecture family: which layers get KV, recurrent state, a sliding window, MTP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.placement.geometry import (
+    SUPPORTED_ARCHITECTURES,
+    GeometryError,
+    UnsupportedArchitecture,
+    geometry_from_header,
+)
+from actors.placement.gguf_header import GGUFHeader, GGUFValueType, SkippedArray, TensorInfo, read_header
+from messages.model import ModelGeometry
+from tests import tiny_models
+
+
+def header(arch: str, kv: dict[str, Any], tensors: tuple[TensorInfo, ...] = ()) -> GGUFHeader:
+    values: dict[str, Any] = {"general.architecture": arch}
+    for key, value in kv.items():
+        values[f"{arch}.{key}"] = tuple(value) if isinstance(value, list) else value
+    values["tokenizer.ggml.tokens"] = SkippedArray(GGUFValueType.STRING, 1000)
+    return GGUFHeader(version=3, kv=values, tensors=tensors, alignment=32, data_offset=0, file_size=0)
+
+
+def base(n_layer: int, **kv: Any) -> dict[str, Any]:
+    return {
+        "block_count": n_layer,
+        "context_length": 4096,
+        "embedding_length": 256,
+        "attention.head_count": 8,
+        "attention.head_count_kv": 2,
+        "feed_forward_length": 512,
+        **kv,
+    }
+
+
+def kinds(g: ModelGeometry) -> str:
+    """One letter per layer: A attention, R recurrent, B both, - neither; lower case when SWA."""
+    out = ""
+    for layer in g.layers:
+        c = "B" if layer.attention and layer.recurrent else "A" if layer.attention else "R" if layer.recurrent else "-"
+        out += c.lower() if layer.swa else c
+    return out
+
+
+QWEN_SSM = {
+    "ssm.conv_kernel": 4,
+    "ssm.inner_size": 4096,
+    "ssm.state_size": 128,
+    "ssm.group_count": 16,
+    "ssm.time_step_rank": 32,
+}
+
+
+def test_qwen35_9b_shape_has_8_attention_24_recurrent_and_a_nextn_block_outside_the_target() -> None:
+    kv = base(33, **QWEN_SSM, nextn_predict_layers=1, embedding_length=4096)
+    kv.update({"attention.head_count": 16, "attention.head_count_kv": 4, "attention.key_length": 256})
+    kv["attention.value_length"] = 256
+    g = geometry_from_header(header("qwen35", kv))
+    assert kinds(g) == "RRRA" * 8 + "-"
+    assert g.layers[-1].nextn and g.mtp_context and g.rollback
+    assert {layer.k_width for layer in g.layers} == {1024}
+    recurrent = [layer for layer in g.layers if layer.recurrent]
+    assert {(layer.r_width, layer.s_width) for layer in recurrent} == {(3 * (4096 + 2 * 16 * 128), 128 * 4096)}
+
+
+def test_qwen_recurrent_layers_array_overrides_the_interval() -> None:
+    flags = [True, False, False, True]
+    g = geometry_from_header(header("qwen3next", base(4, **QWEN_SSM, **{"attention.recurrent_layers": flags})))
+    assert kinds(g) == "RAAR"
+    assert not g.rollback  # qwen3next has no partial rollback in this llama.cpp
+
+
+def test_qwen_recurrent_layers_array_of_the_wrong_length_is_refused() -> None:
+    with pytest.raises(GeometryError, match="recurrent_layers"):
+        geometry_from_header(header("qwen35", base(4, **QWEN_SSM, **{"attention.recurrent_layers": [True]})))
+
+
+def test_granitehybrid_layer_is_recurrent_exactly_when_it_has_no_kv_heads() -> None:
+    kv = base(4, **QWEN_SSM, **{"attention.head_count_kv": [0, 4, 0, 1]})
+    g = geometry_from_header(header("granitehybrid", kv))
+    assert kinds(g) == "RARA"
+    assert [layer.k_width for layer in g.layers] == [0, 128, 0, 32]
+
+
+def test_nemotron_h_layers_with_a_feed_forward_have_neither_kv_nor_state() -> None:
+    kv = base(3, **QWEN_SSM, **{"attention.head_count_kv": [0, 2, 0], "feed_forward_length": [0, 0, 1024]})
+    g = geometry_from_header(header("nemotron_h", kv))
+    assert kinds(g) == "RA-"
+
+
+def test_falcon_h1_layers_have_both_attention_and_recurrent_state() -> None:
+    g = geometry_from_header(header("falcon-h1", base(3, **QWEN_SSM)))
+    assert kinds(g) == "BBB"
+
+
+def test_jamba_state_has_no_groups() -> None:
+    kv = base(2, **{k: v for k, v in QWEN_SSM.items() if k != "ssm.group_count"})
+    kv["attention.head_count_kv"] = [0, 2]
+    g = geometry_from_header(header("jamba", kv))
+    assert kinds(g) == "RA"
+    assert g.layers[0].r_width == 3 * 4096
+
+
+def test_gemma2_slides_every_other_layer_with_a_4096_window_by_default() -> None:
+    g = geometry_from_header(header("gemma2", base(4)))
+    assert kinds(g) == "aAaA"
+    assert (g.swa_type, g.n_swa) == ("standard", 4096)
+
+
+def test_gemma3_slides_five_layers_in_six_and_only_with_a_window() -> None:
+    g = geometry_from_header(header("gemma3", base(7, **{"attention.sliding_window": 512})))
+    assert kinds(g) == "aaaaaAa"
+    assert kinds(geometry_from_header(header("gemma3", base(3)))) == "AAA"
+
+
+def test_sliding_window_pattern_may_be_a_bool_array() -> None:
+    kv = base(4, **{"attention.sliding_window": 128, "attention.sliding_window_pattern": [True, False, False, True]})
+    assert kinds(geometry_from_header(header("gemma3", kv))) == "aAAa"
+
+
+def test_swa_layers_use_the_swa_head_sizes() -> None:
+    kv = base(2, **{"attention.sliding_window": 128, "attention.sliding_window_pattern": 2})
+    kv.update({"attention.key_length": 128, "attention.key_length_swa": 64, "attention.value_length_swa": 32})
+    g = geometry_from_header(header("gemma3", kv))
+    assert [(layer.k_width, layer.v_width) for layer in g.layers] == [(128, 64), (256, 64)]
+
+
+def test_cohere2_and_gpt_oss_need_a_window_size() -> None:
+    assert kinds(geometry_from_header(header("cohere2", base(4, **{"attention.sliding_window": 64})))) == "aaaA"
+    assert kinds(geometry_from_header(header("gpt-oss", base(2, **{"attention.sliding_window": 128})))) == "aA"
+    with pytest.raises(GeometryError, match="sliding_window"):
+        geometry_from_header(header("cohere2", base(4)))
+
+
+def test_phi3_sliding_window_is_ignored_as_llama_cpp_does() -> None:
+    g = geometry_from_header(header("phi3", base(2, **{"attention.sliding_window": 2048})))
+    assert kinds(g) == "AA" and g.swa_type == "none"
+
+
+def test_deepseek2_mla_caches_keys_only() -> None:
+    kv = base(2, **{"attention.head_count_kv": 1, "attention.key_length": 576, "attention.value_length": 512})
+    kv.update({"attention.key_length_mla": 192, "attention.value_length_mla": 128})
+    g = geometry_from_header(header("deepseek2", kv))
+    assert g.mla
+    assert [(layer.k_width, layer.v_width) for layer in g.layers] == [(576, 0), (576, 0)]
+
+
+def test_dense_nextn_blocks_stay_out_of_the_target_context() -> None:
+    g = geometry_from_header(header("glm4moe", base(3, nextn_predict_layers=1)))
+    assert kinds(g) == "AA-"
+    assert g.mtp_context
+
+
+def test_pure_recurrent_widths_for_mamba_and_rwkv() -> None:
+    mamba = {k: v for k, v in QWEN_SSM.items() if k != "ssm.group_count"}
+    g = geometry_from_header(header("mamba", base(2, **mamba)))
+    assert kinds(g) == "RR"
+    assert (g.layers[0].r_width, g.layers[0].s_width) == (3 * 4096, 128 * 4096)
+    g = geometry_from_header(header("rwkv7", base(2, **{"wkv.head_size": 64})))
+    assert (g.layers[0].r_width, g.layers[0].s_width) == (2 * 256, 256 * 64)
+
+
+def test_lfm2_short_convolution_state_and_sliding_attention() -> None:
+    kv = base(3, **{"shortconv.l_cache": 3, "attention.head_count_kv": [0, 2, 0], "attention.sliding_window": 512})
+    g = geometry_from_header(header("lfm2", kv))
+    assert kinds(g) == "RaR"
+    assert (g.layers[0].r_width, g.layers[0].s_width) == (2 * 256, 0)
+
+
+def test_unsupported_architecture_is_refused_by_name() -> None:
+    with pytest.raises(UnsupportedArchitecture, match="'bert'") as info:
+        geometry_from_header(header("bert", base(2)))
+    assert info.value.architecture == "bert"
+    assert "bert" not in SUPPORTED_ARCHITECTURES
+
+
+@pytest.mark.parametrize(
+    ("kv", "message"),
+    [
+        ({"block_count": 0}, "block_count"),
+        ({"block_count": 600}, "block_count"),
+        ({"nextn_predict_layers": 9}, "nextn_predict_layers"),
+        ({"attention.head_count_kv": [2, 2]}, "wrong array length"),
+        ({"attention.head_count": -1}, "unsigned"),
+        ({"embedding_length": "wide"}, "unsigned"),
+    ],
+)
+def test_inconsistent_metadata_is_refused_with_the_key(kv: dict[str, Any], message: str) -> None:
+    with pytest.raises(GeometryError, match=message):
+        geometry_from_header(header("llama", base(4, **kv)))
+
+
+def test_a_missing_required_key_is_named() -> None:
+    kv = base(4)
+    del kv["embedding_length"]
+    with pytest.raises(GeometryError, match=r"llama\.embedding_length is required"):
+        geometry_from_header(header("llama", kv))
+
+
+def test_tensor_bytes_per_layer_input_output_and_tied_embeddings(tmp_path: Path) -> None:
+    path = tiny_models.write_llama(tmp_path / "m.gguf", n_layer=2, n_embd=64, n_ff=128, n_vocab=300, tied=True)
+    h = read_header(path)
+    g = geometry_from_header(h)
+    assert g.tied_output
+    assert g.input_tensor_bytes == g.token_embd_bytes == 64 * 300 * 4
+    assert g.output_tensor_bytes == 64 * 4  # output_norm only
+    assert [layer.tensor_bytes for layer in g.layers] == [h.layer_tensor_bytes[0], h.layer_tensor_bytes[1]]
+    assert g.input_tensor_bytes + g.output_tensor_bytes + sum(x.tensor_bytes for x in g.layers) == (
+        h.total_tensor_bytes
+    )
+    assert g.n_vocab == 300
+
+
+def test_every_tiny_model_writer_yields_the_geometry_it_describes(tmp_path: Path) -> None:
+    assert kinds(geometry_from_header(read_header(tiny_models.write_qwen35(tmp_path / "q.gguf")))) == "RRRA-"
+    gh = tiny_models.write_granitehybrid(tmp_path / "g.gguf", n_layer=4, attention_layers=(1, 3))
+    assert kinds(geometry_from_header(read_header(gh))) == "RARA"
+    assert kinds(geometry_from_header(read_header(tiny_models.write_mamba2(tmp_path / "m.gguf")))) == "RRRR"
+    assert kinds(geometry_from_header(read_header(tiny_models.write_gemma3(tmp_path / "s.gguf")))) == "aaAaaA"

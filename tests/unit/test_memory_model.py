@@ -1,0 +1,312 @@
+"""The memory model: llama.cpp's context rules, exact cache sizes, device split, extras, context ceiling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.placement.compute import compute_buffers
+from actors.placement.geometry import geometry_from_header
+from actors.placement.memory import (
+    LLAMA_CPP_VERSION,
+    Budgets,
+    MemoryModelError,
+    cache_allocations,
+    cache_row_bytes,
+    estimate,
+    max_context,
+    resolve_context,
+)
+from messages.model import ModelGeometry
+from messages.settings import ServingSettings
+from tests.unit.test_geometry import QWEN_SSM, base, header
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def serving(**kw: Any) -> ServingSettings:
+    return msgspec.convert({"cache_ram_mib": 0, **kw}, ServingSettings)
+
+
+def qwen35_9b() -> ModelGeometry:
+    kv = base(33, **QWEN_SSM, nextn_predict_layers=1, embedding_length=4096)
+    kv.update({"attention.head_count": 16, "attention.head_count_kv": 4})
+    kv.update({"attention.key_length": 256, "attention.value_length": 256, "feed_forward_length": 12288})
+    return geometry_from_header(header("qwen35", kv))
+
+
+def llama(n_layer: int = 4, **kv: Any) -> ModelGeometry:
+    return geometry_from_header(header("llama", base(n_layer, **kv)))
+
+
+def gemma3(n_swa: int = 1024) -> ModelGeometry:
+    return geometry_from_header(header("gemma3", base(6, **{"attention.sliding_window": n_swa})))
+
+
+# --- REFERENCE worked example (Qwen3.5-9B geometry) --------------------------------------------------------
+
+
+def test_qwen35_9b_recurrent_state_for_one_slot_without_rollback() -> None:
+    assert estimate(qwen35_9b(), serving(slots=1), 4096).recurrent_bytes == 52_690_944
+
+
+def test_qwen35_9b_recurrent_state_for_16_slots_with_draft_depth_3() -> None:
+    b = estimate(qwen35_9b(), serving(slots=16, spec_type="draft-mtp", spec_draft_n_max=3), 65536)
+    assert b.recurrent_bytes == 3_372_220_416
+    assert b.context.n_rs_seq == 3
+
+
+def test_qwen35_9b_kv_is_32768_bytes_per_token_per_stream_at_f16() -> None:
+    b = estimate(qwen35_9b(), serving(slots=1), 8192)
+    assert b.kv_bytes == 32_768 * 8192
+    b = estimate(qwen35_9b(), serving(slots=4), 8192)
+    assert b.kv_bytes == 32_768 * 2048 * 4
+
+
+def test_qwen35_mtp_context_holds_only_the_nextn_block_with_draft_cache_types() -> None:
+    s = serving(slots=2, spec_type="draft-mtp", spec_draft_type_k="q8_0", spec_draft_type_v="q4_0")
+    b = estimate(qwen35_9b(), s, 8192)
+    per_cell = cache_row_bytes("q8_0", 1024) + cache_row_bytes("q4_0", 1024)
+    assert b.draft_kv_bytes == per_cell * 4096 * 2
+    draft = [a for a in cache_allocations(qwen35_9b(), s, 8192) if a.context == "draft"]
+    assert [(a.layers, a.cells, a.streams, a.type_a, a.type_b) for a in draft] == [(1, 4096, 2, "q8_0", "q4_0")]
+
+
+def test_mtp_weights_are_loaded_only_with_an_mtp_context() -> None:
+    g = qwen35_9b()
+    nextn_bytes = g.layers[-1].tensor_bytes
+    with_mtp = estimate(g, serving(spec_type="draft-mtp"), 4096).weights_bytes
+    without = estimate(g, serving(), 4096).weights_bytes
+    assert with_mtp - without == nextn_bytes
+
+
+# --- context rules ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n_ctx", "slots", "unified", "expected"),
+    [
+        (4096, 1, False, (4096, 4096, 1)),
+        (4000, 1, False, (4096, 4096, 1)),  # padded to 256
+        (5000, 3, False, (5376, 1792, 3)),  # 5120 / 3 = 1706 -> 1792 per stream
+        (8192, 4, False, (8192, 2048, 4)),
+        (8192, 4, True, (8192, 8192, 1)),
+        (100, 2, False, (512, 256, 2)),
+    ],
+)
+def test_context_is_padded_and_split_into_streams_like_llama_cpp(
+    n_ctx: int, slots: int, unified: bool, expected: tuple[int, int, int]
+) -> None:
+    shape = resolve_context(llama(), serving(slots=slots, kv_unified=unified), n_ctx)
+    assert (shape.n_ctx, shape.n_ctx_seq, shape.n_stream) == expected
+
+
+def test_micro_batch_is_capped_by_the_requested_context_before_padding() -> None:
+    shape = resolve_context(llama(), serving(batch=256, ubatch=512), 200)
+    assert shape.n_ubatch == 200
+
+
+def test_sliding_window_cache_is_window_plus_micro_batch_padded() -> None:
+    g = gemma3(n_swa=1000)
+    assert resolve_context(g, serving(slots=1), 32768).swa_cells == 1536  # 1000 + 512 -> 1536
+    assert resolve_context(g, serving(slots=4), 32768).swa_cells == 1536  # per stream
+    assert resolve_context(g, serving(slots=4, kv_unified=True), 32768).swa_cells == 4608  # 4000 + 512
+    assert resolve_context(g, serving(slots=1, ubatch=2048), 32768).swa_cells == 3072
+    assert resolve_context(g, serving(slots=1), 1024).swa_cells == 1024  # never beyond the context
+    assert resolve_context(g, serving(slots=2, swa_full=True), 32768).swa_cells == 16384
+
+
+def test_swa_layers_hold_only_the_window_cells() -> None:
+    g = gemma3(n_swa=256)
+    b = estimate(g, serving(slots=1), 8192)
+    per_cell_layer = 2 * cache_row_bytes("f16", 64)
+    assert b.kv_swa_bytes == 5 * per_cell_layer * 768
+    assert b.kv_bytes == b.kv_swa_bytes + per_cell_layer * 8192
+
+
+def test_v_cache_is_padded_to_the_widest_layer_without_flash_attention() -> None:
+    kv = base(3, **QWEN_SSM, **{"attention.head_count_kv": [1, 0, 4]})
+    g = geometry_from_header(header("granitehybrid", kv))
+    on = estimate(g, serving(slots=1, flash_attn="on"), 4096)
+    off = estimate(g, serving(slots=1, flash_attn="off"), 4096)
+    assert on.kv_v_bytes == 2 * (32 + 128) * 4096
+    assert off.kv_v_bytes == 2 * (128 + 128) * 4096
+    assert on.kv_k_bytes == off.kv_k_bytes
+
+
+def test_quantized_cache_rows_use_block_sizes() -> None:
+    assert [cache_row_bytes(t, 128) for t in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl")] == [
+        512,
+        256,
+        256,
+        136,
+        72,
+        80,
+        72,
+    ]
+    assert cache_row_bytes("q5_0", 64) == 44 and cache_row_bytes("q5_1", 64) == 48
+    with pytest.raises(MemoryModelError, match="block"):
+        cache_row_bytes("q8_0", 48)
+
+
+# --- rollback rows and speculation ----------------------------------------------------------------------
+
+
+def test_rollback_rows_only_for_rollback_speculation_on_architectures_that_support_it() -> None:
+    gh = geometry_from_header(header("granitehybrid", base(2, **QWEN_SSM, **{"attention.head_count_kv": [0, 2]})))
+    assert resolve_context(gh, serving(spec_type="draft-mtp"), 4096).n_rs_seq == 0
+    assert resolve_context(qwen35_9b(), serving(spec_type="ngram-mod"), 4096).n_rs_seq == 0
+    assert resolve_context(qwen35_9b(), serving(spec_type="draft-mtp", spec_draft_n_max=5), 4096).n_rs_seq == 5
+
+
+def test_settings_llama_server_refuses_are_refused() -> None:
+    with pytest.raises(MemoryModelError, match="flash attention"):
+        estimate(llama(), serving(cache_type_v="q8_0", flash_attn="off"), 4096)
+    with pytest.raises(MemoryModelError, match="nextn"):
+        estimate(llama(), serving(spec_type="draft-mtp"), 4096)
+    with pytest.raises(MemoryModelError, match="separate draft model"):
+        estimate(llama(), serving(spec_type="draft-simple"), 4096)
+    with pytest.raises(MemoryModelError, match="unknown speculative type"):
+        estimate(llama(), serving(spec_type="telepathy"), 4096)
+    with pytest.raises(MemoryModelError, match="positive"):
+        estimate(llama(), serving(), 0)
+
+
+def test_pure_recurrent_models_have_no_kv_and_a_state_per_slot() -> None:
+    mamba = {k: v for k, v in QWEN_SSM.items() if k != "ssm.group_count"}
+    g = geometry_from_header(header("mamba", base(2, **mamba)))
+    b = estimate(g, serving(slots=3), 4096)
+    assert b.kv_bytes == 0
+    assert b.recurrent_bytes == 2 * 4 * (3 * 4096 + 128 * 4096) * 3
+    kinds = [a.kind for a in cache_allocations(g, serving(slots=3), 4096)]
+    assert kinds == ["recurrent"]
+
+
+# --- devices ------------------------------------------------------------------------------------------------
+
+
+def test_all_on_the_host_without_gpus() -> None:
+    b = estimate(llama(), serving(), 4096)
+    assert [d.device for d in b.devices] == ["CPU"]
+    assert b.devices[0].layers == (0, 4)
+    assert b.total_bytes == b.devices[0].total_bytes
+
+
+def test_layers_split_over_gpus_in_proportion_embeddings_stay_on_the_host() -> None:
+    g = llama(8)
+    b = estimate(g, serving(), 4096, gpu_split=(3.0, 1.0))
+    by_name = {d.device: d for d in b.devices}
+    # 9 "layers" (8 blocks + output) at fractions 0/9 … 8/9 against splits 0.75, 1.0
+    assert by_name["GPU0"].layers == (0, 7)
+    assert by_name["GPU1"].layers == (7, 8)
+    assert by_name["CPU"].layers is None
+    assert by_name["CPU"].weights_bytes == g.input_tensor_bytes
+    assert by_name["GPU1"].weights_bytes == g.layers[7].tensor_bytes + g.output_tensor_bytes
+    assert by_name["CPU"].kv_bytes == 0
+    assert sum(d.kv_bytes for d in b.devices) >= b.kv_bytes
+
+
+def test_partial_offload_keeps_the_first_layers_on_the_host() -> None:
+    g = llama(8)
+    b = estimate(g, serving(), 4096, n_gpu_layers=3, gpu_split=(1.0,))
+    by_name = {d.device: d for d in b.devices}
+    assert by_name["CPU"].layers == (0, 6)
+    assert by_name["GPU0"].layers == (6, 8)
+
+
+def test_tied_embeddings_are_duplicated_onto_a_gpu_output_device() -> None:
+    tied = llama(2)
+    assert tied.tied_output  # the synthetic header has no output.weight
+    tied = msgspec.structs.replace(tied, token_embd_bytes=1000, input_tensor_bytes=1000)
+    gpu = estimate(tied, serving(), 4096, gpu_split=(1.0,))
+    host = estimate(tied, serving(), 4096)
+    assert gpu.weights_bytes - host.weights_bytes == 1000
+
+
+def test_budgets_give_fits_per_device_and_a_context_ceiling() -> None:
+    g = qwen35_9b()
+    s = serving(slots=4)
+    b = estimate(g, s, 8192, budgets=Budgets(host=64 * GIB))
+    assert b.fits is True
+    assert b.max_context is not None and b.max_context >= 8192
+    assert b.devices[0].budget_bytes == 64 * GIB
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    budget_mib=st.integers(min_value=64, max_value=1 << 16),
+    slots=st.integers(min_value=1, max_value=8),
+    unified=st.booleans(),
+)
+def test_context_ceiling_fits_and_the_next_buildable_context_does_not(
+    budget_mib: int, slots: int, unified: bool
+) -> None:
+    g = qwen35_9b()
+    s = serving(slots=slots, kv_unified=unified)
+    budgets = Budgets(host=budget_mib * MIB)
+    ceiling = max_context(g, s, budgets)
+    step = 256 if unified else 256 * slots
+    if ceiling is None:
+        assert estimate(g, s, step).total_bytes > budgets.host  # type: ignore[operator]
+        return
+    assert ceiling % step == 0
+    assert estimate(g, s, ceiling).total_bytes <= budget_mib * MIB
+    if ceiling < (1 << 24):
+        assert estimate(g, s, ceiling + step).total_bytes > budget_mib * MIB
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n_ctx=st.integers(min_value=1, max_value=1 << 17),
+    slots=st.integers(min_value=1, max_value=16),
+    unified=st.booleans(),
+    depth=st.integers(min_value=0, max_value=8),
+    type_k=st.sampled_from(["f16", "q8_0", "q4_0", "bf16"]),
+)
+def test_breakdown_totals_are_the_sum_of_devices_and_caches(
+    n_ctx: int, slots: int, unified: bool, depth: int, type_k: str
+) -> None:
+    s = serving(slots=slots, kv_unified=unified, spec_type="draft-mtp", spec_draft_n_max=depth, cache_type_k=type_k)
+    g = qwen35_9b()
+    b = estimate(g, s, n_ctx)
+    assert b.total_bytes == sum(d.total_bytes for d in b.devices)
+    allocations = cache_allocations(g, s, n_ctx)
+    assert b.kv_bytes == sum(
+        a.a_bytes + a.b_bytes for a in allocations if a.context == "target" and a.kind != "recurrent"
+    )
+    assert b.recurrent_bytes == sum(a.a_bytes + a.b_bytes for a in allocations if a.kind == "recurrent")
+    assert b.draft_kv_bytes == sum(a.a_bytes + a.b_bytes for a in allocations if a.context == "draft")
+    assert b.recurrent_bytes == 52_690_944 * slots * (1 + depth)
+    assert b.llama_cpp_version == LLAMA_CPP_VERSION
+
+
+# --- host extras and compute ---------------------------------------------------------------------------
+
+
+def test_prompt_cache_and_checkpoints_are_host_extras() -> None:
+    g = qwen35_9b()
+    assert estimate(g, serving(cache_ram_mib=8192, ctx_checkpoints=0), 4096).host_extra_bytes == 8192 * MIB
+    per_checkpoint = 52_690_944  # one recurrent cell of every recurrent layer
+    b = estimate(g, serving(slots=2, ctx_checkpoints=32), 4096)
+    assert b.host_extra_bytes == 2 * 32 * per_checkpoint
+    assert estimate(llama(), serving(ctx_checkpoints=32), 4096).host_extra_bytes == 0  # nothing to checkpoint
+
+
+def test_compute_grows_with_context_through_the_attention_mask() -> None:
+    g = llama()
+    small = compute_buffers(g, resolve_context(g, serving(slots=1), 4096), flash_attn=True, n_outputs=1)
+    large = compute_buffers(g, resolve_context(g, serving(slots=1), 65536), flash_attn=True, n_outputs=1)
+    assert large.device - small.device == 2 * (65536 - 4096) * 512
+
+
+def test_compute_without_flash_attention_pays_for_the_score_matrix() -> None:
+    g = llama()
+    shape = resolve_context(g, serving(slots=1, flash_attn="off"), 16384)
+    off = compute_buffers(g, shape, flash_attn=False, n_outputs=1)
+    on = compute_buffers(g, shape, flash_attn=True, n_outputs=1)
+    assert off.device > on.device + 4 * 16384 * 512 * 8
