@@ -9,6 +9,7 @@ stable code.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import ssl
@@ -156,8 +157,9 @@ class Bus:
         *,
         name: str,
         on_reconnect: Callable[[], Awaitable[None]] | None = None,
+        deadline_s: float = 10.0,
     ) -> Bus:
-        """Connects to the first reachable URL; reconnects forever afterwards."""
+        """Connects to the first reachable URL within `deadline_s`; reconnects forever afterwards."""
         log = get_logger(component="bus", client=name)
 
         async def disconnected() -> None:
@@ -169,8 +171,13 @@ class Bus:
             if on_reconnect is not None:
                 await on_reconnect()
 
+        last_error: list[str] = []
+
         async def error(exc: Exception) -> None:
-            log.warning("nats_error", error=str(exc) or type(exc).__name__)
+            text = str(exc) or type(exc).__name__
+            last_error[:] = [text]
+            if nc.is_connected:  # while connecting, the failure is reported once, by ConnectFailed
+                log.warning("nats_error", error=text)
 
         kwargs: dict[str, Any] = {}
         if options.creds_file:
@@ -185,28 +192,33 @@ class Bus:
         except (OSError, ssl.SSLError) as exc:
             raise ConnectFailed(f"cannot set up TLS: {exc}") from exc
         nc = Client()
+        urls = ", ".join(options.urls)
         try:
-            await nc.connect(
-                servers=list(options.urls),
-                name=name,
-                tls=tls,
-                connect_timeout=options.connect_timeout_s,  # type: ignore[arg-type]
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,  # type: ignore[arg-type]
-                disconnected_cb=disconnected,
-                reconnected_cb=reconnected,
-                error_cb=error,
-                **kwargs,
-            )
+            async with asyncio.timeout(deadline_s):
+                await nc.connect(
+                    servers=list(options.urls),
+                    name=name,
+                    tls=tls,
+                    connect_timeout=options.connect_timeout_s,  # type: ignore[arg-type]
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,  # type: ignore[arg-type]
+                    disconnected_cb=disconnected,
+                    reconnected_cb=reconnected,
+                    error_cb=error,
+                    **kwargs,
+                )
+        except TimeoutError as exc:
+            await _close_quietly(nc)
+            reason = last_error[0] if last_error else "no server answered"
+            raise ConnectFailed(f"cannot connect to NATS at {urls} within {deadline_s:g}s: {reason}") from exc
         except nats.errors.NoServersError as exc:
             await _close_quietly(nc)
-            urls = ", ".join(options.urls)
             raise ConnectFailed(f"cannot connect to NATS at {urls}: no server answered") from exc
-        except (nats.errors.Error, OSError, TimeoutError) as exc:
+        except (nats.errors.Error, OSError) as exc:
             await _close_quietly(nc)
             reason = str(exc) or type(exc).__name__
-            raise ConnectFailed(f"cannot connect to NATS at {', '.join(options.urls)}: {reason}") from exc
+            raise ConnectFailed(f"cannot connect to NATS at {urls}: {reason}") from exc
         return cls(nc)
 
     @property

@@ -193,6 +193,7 @@ class EmbeddedNats:
                     connect_timeout=1,
                     allow_reconnect=False,
                     max_reconnect_attempts=0,
+                    reconnect_time_wait=0.05,  # the library waits this long between tries
                     error_cb=_ignore_error,  # refusals are expected while the server starts
                 )
             except (nats.errors.Error, OSError, TimeoutError) as exc:

@@ -13,9 +13,12 @@ import fcntl
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
+
+import nats.errors
+import nats.js.errors
 
 from actors.runner.engine import EngineNotFound, find_llama_server, probe_llama_server
 from actors.telemetry.actor import TelemetryActor
@@ -30,6 +33,7 @@ from runtime.journal import Journal, ensure_events_stream
 from runtime.logging import get_logger
 
 VERSION = "0.1.0"
+T = TypeVar("T")
 
 
 class DataDirBusy(RuntimeError):
@@ -61,11 +65,35 @@ async def describe_engine(config: NodeConfig) -> tuple[LlamaServerInfo | None, s
         return None, str(exc)
 
 
-async def run_node(config: NodeConfig, *, announce: Callable[[str], None]) -> int:
-    """Runs the node until a signal arrives. Returns the process exit code."""
+class JetStreamUnavailable(RuntimeError):
+    pass
+
+
+class StartupInterrupted(Exception):
+    """A stop signal arrived before the node was up."""
+
+
+async def _unless_stopped(awaitable: Awaitable[T], stop: asyncio.Event) -> T:
+    """Awaits `awaitable` unless `stop` is set first (then cancels it and raises StartupInterrupted)."""
+    work = asyncio.ensure_future(awaitable)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    raise StartupInterrupted("stopped while starting")
+
+
+async def run_node(config: NodeConfig, *, announce: Callable[[str], None], stop: asyncio.Event | None = None) -> int:
+    """Runs the node until SIGINT/SIGTERM (or `stop` is set). Returns the process exit code."""
     log = get_logger(node=config.node_id)
     lock = lock_data_dir(config.data_dir)
-    stop = asyncio.Event()
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -74,17 +102,28 @@ async def run_node(config: NodeConfig, *, announce: Callable[[str], None]) -> in
             embedded = not config.nats.urls
             if embedded:
                 server = EmbeddedNats(config.data_dir, preferred_port=config.nats_port)
-                options = (await server.start()).options()
+                options = (await _unless_stopped(server.start(), stop)).options()
                 stack.push_async_callback(server.stop)
             else:
                 options = config.nats
-            bus = await Bus.connect(options, name=f"mesh-actor node {config.node_id}")
-            stack.push_async_callback(bus.close)
-            await ensure_events_stream(
-                bus, config.subjects, max_age_s=config.journal_max_age_s, max_bytes=config.journal_max_bytes
+            bus = await _unless_stopped(
+                Bus.connect(options, name=f"mesh-actor node {config.node_id}", deadline_s=30.0), stop
             )
+            stack.push_async_callback(bus.close)
+            try:
+                await _unless_stopped(
+                    ensure_events_stream(
+                        bus, config.subjects, max_age_s=config.journal_max_age_s, max_bytes=config.journal_max_bytes
+                    ),
+                    stop,
+                )
+            except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError, TimeoutError) as exc:
+                raise JetStreamUnavailable(
+                    f"JetStream is not available on NATS at {','.join(options.urls)}; mesh-actor needs it "
+                    "for its journal and shared state (enable it on the server, e.g. nats-server -js)"
+                ) from exc
             journal = Journal(bus, config.subjects, config.node_id)
-            engine, engine_error = await describe_engine(config)
+            engine, engine_error = await _unless_stopped(describe_engine(config), stop)
             if engine_error:
                 log.warning("no_llama_server", reason=engine_error)
             facts = NodeFacts(

@@ -105,7 +105,7 @@ def prefix(args: argparse.Namespace) -> str:
 
 async def connect(args: argparse.Namespace, name: str) -> Bus:
     try:
-        return await Bus.connect(client_options(args), name=f"mesh-actor {name}")
+        return await Bus.connect(client_options(args), name=f"mesh-actor {name}", deadline_s=5.0)
     except BusError as exc:
         raise CliError(str(exc)) from exc
 

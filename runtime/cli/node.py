@@ -15,7 +15,7 @@ import nats.js.errors
 from messages.settings import CacheType
 from messages.subjects import Subjects
 from messages.telemetry import NodeResources
-from runtime.bus import BadMessage, decode_checked
+from runtime.bus import BadMessage, BusError, decode_checked
 from runtime.cli.common import (
     EXIT_USAGE,
     CliError,
@@ -29,7 +29,7 @@ from runtime.cli.common import (
 )
 from runtime.config import ConfigError, load_config
 from runtime.embedded import EmbeddedNatsError
-from runtime.launcher import DataDirBusy, run_node
+from runtime.launcher import DataDirBusy, JetStreamUnavailable, StartupInterrupted, run_node
 from runtime.logging import configure_logging
 from runtime.sizes import format_size
 
@@ -129,7 +129,9 @@ async def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         return await run_node(config, announce=announce)
-    except (DataDirBusy, EmbeddedNatsError, OSError) as exc:
+    except StartupInterrupted:
+        return 130
+    except (DataDirBusy, EmbeddedNatsError, JetStreamUnavailable, BusError, OSError) as exc:
         raise CliError(str(exc)) from exc
 
 
