@@ -373,7 +373,7 @@ def estimate(
     devices = tuple(_with_budget(d, budgets) for d in breakdown.devices)
     fits = all(d.fits is not False for d in devices)
     ceiling = max_context(geometry, settings, budgets, n_gpu_layers=n_gpu_layers, gpu_split=gpu_split)
-    return _replace(breakdown, devices=devices, fits=fits, max_context=ceiling or 0)
+    return _replace(breakdown, devices=devices, fits=fits, max_context=ceiling)
 
 
 def _with_budget(device: DeviceMemory, budgets: Budgets) -> DeviceMemory:
@@ -470,8 +470,7 @@ def _estimate(
         )
 
     devices = _layer_devices(geometry, n_gpu_layers, gpu_split)
-    n_gpu = len(gpu_split)
-    weights = _weights(geometry, devices, load_nextn=mtp, n_gpu=n_gpu)
+    weights = _weights(geometry, devices, load_nextn=mtp)
 
     n_outputs_max = min(min(n_ctx, settings.batch), settings.slots * (1 + _spec_n_max(settings, types)))
     gpu_with_layers = sorted({d for d in devices if d >= 0})
@@ -596,7 +595,7 @@ def _draft_settings(settings: ServingSettings) -> ServingSettings:
     return msgspec.structs.replace(settings, spec_type="none")
 
 
-def _weights(geometry: ModelGeometry, devices: Sequence[int], *, load_nextn: bool, n_gpu: int) -> dict[int, int]:
+def _weights(geometry: ModelGeometry, devices: Sequence[int], *, load_nextn: bool) -> dict[int, int]:
     """Tensor bytes per device: blocks where their layer lives, embeddings on the host, output tensors on
     the output layer's device (plus a copy of tied embeddings there when that is a GPU)."""
     out: dict[int, int] = {-1: geometry.input_tensor_bytes}
@@ -609,7 +608,6 @@ def _weights(geometry: ModelGeometry, devices: Sequence[int], *, load_nextn: boo
     out[out_dev] = out.get(out_dev, 0) + geometry.output_tensor_bytes
     if geometry.tied_output and out_dev >= 0:
         out[out_dev] += geometry.token_embd_bytes
-    del n_gpu
     return out
 
 
