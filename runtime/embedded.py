@@ -82,6 +82,8 @@ def _write_private(path: Path, text: str) -> None:
 
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As nats-server itself does: a port in TIME_WAIT after our own restart is free to listen on.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

@@ -1,0 +1,268 @@
+"""`mesh-actor run` end to end: the node as a subprocess, and in-process when NATS must be killed under it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import nats.js.errors
+import pytest
+
+from messages.subjects import Subjects
+from messages.telemetry import NodeResources
+from runtime.bus import Bus
+from runtime.config import load_config
+from runtime.launcher import run_node
+from tests.conftest import JournalReader, NatsServer, mesh_actor_command
+
+
+def _pids_with(text: str) -> list[int]:
+    """nats-server processes whose command line contains `text` (the config file of one data dir)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if argv and argv[0].endswith(b"nats-server") and text.encode() in b" ".join(argv):
+                    found.append(int(entry.name))
+    return found
+
+
+async def _wait_gone(text: str, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while _pids_with(text):
+            await asyncio.sleep(0.05)
+
+
+async def _cli(*args: str, timeout: float = 30.0) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        *mesh_actor_command(), *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    async with asyncio.timeout(timeout):
+        out, err = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+@contextlib.asynccontextmanager
+async def node_process(data_dir: Path, *extra: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    process = await asyncio.create_subprocess_exec(
+        *mesh_actor_command(),
+        "run",
+        "--data-dir",
+        str(data_dir),
+        "--nats-port",
+        "0",
+        "--telemetry-interval",
+        "0.5",
+        "--telemetry-ttl",
+        "3",
+        *extra,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert process.stdout is not None
+        async with asyncio.timeout(30):
+            line = (await process.stdout.readline()).decode()
+        assert "running" in line, line
+        yield process, line
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_run_is_ready_visible_in_status_and_journal_and_sigterm_leaves_nothing(tmp_path: Path) -> None:
+    data_dir = tmp_path / "node"
+    async with node_process(data_dir, "--node-id", "alpha", "--memory-limit", "3GiB") as (process, line):
+        assert "alpha" in line and "embedded" in line
+        assert _pids_with(str(data_dir / "nats-server.conf")), "embedded nats-server should be running"
+        assert oct((data_dir / "nats.json").stat().st_mode & 0o777) == "0o600"
+
+        code, out, err = await _cli("status", "--json", "--data-dir", str(data_dir))
+        assert code == 0, err
+        nodes = json.loads(out)["nodes"]
+        assert [n["node_id"] for n in nodes] == ["alpha"]
+        assert nodes[0]["host"]["usable_bytes"] <= 3 << 30
+        assert nodes[0]["age_s"] < 5
+        assert nodes[0]["memory_limit_bytes"] == 3 << 30
+
+        code, out, err = await _cli("events", "--json", "--data-dir", str(data_dir))
+        assert code == 0, err
+        events = [json.loads(row)["event"] for row in out.splitlines()]
+        types = [e["type"] for e in events]
+        assert "node_started" in types and "actor_started" in types
+        telemetry = next(e for e in events if e["type"] == "telemetry_changed")
+        assert telemetry["resources"]["node_id"] == "alpha"
+
+        code, out, _ = await _cli("events", "--json", "--subject", "telemetry.>", "--data-dir", str(data_dir))
+        filtered = [json.loads(r)["event"] for r in out.splitlines()]
+        assert code == 0 and {e["actor"] for e in filtered} == {"telemetry"}
+        assert "telemetry_changed" in {e["type"] for e in filtered}
+
+        process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            assert await process.wait() == 0
+    await _wait_gone(str(data_dir / "nats-server.conf"))
+
+
+async def test_killed_node_leaves_no_nats_server_behind(tmp_path: Path) -> None:
+    data_dir = tmp_path / "node"
+    async with node_process(data_dir, "--node-id", "beta") as (process, _):
+        assert _pids_with(str(data_dir / "nats-server.conf"))
+        process.kill()
+        await process.wait()
+    await _wait_gone(str(data_dir / "nats-server.conf"))
+
+
+async def test_second_node_on_the_same_data_dir_is_refused(tmp_path: Path) -> None:
+    data_dir = tmp_path / "node"
+    async with node_process(data_dir, "--node-id", "gamma"):
+        code, _, err = await _cli("run", "--data-dir", str(data_dir), "--node-id", "other")
+        assert code == 1
+        assert "in use" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["run", "--memory-limit", "lots"], "--memory-limit"),
+        (["run", "--node-id", "no spaces"], "node id"),
+        (["run", "--parallel", "0"], "slots"),
+        (["run", "--cache-type-k", "q3"], "invalid choice"),
+        (["run", "--nats", "localhost"], "not a URL"),
+    ],
+)
+async def test_bad_run_flags_are_usage_errors(tmp_path: Path, args: list[str], needle: str) -> None:
+    code, _, err = await _cli(*args, "--data-dir", str(tmp_path))
+    assert code == 2
+    assert needle in err and "Traceback" not in err
+
+
+async def test_client_commands_without_a_node_say_how_to_start_one(tmp_path: Path) -> None:
+    for command in ("status", "events", "nats-env"):
+        code, _, err = await _cli(command, "--data-dir", str(tmp_path / "empty"))
+        assert code == 1
+        assert "mesh-actor run" in err and "Traceback" not in err
+
+
+async def test_nats_env_describes_the_embedded_server(tmp_path: Path) -> None:
+    data_dir = tmp_path / "node"
+    async with node_process(data_dir, "--node-id", "delta"):
+        code, out, _ = await _cli("nats-env", "--json", "--data-dir", str(data_dir))
+        record = json.loads(out)
+        assert code == 0 and set(record) == {"url", "user", "password"}
+        code, out, _ = await _cli("nats-env", "--data-dir", str(data_dir))
+        assert out.splitlines()[0] == f"NATS_URL={record['url']}"
+        # What it prints is enough for a plain nats-py client.
+        nc = await nats.connect(record["url"], user=record["user"], password=record["password"])
+        await nc.close()
+
+
+@contextlib.asynccontextmanager
+async def node_in_process(
+    tmp_path: Path, server: NatsServer, node_id: str, *, ttl: str = "3"
+) -> AsyncIterator[asyncio.Task[int]]:
+    env = {
+        "MESH_ACTOR_NATS": server.url,
+        "MESH_ACTOR_NATS_USER": server.options.user or "",
+        "MESH_ACTOR_NATS_PASSWORD": server.options.password or "",
+    }
+    flags = {"data_dir": str(tmp_path / node_id), "node_id": node_id, "telemetry_interval": "0.3", "telemetry_ttl": ttl}
+    config = load_config(flags, env)
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    task = asyncio.create_task(run_node(config, announce=lambda _: ready.set(), stop=stop))
+    try:
+        async with asyncio.timeout(20):
+            await ready.wait()
+        yield task
+    finally:
+        stop.set()
+        async with asyncio.timeout(20):
+            with contextlib.suppress(Exception):
+                await task
+
+
+async def _next_report(bus: Bus, node_id: str, timeout: float = 10.0) -> NodeResources:
+    sub = await bus.nc.subscribe(Subjects().telemetry(node_id))
+    try:
+        msg = await sub.next_msg(timeout=timeout)
+        return msgspec.json.decode(msg.data, type=NodeResources)
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_nats_killed_and_restarted_mid_run_node_reconnects_and_journal_is_intact(
+    tmp_path: Path, nats_server: NatsServer
+) -> None:
+    async with node_in_process(tmp_path, nats_server, "epsilon") as task:
+        probe = await Bus.connect(nats_server.options, name="probe")
+        before = await _next_report(probe, "epsilon")
+        reader = JournalReader(probe, Subjects())
+        await reader.start()
+        await reader.wait_for(lambda e: e["type"] == "telemetry_changed")
+        await reader.stop()
+        info = await probe.js.stream_info(Subjects().events_stream)
+        stored_before = info.state.messages
+        assert stored_before >= 3
+        await probe.close()
+
+        await nats_server.kill()
+        await asyncio.sleep(1.0)  # the node runs without NATS for a while (several telemetry intervals)
+        assert not task.done()
+        await nats_server.start()
+
+        probe = await Bus.connect(nats_server.options, name="probe")
+        try:
+            after = await _next_report(probe, "epsilon", timeout=15)
+            assert after.seq > before.seq and after.started_at == before.started_at
+            reader = JournalReader(probe, Subjects())
+            await reader.start()
+            # Everything stored before the kill is still there, in order, and new events keep arriving.
+            early = await reader.wait_for(lambda e: True, count=stored_before)
+            assert [e["type"] for e in early[:2]] == ["node_started", "actor_started"]
+            kv = await probe.js.key_value(Subjects().nodes_bucket)
+            async with asyncio.timeout(10):
+                while True:
+                    with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                        entry = await kv.get("epsilon")
+                        if msgspec.json.decode(entry.value or b"{}", type=dict)["seq"] > before.seq:
+                            break
+                    await asyncio.sleep(0.1)
+            await reader.stop()
+        finally:
+            await probe.close()
+
+
+async def test_dead_node_disappears_from_the_nodes_bucket_after_its_ttl(
+    tmp_path: Path, nats_server: NatsServer
+) -> None:
+    probe = await Bus.connect(nats_server.options, name="probe")
+    try:
+        async with node_in_process(tmp_path, nats_server, "zeta", ttl="2"):
+            await _next_report(probe, "zeta")
+            kv = await probe.js.key_value(Subjects().nodes_bucket)
+            assert (await kv.get("zeta")).value
+        watcher = await kv.watch("zeta", include_history=False)
+        try:
+            async with asyncio.timeout(15):
+                while True:
+                    with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                        await kv.get("zeta")
+                        await asyncio.sleep(0.2)
+                        continue
+                    break
+        finally:
+            await watcher.stop()
+    finally:
+        await probe.close()
+    assert os.environ.get("MESH_ACTOR_NATS") is None  # in-process nodes took their config from a dict
