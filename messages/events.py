@@ -7,10 +7,14 @@ Readers that meet a type they do not know (a newer producer) still show it as pl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
+from messages.memory import MemoryBreakdown
+from messages.model import ModelGeometry
+from messages.placement import PlacementDecision, PlacementRequest
+from messages.runner import FieldDrift, ObservedMemory
 from messages.telemetry import NodeResources
 
 
@@ -67,6 +71,90 @@ class TelemetryChanged(Event, frozen=True, kw_only=True, tag="telemetry_changed"
     resources: NodeResources
 
 
+def event_type(event: Event) -> str:
+    """The `type` tag of an event (also the last token of its subject)."""
+    tag: Any = type(event).__struct_config__.tag
+    return str(tag)
+
+
+# --- placement -----------------------------------------------------------------------------------------
+
+
+class PlacementDecided(Event, frozen=True, kw_only=True, tag="placement_decided"):
+    """Everything needed to recompute a decision: the request, the view it saw, and the decision."""
+
+    request: PlacementRequest
+    view: tuple[NodeResources, ...]
+    view_revisions: dict[str, int]
+    registry_geometry: ModelGeometry | None = None  # geometry from a signed entry (no file needed)
+    decision: PlacementDecision
+
+
+class ReservationReleased(Event, frozen=True, kw_only=True, tag="reservation_released"):
+    reservation_id: str
+    node_id_released: str
+    reason: str  # "stopped", "failed", "expired", "rejected"
+
+
+class ReservationObserved(Event, frozen=True, kw_only=True, tag="reservation_observed"):
+    """The runner reported the instance ready: the held memory is now the observed footprint."""
+
+    reservation_id: str
+    held: dict[str, int]
+
+
+# --- runner --------------------------------------------------------------------------------------------
+
+
+class InstanceEvent(Event, frozen=True, kw_only=True):
+    instance_id: str
+    reservation_id: str
+
+
+class InstanceStarting(InstanceEvent, frozen=True, kw_only=True, tag="instance_starting"):
+    command: tuple[str, ...]
+    port: int
+
+
+class InstanceReady(InstanceEvent, frozen=True, kw_only=True, tag="instance_ready"):
+    port: int
+    predicted: MemoryBreakdown
+    observed: ObservedMemory
+
+
+class DriftRejected(InstanceEvent, frozen=True, kw_only=True, tag="drift_rejected"):
+    """The instance was refused or stopped because a setting differs from its stamp."""
+
+    stage: Literal["before_start", "after_start"]
+    drift: tuple[FieldDrift, ...]
+
+
+class InstanceRefused(InstanceEvent, frozen=True, kw_only=True, tag="instance_refused"):
+    """Worker-side admission: the model no longer fits what the node has now."""
+
+    need_bytes: dict[str, int]
+    have_bytes: dict[str, int]
+    message: str
+
+
+class InstanceCrashed(InstanceEvent, frozen=True, kw_only=True, tag="instance_crashed"):
+    exit_code: int | None
+    restart_in_s: float | None
+    log_tail: str
+
+
+class InstanceRestarted(InstanceEvent, frozen=True, kw_only=True, tag="instance_restarted"):
+    attempt: int
+
+
+class InstanceStopped(InstanceEvent, frozen=True, kw_only=True, tag="instance_stopped"):
+    reason: str
+
+
+class InstanceFailed(InstanceEvent, frozen=True, kw_only=True, tag="instance_failed"):
+    reason: str
+
+
 AnyEvent = (
     ActorStarted
     | ActorCrashed
@@ -76,10 +164,15 @@ AnyEvent = (
     | NodeStarted
     | NodeStopped
     | TelemetryChanged
+    | PlacementDecided
+    | ReservationReleased
+    | ReservationObserved
+    | InstanceStarting
+    | InstanceReady
+    | DriftRejected
+    | InstanceRefused
+    | InstanceCrashed
+    | InstanceRestarted
+    | InstanceStopped
+    | InstanceFailed
 )
-
-
-def event_type(event: Event) -> str:
-    """The `type` tag of an event (also the last token of its subject)."""
-    tag: Any = type(event).__struct_config__.tag
-    return str(tag)

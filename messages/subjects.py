@@ -50,6 +50,10 @@ class Subjects:
     def reservations_bucket(self) -> str:
         return f"{self._upper}_RESERVATIONS"
 
+    @property
+    def instances_bucket(self) -> str:
+        return f"{self._upper}_INSTANCES"
+
     def telemetry(self, node: str) -> str:
         return f"{self.prefix}.telemetry.{node}"
 
@@ -70,6 +74,9 @@ class Subjects:
 
     def event(self, actor: str, kind: str) -> str:
         return f"{self.prefix}.events.{actor}.{kind}"
+
+    def events_of(self, actor: str) -> str:
+        return f"{self.prefix}.events.{actor}.>"
 
     @property
     def events_all(self) -> str:

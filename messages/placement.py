@@ -1,0 +1,150 @@
+"""Placement: where a model fits, with which settings, and the memory held for it.
+
+`mesh.placement.request` takes a `PlacementRequest` and answers a `PlacementDecision` (admitted or not; an
+admitted decision holds a reservation). `mesh.placement.fit` takes the same request and answers the same
+decision without reserving anything. The minimal request is `{"model": {"path": "/models/x.gguf"},
+"ctx": 8192}`. Reservations live in the `MESH_RESERVATIONS` KV bucket, one key per node (`node.<id>`)
+holding every reservation on that node, updated with revision compare-and-set.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from messages.memory import DeviceMemory, MemoryBreakdown
+from messages.settings import CacheType, ServingSettings
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+#: Machine-readable reasons a node (or the whole request) was refused.
+RejectReason = Literal[
+    "insufficient_memory",  # need > have on some device; see shortfalls
+    "settings_unknown",  # the node has not advertised serving settings (no llama-server)
+    "settings_mismatch",  # the node's advertised settings differ from what the client requires
+    "telemetry_stale",  # the node's last report is older than its TTL
+    "not_found",  # a requested node is not in the cluster view
+    "model_unreadable",  # the GGUF file cannot be read or is malformed
+    "unsupported_architecture",
+    "unsupported_settings",  # llama-server would refuse these settings for this model
+    "registry_untrusted",  # a registry entry is unsigned, tampered with or not bound to the file
+    "no_nodes",  # no node is eligible at all
+    "reservation_conflict",  # another placement took the memory first, repeatedly
+]
+
+
+class ModelRef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A model: a GGUF path readable by the placement actor, or a signed registry entry (by name)."""
+
+    path: str | None = None
+    registry: str | None = None
+
+
+class PreferredSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Settings the client requires. They never override a node's advertisement: a node whose advertised
+    value differs is refused with `settings_mismatch` and named fields."""
+
+    slots: Annotated[int, msgspec.Meta(ge=1, le=1024)] | None = None
+    kv_unified: bool | None = None
+    cache_type_k: CacheType | None = None
+    cache_type_v: CacheType | None = None
+    flash_attn: Literal["on", "off"] | None = None
+    spec_type: str | None = None
+    spec_draft_n_max: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
+    swa_full: bool | None = None
+
+
+class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    model: ModelRef
+    ctx: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] | None = None  # -c; omit with max_ctx
+    max_ctx: bool = False  # admit the largest context that fits (ctx, if given, is the minimum)
+    nodes: tuple[str, ...] = ()  # only these nodes (default: any live node)
+    settings: PreferredSettings | None = None
+    n_gpu_layers: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -ngl; -1 = all layers on GPUs when there are GPUs
+    allow_multi_node: bool = True
+    hold_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 600.0  # a reservation not started by then expires
+    request_id: str | None = None  # the client's own correlation id, echoed in the decision
+
+
+class Stamp(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Exactly how the instance must run: the runner pins every field on llama-server's command line."""
+
+    settings: ServingSettings
+    ctx: NonNegative  # -c as passed to llama-server (total cells over all streams)
+    n_gpu_layers: int  # -ngl as passed (0 on a node without GPUs)
+    gpu_split: tuple[float, ...] = ()  # --tensor-split, one weight per GPU
+    llama_server_version: str | None = None  # the node's engine build at admission
+
+
+class DeviceShortfall(msgspec.Struct, frozen=True, kw_only=True):
+    device: str
+    need_bytes: NonNegative
+    have_bytes: NonNegative
+
+
+class NodeRejection(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    reason: RejectReason
+    message: str
+    shortfalls: tuple[DeviceShortfall, ...] = ()
+    fields: tuple[str, ...] = ()  # for settings_mismatch: the differing fields
+
+
+class NodePlacement(msgspec.Struct, frozen=True, kw_only=True):
+    """One node's share of an admitted model."""
+
+    node_id: str
+    layers: tuple[int, int]  # [first, last) blocks on this node
+    breakdown: MemoryBreakdown  # this node's devices, with its budget and fit
+    telemetry_revision: NonNegative  # the nodes-bucket revision the decision used
+
+
+class PlacementDecision(msgspec.Struct, frozen=True, kw_only=True):
+    decision_id: str
+    admitted: bool
+    dry_run: bool  # true for mesh.placement.fit: nothing reserved
+    model: ModelRef
+    architecture: str | None = None
+    model_digest: str | None = None  # blake3 of the file when known (registry entries always)
+    ctx: NonNegative | None = None  # the admitted context (-c)
+    context_ceiling: NonNegative | None = None  # the largest context that would fit the chosen node(s)
+    stamp: Stamp | None = None
+    placements: tuple[NodePlacement, ...] = ()
+    multi_node: bool = False
+    reservation_id: str | None = None
+    reason: RejectReason | None = None  # overall reason when not admitted
+    message: str = ""
+    rejections: tuple[NodeRejection, ...] = ()  # why each other node was not chosen
+    view: dict[str, int] = msgspec.field(default_factory=dict)  # node -> telemetry revision
+    estimator_version: str = ""
+    decided_at: float = 0.0
+    request_id: str | None = None
+
+
+ReservationState = Literal["reserved", "running", "stopping"]
+
+
+class Reservation(msgspec.Struct, frozen=True, kw_only=True):
+    """Memory held on one node for one admitted instance (or one node's share of a multi-node one)."""
+
+    reservation_id: str
+    decision_id: str
+    node_id: str
+    state: ReservationState
+    model_path: str  # the GGUF file the runner starts
+    model_digest: str | None = None
+    stamp: Stamp
+    layers: tuple[int, int]
+    devices: tuple[DeviceMemory, ...]  # predicted per device (what is held while reserved)
+    held: dict[str, int]  # device -> bytes held now (predicted, then observed once running)
+    multi_node: bool = False
+    created_at: float
+    expires_at: float | None = None  # None once the runner reports the instance ready
+
+
+class NodeLedger(msgspec.Struct, frozen=True, kw_only=True):
+    """The value of key `node.<id>` in the reservations bucket: everything held on that node."""
+
+    node_id: str
+    reservations: tuple[Reservation, ...] = ()

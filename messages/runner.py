@@ -1,0 +1,73 @@
+"""Runner: start and stop llama-server instances on a node (`mesh.runner.<node>.start` / `.stop`).
+
+A start names a reservation made by placement; the runner reads it from the reservations bucket, so the
+stamp it pins is the one admission decided, never one the caller sends. Instance status records live in
+the `MESH_INSTANCES` KV bucket (key = instance id, refreshed with a TTL while the runner lives).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from messages.memory import MemoryBreakdown
+from messages.placement import Stamp
+
+
+class StartInstance(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    reservation_id: str
+
+
+class StopInstance(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    instance_id: str
+
+
+InstanceState = Literal["starting", "ready", "restarting", "stopping", "stopped", "failed", "rejected"]
+
+
+class RunnerAck(msgspec.Struct, frozen=True, kw_only=True):
+    instance_id: str
+    node_id: str
+    state: InstanceState
+    port: int | None = None
+    message: str = ""
+
+
+class FieldDrift(msgspec.Struct, frozen=True, kw_only=True):
+    """One setting that differs between the stamp and what the node (or the server) has now."""
+
+    field: str
+    stamped: str
+    current: str
+
+
+class ObservedMemory(msgspec.Struct, frozen=True, kw_only=True):
+    """What llama-server reported it allocated (parsed from its log), in bytes, keyed like `fit --json`."""
+
+    kv_bytes: int
+    recurrent_bytes: int
+    draft_kv_bytes: int
+    weights_bytes: int
+    compute_bytes: int
+    output_bytes: int
+    total_bytes: int
+    devices: dict[str, int] = msgspec.field(default_factory=dict)  # buffer name -> bytes
+
+
+class InstanceStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """The runner's view of one instance (value of its key in the instances bucket)."""
+
+    id: str
+    node: str
+    reservation_id: str
+    state: InstanceState
+    port: int | None
+    model_path: str
+    settings: Stamp
+    predicted_memory: MemoryBreakdown
+    observed_memory: ObservedMemory | None = None
+    restarts: int = 0
+    pid: int | None = None
+    message: str = ""
+    updated_at: float = 0.0
