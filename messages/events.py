@@ -13,7 +13,7 @@ import msgspec
 
 from messages.memory import MemoryBreakdown
 from messages.model import ModelGeometry
-from messages.placement import PlacementDecision, PlacementRequest
+from messages.placement import NodeLedger, PlacementDecision, PlacementRequest
 from messages.runner import FieldDrift, ObservedMemory
 from messages.telemetry import NodeResources
 
@@ -84,9 +84,11 @@ class PlacementDecided(Event, frozen=True, kw_only=True, tag="placement_decided"
     """Everything needed to recompute a decision: the request, the view it saw, and the decision."""
 
     request: PlacementRequest
-    view: tuple[NodeResources, ...]
+    view: tuple[NodeResources, ...]  # every node the placement actor knew, stale ones included
     view_revisions: dict[str, int]
-    registry_geometry: ModelGeometry | None = None  # geometry from a signed entry (no file needed)
+    ledgers: tuple[NodeLedger, ...]  # memory held on those nodes at the time
+    geometry: ModelGeometry | None  # the model's header facts as read (None if unreadable)
+    model_path: str | None
     decision: PlacementDecision
 
 

@@ -141,6 +141,7 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     multi_node: bool = False
     created_at: float
     expires_at: float | None = None  # None once the runner reports the instance ready
+    running_since: float | None = None  # when the runner reported it ready (telemetry after this sees it)
 
 
 class NodeLedger(msgspec.Struct, frozen=True, kw_only=True):

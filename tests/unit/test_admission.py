@@ -1,0 +1,223 @@
+"""Admission core: node eligibility, sizing against ledgers, node choice, layer split, context ceiling."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from actors.placement.admission import ModelFacts, Outcome, ViewEntry, decide
+from actors.placement.geometry import geometry_from_header
+from actors.placement.gguf_header import read_header
+from actors.placement.ledger import available, with_reservation
+from actors.placement.memory import estimate
+from messages.model import ModelGeometry
+from messages.placement import NodeLedger, PlacementRequest, PreferredSettings, Reservation, Stamp
+from messages.settings import ServingSettings
+from messages.telemetry import HostInfo, LlamaServerInfo, NodeResources
+from tests.tiny_models import write_llama, write_qwen35
+
+NOW = 1_000_000.0
+GIB = 1 << 30
+QUIET = {"cache_ram_mib": 0, "ctx_checkpoints": 0}  # no host extras: keeps the arithmetic readable
+
+
+def node(
+    node_id: str,
+    usable: int,
+    *,
+    total: int = 64 * GIB,
+    settings: ServingSettings | None = ServingSettings(**QUIET),
+    sent_at: float = NOW - 1,
+    limit: int | None = None,
+) -> NodeResources:
+    return NodeResources(
+        node_id=node_id,
+        seq=1,
+        sent_at=sent_at,
+        started_at=NOW - 100,
+        ttl_s=15,
+        host=HostInfo(ram_total_bytes=total, ram_available_bytes=usable, usable_bytes=usable, cpu_count=8),
+        memory_limit_bytes=limit,
+        llama_server=LlamaServerInfo(path="llama-server", version="test", build_info="") if settings else None,
+        llama_server_error=None if settings else "not installed",
+        settings=settings,
+    )
+
+
+def view(*nodes: NodeResources) -> dict[str, ViewEntry]:
+    return {n.node_id: ViewEntry(resources=n, revision=i + 1) for i, n in enumerate(nodes)}
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory: pytest.TempPathFactory) -> ModelFacts:
+    path = write_llama(tmp_path_factory.mktemp("m") / "llama.gguf", n_layer=8, n_embd=256, n_head=8, n_ff=512)
+    return ModelFacts(geometry=geometry_from_header(read_header(path)), path=str(path))
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> ModelFacts:
+    path = write_qwen35(
+        tmp_path_factory.mktemp("m") / "qwen35.gguf", n_layer=8, state_size=64, dt_rank=16, group_count=2
+    )
+    return ModelFacts(geometry=geometry_from_header(read_header(path)), path=str(path))
+
+
+def request(ctx: int | None = 4096, **fields: object) -> PlacementRequest:
+    return msgspec.convert({"model": {"path": "m.gguf"}, "ctx": ctx, **fields}, PlacementRequest)
+
+
+def run(
+    req: PlacementRequest,
+    model: ModelFacts,
+    nodes: dict[str, ViewEntry],
+    ledgers: dict[str, NodeLedger] | None = None,
+    dry_run: bool = False,
+) -> Outcome:
+    return decide(req, model, nodes, ledgers or {}, now=NOW, decision_id="d1", reservation_id="r1", dry_run=dry_run)
+
+
+def need(model: ModelGeometry, settings: ServingSettings, ctx: int) -> int:
+    return estimate(model, settings, ctx).total_bytes
+
+
+def test_single_node_admitted_with_stamp_from_its_advertisement(dense: ModelFacts) -> None:
+    settings = ServingSettings(slots=3, cache_type_k="q8_0", **QUIET)
+    outcome = run(request(ctx=3000, settings={"slots": 3}), dense, view(node("a", 8 * GIB, settings=settings)))
+    decision = outcome.decision
+    assert decision.admitted and decision.reservation_id == "r1" and not decision.multi_node
+    assert decision.stamp is not None and decision.stamp.settings == settings and decision.stamp.ctx == 3000
+    assert decision.stamp.n_gpu_layers == 0  # a node without GPUs
+    (placement,) = decision.placements
+    assert placement.node_id == "a" and placement.layers == (0, 8) and placement.telemetry_revision == 1
+    device = placement.breakdown.devices[0]
+    assert device.device == "CPU" and device.fits and device.budget_bytes == 8 * GIB
+    (reservation,) = outcome.reservations
+    assert reservation.held == {"CPU": device.total_bytes}
+    assert reservation.expires_at == NOW + 600 and reservation.state == "reserved"
+
+
+def test_refused_with_need_and_have_per_device(dense: ModelFacts) -> None:
+    total = need(dense.geometry, ServingSettings(**QUIET), 4096)
+    outcome = run(request(), dense, view(node("a", total - 1)))
+    decision = outcome.decision
+    assert not decision.admitted and decision.reason == "insufficient_memory" and not outcome.reservations
+    (rejection,) = decision.rejections
+    assert rejection.shortfalls[0].device == "CPU"
+    assert rejection.shortfalls[0].need_bytes == total and rejection.shortfalls[0].have_bytes == total - 1
+
+
+def test_hybrid_refused_at_64_slots_and_admitted_at_16_under_the_same_limit(hybrid: ModelFacts) -> None:
+    at = {n: ServingSettings(slots=n, kv_unified=True, spec_type="draft-mtp", **QUIET) for n in (16, 64)}
+    need16, need64 = (need(hybrid.geometry, at[n], 4096) for n in (16, 64))
+    assert need64 > need16
+    limit = (need16 + need64) // 2
+    for slots, admitted in ((64, False), (16, True)):
+        # telemetry already caps usable memory at the node's limit
+        nodes = view(node("a", limit, limit=limit, settings=at[slots]))
+        decision = run(request(), hybrid, nodes).decision
+        assert decision.admitted is admitted, decision.message
+        if not admitted:
+            assert decision.rejections[0].shortfalls[0].need_bytes == need64
+
+
+def test_node_without_advertised_settings_is_refused_settings_unknown(hybrid: ModelFacts) -> None:
+    decision = run(request(), hybrid, view(node("a", 32 * GIB, settings=None))).decision
+    assert not decision.admitted and decision.reason == "settings_unknown"
+    assert "not installed" in decision.rejections[0].message
+
+
+def test_stale_node_is_excluded_and_a_fresh_one_chosen(dense: ModelFacts) -> None:
+    nodes = view(node("old", 32 * GIB, sent_at=NOW - 60), node("new", 4 * GIB))
+    decision = run(request(), dense, nodes).decision
+    assert decision.admitted and [p.node_id for p in decision.placements] == ["new"]
+    assert [(r.node_id, r.reason) for r in decision.rejections] == [("old", "telemetry_stale")]
+
+
+def test_required_settings_never_override_the_advertisement(dense: ModelFacts) -> None:
+    req = request(settings=msgspec.to_builtins(PreferredSettings(slots=8, cache_type_k="q8_0")))
+    decision = run(req, dense, view(node("a", 32 * GIB))).decision
+    assert not decision.admitted and decision.reason == "settings_mismatch"
+    assert decision.rejections[0].fields == ("slots", "cache_type_k")
+
+
+def test_unknown_requested_node_is_not_found(dense: ModelFacts) -> None:
+    decision = run(request(nodes=["ghost"]), dense, view(node("a", 32 * GIB))).decision
+    assert not decision.admitted and decision.reason == "not_found"
+
+
+def test_most_headroom_wins(dense: ModelFacts) -> None:
+    decision = run(request(), dense, view(node("small", 2 * GIB), node("big", 6 * GIB))).decision
+    assert decision.placements[0].node_id == "big"
+    assert [r.node_id for r in decision.rejections] == []
+
+
+def test_layers_are_split_over_the_fewest_nodes_when_none_fits_alone(dense: ModelFacts) -> None:
+    total = need(dense.geometry, ServingSettings(**QUIET), 4096)
+    nodes = view(node("a", int(total * 0.7)), node("b", int(total * 0.7)), node("c", int(total * 0.7)))
+    outcome = run(request(), dense, nodes)
+    decision = outcome.decision
+    assert decision.admitted and decision.multi_node, decision.message
+    assert len(decision.placements) == 2
+    (first, last) = (decision.placements[0].layers, decision.placements[1].layers)
+    assert first[0] == 0 and first[1] == last[0] and last[1] == dense.geometry.n_layer
+    for placement in decision.placements:
+        assert all(d.fits for d in placement.breakdown.devices)
+    assert {r.node_id for r in outcome.reservations} == {p.node_id for p in decision.placements}
+    assert all(r.multi_node for r in outcome.reservations)
+    assert not run(request(allow_multi_node=False), dense, nodes).decision.admitted
+
+
+def test_largest_context_is_buildable_fits_and_is_capped_at_training_context(dense: ModelFacts) -> None:
+    settings = ServingSettings(slots=3, **QUIET)
+    budget = need(dense.geometry, settings, 3 * 256 * 20) + 1000
+    decision = run(request(ctx=None), dense, view(node("a", budget, settings=settings))).decision
+    assert decision.admitted and decision.ctx is not None
+    assert decision.ctx % (3 * 256) == 0 and decision.ctx == decision.context_ceiling
+    assert need(dense.geometry, settings, decision.ctx) <= budget < need(dense.geometry, settings, decision.ctx + 768)
+    roomy = run(request(ctx=None), dense, view(node("a", 60 * GIB, settings=settings))).decision
+    assert roomy.ctx is not None and roomy.ctx <= dense.geometry.n_ctx_train
+    assert roomy.context_ceiling is not None and roomy.context_ceiling > roomy.ctx
+
+
+def test_reserved_memory_is_not_offered_twice(dense: ModelFacts) -> None:
+    total = need(dense.geometry, ServingSettings(**QUIET), 4096)
+    nodes = view(node("a", int(total * 1.5)))
+    first = run(request(), dense, nodes)
+    assert first.decision.admitted
+    ledgers = {"a": with_reservation(None, "a", first.reservations[0], NOW)}
+    second = run(request(), dense, nodes, ledgers)
+    assert not second.decision.admitted and second.decision.reason == "insufficient_memory"
+    # A dry run reserves nothing.
+    assert not run(request(), dense, nodes, dry_run=True).reservations
+
+
+def test_expired_reservations_hold_nothing(dense: ModelFacts) -> None:
+    total = need(dense.geometry, ServingSettings(**QUIET), 4096)
+    nodes = view(node("a", int(total * 1.5)))
+    reservation = msgspec.structs.replace(run(request(), dense, nodes).reservations[0], expires_at=NOW - 1)
+    ledger = NodeLedger(node_id="a", reservations=(reservation,))
+    assert available(nodes["a"].resources, ledger, NOW) == {"CPU": int(total * 1.5)}
+
+
+def test_running_instance_seen_by_telemetry_is_not_counted_twice_but_capacity_still_is() -> None:
+    n = node("a", 10 * GIB, total=16 * GIB)
+    base = NodeLedger(node_id="a", reservations=())
+
+    r = Reservation(
+        reservation_id="r",
+        decision_id="d",
+        node_id="a",
+        state="running",
+        model_path="m",
+        stamp=Stamp(settings=ServingSettings(), ctx=256, n_gpu_layers=0),
+        layers=(0, 1),
+        devices=(),
+        held={"CPU": 4 * GIB},
+        created_at=NOW - 50,
+        running_since=NOW - 30,  # before the report (sent NOW - 1): the report already shows its memory
+    )
+    assert available(n, msgspec.structs.replace(base, reservations=(r,)), NOW) == {"CPU": 10 * GIB}
+    fresh = msgspec.structs.replace(r, running_since=NOW - 0.5)  # after the report: not visible yet
+    assert available(n, msgspec.structs.replace(base, reservations=(fresh,)), NOW) == {"CPU": 6 * GIB}
+    big = msgspec.structs.replace(r, held={"CPU": 14 * GIB})  # capacity term: 16 - 14
+    assert available(n, msgspec.structs.replace(base, reservations=(big,)), NOW) == {"CPU": 2 * GIB}
