@@ -19,6 +19,7 @@ from tests.tiny_models import write_llama, write_qwen35
 NOW = 1_000_000.0
 GIB = 1 << 30
 QUIET = {"cache_ram_mib": 0, "ctx_checkpoints": 0}  # no host extras: keeps the arithmetic readable
+DEFAULT = ServingSettings(cache_ram_mib=0, ctx_checkpoints=0)
 
 
 def node(
@@ -26,7 +27,7 @@ def node(
     usable: int,
     *,
     total: int = 64 * GIB,
-    settings: ServingSettings | None = ServingSettings(**QUIET),
+    settings: ServingSettings | None = DEFAULT,
     sent_at: float = NOW - 1,
     limit: int | None = None,
 ) -> NodeResources:
