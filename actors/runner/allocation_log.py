@@ -4,7 +4,8 @@ This module owns reading what llama-server says it allocated: model buffers per 
 llama context it creates (the serving context first, then an MTP/draft context if any) its resolved
 parameters (n_ctx, n_ctx_seq, n_seq_max, n_ubatch, n_rs_seq, …), its KV caches (one line per cache; a
 sliding-window model has a non-SWA and a SWA cache), its recurrent state, output and compute buffers, and
-the `fit_memory_breakdown` JSON record that `--log-jsonl` adds at shutdown.
+the `fit_memory_breakdown` JSON record that `--log-jsonl` adds at shutdown, and the speculative
+implementations the server set up (type and draft length), which its `/props` does not report.
 
 Input is the log text as the server wrote it: plain lines with or without the `M.SS.mmm.uuu L ` time and
 level prefix, ANSI colours, or `--log-jsonl` records (whose `msg` is parsed the same way). Anything else is
@@ -30,6 +31,7 @@ __all__ = [
     "ContextAllocation",
     "KvCacheLine",
     "RecurrentLine",
+    "SpeculativeImpl",
     "parse_allocation_log",
     "printed_mib",
     "printed_mib_f32",
@@ -119,6 +121,14 @@ class BreakdownRow:
 
 
 @dataclass
+class SpeculativeImpl:
+    """One `adding speculative implementation '<type>'` line and the draft length printed after it."""
+
+    type: str
+    n_max: int | None = None
+
+
+@dataclass
 class AllocationLog:
     """The parsed allocation facts of one llama-server run."""
 
@@ -127,6 +137,7 @@ class AllocationLog:
     breakdown: list[BreakdownRow] | None = None
     build_info: str | None = None
     unused_tensors: list[str] = field(default_factory=list)
+    speculative: list[SpeculativeImpl] = field(default_factory=list)
 
     @property
     def target(self) -> ContextAllocation | None:
@@ -161,6 +172,8 @@ _RS_SIZE = re.compile(
 _COMPUTE = re.compile(rf"^sched_reserve:\s+(\S+) compute buffer size\s*=\s*{_NUM} MiB")
 _BUILD = re.compile(r"common_params_print_info: (build .*)$")
 _UNUSED = re.compile(r"model has unused tensor (\S+)")
+_SPEC_IMPL = re.compile(r"adding speculative implementation '([A-Za-z0-9_-]+)'")
+_SPEC_N_MAX = re.compile(r": - n_max=(\d+)")
 
 
 def _messages(text: str) -> Iterable[tuple[str | None, object]]:
@@ -301,4 +314,8 @@ def parse_allocation_log(text: str) -> AllocationLog:
             result.build_info = m.group(1).strip()
         elif m := _UNUSED.search(line):
             result.unused_tensors.append(m.group(1))
+        elif m := _SPEC_IMPL.search(line):
+            result.speculative.append(SpeculativeImpl(type=m.group(1)))
+        elif (m := _SPEC_N_MAX.search(line)) and result.speculative and result.speculative[-1].n_max is None:
+            result.speculative[-1].n_max = int(m.group(1))
     return result

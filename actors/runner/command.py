@@ -1,0 +1,76 @@
+"""The llama-server command line of an admitted instance (runner core).
+
+This module owns turning a reservation into an argument list. Every setting that changes what the server
+allocates is pinned from the reservation's stamp, including the ones equal to llama-server's defaults, so a
+different engine build (or an environment variable) cannot silently change the allocation: context (`-c`),
+slots (`-np`), unified KV or not (`-kvu`/`-no-kvu`), cache types (`-ctk`/`-ctv`, and `-ctkd`/`-ctvd` of the
+draft context), flash attention (`-fa`), batch sizes (`-b`/`-ub`), sliding-window cache (`--swa-full`),
+speculation (`--spec-type`, `--spec-draft-n-max`), GPU layers and split (`-ngl`, `-ts`), host extras
+(`--ctx-checkpoints`, `--cache-ram`) and `--fit off` (llama-server's own fitting would change `-c`).
+
+The rest serves supervision: loopback only on the given port, `-lv 4` so the allocation lines are logged,
+`--slot-save-path` for slot state, and `--no-warmup` (a warmup run allocates nothing the reservation does
+not already hold; it only delays readiness). llama-server also reads `LLAMA_ARG_*` environment variables for
+flags that are not given, so `server_environment` removes them. The result is an argument list, never a
+shell string. Pure core: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from messages.placement import Reservation
+
+__all__ = ["LOOPBACK", "build_command", "server_environment"]
+
+LOOPBACK = "127.0.0.1"
+#: llama-server's verbosity that logs the allocation lines (`llama_kv_cache: size = …` and friends).
+LOG_VERBOSITY = 4
+
+
+def _split(weights: tuple[float, ...]) -> str:
+    # repr of a float is the shortest text that reads back as the same value
+    return ",".join(repr(float(w)) for w in weights)
+
+
+def build_command(engine: str, reservation: Reservation, *, port: int, slot_save_dir: str) -> tuple[str, ...]:
+    """The argv that runs `reservation` exactly as stamped, listening on `LOOPBACK:port`."""
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} is not a TCP port")
+    stamp = reservation.stamp
+    s = stamp.settings
+    argv = [
+        engine,
+        "-m", reservation.model_path,
+        "--host", LOOPBACK,
+        "--port", str(port),
+        "-c", str(stamp.ctx),
+        "-np", str(s.slots),
+        "-kvu" if s.kv_unified else "-no-kvu",
+        "-ctk", s.cache_type_k,
+        "-ctv", s.cache_type_v,
+        "-fa", s.flash_attn,
+        "-b", str(s.batch),
+        "-ub", str(s.ubatch),
+        "--spec-type", s.spec_type,
+        "--spec-draft-n-max", str(s.spec_draft_n_max),
+        "-ctkd", s.spec_draft_type_k,
+        "-ctvd", s.spec_draft_type_v,
+        "-ngl", str(stamp.n_gpu_layers),
+        "--ctx-checkpoints", str(s.ctx_checkpoints),
+        "--cache-ram", str(s.cache_ram_mib),
+        "--fit", "off",
+        "--no-warmup",
+        "-lv", str(LOG_VERBOSITY),
+        "--slot-save-path", slot_save_dir,
+    ]  # fmt: skip
+    if s.swa_full:
+        argv.append("--swa-full")  # llama-server has no negative form; its default is a window-sized cache
+    if stamp.gpu_split:
+        argv += ["-ts", _split(stamp.gpu_split)]
+    return tuple(argv)
+
+
+def server_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment for llama-server: ours without `LLAMA_ARG_*`, which would set unpinned flags."""
+    return {name: value for name, value in environ.items() if not name.startswith("LLAMA_ARG_")}

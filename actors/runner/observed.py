@@ -1,0 +1,136 @@
+"""What a running server allocated, in bytes, recovered from its allocation log (runner core).
+
+llama-server prints its allocations in MiB with two decimals, so a printed figure alone only bounds the
+bytes to within 0.005 MiB. Each cache line also prints exact integers (cells, layers, sequences, streams,
+rollback rows) and its element types, and the memory model predicts every cache tensor's bytes from the
+model geometry. A cache's bytes are cells x streams x (the sum of its layers' row sizes), and a row can only
+change by one element (one block for a quantized type). So:
+
+* when a line's integers and types equal the predicted allocation's and the predicted K and V (R and S)
+  bytes print exactly as the line does (`printed_mib_f32`, float32 rounding as llama.cpp does), the observed
+  bytes are the predicted bytes. Whenever cells x streams x one row step exceeds the 0.01 MiB print step,
+  this is the only byte count consistent with the line; for smaller caches it is the one consistent with
+  the line and with the row formula;
+* otherwise (a line the model did not predict, or one that prints differently) the bytes are the printed
+  MiB times 2^20, and the figure is not exact.
+
+Weights follow the same rule for a single model buffer (`printed_mib`, double rounding). Compute and output
+buffers have no exact counterpart and are always printed MiB times 2^20. `Observation.exact` names the
+figures that were recovered exactly. Pure core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+
+from actors.placement.memory import CacheAllocation
+from actors.runner.allocation_log import (
+    AllocationLog,
+    KvCacheLine,
+    RecurrentLine,
+    printed_mib,
+    printed_mib_f32,
+)
+from messages.memory import MemoryBreakdown
+from messages.runner import ObservedMemory
+
+__all__ = ["Observation", "mib_to_bytes", "observed_memory"]
+
+MIB = 1 << 20
+
+
+def mib_to_bytes(mib: Decimal) -> int:
+    """A printed MiB figure as bytes (nearest integer)."""
+    return int((mib * MIB).to_integral_value())
+
+
+@dataclass(frozen=True)
+class Observation:
+    memory: ObservedMemory
+    exact: frozenset[str]  # which of kv_bytes, recurrent_bytes, draft_kv_bytes, weights_bytes are exact
+
+
+def _line_matches(line: KvCacheLine | RecurrentLine, want: CacheAllocation) -> bool:
+    printed = (printed_mib_f32(want.a_bytes), printed_mib_f32(want.b_bytes))
+    if isinstance(line, RecurrentLine):
+        shape = (line.cells, line.layers, line.seqs, line.rs_seq, line.r_type, line.s_type)
+        wanted = (want.cells, want.layers, want.seqs, want.rs_seq, want.type_a, want.type_b)
+        return shape == wanted and (line.r_mib, line.s_mib) == printed
+    shape_kv = (line.cells, line.layers, line.seqs, line.streams, line.k_type, line.v_type)
+    wanted_kv = (want.cells, want.layers, want.seqs, want.streams, want.type_a, want.type_b)
+    return shape_kv == wanted_kv and (line.k_mib, line.v_mib) == printed
+
+
+def _caches(lines: Sequence[KvCacheLine | RecurrentLine], predicted: Sequence[CacheAllocation]) -> tuple[int, bool]:
+    """Bytes of the logged caches of one kind, and whether every one was recovered exactly."""
+    total = 0
+    exact = len(lines) == len(predicted)
+    for i, line in enumerate(lines):
+        want = predicted[i] if i < len(predicted) else None
+        if want is not None and _line_matches(line, want):
+            total += want.a_bytes + want.b_bytes
+        else:
+            total += mib_to_bytes(line.size_mib)
+            exact = False
+    return total, exact
+
+
+def _sum_mib(values: Iterable[Decimal]) -> int:
+    return sum((mib_to_bytes(v) for v in values), 0)
+
+
+def observed_memory(
+    log: AllocationLog, predicted: MemoryBreakdown, allocations: Sequence[CacheAllocation]
+) -> Observation:
+    """The observed footprint of a server whose log is `log`, predicted as `predicted` / `allocations`."""
+    exact: set[str] = set()
+
+    def by(context: str, keep: Callable[[CacheAllocation], bool]) -> list[CacheAllocation]:
+        return [a for a in allocations if a.context == context and keep(a)]
+
+    target, draft = log.target, log.draft
+    kv, kv_exact = _caches(target.kv if target else [], by("target", lambda a: a.kind != "recurrent"))
+    recurrent, rs_exact = _caches(target.recurrent if target else [], by("target", lambda a: a.kind == "recurrent"))
+    draft_kv, draft_exact = _caches(draft.kv if draft else [], by("draft", lambda a: True))
+    for name, ok in (("kv_bytes", kv_exact), ("recurrent_bytes", rs_exact), ("draft_kv_bytes", draft_exact)):
+        if ok:
+            exact.add(name)
+
+    buffers = list(log.model_buffers.values())
+    if len(buffers) == 1 and buffers[0] == printed_mib(predicted.weights_bytes):
+        weights = predicted.weights_bytes
+        exact.add("weights_bytes")
+    else:
+        weights = _sum_mib(buffers)
+
+    compute = sum((_sum_mib(c.compute_buffers.values()) for c in log.contexts), 0)
+    output = sum((_sum_mib(c.output_buffers.values()) for c in log.contexts), 0)
+
+    devices: dict[str, int] = {}
+
+    def add(name: str, mib: Decimal) -> None:
+        devices[name] = devices.get(name, 0) + mib_to_bytes(mib)
+
+    for name, mib in log.model_buffers.items():
+        add(name, mib)
+    for context in log.contexts:
+        lines: list[KvCacheLine | RecurrentLine] = [*context.kv, *context.recurrent]
+        for line in lines:
+            for name, mib in line.buffers:
+                add(name, mib)
+        for name, mib in [*context.output_buffers.items(), *context.compute_buffers.items()]:
+            add(name, mib)
+
+    memory = ObservedMemory(
+        kv_bytes=kv,
+        recurrent_bytes=recurrent,
+        draft_kv_bytes=draft_kv,
+        weights_bytes=weights,
+        compute_bytes=compute,
+        output_bytes=output,
+        total_bytes=kv + recurrent + draft_kv + weights + compute + output,
+        devices=devices,
+    )
+    return Observation(memory=memory, exact=frozenset(exact))
