@@ -272,6 +272,12 @@ class Lifecycle:
             return []
         return transition(self, event, now)
 
+    def abandon(self, reason: str) -> None:
+        """The shell ended the instance outside the machine (the runner itself is stopping and has already
+        stopped the server): record it as stopped. The only way to a final phase that bypasses the table."""
+        if not self.done:
+            self.phase, self.reason, self.pid = Phase.STOPPED, reason, None
+
     # --- transitions ---------------------------------------------------------------------------------
 
     def _spawn(self, event: Event, now: float) -> list[Action]:

@@ -1,0 +1,321 @@
+"""A llama-server process and how we talk to it (runner shell: processes, files, sockets).
+
+* `ServerProcess.spawn` starts the server from an argument list (never a shell) in its own process group,
+  with the Linux parent-death signal set to SIGKILL, so the server cannot outlive the process that started
+  it even when that one is killed with SIGKILL. Signals go to the whole group, and only while the server
+  has not been reaped (a reaped pid may already belong to someone else).
+* Its output goes through a pipe we drain into a `ServerLog`: a file in the data dir that is rotated at a
+  size limit (one old file kept), the allocation lines kept in memory until the model has loaded (for the
+  verification and the observed footprint), and the last lines for crash reports.
+* `http_request` is a small HTTP/1.1 client over `asyncio.open_connection` for loopback use: one request
+  per connection, a deadline on the whole exchange and a ceiling on the response size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from actors.runner.command import LOOPBACK
+
+__all__ = [
+    "HttpError",
+    "HttpResponse",
+    "ServerLog",
+    "ServerProcess",
+    "free_port",
+    "http_request",
+    "port_free",
+]
+
+_PR_SET_PDEATHSIG = 1
+MIB = 1 << 20
+
+# Substrings of the lines `parse_allocation_log` and the drift check read; everything else stays in the file.
+_ALLOCATION_MARKERS = (
+    "load_tensors:",
+    "llama_context:",
+    "llama_kv_cache",
+    "llama_memory_recurrent",
+    "sched_reserve:",
+    "speculative implementation",
+    "- n_max=",
+    "common_params_print_info",
+    "fit_memory_breakdown",
+)
+#: Printed once the model and every context are allocated (right after /health turns 200).
+LOADED_MARKER = "model loaded"
+
+
+class ServerLog:
+    """Where one instance's server output goes: a size-bounded file, the allocation lines, a tail."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        max_bytes: int = 16 * MIB,
+        tail_lines: int = 40,
+        max_kept_lines: int = 50_000,
+        max_line_bytes: int = 64 * 1024,
+    ) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self._max_kept = max_kept_lines
+        self._max_line = max_line_bytes
+        self._file = path.open("ab")
+        self._size = self._file.tell()
+        self._partial = b""
+        self._kept: list[str] = []
+        self._tail: deque[str] = deque(maxlen=tail_lines)
+        self.loaded = asyncio.Event()
+
+    def begin(self, header: str) -> None:
+        """Starts a new generation: a header line in the file, fresh allocation lines and tail."""
+        self._partial = b""
+        self._kept = []
+        self._tail.clear()
+        self.loaded = asyncio.Event()
+        self._write(f"=== {header}\n".encode())
+
+    def feed(self, data: bytes) -> None:
+        self._write(data)
+        chunk = self._partial + data
+        *lines, rest = chunk.split(b"\n")
+        # a line longer than the limit is cut; llama-server's lines are short, a runaway one must not grow us
+        self._partial = rest[-self._max_line :]
+        for raw in lines:
+            self._line(raw[: self._max_line].decode("utf-8", errors="replace").rstrip("\r"))
+
+    def finish(self) -> None:
+        if self._partial:
+            self._line(self._partial.decode("utf-8", errors="replace"))
+            self._partial = b""
+        with contextlib.suppress(OSError):
+            self._file.flush()
+
+    def _line(self, line: str) -> None:
+        self._tail.append(line)
+        if self.loaded.is_set():
+            return
+        if LOADED_MARKER in line:
+            self.loaded.set()
+        elif len(self._kept) < self._max_kept and any(marker in line for marker in _ALLOCATION_MARKERS):
+            self._kept.append(line)
+
+    def _write(self, data: bytes) -> None:
+        try:
+            if self._size + len(data) > self.max_bytes:
+                self._rotate()
+            self._file.write(data)
+            self._size += len(data)
+        except OSError:
+            pass  # a full disk must not stop the server; the in-memory lines still serve supervision
+
+    def _rotate(self) -> None:
+        self._file.close()
+        os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+        self._file = self.path.open("ab")
+        self._size = 0
+
+    def allocation_text(self) -> str:
+        return "\n".join(self._kept)
+
+    def tail(self, max_chars: int = 4000) -> str:
+        return "\n".join(self._tail)[-max_chars:]
+
+    def close(self) -> None:
+        self.finish()
+        with contextlib.suppress(OSError):
+            self._file.close()
+
+
+def _die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        # the parent may have died before prctl took effect: then nobody would ever signal us
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+class ServerProcess:
+    """One running llama-server. Create with `spawn`; `pump` drains its output into the log."""
+
+    def __init__(self, process: asyncio.subprocess.Process, log: ServerLog) -> None:
+        self._process = process
+        self.log = log
+        self.pid = process.pid
+
+    @classmethod
+    async def spawn(cls, argv: Sequence[str], *, env: Mapping[str, str], cwd: Path, log: ServerLog) -> ServerProcess:
+        """Starts `argv`. Must run on the event loop's thread: the parent-death signal follows the thread
+        that forked, so a child forked from a worker thread would be killed when that thread ends."""
+        parent = os.getpid()
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env=dict(env),
+            start_new_session=True,  # own process group (and session): we signal the group
+            preexec_fn=lambda: _die_with_parent(parent),
+        )
+        return cls(process, log)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.returncode
+
+    async def pump(self) -> None:
+        """Copies the server's output into the log until it closes its end of the pipe."""
+        stream = self._process.stdout
+        assert stream is not None
+        try:
+            while chunk := await stream.read(65536):
+                self.log.feed(chunk)
+        finally:
+            self.log.finish()
+
+    async def wait(self) -> int:
+        return await self._process.wait()
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Sends `sig` to the server's process group while the server has not been reaped."""
+        if self._process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, sig)
+
+    async def terminate(self, grace_s: float, kill_grace_s: float = 5.0) -> int | None:
+        """SIGTERM, then SIGKILL after `grace_s`; returns the exit code (None if it would not die)."""
+        self.signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(grace_s):
+                return await self._process.wait()
+        except TimeoutError:
+            self.signal(signal.SIGKILL)
+        try:
+            async with asyncio.timeout(kill_grace_s):
+                return await self._process.wait()
+        except TimeoutError:
+            return None
+
+
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (the server may still lose it to a race: then it exits and
+    is restarted on another)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+class HttpError(Exception):
+    """The HTTP exchange failed: no connection, no answer in time, a malformed or oversized response."""
+
+
+@dataclass(frozen=True)
+class HttpResponse:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError as exc:
+            raise HttpError(f"response is not JSON: {exc}") from exc
+
+
+_HEAD_LIMIT = 64 * 1024
+
+
+async def http_request(
+    port: int,
+    method: str,
+    path: str,
+    *,
+    body: bytes | None = None,
+    timeout_s: float,
+    max_bytes: int = 8 * MIB,
+    host: str = LOOPBACK,
+) -> HttpResponse:
+    """One HTTP/1.1 request to `host:port`, answered within `timeout_s`, body at most `max_bytes`."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _exchange(host, port, method, path, body, max_bytes)
+    except TimeoutError as exc:
+        raise HttpError(f"{method} {path}: no answer within {timeout_s:g}s") from exc
+    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+        raise HttpError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+
+
+async def _exchange(host: str, port: int, method: str, path: str, body: bytes | None, max_bytes: int) -> HttpResponse:
+    reader, writer = await asyncio.open_connection(host, port, limit=_HEAD_LIMIT)
+    try:
+        head = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", "Connection: close", "Accept: */*"]
+        if body is not None:
+            head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode("ascii") + (body or b""))
+        await writer.drain()
+        raw_head = await reader.readuntil(b"\r\n\r\n")
+        status_line, *header_lines = raw_head.decode("latin-1").rstrip("\r\n").split("\r\n")
+        parts = status_line.split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+            raise HttpError(f"{method} {path}: malformed status line {status_line[:80]!r}")
+        headers: dict[str, str] = {}
+        for line in header_lines:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            data = await _read_chunked(reader, max_bytes)
+        elif "content-length" in headers:
+            length = int(headers["content-length"])
+            if not 0 <= length <= max_bytes:
+                raise HttpError(f"{method} {path}: body of {length} bytes is over the limit of {max_bytes}")
+            data = await reader.readexactly(length)
+        else:
+            data = await reader.read(max_bytes + 1)
+            if len(data) > max_bytes:
+                raise HttpError(f"{method} {path}: body over the limit of {max_bytes} bytes")
+        return HttpResponse(status=int(parts[1]), headers=headers, body=data)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def _read_chunked(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
+    out = bytearray()
+    while True:
+        size_line = await reader.readuntil(b"\r\n")
+        size = int(size_line.split(b";", 1)[0].strip() or b"0", 16)
+        if size == 0:
+            return bytes(out)
+        if len(out) + size > max_bytes:
+            raise HttpError(f"chunked body over the limit of {max_bytes} bytes")
+        out += await reader.readexactly(size)
+        await reader.readexactly(2)  # the CRLF after each chunk

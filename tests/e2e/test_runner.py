@@ -1,0 +1,477 @@
+"""The runner actor end to end: a real nats-server, the actor under a supervisor, real llama-servers.
+
+Each test writes the reservation ledger itself (as placement would: the stamp plus the memory model's
+prediction) and the node's telemetry, then talks to the runner over NATS and watches the journal. The
+models are tiny generated GGUF files (a dense llama; a hybrid qwen35 with an MTP block), so a server loads
+in well under a second. No test leaves a llama-server behind: every runner is stopped by its fixture, and
+the last test checks that even a SIGKILLed runner takes its server with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from actors.placement.geometry import geometry_from_header
+from actors.placement.gguf_header import read_header
+from actors.placement.memory import estimate
+from actors.runner.actor import RunnerActor, RunnerLimits
+from actors.runner.lifecycle import Timings
+from actors.runner.process import http_request
+from messages.memory import MemoryBreakdown
+from messages.placement import NodeLedger, Reservation, Stamp
+from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
+from messages.settings import ServingSettings
+from messages.subjects import Subjects
+from messages.telemetry import HostInfo, NodeResources
+from runtime import buckets
+from runtime.actor import Supervisor
+from runtime.bus import Bus, NoResponders, RemoteError, decode, encode, parse_reply
+from runtime.cli.runner import fetch_instances
+from runtime.journal import Journal
+from runtime.restart import RestartPolicy
+from tests import tiny_models
+from tests.conftest import JournalReader, NatsServer, of_type
+from tests.llama_harness import require_server
+
+pytestmark = pytest.mark.e2e
+
+NODE = "node-a"
+SUBJECTS = Subjects()
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def binary() -> str:
+    return require_server()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("runner-models")
+    return {
+        "llama": tiny_models.write_llama(
+            d / "llama.gguf", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_vocab=400
+        ),
+        "qwen35": tiny_models.write_qwen35(
+            d / "qwen35.gguf",
+            n_layer=4,
+            n_nextn=1,
+            n_embd=128,
+            n_head=4,
+            n_head_kv=2,
+            head_dim=64,
+            n_ff=256,
+            n_vocab=400,
+            state_size=32,
+            group_count=2,
+            dt_rank=8,
+        ),
+    }
+
+
+def _settings(**fields: Any) -> ServingSettings:
+    return msgspec.convert({"cache_ram_mib": 0, "slots": 2, **fields}, ServingSettings)
+
+
+def _predict(model: Path, settings: ServingSettings, ctx: int) -> MemoryBreakdown:
+    return estimate(geometry_from_header(read_header(model)), settings, ctx, n_gpu_layers=0)
+
+
+def _reservation(
+    rid: str, model: Path, settings: ServingSettings, ctx: int, *, multi_node: bool = False, node: str = NODE
+) -> Reservation:
+    predicted = _predict(model, settings, ctx)
+    return Reservation(
+        reservation_id=rid,
+        decision_id=f"d-{rid}",
+        node_id=node,
+        state="reserved",
+        model_path=str(model),
+        stamp=Stamp(settings=settings, ctx=ctx, n_gpu_layers=0),
+        layers=(0, 4),
+        devices=predicted.devices,
+        held={d.device: d.total_bytes for d in predicted.devices},
+        multi_node=multi_node,
+        created_at=time.time(),
+        expires_at=time.time() + 600,
+    )
+
+
+async def _put_ledger(bus: Bus, *reservations: Reservation, node: str = NODE) -> None:
+    kv = await buckets.reservations(bus, SUBJECTS)
+    await kv.put(f"node.{node}", encode(NodeLedger(node_id=node, reservations=reservations)))
+
+
+async def _put_telemetry(bus: Bus, *, usable: int = 64 * GIB, node: str = NODE) -> None:
+    now = time.time()
+    report = NodeResources(
+        node_id=node,
+        seq=1,
+        sent_at=now,
+        started_at=now,
+        ttl_s=600,
+        host=HostInfo(ram_total_bytes=usable, ram_available_bytes=usable, usable_bytes=usable, cpu_count=2),
+    )
+    kv = await buckets.nodes(bus, SUBJECTS)
+    await kv.put(node, encode(report))
+
+
+@dataclass
+class Node:
+    """What a test controls: the node's current serving settings (read by the runner at each start)."""
+
+    settings: ServingSettings | None
+
+
+FAST = RunnerLimits(timings=Timings(ready_timeout_s=60, verify_timeout_s=20, stop_grace_s=5, kill_grace_s=5))
+
+
+@contextlib.asynccontextmanager
+async def runner(
+    bus: Bus,
+    data_dir: Path,
+    binary: str,
+    node: Node,
+    *,
+    policy: RestartPolicy | None = None,
+    rewrite: Callable[[tuple[str, ...]], Sequence[str]] | None = None,
+) -> AsyncIterator[RunnerActor]:
+    actor = RunnerActor(
+        NODE,
+        data_dir,
+        Path(binary),
+        lambda: node.settings,
+        limits=FAST,
+        restart_policy=(lambda: policy) if policy else lambda: RestartPolicy(backoff_initial_s=0.05),
+        rewrite_command=rewrite,
+    )
+    journal = Journal(bus, SUBJECTS, NODE)
+    supervisor = Supervisor(bus=bus, journal=journal, subjects=SUBJECTS, node_id=NODE)
+    journal_task = asyncio.create_task(journal.run())
+    task = asyncio.create_task(supervisor.run([actor]))
+    try:
+        yield actor
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await journal.flush(5)
+        journal_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await journal_task
+
+
+async def _request(bus: Bus, verb: str, message: Any, *, timeout: float = 30) -> RunnerAck:
+    """A request to the runner, retried while its endpoint is not registered yet."""
+    async with asyncio.timeout(10):
+        while True:
+            try:
+                return await bus.request(SUBJECTS.runner(NODE, verb), message, RunnerAck, timeout=timeout)
+            except NoResponders:
+                await asyncio.sleep(0.02)
+
+
+async def _start(bus: Bus, rid: str) -> RunnerAck:
+    return await _request(bus, "start", StartInstance(reservation_id=rid))
+
+
+async def _status(bus: Bus, instance_id: str) -> InstanceStatus:
+    kv = await buckets.instances(bus, SUBJECTS)
+    entry = await kv.get(instance_id)
+    assert entry.value
+    return decode(entry.value, InstanceStatus)
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, whose cmdline is empty, counts as gone)."""
+    try:
+        return bool(Path(f"/proc/{pid}/cmdline").read_bytes())
+    except OSError:
+        return False
+
+
+def _servers_with(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if argv and argv[0].endswith(b"llama-server") and text.encode() in b" ".join(argv):
+                    found.append(int(entry.name))
+    return found
+
+
+async def _wait_gone(pid: int, timeout: float = 15) -> None:
+    async with asyncio.timeout(timeout):
+        while _alive(pid):
+            await asyncio.sleep(0.05)
+
+
+# --- tests ------------------------------------------------------------------------------------------------
+
+
+async def test_dense_instance_serves_completions_and_reports_cache_bytes_exactly(
+    bus: Bus, journal_reader: JournalReader, models: dict[str, Path], binary: str, tmp_path: Path
+) -> None:
+    settings = _settings(slots=2)
+    reservation = _reservation("r-dense", models["llama"], settings, 4096)
+    await _put_ledger(bus, reservation)
+    await _put_telemetry(bus)
+    async with runner(bus, tmp_path / "data", binary, Node(settings)):
+        ack = await _start(bus, "r-dense")
+        assert ack.state == "starting" and ack.port is not None
+        ready = (await journal_reader.wait_for(of_type("instance_ready", instance_id=ack.instance_id), timeout=60))[0]
+        predicted = _predict(models["llama"], settings, 4096)
+        observed = ready["observed"]
+        assert observed["kv_bytes"] == predicted.kv_bytes > 0
+        assert observed["recurrent_bytes"] == predicted.recurrent_bytes == 0
+        assert observed["weights_bytes"] == predicted.weights_bytes
+        assert ready["predicted"]["kv_bytes"] == predicted.kv_bytes
+
+        reply = await http_request(
+            ack.port, "POST", "/completion", body=b'{"prompt": "hello", "n_predict": 4}', timeout_s=30
+        )
+        assert reply.status == 200
+        assert reply.json()["tokens_predicted"] == 4
+
+        status = await _status(bus, ack.instance_id)
+        assert (status.state, status.port, status.node) == ("ready", ack.port, NODE)
+        assert status.settings == reservation.stamp and status.observed_memory is not None
+        listed = await fetch_instances(bus, SUBJECTS)
+        assert [i.id for i in listed] == [ack.instance_id]
+        assert status.pid is not None and _alive(status.pid)
+
+        stopped = await _request(bus, "stop", StopInstance(instance_id=ack.instance_id))
+        assert stopped.state == "stopped"
+        await journal_reader.wait_for(of_type("instance_stopped", instance_id=ack.instance_id))
+        assert not _alive(status.pid)
+        assert (await _status(bus, ack.instance_id)).state == "stopped"
+    log = (tmp_path / "data" / "runner" / ack.instance_id / "llama-server.log").read_text()
+    assert "llama_kv_cache: size =" in log
+    starting = (await journal_reader.wait_for(of_type("instance_starting", instance_id=ack.instance_id)))[0]
+    command = starting["command"]
+    for flag, value in (("-c", "4096"), ("-np", "2"), ("--fit", "off"), ("-lv", "4"), ("--host", "127.0.0.1")):
+        assert command[command.index(flag) + 1] == value
+    assert "-no-kvu" in command
+
+
+async def test_hybrid_mtp_instance_reports_kv_recurrent_and_draft_bytes_exactly(
+    bus: Bus, journal_reader: JournalReader, models: dict[str, Path], binary: str, tmp_path: Path
+) -> None:
+    settings = _settings(slots=2, spec_type="draft-mtp", spec_draft_n_max=2)
+    await _put_ledger(bus, _reservation("r-hybrid", models["qwen35"], settings, 2048))
+    await _put_telemetry(bus)
+    async with runner(bus, tmp_path / "data", binary, Node(settings)):
+        ack = await _start(bus, "r-hybrid")
+        ready = (await journal_reader.wait_for(of_type("instance_ready", instance_id=ack.instance_id), timeout=60))[0]
+    predicted = _predict(models["qwen35"], settings, 2048)
+    assert predicted.recurrent_bytes > 0 and predicted.draft_kv_bytes > 0
+    observed = ready["observed"]
+    assert observed["kv_bytes"] == predicted.kv_bytes
+    assert observed["recurrent_bytes"] == predicted.recurrent_bytes
+    assert observed["draft_kv_bytes"] == predicted.draft_kv_bytes
+    await journal_reader.wait_for(of_type("instance_stopped", instance_id=ack.instance_id, reason="runner stopped"))
+
+
+async def test_settings_changed_after_admission_refuse_the_start_with_settings_drift(
+    bus: Bus, journal_reader: JournalReader, models: dict[str, Path], binary: str, tmp_path: Path
+) -> None:
+    stamped = _settings(slots=2)
+    await _put_ledger(bus, _reservation("r-drift", models["llama"], stamped, 2048))
+    await _put_telemetry(bus)
+    node = Node(_settings(slots=4, cache_type_k="q8_0"))  # the node was reconfigured after admission
+    async with runner(bus, tmp_path / "data", binary, node):
+        with pytest.raises(RemoteError) as refused:
+            await _start(bus, "r-drift")
+    assert refused.value.code == "settings_drift"
+    assert "slots: stamped 2, now 4" in refused.value.reply.message
+    event = (await journal_reader.wait_for(of_type("drift_rejected", reservation_id="r-drift")))[0]
+    assert event["stage"] == "before_start"
+    assert {(d["field"], d["stamped"], d["current"]) for d in event["drift"]} == {
+        ("slots", "2", "4"),
+        ("cache_type_k", "f16", "q8_0"),
+    }
+    assert not [e for e in journal_reader.events if e["type"] == "instance_starting"]
+
+
+async def test_server_that_does_not_run_as_stamped_is_stopped_with_settings_drift(
+    bus: Bus, journal_reader: JournalReader, models: dict[str, Path], binary: str, tmp_path: Path
+) -> None:
+    """The command line is edited after it was built (a test seam): the real server runs with -c 4096
+    instead of the stamped 2048, and /props, /slots and the log say so."""
+
+    def wrong_context(argv: tuple[str, ...]) -> list[str]:
+        edited = list(argv)
+        edited[edited.index("-c") + 1] = "4096"
+        return edited
+
+    settings = _settings(slots=2)
+    await _put_ledger(bus, _reservation("r-props", models["llama"], settings, 2048))
+    await _put_telemetry(bus)
+    async with runner(bus, tmp_path / "data", binary, Node(settings), rewrite=wrong_context):
+        ack = await _start(bus, "r-props")
+        event = (await journal_reader.wait_for(of_type("drift_rejected", instance_id=ack.instance_id), timeout=60))[0]
+        status = await _status(bus, ack.instance_id)
+    assert event["stage"] == "after_start"
+    fields = {d["field"]: (d["stamped"], d["current"]) for d in event["drift"]}
+    assert fields["props.n_ctx_per_slot"] == ("1024", "2048")
+    assert fields["slots.n_ctx"] == ("1024", "2048")
+    assert fields["log.n_ctx"] == ("2048", "4096")
+    assert status.state == "rejected"
+    assert not [e for e in journal_reader.events if e["type"] == "instance_ready"]
+    assert not _servers_with(str(models["llama"]))
+
+
+async def test_killed_server_is_restarted_and_fails_after_the_restart_limit(
+    bus: Bus, journal_reader: JournalReader, models: dict[str, Path], binary: str, tmp_path: Path
+) -> None:
+    settings = _settings(slots=1)
+    await _put_ledger(bus, _reservation("r-crash", models["llama"], settings, 1024))
+    await _put_telemetry(bus)
+    policy = RestartPolicy(max_restarts=1, window_s=300, backoff_initial_s=0.05)
+    async with runner(bus, tmp_path / "data", binary, Node(settings), policy=policy):
+        ack = await _start(bus, "r-crash")
+        iid = ack.instance_id
+        await journal_reader.wait_for(of_type("instance_ready", instance_id=iid), timeout=60)
+        first = await _status(bus, iid)
+        assert first.pid is not None
+        os.kill(first.pid, signal.SIGKILL)
+
+        crashed = (await journal_reader.wait_for(of_type("instance_crashed", instance_id=iid)))[0]
+        assert crashed["exit_code"] == -signal.SIGKILL and crashed["restart_in_s"] == pytest.approx(0.05)
+        await journal_reader.wait_for(of_type("instance_restarted", instance_id=iid, attempt=2))
+        await journal_reader.wait_for(of_type("instance_ready", instance_id=iid), count=2, timeout=60)
+        second = await _status(bus, iid)
+        assert second.state == "ready" and second.restarts == 1 and second.pid not in (None, first.pid)
+        assert second.pid is not None
+        os.kill(second.pid, signal.SIGKILL)
+
+        failed = (await journal_reader.wait_for(of_type("instance_failed", instance_id=iid)))[0]
+        assert "gave up after 2 crashes" in failed["reason"]
+        assert (await _status(bus, iid)).state == "failed"
+        stop = await _request(bus, "stop", StopInstance(instance_id=iid))
+        assert stop.state == "failed"
+    crashes = [e for e in journal_reader.events if e["type"] == "instance_crashed"]
+    assert [c["restart_in_s"] for c in crashes] == [pytest.approx(0.05), None]
+
+
+async def test_start_refusals_are_clear_errors(
+    bus: Bus, journal_reader: JournalReader, models: dict[str, Path], binary: str, tmp_path: Path
+) -> None:
+    settings = _settings(slots=2)
+    other = _reservation("r-multi", models["llama"], settings, 2048, multi_node=True)
+    await _put_ledger(bus, other, _reservation("r-big", models["llama"], settings, 2048))
+    need = _predict(models["llama"], settings, 2048).total_bytes
+    # the node has one byte less than this model plus what the other (still reserved) reservation holds
+    await _put_telemetry(bus, usable=need + other.held["CPU"] - 1)
+    async with runner(bus, tmp_path / "data", binary, Node(settings)):
+        with pytest.raises(RemoteError) as unknown:
+            await _start(bus, "r-nope")
+        assert unknown.value.code == "not_found" and "r-nope" in unknown.value.reply.message
+
+        for payload in (b'{"reservation": "r-big"}', b"not json", b'{"reservation_id": 7}'):
+            with pytest.raises(RemoteError) as malformed:
+                subject = SUBJECTS.runner(NODE, "start")
+                parse_reply(subject, await bus.request_raw(subject, payload, timeout=10), RunnerAck)
+            assert malformed.value.code == "bad_request"
+
+        with pytest.raises(RemoteError) as multi:
+            await _start(bus, "r-multi")
+        assert multi.value.code == "unsupported" and "multi-node" in multi.value.reply.message
+
+        with pytest.raises(RemoteError) as big:
+            await _start(bus, "r-big")
+        assert big.value.code == "insufficient_memory"
+        assert big.value.reply.details == {"need_bytes": {"CPU": need}, "have_bytes": {"CPU": need - 1}}
+
+        with pytest.raises(RemoteError) as stop_unknown:
+            await _request(bus, "stop", StopInstance(instance_id="nope"))
+        assert stop_unknown.value.code == "not_found"
+    refused = (await journal_reader.wait_for(of_type("instance_refused", reservation_id="r-big")))[0]
+    assert (refused["need_bytes"], refused["have_bytes"]) == ({"CPU": need}, {"CPU": need - 1})
+    assert not [e for e in journal_reader.events if e["type"] == "instance_starting"]
+
+
+_HOST = """
+import asyncio, json, sys
+from pathlib import Path
+import msgspec
+from actors.runner.actor import RunnerActor
+from messages.settings import ServingSettings
+from messages.subjects import Subjects
+from runtime.actor import Supervisor
+from runtime.bus import Bus
+from runtime.config import NatsOptions
+from runtime.journal import Journal
+
+async def main():
+    cfg = json.loads(sys.argv[1])
+    options = NatsOptions(urls=(cfg["url"],), user=cfg["user"], password=cfg["password"])
+    bus = await Bus.connect(options, name="runner-host")
+    settings = msgspec.convert(cfg["settings"], ServingSettings)
+    actor = RunnerActor(cfg["node"], Path(cfg["data_dir"]), Path(cfg["engine"]), lambda: settings)
+    journal = Journal(bus, Subjects(), cfg["node"])
+    supervisor = Supervisor(bus=bus, journal=journal, subjects=Subjects(), node_id=cfg["node"])
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(journal.run())
+        tg.create_task(supervisor.run([actor]))
+
+asyncio.run(main())
+"""
+
+
+async def test_killing_the_runner_process_leaves_no_llama_server(
+    bus: Bus,
+    nats_server: NatsServer,
+    journal_reader: JournalReader,
+    models: dict[str, Path],
+    binary: str,
+    tmp_path: Path,
+) -> None:
+    model = tmp_path / "orphan-check.gguf"  # a path of its own, to find exactly this test's servers
+    model.write_bytes(models["llama"].read_bytes())
+    settings = _settings(slots=1)
+    await _put_ledger(bus, _reservation("r-orphan", model, settings, 1024))
+    await _put_telemetry(bus)
+    options = nats_server.options
+    config = {
+        "url": options.urls[0],
+        "user": options.user,
+        "password": options.password,
+        "settings": msgspec.to_builtins(settings),
+        "node": NODE,
+        "data_dir": str(tmp_path / "data"),
+        "engine": binary,
+    }
+    host = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _HOST, json.dumps(config), stdin=subprocess.DEVNULL, cwd=Path(__file__).parents[2]
+    )
+    try:
+        ack = await _start(bus, "r-orphan")
+        await journal_reader.wait_for(of_type("instance_ready", instance_id=ack.instance_id), timeout=60)
+        pid = (await _status(bus, ack.instance_id)).pid
+        assert pid is not None and _servers_with(str(model)) == [pid]
+        host.kill()
+        await host.wait()
+        await _wait_gone(pid)
+        assert _servers_with(str(model)) == []
+    finally:
+        if host.returncode is None:
+            host.kill()
+            await host.wait()
+        for leftover in _servers_with(str(model)):  # never leave one behind, even when the test fails
+            os.kill(leftover, signal.SIGKILL)
