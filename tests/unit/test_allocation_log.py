@@ -73,6 +73,25 @@ def test_unused_tensor_warnings_are_collected() -> None:
     assert log.unused_tensors == ["blk.4.nextn.eh_proj.weight"]
 
 
+def test_speculative_implementations_and_their_draft_length_are_collected() -> None:
+    log = parse_allocation_log((DATA / "llama_server_qwen35_mtp.log").read_text())
+    assert [(i.type, i.n_max) for i in log.speculative] == [("draft-mtp", 3)]
+    text = (
+        "0.00.023.857 I spec common_specu: adding speculative implementation 'ngram-mod'\n"
+        "0.00.023.858 I spec common_specu: - size_n=12\n"
+        "common_speculative_dflash: adding speculative implementation 'draft-dflash'\n"
+        "common_speculative_dflash: - n_max=16, n_min=0, p_min=0.00\n"
+        "common_speculative_dflash: - n_max=99 (a second length line belongs to nobody)\n"
+    )
+    log = parse_allocation_log(text)
+    assert [(i.type, i.n_max) for i in log.speculative] == [("ngram-mod", None), ("draft-dflash", 16)]
+
+
+def test_a_server_without_speculation_reports_no_implementation() -> None:
+    text = "0.00.188.476 I spec common_specu: no implementations specified for speculative decoding"
+    assert parse_allocation_log(text).speculative == []
+
+
 def test_malformed_json_record_is_ignored() -> None:
     bad = json.dumps({"type": "fit_memory_breakdown", "data": {"rows": [{"self": "many"}, 7]}})
     log = parse_allocation_log(bad + "\n{not json\n")
@@ -104,6 +123,8 @@ def test_arbitrary_text_never_raises(text: str) -> None:
                 '{"type":"log","msg":',
                 '{"type":"fit_memory_breakdown","data":{"rows":[{"kind":"host","self":1e400}]}}',
                 "sched_reserve:        CPU compute buffer size = ",
+                "spec common_specu: adding speculative implementation '",
+                "spec common_specu: - n_max=",
                 "0.00.006.118 I ",
                 "\x1b[0m",
                 "\n",

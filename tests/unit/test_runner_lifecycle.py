@@ -1,0 +1,272 @@
+"""The instance lifecycle state machine: fed events, it returns the actions; no process, no clock."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.runner.lifecycle import (
+    Action,
+    DeadlinePassed,
+    Event,
+    Exited,
+    Finish,
+    Healthy,
+    Lifecycle,
+    Phase,
+    ReportCrashed,
+    ReportDrift,
+    ReportFailed,
+    ReportReady,
+    ReportRestarted,
+    ReportStarting,
+    ReportStopped,
+    SetDeadline,
+    Signal,
+    Spawn,
+    Spawned,
+    SpawnFailed,
+    Start,
+    StopRequested,
+    Timings,
+    Verified,
+    Verify,
+)
+from messages.runner import FieldDrift
+from runtime.restart import RestartPolicy
+
+TIMINGS = Timings(ready_timeout_s=60, verify_timeout_s=10, stop_grace_s=5, kill_grace_s=2)
+DRIFT = (FieldDrift(field="props.total_slots", stamped="2", current="1"),)
+
+
+def machine(max_restarts: int = 2) -> Lifecycle:
+    return Lifecycle(TIMINGS, RestartPolicy(max_restarts=max_restarts, window_s=100, backoff_initial_s=1))
+
+
+def ready(m: Lifecycle, generation: int = 1, now: float = 0.0) -> None:
+    if generation == 1:
+        assert m.handle(Start(), now) == [SetDeadline(None), Spawn(1)]
+    m.handle(Spawned(generation, pid=100 + generation), now)
+    m.handle(Healthy(generation), now)
+    m.handle(Verified(generation), now)
+    assert m.phase is Phase.READY
+
+
+def test_start_spawns_waits_for_health_verifies_and_reports_ready() -> None:
+    m = machine()
+    assert m.handle(Start(), 0) == [SetDeadline(None), Spawn(1)]
+    assert m.state == "starting"
+    assert m.handle(Spawned(1, pid=42), 0) == [ReportStarting(1), SetDeadline(60)]
+    assert m.pid == 42
+    assert m.handle(Healthy(1), 0) == [SetDeadline(10), Verify(1)]
+    assert m.state == "starting"
+    assert m.handle(Verified(1), 0) == [SetDeadline(None), ReportReady(1)]
+    assert (m.state, m.restarts) == ("ready", 0)
+
+
+def test_a_crash_restarts_after_backoff_and_the_restart_is_reported() -> None:
+    m = machine()
+    ready(m)
+    assert m.handle(Exited(1, code=-9), 5) == [
+        ReportCrashed(-9, 1, "llama-server exited with code -9"),
+        SetDeadline(1),
+    ]
+    assert (m.state, m.restarts, m.pid) == ("restarting", 1, None)
+    assert m.handle(DeadlinePassed(), 6) == [SetDeadline(None), Spawn(2)]
+    assert m.state == "restarting"
+    assert m.handle(Spawned(2, pid=7), 6) == [ReportStarting(2), ReportRestarted(2), SetDeadline(60)]
+    m.handle(Healthy(2), 6)
+    assert m.handle(Verified(2), 6) == [SetDeadline(None), ReportReady(2)]
+    assert m.state == "ready"
+
+
+def test_backoff_doubles_and_too_many_crashes_give_up_as_failed() -> None:
+    m = machine(max_restarts=2)
+    ready(m)
+    assert m.handle(Exited(1, code=1), 0)[0] == ReportCrashed(1, 1, "llama-server exited with code 1")
+    m.handle(DeadlinePassed(), 1)
+    ready(m, generation=2, now=1)
+    assert m.handle(Exited(2, code=1), 2)[0] == ReportCrashed(1, 2, "llama-server exited with code 1")
+    m.handle(DeadlinePassed(), 4)
+    ready(m, generation=3, now=4)
+    actions = m.handle(Exited(3, code=139), 5)
+    assert actions[0] == SetDeadline(None)
+    assert actions[1] == ReportCrashed(139, None, "llama-server exited with code 139")
+    assert isinstance(actions[2], ReportFailed) and "gave up after 3 crashes" in actions[2].reason
+    assert actions[3] == Finish()
+    assert (m.state, m.done) == ("failed", True)
+
+
+def test_drift_after_start_stops_the_server_reports_once_it_is_gone_and_is_never_retried() -> None:
+    m = machine()
+    m.handle(Start(), 0)
+    m.handle(Spawned(1, pid=1), 0)
+    m.handle(Healthy(1), 0)
+    assert m.handle(Verified(1, drift=DRIFT), 0) == [Signal("SIGTERM"), SetDeadline(5)]
+    assert m.state == "stopping"
+    assert m.handle(Exited(1, code=0), 1) == [SetDeadline(None), ReportDrift(DRIFT), Finish()]
+    assert (m.state, m.restarts) == ("rejected", 0)
+    assert "props.total_slots" in m.reason
+
+
+def test_stop_is_sigterm_then_sigkill_after_the_grace_period() -> None:
+    m = machine()
+    ready(m)
+    assert m.handle(StopRequested("asked"), 0) == [Signal("SIGTERM"), SetDeadline(5)]
+    assert m.handle(DeadlinePassed(), 5) == [Signal("SIGKILL"), SetDeadline(2)]
+    assert m.handle(Exited(1, code=-9), 6) == [SetDeadline(None), ReportStopped("asked"), Finish()]
+    assert m.state == "stopped"
+
+
+def test_a_server_that_survives_sigkill_ends_failed() -> None:
+    m = machine()
+    ready(m)
+    m.handle(StopRequested("asked"), 0)
+    m.handle(DeadlinePassed(), 5)
+    actions = m.handle(DeadlinePassed(), 7)
+    assert isinstance(actions[1], ReportFailed) and "did not exit after SIGKILL" in actions[1].reason
+    assert m.state == "failed"
+
+
+def test_not_healthy_in_time_is_a_crash_once_the_server_is_stopped() -> None:
+    m = machine()
+    m.handle(Start(), 0)
+    m.handle(Spawned(1, pid=1), 0)
+    assert m.handle(DeadlinePassed(), 60) == [Signal("SIGTERM"), SetDeadline(5)]
+    assert m.handle(Exited(1, code=-15), 61) == [ReportCrashed(-15, 1, "not healthy within 60s"), SetDeadline(1)]
+    assert m.state == "restarting"
+
+
+def test_a_failed_verification_is_a_crash_and_a_late_one_too() -> None:
+    m = machine()
+    m.handle(Start(), 0)
+    m.handle(Spawned(1, pid=1), 0)
+    m.handle(Healthy(1), 0)
+    assert m.handle(Verified(1, error="GET /props: HTTP 500"), 0) == [Signal("SIGTERM"), SetDeadline(5)]
+    crashed = m.handle(Exited(1, code=0), 1)[0]
+    assert isinstance(crashed, ReportCrashed) and "HTTP 500" in crashed.reason
+
+    late = machine()
+    late.handle(Start(), 0)
+    late.handle(Spawned(1, pid=1), 0)
+    late.handle(Healthy(1), 0)
+    assert late.handle(DeadlinePassed(), 10) == [Signal("SIGTERM"), SetDeadline(5)]
+    assert late.reason == "not verified within 10s"
+
+
+def test_a_process_that_cannot_be_spawned_counts_as_a_crash() -> None:
+    m = machine()
+    m.handle(Start(), 0)
+    actions = m.handle(SpawnFailed(1, "No such file"), 0)
+    assert actions == [ReportCrashed(None, 1, "could not start llama-server: No such file"), SetDeadline(1)]
+
+
+def test_stop_during_backoff_ends_at_once_without_another_spawn() -> None:
+    m = machine()
+    ready(m)
+    m.handle(Exited(1, code=1), 0)
+    assert m.handle(StopRequested("asked"), 0) == [SetDeadline(None), ReportStopped("asked"), Finish()]
+    assert m.handle(DeadlinePassed(), 1) == []
+    assert m.state == "stopped"
+
+
+def test_stop_while_spawning_stops_the_process_as_soon_as_it_exists() -> None:
+    m = machine()
+    m.handle(Start(), 0)
+    assert m.handle(StopRequested("asked"), 0) == []
+    assert m.handle(Spawned(1, pid=3), 0) == [ReportStarting(1), Signal("SIGTERM"), SetDeadline(5)]
+    assert m.handle(Exited(1, code=0), 0)[1] == ReportStopped("asked")
+
+
+def test_stop_while_terminating_for_a_restart_turns_it_into_a_stop() -> None:
+    m = machine()
+    m.handle(Start(), 0)
+    m.handle(Spawned(1, pid=1), 0)
+    m.handle(DeadlinePassed(), 60)  # not healthy: terminating, then a restart was planned
+    assert m.handle(StopRequested("asked"), 61) == []
+    assert m.handle(Exited(1, code=0), 62) == [SetDeadline(None), ReportStopped("asked"), Finish()]
+
+
+def test_events_about_an_earlier_process_are_ignored() -> None:
+    m = machine()
+    ready(m)
+    m.handle(Exited(1, code=1), 0)
+    m.handle(DeadlinePassed(), 1)
+    m.handle(Spawned(2, pid=5), 1)
+    assert m.handle(Exited(1, code=1), 1) == []
+    assert m.handle(Healthy(1), 1) == []
+    assert m.phase is Phase.LOADING
+
+
+def test_events_without_a_transition_change_nothing() -> None:
+    m = machine()
+    ready(m)
+    assert m.handle(Healthy(1), 0) == []
+    assert m.handle(Start(), 0) == []
+    assert m.state == "ready"
+
+
+def test_a_final_machine_accepts_nothing_and_abandon_does_not_revive_it() -> None:
+    m = machine()
+    ready(m)
+    m.handle(StopRequested("asked"), 0)
+    m.handle(Exited(1, code=0), 0)
+    for event in (Start(), Exited(1, 0), StopRequested("x"), DeadlinePassed(), Healthy(1)):
+        assert m.handle(event, 0) == []
+    m.abandon("runner stopped")
+    assert (m.state, m.reason) == ("stopped", "asked")
+
+
+def test_abandon_records_a_running_instance_as_stopped() -> None:
+    m = machine()
+    ready(m)
+    m.abandon("runner stopped")
+    assert (m.state, m.reason, m.pid, m.done) == ("stopped", "runner stopped", None, True)
+
+
+# --- properties over arbitrary event sequences -------------------------------------------------------------
+
+
+def _events(max_generation: int = 4) -> st.SearchStrategy[Event]:
+    gen = st.integers(min_value=1, max_value=max_generation)
+    return st.one_of(
+        st.just(Start()),
+        st.builds(Spawned, gen, st.integers(min_value=1, max_value=99)),
+        st.builds(SpawnFailed, gen, st.just("boom")),
+        st.builds(Healthy, gen),
+        st.builds(Verified, gen, st.sampled_from([(), DRIFT])),
+        st.builds(Verified, gen, st.just(()), st.just("no answer")),
+        st.builds(Exited, gen, st.sampled_from([0, 1, -9, None])),
+        st.builds(StopRequested, st.just("asked")),
+        st.just(DeadlinePassed()),
+    )
+
+
+@settings(max_examples=400)
+@given(st.lists(_events(), max_size=40))
+def test_any_event_sequence_keeps_the_invariants(events: list[Event]) -> None:
+    """Whatever arrives, in whatever order: a Finish exactly when the machine becomes final and nothing
+    after it; never a second process while one may be alive; ready only after a clean verification."""
+    m = machine(max_restarts=3)
+    alive = False  # a process of the current generation exists (spawned and not yet exited)
+    verified_clean = False
+    for i, event in enumerate(events):
+        was_done = m.done
+        actions: list[Action] = m.handle(event, float(i))
+        if was_done:
+            assert actions == []
+            continue
+        if isinstance(event, Spawned) and event.generation == m.generation:
+            alive = True
+        if isinstance(event, Exited) and event.generation == m.generation and m.pid is None:
+            alive = False
+        for action in actions:
+            if isinstance(action, Spawn):
+                assert not alive, "spawned while a process may be alive"
+                verified_clean = False
+            if isinstance(action, ReportReady):
+                assert isinstance(event, Verified) and not event.drift and event.error is None
+                verified_clean = True
+        assert (Finish() in actions) == m.done
+        if m.state == "ready":
+            assert verified_clean
