@@ -45,6 +45,7 @@ from runtime.journal import Journal
 from runtime.restart import RestartPolicy
 from tests import tiny_models
 from tests.conftest import JournalReader, NatsServer, of_type
+from tests.integration.test_cli_runner import run_cli
 from tests.llama_harness import require_server
 
 pytestmark = pytest.mark.e2e
@@ -334,6 +335,31 @@ async def test_server_that_does_not_run_as_stamped_is_stopped_with_settings_drif
     assert status.state == "rejected"
     assert not [e for e in journal_reader.events if e["type"] == "instance_ready"]
     assert not _servers_with(str(models["llama"]))
+
+
+async def test_cli_stop_finds_the_instance_node_and_stops_it(
+    bus: Bus,
+    nats_server: NatsServer,
+    journal_reader: JournalReader,
+    models: dict[str, Path],
+    binary: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    settings = _settings(slots=1)
+    await _put_ledger(bus, _reservation("r-cli", models["llama"], settings, 1024))
+    await _put_telemetry(bus)
+    async with runner(bus, tmp_path / "data", binary, Node(settings)):
+        ack = await _start(bus, "r-cli")
+        await journal_reader.wait_for(of_type("instance_ready", instance_id=ack.instance_id), timeout=60)
+        pid = (await _status(bus, ack.instance_id)).pid
+        assert pid is not None
+        flags = ["--nats", nats_server.url, "--nats-user", str(nats_server.options.user)]
+        flags += ["--nats-password", str(nats_server.options.password)]
+        assert await run_cli("stop", ack.instance_id, "--json", *flags) == 0
+        reply = json.loads(capsys.readouterr().out)
+        assert (reply["instance_id"], reply["node_id"], reply["state"]) == (ack.instance_id, NODE, "stopped")
+        assert not _alive(pid)
 
 
 async def test_killed_server_is_restarted_and_fails_after_the_restart_limit(
