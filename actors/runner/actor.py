@@ -86,6 +86,7 @@ MODEL_UNREADABLE = "model_unreadable"
 ENGINE_UNAVAILABLE = "engine_unavailable"
 RESERVATION_STATE = "reservation_state"
 TOO_MANY_INSTANCES = "too_many_instances"
+DATA_DIR_UNWRITABLE = "data_dir_unwritable"
 
 
 def default_restart_policy() -> RestartPolicy:
@@ -233,7 +234,11 @@ class RunnerActor(Actor):
         await self._check_memory(ctx, reservation, predicted, instance_id)
 
         directory = self.data_dir / "runner" / instance_id
-        (directory / "slots").mkdir(parents=True, exist_ok=True)
+        try:
+            (directory / "slots").mkdir(parents=True, exist_ok=True)
+            server_log = ServerLog(directory / "llama-server.log", max_bytes=self.limits.log_max_bytes)
+        except OSError as exc:
+            raise RequestError(DATA_DIR_UNWRITABLE, f"cannot prepare {directory}: {exc}") from exc
         inst = _Instance(
             id=instance_id,
             reservation=reservation,
@@ -241,7 +246,7 @@ class RunnerActor(Actor):
             allocations=allocations,
             directory=directory,
             machine=lc.Lifecycle(self.limits.timings, self._policy()),
-            log=ServerLog(directory / "llama-server.log", max_bytes=self.limits.log_max_bytes),
+            log=server_log,
         )
         self._instances[instance_id] = inst
         ctx.spawn(self._drive(ctx, inst), f"instance:{instance_id}")
@@ -427,9 +432,8 @@ class RunnerActor(Actor):
         inst.port, inst.command, inst.observed = port, argv, None
         inst.log.begin(f"generation {generation}: {shlex.join(argv)}")
         try:
-            process = await ServerProcess.spawn(
-                argv, env=server_environment(os.environ), cwd=inst.directory, log=inst.log
-            )
+            # the runner's own working directory: a relative model path means what it meant to the header read
+            process = await ServerProcess.spawn(argv, env=server_environment(os.environ), log=inst.log)
         except OSError as exc:
             return lc.SpawnFailed(generation, str(exc))
         inst.process = process

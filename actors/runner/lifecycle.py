@@ -320,7 +320,7 @@ class Lifecycle:
             self._drift = event.drift
             fields = ", ".join(d.field for d in event.drift)
             return self._terminate("reject", f"settings drift after start: {fields}")
-        self.phase = Phase.READY
+        self.phase, self.reason = Phase.READY, ""
         return [SetDeadline(None), ReportReady(self.generation)]
 
     def _not_ready(self, event: Event, now: float) -> list[Action]:

@@ -160,7 +160,9 @@ class ServerProcess:
         self.pid = process.pid
 
     @classmethod
-    async def spawn(cls, argv: Sequence[str], *, env: Mapping[str, str], cwd: Path, log: ServerLog) -> ServerProcess:
+    async def spawn(
+        cls, argv: Sequence[str], *, env: Mapping[str, str], log: ServerLog, cwd: Path | None = None
+    ) -> ServerProcess:
         """Starts `argv`. Must run on the event loop's thread: the parent-death signal follows the thread
         that forked, so a child forked from a worker thread would be killed when that thread ends."""
         parent = os.getpid()

@@ -285,7 +285,9 @@ async def test_hybrid_mtp_instance_reports_kv_recurrent_and_draft_bytes_exactly(
     assert observed["kv_bytes"] == predicted.kv_bytes
     assert observed["recurrent_bytes"] == predicted.recurrent_bytes
     assert observed["draft_kv_bytes"] == predicted.draft_kv_bytes
+    # the runner stopped with the instance running: it stopped the server first
     await journal_reader.wait_for(of_type("instance_stopped", instance_id=ack.instance_id, reason="runner stopped"))
+    assert not _servers_with(str(models["qwen35"]))
 
 
 async def test_settings_changed_after_admission_refuse_the_start_with_settings_drift(
