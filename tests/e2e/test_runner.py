@@ -81,6 +81,16 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             group_count=2,
             dt_rank=8,
         ),
+        "granitehybrid": tiny_models.write_granitehybrid(
+            d / "granitehybrid.gguf",
+            n_layer=5,
+            n_embd=64,
+            attention_layers=(1, 3, 4),
+            n_head_kv=(1, 4, 2),
+            n_vocab=400,
+            state_size=32,
+            group_count=2,
+        ),
     }
 
 
@@ -290,6 +300,24 @@ async def test_hybrid_mtp_instance_reports_kv_recurrent_and_draft_bytes_exactly(
     assert not _servers_with(str(models["qwen35"]))
 
 
+async def test_granite_hybrid_with_unified_kv_reports_kv_and_recurrent_bytes_exactly(
+    bus: Bus, journal_reader: JournalReader, models: dict[str, Path], binary: str, tmp_path: Path
+) -> None:
+    """Per-layer KV head counts (1, 4, 2) make cache sizes that are no round number of MiB."""
+    settings = _settings(slots=3, kv_unified=True, cache_type_k="bf16", cache_type_v="f32")
+    await _put_ledger(bus, _reservation("r-granite", models["granitehybrid"], settings, 3000))
+    await _put_telemetry(bus)
+    async with runner(bus, tmp_path / "data", binary, Node(settings)):
+        ack = await _start(bus, "r-granite")
+        ready = (await journal_reader.wait_for(of_type("instance_ready", instance_id=ack.instance_id), timeout=60))[0]
+    predicted = _predict(models["granitehybrid"], settings, 3000)
+    assert predicted.kv_bytes % (1 << 20) and predicted.recurrent_bytes % (1 << 20)
+    assert (ready["observed"]["kv_bytes"], ready["observed"]["recurrent_bytes"]) == (
+        predicted.kv_bytes,
+        predicted.recurrent_bytes,
+    )
+
+
 async def test_settings_changed_after_admission_refuse_the_start_with_settings_drift(
     bus: Bus, journal_reader: JournalReader, models: dict[str, Path], binary: str, tmp_path: Path
 ) -> None:
@@ -402,7 +430,8 @@ async def test_start_refusals_are_clear_errors(
 ) -> None:
     settings = _settings(slots=2)
     other = _reservation("r-multi", models["llama"], settings, 2048, multi_node=True)
-    await _put_ledger(bus, other, _reservation("r-big", models["llama"], settings, 2048))
+    expired = msgspec.structs.replace(_reservation("r-old", models["llama"], settings, 2048), expires_at=time.time())
+    await _put_ledger(bus, other, _reservation("r-big", models["llama"], settings, 2048), expired)
     need = _predict(models["llama"], settings, 2048).total_bytes
     # the node has one byte less than this model plus what the other (still reserved) reservation holds
     await _put_telemetry(bus, usable=need + other.held["CPU"] - 1)
@@ -426,10 +455,19 @@ async def test_start_refusals_are_clear_errors(
         assert big.value.code == "insufficient_memory"
         assert big.value.reply.details == {"need_bytes": {"CPU": need}, "have_bytes": {"CPU": need - 1}}
 
+        with pytest.raises(RemoteError) as old:
+            await _start(bus, "r-old")
+        assert old.value.code == "reservation_state" and "expired" in old.value.reply.message
+
+        await (await buckets.nodes(bus, SUBJECTS)).delete(NODE)  # the node's telemetry is gone
+        with pytest.raises(RemoteError) as stale:
+            await _start(bus, "r-big")
+        assert stale.value.code == "telemetry_stale"
+
         with pytest.raises(RemoteError) as stop_unknown:
             await _request(bus, "stop", StopInstance(instance_id="nope"))
         assert stop_unknown.value.code == "not_found"
-    refused = (await journal_reader.wait_for(of_type("instance_refused", reservation_id="r-big")))[0]
+    refused = (await journal_reader.wait_for(of_type("instance_refused", reservation_id="r-big"), count=2))[0]
     assert (refused["need_bytes"], refused["have_bytes"]) == ({"CPU": need}, {"CPU": need - 1})
     assert not [e for e in journal_reader.events if e["type"] == "instance_starting"]
 
