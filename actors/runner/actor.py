@@ -9,8 +9,10 @@ have). Then one driver task per instance (in this actor's task group) runs the l
 `actors.runner.lifecycle`: it performs the machine's actions (spawn, verify, signal, deadlines, reports)
 and feeds back what happened (spawned, healthy, verified, exited, stop requested, deadline passed).
 
-Each instance's status is a record in the instances bucket (key = instance id), rewritten on every change
-and refreshed while the driver lives, with a TTL: records of a runner that died disappear by themselves.
+Each instance has a directory in the data dir (`runner/<id>`: its server log, size-bounded, and its
+`--slot-save-path`); those of ended instances are pruned beyond a count. Each instance's status is a
+record in the instances bucket (key = instance id), rewritten on every change and refreshed while the
+driver lives, with a TTL: records of a runner that died disappear by themselves.
 `mesh.runner.<node>.stop` stops an instance. When the actor stops or crashes, every driver stops its server
 (SIGTERM, then SIGKILL) before the incarnation ends; a killed runner process takes its servers with it
 through the parent-death signal (see `process.py`).
@@ -22,6 +24,7 @@ import asyncio
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import time
 import uuid
@@ -104,6 +107,7 @@ class RunnerLimits:
     http_timeout_s: float = 5.0  # one /health, /props or /slots exchange
     health_interval_s: float = 0.1
     log_max_bytes: int = 16 << 20  # per instance; one rotated file is kept besides
+    kept_instance_dirs: int = 32  # directories (logs, slot files) of ended instances kept for post-mortems
     kv_timeout_s: float = 5.0
 
 
@@ -182,6 +186,7 @@ class RunnerActor(Actor):
         self._instances.clear()
         await buckets.instances(ctx.bus, ctx.subjects)
         (self.data_dir / "runner").mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self._prune_instance_dirs)
 
         async def start(request: StartInstance) -> RunnerAck:
             return await self._start(ctx, request)
@@ -233,6 +238,7 @@ class RunnerActor(Actor):
             raise RequestError(UNSUPPORTED, f"llama-server would refuse these settings: {exc}") from exc
         await self._check_memory(ctx, reservation, predicted, instance_id)
 
+        await asyncio.to_thread(self._prune_instance_dirs)
         directory = self.data_dir / "runner" / instance_id
         try:
             (directory / "slots").mkdir(parents=True, exist_ok=True)
@@ -273,6 +279,17 @@ class RunnerActor(Actor):
         return RunnerAck(
             instance_id=inst.id, node_id=self.node_id, state=inst.machine.state, port=inst.port, message=message
         )
+
+    def _prune_instance_dirs(self) -> None:
+        """Removes the oldest directories of ended instances beyond `kept_instance_dirs` (disk stays bounded)."""
+        root = self.data_dir / "runner"
+        try:
+            ended = [d for d in root.iterdir() if d.is_dir() and d.name not in self._instances]
+            ended.sort(key=lambda d: d.stat().st_mtime, reverse=True)
+        except OSError:
+            return
+        for directory in ended[self.limits.kept_instance_dirs :]:
+            shutil.rmtree(directory, ignore_errors=True)
 
     # --- worker-side admission -----------------------------------------------------------------------
 

@@ -192,3 +192,18 @@ async def test_terminate_signals_the_whole_process_group_then_kills_what_ignores
     await pump
     log.close()
     process.signal(signal.SIGTERM)  # a reaped process is never signalled again (its pid may be reused)
+
+
+# --- instance directories ----------------------------------------------------------------------------------
+
+
+def test_directories_of_ended_instances_are_pruned_oldest_first_beyond_the_limit(tmp_path: Path) -> None:
+    from actors.runner.actor import RunnerActor, RunnerLimits
+
+    actor = RunnerActor("n1", tmp_path, None, lambda: None, limits=RunnerLimits(kept_instance_dirs=2))
+    root = tmp_path / "runner"
+    for age, name in enumerate(["newest", "newer", "older", "oldest"]):
+        (root / name / "slots").mkdir(parents=True)
+        os.utime(root / name, (1_000_000 - age, 1_000_000 - age))
+    actor._prune_instance_dirs()
+    assert sorted(d.name for d in root.iterdir()) == ["newer", "newest"]
