@@ -11,7 +11,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from actors.runner.actor import RunnerActor, RunnerLimits
 from actors.runner.process import HttpError, ServerLog, ServerProcess, free_port, http_request, port_free
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -145,6 +148,36 @@ async def test_malformed_answers_silence_and_refusal_are_http_errors() -> None:
         await http_request(free_port(), "GET", "/", timeout_s=5)
 
 
+_RESPONSE_PARTS = st.sampled_from(
+    [
+        b"HTTP/1.1 200 OK\r\n",
+        b"HTTP/1.1 ",
+        b"Content-Length: 5\r\n",
+        b"Content-Length: -3\r\n",
+        b"Content-Length: x\r\n",
+        b"Transfer-Encoding: chunked\r\n",
+        b"\r\n",
+        b"5\r\nhello\r\n",
+        b"zz\r\n",
+        b"0\r\n\r\n",
+        b"hello",
+        b"\xff\xfe",
+    ]
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(_RESPONSE_PARTS, st.binary(max_size=40)), max_size=12))
+def test_any_response_bytes_give_a_response_or_an_http_error(parts: list[bytes]) -> None:
+    async def exchange() -> None:
+        async with http_server(_respond(b"".join(parts))) as port:
+            with contextlib.suppress(HttpError):
+                response = await http_request(port, "GET", "/", timeout_s=2, max_bytes=4096)
+                assert len(response.body) <= 4096
+
+    asyncio.run(exchange())
+
+
 def test_a_free_port_is_free_and_a_bound_one_is_not() -> None:
     import socket
 
@@ -198,8 +231,6 @@ async def test_terminate_signals_the_whole_process_group_then_kills_what_ignores
 
 
 def test_directories_of_ended_instances_are_pruned_oldest_first_beyond_the_limit(tmp_path: Path) -> None:
-    from actors.runner.actor import RunnerActor, RunnerLimits
-
     actor = RunnerActor("n1", tmp_path, None, lambda: None, limits=RunnerLimits(kept_instance_dirs=2))
     root = tmp_path / "runner"
     for age, name in enumerate(["newest", "newer", "older", "oldest"]):
