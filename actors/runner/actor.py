@@ -127,6 +127,7 @@ class _Instance:
     port: int | None = None
     command: tuple[str, ...] = ()
     observed: ObservedMemory | None = None
+    exact: frozenset[str] = frozenset()  # which observed figures were recovered byte for byte
     pollers: list[asyncio.Task[None]] = field(default_factory=list)  # health/verify of this generation
     helpers: list[asyncio.Task[None]] = field(default_factory=list)  # log pumps and exit watchers
 
@@ -498,7 +499,7 @@ class RunnerActor(Actor):
         drift = server_drift(inst.reservation.stamp, inst.predicted.context, ServerReport(props, slots, log))
         if not drift:
             observation = observed_memory(log, inst.predicted, inst.allocations)
-            inst.observed = observation.memory
+            inst.observed, inst.exact = observation.memory, observation.exact
         await inst.events.put(lc.Verified(generation, drift))
 
     async def _reap(self, ctx: ActorContext, inst: _Instance) -> None:
@@ -541,7 +542,13 @@ class RunnerActor(Actor):
         elif isinstance(action, lc.ReportReady):
             observed = inst.observed
             assert observed is not None
-            bound.info("instance_ready", port=inst.port, observed_total=observed.total_bytes)
+            bound.info(
+                "instance_ready",
+                port=inst.port,
+                observed_total=observed.total_bytes,
+                predicted_total=inst.predicted.total_bytes,
+                exact=sorted(inst.exact),
+            )
             ctx.emit(InstanceReady, **ids, port=inst.port or 0, predicted=inst.predicted, observed=observed)
         elif isinstance(action, lc.ReportDrift):
             bound.warning("instance_drift", drift=_describe_drift(action.drift))
