@@ -14,9 +14,9 @@ change by one element (one block for a quantized type). So:
 * otherwise (a line the model did not predict, or one that prints differently) the bytes are the printed
   MiB times 2^20, and the figure is not exact.
 
-Weights follow the same rule for a single model buffer (`printed_mib`, double rounding). Compute and output
-buffers have no exact counterpart and are always printed MiB times 2^20. `Observation.exact` names the
-figures that were recovered exactly. Pure core.
+Weights follow the same rule for a single model buffer, and the output (logits) buffer for each context
+(`printed_mib`, double rounding). Compute buffers have no exact counterpart and are always printed MiB
+times 2^20. `Observation.exact` names the figures that were recovered exactly. Pure core.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def mib_to_bytes(mib: Decimal) -> int:
 @dataclass(frozen=True)
 class Observation:
     memory: ObservedMemory
-    exact: frozenset[str]  # which of kv_bytes, recurrent_bytes, draft_kv_bytes, weights_bytes are exact
+    exact: frozenset[str]  # which of kv, recurrent, draft_kv, weights and output bytes are exact
 
 
 def _line_matches(line: KvCacheLine | RecurrentLine, want: CacheAllocation) -> bool:
@@ -106,7 +106,19 @@ def observed_memory(
         weights = _sum_mib(buffers)
 
     compute = sum((_sum_mib(c.compute_buffers.values()) for c in log.contexts), 0)
-    output = sum((_sum_mib(c.output_buffers.values()) for c in log.contexts), 0)
+    # each context has one logits buffer of the same predicted size (the draft context mirrors the target's)
+    n_predicted = 2 if any(a.context == "draft" for a in allocations) else 1
+    per_context = predicted.output_bytes // n_predicted
+    output, output_exact = 0, len(log.contexts) == n_predicted
+    for context in log.contexts:
+        printed = sum(context.output_buffers.values(), Decimal(0))
+        if len(context.output_buffers) == 1 and printed == printed_mib(per_context):
+            output += per_context
+        else:
+            output += mib_to_bytes(printed)
+            output_exact = False
+    if output_exact:
+        exact.add("output_bytes")
 
     devices: dict[str, int] = {}
 

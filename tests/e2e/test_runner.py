@@ -251,6 +251,7 @@ async def test_dense_instance_serves_completions_and_reports_cache_bytes_exactly
         assert observed["kv_bytes"] == predicted.kv_bytes > 0
         assert observed["recurrent_bytes"] == predicted.recurrent_bytes == 0
         assert observed["weights_bytes"] == predicted.weights_bytes
+        assert observed["output_bytes"] == predicted.output_bytes
         assert ready["predicted"]["kv_bytes"] == predicted.kv_bytes
 
         reply = await http_request(
@@ -295,6 +296,7 @@ async def test_hybrid_mtp_instance_reports_kv_recurrent_and_draft_bytes_exactly(
     assert observed["kv_bytes"] == predicted.kv_bytes
     assert observed["recurrent_bytes"] == predicted.recurrent_bytes
     assert observed["draft_kv_bytes"] == predicted.draft_kv_bytes
+    assert observed["output_bytes"] == predicted.output_bytes  # the draft context has its own logits
     # the runner stopped with the instance running: it stopped the server first
     await journal_reader.wait_for(of_type("instance_stopped", instance_id=ack.instance_id, reason="runner stopped"))
     assert not _servers_with(str(models["qwen35"]))

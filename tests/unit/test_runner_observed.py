@@ -45,6 +45,7 @@ def _log(
     *,
     weights: dict[str, int] | None = None,
     compute: tuple[str, ...] = ("3.65",),
+    output: str | None = None,
 ) -> str:
     """The allocation lines a server prints for these allocations, one context after the other."""
     lines = [
@@ -52,9 +53,12 @@ def _log(
         for name, n in (weights or {"CPU_Mapped": predicted.weights_bytes}).items()
     ]
     contexts = sorted({a.context for a in allocations}, key=["target", "draft"].index)
+    if output is None:  # what the server prints for the predicted logits buffer of each context
+        per_context = predicted.output_bytes // (2 if any(a.context == "draft" for a in allocations) else 1)
+        output = f"{printed_mib(per_context):8.2f}"
     for i, context in enumerate(contexts):
         lines.append("llama_context: constructing llama_context")
-        lines.append("llama_context:        CPU  output buffer size =     0.95 MiB")
+        lines.append(f"llama_context:        CPU  output buffer size = {output} MiB")
         for a in allocations:
             if a.context == context:
                 lines.append(_rs_line(a) if a.kind == "recurrent" else _kv_line(a))
@@ -73,7 +77,8 @@ def test_cache_lines_printing_the_predicted_bytes_recover_them_exactly() -> None
         predicted.draft_kv_bytes,
         predicted.weights_bytes,
     )
-    assert observation.exact == {"kv_bytes", "recurrent_bytes", "draft_kv_bytes", "weights_bytes"}
+    assert memory.output_bytes == predicted.output_bytes
+    assert observation.exact == {"kv_bytes", "recurrent_bytes", "draft_kv_bytes", "weights_bytes", "output_bytes"}
 
 
 def test_a_cache_that_prints_other_bytes_than_predicted_falls_back_to_the_printed_mib() -> None:
@@ -139,8 +144,10 @@ def test_weights_are_exact_for_one_buffer_and_printed_mib_for_several() -> None:
 def test_compute_output_devices_and_total_come_from_the_printed_buffers() -> None:
     predicted = estimate(QWEN, MTP, CTX)
     allocations = cache_allocations(QWEN, MTP, CTX)
-    log = parse_allocation_log(_log(predicted, allocations, compute=("100.25", "3.50")))
-    memory = observed_memory(log, predicted, allocations).memory
+    log = parse_allocation_log(_log(predicted, allocations, compute=("100.25", "3.50"), output="0.95"))
+    observation = observed_memory(log, predicted, allocations)
+    memory = observation.memory
+    assert "output_bytes" not in observation.exact  # 0.95 MiB is not the predicted logits buffer
     assert memory.compute_bytes == mib_to_bytes(Decimal("103.75"))
     assert memory.output_bytes == 2 * mib_to_bytes(Decimal("0.95"))
     assert memory.total_bytes == (
