@@ -392,8 +392,8 @@ class RunnerActor(Actor):
                         if event is None:
                             await self._write_status(ctx, inst)  # refresh the TTL while nothing happens
                             continue
-                        before = inst.machine.state
-                        for action in inst.machine.handle(event, time.monotonic()):
+                        actions = inst.machine.handle(event, time.monotonic())
+                        for action in actions:
                             if isinstance(action, lc.SetDeadline):
                                 deadline = None if action.seconds is None else loop.time() + action.seconds
                             elif isinstance(action, lc.Spawn):
@@ -410,7 +410,7 @@ class RunnerActor(Actor):
                                 self._report(ctx, inst, action)
                         if isinstance(event, lc.Spawned | lc.SpawnFailed):
                             inst.spawned.set()
-                        if inst.machine.state != before or inst.machine.done:
+                        if actions:  # something changed (state, pid, port, observed memory): rewrite the record
                             await self._write_status(ctx, inst)
                         if inst.machine.done:
                             return
