@@ -51,6 +51,10 @@ class Subjects:
         return f"{self._upper}_RESERVATIONS"
 
     @property
+    def registry_bucket(self) -> str:
+        return f"{self._upper}_REGISTRY"
+
+    @property
     def instances_bucket(self) -> str:
         return f"{self._upper}_INSTANCES"
 

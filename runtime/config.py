@@ -57,6 +57,7 @@ class NodeConfig:
     telemetry_ttl_s: float = 15.0
     llama_server: str | None = None  # path override; default: the one the `llama` extra installed
     serving: ServingSettings = field(default_factory=ServingSettings)
+    registry_keys: tuple[str, ...] = ()  # nkey public keys whose registry entries placement trusts
     journal_max_age_s: float = 7 * 24 * 3600.0
     journal_max_bytes: int = 1 << 30
     log_level: str = "info"
@@ -100,6 +101,11 @@ def _urls(text: Any) -> tuple[str, ...]:
     return urls
 
 
+def _keys(text: Any) -> tuple[str, ...]:
+    items = text if isinstance(text, list | tuple) else str(text).split(",")
+    return tuple(str(k).strip() for k in items if str(k).strip())
+
+
 def _node_id(text: Any) -> str:
     return check_token(str(text), "node id")
 
@@ -125,6 +131,7 @@ _OPTIONS: dict[str, Callable[[Any], Any]] = {
     "telemetry_interval": _positive_float,
     "telemetry_ttl": _positive_float,
     "llama_server": str,
+    "registry_keys": _keys,
     "journal_max_age": _positive_float,
     "journal_max_bytes": _size,
     "log_level": _level,
@@ -204,6 +211,7 @@ def load_config(
         telemetry_interval_s=interval,
         telemetry_ttl_s=ttl,
         llama_server=values.get("llama_server"),
+        registry_keys=values.get("registry_keys", ()),
         serving=serving,
         journal_max_age_s=values.get("journal_max_age", 7 * 24 * 3600.0),
         journal_max_bytes=values.get("journal_max_bytes", 1 << 30),

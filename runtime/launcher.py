@@ -20,6 +20,7 @@ from typing import IO, TypeVar
 import nats.errors
 import nats.js.errors
 
+from actors.placement.actor import PlacementActor
 from actors.runner.engine import EngineNotFound, find_llama_server, probe_llama_server
 from actors.telemetry.actor import TelemetryActor
 from actors.telemetry.resources import NodeFacts
@@ -135,7 +136,10 @@ async def run_node(config: NodeConfig, *, announce: Callable[[str], None], stop:
                 llama_server_error=engine_error,
                 settings=config.serving,
             )
-            actors: list[Actor] = [TelemetryActor(facts, interval_s=config.telemetry_interval_s)]
+            actors: list[Actor] = [
+                TelemetryActor(facts, interval_s=config.telemetry_interval_s),
+                PlacementActor(trusted_registry_keys=config.registry_keys),
+            ]
             supervisor = Supervisor(bus=bus, journal=journal, subjects=config.subjects, node_id=config.node_id)
             url = ",".join(options.urls)
             journal.emit(

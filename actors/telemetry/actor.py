@@ -17,23 +17,11 @@ from actors.telemetry.probes import Nvml, read_host
 from actors.telemetry.resources import HostReading, NodeFacts, NvmlReading, build_report, material_change, usable_moved
 from messages.events import TelemetryChanged
 from messages.telemetry import NodeResources
+from runtime import buckets
 from runtime.actor import Actor, ActorContext
-from runtime.bus import Bus, encode
+from runtime.bus import encode
 
 TTL_HEADER = "Nats-TTL"
-
-
-async def ensure_nodes_bucket(bus: Bus, bucket: str) -> None:
-    """Creates the nodes KV bucket (history 1, per-message TTL, delete markers on expiry) if missing."""
-    try:
-        await bus.js.key_value(bucket)
-    except nats.js.errors.BucketNotFoundError:
-        await bus.js.create_key_value(
-            bucket=bucket,
-            history=1,
-            description="mesh-actor: last telemetry of each live node",
-            limit_marker_ttl=60.0,
-        )
 
 
 class TelemetryActor(Actor):
@@ -61,7 +49,7 @@ class TelemetryActor(Actor):
         self._last_journaled: NodeResources | None = None
 
     async def run(self, ctx: ActorContext) -> None:
-        await ensure_nodes_bucket(ctx.bus, ctx.subjects.nodes_bucket)
+        await buckets.nodes(ctx.bus, ctx.subjects)
         ctx.spawn(self._report_loop(ctx), "report")
 
     def _read(self) -> tuple[HostReading, NvmlReading]:

@@ -7,10 +7,11 @@ Events are shown as stored, decoded as JSON without a schema, so events of a new
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
 import json
 import re
-import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -19,6 +20,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from messages.subjects import Subjects
+from runtime.bus import Bus
 from runtime.cli.common import EXIT_USAGE, CliError, add_client_options, connect, emit_json, prefix
 
 _RELATIVE = re.compile(r"^(\d+)([smhd])$")
@@ -75,55 +77,64 @@ def _summary(event: Any) -> str:
     return f"{event.get('node', '?')} {event.get('type', '?')} " + " ".join(parts)
 
 
+def _consumer_config(since: str | None) -> ConsumerConfig:
+    if not since:
+        return ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+    seq, when = parse_since(since, datetime.now(UTC))
+    if seq is not None:
+        return ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, seq))
+    return ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=when)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredEvent:
+    seq: int
+    subject: str
+    time: datetime
+    data: bytes
+
+
+async def read_events(
+    bus: Bus, subjects: Subjects, pattern: str | None, *, since: str | None, follow: bool, idle_s: float = 2.0
+) -> AsyncIterator[StoredEvent]:
+    """Stored events matching `pattern`, oldest first; without `follow`, stops once caught up."""
+    config = _consumer_config(since)
+    try:
+        info = await bus.js.stream_info(subjects.events_stream)
+    except NotFoundError as exc:
+        raise CliError(f"no journal: stream {subjects.events_stream} does not exist yet") from exc
+    if info.state.messages == 0 and not follow:
+        return
+    sub = await bus.js.subscribe(
+        _filter(subjects, pattern), stream=subjects.events_stream, ordered_consumer=True, config=config
+    )
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=3600 if follow else idle_s)
+            except (TimeoutError, nats.errors.TimeoutError):
+                if follow:
+                    continue
+                return
+            meta = msg.metadata
+            yield StoredEvent(meta.sequence.stream, msg.subject, meta.timestamp, msg.data)
+            if not follow and meta.num_pending == 0:
+                return
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+
+
 async def cmd_events(args: argparse.Namespace) -> int:
     subjects = Subjects(prefix(args))
-    config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
-    if args.since:
-        seq, when = parse_since(args.since, datetime.now(UTC))
-        if seq is not None:
-            config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, seq))
-        else:
-            assert when is not None
-            config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=when)
     bus = await connect(args, "events")
     try:
-        try:
-            info = await bus.js.stream_info(subjects.events_stream)
-        except NotFoundError as exc:
-            raise CliError(f"no journal: stream {subjects.events_stream} does not exist yet") from exc
-        if info.state.messages == 0 and not args.follow:
-            return 0
-        sub = await bus.js.subscribe(
-            _filter(subjects, args.subject),
-            stream=subjects.events_stream,
-            ordered_consumer=True,
-            config=config,
-        )
-        try:
-            await _print_events(sub, args)
-        finally:
-            await sub.unsubscribe()
+        async for stored in read_events(bus, subjects, args.subject, since=args.since, follow=args.follow):
+            row = _render(stored.seq, stored.subject, stored.time, stored.data)
+            if args.json:
+                emit_json(row)
+            else:
+                print(f"{row['seq']:>8} {row['time'][:23]} {_summary(row['event'])}", flush=True)
     finally:
         await bus.close()
     return 0
-
-
-async def _print_events(sub: Any, args: argparse.Namespace) -> None:
-    idle_limit = 2.0  # without --follow: stop once nothing more arrives (the stream has no pending match)
-    while True:
-        try:
-            msg = await sub.next_msg(timeout=3600 if args.follow else idle_limit)
-        except (TimeoutError, nats.errors.TimeoutError):
-            if args.follow:
-                continue
-            return
-        meta = msg.metadata
-        row = _render(meta.sequence.stream, msg.subject, meta.timestamp, msg.data)
-        if args.json:
-            emit_json(row)
-        else:
-            print(f"{row['seq']:>8} {row['time'][:23]} {_summary(row['event'])}")
-            sys.stdout.flush()
-        if not args.follow and meta.num_pending == 0:
-            return
-        await asyncio.sleep(0)

@@ -12,6 +12,7 @@ from typing import Any, get_args
 import msgspec
 import nats.js.errors
 
+from actors.placement.registry import RegistryUntrusted, check_public_key
 from messages.settings import CacheType
 from messages.subjects import Subjects
 from messages.telemetry import NodeResources
@@ -85,6 +86,12 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     run.add_argument("--telemetry-ttl", type=float, metavar="S", help="seconds a report stays valid (default 15)")
     run.add_argument("--llama-server", metavar="PATH", help="llama-server binary (default: the llama extra's)")
     run.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    run.add_argument(
+        "--registry-key",
+        action="append",
+        metavar="PUBKEY",
+        help="trust model registry entries signed by this nkey public key (repeatable)",
+    )
     add_serving_flags(run)
     run.set_defaults(func=cmd_run)
 
@@ -106,6 +113,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "telemetry_interval": args.telemetry_interval,
         "telemetry_ttl": args.telemetry_ttl,
         "llama_server": args.llama_server,
+        "registry_keys": ",".join(args.registry_key) if args.registry_key else None,
         "log_level": args.log_level,
         "prefix": args.prefix,
         "nats": ",".join(args.nats) if args.nats else None,
@@ -120,7 +128,9 @@ async def cmd_run(args: argparse.Namespace) -> int:
     serving = {name: getattr(args, name) for name in SERVING_DESTS}
     try:
         config = load_config(flags, os.environ, serving)
-    except ConfigError as exc:
+        for key in config.registry_keys:
+            check_public_key(key)
+    except (ConfigError, RegistryUntrusted) as exc:
         raise CliError(str(exc), EXIT_USAGE) from exc
     configure_logging(config.log_level)
 

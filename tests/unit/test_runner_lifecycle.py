@@ -256,8 +256,8 @@ def test_any_event_sequence_keeps_the_invariants(events: list[Event]) -> None:
         if was_done:
             assert actions == []
             continue
-        if isinstance(event, Spawned) and event.generation == m.generation:
-            alive = True
+        if isinstance(event, Spawned) and event.generation == m.generation and m.pid == event.pid:
+            alive = True  # the machine took the process as its own (a stale Spawned is ignored)
         if isinstance(event, Exited) and event.generation == m.generation and m.pid is None:
             alive = False
         for action in actions:

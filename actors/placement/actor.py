@@ -1,0 +1,399 @@
+"""Placement actor (shell): answers `mesh.placement.request` and `mesh.placement.fit`, keeps reservations.
+
+- The cluster view comes only from events: a watch on the nodes KV bucket (telemetry with per-key TTL;
+  an expired key arrives as an empty delete marker and removes the node).
+- Ledgers (memory held per node) live in the reservations KV bucket, key `node.<id>`. A decision reads the
+  ledgers of the nodes it considers, decides with the pure core, and writes each chosen node's ledger with
+  compare-and-set on the revision it read. If another placement actor wrote first, it re-reads and decides
+  again, so two actors never book the same memory; a multi-node booking that fails half-way is rolled back.
+- Runner events (ready, stopped, failed, refused, drift) arrive through a durable JetStream consumer shared
+  by every placement actor, so none is lost while placement restarts: ready replaces the prediction by the
+  observed footprint, the others release the reservation. Reservations never started expire.
+- Every `placement.request` decision is a `placement_decided` journal event with its inputs (replayable);
+  `placement.fit` answers the same question, reserves nothing and is not journaled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import blake3
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from actors.placement.admission import ModelFacts, ViewEntry, decide, rejected
+from actors.placement.geometry import GeometryError, UnsupportedArchitecture, geometry_from_header
+from actors.placement.gguf_header import GGUFFormatError, read_header
+from actors.placement.ledger import expired, replaced, with_reservation, without
+from actors.placement.registry import RegistryUntrusted, check_file, verify
+from messages.events import PlacementDecided, ReservationObserved, ReservationReleased
+from messages.model import ModelGeometry
+from messages.placement import NodeLedger, PlacementDecision, PlacementRequest, RejectReason, Reservation
+from messages.registry import RegistryEntry
+from messages.telemetry import NodeResources
+from runtime import buckets
+from runtime.actor import Actor, ActorContext
+from runtime.bus import BadMessage, decode, decode_checked, encode
+
+QUEUE_GROUP = "placement"
+RUNNER_EVENTS_CONSUMER = "placement-reservations"
+_RELEASING = {"instance_stopped": "stopped", "instance_failed": "failed", "drift_rejected": "rejected"}
+_RELEASING["instance_refused"] = "refused"
+
+
+class ModelProblem(Exception):
+    def __init__(self, reason: RejectReason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class _Cached:
+    key: tuple[int, int]  # size, mtime_ns
+    geometry: ModelGeometry
+    digest: str | None = None
+
+
+def ledger_key(node_id: str) -> str:
+    return f"node.{node_id}"
+
+
+class PlacementActor(Actor):
+    name = "placement"
+    description = "admission and reservations"
+
+    def __init__(
+        self,
+        *,
+        trusted_registry_keys: tuple[str, ...] = (),
+        clock: Callable[[], float] = time.time,
+        max_attempts: int = 8,
+        sweep_interval_s: float = 2.0,
+    ) -> None:
+        self.trusted = trusted_registry_keys
+        self._clock = clock
+        self._max_attempts = max_attempts
+        self._sweep_interval = sweep_interval_s
+        self._view: dict[str, ViewEntry] = {}
+        self._models: dict[str, _Cached] = {}
+        self._view_ready = asyncio.Event()
+
+    # --- wiring ---------------------------------------------------------------------------------------
+
+    async def run(self, ctx: ActorContext) -> None:
+        subjects = ctx.subjects
+        self._nodes = await buckets.nodes(ctx.bus, subjects)
+        self._ledgers = await buckets.reservations(ctx.bus, subjects)
+        self._registry = await buckets.registry(ctx.bus, subjects)
+        self._view = {}
+        self._view_ready = asyncio.Event()
+        ctx.spawn(self._watch_nodes(ctx), "watch-nodes")
+        async with asyncio.timeout(10):
+            await self._view_ready.wait()
+        ctx.spawn(self._follow_runner_events(ctx), "runner-events")
+        ctx.spawn(self._sweep_expired(ctx), "expire")
+        await ctx.add_endpoint(
+            "request", subjects.placement_request, PlacementRequest, lambda r: self.place(ctx, r, dry_run=False),
+            queue_group=QUEUE_GROUP,
+        )  # fmt: skip
+        await ctx.add_endpoint(
+            "fit", subjects.placement_fit, PlacementRequest, lambda r: self.place(ctx, r, dry_run=True),
+            queue_group=QUEUE_GROUP,
+        )  # fmt: skip
+
+    async def _watch_nodes(self, ctx: ActorContext) -> None:
+        watcher = await self._nodes.watchall()
+        try:
+            async for entry in watcher:
+                if entry is None:  # the initial values are all in
+                    self._view_ready.set()
+                    continue
+                if not entry.value or entry.operation in ("DEL", "PURGE"):
+                    self._view.pop(entry.key, None)  # expired (delete marker) or removed
+                    continue
+                try:
+                    node = decode_checked(entry.value, NodeResources, f"telemetry of {entry.key}")
+                except BadMessage as exc:
+                    ctx.log.warning("bad_telemetry", key=entry.key, error=str(exc))
+                    continue
+                self._view[entry.key] = ViewEntry(resources=node, revision=entry.revision or 0)
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await watcher.stop()  # type: ignore[no-untyped-call]
+
+    # --- decisions ------------------------------------------------------------------------------------
+
+    async def place(self, ctx: ActorContext, request: PlacementRequest, *, dry_run: bool) -> PlacementDecision:
+        decision_id = uuid.uuid4().hex
+        now = self._clock()
+        view = dict(self._view)
+        try:
+            facts = await self._model_facts(request)
+        except ModelProblem as exc:
+            decision = rejected(
+                request, exc.reason, str(exc), decision_id=decision_id, now=now, dry_run=dry_run, view=view
+            )
+            if not dry_run:
+                self._journal(ctx, request, view, {}, None, decision)
+            return decision
+
+        reservation_id = uuid.uuid4().hex[:16]
+        names = list(request.nodes or view)
+        for _ in range(self._max_attempts):
+            now = self._clock()
+            view = dict(self._view)
+            ledgers = await self._read_ledgers(names)
+            outcome = decide(
+                request,
+                facts,
+                view,
+                {name: ledger for name, (ledger, _) in ledgers.items() if ledger is not None},
+                now=now,
+                decision_id=decision_id,
+                reservation_id=reservation_id,
+                dry_run=dry_run,
+            )
+            if not outcome.reservations or await self._commit(outcome.reservations, ledgers, now):
+                break
+        else:
+            outcome_decision = rejected(
+                request,
+                "reservation_conflict",
+                f"other placements kept taking the memory first ({self._max_attempts} attempts)",
+                decision_id=decision_id,
+                now=now,
+                dry_run=dry_run,
+                view=view,
+            )
+            self._journal(ctx, request, view, {}, facts, outcome_decision)
+            return outcome_decision
+        if not dry_run:
+            held = {name: ledger for name, (ledger, _) in ledgers.items() if ledger is not None}
+            self._journal(ctx, request, view, held, facts, outcome.decision)
+            ctx.log.info(
+                "placement_decided",
+                decision=decision_id,
+                admitted=outcome.decision.admitted,
+                reason=outcome.decision.reason,
+                message=outcome.decision.message,
+            )
+        return outcome.decision
+
+    def _journal(
+        self,
+        ctx: ActorContext,
+        request: PlacementRequest,
+        view: Mapping[str, ViewEntry],
+        ledgers: Mapping[str, NodeLedger],
+        facts: ModelFacts | None,
+        decision: PlacementDecision,
+    ) -> None:
+        ctx.emit(
+            PlacementDecided,
+            request=request,
+            view=tuple(entry.resources for entry in view.values()),
+            view_revisions={name: entry.revision for name, entry in view.items()},
+            ledgers=tuple(ledgers.values()),
+            geometry=facts.geometry if facts else None,
+            model_path=facts.path if facts else request.model.path,
+            decision=decision,
+        )
+
+    async def _read_ledgers(self, names: list[str]) -> dict[str, tuple[NodeLedger | None, int]]:
+        """Each node's ledger and the revision to compare-and-set against (0: the key does not exist)."""
+        out: dict[str, tuple[NodeLedger | None, int]] = {}
+        for name in names:
+            try:
+                entry = await self._ledgers.get(ledger_key(name))
+            except nats.js.errors.KeyNotFoundError:
+                out[name] = (None, 0)
+                continue
+            ledger = decode(entry.value, NodeLedger) if entry.value else None
+            out[name] = (ledger, entry.revision or 0)
+        return out
+
+    async def _write_ledger(self, node: str, ledger: NodeLedger, revision: int) -> int | None:
+        """Compare-and-set; the new revision, or None when someone else wrote first."""
+        try:
+            if revision == 0:
+                return int(await self._ledgers.create(ledger_key(node), encode(ledger)))
+            return int(await self._ledgers.update(ledger_key(node), encode(ledger), last=revision))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return None
+
+    async def _commit(
+        self, reservations: tuple[Reservation, ...], ledgers: dict[str, tuple[NodeLedger | None, int]], now: float
+    ) -> bool:
+        written: list[tuple[str, NodeLedger | None, int]] = []
+        for reservation in reservations:
+            node = reservation.node_id
+            ledger, revision = ledgers.get(node, (None, 0))
+            new_revision = await self._write_ledger(node, with_reservation(ledger, node, reservation, now), revision)
+            if new_revision is None:
+                # Lost the race on this node: undo what this booking already wrote, then let the caller retry.
+                for done_node, old, done_revision in written:
+                    restored = old or NodeLedger(node_id=done_node)
+                    await self._write_ledger(done_node, restored, done_revision)
+                return False
+            written.append((node, ledger, new_revision))
+        return True
+
+    async def _update_reservation(
+        self, node: str, reservation_id: str, change: Callable[[NodeLedger, Reservation], NodeLedger | None]
+    ) -> Reservation | None:
+        """Applies `change` to one reservation with compare-and-set, retrying on conflicts."""
+        for _ in range(self._max_attempts):
+            ledger, revision = (await self._read_ledgers([node]))[node]
+            if ledger is None:
+                return None
+            current = next((r for r in ledger.reservations if r.reservation_id == reservation_id), None)
+            if current is None:
+                return None
+            new = change(ledger, current)
+            if new is None or await self._write_ledger(node, new, revision) is not None:
+                return current
+        return None
+
+    # --- models ---------------------------------------------------------------------------------------
+
+    async def _model_facts(self, request: PlacementRequest) -> ModelFacts:
+        ref = request.model
+        if ref.path is None and ref.registry is None:
+            raise ModelProblem("model_unreadable", "the request names no model: give model.path or model.registry")
+        if ref.registry is not None:
+            return await self._registry_facts(ref.registry, ref.path)
+        assert ref.path is not None
+        geometry, _ = await asyncio.to_thread(self._read_model, ref.path, False)
+        return ModelFacts(geometry=geometry, path=ref.path)
+
+    def _read_model(self, path: str, want_digest: bool) -> tuple[ModelGeometry, str | None]:
+        """Header facts of a local file, cached by (size, mtime); the blake3 digest on demand."""
+        try:
+            stat = os.stat(path)
+            key = (stat.st_size, stat.st_mtime_ns)
+            cached = self._models.get(path)
+            if cached is None or cached.key != key:
+                cached = _Cached(key=key, geometry=geometry_from_header(read_header(path)))
+            if want_digest and cached.digest is None:
+                hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+                hasher.update_mmap(path)
+                cached = _Cached(key=key, geometry=cached.geometry, digest=hasher.hexdigest())
+            self._models[path] = cached
+            return cached.geometry, cached.digest
+        except UnsupportedArchitecture as exc:
+            raise ModelProblem("unsupported_architecture", str(exc)) from exc
+        except (GGUFFormatError, GeometryError) as exc:
+            raise ModelProblem("model_unreadable", f"{path}: {exc}") from exc
+        except OSError as exc:
+            raise ModelProblem("model_unreadable", f"cannot read {path}: {exc.strerror or exc}") from exc
+
+    async def _registry_facts(self, name: str, path: str | None) -> ModelFacts:
+        try:
+            entry_raw = await self._registry.get(name)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyValueError, ValueError) as exc:
+            raise ModelProblem("model_unreadable", f"no registry entry named {name!r}") from exc
+        if not entry_raw.value:
+            raise ModelProblem("model_unreadable", f"no registry entry named {name!r}")
+        try:
+            entry = decode_checked(entry_raw.value, RegistryEntry, f"registry entry {name!r}")
+            verify(entry, self.trusted)
+            if path is not None:
+                await asyncio.to_thread(self._check_registry_file, entry, path)
+        except (BadMessage, RegistryUntrusted) as exc:
+            raise ModelProblem("registry_untrusted", str(exc)) from exc
+        except ModelProblem:
+            raise
+        except OSError as exc:
+            raise ModelProblem("model_unreadable", f"cannot read {path}: {exc}") from exc
+        return ModelFacts(geometry=entry.geometry, path=path or entry.file_name, digest=entry.blake3)
+
+    def _check_registry_file(self, entry: RegistryEntry, path: str) -> None:
+        """When the placement node has the file, it must be the one that was signed (size, then digest)."""
+        if not os.path.exists(path):
+            return
+        size = os.stat(path).st_size
+        check_file(entry, size=size, digest=None)  # cheap check before hashing
+        _, digest = self._read_model(path, True)
+        check_file(entry, size=size, digest=digest)
+
+    # --- reservation lifecycle ------------------------------------------------------------------------
+
+    async def _follow_runner_events(self, ctx: ActorContext) -> None:
+        subjects = ctx.subjects
+        sub = await ctx.bus.js.pull_subscribe(
+            subjects.events_of("runner"),
+            durable=RUNNER_EVENTS_CONSUMER,
+            stream=subjects.events_stream,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30),
+        )
+        while True:
+            try:
+                messages = await sub.fetch(16, timeout=5)
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            for msg in messages:
+                try:
+                    event = msgspec.json.decode(msg.data)
+                except msgspec.DecodeError:
+                    await msg.ack()
+                    continue
+                if isinstance(event, dict):
+                    await self._apply_runner_event(ctx, event)
+                await msg.ack()
+
+    async def _apply_runner_event(self, ctx: ActorContext, event: dict[str, object]) -> None:
+        kind = event.get("type")
+        node = str(event.get("node", ""))
+        reservation_id = str(event.get("reservation_id", ""))
+        if not node or not reservation_id:
+            return
+        if kind == "instance_ready":
+            now = self._clock()
+            observed = event.get("observed")
+            total = int(observed.get("total_bytes", 0)) if isinstance(observed, dict) else 0
+
+            def ready(ledger: NodeLedger, current: Reservation) -> NodeLedger:
+                held = _observed_held(current, total)
+                return replaced(
+                    ledger,
+                    msgspec.structs.replace(current, state="running", held=held, expires_at=None, running_since=now),
+                )
+
+            if (current := await self._update_reservation(node, reservation_id, ready)) is not None:
+                ctx.emit(ReservationObserved, reservation_id=reservation_id, held=_observed_held(current, total))
+        elif kind in _RELEASING and await self._release(node, reservation_id):
+            ctx.emit(ReservationReleased, reservation_id=reservation_id, node_id_released=node, reason=_RELEASING[kind])
+
+    async def _release(self, node: str, reservation_id: str) -> bool:
+        def remove(ledger: NodeLedger, _: Reservation) -> NodeLedger:
+            return without(ledger, reservation_id)
+
+        return await self._update_reservation(node, reservation_id, remove) is not None
+
+    async def _sweep_expired(self, ctx: ActorContext) -> None:
+        while True:
+            await asyncio.sleep(self._sweep_interval)
+            now = self._clock()
+            for name in list(self._view):
+                ledger, _ = (await self._read_ledgers([name]))[name]
+                for reservation in expired(ledger, now) if ledger else ():
+                    rid = reservation.reservation_id
+                    if await self._release(name, rid):
+                        ctx.emit(ReservationReleased, reservation_id=rid, node_id_released=name, reason="expired")
+
+
+def _observed_held(reservation: Reservation, observed_total: int) -> dict[str, int]:
+    """Held memory once running: the observed footprint, plus the host extras (prompt cache, checkpoints)
+    that grow at run time and are not in the startup figures. Multi-device layouts keep the prediction."""
+    if len(reservation.devices) != 1 or observed_total <= 0:
+        return dict(reservation.held)
+    device = reservation.devices[0]
+    return {device.device: observed_total + device.host_extra_bytes}

@@ -1,0 +1,57 @@
+"""The JetStream KV buckets of a mesh, defined once: every actor and command opens them through here.
+
+Creating a bucket is idempotent and race-safe: if another process created it first (with the same
+definition), the existing one is used. Buckets are never deleted or recreated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import nats.js.errors
+from nats.js.kv import KeyValue
+
+from messages.subjects import Subjects
+from runtime.bus import Bus
+
+
+@dataclass(frozen=True, slots=True)
+class BucketSpec:
+    description: str
+    history: int = 1
+    marker_ttl_s: float | None = None  # per-key TTLs are allowed; expiry leaves a delete marker this long
+
+
+NODES = BucketSpec("mesh-actor: last telemetry of each live node (per-key TTL)", marker_ttl_s=60.0)
+RESERVATIONS = BucketSpec("mesh-actor: memory held per node (compare-and-set ledgers)")
+REGISTRY = BucketSpec("mesh-actor: signed model registry entries")
+INSTANCES = BucketSpec("mesh-actor: llama-server instances (per-key TTL)", marker_ttl_s=60.0)
+
+
+async def open_bucket(bus: Bus, name: str, spec: BucketSpec) -> KeyValue:
+    try:
+        return await bus.js.key_value(name)
+    except nats.js.errors.BucketNotFoundError:
+        pass
+    try:
+        return await bus.js.create_key_value(
+            bucket=name, history=spec.history, description=spec.description, limit_marker_ttl=spec.marker_ttl_s
+        )
+    except nats.js.errors.BadRequestError:
+        return await bus.js.key_value(name)  # created by another node at the same moment
+
+
+async def nodes(bus: Bus, subjects: Subjects) -> KeyValue:
+    return await open_bucket(bus, subjects.nodes_bucket, NODES)
+
+
+async def reservations(bus: Bus, subjects: Subjects) -> KeyValue:
+    return await open_bucket(bus, subjects.reservations_bucket, RESERVATIONS)
+
+
+async def registry(bus: Bus, subjects: Subjects) -> KeyValue:
+    return await open_bucket(bus, subjects.registry_bucket, REGISTRY)
+
+
+async def instances(bus: Bus, subjects: Subjects) -> KeyValue:
+    return await open_bucket(bus, subjects.instances_bucket, INSTANCES)
