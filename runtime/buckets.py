@@ -7,12 +7,15 @@ definition), the existing one is used. Buckets are never deleted or recreated.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import nats.js.errors
 from nats.js.kv import KeyValue
 
 from messages.subjects import Subjects
-from runtime.bus import Bus
+from runtime.bus import BadMessage, Bus, decode_checked
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,3 +58,33 @@ async def registry(bus: Bus, subjects: Subjects) -> KeyValue:
 
 async def instances(bus: Bus, subjects: Subjects) -> KeyValue:
     return await open_bucket(bus, subjects.instances_bucket, INSTANCES)
+
+
+async def read_all(bus: Bus, name: str, value_type: type[T]) -> tuple[list[tuple[str, T]], list[str]]:
+    """Every live `(key, value)` of a bucket decoded as `value_type`, and a warning per undecodable value.
+
+    A missing bucket is empty. Expired keys (delete markers: empty values) and keys that vanish between
+    listing and reading are skipped.
+    """
+    try:
+        kv = await bus.js.key_value(name)
+    except nats.js.errors.BucketNotFoundError:
+        return [], []
+    try:
+        keys = await kv.keys()
+    except nats.js.errors.NoKeysError:
+        return [], []
+    values: list[tuple[str, T]] = []
+    warnings: list[str] = []
+    for key in sorted(keys):
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            continue
+        if not entry.value:
+            continue
+        try:
+            values.append((key, decode_checked(entry.value, value_type, f"{name} key {key}")))
+        except BadMessage as exc:
+            warnings.append(str(exc))
+    return values, warnings

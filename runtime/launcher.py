@@ -17,18 +17,21 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO, TypeVar
 
+import msgspec
 import nats.errors
 import nats.js.errors
 
 from actors.placement.actor import PlacementActor
+from actors.runner.actor import RunnerActor
 from actors.runner.engine import EngineNotFound, find_llama_server, probe_llama_server
 from actors.telemetry.actor import TelemetryActor
 from actors.telemetry.resources import NodeFacts
 from messages.events import NodeStarted, NodeStopped
+from messages.settings import ServingSettings
 from messages.telemetry import LlamaServerInfo
 from runtime.actor import Actor, ActorGaveUpError, Supervisor
 from runtime.bus import Bus
-from runtime.config import NodeConfig
+from runtime.config import ConfigError, NodeConfig
 from runtime.embedded import EmbeddedNats
 from runtime.journal import Journal, ensure_events_stream
 from runtime.logging import get_logger
@@ -90,14 +93,49 @@ async def _unless_stopped(awaitable: Awaitable[T], stop: asyncio.Event) -> T:
     raise StartupInterrupted("stopped while starting")
 
 
-async def run_node(config: NodeConfig, *, announce: Callable[[str], None], stop: asyncio.Event | None = None) -> int:
-    """Runs the node until SIGINT/SIGTERM (or `stop` is set). Returns the process exit code."""
+class ServingSettingsHolder:
+    """The node's serving settings now. SIGHUP reloads them (the operator edited config.toml); telemetry
+    advertises the new ones, and instances admitted under the old ones are refused at start (drift)."""
+
+    def __init__(self, settings: ServingSettings, reload: Callable[[], ServingSettings] | None) -> None:
+        self.settings = settings
+        self._reload = reload
+
+    def get(self) -> ServingSettings:
+        return self.settings
+
+    def reload(self) -> None:
+        log = get_logger(component="config")
+        if self._reload is None:
+            log.warning("settings_reload_unavailable")
+            return
+        try:
+            new = self._reload()
+        except (ConfigError, OSError) as exc:
+            log.error("settings_reload_failed", error=str(exc))  # keep running with the old settings
+            return
+        if new != self.settings:
+            log.info("settings_reloaded", settings=msgspec.to_builtins(new))
+        self.settings = new
+
+
+async def run_node(
+    config: NodeConfig,
+    *,
+    announce: Callable[[str], None],
+    stop: asyncio.Event | None = None,
+    reload_settings: Callable[[], ServingSettings] | None = None,
+) -> int:
+    """Runs the node until SIGINT/SIGTERM (or `stop` is set); SIGHUP reloads the serving settings.
+    Returns the process exit code."""
     log = get_logger(node=config.node_id)
     lock = lock_data_dir(config.data_dir)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
+    serving = ServingSettingsHolder(config.serving, reload_settings)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, serving.reload)
     try:
         async with contextlib.AsyncExitStack() as stack:
             embedded = not config.nats.urls
@@ -137,8 +175,15 @@ async def run_node(config: NodeConfig, *, announce: Callable[[str], None], stop:
                 settings=config.serving,
             )
             actors: list[Actor] = [
-                TelemetryActor(facts, interval_s=config.telemetry_interval_s),
+                TelemetryActor(facts, settings_source=serving.get, interval_s=config.telemetry_interval_s),
                 PlacementActor(trusted_registry_keys=config.registry_keys),
+                RunnerActor(
+                    config.node_id,
+                    config.data_dir,
+                    Path(engine.path) if engine else None,
+                    lambda: serving.get() if engine is not None else None,  # what telemetry advertises
+                    engine_version=engine.version if engine else None,
+                ),
             ]
             supervisor = Supervisor(bus=bus, journal=journal, subjects=config.subjects, node_id=config.node_id)
             url = ",".join(options.urls)
@@ -152,7 +197,7 @@ async def run_node(config: NodeConfig, *, announce: Callable[[str], None], stop:
             )
             return await _serve(config, journal, supervisor, actors, stop, announce, url, embedded)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         lock.close()
 

@@ -8,6 +8,7 @@ Material changes (first report, settings, devices, engine) are journal events.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -16,6 +17,7 @@ import nats.errors
 from actors.telemetry.probes import Nvml, read_host
 from actors.telemetry.resources import HostReading, NodeFacts, NvmlReading, build_report, material_change, usable_moved
 from messages.events import TelemetryChanged
+from messages.settings import ServingSettings
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext
@@ -31,6 +33,7 @@ class TelemetryActor(Actor):
     def __init__(
         self,
         facts: NodeFacts,
+        settings_source: Callable[[], ServingSettings] | None = None,
         *,
         interval_s: float,
         probe_interval_s: float = 1.0,
@@ -39,6 +42,8 @@ class TelemetryActor(Actor):
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.facts = facts
+        # The node's serving settings may be reloaded while it runs (SIGHUP): read them at every report.
+        self._settings = settings_source or (lambda: facts.settings)
         self.interval_s = interval_s
         self.probe_interval_s = min(probe_interval_s, interval_s)
         self._read_host = read_host_fn
@@ -61,7 +66,8 @@ class TelemetryActor(Actor):
             while True:
                 host, nvml = await asyncio.to_thread(self._read)
                 self._seq += 1
-                report = build_report(self.facts, seq=self._seq, now=self._clock(), host=host, nvml=nvml)
+                facts = dataclasses.replace(self.facts, settings=self._settings())
+                report = build_report(facts, seq=self._seq, now=self._clock(), host=host, nvml=nvml)
                 last = self._last_sent
                 due = last is None or report.sent_at - last.sent_at >= self.interval_s
                 reason = material_change(self._last_journaled, report)

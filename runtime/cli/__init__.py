@@ -13,7 +13,7 @@ import inspect
 import sys
 from collections.abc import Sequence
 
-from runtime.cli import journal, model, node, placement
+from runtime.cli import journal, model, node, placement, runner
 from runtime.cli.common import CliError
 from runtime.logging import configure_logging
 
@@ -21,7 +21,7 @@ from runtime.logging import configure_logging
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mesh-actor", description="Control plane for llama-server nodes.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for family in (node, placement, journal, model):
+    for family in (node, placement, runner, journal, model):
         family.register(sub)
     return parser
 

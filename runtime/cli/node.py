@@ -10,13 +10,15 @@ import time
 from typing import Any, get_args
 
 import msgspec
-import nats.js.errors
 
 from actors.placement.registry import RegistryUntrusted, check_public_key
-from messages.settings import CacheType
+from messages.placement import NodeLedger, Reservation
+from messages.runner import InstanceStatus
+from messages.settings import CacheType, ServingSettings
 from messages.subjects import Subjects
 from messages.telemetry import NodeResources
-from runtime.bus import BadMessage, BusError, decode_checked
+from runtime import buckets
+from runtime.bus import BusError
 from runtime.cli.common import (
     EXIT_USAGE,
     CliError,
@@ -28,6 +30,7 @@ from runtime.cli.common import (
     emit_json,
     prefix,
 )
+from runtime.cli.runner import fetch_instances
 from runtime.config import ConfigError, load_config
 from runtime.embedded import EmbeddedNatsError
 from runtime.launcher import DataDirBusy, JetStreamUnavailable, StartupInterrupted, run_node
@@ -137,58 +140,51 @@ async def cmd_run(args: argparse.Namespace) -> int:
     def announce(line: str) -> None:
         print(line, flush=True)
 
+    def reload_settings() -> ServingSettings:
+        return load_config(flags, os.environ, serving).serving
+
     try:
-        return await run_node(config, announce=announce)
+        return await run_node(config, announce=announce, reload_settings=reload_settings)
     except StartupInterrupted:
         return 130
     except (DataDirBusy, EmbeddedNatsError, JetStreamUnavailable, BusError, OSError) as exc:
         raise CliError(str(exc)) from exc
 
 
-async def fetch_nodes(args: argparse.Namespace) -> list[NodeResources]:
-    bus = await connect(args, "status")
+async def fetch_status(args: argparse.Namespace) -> tuple[list[NodeResources], list[InstanceStatus], list[Reservation]]:
     subjects = Subjects(prefix(args))
+    bus = await connect(args, "status")
     try:
-        try:
-            kv = await bus.js.key_value(subjects.nodes_bucket)
-        except nats.js.errors.BucketNotFoundError:
-            return []
-        nodes: list[NodeResources] = []
-        try:
-            keys = await kv.keys()
-        except nats.js.errors.NoKeysError:
-            return []
-        for key in keys:
-            try:
-                entry = await kv.get(key)
-            except nats.js.errors.KeyNotFoundError:
-                continue  # expired between listing and reading
-            if entry.value:
-                try:
-                    nodes.append(decode_checked(entry.value, NodeResources, f"telemetry of {key}"))
-                except BadMessage as exc:
-                    print(f"mesh-actor: warning: skipping {key}: {exc}", file=sys.stderr)
-        return sorted(nodes, key=lambda n: n.node_id)
+        nodes, warnings = await buckets.read_all(bus, subjects.nodes_bucket, NodeResources)
+        ledgers, more = await buckets.read_all(bus, subjects.reservations_bucket, NodeLedger)
+        instances = await fetch_instances(bus, subjects)
     finally:
         await bus.close()
+    for warning in warnings + more:
+        print(f"mesh-actor: warning: skipping {warning}", file=sys.stderr)
+    reservations = [r for _, ledger in ledgers for r in ledger.reservations]
+    return [node for _, node in nodes], instances, reservations
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
-    nodes = await asyncio.wait_for(fetch_nodes(args), timeout=30)
+    async with asyncio.timeout(30):
+        nodes, instances, reservations = await fetch_status(args)
     now = time.time()
     if args.json:
         emit_json(
             {
                 "nodes": [
                     {**msgspec.to_builtins(node), "age_s": round(max(0.0, now - node.sent_at), 3)} for node in nodes
-                ]
+                ],
+                "instances": [msgspec.to_builtins(i) for i in instances],
+                "reservations": [msgspec.to_builtins(r) for r in reservations],
             }
         )
         return 0
     if not nodes:
         print("no live nodes")
-        return 0
-    print(f"{'NODE':<20} {'AGE':>6} {'CPUS':>4} {'RAM USABLE':>12} {'GPUS':<28} {'LLAMA-SERVER':<24} SETTINGS")
+    else:
+        print(f"{'NODE':<20} {'AGE':>6} {'CPUS':>4} {'RAM USABLE':>12} {'GPUS':<28} {'LLAMA-SERVER':<24} SETTINGS")
     for node in nodes:
         gpus = ", ".join(f"{g.index}:{format_size(g.usable_bytes)}" for g in node.gpus) or "-"
         engine = node.llama_server.version[:24] if node.llama_server else "(none)"
@@ -202,6 +198,20 @@ async def cmd_status(args: argparse.Namespace) -> int:
         age = f"{max(0.0, now - node.sent_at):.1f}s"
         usable = format_size(node.host.usable_bytes)
         print(f"{node.node_id:<20} {age:>6} {node.host.cpu_count:>4} {usable:>12} {gpus:<28} {engine:<24} {settings}")
+    if instances:
+        print(f"\n{'INSTANCE':<18} {'NODE':<14} {'STATE':<10} {'PORT':>6} {'PREDICTED':>11} {'OBSERVED':>11} MODEL")
+    for inst in instances:
+        observed = format_size(inst.observed_memory.total_bytes) if inst.observed_memory else "-"
+        predicted = format_size(inst.predicted_memory.total_bytes)
+        print(
+            f"{inst.id:<18} {inst.node:<14} {inst.state:<10} {inst.port or '-':>6} {predicted:>11} {observed:>11} "
+            f"{inst.model_path}"
+        )
+    if reservations:
+        print(f"\n{'RESERVATION':<18} {'NODE':<14} {'STATE':<10} {'HELD':>11} EXPIRES")
+    for r in reservations:
+        expires = f"in {max(0.0, r.expires_at - now):.0f}s" if r.expires_at is not None else "-"
+        print(f"{r.reservation_id:<18} {r.node_id:<14} {r.state:<10} {format_size(sum(r.held.values())):>11} {expires}")
     return 0
 
 

@@ -20,6 +20,7 @@ from actors.runner.engine import EngineNotFound, find_llama_server, probe_llama_
 from actors.telemetry.probes import Nvml
 from messages.runner import InstanceStatus, RunnerAck, StopInstance
 from messages.subjects import Subjects
+from runtime import buckets
 from runtime.bus import BadMessage, Bus, BusError, RemoteError, decode_checked
 from runtime.cli.common import (
     EXIT_FAILURE,
@@ -55,27 +56,10 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 async def fetch_instances(bus: Bus, subjects: Subjects) -> list[InstanceStatus]:
     """Every instance record in the instances bucket, by node then id (expired ones are gone)."""
-    try:
-        kv = await bus.js.key_value(subjects.instances_bucket)
-    except nats.js.errors.BucketNotFoundError:
-        return []
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return []
-    instances: list[InstanceStatus] = []
-    for key in keys:
-        try:
-            entry = await kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
-            continue  # expired between listing and reading
-        if not entry.value:
-            continue  # a delete marker: the record expired
-        try:
-            instances.append(decode_checked(entry.value, InstanceStatus, f"instance record {key}"))
-        except BadMessage as exc:
-            print(f"mesh-actor: warning: skipping {key}: {exc}", file=sys.stderr)
-    return sorted(instances, key=lambda i: (i.node, i.id))
+    records, warnings = await buckets.read_all(bus, subjects.instances_bucket, InstanceStatus)
+    for warning in warnings:
+        print(f"mesh-actor: warning: skipping {warning}", file=sys.stderr)
+    return sorted((record for _, record in records), key=lambda i: (i.node, i.id))
 
 
 async def _find_instance(bus: Bus, subjects: Subjects, instance_id: str) -> InstanceStatus | None:
