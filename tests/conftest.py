@@ -15,10 +15,12 @@ from typing import Any
 import pytest
 
 from messages.subjects import Subjects
-from runtime.bus import Bus
+from runtime import buckets
+from runtime.actor import Supervisor
+from runtime.bus import Bus, encode
 from runtime.config import NatsOptions
 from runtime.embedded import EmbeddedNats
-from runtime.journal import ensure_events_stream
+from runtime.journal import Journal, ensure_events_stream
 from runtime.logging import configure_logging
 
 configure_logging("warning", json=True)
@@ -124,3 +126,31 @@ def mesh_actor_command() -> list[str]:
         return [str(script)]
     found = shutil.which("mesh-actor")
     return [found] if found else [sys.executable, "-m", "runtime.cli"]
+
+
+@contextlib.asynccontextmanager
+async def supervised(
+    bus: Bus, actors: list[Any], *, node_id: str = "test-node", subjects: Subjects | None = None
+) -> AsyncIterator[asyncio.Task[None]]:
+    """Runs `actors` under a real Supervisor with a running Journal; stops them at the end."""
+    subjects = subjects or Subjects()
+    journal = Journal(bus, subjects, node_id)
+    supervisor = Supervisor(bus=bus, journal=journal, subjects=subjects, node_id=node_id)
+    journal_task = asyncio.create_task(journal.run())
+    task = asyncio.create_task(supervisor.run(actors))
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        await journal.flush(5)
+        journal_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await journal_task
+
+
+async def put_telemetry(bus: Bus, report: Any, *, subjects: Subjects | None = None) -> None:
+    """Writes a node's report into the nodes bucket, as its telemetry actor would."""
+    kv = await buckets.nodes(bus, subjects or Subjects())
+    await kv.put(report.node_id, encode(report))

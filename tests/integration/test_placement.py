@@ -1,0 +1,378 @@
+"""The placement actor on a real nats-server: requests, reservations, the registry, the journal and replay."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats.js.errors
+import pytest
+
+from actors.placement.actor import PlacementActor, ledger_key
+from actors.placement.admission import Outcome
+from actors.placement.geometry import geometry_from_header
+from actors.placement.gguf_header import read_header
+from actors.placement.memory import estimate
+from actors.placement.registry import public_key_of, sign
+from actors.placement.replay import differences, recompute
+from messages.events import InstanceReady, InstanceStopped, PlacementDecided
+from messages.memory import MemoryBreakdown
+from messages.placement import NodeLedger, PlacementDecision, PlacementRequest
+from messages.registry import RegistryEntry
+from messages.runner import ObservedMemory
+from messages.settings import ServingSettings
+from messages.subjects import Subjects
+from messages.telemetry import HostInfo, LlamaServerInfo, NodeResources
+from runtime import buckets
+from runtime.bus import Bus, NoResponders, decode, encode
+from runtime.cli.placement import _build_entry
+from runtime.journal import Journal
+from tests.conftest import JournalReader, NatsServer, of_type, put_telemetry, supervised
+from tests.tiny_models import write_llama, write_qwen35
+
+GIB = 1 << 30
+MIB = 1 << 20
+SUBJECTS = Subjects()
+QUIET = ServingSettings(cache_ram_mib=0, ctx_checkpoints=0)
+
+
+def report(
+    node_id: str,
+    usable: int,
+    *,
+    settings: ServingSettings | None = QUIET,
+    sent_at: float | None = None,
+) -> NodeResources:
+    now = time.time()
+    return NodeResources(
+        node_id=node_id,
+        seq=1,
+        sent_at=now if sent_at is None else sent_at,
+        started_at=now,
+        ttl_s=600,
+        host=HostInfo(ram_total_bytes=64 * GIB, ram_available_bytes=usable, usable_bytes=usable, cpu_count=2),
+        llama_server=LlamaServerInfo(path="llama-server", version="test", build_info="") if settings else None,
+        llama_server_error=None if settings else "llama-server not found",
+        settings=settings,
+    )
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "dense": write_llama(root / "dense.gguf", n_layer=8, n_embd=256, n_head=8, n_ff=512),
+        "hybrid": write_qwen35(root / "hybrid.gguf", n_layer=8, state_size=64, dt_rank=16),
+        "other": write_llama(root / "other.gguf", n_layer=4),
+    }
+
+
+def need(path: Path, ctx: int = 4096, settings: ServingSettings = QUIET) -> int:
+    return estimate(geometry_from_header(read_header(path)), settings, ctx).total_bytes
+
+
+def ask(path: Path | None = None, **fields: Any) -> PlacementRequest:
+    model = {"path": str(path)} if path else {}
+    return msgspec.convert({"model": model, "ctx": 4096, **fields}, PlacementRequest)
+
+
+async def place(bus: Bus, request: PlacementRequest, *, fit: bool = False) -> PlacementDecision:
+    subject = SUBJECTS.placement_fit if fit else SUBJECTS.placement_request
+    async with asyncio.timeout(10):
+        while True:
+            try:
+                return await bus.request(subject, request, PlacementDecision, timeout=10)
+            except NoResponders:  # the actor is still registering
+                await asyncio.sleep(0.02)
+
+
+async def wait_view(actor: PlacementActor, *nodes: str) -> None:
+    async with asyncio.timeout(10):
+        while not all(n in actor._view for n in nodes):
+            await asyncio.sleep(0.02)
+
+
+async def ledger(bus: Bus, node: str) -> NodeLedger:
+    kv = await buckets.reservations(bus, SUBJECTS)
+    return decode((await kv.get(ledger_key(node))).value or b"", NodeLedger)
+
+
+@pytest.fixture
+async def placement(bus: Bus) -> AsyncIterator[PlacementActor]:
+    actor = PlacementActor(trusted_registry_keys=(), sweep_interval_s=0.2)
+    async with supervised(bus, [actor], node_id="p1"):
+        yield actor
+
+
+async def test_admitted_with_breakdown_and_refused_with_need_and_have(
+    bus: Bus, placement: PlacementActor, models: dict[str, Path], journal_reader: JournalReader
+) -> None:
+    total = need(models["dense"])
+    await put_telemetry(bus, report("a", total + 10 * MIB))
+    await wait_view(placement, "a")
+    decision = await place(bus, ask(models["dense"]))
+    assert decision.admitted and decision.reservation_id and decision.placements[0].node_id == "a"
+    assert decision.stamp is not None and decision.stamp.settings == QUIET
+    device = decision.placements[0].breakdown.devices[0]
+    assert device.total_bytes == total and device.budget_bytes == total + 10 * MIB
+    stored = await ledger(bus, "a")
+    assert [r.reservation_id for r in stored.reservations] == [decision.reservation_id]
+
+    again = await place(bus, ask(models["dense"]))
+    assert not again.admitted and again.reason == "insufficient_memory"
+    (shortfall,) = again.rejections[0].shortfalls
+    assert (shortfall.device, shortfall.need_bytes, shortfall.have_bytes) == ("CPU", total, 10 * MIB)
+
+    recorded = await journal_reader.wait_for(of_type("placement_decided"), count=2)
+    assert [e["decision"]["admitted"] for e in recorded] == [True, False]
+    assert recorded[0]["view_revisions"] == {"a": decision.view["a"]}
+    assert recorded[1]["ledgers"][0]["reservations"][0]["reservation_id"] == decision.reservation_id
+
+
+async def test_fit_answers_without_reserving_or_journaling(
+    bus: Bus, placement: PlacementActor, models: dict[str, Path], journal_reader: JournalReader
+) -> None:
+    await put_telemetry(bus, report("a", need(models["dense"]) + MIB))
+    await wait_view(placement, "a")
+    for _ in range(3):
+        decision = await place(bus, ask(models["dense"]), fit=True)
+        assert decision.admitted and decision.dry_run and decision.reservation_id is None
+    kv = await buckets.reservations(bus, SUBJECTS)
+    with pytest.raises(nats.js.errors.KeyNotFoundError):
+        await kv.get(ledger_key("a"))
+    real = await place(bus, ask(models["dense"]))
+    (recorded,) = await journal_reader.wait_for(of_type("placement_decided"))
+    assert recorded["decision"]["decision_id"] == real.decision_id  # the what-ifs were not journaled
+
+
+async def test_hybrid_model_refused_until_node_advertises_settings(
+    bus: Bus, placement: PlacementActor, models: dict[str, Path]
+) -> None:
+    await put_telemetry(bus, report("bare", 32 * GIB, settings=None))
+    await wait_view(placement, "bare")
+    decision = await place(bus, ask(models["hybrid"]))
+    assert not decision.admitted and decision.reason == "settings_unknown"
+    assert "llama-server not found" in decision.rejections[0].message
+    await put_telemetry(bus, report("bare", 32 * GIB))
+    async with asyncio.timeout(10):
+        while placement._view["bare"].resources.settings is None:
+            await asyncio.sleep(0.02)
+    assert (await place(bus, ask(models["hybrid"]))).admitted
+
+
+async def test_stale_node_is_not_eligible(bus: Bus, placement: PlacementActor, models: dict[str, Path]) -> None:
+    await put_telemetry(bus, report("old", 32 * GIB, sent_at=time.time() - 3600))
+    await put_telemetry(bus, report("fresh", 1 * GIB))
+    await wait_view(placement, "old", "fresh")
+    decision = await place(bus, ask(models["dense"]))
+    assert decision.admitted and decision.placements[0].node_id == "fresh"
+    assert [(r.node_id, r.reason) for r in decision.rejections] == [("old", "telemetry_stale")]
+    only_old = await place(bus, ask(models["dense"], nodes=["old"]))
+    assert not only_old.admitted and only_old.reason == "telemetry_stale"
+
+
+async def test_layers_split_over_nodes_when_no_single_node_fits(
+    bus: Bus, placement: PlacementActor, models: dict[str, Path]
+) -> None:
+    total = need(models["dense"])
+    for name in ("x", "y"):
+        await put_telemetry(bus, report(name, int(total * 0.75)))
+    await wait_view(placement, "x", "y")
+    decision = await place(bus, ask(models["dense"]))
+    assert decision.admitted and decision.multi_node, decision.message
+    assert sorted(p.node_id for p in decision.placements) == ["x", "y"]
+    assert decision.placements[0].layers[1] == decision.placements[1].layers[0]
+    for name in ("x", "y"):
+        assert (await ledger(bus, name)).reservations[0].multi_node
+
+
+async def test_two_placement_actors_never_over_commit(
+    bus: Bus, nats_server: NatsServer, models: dict[str, Path]
+) -> None:
+    one = need(models["dense"])
+    await put_telemetry(bus, report("shared", 3 * one + one // 2))  # room for exactly three
+    second_bus = await Bus.connect(nats_server.options, name="placement-2")
+    first, second = PlacementActor(), PlacementActor()
+    try:
+        async with supervised(bus, [first], node_id="p1"), supervised(second_bus, [second], node_id="p2"):
+            await wait_view(first, "shared")
+            await wait_view(second, "shared")
+            await place(bus, ask(models["dense"]), fit=True)  # both endpoints registered
+            decisions = await asyncio.gather(*(place(bus, ask(models["dense"])) for _ in range(10)))
+    finally:
+        await second_bus.close()
+    assert sum(d.admitted for d in decisions) == 3
+    stored = await ledger(bus, "shared")
+    assert len(stored.reservations) == 3
+    assert sum(r.held["CPU"] for r in stored.reservations) <= 3 * one + one // 2
+    assert {r.reservation_id for r in stored.reservations} == {d.reservation_id for d in decisions if d.admitted}
+
+
+async def test_runner_events_replace_and_release_reservations(
+    bus: Bus, placement: PlacementActor, models: dict[str, Path], journal_reader: JournalReader
+) -> None:
+    await put_telemetry(bus, report("a", 4 * GIB))
+    await wait_view(placement, "a")
+    decision = await place(bus, ask(models["dense"]))
+    assert decision.reservation_id
+    rid = decision.reservation_id
+    predicted: MemoryBreakdown = decision.placements[0].breakdown
+    runner_journal = Journal(bus, SUBJECTS, "a")  # what the node's runner would publish
+    task = asyncio.create_task(runner_journal.run())
+    try:
+        observed = ObservedMemory(
+            kv_bytes=1, recurrent_bytes=0, draft_kv_bytes=0, weights_bytes=1, compute_bytes=1, output_bytes=1,
+            total_bytes=12345,
+        )  # fmt: skip
+        ids = {"instance_id": "i1", "reservation_id": rid}
+        runner_journal.emit(InstanceReady, "runner", **ids, port=1, predicted=predicted, observed=observed)
+        await journal_reader.wait_for(of_type("reservation_observed", reservation_id=rid))
+        (running,) = (await ledger(bus, "a")).reservations
+        assert running.state == "running" and running.held == {"CPU": 12345} and running.expires_at is None
+        runner_journal.emit(InstanceStopped, "runner", **ids, reason="stop requested")
+        released = await journal_reader.wait_for(of_type("reservation_released", reservation_id=rid))
+        assert released[0]["reason"] == "stopped"
+        assert (await ledger(bus, "a")).reservations == ()
+    finally:
+        await runner_journal.flush(5)
+        task.cancel()
+
+
+async def test_reservation_never_started_expires(
+    bus: Bus, placement: PlacementActor, models: dict[str, Path], journal_reader: JournalReader
+) -> None:
+    await put_telemetry(bus, report("a", 4 * GIB))
+    await wait_view(placement, "a")
+    decision = await place(bus, ask(models["dense"], hold_s=0.5))
+    released = await journal_reader.wait_for(of_type("reservation_released", reservation_id=decision.reservation_id))
+    assert released[0]["reason"] == "expired"
+    assert (await ledger(bus, "a")).reservations == ()
+
+
+@pytest.fixture
+def signing_key(tmp_path: Path) -> tuple[Path, str]:
+    import nacl.signing
+    import nkeys
+
+    seed = nkeys.encode_seed(bytes(nacl.signing.SigningKey.generate()), nkeys.PREFIX_BYTE_ACCOUNT)
+    path = tmp_path / "registry.nk"
+    path.write_bytes(seed)
+    return path, public_key_of(seed)
+
+
+async def test_signed_registry_entries_are_trusted_and_tampered_or_unsigned_ones_refused(
+    bus: Bus, models: dict[str, Path], signing_key: tuple[Path, str]
+) -> None:
+    key_file, public = signing_key
+    entry = _build_entry(models["dense"], "dense", key_file)
+    registry = await buckets.registry(bus, SUBJECTS)
+    await registry.put("dense", encode(entry))
+    tampered = msgspec.structs.replace(
+        entry, geometry=msgspec.structs.replace(entry.geometry, n_ctx_train=entry.geometry.n_ctx_train * 2)
+    )
+    await registry.put("tampered", encode(tampered))
+    await registry.put("unsigned", encode(msgspec.structs.replace(entry, signature="")))
+    foreign = sign(msgspec.structs.replace(entry, signature=""), _fresh_seed())  # a key nobody trusts
+    await registry.put("foreign", encode(foreign))
+
+    actor = PlacementActor(trusted_registry_keys=(public,))
+    async with supervised(bus, [actor], node_id="p1"):
+        await put_telemetry(bus, report("a", 8 * GIB))
+        await wait_view(actor, "a")
+        # The placement node does not need the file: the signed facts are enough.
+        remote = await place(bus, ask(None, model={"registry": "dense"}))
+        assert remote.admitted and remote.model_digest == entry.blake3 and remote.architecture == "llama"
+        with_file = await place(bus, ask(None, model={"registry": "dense", "path": str(models["dense"])}), fit=True)
+        assert with_file.admitted
+        for name, needle in (
+            ("tampered", "does not match its signature"),
+            ("unsigned", "unsigned"),
+            ("foreign", "not a trusted registry key"),
+        ):
+            refused = await place(bus, ask(None, model={"registry": name}))
+            assert not refused.admitted and refused.reason == "registry_untrusted", name
+            assert needle in refused.message, refused.message
+        mismatch = await place(bus, ask(None, model={"registry": "dense", "path": str(models["other"])}))
+        assert not mismatch.admitted and mismatch.reason == "registry_untrusted"
+        assert "signed for" in mismatch.message or "differs" in mismatch.message
+        missing = await place(bus, ask(None, model={"registry": "nope"}))
+        assert not missing.admitted and missing.reason == "model_unreadable"
+    assert isinstance(entry, RegistryEntry)
+
+
+def _fresh_seed() -> bytes:
+    import nacl.signing
+    import nkeys
+
+    return bytes(nkeys.encode_seed(bytes(nacl.signing.SigningKey.generate()), nkeys.PREFIX_BYTE_ACCOUNT))
+
+
+async def test_malformed_requests_get_errors_and_the_actor_keeps_serving(
+    bus: Bus, placement: PlacementActor, models: dict[str, Path]
+) -> None:
+    await put_telemetry(bus, report("a", 4 * GIB))
+    await wait_view(placement, "a")
+    await place(bus, ask(models["dense"]), fit=True)
+    cases = {
+        b"{nope": None,
+        b'{"model": {"path": 5}, "ctx": 8192}': "$.model.path",
+        b'{"model": {"path": "x"}, "ctx": "big"}': "$.ctx",
+        b'{"model": {"path": "x"}, "ctx": 0}': "$.ctx",
+        b'{"ctx": 8192}': "$",
+        b'{"model": {"path": "x"}, "ctx": 8192, "slots": 4}': "$",
+    }
+    for payload, path in cases.items():
+        msg = await bus.nc.request(SUBJECTS.placement_request, payload, timeout=5)
+        body = json.loads(msg.data)
+        assert body["code"] == "bad_request", payload
+        if path:
+            assert body["details"]["path"] == path, (payload, body)
+    unknown = await place(bus, ask(Path("/no/such/model.gguf")))
+    assert not unknown.admitted and unknown.reason == "model_unreadable" and "No such file" in unknown.message
+    garbage = models["dense"].parent / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + b"\xff" * 64)
+    hostile = await place(bus, ask(garbage))
+    assert not hostile.admitted and hostile.reason == "model_unreadable" and "offset" in hostile.message
+    assert (await place(bus, ask(models["dense"]))).admitted  # still serving
+    minimal = await bus.nc.request(
+        SUBJECTS.placement_fit, json.dumps({"model": {"path": str(models["dense"])}, "ctx": 8192}).encode(), timeout=5
+    )
+    assert json.loads(minimal.data)["admitted"] is True
+
+
+async def test_replay_finds_a_changed_decision_after_a_core_change_and_none_otherwise(
+    bus: Bus, placement: PlacementActor, models: dict[str, Path], journal_reader: JournalReader
+) -> None:
+    await put_telemetry(bus, report("a", 4 * GIB, settings=msgspec.structs.replace(QUIET, slots=2)))
+    await wait_view(placement, "a")
+    await place(bus, ask(models["hybrid"]))
+    await place(bus, ask(models["dense"], ctx=10**6))  # refused
+    recorded = await journal_reader.wait_for(of_type("placement_decided"), count=2)
+    events = [msgspec.convert(e, PlacementDecided) for e in recorded]
+    geometries = [geometry_from_header(read_header(e.model_path or "")) for e in events]
+
+    for event, geometry in zip(events, geometries, strict=True):
+        assert differences(event.decision, recompute(event, geometry)) == []
+
+    def changed_core(request: PlacementRequest, facts: Any, view: Any, ledgers: Any, **kw: Any) -> Outcome:
+        # A core that stamps one more slot than the node advertises.
+        from actors.placement.admission import ViewEntry, decide
+
+        def bump(node: NodeResources) -> NodeResources:
+            assert node.settings is not None
+            return msgspec.structs.replace(
+                node, settings=msgspec.structs.replace(node.settings, slots=node.settings.slots + 1)
+            )
+
+        bumped = {name: ViewEntry(resources=bump(e.resources), revision=e.revision) for name, e in view.items()}
+        return decide(request, facts, bumped, ledgers, **kw)
+
+    diff = differences(events[0].decision, recompute(events[0], geometries[0], decide_fn=changed_core))
+    paths = {d.path for d in diff}
+    assert "$.stamp.settings.slots" in paths
+    assert next(d for d in diff if d.path == "$.stamp.settings.slots").recorded == 2
