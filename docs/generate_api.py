@@ -1,0 +1,595 @@
+"""Writes `docs/api.md`: the subjects, buckets, events stream, error replies and message schemas of a mesh.
+
+Everything in the output is read from the code (subject names from `messages.subjects`, bucket definitions
+from `runtime.buckets`, schemas from `msgspec.json.schema_components`, field notes from the comments beside
+each Struct field), so the file changes only when the code does. Run from the repository root:
+
+    python -m docs.generate_api           # rewrite docs/api.md
+    python -m docs.generate_api --check   # exit 1 if docs/api.md is out of date
+
+`tests/unit/test_docs_api.py` fails when the committed file differs from what this renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import io
+import json
+import re
+import sys
+import textwrap
+import tokenize
+import typing
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from actors.placement.actor import QUEUE_GROUP, RUNNER_EVENTS_CONSUMER, PlacementActor, ledger_key
+from actors.runner import actor as runner_actor
+from actors.runner.actor import RunnerActor, RunnerLimits
+from actors.telemetry.actor import TelemetryActor
+from messages import errors
+from messages import events as ev
+from messages import placement as placement_messages
+from messages.errors import ErrorReply
+from messages.placement import NodeLedger, PlacementDecision, PlacementRequest, RejectReason
+from messages.registry import RegistryEntry
+from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
+from messages.subjects import DEFAULT_PREFIX, Subjects
+from messages.telemetry import NodeResources
+from runtime import buckets
+from runtime.actor import ActorContext, Supervisor
+from runtime.bus import BadMessage, decode_checked, error_headers
+from runtime.config import NodeConfig
+
+API_MD = Path(__file__).with_name("api.md")
+COMMAND = "python -m docs.generate_api"
+
+S = Subjects(DEFAULT_PREFIX)
+TELEMETRY, PLACEMENT, RUNNER = TelemetryActor.name, PlacementActor.name, RunnerActor.name
+NODE = "node"  # the pseudo-actor of `mesh-actor run` itself (runtime/launcher.py)
+SUPERVISED = (TELEMETRY, PLACEMENT, RUNNER)
+
+#: Who publishes each event, and when. Every member of `AnyEvent` must be here (checked at render time).
+EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
+    ev.ActorStarted: (SUPERVISED, "the supervisor started the actor (attempt 1)"),
+    ev.ActorCrashed: (SUPERVISED, "the actor crashed; it restarts after `restart_in_s`"),
+    ev.ActorRestarted: (SUPERVISED, "the actor started again after a crash"),
+    ev.ActorGaveUp: (SUPERVISED, "more crashes than its restart intensity allows; the node stops (exit 1)"),
+    ev.ActorStopped: (SUPERVISED, "the actor ended (node shutdown)"),
+    ev.NodeStarted: ((NODE,), "`mesh-actor run` is connected and starts its actors"),
+    ev.NodeStopped: ((NODE,), "`mesh-actor run` is stopping (`reason`: `signal`, or why an actor gave up)"),
+    ev.TelemetryChanged: (
+        (TELEMETRY,),
+        "first report, or the serving settings, devices, llama-server or memory limit changed",
+    ),
+    ev.PlacementDecided: (
+        (PLACEMENT,),
+        "every `placement.request` decision with its inputs (replayable); `placement.fit` is not journaled",
+    ),
+    ev.ReservationReleased: (
+        (PLACEMENT,),
+        "a reservation was removed; `reason`: stopped, failed, rejected, refused (runner events) or expired",
+    ),
+    ev.ReservationObserved: ((PLACEMENT,), "the instance is ready: the reservation now holds the observed footprint"),
+    ev.InstanceStarting: ((RUNNER,), "a llama-server process was spawned (every generation, restarts included)"),
+    ev.InstanceReady: ((RUNNER,), "healthy and verified against the stamp; predicted and observed memory"),
+    ev.DriftRejected: (
+        (RUNNER,),
+        "a setting differs from the stamp: refused before start, or stopped after start (once it exited)",
+    ),
+    ev.InstanceRefused: ((RUNNER,), "worker-side admission: the model no longer fits, or no current telemetry"),
+    ev.InstanceCrashed: (
+        (RUNNER,),
+        "the server exited or missed a deadline; `restart_in_s` is null when it will not be restarted",
+    ),
+    ev.InstanceRestarted: ((RUNNER,), "the server was spawned again after a crash"),
+    ev.InstanceStopped: ((RUNNER,), "stopped on request or because the runner stopped; the server is gone"),
+    ev.InstanceFailed: ((RUNNER,), "given up: too many crashes, or the process survived SIGKILL"),
+}
+
+_inbox = inspect.signature(ActorContext.add_endpoint).parameters["inbox"].default
+_deadline = inspect.signature(Supervisor.__init__).parameters["request_deadline_s"].default
+_limits = RunnerLimits()
+
+#: What each stable error code means. Every code constant must be here (checked at render time).
+ERROR_CODES: dict[str, str] = {
+    errors.BAD_REQUEST: "malformed JSON or not the endpoint's schema; `details.error`, and `details.path` "
+    "(e.g. `$.ctx`) when a field is at fault",
+    errors.NOT_FOUND: "the runner has no such reservation (`start`) or instance (`stop`)",
+    errors.BUSY: f"the endpoint's inbox ({_inbox} requests) is full; retry later",
+    errors.UNAVAILABLE: "the actor is restarting or stopping, or the runner cannot read a bucket; retry later",
+    errors.INTERNAL: "the handler crashed (a bug; the actor restarts), or the reply would exceed `max_payload`",
+    errors.TIMEOUT: f"the actor did not answer within its request deadline ({_deadline:g} s)",
+    runner_actor.SETTINGS_DRIFT: "the node's serving settings or llama-server build differ from the stamp; "
+    "`details.drift` is a list of [FieldDrift](#fielddrift)",
+    runner_actor.INSUFFICIENT_MEMORY: "worker-side admission: the model no longer fits; `details.need_bytes` and "
+    "`details.have_bytes` per device",
+    runner_actor.TELEMETRY_STALE: "the node has no current telemetry to check its memory against",
+    runner_actor.UNSUPPORTED: "a multi-node reservation (split serving is not built), or settings llama-server "
+    "would refuse for this model",
+    runner_actor.MODEL_UNREADABLE: "the runner cannot read the model's GGUF header",
+    runner_actor.ENGINE_UNAVAILABLE: "the node has no llama-server",
+    runner_actor.RESERVATION_STATE: "the reservation is not `reserved` (already running) or has expired",
+    runner_actor.TOO_MANY_INSTANCES: f"the node already runs {_limits.max_instances} instances",
+    runner_actor.DATA_DIR_UNWRITABLE: "the instance directory in the data dir cannot be created",
+    "ledger_unreadable": "the node's reservation ledger does not decode as a NodeLedger",
+}
+#: Refusal reasons whose line in messages/placement.py carries no comment.
+REASONS_WITHOUT_COMMENT = {
+    "unsupported_architecture": "the model's architecture has no geometry rule; it is refused, never guessed",
+}
+#: Codes raised as literals rather than named constants.
+LITERAL_CODES = ("ledger_unreadable",)
+
+_CODE = re.compile(r"^[a-z][a-z_]*$")
+
+
+class GeneratorError(RuntimeError):
+    """The code has something this generator does not describe yet; the message says what to add."""
+
+
+# --- schema rendering ---------------------------------------------------------------------------------------
+
+
+def _ref_name(ref: str) -> str:
+    return ref.rsplit("/", 1)[-1]
+
+
+def _link(name: str) -> str:
+    return f"[{name}](#{name.lower()})"
+
+
+def _type_of(schema: dict[str, Any]) -> str:
+    """A short human rendering of a JSON schema (the JSON block below each table is the full one)."""
+    if not schema:
+        return "any"
+    if "$ref" in schema:
+        return _link(_ref_name(schema["$ref"]))
+    if "anyOf" in schema:
+        return " \\| ".join(_type_of(item) for item in schema["anyOf"])
+    if "enum" in schema:
+        return " \\| ".join(f"`{json.dumps(value)}`" for value in schema["enum"])
+    kind = schema.get("type")
+    if kind == "array":
+        if "prefixItems" in schema:
+            return "[" + ", ".join(_type_of(item) for item in schema["prefixItems"]) + "]"
+        return f"array of {_type_of(schema.get('items', {}))}"
+    if kind == "object":
+        values = schema.get("additionalProperties")
+        return f"object of {_type_of(values)}" if isinstance(values, dict) and values else "object"
+    bounds = [
+        f"{op} {schema[key]}"
+        for key, op in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<"))
+        if key in schema
+    ]
+    return str(kind) + (" " + ", ".join(bounds) if bounds else "")
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """The `# comment` beside each field in the class bodies of `cls` and its Struct bases."""
+    fields: tuple[str, ...] = getattr(cls, "__struct_fields__", ())
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass in (object, msgspec.Struct) or not isinstance(klass, type) or not issubclass(klass, msgspec.Struct):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+        names: dict[int, str] = {}
+        comments: dict[int, str] = {}
+        for i, tok in enumerate(tokens):
+            row, column = tok.start
+            if tok.type == tokenize.COMMENT:
+                comments[row] = tok.string.lstrip("#").strip()
+            elif tok.type == tokenize.NAME and column == 4 and row not in names and tokens[i + 1].string == ":":
+                names[row] = tok.string
+        for row, name in names.items():
+            if name in fields and row in comments:
+                out[name] = comments[row]
+    return out
+
+
+def _component_order(roots: Sequence[str], components: dict[str, Any]) -> list[str]:
+    """Each root, then what it refers to (depth first, in field order), then anything left."""
+    order: list[str] = []
+
+    def refs(node: Any) -> Iterable[str]:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "$ref" and isinstance(value, str):
+                    yield _ref_name(value)
+                else:
+                    yield from refs(value)
+        elif isinstance(node, list):
+            for item in node:
+                yield from refs(item)
+
+    def visit(name: str) -> None:
+        if name in order:
+            return
+        order.append(name)
+        for child in refs(components[name]):
+            visit(child)
+
+    for root in roots:
+        visit(root)
+    for name in sorted(components):
+        visit(name)
+    return order
+
+
+def _schema_section(types: Sequence[type], lines: list[str]) -> None:
+    _, components = msgspec.json.schema_components(types)
+    by_name = {t.__name__: t for t in _all_struct_types(types)}
+    for name in _component_order([t.__name__ for t in types], components):
+        schema = components[name]
+        lines += [f"### {name}", ""]
+        if schema.get("description"):
+            lines += [" ".join(schema["description"].split()), ""]
+        properties: dict[str, Any] = schema.get("properties", {})
+        if properties:
+            required = set(schema.get("required", ()))
+            notes = _field_comments(by_name[name]) if name in by_name else {}
+            lines += ["| field | type | default | notes |", "|---|---|---|---|"]
+            for field, prop in properties.items():
+                default = "required" if field in required else f"`{json.dumps(prop.get('default'))}`"
+                lines.append(f"| `{field}` | {_type_of(prop)} | {default} | {_cell(notes.get(field, ''))} |")
+            lines.append("")
+            closed = schema.get("additionalProperties") is False
+            lines += [("Unknown fields are refused." if closed else "Unknown fields are ignored."), ""]
+        block = json.dumps(schema, indent=2, ensure_ascii=False)
+        lines += ["<details><summary>JSON schema</summary>", "", "```json", block, "```", "", "</details>", ""]
+
+
+def _all_struct_types(roots: Iterable[Any]) -> list[type]:
+    """Every Struct type reachable from `roots` through field annotations."""
+    seen: list[type] = []
+
+    def walk(tp: Any) -> None:
+        if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+            if tp in seen:
+                return
+            seen.append(tp)
+            for field_type in typing.get_type_hints(tp, include_extras=True).values():
+                walk(field_type)
+            return
+        for arg in typing.get_args(tp):
+            walk(arg)
+
+    for root in roots:
+        walk(root)
+    return seen
+
+
+# --- tables read from the code -------------------------------------------------------------------------------
+
+
+def _event_types() -> list[type[ev.Event]]:
+    members: list[type[ev.Event]] = list(typing.get_args(ev.AnyEvent))
+    missing = [t.__name__ for t in members if t not in EVENTS]
+    if missing:
+        raise GeneratorError(f"describe these events in EVENTS of docs/generate_api.py: {', '.join(missing)}")
+    return members
+
+
+def _module_codes(module: Any, exclude: Iterable[str] = ()) -> list[str]:
+    skip = set(exclude)
+    return [
+        value
+        for name, value in vars(module).items()
+        if name.isupper() and isinstance(value, str) and _CODE.match(value) and value not in skip
+    ]
+
+
+def _error_codes() -> list[tuple[str, str, str]]:
+    """(code, where it comes from, meaning) for every stable error code."""
+    common = _module_codes(errors)
+    runner = _module_codes(runner_actor, exclude=common) + list(LITERAL_CODES)
+    missing = [code for code in common + runner if code not in ERROR_CODES]
+    if missing:
+        raise GeneratorError(f"describe these error codes in ERROR_CODES of docs/generate_api.py: {missing}")
+    rows = [
+        (code, "any endpoint" if code != errors.NOT_FOUND else "runner endpoints", ERROR_CODES[code]) for code in common
+    ]
+    rows += [(code, f"`{S.runner('<node>', 'start')}`", ERROR_CODES[code]) for code in runner]
+    return rows
+
+
+def _reject_reasons() -> list[tuple[str, str]]:
+    source = inspect.getsource(placement_messages)
+    comments = dict(re.findall(r'^\s+"(\w+)",\s*#\s*(.*)$', source, flags=re.MULTILINE))
+    comments.update({k: v for k, v in REASONS_WITHOUT_COMMENT.items() if k not in comments})
+    return [(str(reason), comments.get(str(reason), "")) for reason in typing.get_args(RejectReason)]
+
+
+def _config_default(name: str) -> Any:
+    for field in dataclasses.fields(NodeConfig):
+        if field.name == name:
+            return field.default
+    raise GeneratorError(f"NodeConfig has no field {name!r}")
+
+
+def _bad_request_example() -> ErrorReply:
+    raw = b'{"model": {"path": "/models/x.gguf"}, "ctx": "8k"}'
+    try:
+        decode_checked(raw, PlacementRequest, f"request on {S.placement_request!r}")
+    except BadMessage as exc:
+        return exc.to_reply()
+    raise GeneratorError("the bad-request example decoded without an error")
+
+
+# --- the document ----------------------------------------------------------------------------------------
+
+
+def render() -> str:
+    """The full text of docs/api.md."""
+    lines: list[str] = []
+    add = lines.extend
+    node = "<node>"
+    ttl = _config_default("telemetry_ttl_s")
+    interval = _config_default("telemetry_interval_s")
+    max_age_days = _config_default("journal_max_age_s") / 86400
+    max_gib = _config_default("journal_max_bytes") / (1 << 30)
+    lab = Subjects("lab-a")
+
+    add(
+        [
+            "# mesh-actor API",
+            "",
+            f"<!-- Generated by `{COMMAND}` from the code; do not edit by hand. -->",
+            "",
+            "Every message is JSON encoded by msgspec; field names are the Struct field names (snake_case).",
+            f"Every subject starts with a prefix, `{DEFAULT_PREFIX}` unless configured (`--prefix`, "
+            "`MESH_ACTOR_PREFIX`, or `prefix` in `config.toml`); JetStream names follow it in upper case "
+            f"(prefix `lab-a`: `{lab.placement_request}`, stream `{lab.events_stream}`). Node ids, instance ids "
+            "and registry names are single subject tokens: 1-64 characters from `A-Z a-z 0-9 _ -`.",
+            "",
+            "## Subjects",
+            "",
+            "| subject | kind | message in → out | served by |",
+            "|---|---|---|---|",
+            f"| `{S.placement_request}` | req/reply, queue group `{QUEUE_GROUP}` | {_link('PlacementRequest')} → "
+            f"{_link('PlacementDecision')} | placement (every node; one answers) |",
+            f"| `{S.placement_fit}` | req/reply, queue group `{QUEUE_GROUP}` | {_link('PlacementRequest')} → "
+            f"{_link('PlacementDecision')} with `dry_run: true`: nothing reserved, not journaled | placement |",
+            f"| `{S.runner(node, 'start')}` | req/reply | {_link('StartInstance')} → {_link('RunnerAck')} | "
+            "the runner of that node |",
+            f"| `{S.runner(node, 'stop')}` | req/reply | {_link('StopInstance')} → {_link('RunnerAck')} | "
+            "the runner of that node |",
+            f"| `{S.telemetry(node)}` | pub | {_link('NodeResources')} | telemetry of that node, every "
+            f"{interval:g} s and on change (placement reads the nodes bucket instead) |",
+            f"| `{S.event('<actor>', '<type>')}` | JetStream, stream `{S.events_stream}` | one [event](#events) | "
+            "every actor |",
+            "| `$KV.<bucket>.<key>` | KV bucket | see [KV buckets](#kv-buckets) | |",
+            "| `$SRV.PING`, `$SRV.INFO`, `$SRV.STATS` | req/reply (NATS micro) | service discovery | every actor, as "
+            f"service `mesh-<actor>` (`mesh-{TELEMETRY}`, `mesh-{PLACEMENT}`, `mesh-{RUNNER}`) with metadata "
+            "`node` and `prefix` |",
+            "",
+            "Every req/reply endpoint answers an [error reply](#error-replies) instead when it cannot answer. "
+            "A refused placement is not an error: it is a decision with `admitted: false`, a `reason` and one "
+            "[NodeRejection](#noderejection) per node.",
+            "",
+            "A start names a reservation made by placement; the runner reads the stamp from the reservations "
+            "bucket, never from the caller. `RunnerAck.state` is where the instance stands when the reply is sent; "
+            f"follow it in the instances bucket or the `{S.events_of(RUNNER)}` events.",
+            "",
+            "### Placement refusal reasons",
+            "",
+            "`PlacementDecision.reason` (overall) and `NodeRejection.reason` (per node):",
+            "",
+            "| reason | meaning |",
+            "|---|---|",
+        ]
+    )
+    add(f"| `{reason}` | {_cell(meaning)} |" for reason, meaning in _reject_reasons())
+    add(
+        [
+            "",
+            "## KV buckets",
+            "",
+            "Created on first use by whichever actor or command opens them (idempotent); never deleted. "
+            "An expired key reads back as an empty value (a delete marker).",
+            "",
+            "| bucket | key | value | history | TTL | written by | read by |",
+            "|---|---|---|---|---|---|---|",
+        ]
+    )
+    rows = [
+        (
+            S.nodes_bucket,
+            buckets.NODES,
+            "`<node id>`",
+            "NodeResources",
+            f"per key: the report's `ttl_s` (default {ttl:g} s)",
+            "telemetry",
+            "placement (watch), runner (worker-side admission), `mesh-actor status`",
+        ),
+        (
+            S.reservations_bucket,
+            buckets.RESERVATIONS,
+            f"`{ledger_key('<node id>')}`",
+            "NodeLedger",
+            "none (reservations carry `expires_at`)",
+            "placement, compare-and-set on the revision read",
+            "runner (`start`), `mesh-actor status`",
+        ),
+        (
+            S.registry_bucket,
+            buckets.REGISTRY,
+            "`<entry name>`",
+            "RegistryEntry",
+            "none",
+            "`mesh-actor registry add`",
+            "placement (trusts entries signed by its `--registry-key`s)",
+        ),
+        (
+            S.instances_bucket,
+            buckets.INSTANCES,
+            "`<instance id>`",
+            "InstanceStatus",
+            f"per key: {_limits.status_ttl_s:g} s while the instance lives (refreshed), "
+            f"{_limits.final_ttl_s:g} s once it ended",
+            "runner",
+            "`mesh-actor status`, `mesh-actor stop`",
+        ),
+    ]
+    for name, spec, key, value, key_ttl, writer, reader in rows:
+        marker = f"; delete markers kept {spec.marker_ttl_s:g} s" if spec.marker_ttl_s else ""
+        add([f"| `{name}` | {key} | {_link(value)} | {spec.history} | {key_ttl}{marker} | {writer} | {reader} |"])
+    add(
+        [
+            "",
+            "Per-key TTLs are set with the `Nats-TTL` header on a JetStream publish to "
+            "`$KV.<bucket>.<key>`. A ledger holds every reservation on its node; placement rewrites it "
+            "with the revision it read, and re-reads and decides again when another placement wrote first.",
+            "",
+            "## Events",
+            "",
+            f"Stream `{S.events_stream}` stores subjects `{S.events_all}`: file storage, limits retention, "
+            f"oldest discarded first, bounded by age (default {max_age_days:g} days, `journal_max_age`) and size "
+            f"(default {max_gib:g} GiB, `journal_max_bytes`). Each event's `id` is its `Nats-Msg-Id`, so a "
+            "retried publish is stored once. Every event has the envelope fields `type`, `id`, `time` (unix "
+            "seconds), `node` and `actor`, and is published on "
+            f"`{S.event('<actor>', '<type>')}`. Readers should show a `type` they do not know as plain JSON "
+            "(a newer producer).",
+            "",
+            f"Placement follows `{S.events_of(RUNNER)}` through the durable pull consumer "
+            f"`{RUNNER_EVENTS_CONSUMER}`, shared by every placement actor, so reservation updates survive a "
+            "placement restart.",
+            "",
+            "| type | subject | schema | when |",
+            "|---|---|---|---|",
+        ]
+    )
+    event_types = _event_types()
+    for event_type in event_types:
+        actors, when = EVENTS[event_type]
+        tag = str(event_type.__struct_config__.tag)
+        if len(actors) == 1:
+            subject = f"`{S.event(actors[0], tag)}`"
+        else:
+            subject = f"`{S.event('<actor>', tag)}`, `<actor>`: " + ", ".join(f"`{a}`" for a in actors)
+        add([f"| `{tag}` | {subject} | {_link(event_type.__name__)} | {_cell(when)} |"])
+
+    bad = _bad_request_example()
+    add(
+        [
+            "",
+            "## Error replies",
+            "",
+            f"A request that fails is answered with an {_link('ErrorReply')} body and these headers (NATS micro's "
+            "service-error convention, so generic tools show them):",
+            "",
+            "| header | value |",
+            "|---|---|",
+            f"| `{errors.ERROR_HEADER}` | the message (at most 256 characters) |",
+            f"| `{errors.ERROR_CODE_HEADER}` | "
+            f"`{error_headers(ErrorReply(code=errors.BAD_REQUEST, message=''))[errors.ERROR_CODE_HEADER]}` for "
+            f"`{errors.BAD_REQUEST}`, "
+            f"`{error_headers(ErrorReply(code=errors.INTERNAL, message=''))[errors.ERROR_CODE_HEADER]}` "
+            "for every other code |",
+            f"| `{errors.MESH_ERROR_HEADER}` | the stable `code` |",
+            "",
+            f"A client checks for `{errors.ERROR_HEADER}` or `{errors.MESH_ERROR_HEADER}` before decoding the body "
+            "as the reply type. Codes are stable; clients branch on them:",
+            "",
+            "| code | from | meaning |",
+            "|---|---|---|",
+        ]
+    )
+    add(f"| `{code}` | {where} | {_cell(meaning)} |" for code, where, meaning in _error_codes())
+    add(
+        [
+            "",
+            "A request whose `ctx` is a string instead of an integer is answered:",
+            "",
+            "```json",
+            json.dumps(msgspec.to_builtins(bad), indent=2, ensure_ascii=False),
+            "```",
+            "",
+            "## Calling it from any NATS client",
+            "",
+            "`mesh-actor nats-env` prints the URL and credentials of the mesh: for the embedded server, those "
+            "recorded in the data dir (`nats.json`, mode 0600; pass `--data-dir` of the first node); otherwise "
+            "those given with `--nats` and the credential flags. The names are the ones the `nats` CLI reads; "
+            "`--json` prints one object instead.",
+            "",
+            "```sh",
+            "mesh-actor nats-env                          # NATS_URL=…, NATS_USER=…, NATS_PASSWORD=…",
+            'set -a; eval "$(mesh-actor nats-env)"; set +a',
+            "",
+            f'nats req {S.placement_request} \'{{"model": {{"path": "/models/x.gguf"}}, "ctx": 8192}}\' --timeout 30s',
+            f'nats req {S.placement_fit} \'{{"model": {{"path": "/models/x.gguf"}}, "max_ctx": true}}\' --timeout 30s',
+            f'nats req {S.runner(node, "start")} \'{{"reservation_id": "<reservation_id of the decision>"}}\' '
+            "--timeout 2m",
+            f'nats req {S.runner(node, "stop")} \'{{"instance_id": "<instance id>"}}\' --timeout 40s',
+            f"nats sub '{S.telemetry_all}'                 # live telemetry",
+            f"nats sub '{S.events_all}'                    # events as they are published",
+            f"nats kv get {S.reservations_bucket} {ledger_key(node)}",
+            f"nats kv watch {S.instances_bucket}",
+            "nats micro ls                                # the actors of every node",
+            "```",
+            "",
+            "The model path is read by the placement actor that answers, so it must name the same file on every "
+            'placement node (or use a signed registry entry: `{"model": {"registry": "<name>"}}`). '
+            "Payloads over the server's `max_payload` are refused at the sender.",
+            "",
+            "## Message schemas",
+            "",
+            "Exported with `msgspec.json.schema_components`; a `$ref` `#/$defs/<Name>` is the section `<Name>` "
+            "below. Sizes are integer bytes; times are unix seconds. The notes are the comments beside each field "
+            "in `messages/`.",
+            "",
+        ]
+    )
+    roots: list[type] = [
+        PlacementRequest,
+        PlacementDecision,
+        StartInstance,
+        StopInstance,
+        RunnerAck,
+        NodeResources,
+        NodeLedger,
+        RegistryEntry,
+        InstanceStatus,
+        ErrorReply,
+        *event_types,
+    ]
+    _schema_section(roots, lines)
+    while lines and lines[-1] == "":
+        lines.pop()
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=COMMAND, description="Regenerate docs/api.md from the code.")
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/api.md is out of date")
+    args = parser.parse_args(argv)
+    text = render()
+    current = API_MD.read_text(encoding="utf-8") if API_MD.exists() else None
+    if args.check:
+        if current != text:
+            sys.stderr.write(f"docs/api.md is out of date: run `{COMMAND}`\n")
+            return 1
+        return 0
+    if current != text:
+        API_MD.write_text(text, encoding="utf-8")
+        sys.stdout.write("wrote docs/api.md\n")
+    else:
+        sys.stdout.write("docs/api.md is up to date\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
