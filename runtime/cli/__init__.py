@@ -14,13 +14,13 @@ import sys
 from collections.abc import Sequence
 
 from runtime.cli import journal, model, node, placement, runner
-from runtime.cli.common import CliError
+from runtime.cli.common import CliError, OneLineParser
 from runtime.logging import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mesh-actor", description="Control plane for llama-server nodes.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = OneLineParser(prog="mesh-actor", description="Control plane for llama-server nodes.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
     for family in (node, placement, runner, journal, model):
         family.register(sub)
     return parser

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from runtime.bus import Bus, BusError
 from runtime.config import NatsOptions, default_data_dir
@@ -20,6 +20,13 @@ from runtime.embedded import EmbeddedNatsError, read_credentials
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Reports a usage error as one line on stderr (exit code 2) instead of the usage text plus the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
 class CliError(Exception):

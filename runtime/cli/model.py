@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
 import msgspec
 
@@ -31,13 +31,6 @@ from runtime.sizes import format_size, parse_size
 
 EXIT_MODEL = 1
 EXIT_USAGE = 2
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """Reports a usage error as one line on stderr (and exit code 2) instead of usage text plus error."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
 class _UsageError(Exception):
@@ -97,15 +90,6 @@ def _spec_type(text: str) -> str:
 
 def register(sub: argparse._SubParsersAction[Any]) -> None:
     """Adds `inspect` and `fit`."""
-    previous = sub._parser_class
-    sub._parser_class = _OneLineParser  # one-line usage errors for these two commands
-    try:
-        _register(sub)
-    finally:
-        sub._parser_class = previous
-
-
-def _register(sub: argparse._SubParsersAction[Any]) -> None:
     inspect = sub.add_parser("inspect", help="print a GGUF model's geometry (layers, KV and state widths)")
     inspect.add_argument("model", metavar="MODEL.gguf")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
