@@ -89,6 +89,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     run.add_argument("--telemetry-ttl", type=float, metavar="S", help="seconds a report stays valid (default 15)")
     run.add_argument("--llama-server", metavar="PATH", help="llama-server binary (default: the llama extra's)")
     run.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    run.add_argument("--json", action="store_true", help="print the ready line as one JSON object")
     run.add_argument(
         "--registry-key",
         action="append",
@@ -138,7 +139,10 @@ async def cmd_run(args: argparse.Namespace) -> int:
     configure_logging(config.log_level)
 
     def announce(line: str) -> None:
-        print(line, flush=True)
+        if args.json:
+            emit_json({"ready": True, "node_id": config.node_id, "data_dir": str(config.data_dir), "message": line})
+        else:
+            print(line, flush=True)
 
     def reload_settings() -> ServingSettings:
         return load_config(flags, os.environ, serving).serving
