@@ -22,6 +22,7 @@ from runtime.config import NatsOptions
 from runtime.embedded import EmbeddedNats
 from runtime.journal import Journal, ensure_events_stream
 from runtime.logging import configure_logging
+from runtime.restart import RestartPolicy
 
 configure_logging("warning", json=True)
 
@@ -130,12 +131,27 @@ def mesh_actor_command() -> list[str]:
 
 @contextlib.asynccontextmanager
 async def supervised(
-    bus: Bus, actors: list[Any], *, node_id: str = "test-node", subjects: Subjects | None = None
+    bus: Bus,
+    actors: list[Any],
+    *,
+    node_id: str = "test-node",
+    subjects: Subjects | None = None,
+    policy: Callable[[], RestartPolicy] | None = None,
+    escalate: bool = True,
 ) -> AsyncIterator[asyncio.Task[None]]:
-    """Runs `actors` under a real Supervisor with a running Journal; stops them at the end."""
+    """Runs `actors` under a real Supervisor with a running Journal; stops them at the end.
+
+    Plain tasks, not a TaskGroup: a test may let the supervisor fail on purpose and inspect the task."""
     subjects = subjects or Subjects()
     journal = Journal(bus, subjects, node_id)
-    supervisor = Supervisor(bus=bus, journal=journal, subjects=subjects, node_id=node_id)
+    supervisor = Supervisor(
+        bus=bus,
+        journal=journal,
+        subjects=subjects,
+        node_id=node_id,
+        policy=policy or (lambda: RestartPolicy(backoff_initial_s=0.01)),
+        escalate=escalate,
+    )
     journal_task = asyncio.create_task(journal.run())
     task = asyncio.create_task(supervisor.run(actors))
     try:

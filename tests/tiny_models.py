@@ -462,3 +462,25 @@ def write_mamba2(
         spec.add(p + "ssm_norm.weight", (inner // group_count, group_count))
         spec.add(p + "ssm_out.weight", (inner, n_embd))
     return write_model(spec, path)
+
+
+def write_qwen35_9b(path: str | os.PathLike[str]) -> Path:
+    """The Qwen3.5-9B geometry (32 layers + 1 nextn: 8 attention, 24 recurrent; 4 KV heads x 256; conv 4,
+    inner 4096, state 128, groups 16) as a sparse file: the header is real, the weights read as zeros."""
+    return write_qwen35(
+        path,
+        n_layer=32,
+        n_nextn=1,
+        n_embd=4096,
+        n_head=16,
+        n_head_kv=4,
+        head_dim=256,
+        n_ff=12288,
+        n_vocab=248320,
+        state_size=128,
+        group_count=16,
+        dt_rank=32,
+        dtype="f16",
+        n_ctx_train=262144,
+        sparse=True,
+    )

@@ -306,23 +306,7 @@ def test_fit_memory_breakdown_record_agrees_with_the_exact_lines(models: dict[st
 def test_sparse_qwen35_9b_shape_matches_llama_server(tmp_path: Path, binary: str) -> None:
     """A Qwen3.5-9B geometry (32 layers + 1 nextn, 8 attention / 24 recurrent) as a sparse file: weights,
     KV, recurrent state and MTP KV as the server reports them, at a realistic scale (~40 s to load)."""
-    path = tiny_models.write_qwen35(
-        tmp_path / "qwen35-9b.gguf",
-        n_layer=32,
-        n_nextn=1,
-        n_embd=4096,
-        n_head=16,
-        n_head_kv=4,
-        head_dim=256,
-        n_ff=12288,
-        n_vocab=248320,
-        state_size=128,
-        group_count=16,
-        dt_rank=32,
-        dtype="f16",
-        n_ctx_train=262144,
-        sparse=True,
-    )
+    path = tiny_models.write_qwen35_9b(tmp_path / "qwen35-9b.gguf")
     geometry = _geometry(path)
     settings = _s(slots=1, spec_type="draft-mtp", spec_draft_n_max=3)
     run = run_server(path, server_args(settings, 8192), binary=binary, deadline=600)

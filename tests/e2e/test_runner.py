@@ -38,13 +38,11 @@ from messages.settings import ServingSettings
 from messages.subjects import Subjects
 from messages.telemetry import HostInfo, NodeResources
 from runtime import buckets
-from runtime.actor import Supervisor
 from runtime.bus import Bus, NoResponders, RemoteError, decode, encode, parse_reply
 from runtime.cli.runner import fetch_instances
-from runtime.journal import Journal
 from runtime.restart import RestartPolicy
 from tests import tiny_models
-from tests.conftest import JournalReader, NatsServer, of_type
+from tests.conftest import JournalReader, NatsServer, of_type, supervised
 from tests.integration.test_cli_runner import run_cli
 from tests.llama_harness import require_server
 
@@ -170,20 +168,8 @@ async def runner(
         restart_policy=(lambda: policy) if policy else lambda: RestartPolicy(backoff_initial_s=0.05),
         rewrite_command=rewrite,
     )
-    journal = Journal(bus, SUBJECTS, NODE)
-    supervisor = Supervisor(bus=bus, journal=journal, subjects=SUBJECTS, node_id=NODE)
-    journal_task = asyncio.create_task(journal.run())
-    task = asyncio.create_task(supervisor.run([actor]))
-    try:
+    async with supervised(bus, [actor], node_id=NODE):
         yield actor
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await journal.flush(5)
-        journal_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await journal_task
 
 
 async def _request(bus: Bus, verb: str, message: Any, *, timeout: float = 30) -> RunnerAck:
