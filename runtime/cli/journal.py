@@ -70,10 +70,16 @@ def _render(seq: int, subject: str, stamp: datetime, data: bytes) -> dict[str, A
 
 
 def _summary(event: Any) -> str:
+    """One line per event: its node and type, then its scalar fields (nested records are left to --json)."""
     if not isinstance(event, dict):
         return str(event)
-    skip = {"id", "time", "node", "actor", "type", "resources"}
-    parts = [f"{k}={v}" for k, v in event.items() if k not in skip]
+    skip = {"id", "time", "node", "actor", "type"}
+    parts = [f"{k}={v}" for k, v in event.items() if k not in skip and not isinstance(v, dict | list)]
+    decision = event.get("decision")
+    if isinstance(decision, dict):  # placement_decided: the verdict, not the whole record
+        model = decision.get("model") or {}
+        verdict = "admitted" if decision.get("admitted") else f"refused ({decision.get('reason')})"
+        parts = [f"{model.get('path') or model.get('registry')} {verdict} ctx={decision.get('ctx')}", *parts]
     return f"{event.get('node', '?')} {event.get('type', '?')} " + " ".join(parts)
 
 
