@@ -117,14 +117,16 @@ ERROR_CODES: dict[str, str] = {
     runner_actor.RESERVATION_STATE: "the reservation is not `reserved` (already running) or has expired",
     runner_actor.TOO_MANY_INSTANCES: f"the node already runs {_limits.max_instances} instances",
     runner_actor.DATA_DIR_UNWRITABLE: "the instance directory in the data dir cannot be created",
-    "ledger_unreadable": "the node's reservation ledger does not decode as a NodeLedger",
+    runner_actor.LEDGER_UNREADABLE: "the node's reservation ledger does not decode as a NodeLedger",
+    runner_actor.MODEL_MISMATCH: "the file at the reservation's path is not the one admitted (its blake3 differs "
+    "from the signed registry entry's)",
 }
 #: Refusal reasons whose line in messages/placement.py carries no comment.
 REASONS_WITHOUT_COMMENT = {
     "unsupported_architecture": "the model's architecture has no geometry rule; it is refused, never guessed",
 }
 #: Codes raised as literals rather than named constants.
-LITERAL_CODES = ("ledger_unreadable",)
+LITERAL_CODES: tuple[str, ...] = ()
 
 _CODE = re.compile(r"^[a-z][a-z_]*$")
 

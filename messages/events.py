@@ -89,13 +89,14 @@ class PlacementDecided(Event, frozen=True, kw_only=True, tag="placement_decided"
     ledgers: tuple[NodeLedger, ...]  # memory held on those nodes at the time
     geometry: ModelGeometry | None  # the model's header facts as read (None if unreadable)
     model_path: str | None
+    unreadable_ledgers: tuple[str, ...] = ()  # nodes whose reservation ledger did not decode
     decision: PlacementDecision
 
 
 class ReservationReleased(Event, frozen=True, kw_only=True, tag="reservation_released"):
     reservation_id: str
     node_id_released: str
-    reason: str  # "stopped", "failed", "expired", "rejected"
+    reason: str  # "stopped", "failed", "rejected", "refused", "expired", "node_restarted"
 
 
 class ReservationObserved(Event, frozen=True, kw_only=True, tag="reservation_observed"):

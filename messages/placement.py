@@ -31,6 +31,7 @@ RejectReason = Literal[
     "registry_untrusted",  # a registry entry is unsigned, tampered with or not bound to the file
     "no_nodes",  # no node is eligible at all
     "reservation_conflict",  # another placement took the memory first, repeatedly
+    "ledger_unreadable",  # the node's reservation ledger does not decode: nothing is booked there
 ]
 
 
@@ -122,7 +123,10 @@ class PlacementDecision(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str | None = None
 
 
-ReservationState = Literal["reserved", "running", "stopping"]
+ReservationState = Literal["reserved", "running"]
+
+#: Key of a node's ledger in the reservations bucket: `node.<node_id>`.
+LEDGER_KEY_PREFIX = "node."
 
 
 class Reservation(msgspec.Struct, frozen=True, kw_only=True):

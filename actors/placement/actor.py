@@ -36,12 +36,20 @@ from actors.placement.ledger import expired, replaced, with_reservation, without
 from actors.placement.registry import RegistryUntrusted, check_file, verify
 from messages.events import PlacementDecided, ReservationObserved, ReservationReleased
 from messages.model import ModelGeometry
-from messages.placement import NodeLedger, PlacementDecision, PlacementRequest, RejectReason, Reservation
+from messages.placement import (
+    LEDGER_KEY_PREFIX,
+    NodeLedger,
+    PlacementDecision,
+    PlacementRequest,
+    RejectReason,
+    Reservation,
+)
 from messages.registry import RegistryEntry
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext
-from runtime.bus import BadMessage, decode, decode_checked, encode
+from runtime.bus import BadMessage, decode_checked, encode
+from runtime.logging import get_logger
 
 QUEUE_GROUP = "placement"
 RUNNER_EVENTS_CONSUMER = "placement-reservations"
@@ -63,7 +71,7 @@ class _Cached:
 
 
 def ledger_key(node_id: str) -> str:
-    return f"node.{node_id}"
+    return f"{LEDGER_KEY_PREFIX}{node_id}"
 
 
 class PlacementActor(Actor):
@@ -85,6 +93,7 @@ class PlacementActor(Actor):
         self._view: dict[str, ViewEntry] = {}
         self._models: dict[str, _Cached] = {}
         self._view_ready = asyncio.Event()
+        self._log = get_logger(actor=self.name)
 
     # --- wiring ---------------------------------------------------------------------------------------
 
@@ -99,7 +108,7 @@ class PlacementActor(Actor):
         async with asyncio.timeout(10):
             await self._view_ready.wait()
         ctx.spawn(self._follow_runner_events(ctx), "runner-events")
-        ctx.spawn(self._sweep_expired(ctx), "expire")
+        ctx.spawn(self._sweep(ctx), "sweep")
         await ctx.add_endpoint(
             "request", subjects.placement_request, PlacementRequest, lambda r: self.place(ctx, r, dry_run=False),
             queue_group=QUEUE_GROUP,
@@ -147,24 +156,29 @@ class PlacementActor(Actor):
 
         reservation_id = uuid.uuid4().hex[:16]
         names = list(request.nodes or view)
+        held: dict[str, NodeLedger] = {}
+        unreadable: set[str] = set()
         for _ in range(self._max_attempts):
             now = self._clock()
             view = dict(self._view)
             ledgers = await self._read_ledgers(names)
+            unreadable = {name for name, (_, revision) in ledgers.items() if revision < 0}
+            held = {name: ledger for name, (ledger, _) in ledgers.items() if ledger is not None}
             outcome = decide(
                 request,
                 facts,
                 view,
-                {name: ledger for name, (ledger, _) in ledgers.items() if ledger is not None},
+                held,
                 now=now,
                 decision_id=decision_id,
                 reservation_id=reservation_id,
                 dry_run=dry_run,
+                unreadable=frozenset(unreadable),
             )
-            if not outcome.reservations or await self._commit(outcome.reservations, ledgers, now):
+            if not outcome.reservations or await self._commit(ctx, outcome.reservations, ledgers, now):
                 break
         else:
-            outcome_decision = rejected(
+            conflict = rejected(
                 request,
                 "reservation_conflict",
                 f"other placements kept taking the memory first ({self._max_attempts} attempts)",
@@ -173,11 +187,10 @@ class PlacementActor(Actor):
                 dry_run=dry_run,
                 view=view,
             )
-            self._journal(ctx, request, view, {}, facts, outcome_decision)
-            return outcome_decision
+            self._journal(ctx, request, view, held, facts, conflict, unreadable)
+            return conflict
         if not dry_run:
-            held = {name: ledger for name, (ledger, _) in ledgers.items() if ledger is not None}
-            self._journal(ctx, request, view, held, facts, outcome.decision)
+            self._journal(ctx, request, view, held, facts, outcome.decision, unreadable)
             ctx.log.info(
                 "placement_decided",
                 decision=decision_id,
@@ -195,6 +208,7 @@ class PlacementActor(Actor):
         ledgers: Mapping[str, NodeLedger],
         facts: ModelFacts | None,
         decision: PlacementDecision,
+        unreadable: set[str] | None = None,
     ) -> None:
         ctx.emit(
             PlacementDecided,
@@ -204,11 +218,15 @@ class PlacementActor(Actor):
             ledgers=tuple(ledgers.values()),
             geometry=facts.geometry if facts else None,
             model_path=facts.path if facts else request.model.path,
+            unreadable_ledgers=tuple(sorted(unreadable or ())),
             decision=decision,
         )
 
     async def _read_ledgers(self, names: list[str]) -> dict[str, tuple[NodeLedger | None, int]]:
-        """Each node's ledger and the revision to compare-and-set against (0: the key does not exist)."""
+        """Each node's ledger and the revision to compare-and-set against (0: the key does not exist).
+
+        A ledger that does not decode is reported with revision -1: nothing may be booked on that node (we
+        cannot know what it holds), and it is never overwritten here, so an operator can inspect it."""
         out: dict[str, tuple[NodeLedger | None, int]] = {}
         for name in names:
             try:
@@ -216,8 +234,14 @@ class PlacementActor(Actor):
             except nats.js.errors.KeyNotFoundError:
                 out[name] = (None, 0)
                 continue
-            ledger = decode(entry.value, NodeLedger) if entry.value else None
-            out[name] = (ledger, entry.revision or 0)
+            if not entry.value:
+                out[name] = (None, entry.revision or 0)
+                continue
+            try:
+                out[name] = (decode_checked(entry.value, NodeLedger, f"ledger of node {name}"), entry.revision or 0)
+            except BadMessage as exc:
+                self._log.error("ledger_unreadable", node=name, error=str(exc))
+                out[name] = (None, -1)
         return out
 
     async def _write_ledger(self, node: str, ledger: NodeLedger, revision: int) -> int | None:
@@ -230,20 +254,30 @@ class PlacementActor(Actor):
             return None
 
     async def _commit(
-        self, reservations: tuple[Reservation, ...], ledgers: dict[str, tuple[NodeLedger | None, int]], now: float
+        self,
+        ctx: ActorContext,
+        reservations: tuple[Reservation, ...],
+        ledgers: dict[str, tuple[NodeLedger | None, int]],
+        now: float,
     ) -> bool:
-        written: list[tuple[str, NodeLedger | None, int]] = []
+        written: list[Reservation] = []
         for reservation in reservations:
             node = reservation.node_id
             ledger, revision = ledgers.get(node, (None, 0))
             new_revision = await self._write_ledger(node, with_reservation(ledger, node, reservation, now), revision)
             if new_revision is None:
-                # Lost the race on this node: undo what this booking already wrote, then let the caller retry.
-                for done_node, old, done_revision in written:
-                    restored = old or NodeLedger(node_id=done_node)
-                    await self._write_ledger(done_node, restored, done_revision)
+                # Lost the race on this node: take back what this booking already wrote, then let the caller
+                # retry. Taking back is itself compare-and-set, so it never drops another placement's booking.
+                for done in written:
+                    if not await self._release(done.node_id, done.reservation_id):
+                        ctx.log.error(
+                            "rollback_failed",
+                            node=done.node_id,
+                            reservation=done.reservation_id,
+                            expires=done.expires_at,
+                        )
                 return False
-            written.append((node, ledger, new_revision))
+            written.append(reservation)
         return True
 
     async def _update_reservation(
@@ -252,7 +286,7 @@ class PlacementActor(Actor):
         """Applies `change` to one reservation with compare-and-set, retrying on conflicts."""
         for _ in range(self._max_attempts):
             ledger, revision = (await self._read_ledgers([node]))[node]
-            if ledger is None:
+            if ledger is None or revision < 0:
                 return None
             current = next((r for r in ledger.reservations if r.reservation_id == reservation_id), None)
             if current is None:
@@ -378,16 +412,27 @@ class PlacementActor(Actor):
 
         return await self._update_reservation(node, reservation_id, remove) is not None
 
-    async def _sweep_expired(self, ctx: ActorContext) -> None:
+    async def _sweep(self, ctx: ActorContext) -> None:
+        """Releases what nobody will use: reservations never started before their deadline, and instances of
+        a node process that has since restarted (its runner took its llama-servers down when it died)."""
         while True:
             await asyncio.sleep(self._sweep_interval)
             now = self._clock()
-            for name in list(self._view):
+            for name, entry in list(self._view.items()):
                 ledger, _ = (await self._read_ledgers([name]))[name]
-                for reservation in expired(ledger, now) if ledger else ():
+                if ledger is None:
+                    continue
+                started = entry.resources.started_at
+                stale = [(r, "expired") for r in expired(ledger, now)]
+                stale += [
+                    (r, "node_restarted")
+                    for r in ledger.reservations
+                    if r.running_since is not None and r.running_since < started
+                ]
+                for reservation, reason in stale:
                     rid = reservation.reservation_id
                     if await self._release(name, rid):
-                        ctx.emit(ReservationReleased, reservation_id=rid, node_id_released=name, reason="expired")
+                        ctx.emit(ReservationReleased, reservation_id=rid, node_id_released=name, reason=reason)
 
 
 def _observed_held(reservation: Reservation, observed_total: int) -> dict[str, int]:

@@ -101,7 +101,7 @@ def _mismatch(required: PreferredSettings | None, advertised: ServingSettings) -
 
 
 def _eligible(
-    request: PlacementRequest, view: Mapping[str, ViewEntry], now: float
+    request: PlacementRequest, view: Mapping[str, ViewEntry], now: float, unreadable: frozenset[str]
 ) -> tuple[list[ViewEntry], list[NodeRejection]]:
     eligible: list[ViewEntry] = []
     rejections: list[NodeRejection] = []
@@ -118,6 +118,14 @@ def _eligible(
                     node_id=name,
                     reason="telemetry_stale",
                     message=f"last report {age:.1f}s ago, older than its {node.ttl_s:g}s TTL",
+                )
+            )
+        elif name in unreadable:
+            rejections.append(
+                NodeRejection(
+                    node_id=name,
+                    reason="ledger_unreadable",
+                    message="the node's reservation ledger does not decode; nothing can be booked there until fixed",
                 )
             )
         elif node.settings is None:
@@ -197,9 +205,7 @@ def _fit(
     breakdown, short = _with_budgets(breakdown, have)
     breakdown = msgspec.structs.replace(breakdown, max_context=ceiling)
     if short:
-        worst = ", ".join(
-            f"{s.device} needs {_mib(s.need_bytes)}, has {_mib(s.have_bytes)}" for s in short
-        )
+        worst = ", ".join(f"{s.device} needs {_mib(s.need_bytes)}, has {_mib(s.have_bytes)}" for s in short)
         return NodeRejection(
             node_id=node.node_id,
             reason="insufficient_memory",
@@ -338,9 +344,11 @@ def decide(
     decision_id: str,
     reservation_id: str,
     dry_run: bool,
+    unreadable: frozenset[str] = frozenset(),
 ) -> Outcome:
+    """`unreadable` names nodes whose ledger could not be read: nothing is booked on them."""
     geometry = model.geometry
-    eligible, rejections = _eligible(request, view, now)
+    eligible, rejections = _eligible(request, view, now, unreadable)
     haves = {e.resources.node_id: available(e.resources, ledgers.get(e.resources.node_id), now) for e in eligible}
     fits: list[_Fit] = []
     for entry in eligible:

@@ -45,6 +45,7 @@ def recompute(event: PlacementDecided, geometry: ModelGeometry, *, decide_fn: De
         decision_id=recorded.decision_id,
         reservation_id=recorded.reservation_id or "",
         dry_run=recorded.dry_run,
+        unreadable=frozenset(event.unreadable_ledgers),
     )
     return outcome.decision
 

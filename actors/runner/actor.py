@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import blake3
 import msgspec
 import nats.errors
 import nats.js.errors
@@ -60,7 +61,7 @@ from messages.events import (
 )
 from messages.memory import MemoryBreakdown
 from messages.model import ModelGeometry
-from messages.placement import NodeLedger, Reservation
+from messages.placement import LEDGER_KEY_PREFIX, NodeLedger, Reservation
 from messages.runner import (
     FieldDrift,
     InstanceStatus,
@@ -90,6 +91,8 @@ ENGINE_UNAVAILABLE = "engine_unavailable"
 RESERVATION_STATE = "reservation_state"
 TOO_MANY_INSTANCES = "too_many_instances"
 DATA_DIR_UNWRITABLE = "data_dir_unwritable"
+LEDGER_UNREADABLE = "ledger_unreadable"
+MODEL_MISMATCH = "model_mismatch"
 
 
 def default_restart_policy() -> RestartPolicy:
@@ -179,6 +182,7 @@ class RunnerActor(Actor):
         self._clock = clock
         self._rewrite = rewrite_command
         self._instances: dict[str, _Instance] = {}
+        self._digests: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> blake3 of the file
         self._finished: OrderedDict[str, InstanceStatus] = OrderedDict()
 
     # --- endpoints -----------------------------------------------------------------------------------
@@ -204,8 +208,12 @@ class RunnerActor(Actor):
             if inst.reservation.reservation_id == rid:  # already running it: starting is idempotent
                 return self._ack(inst, "already started")
         reservation = await self._reservation(ctx, rid)
+        instance_id = uuid.uuid4().hex[:16]
         if reservation.multi_node:
-            raise RequestError(
+            raise self._refuse(
+                ctx,
+                reservation,
+                instance_id,
                 UNSUPPORTED,
                 f"reservation {rid} is one node's share of a multi-node placement; split (RPC) serving is not built",
             )
@@ -215,11 +223,12 @@ class RunnerActor(Actor):
         if reservation.expires_at is not None and reservation.expires_at <= now:
             raise RequestError(RESERVATION_STATE, f"reservation {rid} expired at {reservation.expires_at:.0f}")
         if self.engine_path is None:
-            raise RequestError(ENGINE_UNAVAILABLE, f"node {self.node_id} has no llama-server to run")
+            raise self._refuse(
+                ctx, reservation, instance_id, ENGINE_UNAVAILABLE, f"node {self.node_id} has no llama-server to run"
+            )
         if len(self._instances) >= self.limits.max_instances:
             raise RequestError(TOO_MANY_INSTANCES, f"node {self.node_id} runs {len(self._instances)} instances")
 
-        instance_id = uuid.uuid4().hex[:16]
         drift = settings_drift(reservation.stamp, self.settings_source(), engine_version=self.engine_version)
         if drift:
             ctx.emit(DriftRejected, instance_id=instance_id, reservation_id=rid, stage="before_start", drift=drift)
@@ -228,7 +237,10 @@ class RunnerActor(Actor):
                 "the node's settings changed since admission: " + _describe_drift(drift),
                 {"drift": msgspec.to_builtins(drift)},
             )
-        geometry = await self._geometry(reservation)
+        try:
+            geometry = await self._geometry(reservation)
+        except RequestError as exc:
+            raise self._refuse(ctx, reservation, instance_id, exc.reply.code, exc.reply.message) from exc
         try:
             stamp = reservation.stamp
             predicted = estimate(
@@ -236,7 +248,8 @@ class RunnerActor(Actor):
             )
             allocations = cache_allocations(geometry, stamp.settings, stamp.ctx)
         except MemoryModelError as exc:
-            raise RequestError(UNSUPPORTED, f"llama-server would refuse these settings: {exc}") from exc
+            message = f"llama-server would refuse these settings: {exc}"
+            raise self._refuse(ctx, reservation, instance_id, UNSUPPORTED, message) from exc
         await self._check_memory(ctx, reservation, predicted, instance_id)
 
         await asyncio.to_thread(self._prune_instance_dirs)
@@ -305,7 +318,7 @@ class RunnerActor(Actor):
         try:
             async with asyncio.timeout(self.limits.kv_timeout_s):
                 kv = await buckets.reservations(ctx.bus, ctx.subjects)
-                entry = await kv.get(f"node.{self.node_id}")
+                entry = await kv.get(f"{LEDGER_KEY_PREFIX}{self.node_id}")
         except nats.js.errors.KeyNotFoundError:
             return None
         except (nats.errors.Error, TimeoutError) as exc:
@@ -315,7 +328,7 @@ class RunnerActor(Actor):
         try:
             return decode_checked(entry.value, NodeLedger, f"ledger of node {self.node_id}")
         except BadMessage as exc:
-            raise RequestError("ledger_unreadable", str(exc)) from exc
+            raise RequestError(LEDGER_UNREADABLE, str(exc)) from exc
 
     async def _telemetry(self, ctx: ActorContext) -> NodeResources | None:
         try:
@@ -333,14 +346,49 @@ class RunnerActor(Actor):
         except BadMessage:
             return None
 
+    def _refuse(
+        self, ctx: ActorContext, reservation: Reservation, instance_id: str, code: str, message: str
+    ) -> RequestError:
+        """A refusal that makes the reservation unusable here: journaled, so placement releases its memory."""
+        ctx.emit(
+            InstanceRefused,
+            instance_id=instance_id,
+            reservation_id=reservation.reservation_id,
+            need_bytes={d.device: d.total_bytes for d in reservation.devices},
+            have_bytes={},
+            message=f"{code}: {message}",
+        )
+        return RequestError(code, message)
+
     async def _geometry(self, reservation: Reservation) -> ModelGeometry:
-        def read() -> ModelGeometry:
-            return geometry_from_header(read_header(reservation.model_path))
+        """The model's header facts, read from the file the node will run. A reservation made from a signed
+        registry entry carries the file's digest: the file here must be that file."""
+        path = reservation.model_path
+
+        def read() -> tuple[ModelGeometry, str | None]:
+            geometry = geometry_from_header(read_header(path))
+            if reservation.model_digest is None:
+                return geometry, None
+            stat = os.stat(path)
+            key = (path, stat.st_size, stat.st_mtime_ns)
+            digest = self._digests.get(key)
+            if digest is None:
+                hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+                hasher.update_mmap(path)
+                digest = self._digests[key] = hasher.hexdigest()
+            return geometry, digest
 
         try:
-            return await asyncio.to_thread(read)
+            geometry, digest = await asyncio.to_thread(read)
         except (OSError, GGUFFormatError, GeometryError) as exc:
-            raise RequestError(MODEL_UNREADABLE, f"cannot read {reservation.model_path}: {exc}") from exc
+            raise RequestError(MODEL_UNREADABLE, f"cannot read {path}: {exc}") from exc
+        if reservation.model_digest is not None and digest != reservation.model_digest:
+            raise RequestError(
+                MODEL_MISMATCH,
+                f"{path} is not the file admission was made for (blake3 {str(digest)[:16]}…, "
+                f"expected {reservation.model_digest[:16]}…)",
+            )
+        return geometry
 
     async def _check_memory(
         self, ctx: ActorContext, reservation: Reservation, predicted: MemoryBreakdown, instance_id: str

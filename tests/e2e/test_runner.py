@@ -457,7 +457,28 @@ async def test_start_refusals_are_clear_errors(
         assert stop_unknown.value.code == "not_found"
     refused = (await journal_reader.wait_for(of_type("instance_refused", reservation_id="r-big"), count=2))[0]
     assert (refused["need_bytes"], refused["have_bytes"]) == ({"CPU": need}, {"CPU": need - 1})
+    # A refusal that makes the reservation unusable is journaled too, so placement releases its memory.
+    (multi_refused,) = await journal_reader.wait_for(of_type("instance_refused", reservation_id="r-multi"))
+    assert multi_refused["message"].startswith("unsupported:")
     assert not [e for e in journal_reader.events if e["type"] == "instance_starting"]
+
+
+async def test_a_file_that_is_not_the_admitted_one_is_refused(
+    bus: Bus, journal_reader: JournalReader, models: dict[str, Path], binary: str, tmp_path: Path
+) -> None:
+    settings = _settings(slots=1)
+    signed = msgspec.structs.replace(
+        _reservation("r-signed", models["llama"], settings, 512), model_digest="0" * 64
+    )  # admitted from a registry entry whose digest this file does not have
+    await _put_ledger(bus, signed)
+    await _put_telemetry(bus)
+    async with runner(bus, tmp_path / "data", binary, Node(settings)):
+        with pytest.raises(RemoteError) as mismatch:
+            await _start(bus, "r-signed")
+    assert mismatch.value.code == "model_mismatch" and "not the file admission was made for" in str(mismatch.value)
+    (refused,) = await journal_reader.wait_for(of_type("instance_refused", reservation_id="r-signed"))
+    assert refused["message"].startswith("model_mismatch:")
+    assert not _servers_with(str(models["llama"]))
 
 
 _HOST = """

@@ -376,3 +376,38 @@ async def test_replay_finds_a_changed_decision_after_a_core_change_and_none_othe
     paths = {d.path for d in diff}
     assert "$.stamp.settings.slots" in paths
     assert next(d for d in diff if d.path == "$.stamp.settings.slots").recorded == 2
+
+
+async def test_an_unreadable_ledger_refuses_its_node_and_placement_keeps_serving(
+    bus: Bus, placement: PlacementActor, models: dict[str, Path]
+) -> None:
+    await put_telemetry(bus, report("broken", 8 * GIB))
+    await put_telemetry(bus, report("fine", 2 * GIB))
+    await wait_view(placement, "broken", "fine")
+    kv = await buckets.reservations(bus, SUBJECTS)
+    await kv.put(ledger_key("broken"), b'{"node_id": "broken", "reservations": [{"oops": 1}]}')
+    decision = await place(bus, ask(models["dense"]))
+    assert decision.admitted and decision.placements[0].node_id == "fine"
+    assert [(r.node_id, r.reason) for r in decision.rejections] == [("broken", "ledger_unreadable")]
+    only = await place(bus, ask(models["dense"], nodes=["broken"]))
+    assert not only.admitted and only.reason == "ledger_unreadable"
+    assert (await kv.get(ledger_key("broken"))).value == b'{"node_id": "broken", "reservations": [{"oops": 1}]}'
+    await asyncio.sleep(0.5)  # a few sweeps over the broken ledger: the actor is still up and answering
+    assert (await place(bus, ask(models["dense"]), fit=True)).admitted
+
+
+async def test_instances_of_a_node_process_that_restarted_are_released(
+    bus: Bus, placement: PlacementActor, models: dict[str, Path], journal_reader: JournalReader
+) -> None:
+    await put_telemetry(bus, report("a", 4 * GIB))
+    await wait_view(placement, "a")
+    decision = await place(bus, ask(models["dense"]))
+    kv = await buckets.reservations(bus, SUBJECTS)
+    entry = await kv.get(ledger_key("a"))
+    (reserved,) = decode(entry.value or b"", NodeLedger).reservations
+    running = msgspec.structs.replace(reserved, state="running", expires_at=None, running_since=time.time() - 60)
+    await kv.put(ledger_key("a"), encode(NodeLedger(node_id="a", reservations=(running,))))
+    await put_telemetry(bus, report("a", 4 * GIB))  # the node process started after the instance was running
+    released = await journal_reader.wait_for(of_type("reservation_released", reservation_id=decision.reservation_id))
+    assert released[0]["reason"] == "node_restarted"
+    assert (await ledger(bus, "a")).reservations == ()
