@@ -12,9 +12,10 @@ decision still reads each node's ledger (a KV get) and searches the context ceil
 The baseline, in the same run and interleaved with it: a bare `nc.subscribe` responder that answers the
 same request bytes with the decision's bytes (so the same bytes cross the wire, and no work is done).
 Reported per model: p50/p99/mean latency and decisions/s, sequential and with `--in-flight` requests
-outstanding, the ratios to the echo; and the parts of a decision measured alone: the pure core
-(`admission.decide`, in this process, no bus) and one ledger read (KV get of a missing key). `--profile`
-adds a cProfile of the sequential decisions (client and actor both run here, so both sides show).
+outstanding, the ratios to the echo; where a decision's time goes, from timers patched around the actor's
+steps for a pass of their own (model facts, ledger reads, `admission.decide`); and two parts measured
+alone: the pure core in this process, and one ledger read (KV get of a missing key). `--profile` adds a
+cProfile of the sequential decisions (client and actor both run here, so both sides show).
 
 Run from the repository root:
 
@@ -27,15 +28,19 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import inspect
 import io
 import pstats
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import nats.js.errors
 from nats.aio.msg import Msg
 
+from actors.placement import actor as placement_actor
 from actors.placement.actor import PlacementActor, ledger_key
 from actors.placement.admission import ModelFacts, ViewEntry, decide
 from actors.placement.geometry import geometry_from_header
@@ -73,6 +78,7 @@ NODE_TTL_S = 3600.0
 TARGET_P50_RATIO = 3.0
 TARGET_P99_S = 0.010
 TARGET_RATE = 1000.0
+PLACE = "place (the whole decision)"
 # The rows of the profile worth following, as (module path suffix, function).
 HOT_PATH = (
     ("runtime/actor.py", "_answer"),
@@ -159,6 +165,55 @@ def time_core(request: PlacementRequest, facts: ModelFacts, view: dict[str, View
     return summarize(latencies, time.perf_counter() - start)
 
 
+@contextlib.contextmanager
+def step_timers() -> Iterator[dict[str, list[float]]]:
+    """Wall-clock timers around the steps of a decision inside the actor, patched in and then restored.
+
+    Used in a pass of its own, after the measured ones, so the timers cost nothing there.
+    """
+    steps: tuple[tuple[str, object, str], ...] = (
+        (PLACE, PlacementActor, "place"),
+        ("  model facts (cached header, via a thread)", PlacementActor, "_model_facts"),
+        ("  ledger reads (a KV get per node)", PlacementActor, "_read_ledgers"),
+        ("  admission.decide (pure core)", placement_actor, "decide"),
+    )
+    found: dict[str, list[float]] = {name: [] for name, _, _ in steps}
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(fn):
+
+            async def timed_coroutine(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return await fn(*args, **kwargs)
+                finally:
+                    found[name].append(time.perf_counter() - t0)
+
+            return timed_coroutine
+
+        def timed_function(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                found[name].append(time.perf_counter() - t0)
+
+        return timed_function
+
+    originals = [(owner, attribute, getattr(owner, attribute)) for _, owner, attribute in steps]
+    try:
+        for (name, owner, attribute), (_, _, original) in zip(steps, originals, strict=True):
+            setattr(owner, attribute, timed(name, original))
+        yield found
+    finally:
+        for owner, attribute, original in originals:
+            setattr(owner, attribute, original)
+
+
+def _row(name: str, s: Summary) -> str:
+    return f"    {name:<44}{s.p50_s * 1e6:9.1f} / {s.p99_s * 1e6:9.1f} µs"
+
+
 async def profile_decisions(call: Call, n: int, top: int) -> str:
     profiler = cProfile.Profile()
     profiler.enable()
@@ -236,6 +291,8 @@ async def run(args: argparse.Namespace) -> None:
                             paths, requests=args.requests, warmup=0, rounds=args.rounds, in_flight=args.in_flight
                         )
                     kv = summarize(*await timed_sequential(ledger_read, args.core_runs))
+                    with step_timers() as steps:
+                        fit_timed = summarize(*await timed_sequential(fit, args.core_runs))
 
                     ceiling = first.context_ceiling
                     print(
@@ -245,9 +302,15 @@ async def run(args: argparse.Namespace) -> None:
                     )
                     print_table(f"  sequential ({args.requests} per path; x = ratio to the echo)", seq, "bare echo")
                     print_table(f"  {args.in_flight} in flight ({args.requests} per path)", conc, "bare echo")
-                    print(f"  parts measured alone (p50 / p99, {args.core_runs} runs)")
-                    print(f"    admission.decide, in process  {core.p50_s * 1e6:9.1f} / {core.p99_s * 1e6:9.1f} µs")
-                    print(f"    ledger read (KV get)          {kv.p50_s * 1e6:9.1f} / {kv.p99_s * 1e6:9.1f} µs")
+                    print(f"  inside the actor (p50 / p99 wall, {args.core_runs} sequential decisions with timers)")
+                    print(_row("fit round trip, as the client sees it", fit_timed))
+                    for name, values in steps.items():
+                        print(_row(name, summarize(values, sum(values))))
+                    rest_us = (fit_timed.p50_s - summarize(steps[PLACE], 1.0).p50_s) * 1e6
+                    print(f"    {'rest: bus, endpoint, codec (p50 difference)':<44}{rest_us:9.1f} µs")
+                    print(f"  alone (p50 / p99 wall, {args.core_runs} runs)")
+                    print(_row("admission.decide, in this process, no bus", core))
+                    print(_row("one ledger read (KV get, missing key)", kv))
                     outcomes[label] = (seq["bare echo"], seq["placement.fit"], conc["placement.fit"], core)
 
                     if args.profile:
