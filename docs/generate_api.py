@@ -496,11 +496,20 @@ def render() -> str:
             "| header | value |",
             "|---|---|",
             f"| `{errors.ERROR_HEADER}` | the message (at most 256 characters) |",
-            f"| `{errors.ERROR_CODE_HEADER}` | "
-            f"`{error_headers(ErrorReply(code=errors.BAD_REQUEST, message=''))[errors.ERROR_CODE_HEADER]}` for "
-            f"`{errors.BAD_REQUEST}`, "
-            f"`{error_headers(ErrorReply(code=errors.INTERNAL, message=''))[errors.ERROR_CODE_HEADER]}` "
-            "for every other code |",
+            f"| `{errors.ERROR_CODE_HEADER}` | an HTTP-like number: "
+            + ", ".join(
+                f"`{error_headers(ErrorReply(code=code, message=''))[errors.ERROR_CODE_HEADER]}` for `{code}`"
+                for code in (
+                    errors.BAD_REQUEST,
+                    errors.NOT_FOUND,
+                    errors.BUSY,
+                    errors.UNAVAILABLE,
+                    errors.TIMEOUT,
+                    errors.INTERNAL,
+                )
+            )
+            + f", `{error_headers(ErrorReply(code='settings_drift', message=''))[errors.ERROR_CODE_HEADER]}` for an "
+            "actor's own refusals (e.g. `settings_drift`) |",
             f"| `{errors.MESH_ERROR_HEADER}` | the stable `code` |",
             "",
             f"A client checks for `{errors.ERROR_HEADER}` or `{errors.MESH_ERROR_HEADER}` before decoding the body "

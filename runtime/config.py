@@ -154,10 +154,17 @@ def _read_toml(path: Path) -> dict[str, Any]:
         return {}
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from exc
-    nats_table = data.pop("nats", None)
-    if isinstance(nats_table, dict):
+    nats_table = data.get("nats")
+    if isinstance(nats_table, dict):  # [nats] urls = [...], user = ... (a top-level `nats = "url"` also works)
+        del data["nats"]
         for key, value in nats_table.items():
-            data["nats" if key == "urls" else f"nats_{key}"] = value
+            name = "nats" if key == "urls" else f"nats_{key}"
+            if name not in _OPTIONS:
+                raise ConfigError(f"{path}: unknown key {key!r} in [nats]")
+            data[name] = value
+    unknown = sorted(set(data) - set(_OPTIONS) - {"serving"})
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(map(repr, unknown))}")
     return data
 
 
@@ -224,9 +231,7 @@ def _default_node_id() -> str:
     return name or "node"
 
 
-def _serving_settings(
-    table: Any, env: Mapping[str, str], flags: Mapping[str, Any], toml_path: Path
-) -> ServingSettings:
+def _serving_settings(table: Any, env: Mapping[str, str], flags: Mapping[str, Any], toml_path: Path) -> ServingSettings:
     merged: dict[str, Any] = {}
     if table is not None:
         if not isinstance(table, dict):

@@ -143,6 +143,7 @@ class EmbeddedNats:
             "authorization": {"users": [{"user": creds.user, "password": creds.password}]},
             "log_file": str(self.data_dir / "nats-server.log"),
             "logfile_size_limit": 10 << 20,
+            "logfile_max_num": 3,  # rotated logs kept: the data dir stays bounded
         }
         path = self.data_dir / "nats-server.conf"
         # nats-server's config format accepts JSON.
@@ -155,8 +156,9 @@ class EmbeddedNats:
         port = self.preferred_port if self.preferred_port and _port_free(self.preferred_port) else free_port()
         creds = self._credentials_for(port)
         config = self._write_config(creds, port)
-        # Output goes to a file, never a pipe nobody reads (a full pipe would block the server).
-        with (self.data_dir / "nats-server.out").open("ab") as out:
+        # Output goes to a file, never a pipe nobody reads (a full pipe would block the server). The server
+        # logs to its own rotated log file; this one only catches start-up failures, so each start truncates it.
+        with (self.data_dir / "nats-server.out").open("wb") as out:
             self._process = await asyncio.create_subprocess_exec(
                 binary,
                 "-c",

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from runtime.bus import Bus, BusError
-from runtime.config import NatsOptions, default_data_dir
+from runtime.config import CONFIG_FILE, ConfigError, NatsOptions, NodeConfig, default_data_dir, load_config
 from runtime.embedded import EmbeddedNatsError, read_credentials
 
 EXIT_OK = 0
@@ -93,6 +93,9 @@ def client_options(args: argparse.Namespace) -> NatsOptions:
             tls_cert=_flag_or_env(args, "nats_tls_cert"),
             tls_key=_flag_or_env(args, "nats_tls_key"),
         )
+    configured = node_config(args)
+    if configured is not None and configured.nats.urls:  # the node of this data dir uses an external NATS
+        return configured.nats
     directory = data_dir(args)
     try:
         creds = read_credentials(directory)
@@ -106,8 +109,24 @@ def client_options(args: argparse.Namespace) -> NatsOptions:
     return creds.options()
 
 
+def node_config(args: argparse.Namespace) -> NodeConfig | None:
+    """The configuration of the node that owns the data dir (config.toml and MESH_ACTOR_* variables), if any."""
+    directory = data_dir(args)
+    if not (directory / CONFIG_FILE).exists():
+        return None
+    try:
+        return load_config({"data_dir": str(directory), "node_id": "client"}, os.environ)
+    except ConfigError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from exc
+
+
 def prefix(args: argparse.Namespace) -> str:
-    return str(getattr(args, "prefix", None) or os.environ.get("MESH_ACTOR_PREFIX") or "mesh")
+    """The subject prefix: --prefix, MESH_ACTOR_PREFIX, the data dir's config.toml, else `mesh`."""
+    explicit = getattr(args, "prefix", None) or os.environ.get("MESH_ACTOR_PREFIX")
+    if explicit:
+        return str(explicit)
+    configured = node_config(args)
+    return configured.prefix if configured is not None else "mesh"
 
 
 async def connect(args: argparse.Namespace, name: str) -> Bus:

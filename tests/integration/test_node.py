@@ -276,3 +276,22 @@ async def test_dead_node_disappears_from_the_nodes_bucket_after_its_ttl(
     finally:
         await probe.close()
     assert os.environ.get("MESH_ACTOR_NATS") is None  # in-process nodes took their config from a dict
+
+
+async def test_client_commands_follow_the_data_dirs_config_to_an_external_nats(
+    tmp_path: Path, nats_server: NatsServer
+) -> None:
+    data_dir = tmp_path / "node"
+    data_dir.mkdir()
+    (data_dir / "config.toml").write_text(
+        f'prefix = "other"\n[nats]\nurls = ["{nats_server.url}"]\n'
+        f'user = "{nats_server.options.user}"\npassword = "{nats_server.options.password}"\n'
+    )
+    code, out, err = await _cli("nats-env", "--json", "--data-dir", str(data_dir))
+    assert code == 0, err
+    assert json.loads(out)["url"] == nats_server.url
+    code, out, err = await _cli("status", "--json", "--data-dir", str(data_dir))
+    assert code == 0 and json.loads(out)["nodes"] == [], err
+    (data_dir / "config.toml").write_text("no_such_option = 1\n")
+    code, _, err = await _cli("status", "--data-dir", str(data_dir))
+    assert code == 2 and "no_such_option" in err

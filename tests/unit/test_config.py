@@ -75,3 +75,18 @@ def test_bad_sizes_are_refused(text: str) -> None:
 def test_format_size() -> None:
     assert format_size(1536 << 20) == "1.50 GiB"
     assert format_size(100) == "100 B"
+
+
+def test_unknown_keys_in_the_config_file_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text('node_id = "n"\nmemroy_limit = "1GiB"\n')
+    with pytest.raises(ConfigError, match="memroy_limit"):
+        load_config({"data_dir": str(tmp_path)}, {})
+    (tmp_path / "config.toml").write_text('[nats]\nurl = "nats://a:4222"\n')
+    with pytest.raises(ConfigError, match=r"unknown key 'url' in \[nats\]"):
+        load_config({"data_dir": str(tmp_path)}, {})
+
+
+def test_top_level_nats_url_in_the_config_file_is_used(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text('nats = "nats://a:4222,nats://b:4222"\nnats_token = "t"\n')
+    config = load_config({"data_dir": str(tmp_path), "node_id": "n"}, {})
+    assert config.nats.urls == ("nats://a:4222", "nats://b:4222") and config.nats.token == "t"
