@@ -15,7 +15,8 @@ Client and responder use separate connections, the same ones for every path. Eac
 of sequential requests after a warm-up, interleaved in rounds (rotating the order) so the drift of a shared
 machine hits every path alike; then the same with a fixed number of requests in flight. Reported: p50, p99
 and mean latency, requests/s, and each path's ratio to bare. `--profile` adds a cProfile of the typed and
-bare paths (client and actor both run here, so both sides show) with Python calls per request.
+bare paths (client and actor both run here, so both sides show): Python calls and event-loop turns per
+request, which do not depend on the machine's speed, and the top entries by own time.
 
 Run from the repository root:
 
@@ -169,14 +170,18 @@ async def compare(
 class Profile:
     calls_per_request: float  # Python function calls
     loop_turns_per_request: float  # event-loop iterations (each one an epoll wait)
+    sends_per_request: float  # socket writes, client and responder together
     table: str  # the top entries by own time
 
 
-async def profile(call: Call, n: int, top: int) -> Profile:
-    """Profiles `n` sequential requests; the counts per request do not depend on the machine's speed."""
+async def profile(call: Call, n: int, top: int, in_flight: int = 1) -> Profile:
+    """Profiles `n` requests; the counts per request do not depend on the machine's speed."""
     profiler = cProfile.Profile()
     profiler.enable()
-    await timed_sequential(call, n)
+    if in_flight > 1:
+        await timed_concurrent(call, n, in_flight)
+    else:
+        await timed_sequential(call, n)
     profiler.disable()
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out)
@@ -184,7 +189,8 @@ async def profile(call: Call, n: int, top: int) -> Profile:
     calls: int = stats.total_calls  # type: ignore[attr-defined]
     raw: dict[tuple[str, int, str], tuple[int, int, float, float, object]] = stats.stats  # type: ignore[attr-defined]
     turns = sum(v[1] for (filename, _, name), v in raw.items() if name == "_run_once" and "asyncio" in filename)
-    return Profile(calls / n, turns / n, out.getvalue())
+    sends = sum(v[1] for (_, _, name), v in raw.items() if name == "<method 'send' of '_socket.socket' objects>")
+    return Profile(calls / n, turns / n, sends / n, out.getvalue())
 
 
 def print_table(title: str, results: Mapping[str, Summary], baseline: str) -> None:
@@ -320,13 +326,21 @@ async def run(args: argparse.Namespace) -> None:
             print(f"  typed p50 <= {TARGET_P50_RATIO}x bare p50: {ratio:.2f}x -> {verdict(ratio <= TARGET_P50_RATIO)}")
 
             if args.profile:
-                for name in (BARE, TYPED):
-                    found = await profile(paths[name], args.profile_requests, args.profile_top)
-                    print(f"profile: {name} ({args.profile_requests} sequential requests under cProfile)")
-                    print(f"  per request: {found.calls_per_request:.0f} Python calls, ", end="")
-                    print(f"{found.loop_turns_per_request:.1f} event-loop turns (client and responder together)")
-                    if name != BARE:
-                        print(found.table)
+                n = args.profile_requests
+                print(f"profile ({n} requests per row under cProfile; client and responder together, per request)")
+                print(f"  {'path':<32}{'in flight':>10}{'py calls':>10}{'loop turns':>12}{'socket sends':>14}")
+                tables = []
+                for in_flight in (1, args.in_flight):
+                    for name in (BARE, TYPED):
+                        found = await profile(paths[name], n, args.profile_top, in_flight)
+                        print(
+                            f"  {name:<32}{in_flight:>10}{found.calls_per_request:10.0f}"
+                            f"{found.loop_turns_per_request:12.2f}{found.sends_per_request:14.2f}"
+                        )
+                        if name == TYPED and in_flight == 1:
+                            tables.append(found.table)
+                print(f"profile: {TYPED}, sequential, top {args.profile_top} by own time")
+                print("".join(tables))
 
 
 def main() -> None:
