@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import nats.errors
 import nats.micro
@@ -57,14 +57,6 @@ class ActorGaveUpError(RuntimeError):
 RequestHandler = Callable[[Req], Awaitable[Any]]
 
 
-class _Pending(Generic[Req]):
-    __slots__ = ("done", "request")
-
-    def __init__(self, request: Request, done: asyncio.Future[None]) -> None:
-        self.request = request
-        self.done = done
-
-
 class ActorContext:
     """What one incarnation of an actor may use: the bus, the journal, its task group and its service."""
 
@@ -89,7 +81,7 @@ class ActorContext:
         self._tg = tg
         self._service = service
         self._deadline = request_deadline_s
-        self._pending: set[asyncio.Future[None]] = set()
+        self._inboxes: list[asyncio.Queue[tuple[Request, float]]] = []
         self._subscriptions: list[Any] = []
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -110,48 +102,31 @@ class ActorContext:
         queue_group: str | None = None,
         inbox: int = 256,
     ) -> None:
-        """Serves request/reply on `subject` (a micro service endpoint), one request at a time."""
-        queue: asyncio.Queue[_Pending[Req]] = asyncio.Queue(maxsize=inbox)
+        """Serves request/reply on `subject` (a micro service endpoint), one request at a time.
+
+        The client library's callback only queues the request (or answers `busy` when the inbox is full), so
+        replies keep the library's write batching under load; the worker in this incarnation's task group
+        answers in order. A request that waited in the inbox past the request deadline is answered `timeout`
+        (its requester has given up); requests still queued when the incarnation ends get `unavailable`.
+        """
+        queue: asyncio.Queue[tuple[Request, float]] = asyncio.Queue(maxsize=inbox)
+        self._inboxes.append(queue)
         loop = asyncio.get_running_loop()
 
         async def on_request(request: Request) -> None:
-            # Runs in the client library's task; the work happens in ours. Waiting here keeps the
-            # endpoint statistics ($SRV.STATS) honest about processing time.
-            done: asyncio.Future[None] = loop.create_future()
             try:
-                queue.put_nowait(_Pending(request, done))
+                queue.put_nowait((request, loop.time()))
             except asyncio.QueueFull:
                 await _respond_error(request, ErrorReply(code=BUSY, message=f"{self.actor} is busy; retry"))
-                return
-            self._pending.add(done)
-            try:
-                async with asyncio.timeout(self._deadline):
-                    await asyncio.shield(done)
-            except TimeoutError:
-                await _respond_error(
-                    request,
-                    ErrorReply(code=TIMEOUT, message=f"{self.actor} did not answer in {self._deadline}s"),
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # the incarnation ended; the worker could not answer
-                await _respond_error(
-                    request, ErrorReply(code=UNAVAILABLE, message=f"{self.actor} is restarting; retry")
-                )
-            finally:
-                self._pending.discard(done)
 
         async def worker() -> None:
             while True:
-                pending = await queue.get()
-                try:
-                    await self._answer(pending.request, request_type, handler, name)
-                except BaseException as exc:
-                    if not pending.done.done():
-                        pending.done.set_exception(exc if isinstance(exc, Exception) else RuntimeError("stopped"))
-                    raise
-                if not pending.done.done():
-                    pending.done.set_result(None)
+                request, arrived = await queue.get()
+                if loop.time() - arrived > self._deadline:
+                    message = f"{self.actor} did not get to the request within {self._deadline:g}s"
+                    await _respond_error(request, ErrorReply(code=TIMEOUT, message=message))
+                    continue
+                await self._answer(request, request_type, handler, name)
 
         self.spawn(worker(), f"endpoint:{name}")
         await self._service.add_endpoint(
@@ -209,9 +184,12 @@ class ActorContext:
         self.spawn(worker(), f"subscription:{subject}")
 
     async def close(self) -> None:
-        for done in list(self._pending):
-            if not done.done():
-                done.set_exception(RuntimeError("incarnation ended"))
+        for inbox in self._inboxes:
+            while not inbox.empty():
+                request, _ = inbox.get_nowait()
+                await _respond_error(
+                    request, ErrorReply(code=UNAVAILABLE, message=f"{self.actor} is restarting; retry")
+                )
         for sub in self._subscriptions:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()

@@ -93,6 +93,8 @@ class PlacementActor(Actor):
         self._view: dict[str, ViewEntry] = {}
         self._models: dict[str, _Cached] = {}
         self._view_ready = asyncio.Event()
+        self._ledger_cache: dict[str, tuple[NodeLedger | None, int]] = {}
+        self._ledgers_ready = asyncio.Event()
         self._log = get_logger(actor=self.name)
 
     # --- wiring ---------------------------------------------------------------------------------------
@@ -104,9 +106,13 @@ class PlacementActor(Actor):
         self._registry = await buckets.registry(ctx.bus, subjects)
         self._view = {}
         self._view_ready = asyncio.Event()
+        self._ledger_cache = {}
+        self._ledgers_ready = asyncio.Event()
         ctx.spawn(self._watch_nodes(ctx), "watch-nodes")
+        ctx.spawn(self._watch_ledgers(), "watch-ledgers")
         async with asyncio.timeout(10):
             await self._view_ready.wait()
+            await self._ledgers_ready.wait()
         ctx.spawn(self._follow_runner_events(ctx), "runner-events")
         ctx.spawn(self._sweep(ctx), "sweep")
         await ctx.add_endpoint(
@@ -138,6 +144,31 @@ class PlacementActor(Actor):
             with contextlib.suppress(nats.errors.Error):
                 await watcher.stop()  # type: ignore[no-untyped-call]
 
+    async def _watch_ledgers(self) -> None:
+        """A local copy of every node's ledger: decisions read it first (compare-and-set still guards every
+        write, and a conflict re-reads the bucket), so a decision costs no bucket round trip per node."""
+        watcher = await self._ledgers.watchall()
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    self._ledgers_ready.set()
+                    continue
+                node = entry.key.removeprefix(LEDGER_KEY_PREFIX)
+                self._ledger_cache[node] = self._decode_ledger(node, entry.value, entry.revision or 0)
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await watcher.stop()  # type: ignore[no-untyped-call]
+
+    def _decode_ledger(self, node: str, value: bytes | None, revision: int) -> tuple[NodeLedger | None, int]:
+        """A ledger and its revision; revision -1 marks one that does not decode (nothing is booked there)."""
+        if not value:
+            return None, revision
+        try:
+            return decode_checked(value, NodeLedger, f"ledger of node {node}"), revision
+        except BadMessage as exc:
+            self._log.error("ledger_unreadable", node=node, error=str(exc))
+            return None, -1
+
     # --- decisions ------------------------------------------------------------------------------------
 
     async def place(self, ctx: ActorContext, request: PlacementRequest, *, dry_run: bool) -> PlacementDecision:
@@ -158,10 +189,14 @@ class PlacementActor(Actor):
         names = list(request.nodes or view)
         held: dict[str, NodeLedger] = {}
         unreadable: set[str] = set()
-        for _ in range(self._max_attempts):
+        for attempt in range(self._max_attempts):
             now = self._clock()
             view = dict(self._view)
-            ledgers = await self._read_ledgers(names)
+            # The local copy first; after a lost compare-and-set, the bucket itself.
+            if attempt == 0:
+                ledgers = {name: self._ledger_cache.get(name, (None, 0)) for name in names}
+            else:
+                ledgers = await self._read_ledgers(names)
             unreadable = {name for name, (_, revision) in ledgers.items() if revision < 0}
             held = {name: ledger for name, (ledger, _) in ledgers.items() if ledger is not None}
             outcome = decide(
@@ -234,14 +269,7 @@ class PlacementActor(Actor):
             except nats.js.errors.KeyNotFoundError:
                 out[name] = (None, 0)
                 continue
-            if not entry.value:
-                out[name] = (None, entry.revision or 0)
-                continue
-            try:
-                out[name] = (decode_checked(entry.value, NodeLedger, f"ledger of node {name}"), entry.revision or 0)
-            except BadMessage as exc:
-                self._log.error("ledger_unreadable", node=name, error=str(exc))
-                out[name] = (None, -1)
+            out[name] = self._decode_ledger(name, entry.value, entry.revision or 0)
         return out
 
     async def _write_ledger(self, node: str, ledger: NodeLedger, revision: int) -> int | None:
@@ -305,8 +333,20 @@ class PlacementActor(Actor):
         if ref.registry is not None:
             return await self._registry_facts(ref.registry, ref.path)
         assert ref.path is not None
-        geometry, _ = await asyncio.to_thread(self._read_model, ref.path, False)
+        cached = self._cached_model(ref.path)
+        geometry = cached.geometry if cached else (await asyncio.to_thread(self._read_model, ref.path, False))[0]
         return ModelFacts(geometry=geometry, path=ref.path)
+
+    def _cached_model(self, path: str) -> _Cached | None:
+        """The cached header facts when the file has not changed (one stat: cheap enough for the loop)."""
+        cached = self._models.get(path)
+        if cached is None:
+            return None
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return None  # let the full read report the problem
+        return cached if cached.key == (stat.st_size, stat.st_mtime_ns) else None
 
     def _read_model(self, path: str, want_digest: bool) -> tuple[ModelGeometry, str | None]:
         """Header facts of a local file, cached by (size, mtime); the blake3 digest on demand."""

@@ -18,6 +18,7 @@ The formulas are validated byte for byte against the llama-server named in `LLAM
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -337,16 +338,14 @@ def _layer_devices(geometry: ModelGeometry, n_gpu_layers: int, gpu_split: Sequen
     weights = np.asarray(gpu_split, dtype=np.float32)
     if np.any(weights < 0) or float(weights.sum()) <= 0:
         raise MemoryModelError("the GPU split needs non-negative weights with a positive sum")
+    if act == 0:
+        return [-1] * (n_all + 1)
     cumulative = np.cumsum(weights, dtype=np.float32)
     splits = cumulative / np.float32(cumulative[-1])
-    out: list[int] = []
-    for il in range(n_all + 1):
-        if il < start or il - start >= act:
-            out.append(-1)
-            continue
-        pos = np.float32(il - start) / np.float32(act)
-        out.append(int(np.searchsorted(splits, pos, side="right")))
-    return out
+    # One vectorised search over every offloaded layer, in the same float32 arithmetic as llama.cpp.
+    positions = np.arange(act, dtype=np.float32) / np.float32(act)
+    offloaded = np.searchsorted(splits, positions, side="right").tolist()
+    return [-1] * start + [int(d) for d in offloaded] + [-1] * (n_all + 1 - start - act)
 
 
 def _device_name(index: int) -> str:
@@ -403,6 +402,33 @@ def max_context(
     *,
     n_gpu_layers: int = -1,
     gpu_split: Sequence[float] = (),
+) -> int | None:
+    """The largest `-c` llama-server would accept that fits every budget, or None if none does.
+
+    The search takes a few dozen estimates; placement asks the same question for every request while a
+    node's budgets stay put (between telemetry reports and ledger changes), so answers are memoised.
+    """
+    return _max_context_cached(geometry, settings, budgets, n_gpu_layers, tuple(gpu_split))
+
+
+@functools.lru_cache(maxsize=512)
+def _max_context_cached(
+    geometry: ModelGeometry,
+    settings: ServingSettings,
+    budgets: Budgets,
+    n_gpu_layers: int,
+    gpu_split: tuple[float, ...],
+) -> int | None:
+    return _max_context(geometry, settings, budgets, n_gpu_layers=n_gpu_layers, gpu_split=gpu_split)
+
+
+def _max_context(
+    geometry: ModelGeometry,
+    settings: ServingSettings,
+    budgets: Budgets,
+    *,
+    n_gpu_layers: int = -1,
+    gpu_split: tuple[float, ...] = (),
 ) -> int | None:
     """The largest `-c` llama-server would accept that fits every budget, or None if none does.
 
