@@ -131,7 +131,7 @@ class EmbeddedNats:
 
     def _credentials_for(self, port: int) -> Credentials:
         previous = read_credentials(self.data_dir)
-        password = previous.password if previous else secrets.token_urlsafe(24)
+        password = previous.password if previous else secrets.token_hex(24)  # no leading "-" for CLI flags
         return Credentials(url=f"nats://127.0.0.1:{port}", user="mesh", password=password)
 
     def _write_config(self, creds: Credentials, port: int) -> Path:

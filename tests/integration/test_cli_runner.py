@@ -26,7 +26,7 @@ async def run_cli(*argv: str) -> int:
 def nats_flags(server: NatsServer) -> list[str]:
     options = server.options
     assert options.user and options.password
-    return ["--nats", server.url, "--nats-user", options.user, "--nats-password", options.password]
+    return ["--nats", server.url, "--nats-user", options.user, f"--nats-password={options.password}"]
 
 
 async def test_doctor_reports_engine_nvml_nats_and_jetstream_as_json(
