@@ -1,0 +1,32 @@
+"""The quality bar as tests: ruff (lint and format) and strict mypy over the project's packages."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool(name: str) -> str:
+    candidate = Path(sys.executable).parent / name
+    found = str(candidate) if candidate.exists() else shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} is not installed (the dev extra provides it)")
+    return found
+
+
+@pytest.mark.parametrize("args", [["check", "."], ["format", "--check", "."]], ids=["lint", "format"])
+def test_ruff_is_clean(args: list[str]) -> None:
+    result = subprocess.run([_tool("ruff"), *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("targets", [[], ["benchmarks", "docs/generate_api.py"]], ids=["packages", "scripts"])
+def test_mypy_strict_is_clean(targets: list[str]) -> None:
+    result = subprocess.run([_tool("mypy"), *targets], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
