@@ -456,6 +456,8 @@ class RunnerActor(Actor):
                                 self._cancel_pollers(inst)
                             else:
                                 self._report(ctx, inst, action)
+                                if isinstance(action, lc.ReportReady):
+                                    inst.pollers.append(tg.create_task(self._liveness(inst, action.generation)))
                         if isinstance(event, lc.Spawned | lc.SpawnFailed):
                             inst.spawned.set()
                         if actions:  # something changed (state, pid, port, observed memory): rewrite the record
@@ -531,6 +533,25 @@ class RunnerActor(Actor):
                 pass  # not listening yet, or still loading
             await asyncio.sleep(self.limits.health_interval_s)
 
+    async def _liveness(self, inst: _Instance, generation: int) -> None:
+        """While ready: a server that keeps failing /health (hung, deadlocked) is reported unresponsive."""
+        t = self.limits.timings
+        port = inst.port
+        assert port is not None
+        failures = 0
+        while True:
+            await asyncio.sleep(t.liveness_interval_s)
+            try:
+                response = await http_request(port, "GET", "/health", timeout_s=self.limits.http_timeout_s)
+                detail = f"HTTP {response.status}"
+                ok = response.status == 200
+            except HttpError as exc:
+                detail, ok = str(exc) or type(exc).__name__, False
+            failures = 0 if ok else failures + 1
+            if failures >= t.liveness_failures:
+                await inst.events.put(lc.Unresponsive(generation, f"{failures} checks in a row: {detail}"))
+                return
+
     async def _verify(self, inst: _Instance, generation: int) -> None:
         port = inst.port
         assert port is not None
@@ -602,12 +623,15 @@ class RunnerActor(Actor):
             bound.warning("instance_drift", drift=_describe_drift(action.drift))
             ctx.emit(DriftRejected, **ids, stage="after_start", drift=action.drift)
         elif isinstance(action, lc.ReportCrashed):
-            bound.warning("instance_crashed", exit_code=action.exit_code, restart_in_s=action.restart_in_s)
+            bound.warning(
+                "instance_crashed", exit_code=action.exit_code, restart_in_s=action.restart_in_s, reason=action.reason
+            )
             ctx.emit(
                 InstanceCrashed,
                 **ids,
                 exit_code=action.exit_code,
                 restart_in_s=action.restart_in_s,
+                reason=action.reason,
                 log_tail=inst.log.tail(),
             )
         elif isinstance(action, lc.ReportStopped):

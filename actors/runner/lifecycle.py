@@ -21,7 +21,8 @@ Rules this module keeps:
 Theory of operation: the shell feeds `Start()`; the machine answers `Spawn(1)`; the shell starts the
 process and feeds `Spawned` (or `SpawnFailed`); the machine asks for a readiness deadline; the shell polls
 `/health` and feeds `Healthy`; the machine asks for `Verify`; the shell compares `/props`, `/slots` and the
-log with the stamp and feeds `Verified(drift)`; the machine reports ready, or stops the server.
+log with the stamp and feeds `Verified(drift)`; the machine reports ready, or stops the server. While ready,
+the shell keeps checking `/health` and feeds `Unresponsive` after repeated failures: a hung server is a crash.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ __all__ = [
     "Start",
     "StopRequested",
     "Timings",
+    "Unresponsive",
     "Verified",
     "Verify",
 ]
@@ -82,6 +84,8 @@ class Timings:
     verify_timeout_s: float = 30.0  # /health 200 to a verdict on /props, /slots and the log
     stop_grace_s: float = 10.0  # SIGTERM to SIGKILL
     kill_grace_s: float = 5.0  # SIGKILL to giving up on the process
+    liveness_interval_s: float = 10.0  # a ready server's /health is checked this often
+    liveness_failures: int = 3  # consecutive failed checks that make a ready server a crash
 
 
 # --- events (inputs) -------------------------------------------------------------------------------------
@@ -110,6 +114,14 @@ class Healthy:
 
 
 @dataclass(frozen=True)
+class Unresponsive:
+    """A ready server failed its liveness check `Timings.liveness_failures` times in a row (it hangs)."""
+
+    generation: int
+    detail: str
+
+
+@dataclass(frozen=True)
 class Verified:
     """The verdict on a healthy server: `drift` (empty when it runs as stamped), or `error` when the
     comparison itself failed (e.g. `/props` did not answer)."""
@@ -135,7 +147,7 @@ class DeadlinePassed:
     pass
 
 
-Event = Start | Spawned | SpawnFailed | Healthy | Verified | Exited | StopRequested | DeadlinePassed
+Event = Start | Spawned | SpawnFailed | Healthy | Verified | Unresponsive | Exited | StopRequested | DeadlinePassed
 
 # --- actions (outputs) -----------------------------------------------------------------------------------
 
@@ -330,6 +342,10 @@ class Lifecycle:
             why = f"not verified within {self.timings.verify_timeout_s:g}s"
         return self._terminate("crash", why)
 
+    def _unresponsive(self, event: Event, now: float) -> list[Action]:
+        assert isinstance(event, Unresponsive)
+        return self._terminate("crash", f"stopped answering /health: {event.detail}")
+
     def _exited(self, event: Event, now: float) -> list[Action]:
         assert isinstance(event, Exited)
         self.pid = None
@@ -402,6 +418,7 @@ _TRANSITIONS: dict[tuple[Phase, type], _Transition] = {
     (Phase.LOADING, DeadlinePassed): Lifecycle._not_ready,
     (Phase.VERIFYING, Verified): Lifecycle._verified,
     (Phase.VERIFYING, DeadlinePassed): Lifecycle._not_ready,
+    (Phase.READY, Unresponsive): Lifecycle._unresponsive,
     **{(phase, Exited): Lifecycle._exited for phase in _RUNNING},
     **{(phase, StopRequested): Lifecycle._stop for phase in _RUNNING},
     (Phase.BACKOFF, DeadlinePassed): Lifecycle._spawn,

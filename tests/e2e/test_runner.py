@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -158,13 +159,14 @@ async def runner(
     *,
     policy: RestartPolicy | None = None,
     rewrite: Callable[[tuple[str, ...]], Sequence[str]] | None = None,
+    limits: RunnerLimits = FAST,
 ) -> AsyncIterator[RunnerActor]:
     actor = RunnerActor(
         NODE,
         data_dir,
         Path(binary),
         lambda: node.settings,
-        limits=FAST,
+        limits=limits,
         restart_policy=(lambda: policy) if policy else lambda: RestartPolicy(backoff_initial_s=0.05),
         rewrite_command=rewrite,
     )
@@ -411,6 +413,35 @@ async def test_killed_server_is_restarted_and_fails_after_the_restart_limit(
         assert stop.state == "failed"
     crashes = [e for e in journal_reader.events if e["type"] == "instance_crashed"]
     assert [c["restart_in_s"] for c in crashes] == [pytest.approx(0.05), None]
+
+
+async def test_hung_server_is_found_unresponsive_and_restarted(
+    bus: Bus, journal_reader: JournalReader, models: dict[str, Path], binary: str, tmp_path: Path
+) -> None:
+    settings = _settings(slots=1)
+    await _put_ledger(bus, _reservation("r-hang", models["llama"], settings, 1024))
+    await _put_telemetry(bus)
+    watchful = dataclasses.replace(
+        FAST,
+        http_timeout_s=0.5,
+        timings=dataclasses.replace(FAST.timings, liveness_interval_s=0.2, liveness_failures=2, stop_grace_s=1),
+    )
+    async with runner(bus, tmp_path / "data", binary, Node(settings), limits=watchful):
+        iid = (await _start(bus, "r-hang")).instance_id
+        await journal_reader.wait_for(of_type("instance_ready", instance_id=iid), timeout=60)
+        hung = await _status(bus, iid)
+        assert hung.pid is not None
+        os.kill(hung.pid, signal.SIGSTOP)  # alive, holding its memory, answering nothing
+        try:
+            crashed = (await journal_reader.wait_for(of_type("instance_crashed", instance_id=iid), timeout=30))[0]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung.pid, signal.SIGCONT)
+        assert crashed["reason"].startswith("stopped answering /health")
+        await journal_reader.wait_for(of_type("instance_ready", instance_id=iid), count=2, timeout=60)
+        again = await _status(bus, iid)
+        assert again.state == "ready" and again.pid not in (None, hung.pid)
+        assert not _alive(hung.pid)
 
 
 async def test_start_refusals_are_clear_errors(

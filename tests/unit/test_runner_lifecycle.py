@@ -29,6 +29,7 @@ from actors.runner.lifecycle import (
     Start,
     StopRequested,
     Timings,
+    Unresponsive,
     Verified,
     Verify,
 )
@@ -78,6 +79,22 @@ def test_a_crash_restarts_after_backoff_and_the_restart_is_reported() -> None:
     m.handle(Healthy(2), 6)
     assert m.handle(Verified(2), 6) == [SetDeadline(None), ReportReady(2)]
     assert m.state == "ready"
+
+
+def test_a_hung_ready_server_is_stopped_and_restarted_as_a_crash() -> None:
+    m = machine()
+    ready(m)
+    assert m.handle(Unresponsive(1, "3 checks in a row: timed out"), 5) == [
+        Signal("SIGTERM"),
+        SetDeadline(TIMINGS.stop_grace_s),
+    ]
+    assert m.handle(Unresponsive(1, "again"), 5) == []  # already being stopped
+    assert m.handle(Exited(1, code=-15), 6) == [
+        ReportCrashed(-15, 1, "stopped answering /health: 3 checks in a row: timed out"),
+        SetDeadline(1),
+    ]
+    assert m.handle(Unresponsive(1, "late"), 6) == []  # about the old process
+    assert m.handle(DeadlinePassed(), 7) == [SetDeadline(None), Spawn(2)]
 
 
 def test_backoff_doubles_and_too_many_crashes_give_up_as_failed() -> None:
@@ -237,6 +254,7 @@ def _events(max_generation: int = 4) -> st.SearchStrategy[Event]:
         st.builds(Verified, gen, st.sampled_from([(), DRIFT])),
         st.builds(Verified, gen, st.just(()), st.just("no answer")),
         st.builds(Exited, gen, st.sampled_from([0, 1, -9, None])),
+        st.builds(Unresponsive, gen, st.just("hung")),
         st.builds(StopRequested, st.just("asked")),
         st.just(DeadlinePassed()),
     )
