@@ -98,24 +98,7 @@ def write_models(d: Path) -> dict[str, Path]:
     return {
         "llama tiny": tiny_models.write_llama(d / "llama.gguf"),
         "qwen35 tiny": tiny_models.write_qwen35(d / "qwen35.gguf"),
-        # Qwen3.5-9B-like: 32 trunk layers (every 4th full attention) + 1 MTP block, f16, 248k vocabulary.
-        "qwen35 9B shape": tiny_models.write_qwen35(
-            d / "qwen35-9b.gguf",
-            n_layer=32,
-            n_nextn=1,
-            n_embd=4096,
-            n_head=16,
-            n_head_kv=4,
-            head_dim=256,
-            n_ff=12288,
-            n_vocab=248320,
-            state_size=128,
-            group_count=16,
-            dt_rank=32,
-            dtype="f16",
-            n_ctx_train=262144,
-            sparse=True,
-        ),
+        "qwen35 9B shape": tiny_models.write_qwen35_9b(d / "qwen35-9b.gguf"),
     }
 
 

@@ -170,3 +170,15 @@ async def put_telemetry(bus: Bus, report: Any, *, subjects: Subjects | None = No
     """Writes a node's report into the nodes bucket, as its telemetry actor would."""
     kv = await buckets.nodes(bus, subjects or Subjects())
     await kv.put(report.node_id, encode(report))
+
+
+def processes(program: str, text: str) -> list[int]:
+    """Pids of running `program` processes (by executable name) whose command line contains `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if argv and argv[0].endswith(program.encode()) and text.encode() in b" ".join(argv):
+                    found.append(int(entry.name))
+    return found

@@ -29,7 +29,7 @@ from messages.settings import ServingSettings
 from messages.subjects import Subjects
 from runtime.bus import Bus, RemoteError
 from runtime.config import NatsOptions
-from tests.conftest import mesh_actor_command
+from tests.conftest import mesh_actor_command, processes
 from tests.llama_harness import require_server
 from tests.tiny_models import write_llama, write_qwen35
 
@@ -118,14 +118,7 @@ async def wait_nodes(data_dir: Path, *names: str) -> dict[str, Any]:
 
 
 def _servers_of(model: Path) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-                if argv and argv[0].endswith(b"llama-server") and str(model).encode() in argv:
-                    found.append(int(entry.name))
-    return found
+    return processes("llama-server", str(model))
 
 
 def need(model: Path, slots: int, ctx: int) -> int:

@@ -43,7 +43,7 @@ from runtime.bus import Bus, NoResponders, RemoteError, decode, encode, parse_re
 from runtime.cli.runner import fetch_instances
 from runtime.restart import RestartPolicy
 from tests import tiny_models
-from tests.conftest import JournalReader, NatsServer, of_type, supervised
+from tests.conftest import JournalReader, NatsServer, of_type, processes, supervised
 from tests.integration.test_cli_runner import run_cli
 from tests.llama_harness import require_server
 
@@ -204,14 +204,7 @@ def _alive(pid: int) -> bool:
 
 
 def _servers_with(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-                if argv and argv[0].endswith(b"llama-server") and text.encode() in b" ".join(argv):
-                    found.append(int(entry.name))
-    return found
+    return processes("llama-server", text)
 
 
 async def _wait_gone(pid: int, timeout: float = 15) -> None:

@@ -20,19 +20,12 @@ from messages.telemetry import NodeResources
 from runtime.bus import Bus
 from runtime.config import load_config
 from runtime.launcher import run_node
-from tests.conftest import JournalReader, NatsServer, mesh_actor_command
+from tests.conftest import JournalReader, NatsServer, mesh_actor_command, processes
 
 
 def _pids_with(text: str) -> list[int]:
     """nats-server processes whose command line contains `text` (the config file of one data dir)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-                if argv and argv[0].endswith(b"nats-server") and text.encode() in b" ".join(argv):
-                    found.append(int(entry.name))
-    return found
+    return processes("nats-server", text)
 
 
 async def _wait_gone(text: str, timeout: float = 10.0) -> None:
