@@ -484,3 +484,37 @@ def write_qwen35_9b(path: str | os.PathLike[str]) -> Path:
         n_ctx_train=262144,
         sparse=True,
     )
+
+
+def write_hybrid_set(directory: Path, *, n_vocab: int, llama_layers: int) -> dict[str, Path]:
+    """The three models the exactness tests start most: a dense llama, a qwen35 with an MTP block (gated
+    delta net + attention every 4th layer) and a granitehybrid with per-layer KV heads (1, 4 and 2)."""
+    return {
+        "llama": write_llama(
+            directory / "llama.gguf", n_layer=llama_layers, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_vocab=n_vocab
+        ),
+        "qwen35": write_qwen35(
+            directory / "qwen35.gguf",
+            n_layer=4,
+            n_nextn=1,
+            n_embd=128,
+            n_head=4,
+            n_head_kv=2,
+            head_dim=64,
+            n_ff=256,
+            n_vocab=n_vocab,
+            state_size=32,
+            group_count=2,
+            dt_rank=8,
+        ),
+        "granitehybrid": write_granitehybrid(
+            directory / "granitehybrid.gguf",
+            n_layer=5,
+            n_embd=64,
+            attention_layers=(1, 3, 4),
+            n_head_kv=(1, 4, 2),
+            n_vocab=n_vocab,
+            state_size=32,
+            group_count=2,
+        ),
+    }

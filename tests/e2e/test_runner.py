@@ -61,36 +61,7 @@ def binary() -> str:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("runner-models")
-    return {
-        "llama": tiny_models.write_llama(
-            d / "llama.gguf", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_vocab=400
-        ),
-        "qwen35": tiny_models.write_qwen35(
-            d / "qwen35.gguf",
-            n_layer=4,
-            n_nextn=1,
-            n_embd=128,
-            n_head=4,
-            n_head_kv=2,
-            head_dim=64,
-            n_ff=256,
-            n_vocab=400,
-            state_size=32,
-            group_count=2,
-            dt_rank=8,
-        ),
-        "granitehybrid": tiny_models.write_granitehybrid(
-            d / "granitehybrid.gguf",
-            n_layer=5,
-            n_embd=64,
-            attention_layers=(1, 3, 4),
-            n_head_kv=(1, 4, 2),
-            n_vocab=400,
-            state_size=32,
-            group_count=2,
-        ),
-    }
+    return tiny_models.write_hybrid_set(tmp_path_factory.mktemp("runner-models"), n_vocab=400, llama_layers=2)
 
 
 def _settings(**fields: Any) -> ServingSettings:
