@@ -6,30 +6,36 @@ that stopped reporting disappear from the cluster view.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from messages.settings import ServingSettings
+
+#: Sizes and counts a peer reports: never negative (a lying or broken peer is refused at decoding).
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=1 << 60)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 
 
 class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
     """One NVIDIA GPU as NVML reports it. `usable_bytes` is free memory capped by the node's memory limit."""
 
-    index: int
+    index: Count
     name: str
     uuid: str
-    total_bytes: int
-    free_bytes: int
-    used_bytes: int
-    usable_bytes: int
+    total_bytes: Bytes
+    free_bytes: Bytes
+    used_bytes: Bytes
+    usable_bytes: Bytes
 
 
 class HostInfo(msgspec.Struct, frozen=True, kw_only=True):
     """Host RAM and CPUs. `usable_bytes` is available RAM capped by the node's memory limit."""
 
-    ram_total_bytes: int
-    ram_available_bytes: int
-    usable_bytes: int
-    cpu_count: int
+    ram_total_bytes: Bytes
+    ram_available_bytes: Bytes
+    usable_bytes: Bytes
+    cpu_count: Count
 
 
 class LlamaServerInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,15 +54,15 @@ class NodeResources(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     node_id: str
-    seq: int  # increases with every report of this node process
+    seq: Annotated[int, msgspec.Meta(ge=0)]  # increases with every report of this node process
     sent_at: float  # unix seconds
     started_at: float  # when this node process started, unix seconds
-    ttl_s: float  # the report is stale after this many seconds
+    ttl_s: Annotated[float, msgspec.Meta(gt=0, le=86400)]  # the report is stale after this many seconds
     host: HostInfo
     gpus: tuple[GpuInfo, ...] = ()
     nvml: str | None = None  # driver version when NVML answered, None otherwise
     nvml_error: str | None = None  # why there is no NVML (absent library, no device); not an error
-    memory_limit_bytes: int | None = None
+    memory_limit_bytes: Bytes | None = None
     llama_server: LlamaServerInfo | None = None
     llama_server_error: str | None = None
     settings: ServingSettings | None = None

@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from stat import S_ISREG
 
 import blake3
 import msgspec
@@ -34,7 +35,17 @@ from actors.placement.geometry import GeometryError, UnsupportedArchitecture, ge
 from actors.placement.gguf_header import GGUFFormatError, read_header
 from actors.placement.ledger import expired, replaced, with_reservation, without
 from actors.placement.registry import RegistryUntrusted, check_file, verify
-from messages.events import PlacementDecided, ReservationObserved, ReservationReleased
+from messages.events import (
+    DriftRejected,
+    InstanceFailed,
+    InstanceReady,
+    InstanceRefused,
+    InstanceStopped,
+    PlacementDecided,
+    ReservationObserved,
+    ReservationReleased,
+    event_type,
+)
 from messages.model import ModelGeometry
 from messages.placement import (
     LEDGER_KEY_PREFIX,
@@ -55,6 +66,18 @@ QUEUE_GROUP = "placement"
 RUNNER_EVENTS_CONSUMER = "placement-reservations"
 _RELEASING = {"instance_stopped": "stopped", "instance_failed": "failed", "drift_rejected": "rejected"}
 _RELEASING["instance_refused"] = "refused"
+
+
+#: The runner events that change a reservation.
+RunnerOutcome = InstanceReady | InstanceStopped | InstanceFailed | DriftRejected | InstanceRefused
+
+
+class _EventType(msgspec.Struct):
+    type: str
+
+
+_EVENT_TYPE = msgspec.json.Decoder(_EventType)
+_RUNNER_OUTCOME = msgspec.json.Decoder(RunnerOutcome)
 
 
 class ModelProblem(Exception):
@@ -136,8 +159,11 @@ class PlacementActor(Actor):
                     continue
                 try:
                     node = decode_checked(entry.value, NodeResources, f"telemetry of {entry.key}")
+                    if node.node_id != entry.key:
+                        raise BadMessage(f"telemetry under key {entry.key}", f"claims to be node {node.node_id!r}")
                 except BadMessage as exc:
                     ctx.log.warning("bad_telemetry", key=entry.key, error=str(exc))
+                    self._view.pop(entry.key, None)  # what it said before is no longer what it says
                     continue
                 self._view[entry.key] = ViewEntry(resources=node, revision=entry.revision or 0)
         finally:
@@ -352,6 +378,8 @@ class PlacementActor(Actor):
         """Header facts of a local file, cached by (size, mtime); the blake3 digest on demand."""
         try:
             stat = os.stat(path)
+            if not S_ISREG(stat.st_mode):  # a FIFO or device would block or never end
+                raise ModelProblem("model_unreadable", f"{path} is not a regular file")
             key = (stat.st_size, stat.st_mtime_ns)
             cached = self._models.get(path)
             if cached is None or cached.key != key:
@@ -415,24 +443,20 @@ class PlacementActor(Actor):
                 continue
             for msg in messages:
                 try:
-                    event = msgspec.json.decode(msg.data)
-                except msgspec.DecodeError:
-                    await msg.ack()
-                    continue
-                if isinstance(event, dict):
-                    await self._apply_runner_event(ctx, event)
+                    kind = _EVENT_TYPE.decode(msg.data).type
+                    if kind == "instance_ready" or kind in _RELEASING:
+                        event: RunnerOutcome = _RUNNER_OUTCOME.decode(msg.data)
+                        await self._apply_runner_event(ctx, event)
+                except msgspec.MsgspecError as exc:
+                    # Malformed or from a peer that lies: it changes nothing, and is not retried forever.
+                    ctx.log.warning("bad_runner_event", subject=msg.subject, error=str(exc))
                 await msg.ack()
 
-    async def _apply_runner_event(self, ctx: ActorContext, event: dict[str, object]) -> None:
-        kind = event.get("type")
-        node = str(event.get("node", ""))
-        reservation_id = str(event.get("reservation_id", ""))
-        if not node or not reservation_id:
-            return
-        if kind == "instance_ready":
+    async def _apply_runner_event(self, ctx: ActorContext, event: RunnerOutcome) -> None:
+        node, reservation_id = event.node, event.reservation_id
+        if isinstance(event, InstanceReady):
             now = self._clock()
-            observed = event.get("observed")
-            total = int(observed.get("total_bytes", 0)) if isinstance(observed, dict) else 0
+            total = event.observed.total_bytes
 
             def ready(ledger: NodeLedger, current: Reservation) -> NodeLedger:
                 held = _observed_held(current, total)
@@ -443,8 +467,9 @@ class PlacementActor(Actor):
 
             if (current := await self._update_reservation(node, reservation_id, ready)) is not None:
                 ctx.emit(ReservationObserved, reservation_id=reservation_id, held=_observed_held(current, total))
-        elif kind in _RELEASING and await self._release(node, reservation_id):
-            ctx.emit(ReservationReleased, reservation_id=reservation_id, node_id_released=node, reason=_RELEASING[kind])
+        elif await self._release(node, reservation_id):
+            reason = _RELEASING[event_type(event)]
+            ctx.emit(ReservationReleased, reservation_id=reservation_id, node_id_released=node, reason=reason)
 
     async def _release(self, node: str, reservation_id: str) -> bool:
         def remove(ledger: NodeLedger, _: Reservation) -> NodeLedger:

@@ -411,3 +411,51 @@ async def test_instances_of_a_node_process_that_restarted_are_released(
     released = await journal_reader.wait_for(of_type("reservation_released", reservation_id=decision.reservation_id))
     assert released[0]["reason"] == "node_restarted"
     assert (await ledger(bus, "a")).reservations == ()
+
+
+async def test_lying_telemetry_and_malformed_runner_events_change_nothing(
+    bus: Bus, placement: PlacementActor, models: dict[str, Path], journal_reader: JournalReader
+) -> None:
+    nodes = await buckets.nodes(bus, SUBJECTS)
+    honest = report("honest", 4 * GIB)
+    await nodes.put("honest", encode(honest))
+    liar = msgspec.to_builtins(report("liar", 4 * GIB))
+    liar["host"]["usable_bytes"] = -1  # negative memory
+    await nodes.put("liar", json.dumps(liar).encode())
+    await nodes.put("impostor", encode(report("honest", 64 * GIB)))  # claims another node's id
+    await wait_view(placement, "honest")
+    await asyncio.sleep(0.3)  # the bad reports have been seen (and refused) by now
+    assert set(placement._view) == {"honest"}
+
+    decision = await place(bus, ask(models["dense"]))
+    rid = decision.reservation_id
+    assert decision.admitted and rid
+    bogus = (
+        b'{"type": "instance_ready", "reservation_id": "' + rid.encode() + b'", "node": "honest"}',  # no fields
+        b'{"type": "instance_stopped", "node": 7}',
+        b"not json at all",
+    )
+    for payload in bogus:
+        await bus.js.publish(SUBJECTS.event("runner", "instance_ready"), payload)
+    runner_journal = Journal(bus, SUBJECTS, "honest")
+    task = asyncio.create_task(runner_journal.run())
+    try:
+        runner_journal.emit(InstanceStopped, "runner", instance_id="i", reservation_id=rid, reason="stop requested")
+        await journal_reader.wait_for(of_type("reservation_released", reservation_id=rid))
+    finally:
+        await runner_journal.flush(5)
+        task.cancel()
+    assert (await ledger(bus, "honest")).reservations == ()  # the valid event after the bad ones still applied
+
+
+async def test_a_model_path_that_is_not_a_regular_file_is_refused_at_once(
+    bus: Bus, placement: PlacementActor, tmp_path: Path
+) -> None:
+    import os
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)  # opening it would block forever
+    await put_telemetry(bus, report("a", 4 * GIB))
+    await wait_view(placement, "a")
+    decision = await place(bus, ask(fifo))
+    assert not decision.admitted and decision.reason == "model_unreadable" and "not a regular file" in decision.message
