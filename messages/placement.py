@@ -146,6 +146,7 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     created_at: float
     expires_at: float | None = None  # None once the runner reports the instance ready
     running_since: float | None = None  # when the runner reported it ready (telemetry after this sees it)
+    node_started_at: float | None = None  # the node process that runs it (its telemetry's started_at)
 
 
 class NodeLedger(msgspec.Struct, frozen=True, kw_only=True):

@@ -457,13 +457,20 @@ class PlacementActor(Actor):
         if isinstance(event, InstanceReady):
             now = self._clock()
             total = event.observed.total_bytes
+            entry = self._view.get(node)
+            node_started_at = entry.resources.started_at if entry else None
 
             def ready(ledger: NodeLedger, current: Reservation) -> NodeLedger:
                 held = _observed_held(current, total)
-                return replaced(
-                    ledger,
-                    msgspec.structs.replace(current, state="running", held=held, expires_at=None, running_since=now),
+                running = msgspec.structs.replace(
+                    current,
+                    state="running",
+                    held=held,
+                    expires_at=None,
+                    running_since=now,
+                    node_started_at=node_started_at,
                 )
+                return replaced(ledger, running)
 
             if (current := await self._update_reservation(node, reservation_id, ready)) is not None:
                 ctx.emit(ReservationObserved, reservation_id=reservation_id, held=_observed_held(current, total))
@@ -484,15 +491,15 @@ class PlacementActor(Actor):
             await asyncio.sleep(self._sweep_interval)
             now = self._clock()
             for name, entry in list(self._view.items()):
-                ledger, _ = (await self._read_ledgers([name]))[name]
+                ledger, _ = self._ledger_cache.get(name, (None, 0))  # releasing re-reads and compares-and-sets
                 if ledger is None:
                     continue
-                started = entry.resources.started_at
+                started = entry.resources.started_at  # the node's own clock on both sides: no skew
                 stale = [(r, "expired") for r in expired(ledger, now)]
                 stale += [
                     (r, "node_restarted")
                     for r in ledger.reservations
-                    if r.running_since is not None and r.running_since < started
+                    if r.node_started_at is not None and r.node_started_at != started
                 ]
                 for reservation, reason in stale:
                     rid = reservation.reservation_id

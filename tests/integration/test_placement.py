@@ -234,6 +234,7 @@ async def test_runner_events_replace_and_release_reservations(
         await journal_reader.wait_for(of_type("reservation_observed", reservation_id=rid))
         (running,) = (await ledger(bus, "a")).reservations
         assert running.state == "running" and running.held == {"CPU": 12345} and running.expires_at is None
+        assert running.node_started_at == placement._view["a"].resources.started_at
         runner_journal.emit(InstanceStopped, "runner", **ids, reason="stop requested")
         released = await journal_reader.wait_for(of_type("reservation_released", reservation_id=rid))
         assert released[0]["reason"] == "stopped"
@@ -405,7 +406,10 @@ async def test_instances_of_a_node_process_that_restarted_are_released(
     kv = await buckets.reservations(bus, SUBJECTS)
     entry = await kv.get(ledger_key("a"))
     (reserved,) = decode(entry.value or b"", NodeLedger).reservations
-    running = msgspec.structs.replace(reserved, state="running", expires_at=None, running_since=time.time() - 60)
+    earlier = time.time() - 600  # the node process that ran the instance
+    running = msgspec.structs.replace(
+        reserved, state="running", expires_at=None, running_since=time.time() - 60, node_started_at=earlier
+    )
     await kv.put(ledger_key("a"), encode(NodeLedger(node_id="a", reservations=(running,))))
     await put_telemetry(bus, report("a", 4 * GIB))  # the node process started after the instance was running
     released = await journal_reader.wait_for(of_type("reservation_released", reservation_id=decision.reservation_id))
