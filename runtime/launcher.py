@@ -183,6 +183,7 @@ async def run_node(
                     Path(engine.path) if engine else None,
                     lambda: serving.get() if engine is not None else None,  # what telemetry advertises
                     engine_version=engine.version if engine else None,
+                    models_dir=config.models_dir,
                 ),
             ]
             supervisor = Supervisor(bus=bus, journal=journal, subjects=config.subjects, node_id=config.node_id)

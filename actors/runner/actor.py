@@ -168,12 +168,16 @@ class RunnerActor(Actor):
         restart_policy: Callable[[], RestartPolicy] = default_restart_policy,
         clock: Callable[[], float] = time.time,
         rewrite_command: Callable[[tuple[str, ...]], Sequence[str]] | None = None,
+        models_dir: Path | None = None,
     ) -> None:
         """`settings_source` gives the node's serving settings now (None: none advertised); `engine_version`
         is its llama-server's `--version` as telemetry advertises it. `rewrite_command` is a test seam that
         edits the argument list just before spawning, so tests can run a real server that drifts."""
         self.node_id = node_id
         self.data_dir = data_dir
+        # A reservation made from a registry entry alone names the file, not where it is: relative model
+        # paths are found here (default: `models/` in the data dir).
+        self.models_dir = models_dir or data_dir / "models"
         self.engine_path = engine_path
         self.engine_version = engine_version
         self.settings_source = settings_source
@@ -208,6 +212,9 @@ class RunnerActor(Actor):
             if inst.reservation.reservation_id == rid:  # already running it: starting is idempotent
                 return self._ack(inst, "already started")
         reservation = await self._reservation(ctx, rid)
+        if not Path(reservation.model_path).is_absolute():
+            located = str(self.models_dir / reservation.model_path)
+            reservation = msgspec.structs.replace(reservation, model_path=located)
         instance_id = uuid.uuid4().hex[:16]
         if reservation.multi_node:
             raise self._refuse(

@@ -88,6 +88,9 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     run.add_argument("--telemetry-interval", type=float, metavar="S", help="seconds between reports (default 5)")
     run.add_argument("--telemetry-ttl", type=float, metavar="S", help="seconds a report stays valid (default 15)")
     run.add_argument("--llama-server", metavar="PATH", help="llama-server binary (default: the llama extra's)")
+    run.add_argument(
+        "--models-dir", metavar="DIR", help="where relative model paths are found (default DATA_DIR/models)"
+    )
     run.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     run.add_argument("--json", action="store_true", help="print the ready line as one JSON object")
     run.add_argument(
@@ -117,6 +120,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "telemetry_interval": args.telemetry_interval,
         "telemetry_ttl": args.telemetry_ttl,
         "llama_server": args.llama_server,
+        "models_dir": args.models_dir,
         "registry_keys": ",".join(args.registry_key) if args.registry_key else None,
         "log_level": args.log_level,
         "prefix": args.prefix,

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import blake3
 import msgspec
 import pytest
 
@@ -458,22 +460,33 @@ async def test_start_refusals_are_clear_errors(
     assert not [e for e in journal_reader.events if e["type"] == "instance_starting"]
 
 
-async def test_a_file_that_is_not_the_admitted_one_is_refused(
+async def test_registry_admitted_files_are_found_in_the_models_dir_and_checked_by_digest(
     bus: Bus, journal_reader: JournalReader, models: dict[str, Path], binary: str, tmp_path: Path
 ) -> None:
     settings = _settings(slots=1)
-    signed = msgspec.structs.replace(
-        _reservation("r-signed", models["llama"], settings, 512), model_digest="0" * 64
-    )  # admitted from a registry entry whose digest this file does not have
-    await _put_ledger(bus, signed)
+    data_dir = tmp_path / "data"
+    (data_dir / "models").mkdir(parents=True)
+    shutil.copy(models["llama"], data_dir / "models" / "named.gguf")
+    digest = blake3.blake3(models["llama"].read_bytes()).hexdigest()
+    # A registry-only admission names the file; the runner finds it in its models dir and checks the digest.
+    named = msgspec.structs.replace(
+        _reservation("r-named", models["llama"], settings, 512), model_path="named.gguf", model_digest=digest
+    )
+    forged = msgspec.structs.replace(
+        _reservation("r-forged", models["llama"], settings, 512), model_digest="0" * 64
+    )  # admitted from an entry whose digest this file does not have
+    await _put_ledger(bus, named, forged)
     await _put_telemetry(bus)
-    async with runner(bus, tmp_path / "data", binary, Node(settings)):
+    async with runner(bus, data_dir, binary, Node(settings)):
         with pytest.raises(RemoteError) as mismatch:
-            await _start(bus, "r-signed")
+            await _start(bus, "r-forged")
+        iid = (await _start(bus, "r-named")).instance_id
+        await journal_reader.wait_for(of_type("instance_ready", instance_id=iid), timeout=60)
+        assert str(data_dir / "models" / "named.gguf") in (await _status(bus, iid)).model_path
+        await _request(bus, "stop", StopInstance(instance_id=iid))
     assert mismatch.value.code == "model_mismatch" and "not the file admission was made for" in str(mismatch.value)
-    (refused,) = await journal_reader.wait_for(of_type("instance_refused", reservation_id="r-signed"))
+    (refused,) = await journal_reader.wait_for(of_type("instance_refused", reservation_id="r-forged"))
     assert refused["message"].startswith("model_mismatch:")
-    assert not _servers_with(str(models["llama"]))
 
 
 _HOST = """
