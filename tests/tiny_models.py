@@ -518,3 +518,753 @@ def write_hybrid_set(directory: Path, *, n_vocab: int, llama_layers: int) -> dic
             group_count=2,
         ),
     }
+
+
+# --- more architectures, one writer each; tensor lists follow each family's `load_arch_tensors` -------------
+
+
+def _attention(
+    spec: ModelSpec, p: str, n_embd: int, q: int, k: int, v: int, *, out: int | None = None, bias: bool = False
+) -> None:
+    """Separate Q/K/V projections (optionally with biases) and the output projection from `out` (default q)."""
+    spec.add(p + "attn_q.weight", (n_embd, q))
+    spec.add(p + "attn_k.weight", (n_embd, k))
+    spec.add(p + "attn_v.weight", (n_embd, v))
+    if bias:
+        spec.add(p + "attn_q.bias", (q,))
+        spec.add(p + "attn_k.bias", (k,))
+        spec.add(p + "attn_v.bias", (v,))
+    spec.add(p + "attn_output.weight", (q if out is None else out, n_embd))
+
+
+def _ffn(spec: ModelSpec, p: str, n_embd: int, n_ff: int, *, gate: bool = True) -> None:
+    if gate:
+        spec.add(p + "ffn_gate.weight", (n_embd, n_ff))
+    spec.add(p + "ffn_up.weight", (n_embd, n_ff))
+    spec.add(p + "ffn_down.weight", (n_ff, n_embd))
+
+
+def _experts(spec: ModelSpec, p: str, n_embd: int, n_ff_exp: int, n_expert: int, *, gate: bool = True) -> None:
+    """A routed MoE FFN: the router and the stacked expert matrices (3-d tensors)."""
+    spec.add(p + "ffn_gate_inp.weight", (n_embd, n_expert))
+    if gate:
+        spec.add(p + "ffn_gate_exps.weight", (n_embd, n_ff_exp, n_expert))
+    spec.add(p + "ffn_up_exps.weight", (n_embd, n_ff_exp, n_expert))
+    spec.add(p + "ffn_down_exps.weight", (n_ff_exp, n_embd, n_expert))
+
+
+def _mamba2_mixer(
+    spec: ModelSpec,
+    p: str,
+    n_embd: int,
+    *,
+    inner: int,
+    conv_kernel: int,
+    state_size: int,
+    group_count: int,
+    dt_rank: int,
+    norm: bool = True,
+) -> None:
+    """A Mamba2 mixer as nemotron_h and falcon-h1 load it (ssm_in packs z, x, B, C and dt)."""
+    conv_dim = inner + 2 * group_count * state_size
+    spec.add(p + "ssm_in.weight", (n_embd, inner + conv_dim + dt_rank))
+    spec.add(p + "ssm_conv1d.weight", (conv_kernel, conv_dim))
+    spec.add(p + "ssm_conv1d.bias", (conv_dim,))
+    spec.add(p + "ssm_dt.bias", (dt_rank,))
+    spec.add(p + "ssm_a", (1, dt_rank))
+    spec.negative.add(p + "ssm_a")
+    spec.add(p + "ssm_d", (1, dt_rank))
+    if norm:
+        spec.add(p + "ssm_norm.weight", (inner // group_count, group_count))
+    spec.add(p + "ssm_out.weight", (inner, n_embd))
+
+
+def _mamba1_mixer(spec: ModelSpec, p: str, n_embd: int, *, conv_kernel: int, state_size: int, dt_rank: int) -> None:
+    """A Mamba (v1) mixer; llama.cpp only supports an expansion factor of 2 (inner = 2 n_embd)."""
+    inner = 2 * n_embd
+    spec.add(p + "ssm_in.weight", (n_embd, 2 * inner))
+    spec.add(p + "ssm_conv1d.weight", (conv_kernel, inner))
+    spec.add(p + "ssm_conv1d.bias", (inner,))
+    spec.add(p + "ssm_x.weight", (inner, dt_rank + 2 * state_size))
+    spec.add(p + "ssm_dt.weight", (dt_rank, inner))
+    spec.add(p + "ssm_dt.bias", (inner,))
+    spec.add(p + "ssm_a", (state_size, inner))
+    spec.negative.add(p + "ssm_a")
+    spec.add(p + "ssm_d", (inner,))
+    spec.add(p + "ssm_out.weight", (inner, n_embd))
+
+
+def _nextn(spec: ModelSpec, p: str, n_embd: int) -> None:
+    """The tensors that make a block an MTP (nextn) head: input fusion and its two norms."""
+    spec.add(p + "nextn.eh_proj.weight", (2 * n_embd, n_embd))
+    spec.add(p + "nextn.enorm.weight", (n_embd,))
+    spec.add(p + "nextn.hnorm.weight", (n_embd,))
+
+
+def _ssm_keys(spec: ModelSpec, *, conv_kernel: int, inner: int, state_size: int, dt_rank: int, groups: int) -> None:
+    a = spec.arch
+    spec.kv[f"{a}.ssm.conv_kernel"] = conv_kernel
+    spec.kv[f"{a}.ssm.inner_size"] = inner
+    spec.kv[f"{a}.ssm.state_size"] = state_size
+    spec.kv[f"{a}.ssm.time_step_rank"] = dt_rank
+    if groups:
+        spec.kv[f"{a}.ssm.group_count"] = groups
+
+
+def write_qwen2(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 4,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+) -> Path:
+    """A qwen2 model: GQA with Q/K/V biases, head size n_embd / n_head, separate output matrix."""
+    spec = _base(
+        "qwen2", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, n_vocab=n_vocab
+    )
+    _globals(spec, n_embd, n_vocab, "f32")
+    kv = n_head_kv * (n_embd // n_head)
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        _attention(spec, p, n_embd, n_embd, kv, kv, bias=True)
+        spec.add(p + "ffn_norm.weight", (n_embd,))
+        _ffn(spec, p, n_embd, n_ff)
+    return write_model(spec, path)
+
+
+def _write_qwen3_family(
+    path: str | os.PathLike[str],
+    arch: str,
+    *,
+    n_layer: int,
+    n_embd: int,
+    n_head: int,
+    n_head_kv: int,
+    head_dim: int,
+    n_ff: int,
+    n_vocab: int,
+    n_expert: int = 0,
+    n_expert_used: int = 0,
+    n_ff_exp: int = 0,
+) -> Path:
+    spec = _base(
+        arch,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ff=n_ff,
+        n_vocab=n_vocab,
+        head_dim=head_dim,
+    )
+    if n_expert:
+        spec.kv[f"{arch}.expert_count"] = n_expert
+        spec.kv[f"{arch}.expert_used_count"] = n_expert_used
+        spec.kv[f"{arch}.expert_feed_forward_length"] = n_ff_exp
+    _globals(spec, n_embd, n_vocab, "f32", tied=True)
+    q = n_head * head_dim
+    kv = n_head_kv * head_dim
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        _attention(spec, p, n_embd, q, kv, kv)
+        spec.add(p + "attn_q_norm.weight", (head_dim,))
+        spec.add(p + "attn_k_norm.weight", (head_dim,))
+        spec.add(p + "ffn_norm.weight", (n_embd,))
+        if n_expert:
+            _experts(spec, p, n_embd, n_ff_exp, n_expert)
+        else:
+            _ffn(spec, p, n_embd, n_ff)
+    return write_model(spec, path)
+
+
+def write_qwen3(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 4,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 32,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+) -> Path:
+    """A qwen3 model: GQA with an explicit head size (q/k norms), tied output embeddings."""
+    return _write_qwen3_family(
+        path,
+        "qwen3",
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        n_ff=n_ff,
+        n_vocab=n_vocab,
+    )
+
+
+def write_qwen3moe(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 4,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 32,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+    n_expert: int = 8,
+    n_expert_used: int = 2,
+    n_ff_exp: int = 32,
+) -> Path:
+    """A qwen3moe model: qwen3 attention, every FFN a routed mixture of `n_expert` experts."""
+    return _write_qwen3_family(
+        path,
+        "qwen3moe",
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        n_ff=n_ff,
+        n_vocab=n_vocab,
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
+        n_ff_exp=n_ff_exp,
+    )
+
+
+def write_gemma2(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 4,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 32,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+    n_swa: int | None = 128,
+    swa_pattern: int | list[bool] | None = None,
+) -> Path:
+    """A gemma2 model: sliding window on every other layer unless `swa_pattern` says otherwise; without
+    `n_swa` the window is gemma 2's default of 4096."""
+    spec = _base(
+        "gemma2",
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ff=n_ff,
+        n_vocab=n_vocab,
+        head_dim=head_dim,
+    )
+    if n_swa is not None:
+        spec.kv["gemma2.attention.sliding_window"] = n_swa
+    if swa_pattern is not None:
+        spec.kv["gemma2.attention.sliding_window_pattern"] = swa_pattern
+    spec.kv["gemma2.attn_logit_softcapping"] = 50.0
+    spec.kv["gemma2.final_logit_softcapping"] = 30.0
+    _globals(spec, n_embd, n_vocab, "f32", tied=True)
+    q = n_head * head_dim
+    kv = n_head_kv * head_dim
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        _attention(spec, p, n_embd, q, kv, kv)
+        spec.add(p + "post_attention_norm.weight", (n_embd,))
+        spec.add(p + "ffn_norm.weight", (n_embd,))
+        _ffn(spec, p, n_embd, n_ff)
+        spec.add(p + "post_ffw_norm.weight", (n_embd,))
+    return write_model(spec, path)
+
+
+def write_cohere2(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 4,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+    n_swa: int = 128,
+    swa_pattern: int | None = None,
+) -> Path:
+    """A cohere2 (Command R7B) model: three sliding-window layers then one global (pattern 4 by default)."""
+    spec = _base(
+        "cohere2", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, n_vocab=n_vocab
+    )
+    spec.kv["cohere2.attention.sliding_window"] = n_swa
+    if swa_pattern is not None:
+        spec.kv["cohere2.attention.sliding_window_pattern"] = swa_pattern
+    spec.kv["cohere2.logit_scale"] = 0.25
+    spec.kv["cohere2.attention.layer_norm_epsilon"] = 1e-5
+    _globals(spec, n_embd, n_vocab, "f32", tied=True)
+    kv = n_head_kv * (n_embd // n_head)
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        _attention(spec, p, n_embd, n_embd, kv, kv)
+        _ffn(spec, p, n_embd, n_ff)
+    return write_model(spec, path)
+
+
+def write_gpt_oss(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 4,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 32,
+    n_vocab: int = 259,
+    n_swa: int = 128,
+    n_expert: int = 4,
+    n_expert_used: int = 2,
+    n_ff_exp: int = 32,
+) -> Path:
+    """A gpt-oss model: attention sinks, sliding window on every other layer, MoE FFNs with biases."""
+    spec = _base(
+        "gpt-oss",
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ff=0,
+        n_vocab=n_vocab,
+        head_dim=head_dim,
+    )
+    spec.kv["gpt-oss.rope.dimension_count"] = head_dim
+    spec.kv["gpt-oss.attention.sliding_window"] = n_swa
+    spec.kv["gpt-oss.expert_count"] = n_expert
+    spec.kv["gpt-oss.expert_used_count"] = n_expert_used
+    spec.kv["gpt-oss.expert_feed_forward_length"] = n_ff_exp
+    _globals(spec, n_embd, n_vocab, "f32")
+    q = n_head * head_dim
+    kv = n_head_kv * head_dim
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        spec.add(p + "post_attention_norm.weight", (n_embd,))
+        _attention(spec, p, n_embd, q, kv, kv)
+        spec.add(p + "attn_output.bias", (n_embd,))
+        spec.add(p + "attn_sinks.weight", (n_head,))
+        _experts(spec, p, n_embd, n_ff_exp, n_expert)
+        spec.add(p + "ffn_gate_inp.bias", (n_expert,))
+        spec.add(p + "ffn_gate_exps.bias", (n_ff_exp, n_expert))
+        spec.add(p + "ffn_up_exps.bias", (n_ff_exp, n_expert))
+        spec.add(p + "ffn_down_exps.bias", (n_embd, n_expert))
+    return write_model(spec, path)
+
+
+def write_nemotron_h(
+    path: str | os.PathLike[str],
+    *,
+    layers: str = "M*M-M-",
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+    conv_kernel: int = 4,
+    inner: int = 128,
+    state_size: int = 16,
+    group_count: int = 2,
+    dt_rank: int = 8,
+) -> Path:
+    """A nemotron_h model; `layers` spells the blocks as Nemotron-H's pattern does: `M` a Mamba2 mixer,
+    `*` attention, `-` an MLP. Only attention blocks have KV heads and only MLP blocks an FFN length, so
+    an MLP block has neither KV nor recurrent state."""
+    n_layer = len(layers)
+    kv_heads = [n_head_kv if kind == "*" else 0 for kind in layers]
+    ff = [n_ff if kind == "-" else 0 for kind in layers]
+    spec = _base(
+        "nemotron_h", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=kv_heads, n_ff=ff, n_vocab=n_vocab
+    )
+    spec.kv["nemotron_h.attention.layer_norm_epsilon"] = 1e-5
+    _ssm_keys(spec, conv_kernel=conv_kernel, inner=inner, state_size=state_size, dt_rank=dt_rank, groups=group_count)
+    _globals(spec, n_embd, n_vocab, "f32")
+    kv = n_head_kv * (n_embd // n_head)
+    for il, kind in enumerate(layers):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        if kind == "M":
+            _mamba2_mixer(
+                spec,
+                p,
+                n_embd,
+                inner=inner,
+                conv_kernel=conv_kernel,
+                state_size=state_size,
+                group_count=group_count,
+                dt_rank=dt_rank,
+            )
+        elif kind == "*":
+            _attention(spec, p, n_embd, n_embd, kv, kv)
+        elif kind == "-":
+            _ffn(spec, p, n_embd, n_ff, gate=False)
+        else:
+            raise ValueError(f"unknown nemotron_h block kind {kind!r} (expected M, * or -)")
+    return write_model(spec, path)
+
+
+def write_lfm2(
+    path: str | os.PathLike[str],
+    *,
+    attention_layers: Sequence[int] = (2, 5),
+    n_layer: int = 6,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+    l_cache: int = 3,
+    n_swa: int | None = None,
+) -> Path:
+    """An LFM2 model: short-convolution blocks, attention (with q/k norms) where head_count_kv > 0; with
+    `n_swa` the attention blocks slide."""
+    kv_heads = [n_head_kv if il in attention_layers else 0 for il in range(n_layer)]
+    spec = _base("lfm2", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=kv_heads, n_ff=n_ff, n_vocab=n_vocab)
+    spec.kv["lfm2.shortconv.l_cache"] = l_cache
+    if n_swa is not None:
+        spec.kv["lfm2.attention.sliding_window"] = n_swa
+    spec.add("token_embd.weight", (n_embd, n_vocab))
+    spec.add("token_embd_norm.weight", (n_embd,))  # LFM2's output norm carries this name
+    head_dim = n_embd // n_head
+    kv = n_head_kv * head_dim
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        spec.add(p + "ffn_norm.weight", (n_embd,))
+        _ffn(spec, p, n_embd, n_ff)
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        if kv_heads[il]:
+            spec.add(p + "attn_q_norm.weight", (head_dim,))
+            spec.add(p + "attn_k_norm.weight", (head_dim,))
+            _attention(spec, p, n_embd, n_embd, kv, kv)
+        else:
+            spec.add(p + "shortconv.conv.weight", (l_cache, n_embd))
+            spec.add(p + "shortconv.in_proj.weight", (n_embd, 3 * n_embd))
+            spec.add(p + "shortconv.out_proj.weight", (n_embd, n_embd))
+    return write_model(spec, path)
+
+
+def write_falcon_h1(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 3,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 32,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+    conv_kernel: int = 4,
+    inner: int = 128,
+    state_size: int = 16,
+    group_count: int = 1,
+    dt_rank: int = 8,
+) -> Path:
+    """A falcon-h1 model: every block runs attention and a Mamba2 mixer in parallel (KV and state)."""
+    spec = _base(
+        "falcon-h1",
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ff=n_ff,
+        n_vocab=n_vocab,
+        head_dim=head_dim,
+    )
+    _ssm_keys(spec, conv_kernel=conv_kernel, inner=inner, state_size=state_size, dt_rank=dt_rank, groups=group_count)
+    _globals(spec, n_embd, n_vocab, "f32")
+    q = n_head * head_dim
+    kv = n_head_kv * head_dim
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        _mamba2_mixer(
+            spec,
+            p,
+            n_embd,
+            inner=inner,
+            conv_kernel=conv_kernel,
+            state_size=state_size,
+            group_count=group_count,
+            dt_rank=dt_rank,
+        )
+        _attention(spec, p, n_embd, q, kv, kv)
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        spec.add(p + "ffn_norm", (n_embd,))  # falcon-h1 loads this norm without a ".weight" suffix
+        _ffn(spec, p, n_embd, n_ff)
+    return write_model(spec, path)
+
+
+def write_jamba(
+    path: str | os.PathLike[str],
+    *,
+    attention_layers: Sequence[int] = (2,),
+    moe_layers: Sequence[int] = (1, 3),
+    n_layer: int = 4,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+    conv_kernel: int = 4,
+    state_size: int = 16,
+    dt_rank: int = 8,
+    n_expert: int = 4,
+    n_expert_used: int = 2,
+) -> Path:
+    """A jamba model: Mamba (v1) mixers, attention where head_count_kv > 0, MoE FFNs on `moe_layers`."""
+    kv_heads = [n_head_kv if il in attention_layers else 0 for il in range(n_layer)]
+    spec = _base("jamba", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=kv_heads, n_ff=n_ff, n_vocab=n_vocab)
+    _ssm_keys(spec, conv_kernel=conv_kernel, inner=2 * n_embd, state_size=state_size, dt_rank=dt_rank, groups=0)
+    if moe_layers:
+        spec.kv["jamba.expert_count"] = n_expert
+        spec.kv["jamba.expert_used_count"] = n_expert_used
+    _globals(spec, n_embd, n_vocab, "f32")
+    kv = n_head_kv * (n_embd // n_head)
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        if kv_heads[il]:
+            _attention(spec, p, n_embd, n_embd, kv, kv)
+        else:
+            _mamba1_mixer(spec, p, n_embd, conv_kernel=conv_kernel, state_size=state_size, dt_rank=dt_rank)
+            spec.add(p + "ssm_dt_norm.weight", (dt_rank,))
+            spec.add(p + "ssm_b_norm.weight", (state_size,))
+            spec.add(p + "ssm_c_norm.weight", (state_size,))
+        spec.add(p + "ffn_norm.weight", (n_embd,))
+        if il in moe_layers:
+            _experts(spec, p, n_embd, n_ff, n_expert)
+        else:
+            _ffn(spec, p, n_embd, n_ff)
+    return write_model(spec, path)
+
+
+def write_mamba(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 3,
+    n_embd: int = 64,
+    conv_kernel: int = 4,
+    state_size: int = 16,
+    dt_rank: int = 4,
+    n_vocab: int = 259,
+) -> Path:
+    """A pure-recurrent Mamba (v1) model with tied output embeddings."""
+    spec = ModelSpec(arch="mamba", kv={})
+    spec.kv["general.name"] = "tiny-mamba"
+    spec.kv["mamba.block_count"] = n_layer
+    spec.kv["mamba.context_length"] = 1 << 20
+    spec.kv["mamba.embedding_length"] = n_embd
+    spec.kv["mamba.feed_forward_length"] = 0
+    spec.kv["mamba.attention.head_count"] = 0
+    spec.kv["mamba.attention.layer_norm_rms_epsilon"] = 1e-5
+    _ssm_keys(spec, conv_kernel=conv_kernel, inner=2 * n_embd, state_size=state_size, dt_rank=dt_rank, groups=0)
+    _vocab(spec, n_vocab)
+    _globals(spec, n_embd, n_vocab, "f32", tied=True)
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        _mamba1_mixer(spec, p, n_embd, conv_kernel=conv_kernel, state_size=state_size, dt_rank=dt_rank)
+    return write_model(spec, path)
+
+
+def write_rwkv7(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 3,
+    n_embd: int = 128,
+    head_size: int = 64,
+    n_ff: int = 256,
+    n_vocab: int = 259,
+    lora_rank: int = 16,
+) -> Path:
+    """A pure-recurrent RWKV-7 model: token-shift rows and one wkv state (n_embd x head size) per layer."""
+    spec = ModelSpec(arch="rwkv7", kv={})
+    spec.kv["general.name"] = "tiny-rwkv7"
+    spec.kv["rwkv7.block_count"] = n_layer
+    spec.kv["rwkv7.context_length"] = 1 << 20
+    spec.kv["rwkv7.embedding_length"] = n_embd
+    spec.kv["rwkv7.feed_forward_length"] = n_ff
+    spec.kv["rwkv7.attention.layer_norm_epsilon"] = 1e-5
+    spec.kv["rwkv7.wkv.head_size"] = head_size
+    for rank in ("decay", "iclr", "value_residual_mix", "gate"):
+        spec.kv[f"rwkv7.attention.{rank}_lora_rank"] = lora_rank
+    _vocab(spec, n_vocab)
+    spec.add("token_embd.weight", (n_embd, n_vocab))
+    spec.add("token_embd_norm.weight", (n_embd,))
+    spec.add("token_embd_norm.bias", (n_embd,))
+    spec.add("output_norm.weight", (n_embd,))
+    spec.add("output_norm.bias", (n_embd,))
+    spec.add("output.weight", (n_embd, n_vocab))
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        for norm in ("attn_norm", "attn_norm_2", "time_mix_ln"):
+            spec.add(p + norm + ".weight", (n_embd,))
+            spec.add(p + norm + ".bias", (n_embd,))
+        for lora in ("w", "a", "v", "g"):
+            if lora != "g":
+                spec.add(p + f"time_mix_{lora}0.weight", (n_embd,))
+            spec.add(p + f"time_mix_{lora}1.weight", (n_embd, lora_rank))
+            spec.add(p + f"time_mix_{lora}2.weight", (lora_rank, n_embd))
+        spec.add(p + "time_mix_lerp_fused.weight", (n_embd, 1, 1, 6))
+        for vec in ("k_k", "k_a", "r_k"):
+            spec.add(p + f"time_mix_{vec}.weight", (n_embd,))
+        for proj in ("key", "value", "receptance", "output"):
+            spec.add(p + f"time_mix_{proj}.weight", (n_embd, n_embd))
+        spec.add(p + "channel_mix_lerp_k.weight", (n_embd, 1, 1))
+        spec.add(p + "channel_mix_key.weight", (n_embd, n_ff))
+        spec.add(p + "channel_mix_value.weight", (n_ff, n_embd))
+    return write_model(spec, path)
+
+
+def write_deepseek2(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 3,
+    n_dense_lead: int = 1,
+    n_embd: int = 64,
+    n_head: int = 4,
+    q_lora_rank: int = 32,
+    kv_lora_rank: int = 64,
+    rope_dim: int = 16,
+    qk_nope_dim: int = 32,
+    v_head_dim: int = 32,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+    n_expert: int = 4,
+    n_expert_used: int = 2,
+    n_ff_exp: int = 32,
+    n_expert_shared: int = 1,
+    n_nextn: int = 0,
+) -> Path:
+    """A deepseek2 model in the MLA layout llama.cpp converts to: a low-rank Q (or a plain one with
+    `q_lora_rank=0`), one latent KV "head" of kv_lora_rank + rope dims (cached as K only) with split k_b/v_b
+    up-projections, MoE after
+    `n_dense_lead` dense blocks, and `n_nextn` MTP blocks after the `n_layer` trunk blocks."""
+    k_mla = qk_nope_dim + rope_dim
+    n_all = n_layer + n_nextn
+    spec = _base("deepseek2", n_layer=n_all, n_embd=n_embd, n_head=n_head, n_head_kv=1, n_ff=n_ff, n_vocab=n_vocab)
+    a = "deepseek2"
+    spec.kv[f"{a}.attention.key_length"] = kv_lora_rank + rope_dim
+    spec.kv[f"{a}.attention.value_length"] = kv_lora_rank
+    spec.kv[f"{a}.attention.key_length_mla"] = k_mla
+    spec.kv[f"{a}.attention.value_length_mla"] = v_head_dim
+    spec.kv[f"{a}.attention.q_lora_rank"] = q_lora_rank
+    spec.kv[f"{a}.attention.kv_lora_rank"] = kv_lora_rank
+    spec.kv[f"{a}.rope.dimension_count"] = rope_dim
+    spec.kv[f"{a}.leading_dense_block_count"] = n_dense_lead
+    spec.kv[f"{a}.expert_count"] = n_expert
+    spec.kv[f"{a}.expert_used_count"] = n_expert_used
+    spec.kv[f"{a}.expert_feed_forward_length"] = n_ff_exp
+    spec.kv[f"{a}.expert_shared_count"] = n_expert_shared
+    if n_nextn:
+        spec.kv[f"{a}.nextn_predict_layers"] = n_nextn
+    _globals(spec, n_embd, n_vocab, "f32")
+    for il in range(n_all):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        spec.add(p + "attn_kv_a_norm.weight", (kv_lora_rank,))
+        if q_lora_rank:
+            spec.add(p + "attn_q_a_norm.weight", (q_lora_rank,))
+            spec.add(p + "attn_q_a.weight", (n_embd, q_lora_rank))
+            spec.add(p + "attn_q_b.weight", (q_lora_rank, n_head * k_mla))
+        else:
+            spec.add(p + "attn_q.weight", (n_embd, n_head * k_mla))
+        spec.add(p + "attn_kv_a_mqa.weight", (n_embd, kv_lora_rank + rope_dim))
+        spec.add(p + "attn_k_b.weight", (qk_nope_dim, kv_lora_rank, n_head))
+        spec.add(p + "attn_v_b.weight", (kv_lora_rank, v_head_dim, n_head))
+        spec.add(p + "attn_output.weight", (n_head * v_head_dim, n_embd))
+        spec.add(p + "ffn_norm.weight", (n_embd,))
+        if il < n_dense_lead:
+            _ffn(spec, p, n_embd, n_ff)
+        else:
+            _experts(spec, p, n_embd, n_ff_exp, n_expert)
+            shared = n_ff_exp * n_expert_shared
+            spec.add(p + "ffn_gate_shexp.weight", (n_embd, shared))
+            spec.add(p + "ffn_up_shexp.weight", (n_embd, shared))
+            spec.add(p + "ffn_down_shexp.weight", (shared, n_embd))
+        if il >= n_layer:
+            _nextn(spec, p, n_embd)
+    return write_model(spec, path)
+
+
+def write_qwen3next(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 4,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 32,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+    interval: int = 4,
+    conv_kernel: int = 4,
+    state_size: int = 16,
+    group_count: int = 2,
+    dt_rank: int = 4,
+    n_expert: int = 4,
+    n_expert_used: int = 2,
+    n_ff_exp: int = 32,
+    n_nextn: int = 0,
+) -> Path:
+    """A qwen3next model: gated delta net blocks with full attention every `interval`-th block, every FFN
+    a routed MoE plus a gated shared expert; `n_nextn` MTP blocks (attention) follow the trunk."""
+    inner = state_size * dt_rank
+    n_all = n_layer + n_nextn
+    spec = _base(
+        "qwen3next",
+        n_layer=n_all,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ff=n_ff,
+        n_vocab=n_vocab,
+        head_dim=head_dim,
+    )
+    _ssm_keys(spec, conv_kernel=conv_kernel, inner=inner, state_size=state_size, dt_rank=dt_rank, groups=group_count)
+    spec.kv["qwen3next.full_attention_interval"] = interval
+    spec.kv["qwen3next.expert_count"] = n_expert
+    spec.kv["qwen3next.expert_used_count"] = n_expert_used
+    spec.kv["qwen3next.expert_feed_forward_length"] = n_ff_exp
+    spec.kv["qwen3next.expert_shared_feed_forward_length"] = n_ff_exp
+    if n_nextn:
+        spec.kv["qwen3next.nextn_predict_layers"] = n_nextn
+    _globals(spec, n_embd, n_vocab, "f32")
+    key_dim = state_size * group_count
+    q = n_head * head_dim
+    kv = n_head_kv * head_dim
+    for il in range(n_all):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        spec.add(p + "post_attention_norm.weight", (n_embd,))
+        if il >= n_layer or (il + 1) % interval == 0:
+            _attention(spec, p, n_embd, 2 * q, kv, kv, out=q)
+            spec.add(p + "attn_q_norm.weight", (head_dim,))
+            spec.add(p + "attn_k_norm.weight", (head_dim,))
+        else:
+            spec.add(p + "attn_qkv.weight", (n_embd, 2 * key_dim + inner))
+            spec.add(p + "attn_gate.weight", (n_embd, inner))
+            spec.add(p + "ssm_conv1d.weight", (conv_kernel, 2 * key_dim + inner))
+            spec.add(p + "ssm_dt.bias", (dt_rank,))
+            spec.add(p + "ssm_a", (dt_rank,))
+            spec.negative.add(p + "ssm_a")
+            spec.add(p + "ssm_ba.weight", (n_embd, 2 * dt_rank))
+            spec.add(p + "ssm_norm.weight", (state_size,))
+            spec.add(p + "ssm_out.weight", (inner, n_embd))
+        _experts(spec, p, n_embd, n_ff_exp, n_expert)
+        spec.add(p + "ffn_gate_inp_shexp.weight", (n_embd,))
+        spec.add(p + "ffn_gate_shexp.weight", (n_embd, n_ff_exp))
+        spec.add(p + "ffn_up_shexp.weight", (n_embd, n_ff_exp))
+        spec.add(p + "ffn_down_shexp.weight", (n_ff_exp, n_embd))
+        if il >= n_layer:
+            _nextn(spec, p, n_embd)
+    return write_model(spec, path)

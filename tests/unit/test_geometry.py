@@ -222,3 +222,25 @@ def test_every_tiny_model_writer_yields_the_geometry_it_describes(tmp_path: Path
     assert kinds(geometry_from_header(read_header(gh))) == "RARA"
     assert kinds(geometry_from_header(read_header(tiny_models.write_mamba2(tmp_path / "m.gguf")))) == "RRRR"
     assert kinds(geometry_from_header(read_header(tiny_models.write_gemma3(tmp_path / "s.gguf")))) == "aaAaaA"
+
+
+def test_every_other_family_writer_yields_the_geometry_it_describes(tmp_path: Path) -> None:
+    """The writers behind `tests/e2e/test_memory_exact_more.py`, one per memory rule."""
+
+    def of(writer: Any, **kw: Any) -> ModelGeometry:
+        return geometry_from_header(read_header(writer(tmp_path / f"{writer.__name__}.gguf", **kw)))
+
+    assert kinds(of(tiny_models.write_qwen2)) == kinds(of(tiny_models.write_qwen3)) == "AAAA"
+    assert of(tiny_models.write_qwen3moe).n_expert == 8
+    assert kinds(of(tiny_models.write_gemma2)) == kinds(of(tiny_models.write_gpt_oss)) == "aAaA"
+    assert of(tiny_models.write_gemma2, n_swa=None).n_swa == 4096
+    assert kinds(of(tiny_models.write_cohere2)) == "aaaA"
+    assert kinds(of(tiny_models.write_nemotron_h, layers="M*M-M-")) == "RAR-R-"
+    assert kinds(of(tiny_models.write_lfm2)) == "RRARRA"
+    assert kinds(of(tiny_models.write_lfm2, n_swa=64)) == "RRaRRa"
+    assert kinds(of(tiny_models.write_falcon_h1)) == "BBB"
+    assert kinds(of(tiny_models.write_jamba)) == "RRAR"
+    assert kinds(of(tiny_models.write_mamba)) == kinds(of(tiny_models.write_rwkv7)) == "RRR"
+    ds = of(tiny_models.write_deepseek2, n_nextn=1)
+    assert kinds(ds) == "AAA-" and ds.mla and ds.mtp_context
+    assert kinds(of(tiny_models.write_qwen3next, n_nextn=1)) == "RRRA-"

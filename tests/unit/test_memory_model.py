@@ -310,3 +310,24 @@ def test_compute_without_flash_attention_pays_for_the_score_matrix() -> None:
     off = compute_buffers(g, shape, flash_attn=False, n_outputs=1)
     on = compute_buffers(g, shape, flash_attn=True, n_outputs=1)
     assert off.device > on.device + 4 * 16384 * 512 * 8
+
+
+def test_mla_models_need_equal_k_and_v_cache_types() -> None:
+    kv = base(2, nextn_predict_layers=1, **{"attention.head_count_kv": 1, "attention.key_length": 576})
+    kv.update({"attention.value_length": 512, "attention.key_length_mla": 192, "attention.value_length_mla": 128})
+    g = geometry_from_header(header("deepseek2", kv))
+    assert estimate(g, serving(cache_type_k="q8_0", cache_type_v="q8_0"), 4096).kv_v_bytes == 0
+    with pytest.raises(MemoryModelError, match="must be equal"):
+        estimate(g, serving(cache_type_k="q8_0", cache_type_v="f16"), 4096)
+    with pytest.raises(MemoryModelError, match="must be equal"):  # the MTP context's own types too
+        estimate(g, serving(spec_type="draft-mtp", spec_draft_type_k="q8_0"), 4096)
+
+
+def test_quantized_cache_with_flash_attention_needs_whole_blocks_per_head() -> None:
+    g = llama(**{"embedding_length": 128, "attention.head_count": 8})  # heads of 16, rows of 32
+    with pytest.raises(MemoryModelError, match="K head size 16 is not a multiple of q8_0's block of 32"):
+        estimate(g, serving(cache_type_k="q8_0"), 4096)
+    with pytest.raises(MemoryModelError, match="V head size 16"):
+        estimate(g, serving(cache_type_v="q4_0"), 4096)
+    # without flash attention only the row counts (and a quantized V needs flash attention anyway)
+    assert estimate(g, serving(cache_type_k="q8_0", flash_attn="off"), 4096).kv_k_bytes == 4 * 34 * 4096
