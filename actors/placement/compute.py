@@ -9,8 +9,9 @@ calibrated on llama-server's own reports (`sched_reserve: … compute buffer siz
   cache (a sliding-window model has a second, window-sized mask);
 * the peak of one layer, whichever stage is larger:
   - the activation stage, `4 · n_ubatch · (3 · n_ff + 5 · n_embd)` bytes (the SwiGLU FFN: gate, up and their
-    product live with the residual stream), or for Mamba-style layers `3.5 ·` their input projection width,
-    plus one state copy per sequence;
+    product live with the residual stream; jamba's routed experts are n_ff wide each, so n_ff times the
+    experts used), or for Mamba-style layers `3.5 ·` their input projection width, plus one state copy per
+    sequence, or for RWKV `max(20 · n_embd, 2 · n_ff)` per token plus two state copies per sequence;
   - without flash attention, the attention-score stage: the f32 `n_kv x n_ubatch x n_head` score matrix
     plus `4 · n_ubatch · (7 · n_embd + 2 · n_kv_width)`;
   - the output stage: logits for the reserved outputs plus two embedding-sized rows per token.
@@ -21,8 +22,14 @@ and per-slot KV, flash attention on and off). Measured error (CPU build): mean 1
 +24% (a tiny MTP draft context, overestimated) and -19% (tiny shapes with n_ff < n_embd); on the sparse
 realistic shapes of `benchmarks/accuracy.py` (Llama-8B at 16k context and 2 slots: 132 MiB with flash
 attention, 580 MiB without; Qwen3.5-9B with MTP) it is within -0.0%..+15.4%. `MEASURED_ERROR_RATIO`
-bounds all of it. GPU compute buffers (per-device graph splits, the host-side buffer) are not validated:
-no GPU build was available.
+bounds all of it. The families of `tests/e2e/test_memory_exact_more.py` (qwen2/3, qwen3moe, gemma2, cohere2,
+gpt-oss, nemotron_h, lfm2, falcon-h1, jamba, qwen3next, mamba, rwkv7, deepseek2) were checked afterwards at
+n_ff of about 3 · n_embd: within ±10% except gpt-oss (-20%); the RWKV and jamba terms were fitted then
+(rwkv7 n_embd 128-512, n_ff 256-2048, 1-16 slots: within +3%; jamba within -6%). MoE experts are sized by
+the dense n_ff, which the geometry carries, not by expert_feed_forward_length x experts used, which it does
+not: an MoE whose active experts are wider than n_ff (gpt-oss: 4 x 2880 against 2880) is underestimated.
+GPU compute buffers (per-device graph splits, the host-side buffer) are not validated: no GPU build was
+available.
 """
 
 from __future__ import annotations
@@ -34,13 +41,19 @@ from messages.model import LayerGeometry, ModelGeometry
 
 __all__ = ["CALIBRATION_VERSION", "MEASURED_ERROR_RATIO", "ComputeEstimate", "compute_buffers"]
 
-CALIBRATION_VERSION = "compute-2"
+CALIBRATION_VERSION = "compute-3"
 #: Largest relative error of the model against llama-server's reported compute buffers in calibration.
 MEASURED_ERROR_RATIO = 0.25
 
 FFN_FACTOR = 3  # gate, up and their product, n_ff wide, live at once
 EMBD_FACTOR = 5  # residual stream, FFN input, norm output and two more n_embd-wide rows
 MAMBA_IN_FACTOR = 3.5  # input projection, conv window and scan output of a Mamba layer, per input width
+#: MoE architectures whose expert matrices are `feed_forward_length` wide (no expert_feed_forward_length);
+#: for the others the geometry does not carry the expert width and the dense n_ff stands in for it.
+EXPERTS_AS_WIDE_AS_N_FF = frozenset({"jamba"})
+RWKV_EMBD_FACTOR = 20  # n_embd-wide rows live at the peak of an RWKV-7 time mix, per token
+RWKV_FFN_FACTOR = 2  # an RWKV channel mix keeps two n_ff-wide rows (no gate)
+RWKV_STATE_COPIES = 2  # the wkv state read and written per sequence
 SCORE_EMBD_FACTOR = 7
 SCORE_KV_FACTOR = 2
 HOST_EMBD_FACTOR = 2  # with GPUs: token embeddings looked up on the host, and their copy for upload
@@ -68,12 +81,20 @@ def _layer_peak(
     n_embd = geometry.n_embd
     attention = [layer for layer in layers if layer.attention or layer.nextn]
     n_ff = max((layer.n_ff for layer in layers), default=0)
+    if geometry.architecture in EXPERTS_AS_WIDE_AS_N_FF and geometry.n_expert:
+        n_ff *= max(1, geometry.n_expert_used)  # every routed expert is n_ff wide: their rows live together
     activation = 4 * t * (FFN_FACTOR * n_ff + EMBD_FACTOR * n_embd)
     if geometry.recurrent_kind == "mamba" and any(layer.recurrent for layer in layers):
         width = 2 * geometry.ssm_d_inner + 2 * geometry.ssm_n_group * geometry.ssm_d_state + geometry.ssm_dt_rank
         state = max(layer.r_width + layer.s_width for layer in layers if layer.recurrent)
         mamba = int(4 * t * MAMBA_IN_FACTOR * width) + 4 * shape.n_seq_max * state
         activation = max(activation, mamba)
+    if geometry.recurrent_kind == "rwkv" and any(layer.recurrent for layer in layers):
+        # the time mix (six lerped inputs, r/w/k/v/a/g and their LoRA paths) or the channel mix (key and its
+        # squared ReLU, n_ff wide), whichever is larger, plus the wkv state read and written per sequence
+        state = max(layer.r_width + layer.s_width for layer in layers if layer.recurrent)
+        mix = max(RWKV_EMBD_FACTOR * n_embd, RWKV_FFN_FACTOR * n_ff)
+        activation = 4 * t * mix + RWKV_STATE_COPIES * 4 * shape.n_seq_max * state
     scores = 0
     if attention and not flash_attn:
         n_head = max(layer.n_head for layer in attention)

@@ -331,3 +331,24 @@ def test_quantized_cache_with_flash_attention_needs_whole_blocks_per_head() -> N
         estimate(g, serving(cache_type_v="q4_0"), 4096)
     # without flash attention only the row counts (and a quantized V needs flash attention anyway)
     assert estimate(g, serving(cache_type_k="q8_0", flash_attn="off"), 4096).kv_k_bytes == 4 * 34 * 4096
+
+
+def test_rwkv_compute_is_the_time_mix_unless_the_channel_mix_is_wider() -> None:
+    """Fitted on rwkv7 runs: about 20 n_embd-wide rows per token whatever n_ff, plus two wkv states a slot."""
+    for n_ff, per_token in ((1024, 20 * 256), (4096, 2 * 4096)):
+        g = geometry_from_header(header("rwkv7", base(2, feed_forward_length=n_ff, **{"wkv.head_size": 64})))
+        shape = resolve_context(g, serving(slots=8), 4096)
+        got = compute_buffers(g, shape, flash_attn=True, n_outputs=1).device
+        assert got == 4 * 512 * per_token + 2 * 4 * 8 * (2 * 256 + 256 * 64)
+
+
+def test_jamba_experts_are_each_n_ff_wide() -> None:
+    """jamba has no expert_feed_forward_length: its routed experts are n_ff wide, so the FFN rows grow with
+    the experts used (a dense jamba is sized like any dense FFN)."""
+    ssm = {k: v for k, v in QWEN_SSM.items() if k != "ssm.group_count"} | {"ssm.inner_size": 512}
+    layers = {"attention.head_count_kv": [0, 2], "feed_forward_length": 1024}
+    dense = geometry_from_header(header("jamba", base(2, **ssm, **layers)))
+    moe = geometry_from_header(header("jamba", base(2, **ssm, **layers, expert_count=16, expert_used_count=2)))
+    shape = resolve_context(dense, serving(slots=1), 4096)
+    grow = compute_buffers(moe, shape, flash_attn=True, n_outputs=1).device
+    assert grow - compute_buffers(dense, shape, flash_attn=True, n_outputs=1).device == 4 * 512 * 3 * 1024

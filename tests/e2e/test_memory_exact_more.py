@@ -1,0 +1,260 @@
+"""The memory model against the real llama-server, for the families `test_memory_exact` does not start.
+
+Same method and helpers as `tests/e2e/test_memory_exact.py` (exact cell/layer/stream counts, the K/V and R/S
+figures printed identically from the predicted bytes, weights and output buffers, compute within its stated
+error), on one tiny model per distinct memory rule:
+
+* dense GQA: qwen2 (head size n_embd / n_head, Q/K/V biases), qwen3 (explicit head size), qwen3moe (expert
+  tensors change the weights, not the cache);
+* sliding window: gemma2 (every other layer; the default 4096 window and a per-layer bool pattern),
+  cohere2 (three sliding layers then one global), gpt-oss (every other layer, attention sinks);
+* hybrids: nemotron_h (MLP blocks hold neither KV nor state), lfm2 (short-conv state
+  `n_embd x (l_cache - 1)`, no S; with a window, the attention blocks slide), falcon-h1 (every block holds both),
+  jamba (Mamba v1 state without groups), qwen3next (gated delta net, attention every 4th block);
+* pure recurrent: mamba (v1) and rwkv7 (token-shift rows and a wkv state);
+* MLA: deepseek2 caches one latent K row per token and no V.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from actors.placement.compute import MEASURED_ERROR_RATIO
+from actors.placement.memory import MemoryModelError, cache_allocations, estimate
+from tests import tiny_models
+from tests.e2e.test_memory_exact import PRINT_STEP, Case, _check, _geometry, _row_step, _s
+from tests.llama_harness import require_server, run_server, server_args
+
+pytestmark = pytest.mark.e2e
+
+N_VOCAB = 8000
+
+
+@pytest.fixture(scope="module")
+def binary() -> str:
+    return require_server()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("models-more")
+    v = N_VOCAB
+    return {
+        "qwen2": tiny_models.write_qwen2(d / "qwen2.gguf", n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_vocab=v),
+        # head size 16 with 2 KV heads: 32-element rows, but a q8_0 block spans two heads
+        "qwen2-h16": tiny_models.write_qwen2(d / "qwen2-h16.gguf", n_embd=64, n_head=4, n_head_kv=2, n_vocab=v),
+        "qwen3": tiny_models.write_qwen3(
+            d / "qwen3.gguf", n_embd=128, n_head=4, n_head_kv=2, head_dim=64, n_ff=256, n_vocab=v
+        ),
+        "qwen3moe": tiny_models.write_qwen3moe(
+            d / "qwen3moe.gguf",
+            n_embd=128,
+            n_head=4,
+            n_head_kv=4,
+            head_dim=64,
+            n_ff=384,
+            n_vocab=v,
+            n_expert=8,
+            n_expert_used=4,
+            n_ff_exp=96,
+        ),
+        "gemma2": tiny_models.write_gemma2(
+            d / "gemma2.gguf", n_embd=128, n_head=4, n_head_kv=2, head_dim=64, n_ff=256, n_vocab=v, n_swa=256
+        ),
+        # no sliding_window key: gemma 2's default window of 4096; layers 0, 1 and 3 of 4 slide
+        "gemma2-4k": tiny_models.write_gemma2(
+            d / "gemma2-4k.gguf",
+            n_embd=128,
+            n_head=4,
+            n_head_kv=2,
+            head_dim=64,
+            n_vocab=v,
+            n_swa=None,
+            swa_pattern=[True, True, False, True],
+        ),
+        "cohere2": tiny_models.write_cohere2(
+            d / "cohere2.gguf", n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_vocab=v, n_swa=256
+        ),
+        "gpt-oss": tiny_models.write_gpt_oss(
+            d / "gpt-oss.gguf", n_embd=128, n_head=4, n_head_kv=2, head_dim=64, n_vocab=v, n_swa=128, n_ff_exp=128
+        ),
+        "nemotron_h": tiny_models.write_nemotron_h(
+            d / "nemotron_h.gguf",
+            layers="M*M-M*-",
+            n_embd=128,
+            n_head=4,
+            n_head_kv=2,
+            n_ff=256,
+            n_vocab=v,
+            inner=256,
+            state_size=64,
+            group_count=2,
+            dt_rank=8,
+        ),
+        "lfm2": tiny_models.write_lfm2(
+            d / "lfm2.gguf", attention_layers=(2, 5), n_layer=6, n_embd=256, n_head=4, n_head_kv=2, n_ff=768, n_vocab=v
+        ),
+        "lfm2-swa": tiny_models.write_lfm2(
+            d / "lfm2-swa.gguf",
+            attention_layers=(1, 3),
+            n_layer=4,
+            n_embd=256,
+            n_head=4,
+            n_head_kv=2,
+            n_ff=768,
+            n_vocab=v,
+            n_swa=256,
+        ),
+        "falcon-h1": tiny_models.write_falcon_h1(
+            d / "falcon-h1.gguf",
+            n_embd=128,
+            n_head=4,
+            n_head_kv=2,
+            head_dim=64,
+            n_vocab=v,
+            inner=256,
+            state_size=32,
+            group_count=1,
+            dt_rank=8,
+        ),
+        "jamba": tiny_models.write_jamba(
+            d / "jamba.gguf", n_embd=128, n_head=4, n_head_kv=2, n_ff=384, n_vocab=v, state_size=16
+        ),
+        "mamba": tiny_models.write_mamba(d / "mamba.gguf", n_embd=256, state_size=16, dt_rank=16, n_vocab=v),
+        "rwkv7": tiny_models.write_rwkv7(d / "rwkv7.gguf", n_embd=256, head_size=64, n_vocab=v),
+        "deepseek2": tiny_models.write_deepseek2(
+            d / "deepseek2.gguf",
+            n_embd=128,
+            n_head=4,
+            kv_lora_rank=96,
+            rope_dim=32,
+            n_ff=384,
+            n_vocab=v,
+            n_ff_exp=96,
+            n_expert=8,
+            n_expert_used=3,
+            n_nextn=1,
+        ),
+        "qwen3next": tiny_models.write_qwen3next(
+            d / "qwen3next.gguf",
+            n_embd=128,
+            n_head=4,
+            n_head_kv=2,
+            head_dim=64,
+            n_ff=384,
+            n_vocab=v,
+            n_expert=8,
+            n_expert_used=4,
+            n_ff_exp=96,
+            state_size=32,
+            group_count=2,
+            dt_rank=8,
+            n_nextn=1,
+        ),
+    }
+
+
+CASES = [
+    # dense GQA
+    Case("qwen2", 8192, _s(slots=1)),
+    Case("qwen2", 5000, _s(slots=3, cache_type_k="q8_0", cache_type_v="q8_0")),
+    Case("qwen2", 8192, _s(slots=2, flash_attn="off")),
+    Case("qwen2-h16", 8192, _s(slots=2, cache_type_k="q8_0", flash_attn="off")),  # whole blocks per row suffice
+    Case("qwen3", 8192, _s(slots=4)),
+    Case("qwen3", 8192, _s(slots=4, kv_unified=True, cache_type_k="bf16", cache_type_v="f32", flash_attn="off")),
+    Case("qwen3moe", 8192, _s(slots=2)),
+    Case("qwen3moe", 8192, _s(slots=2, cache_type_k="q4_0", cache_type_v="q4_0")),
+    # sliding window
+    Case("gemma2", 8192, _s(slots=1)),
+    Case("gemma2", 8192, _s(slots=4)),
+    Case("gemma2", 8192, _s(slots=4, kv_unified=True)),
+    Case("gemma2", 8192, _s(slots=2, swa_full=True)),
+    Case("gemma2", 8192, _s(slots=2, flash_attn="off")),
+    Case("gemma2-4k", 16384, _s(slots=1)),  # the 4096 window + a micro-batch, below the 16k context
+    Case("gemma2-4k", 16384, _s(slots=2, kv_unified=True)),  # 2 x 4096 + 512 cells of a 16k unified stream
+    Case("gemma2-4k", 4096, _s(slots=1)),  # the window exceeds the context: the SWA cache is the context
+    Case("cohere2", 8192, _s(slots=2)),
+    Case("cohere2", 8192, _s(slots=3, kv_unified=True, ubatch=256)),
+    Case("gpt-oss", 8192, _s(slots=2)),
+    Case("gpt-oss", 8192, _s(slots=4, kv_unified=True, cache_type_k="q8_0", cache_type_v="q8_0")),
+    # hybrids
+    Case("nemotron_h", 8192, _s(slots=1)),
+    Case("nemotron_h", 8192, _s(slots=8)),
+    Case("nemotron_h", 8192, _s(slots=2, flash_attn="off")),
+    Case("lfm2", 8192, _s(slots=1)),
+    Case("lfm2", 8192, _s(slots=16, kv_unified=True)),
+    Case("lfm2", 8192, _s(slots=2, flash_attn="off")),
+    Case("lfm2-swa", 8192, _s(slots=2)),
+    Case("lfm2-swa", 8192, _s(slots=4, kv_unified=True)),
+    Case("lfm2-swa", 8192, _s(slots=2, swa_full=True)),
+    Case("falcon-h1", 8192, _s(slots=1)),
+    Case("falcon-h1", 8192, _s(slots=4)),
+    Case("falcon-h1", 8192, _s(slots=4, kv_unified=True, flash_attn="off")),
+    Case("jamba", 8192, _s(slots=1)),
+    Case("jamba", 8192, _s(slots=6)),
+    Case("jamba", 8192, _s(slots=2, flash_attn="off")),
+    Case("qwen3next", 8192, _s(slots=1)),
+    Case("qwen3next", 8192, _s(slots=4)),
+    Case("qwen3next", 8192, _s(slots=4, kv_unified=True, flash_attn="off")),
+    # MTP on qwen3next: the nextn block's KV in the draft context, but no rollback rows (unlike qwen35)
+    Case("qwen3next", 8192, _s(slots=4, spec_type="draft-mtp", spec_draft_n_max=3)),
+    # pure recurrent
+    Case("mamba", 4096, _s(slots=1)),
+    Case("mamba", 4096, _s(slots=8, kv_unified=True)),
+    Case("rwkv7", 4096, _s(slots=1)),
+    Case("rwkv7", 4096, _s(slots=8)),
+    # MLA: K only
+    Case("deepseek2", 8192, _s(slots=1)),
+    Case("deepseek2", 8192, _s(slots=4)),
+    Case("deepseek2", 8192, _s(slots=2, flash_attn="off")),
+    Case("deepseek2", 8192, _s(slots=4, kv_unified=True, cache_type_k="q8_0", cache_type_v="q8_0")),
+    Case(
+        "deepseek2",
+        8192,
+        _s(slots=2, spec_type="draft-mtp", spec_draft_n_max=3, spec_draft_type_k="q8_0", spec_draft_type_v="q8_0"),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_cache_bytes_match_llama_server_exactly(case: Case, models: dict[str, Path], binary: str) -> None:
+    _, error = _check(case, models, binary)
+    assert abs(error) <= MEASURED_ERROR_RATIO, f"compute buffer off by {error:+.1%}"
+
+
+def test_every_family_has_a_byte_exact_kv_line(models: dict[str, Path]) -> None:
+    """As in the main matrix: each model with attention must have at least one KV line large enough that
+    its printed figure pins the byte count, or its part of the proof would be vacuous."""
+    exact: set[str] = set()
+    for case in CASES:
+        geometry = _geometry(models[case.model])
+        for a in cache_allocations(geometry, case.settings, case.n_ctx):
+            if a.kind != "recurrent" and a.layers and a.cells * a.streams * _row_step(a.type_a) > PRINT_STEP:
+                exact.add(case.model)
+    with_attention = {name for name in models if name not in ("mamba", "rwkv7")}
+    assert exact >= with_attention
+
+
+def test_mla_cache_types_must_be_equal_like_llama_server(models: dict[str, Path], binary: str) -> None:
+    """MLA keeps V as a view of the K latents, so llama.cpp refuses different K and V cache types."""
+    settings = _s(slots=1, cache_type_k="q8_0", cache_type_v="f16")
+    with pytest.raises(MemoryModelError, match="must be equal"):
+        estimate(_geometry(models["deepseek2"]), settings, 4096)
+    run = run_server(models["deepseek2"], server_args(settings, 4096), binary=binary)
+    assert not run.healthy
+    assert "does not support different K (q8_0) and V (f16) cache types" in run.log
+
+
+def test_quantized_k_cache_needs_whole_blocks_per_head_with_flash_attention(
+    models: dict[str, Path], binary: str
+) -> None:
+    """With flash attention a q8_0 block must not straddle two heads: 16-wide heads are refused even though
+    the 32-wide rows are whole blocks (without flash attention the same cache is allocated, see CASES)."""
+    settings = _s(slots=2, cache_type_k="q8_0")
+    with pytest.raises(MemoryModelError, match="K head size 16 is not a multiple of q8_0's block"):
+        estimate(_geometry(models["qwen2-h16"]), settings, 8192)
+    run = run_server(models["qwen2-h16"], server_args(settings, 8192), binary=binary)
+    assert not run.healthy
+    assert "does not divide n_embd_head_k=16" in run.log
