@@ -289,10 +289,87 @@ def write_qwen35(
 
     `inner_size = state_size · dt_rank` (the value dimension of the gated delta net).
     """
+    return _write_qwen35_family(
+        path,
+        "qwen35",
+        n_layer=n_layer,
+        n_nextn=n_nextn,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        n_ff=n_ff,
+        n_vocab=n_vocab,
+        interval=interval,
+        ssm=(conv_kernel, state_size, group_count, dt_rank),
+        dtype=dtype,
+        n_ctx_train=n_ctx_train,
+        sparse=sparse,
+    )
+
+
+def write_qwen35moe(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 4,
+    n_nextn: int = 1,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 32,
+    n_vocab: int = 259,
+    interval: int = 4,
+    conv_kernel: int = 4,
+    state_size: int = 16,
+    group_count: int = 2,
+    dt_rank: int = 4,
+    n_expert: int = 8,
+    n_expert_used: int = 2,
+    n_ff_exp: int = 64,
+) -> Path:
+    """A qwen35moe hybrid: qwen35's blocks with every FFN a routed MoE plus a gated shared expert."""
+    return _write_qwen35_family(
+        path,
+        "qwen35moe",
+        n_layer=n_layer,
+        n_nextn=n_nextn,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        n_ff=n_ff_exp,
+        n_vocab=n_vocab,
+        interval=interval,
+        ssm=(conv_kernel, state_size, group_count, dt_rank),
+        experts=(n_expert, n_expert_used),
+    )
+
+
+def _write_qwen35_family(
+    path: str | os.PathLike[str],
+    arch: str,
+    *,
+    n_layer: int,
+    n_nextn: int,
+    n_embd: int,
+    n_head: int,
+    n_head_kv: int,
+    head_dim: int,
+    n_ff: int,
+    n_vocab: int,
+    interval: int,
+    ssm: tuple[int, int, int, int],
+    experts: tuple[int, int] = (0, 0),
+    dtype: str = "f32",
+    n_ctx_train: int = 32768,
+    sparse: bool = False,
+) -> Path:
+    conv_kernel, state_size, group_count, dt_rank = ssm
+    n_expert, n_expert_used = experts
     n_all = n_layer + n_nextn
     inner = state_size * dt_rank
     spec = _base(
-        "qwen35",
+        arch,
         n_layer=n_all,
         n_embd=n_embd,
         n_head=n_head,
@@ -302,16 +379,21 @@ def write_qwen35(
         n_ctx_train=n_ctx_train,
         head_dim=head_dim,
     )
-    spec.kv["qwen35.rope.dimension_count"] = head_dim
-    spec.kv["qwen35.rope.dimension_sections"] = [head_dim // 4, head_dim // 8, head_dim // 8, 0]
-    spec.kv["qwen35.ssm.conv_kernel"] = conv_kernel
-    spec.kv["qwen35.ssm.inner_size"] = inner
-    spec.kv["qwen35.ssm.state_size"] = state_size
-    spec.kv["qwen35.ssm.time_step_rank"] = dt_rank
-    spec.kv["qwen35.ssm.group_count"] = group_count
-    spec.kv["qwen35.full_attention_interval"] = interval
+    spec.kv[f"{arch}.rope.dimension_count"] = head_dim
+    spec.kv[f"{arch}.rope.dimension_sections"] = [head_dim // 4, head_dim // 8, head_dim // 8, 0]
+    spec.kv[f"{arch}.ssm.conv_kernel"] = conv_kernel
+    spec.kv[f"{arch}.ssm.inner_size"] = inner
+    spec.kv[f"{arch}.ssm.state_size"] = state_size
+    spec.kv[f"{arch}.ssm.time_step_rank"] = dt_rank
+    spec.kv[f"{arch}.ssm.group_count"] = group_count
+    spec.kv[f"{arch}.full_attention_interval"] = interval
     if n_nextn:
-        spec.kv["qwen35.nextn_predict_layers"] = n_nextn
+        spec.kv[f"{arch}.nextn_predict_layers"] = n_nextn
+    if n_expert:
+        spec.kv[f"{arch}.expert_count"] = n_expert
+        spec.kv[f"{arch}.expert_used_count"] = n_expert_used
+        spec.kv[f"{arch}.expert_feed_forward_length"] = n_ff
+        spec.kv[f"{arch}.expert_shared_feed_forward_length"] = n_ff
     _globals(spec, n_embd, n_vocab, dtype)
     key_dim = state_size * group_count
     q = n_head * head_dim
@@ -342,9 +424,16 @@ def write_qwen35(
             spec.add(p + "ssm_alpha.weight", (n_embd, dt_rank), dtype)
             spec.add(p + "ssm_norm.weight", (state_size,))
             spec.add(p + "ssm_out.weight", (inner, n_embd), dtype)
-        spec.add(p + "ffn_gate.weight", (n_embd, n_ff), dtype)
-        spec.add(p + "ffn_up.weight", (n_embd, n_ff), dtype)
-        spec.add(p + "ffn_down.weight", (n_ff, n_embd), dtype)
+        if n_expert:
+            _experts(spec, p, n_embd, n_ff, n_expert)
+            spec.add(p + "ffn_gate_inp_shexp.weight", (n_embd,))
+            spec.add(p + "ffn_gate_shexp.weight", (n_embd, n_ff))
+            spec.add(p + "ffn_up_shexp.weight", (n_embd, n_ff))
+            spec.add(p + "ffn_down_shexp.weight", (n_ff, n_embd))
+        else:
+            spec.add(p + "ffn_gate.weight", (n_embd, n_ff), dtype)
+            spec.add(p + "ffn_up.weight", (n_embd, n_ff), dtype)
+            spec.add(p + "ffn_down.weight", (n_ff, n_embd), dtype)
         if il >= n_layer:
             spec.add(p + "nextn.eh_proj.weight", (2 * n_embd, n_embd), dtype)
             spec.add(p + "nextn.enorm.weight", (n_embd,))
@@ -880,17 +969,94 @@ def write_nemotron_h(
     """A nemotron_h model; `layers` spells the blocks as Nemotron-H's pattern does: `M` a Mamba2 mixer,
     `*` attention, `-` an MLP. Only attention blocks have KV heads and only MLP blocks an FFN length, so
     an MLP block has neither KV nor recurrent state."""
-    n_layer = len(layers)
-    kv_heads = [n_head_kv if kind == "*" else 0 for kind in layers]
-    ff = [n_ff if kind == "-" else 0 for kind in layers]
-    spec = _base(
-        "nemotron_h", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=kv_heads, n_ff=ff, n_vocab=n_vocab
+    return _write_nemotron(
+        path,
+        "nemotron_h",
+        layers=layers,
+        n_nextn=0,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ff=n_ff,
+        n_vocab=n_vocab,
+        ssm=(conv_kernel, inner, state_size, group_count, dt_rank),
     )
-    spec.kv["nemotron_h.attention.layer_norm_epsilon"] = 1e-5
+
+
+def write_nemotron_h_moe(
+    path: str | os.PathLike[str],
+    *,
+    layers: str = "ME*ME",
+    n_nextn: int = 1,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_vocab: int = 259,
+    conv_kernel: int = 4,
+    inner: int = 128,
+    state_size: int = 16,
+    group_count: int = 2,
+    dt_rank: int = 8,
+    n_expert: int = 4,
+    n_expert_used: int = 2,
+    n_ff_exp: int = 64,
+) -> Path:
+    """A nemotron_h_moe model: as `write_nemotron_h`, with `E` for a routed-MoE block (plus a shared
+    expert), and `n_nextn` MTP blocks (attention and MoE in one block, as the converter writes them)."""
+    return _write_nemotron(
+        path,
+        "nemotron_h_moe",
+        layers=layers,
+        n_nextn=n_nextn,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ff=n_ff_exp,
+        n_vocab=n_vocab,
+        ssm=(conv_kernel, inner, state_size, group_count, dt_rank),
+        experts=(n_expert, n_expert_used),
+    )
+
+
+def _write_nemotron(
+    path: str | os.PathLike[str],
+    arch: str,
+    *,
+    layers: str,
+    n_nextn: int,
+    n_embd: int,
+    n_head: int,
+    n_head_kv: int,
+    n_ff: int,
+    n_vocab: int,
+    ssm: tuple[int, int, int, int, int],
+    experts: tuple[int, int] = (0, 0),
+) -> Path:
+    conv_kernel, inner, state_size, group_count, dt_rank = ssm
+    n_expert, n_expert_used = experts
+    kinds = layers + "N" * n_nextn  # an MTP block has both attention heads and an FFN length
+    kv_heads = [n_head_kv if kind in "*N" else 0 for kind in kinds]
+    ff = [n_ff if kind in "-EN" else 0 for kind in kinds]
+    spec = _base(arch, n_layer=len(kinds), n_embd=n_embd, n_head=n_head, n_head_kv=kv_heads, n_ff=ff, n_vocab=n_vocab)
+    spec.kv[f"{arch}.attention.layer_norm_epsilon"] = 1e-5
     _ssm_keys(spec, conv_kernel=conv_kernel, inner=inner, state_size=state_size, dt_rank=dt_rank, groups=group_count)
+    if n_expert:
+        spec.kv[f"{arch}.expert_count"] = n_expert
+        spec.kv[f"{arch}.expert_used_count"] = n_expert_used
+        spec.kv[f"{arch}.expert_feed_forward_length"] = n_ff
+        spec.kv[f"{arch}.expert_shared_feed_forward_length"] = n_ff
+    if n_nextn:
+        spec.kv[f"{arch}.nextn_predict_layers"] = n_nextn
     _globals(spec, n_embd, n_vocab, "f32")
     kv = n_head_kv * (n_embd // n_head)
-    for il, kind in enumerate(layers):
+
+    def moe(p: str) -> None:
+        _experts(spec, p, n_embd, n_ff, n_expert, gate=False)
+        spec.add(p + "exp_probs_b.bias", (n_expert,))
+        spec.add(p + "ffn_up_shexp.weight", (n_embd, n_ff))
+        spec.add(p + "ffn_down_shexp.weight", (n_ff, n_embd))
+
+    for il, kind in enumerate(kinds):
         p = f"blk.{il}."
         spec.add(p + "attn_norm.weight", (n_embd,))
         if kind == "M":
@@ -908,8 +1074,16 @@ def write_nemotron_h(
             _attention(spec, p, n_embd, n_embd, kv, kv)
         elif kind == "-":
             _ffn(spec, p, n_embd, n_ff, gate=False)
+        elif kind == "E" and n_expert:
+            moe(p)
+        elif kind == "N":
+            _nextn(spec, p, n_embd)
+            spec.add(p + "nextn.shared_head_norm.weight", (n_embd,))
+            _attention(spec, p, n_embd, n_embd, kv, kv)
+            spec.add(p + "post_attention_norm.weight", (n_embd,))
+            moe(p)
         else:
-            raise ValueError(f"unknown nemotron_h block kind {kind!r} (expected M, * or -)")
+            raise ValueError(f"unknown {arch} block kind {kind!r} (expected M, * or -, or E with experts)")
     return write_model(spec, path)
 
 
@@ -1106,19 +1280,10 @@ def write_rwkv7(
     spec.add("output.weight", (n_embd, n_vocab))
     for il in range(n_layer):
         p = f"blk.{il}."
-        for norm in ("attn_norm", "attn_norm_2", "time_mix_ln"):
+        for norm in ("attn_norm", "attn_norm_2"):
             spec.add(p + norm + ".weight", (n_embd,))
             spec.add(p + norm + ".bias", (n_embd,))
-        for lora in ("w", "a", "v", "g"):
-            if lora != "g":
-                spec.add(p + f"time_mix_{lora}0.weight", (n_embd,))
-            spec.add(p + f"time_mix_{lora}1.weight", (n_embd, lora_rank))
-            spec.add(p + f"time_mix_{lora}2.weight", (lora_rank, n_embd))
-        spec.add(p + "time_mix_lerp_fused.weight", (n_embd, 1, 1, 6))
-        for vec in ("k_k", "k_a", "r_k"):
-            spec.add(p + f"time_mix_{vec}.weight", (n_embd,))
-        for proj in ("key", "value", "receptance", "output"):
-            spec.add(p + f"time_mix_{proj}.weight", (n_embd, n_embd))
+        _rwkv7_time_mix(spec, p, n_embd, lora_rank)
         spec.add(p + "channel_mix_lerp_k.weight", (n_embd, 1, 1))
         spec.add(p + "channel_mix_key.weight", (n_embd, n_ff))
         spec.add(p + "channel_mix_value.weight", (n_ff, n_embd))
@@ -1268,3 +1433,149 @@ def write_qwen3next(
         if il >= n_layer:
             _nextn(spec, p, n_embd)
     return write_model(spec, path)
+
+
+def write_plamo2(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 4,
+    mamba_step: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 32,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+    conv_kernel: int = 4,
+    state_size: int = 16,
+    dt_rank: int = 4,
+) -> Path:
+    """A PLaMo 2 model as its converter writes it: Mamba blocks except every `mamba_step`-th (from the
+    middle of the step), head counts that are 0 on Mamba blocks (layer 0 included), an explicit head size,
+    no SSM groups, inner size = Mamba heads x head size."""
+    mamba = [il % mamba_step != mamba_step // 2 for il in range(n_layer)]
+    inner = dt_rank * head_dim
+    spec = _base(
+        "plamo2",
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=[0 if m else n_head for m in mamba],
+        n_head_kv=[0 if m else n_head_kv for m in mamba],
+        n_ff=n_ff,
+        n_vocab=n_vocab,
+        head_dim=head_dim,
+    )
+    _ssm_keys(spec, conv_kernel=conv_kernel, inner=inner, state_size=state_size, dt_rank=dt_rank, groups=0)
+    spec.kv["plamo2.ssm.group_count"] = 0
+    _globals(spec, n_embd, n_vocab, "f32", tied=True)
+    dt_dim = max(64, n_embd // 16)
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        if mamba[il]:
+            spec.add(p + "ssm_in.weight", (n_embd, 2 * inner))
+            spec.add(p + "ssm_conv1d.weight", (conv_kernel, inner))
+            spec.add(p + "ssm_x.weight", (inner, dt_dim + 2 * state_size))
+            spec.add(p + "ssm_dt.weight", (dt_dim, dt_rank))
+            spec.add(p + "ssm_dt.bias", (dt_rank,))
+            spec.add(p + "ssm_a", (dt_rank,))
+            spec.negative.add(p + "ssm_a")
+            spec.add(p + "ssm_d", (dt_rank,))
+            spec.add(p + "ssm_out.weight", (inner, n_embd))
+            spec.add(p + "ssm_dt_norm", (dt_dim,))  # these three norms have no ".weight" suffix
+            spec.add(p + "ssm_b_norm", (state_size,))
+            spec.add(p + "ssm_c_norm", (state_size,))
+        else:
+            q = n_head * head_dim
+            kv = n_head_kv * head_dim
+            spec.add(p + "attn_qkv.weight", (n_embd, q + 2 * kv))
+            spec.add(p + "attn_q_norm.weight", (head_dim, n_head))
+            spec.add(p + "attn_k_norm.weight", (head_dim, n_head_kv))
+            spec.add(p + "attn_output.weight", (q, n_embd))
+        spec.add(p + "post_attention_norm", (n_embd,))
+        spec.add(p + "ffn_norm.weight", (n_embd,))
+        spec.add(p + "ffn_down.weight", (n_ff, n_embd))
+        spec.add(p + "ffn_up.weight", (n_embd, 2 * n_ff))
+        spec.add(p + "post_ffw_norm", (n_embd,))
+    return write_model(spec, path)
+
+
+def write_phi3(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 4,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+    n_swa: int | None = 128,
+) -> Path:
+    """A phi3 model with a fused gate/up projection; its header may name a sliding window (as converted
+    Phi-3 models do), which llama.cpp ignores."""
+    spec = _base("phi3", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, n_vocab=n_vocab)
+    # a name containing "phi3" makes the vocabulary loader look up Phi-3's own special tokens
+    spec.kv["general.name"] = "tiny-phi-three"
+    if n_swa is not None:
+        spec.kv["phi3.attention.sliding_window"] = n_swa
+    _globals(spec, n_embd, n_vocab, "f32")
+    kv = n_head_kv * (n_embd // n_head)
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        spec.add(p + "attn_qkv.weight", (n_embd, n_embd + 2 * kv))
+        spec.add(p + "attn_output.weight", (n_embd, n_embd))
+        spec.add(p + "ffn_norm.weight", (n_embd,))
+        spec.add(p + "ffn_up.weight", (n_embd, 2 * n_ff))
+        spec.add(p + "ffn_down.weight", (n_ff, n_embd))
+    return write_model(spec, path)
+
+
+def write_arwkv7(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 3,
+    n_embd: int = 128,
+    head_size: int = 64,
+    n_ff: int = 256,
+    n_vocab: int = 259,
+    lora_rank: int = 16,
+    token_shift_count: int = 1,
+) -> Path:
+    """An ARWKV-7 model (RWKV-7 time mix, a SwiGLU FFN): its converter writes one token-shift row."""
+    spec = ModelSpec(arch="arwkv7", kv={})
+    spec.kv["general.name"] = "tiny-arwkv7"
+    spec.kv["arwkv7.block_count"] = n_layer
+    spec.kv["arwkv7.context_length"] = 1 << 20
+    spec.kv["arwkv7.embedding_length"] = n_embd
+    spec.kv["arwkv7.feed_forward_length"] = n_ff
+    spec.kv["arwkv7.attention.layer_norm_rms_epsilon"] = 1e-5
+    spec.kv["arwkv7.wkv.head_size"] = head_size
+    spec.kv["arwkv7.token_shift_count"] = token_shift_count
+    for rank in ("decay", "iclr", "value_residual_mix", "gate"):
+        spec.kv[f"arwkv7.attention.{rank}_lora_rank"] = lora_rank
+    _vocab(spec, n_vocab)
+    _globals(spec, n_embd, n_vocab, "f32")
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        _rwkv7_time_mix(spec, p, n_embd, lora_rank)
+        spec.add(p + "ffn_norm.weight", (n_embd,))
+        _ffn(spec, p, n_embd, n_ff)
+    return write_model(spec, path)
+
+
+def _rwkv7_time_mix(spec: ModelSpec, p: str, n_embd: int, lora_rank: int) -> None:
+    """The RWKV-7 time-mix tensors shared by rwkv7 and arwkv7 (LoRA paths, fused lerp, projections)."""
+    for lora in ("w", "a", "v", "g"):
+        if lora != "g":
+            spec.add(p + f"time_mix_{lora}0.weight", (n_embd,))
+        spec.add(p + f"time_mix_{lora}1.weight", (n_embd, lora_rank))
+        spec.add(p + f"time_mix_{lora}2.weight", (lora_rank, n_embd))
+    spec.add(p + "time_mix_lerp_fused.weight", (n_embd, 1, 1, 6))
+    for vec in ("k_k", "k_a", "r_k"):
+        spec.add(p + f"time_mix_{vec}.weight", (n_embd,))
+    for proj in ("key", "value", "receptance", "output"):
+        spec.add(p + f"time_mix_{proj}.weight", (n_embd, n_embd))
+    spec.add(p + "time_mix_ln.weight", (n_embd,))
+    spec.add(p + "time_mix_ln.bias", (n_embd,))

@@ -296,6 +296,8 @@ class _Family:
     attn_filter: which layers of a hybrid get KV ("not_recr", "nemotron", "all", "trunk_not_recr").
     rollback: llama.cpp's `llm_arch_supports_rs_rollback`.
     mtp: what a `draft-mtp` context holds ("nextn" for the nextn blocks, or "" when MTP is unavailable).
+    head_size_keys: the family reads attention.key_length/value_length itself, even when layer 0 has no
+    heads (the generic rule derives head sizes from layer 0's head count).
     """
 
     rule: Callable[[_Meta, _Draft, int], None]
@@ -305,6 +307,7 @@ class _Family:
     rollback: bool = False
     mtp: str = ""
     mla_keys: bool = False
+    head_size_keys: bool = False
 
 
 _FAMILIES: dict[str, _Family] = {
@@ -334,7 +337,7 @@ _FAMILIES: dict[str, _Family] = {
     "qwen3next": _Family(_qwen_hybrid, "hybrid", "gated_delta", "trunk_not_recr", mtp="nextn"),
     "granitehybrid": _Family(_granitehybrid, "hybrid", "mamba"),
     "jamba": _Family(_jamba, "hybrid", "mamba"),
-    "plamo2": _Family(_plamo2, "hybrid", "mamba"),
+    "plamo2": _Family(_plamo2, "hybrid", "mamba", head_size_keys=True),
     "lfm2": _Family(_lfm2, "hybrid", "shortconv", rollback=True),
     "lfm2moe": _Family(_lfm2, "hybrid", "shortconv", rollback=True),
     "nemotron_h": _Family(_nemotron_h, "hybrid", "mamba", "nemotron", rollback=True),
@@ -400,6 +403,11 @@ def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
         head_k = head_v = 0
     head_k_swa = meta.uint("attention.key_length_swa", head_k)
     head_v_swa = meta.uint("attention.value_length_swa", head_v)
+    if family.head_size_keys:
+        # read again by the family itself: PLaMo 2's layer 0 is a Mamba block with no heads, which leaves
+        # the generic head size at 0
+        head_k = meta.uint("attention.key_length", head_k)
+        head_v = meta.uint("attention.value_length", head_v)
 
     draft = _Draft(
         n_layer_all=n_layer_all,
@@ -425,7 +433,7 @@ def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
         k_width = (head_k_swa if swa else head_k) * heads_kv
         v_width = 0 if draft.mla else (head_v_swa if swa else head_v) * heads_kv
         if (attention or (nextn and family.mtp)) and k_width == 0:
-            raise GeometryError(f"{arch} layer {il} has attention but no KV heads")
+            raise GeometryError(f"{arch} layer {il} has attention but an empty K row (no KV heads or no head size)")
         layers.append(
             LayerGeometry(
                 index=il,

@@ -23,8 +23,18 @@ import pytest
 
 from actors.placement.compute import MEASURED_ERROR_RATIO
 from actors.placement.memory import MemoryModelError, cache_allocations, estimate
+from actors.runner.allocation_log import parse_allocation_log, printed_mib
 from tests import tiny_models
-from tests.e2e.test_memory_exact import PRINT_STEP, Case, _check, _geometry, _row_step, _s
+from tests.e2e.test_memory_exact import (
+    PRINT_STEP,
+    Case,
+    _assert_caches,
+    _assert_context,
+    _check,
+    _geometry,
+    _row_step,
+    _s,
+)
 from tests.llama_harness import require_server, run_server, server_args
 
 pytestmark = pytest.mark.e2e
@@ -153,6 +163,51 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             dt_rank=8,
             n_nextn=1,
         ),
+        "nemotron_h_moe": tiny_models.write_nemotron_h_moe(
+            d / "nemotron_h_moe.gguf",
+            layers="ME*ME",
+            n_nextn=1,
+            n_embd=128,
+            n_head=4,
+            n_head_kv=2,
+            n_vocab=v,
+            inner=256,
+            state_size=64,
+            group_count=2,
+            dt_rank=8,
+            n_expert=8,
+            n_expert_used=3,
+            n_ff_exp=128,
+        ),
+        "qwen35moe": tiny_models.write_qwen35moe(
+            d / "qwen35moe.gguf",
+            n_embd=128,
+            n_head=4,
+            n_head_kv=2,
+            head_dim=64,
+            n_vocab=v,
+            state_size=32,
+            group_count=2,
+            dt_rank=8,
+            n_expert=8,
+            n_expert_used=4,
+            n_ff_exp=96,
+        ),
+        "plamo2": tiny_models.write_plamo2(
+            d / "plamo2.gguf",
+            n_embd=128,
+            n_head=4,
+            n_head_kv=2,
+            head_dim=64,
+            n_ff=384,
+            n_vocab=v,
+            state_size=64,
+            dt_rank=4,
+        ),
+        "phi3": tiny_models.write_phi3(
+            d / "phi3.gguf", n_embd=128, n_head=4, n_head_kv=2, n_ff=384, n_vocab=v, n_swa=256
+        ),
+        "arwkv7": tiny_models.write_arwkv7(d / "arwkv7.gguf", n_embd=256, head_size=64, n_ff=768, n_vocab=v),
     }
 
 
@@ -166,6 +221,8 @@ CASES = [
     Case("qwen3", 8192, _s(slots=4, kv_unified=True, cache_type_k="bf16", cache_type_v="f32", flash_attn="off")),
     Case("qwen3moe", 8192, _s(slots=2)),
     Case("qwen3moe", 8192, _s(slots=2, cache_type_k="q4_0", cache_type_v="q4_0")),
+    Case("phi3", 8192, _s(slots=2)),  # the header's sliding window is ignored: one full cache
+    Case("phi3", 8192, _s(slots=3, kv_unified=True)),
     # sliding window
     Case("gemma2", 8192, _s(slots=1)),
     Case("gemma2", 8192, _s(slots=4)),
@@ -200,11 +257,19 @@ CASES = [
     Case("qwen3next", 8192, _s(slots=4, kv_unified=True, flash_attn="off")),
     # MTP on qwen3next: the nextn block's KV in the draft context, but no rollback rows (unlike qwen35)
     Case("qwen3next", 8192, _s(slots=4, spec_type="draft-mtp", spec_draft_n_max=3)),
+    # nemotron_h_moe: MTP on a Mamba2 hybrid that rolls back (rows per draft token), plain MTP cache
+    Case("nemotron_h_moe", 8192, _s(slots=1)),
+    Case("nemotron_h_moe", 8192, _s(slots=4, spec_type="draft-mtp", spec_draft_n_max=3)),
+    Case("nemotron_h_moe", 8192, _s(slots=2, kv_unified=True, flash_attn="off", spec_type="draft-mtp")),
+    Case("qwen35moe", 8192, _s(slots=2, spec_type="draft-mtp", spec_draft_n_max=2)),
+    Case("qwen35moe", 8192, _s(slots=4, kv_unified=True)),
     # pure recurrent
     Case("mamba", 4096, _s(slots=1)),
     Case("mamba", 4096, _s(slots=8, kv_unified=True)),
     Case("rwkv7", 4096, _s(slots=1)),
     Case("rwkv7", 4096, _s(slots=8)),
+    Case("arwkv7", 4096, _s(slots=1)),  # one token-shift row (n_embd), not rwkv7's two
+    Case("arwkv7", 4096, _s(slots=12, kv_unified=True)),
     # MLA: K only
     Case("deepseek2", 8192, _s(slots=1)),
     Case("deepseek2", 8192, _s(slots=4)),
@@ -233,7 +298,7 @@ def test_every_family_has_a_byte_exact_kv_line(models: dict[str, Path]) -> None:
         for a in cache_allocations(geometry, case.settings, case.n_ctx):
             if a.kind != "recurrent" and a.layers and a.cells * a.streams * _row_step(a.type_a) > PRINT_STEP:
                 exact.add(case.model)
-    with_attention = {name for name in models if name not in ("mamba", "rwkv7")}
+    with_attention = {name for name in models if name not in ("mamba", "rwkv7", "arwkv7", "plamo2")}
     assert exact >= with_attention
 
 
@@ -258,3 +323,21 @@ def test_quantized_k_cache_needs_whole_blocks_per_head_with_flash_attention(
     run = run_server(models["qwen2-h16"], server_args(settings, 8192), binary=binary)
     assert not run.healthy
     assert "does not divide n_embd_head_k=16" in run.log
+
+
+PLAMO2_CASES = [Case("plamo2", 8192, _s(slots=1)), Case("plamo2", 8192, _s(slots=6, flash_attn="off"))]
+
+
+@pytest.mark.parametrize("case", PLAMO2_CASES, ids=[c.id for c in PLAMO2_CASES])
+def test_plamo2_caches_match_before_its_first_graph_stalls(case: Case, models: dict[str, Path], binary: str) -> None:
+    """PLaMo 2's layer 0 is a Mamba block with no heads: the head size comes from the family's own
+    key_length (the generic rule would give 0), and llama.cpp's rope dimension count stays 0, on which this
+    build's first graph computation does not finish. The caches are allocated and logged before that, so
+    they are compared from the log of a run stopped after a few seconds."""
+    path = models[case.model]
+    geometry = _geometry(path)
+    run = run_server(path, server_args(case.settings, case.n_ctx), binary=binary, deadline=3)
+    log = parse_allocation_log(run.log)
+    _assert_context(log, geometry, case.settings, case.n_ctx)
+    assert _assert_caches(log, geometry, case.settings, case.n_ctx) == 1
+    assert log.model_buffers == {"CPU_Mapped": printed_mib(estimate(geometry, case.settings, case.n_ctx).weights_bytes)}

@@ -244,3 +244,23 @@ def test_every_other_family_writer_yields_the_geometry_it_describes(tmp_path: Pa
     ds = of(tiny_models.write_deepseek2, n_nextn=1)
     assert kinds(ds) == "AAA-" and ds.mla and ds.mtp_context
     assert kinds(of(tiny_models.write_qwen3next, n_nextn=1)) == "RRRA-"
+    assert kinds(of(tiny_models.write_qwen35moe)) == "RRRA-"
+    moe = of(tiny_models.write_nemotron_h_moe, layers="ME*ME", n_nextn=1)
+    assert kinds(moe) == "R-AR--" and moe.mtp_context and moe.rollback
+    assert kinds(of(tiny_models.write_plamo2)) == "RARA"
+    assert kinds(of(tiny_models.write_phi3)) == "AAAA"
+    assert of(tiny_models.write_arwkv7, n_embd=128).layers[0].r_width == 128  # one token-shift row
+
+
+def test_plamo2_head_size_comes_from_its_own_keys_when_layer_0_has_no_heads() -> None:
+    """The generic rule takes head sizes from layer 0's head count (0 for PLaMo 2's leading Mamba block);
+    plamo2's own hparams then read key_length/value_length."""
+    heads = {"attention.head_count": [0, 8, 0, 8], "attention.head_count_kv": [0, 2, 0, 2]}
+    kv = base(4, **QWEN_SSM, **heads, **{"attention.key_length": 128, "attention.value_length": 96})
+    g = geometry_from_header(header("plamo2", kv))
+    assert kinds(g) == "RARA"
+    assert [(layer.k_width, layer.v_width) for layer in g.layers if layer.attention] == [(256, 192), (256, 192)]
+    # without the keys there is no head size at all, which llama.cpp cannot use either
+    kv = base(4, **QWEN_SSM, **heads)
+    with pytest.raises(GeometryError, match="empty K row"):
+        geometry_from_header(header("plamo2", kv))
