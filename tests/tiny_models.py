@@ -1579,3 +1579,62 @@ def _rwkv7_time_mix(spec: ModelSpec, p: str, n_embd: int, lora_rank: int) -> Non
         spec.add(p + f"time_mix_{proj}.weight", (n_embd, n_embd))
     spec.add(p + "time_mix_ln.weight", (n_embd,))
     spec.add(p + "time_mix_ln.bias", (n_embd,))
+
+
+def write_glm4moe(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 3,
+    n_dense_lead: int = 1,
+    n_nextn: int = 1,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 32,
+    n_ff: int = 128,
+    n_vocab: int = 259,
+    n_expert: int = 4,
+    n_expert_used: int = 2,
+    n_ff_exp: int = 32,
+) -> Path:
+    """A GLM-4.5-style glm4moe: dense leading blocks, then routed MoE with a shared expert, and `n_nextn`
+    MTP blocks after the trunk (a dense model's MTP head, with a V cache unlike deepseek2's)."""
+    n_all = n_layer + n_nextn
+    spec = _base(
+        "glm4moe",
+        n_layer=n_all,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ff=n_ff,
+        n_vocab=n_vocab,
+        head_dim=head_dim,
+    )
+    spec.kv["glm4moe.leading_dense_block_count"] = n_dense_lead
+    spec.kv["glm4moe.expert_count"] = n_expert
+    spec.kv["glm4moe.expert_used_count"] = n_expert_used
+    spec.kv["glm4moe.expert_feed_forward_length"] = n_ff_exp
+    spec.kv["glm4moe.expert_shared_count"] = 1
+    if n_nextn:
+        spec.kv["glm4moe.nextn_predict_layers"] = n_nextn
+    _globals(spec, n_embd, n_vocab, "f32")
+    q = n_head * head_dim
+    kv = n_head_kv * head_dim
+    for il in range(n_all):
+        p = f"blk.{il}."
+        spec.add(p + "attn_norm.weight", (n_embd,))
+        _attention(spec, p, n_embd, q, kv, kv, bias=True)
+        spec.add(p + "attn_q_norm.weight", (head_dim,))
+        spec.add(p + "attn_k_norm.weight", (head_dim,))
+        spec.add(p + "post_attention_norm.weight", (n_embd,))
+        if il >= n_dense_lead:
+            _experts(spec, p, n_embd, n_ff_exp, n_expert)
+            spec.add(p + "exp_probs_b.bias", (n_expert,))
+            spec.add(p + "ffn_gate_shexp.weight", (n_embd, n_ff_exp))
+            spec.add(p + "ffn_down_shexp.weight", (n_ff_exp, n_embd))
+            spec.add(p + "ffn_up_shexp.weight", (n_embd, n_ff_exp))
+        else:
+            _ffn(spec, p, n_embd, n_ff)
+        if il >= n_layer:
+            _nextn(spec, p, n_embd)
+    return write_model(spec, path)

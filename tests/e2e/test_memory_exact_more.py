@@ -204,6 +204,18 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             state_size=64,
             dt_rank=4,
         ),
+        "glm4moe": tiny_models.write_glm4moe(
+            d / "glm4moe.gguf",
+            n_embd=128,
+            n_head=4,
+            n_head_kv=2,
+            head_dim=64,
+            n_ff=384,
+            n_vocab=v,
+            n_expert=8,
+            n_expert_used=4,
+            n_ff_exp=96,
+        ),
         "phi3": tiny_models.write_phi3(
             d / "phi3.gguf", n_embd=128, n_head=4, n_head_kv=2, n_ff=384, n_vocab=v, n_swa=256
         ),
@@ -221,6 +233,14 @@ CASES = [
     Case("qwen3", 8192, _s(slots=4, kv_unified=True, cache_type_k="bf16", cache_type_v="f32", flash_attn="off")),
     Case("qwen3moe", 8192, _s(slots=2)),
     Case("qwen3moe", 8192, _s(slots=2, cache_type_k="q4_0", cache_type_v="q4_0")),
+    # glm4moe: a dense model's MTP head, K and V, in the draft context; the target context leaves it out
+    Case("glm4moe", 8192, _s(slots=1)),
+    Case("glm4moe", 8192, _s(slots=2, flash_attn="off", spec_type="draft-mtp", spec_draft_n_max=3)),
+    Case(
+        "glm4moe",
+        8192,
+        _s(slots=4, kv_unified=True, spec_type="draft-mtp", spec_draft_type_k="q8_0", spec_draft_type_v="q4_0"),
+    ),
     Case("phi3", 8192, _s(slots=2)),  # the header's sliding window is ignored: one full cache
     Case("phi3", 8192, _s(slots=3, kv_unified=True)),
     # sliding window

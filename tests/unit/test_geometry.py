@@ -249,6 +249,8 @@ def test_every_other_family_writer_yields_the_geometry_it_describes(tmp_path: Pa
     assert kinds(moe) == "R-AR--" and moe.mtp_context and moe.rollback
     assert kinds(of(tiny_models.write_plamo2)) == "RARA"
     assert kinds(of(tiny_models.write_phi3)) == "AAAA"
+    glm = of(tiny_models.write_glm4moe, n_nextn=1)
+    assert kinds(glm) == "AAA-" and glm.mtp_context and not glm.mla
     assert of(tiny_models.write_arwkv7, n_embd=128).layers[0].r_width == 128  # one token-shift row
 
 
