@@ -126,7 +126,13 @@ class ActorContext:
                     message = f"{self.actor} did not get to the request within {self._deadline:g}s"
                     await _respond_error(request, ErrorReply(code=TIMEOUT, message=message))
                     continue
-                await self._answer(request, request_type, handler, name)
+                try:
+                    await self._answer(request, request_type, handler, name)
+                except asyncio.CancelledError:
+                    # The incarnation is ending under this request: say so rather than leave it to time out.
+                    reply = ErrorReply(code=UNAVAILABLE, message=f"{self.actor} stopped while answering; retry")
+                    await _respond_error(request, reply)
+                    raise
 
         self.spawn(worker(), f"endpoint:{name}")
         await self._service.add_endpoint(

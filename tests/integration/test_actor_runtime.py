@@ -21,6 +21,7 @@ from tests.conftest import JournalReader, NatsServer, of_type, supervised
 class Ping(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     n: int
     crash: bool = False
+    slow: bool = False
 
 
 class Pong(msgspec.Struct, frozen=True, kw_only=True):
@@ -32,6 +33,7 @@ class EchoActor(Actor):
     name = "echo"
 
     def __init__(self, crash_on_start: int = 0) -> None:
+        self.busy = asyncio.Event()
         self.incarnations = 0
         self.crash_on_start = crash_on_start
 
@@ -42,6 +44,9 @@ class EchoActor(Actor):
             raise RuntimeError(f"cannot start (incarnation {incarnation})")
 
         async def handle(ping: Ping) -> Pong:
+            if ping.slow:
+                self.busy.set()
+                await asyncio.sleep(3600)  # until the incarnation ends
             if ping.crash:
                 raise RuntimeError("asked to crash")
             if ping.n < 0:
@@ -165,3 +170,18 @@ async def test_actor_registers_as_micro_service_with_endpoint_stats(bus: Bus) ->
         assert [e["subject"] for e in info["endpoints"]] == ["test.echo.ping"]
         stats = json.loads((await bus.nc.request("$SRV.STATS.mesh-echo", b"", timeout=5)).data)
         assert stats["endpoints"][0]["num_requests"] >= 2
+
+
+async def test_a_request_in_flight_when_the_actor_stops_is_answered_unavailable(bus: Bus) -> None:
+    actor = EchoActor()
+    async with supervised(bus, [actor]) as task:
+        await wait_serving(bus)
+        pending = asyncio.create_task(bus.request("test.echo.ping", Ping(n=1, slow=True), Pong, timeout=30))
+        async with asyncio.timeout(10):
+            await actor.busy.wait()
+        started = time.monotonic()
+        task.cancel()
+        with pytest.raises(RemoteError) as stopped:
+            await pending
+    assert stopped.value.code == "unavailable"
+    assert time.monotonic() - started < 5  # an answer, not the 30 s request deadline
