@@ -4,6 +4,10 @@ A `ModelGeometry` is pure data: it can be computed from the file (`actors.placem
 signed registry entry so that a node can be admitted without reading the file. Widths are in elements per
 KV cell (K, V) or per recurrent cell (R, S), exactly as llama.cpp sizes its cache tensors; byte sizes of the
 weights are the tensor bytes the header declares.
+
+Fields added after the first release have defaults that mean "not known", and both structs omit fields
+equal to their defaults when encoded: an entry signed before a field existed decodes, re-encodes to the
+bytes that were signed (so its signature still verifies), and is sized as it was then.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ MemoryKind = Literal["kv", "hybrid", "recurrent"]
 RecurrentKind = Literal["none", "mamba", "gated_delta", "rwkv", "shortconv"]
 
 
-class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """One block (`blk.<index>.*`) of the model.
 
     `k_width`/`v_width` are llama.cpp's `n_embd_k_gqa(il)`/`n_embd_v_gqa(il)` (head size times KV heads) even for
@@ -31,6 +35,13 @@ class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     its KV in the MTP draft context instead. `recurrent` says it holds a recurrent state of
     `r_width + s_width` f32 elements per cell. A layer may have both (falcon-h1) or neither (an MLP-only
     layer of nemotron_h).
+
+    `head_k`/`head_v` are llama.cpp's `n_embd_head_k(il)`/`n_embd_head_v(il)`, which it checks against a
+    quantized cache's block size even where the layer caches no V (an MLA model's V head is its
+    kv_lora_rank, a view of the K latent) or has no KV heads. `n_ff_exp` and `n_expert_used` describe a
+    routed mixture-of-experts FFN: each of the `n_expert_used` experts a token is routed to is `n_ff_exp`
+    wide. All four are 0 when unknown (a geometry encoded before they existed); `n_ff_exp` is also 0 for a
+    dense FFN, which is `n_ff` wide.
     """
 
     index: NonNegative
@@ -46,9 +57,13 @@ class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     s_width: NonNegative
     n_ff: NonNegative
     tensor_bytes: NonNegative
+    head_k: NonNegative = 0  # n_embd_head_k(il); 0: unknown
+    head_v: NonNegative = 0  # n_embd_head_v(il), an MLA model's kv_lora_rank; 0: unknown
+    n_ff_exp: NonNegative = 0  # width of each routed expert; 0: a dense FFN (or unknown)
+    n_expert_used: NonNegative = 0  # experts each token is routed to in this layer; 0 with n_ff_exp 0
 
 
-class ModelGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class ModelGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """Everything the memory model needs from a GGUF header, for one architecture family."""
 
     architecture: str

@@ -916,15 +916,17 @@ def write_gpt_oss(
     n_expert: int = 4,
     n_expert_used: int = 2,
     n_ff_exp: int = 32,
+    n_ff: int = 0,
 ) -> Path:
-    """A gpt-oss model: attention sinks, sliding window on every other layer, MoE FFNs with biases."""
+    """A gpt-oss model: attention sinks, sliding window on every other layer, MoE FFNs with biases.
+    `n_ff` is only the header's feed_forward_length (released files repeat the expert width there)."""
     spec = _base(
         "gpt-oss",
         n_layer=n_layer,
         n_embd=n_embd,
         n_head=n_head,
         n_head_kv=n_head_kv,
-        n_ff=0,
+        n_ff=n_ff,
         n_vocab=n_vocab,
         head_dim=head_dim,
     )

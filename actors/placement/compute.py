@@ -41,15 +41,21 @@ from messages.model import LayerGeometry, ModelGeometry
 
 __all__ = ["CALIBRATION_VERSION", "MEASURED_ERROR_RATIO", "ComputeEstimate", "compute_buffers"]
 
-CALIBRATION_VERSION = "compute-3"
+CALIBRATION_VERSION = "compute-4"
 #: Largest relative error of the model against llama-server's reported compute buffers in calibration.
 MEASURED_ERROR_RATIO = 0.25
 
 FFN_FACTOR = 3  # gate, up and their product, n_ff wide, live at once
 EMBD_FACTOR = 5  # residual stream, FFN input, norm output and two more n_embd-wide rows
 MAMBA_IN_FACTOR = 3.5  # input projection, conv window and scan output of a Mamba layer, per input width
-#: MoE architectures whose expert matrices are `feed_forward_length` wide (no expert_feed_forward_length);
-#: for the others the geometry does not carry the expert width and the dense n_ff stands in for it.
+#: Mixture-of-experts FFNs without a gate (a squared-ReLU up projection, computed in place): one row per
+#: routed expert instead of gate, up and their product.
+UNGATED_EXPERTS = frozenset({"nemotron_h", "nemotron_h_moe"})
+#: Attention-only MoE models whose expert rows, when no wider than n_embd, fit into the blocks the attention
+#: stage freed (measured); elsewhere such rows were found on top of the arena, as wider rows always are.
+NARROW_ROWS_IN_ATTENTION_BLOCKS = frozenset({"qwen3moe", "gpt-oss"})
+#: For a geometry encoded before expert widths existed (every `n_ff_exp` 0): the architectures whose
+#: experts are `feed_forward_length` wide; the dense n_ff stands in for the others, as it did then.
 EXPERTS_AS_WIDE_AS_N_FF = frozenset({"jamba"})
 RWKV_EMBD_FACTOR = 20  # n_embd-wide rows live at the peak of an RWKV-7 time mix, per token
 RWKV_FFN_FACTOR = 2  # an RWKV channel mix keeps two n_ff-wide rows (no gate)
@@ -69,6 +75,36 @@ class ComputeEstimate:
     draft: int
 
 
+def _ffn_rows(geometry: ModelGeometry, layer: LayerGeometry) -> int:
+    """Elements per token of a layer's FFN stage beyond the n_embd-wide rows (`EMBD_FACTOR`).
+
+    A routed layer (`build_moe_ffn`) computes gate and up for each of the `U` experts a token uses, `F`
+    wide each, then their product, then each expert's n_embd-wide output. ggml-alloc puts those outputs
+    where gate and up were if they fit (`U·n_embd <= 2·U·F`), else on top of the FFN rows, which are
+    still live.
+    """
+    if not layer.n_ff_exp:
+        return FFN_FACTOR * layer.n_ff
+    routed = max(1, layer.n_expert_used or geometry.n_expert_used) * layer.n_ff_exp
+    outputs = max(1, layer.n_expert_used or geometry.n_expert_used) * geometry.n_embd
+    if geometry.architecture in UNGATED_EXPERTS:
+        return routed + outputs
+    if outputs <= 2 * routed:
+        return FFN_FACTOR * routed
+    if geometry.architecture in NARROW_ROWS_IN_ATTENTION_BLOCKS and routed <= geometry.n_embd:
+        return max(FFN_FACTOR * routed, outputs)
+    return FFN_FACTOR * routed + outputs
+
+
+def _legacy_n_ff(geometry: ModelGeometry, layers: list[LayerGeometry]) -> int:
+    """The FFN width of a geometry without expert widths: the dense n_ff (times the experts used for an
+    architecture whose experts are n_ff wide)."""
+    n_ff = max((layer.n_ff for layer in layers), default=0)
+    if geometry.architecture in EXPERTS_AS_WIDE_AS_N_FF and geometry.n_expert:
+        n_ff *= max(1, geometry.n_expert_used)
+    return n_ff
+
+
 def _layer_peak(
     geometry: ModelGeometry,
     layers: list[LayerGeometry],
@@ -80,10 +116,11 @@ def _layer_peak(
     t = shape.n_ubatch
     n_embd = geometry.n_embd
     attention = [layer for layer in layers if layer.attention or layer.nextn]
-    n_ff = max((layer.n_ff for layer in layers), default=0)
-    if geometry.architecture in EXPERTS_AS_WIDE_AS_N_FF and geometry.n_expert:
-        n_ff *= max(1, geometry.n_expert_used)  # every routed expert is n_ff wide: their rows live together
-    activation = 4 * t * (FFN_FACTOR * n_ff + EMBD_FACTOR * n_embd)
+    if any(layer.n_ff_exp for layer in geometry.layers):
+        ffn_rows = max((_ffn_rows(geometry, layer) for layer in layers), default=0)
+    else:
+        ffn_rows = FFN_FACTOR * _legacy_n_ff(geometry, layers)
+    activation = 4 * t * (ffn_rows + EMBD_FACTOR * n_embd)
     if geometry.recurrent_kind == "mamba" and any(layer.recurrent for layer in layers):
         width = 2 * geometry.ssm_d_inner + 2 * geometry.ssm_n_group * geometry.ssm_d_state + geometry.ssm_dt_rank
         state = max(layer.r_width + layer.s_width for layer in layers if layer.recurrent)
@@ -93,6 +130,7 @@ def _layer_peak(
         # the time mix (six lerped inputs, r/w/k/v/a/g and their LoRA paths) or the channel mix (key and its
         # squared ReLU, n_ff wide), whichever is larger, plus the wkv state read and written per sequence
         state = max(layer.r_width + layer.s_width for layer in layers if layer.recurrent)
+        n_ff = max(layer.n_ff for layer in layers)
         mix = max(RWKV_EMBD_FACTOR * n_embd, RWKV_FFN_FACTOR * n_ff)
         activation = 4 * t * mix + RWKV_STATE_COPIES * 4 * shape.n_seq_max * state
     scores = 0

@@ -2,7 +2,8 @@
 
 This module owns the translation of a GGUF header into a `ModelGeometry`: for every block, whether
 llama.cpp gives it attention KV cells (and how wide they are), a recurrent state (and how wide), whether it
-slides (SWA), and whether it is an MTP (`nextn`) block, plus the tensor bytes the memory model places on
+slides (SWA), whether it is an MTP (`nextn`) block, its head sizes and, for a routed mixture of experts,
+how wide each expert is and how many a token uses, plus the tensor bytes the memory model places on
 devices. The rules mirror llama.cpp's `load_hparams`/`load_arch_hparams` and `create_memory` for the version
 named in `actors.placement.memory.LLAMA_CPP_VERSION`; each family's rule is written once, in a table or a
 small function, and an architecture without a rule is refused by name (`UnsupportedArchitecture`), never
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from actors.placement.gguf_header import GGUFHeader, KVValue, SkippedArray
 from messages.model import LayerGeometry, MemoryKind, ModelGeometry, RecurrentKind, SwaType
@@ -126,6 +127,10 @@ class _Draft:
     n_ff: list[int]
     is_swa: list[bool]
     is_recr: list[bool]
+    n_expert: int = 0
+    n_expert_used: list[int] = field(default_factory=list)  # `expert_used_count`, per layer
+    n_ff_exp: list[int] = field(default_factory=list)  # the expert width of each routed layer, 0 elsewhere
+    used_per_layer: list[int] = field(default_factory=list)  # the experts each routed layer's graph uses
     swa_type: SwaType = "none"
     n_swa: int = 0
     r_width: int = 0
@@ -287,6 +292,87 @@ def _rwkv_family(meta: _Meta, d: _Draft, n_embd: int) -> None:
     _rwkv(meta, d, n_embd)
 
 
+# --- routed experts (llama.cpp `load_arch_tensors`: the shapes of `ffn_*_exps`) -----------------------------
+#
+# A rule marks the layers whose FFN is a routed mixture and gives each its expert width. Most graphs route
+# every MoE layer to the model's `n_expert_used` (layer 0's value); nemotron_h routes each layer to its own.
+
+
+def _route(d: _Draft, il: int, width: int, used: int) -> None:
+    d.n_ff_exp[il] = width
+    d.used_per_layer[il] = used if width else 0
+
+
+def _experts_none(meta: _Meta, d: _Draft, routers: frozenset[int]) -> None:
+    del meta, d, routers
+
+
+def _experts_n_ff_wide(meta: _Meta, d: _Draft, routers: frozenset[int]) -> None:
+    """llama, mistral3 and the granites: with experts, every layer's are `feed_forward_length` wide."""
+    if d.n_expert:
+        for il in range(d.n_layer_all):
+            _route(d, il, d.n_ff[0], d.n_expert_used[0])
+
+
+def _experts_where_routed(meta: _Meta, d: _Draft, routers: frozenset[int]) -> None:
+    """jamba: a layer is a mixture when it has a router (`ffn_gate_inp`); its experts are n_ff wide."""
+    if d.n_expert:
+        for il in sorted(routers):
+            _route(d, il, d.n_ff[0], d.n_expert_used[0])
+
+
+def _expert_width(meta: _Meta, d: _Draft, *, required: bool) -> int:
+    """`expert_feed_forward_length` (layer 0's sizes every layer's tensors), else n_ff / experts used."""
+    widths = meta.per_layer("expert_feed_forward_length", d.n_layer_all, None if required else 0)
+    if widths[0]:
+        return widths[0]
+    return d.n_ff[0] // d.n_expert_used[0] if d.n_expert_used[0] else 0
+
+
+def _experts_every_layer(meta: _Meta, d: _Draft, routers: frozenset[int]) -> None:
+    """qwen2moe, qwen3moe, qwen35moe, qwen3next: every block is a mixture (nextn blocks too)."""
+    if d.n_expert:
+        width = _expert_width(meta, d, required=False)
+        for il in range(d.n_layer_all):
+            _route(d, il, width, d.n_expert_used[0])
+
+
+def _experts_gpt_oss(meta: _Meta, d: _Draft, routers: frozenset[int]) -> None:
+    if d.n_expert:
+        width = _expert_width(meta, d, required=True)
+        for il in range(d.n_layer_all):
+            _route(d, il, width, d.n_expert_used[0])
+
+
+def _experts_after_dense_lead(*, required: bool) -> Callable[[_Meta, _Draft, frozenset[int]], None]:
+    """deepseek2, glm4moe, lfm2moe: the first `leading_dense_block_count` blocks are dense."""
+
+    def rule(meta: _Meta, d: _Draft, routers: frozenset[int]) -> None:
+        if d.n_expert:
+            width = _expert_width(meta, d, required=required)
+            for il in range(meta.uint("leading_dense_block_count", 0), d.n_layer_all):
+                _route(d, il, width, d.n_expert_used[0])
+
+    return rule
+
+
+def _experts_nemotron(meta: _Meta, d: _Draft, routers: frozenset[int]) -> None:
+    """nemotron_h(_moe): with experts, trunk blocks with an FFN length are mixtures, each with its own width
+    and experts used (Puzzle models vary both); nextn blocks hold a mixture too."""
+    if not d.n_expert:
+        return
+    widths = meta.per_layer("expert_feed_forward_length", d.n_layer_all, 0)
+    for il in range(d.n_layer_all):
+        used = d.n_expert_used[il]
+        if il >= d.n_layer:
+            n_ff = d.n_ff[0]  # llama.cpp divides the model's (layer 0's) length here
+        elif d.n_ff[il] > 0 and not d.is_recr[il]:
+            n_ff = d.n_ff[il]
+        else:
+            continue
+        _route(d, il, widths[il] or (n_ff // used if used else 0), used)
+
+
 @dataclass(frozen=True)
 class _Family:
     """How llama.cpp builds an architecture's memory.
@@ -298,6 +384,7 @@ class _Family:
     mtp: what a `draft-mtp` context holds ("nextn" for the nextn blocks, or "" when MTP is unavailable).
     head_size_keys: the family reads attention.key_length/value_length itself, even when layer 0 has no
     heads (the generic rule derives head sizes from layer 0's head count).
+    experts: which layers route to experts, and how wide those are.
     """
 
     rule: Callable[[_Meta, _Draft, int], None]
@@ -308,40 +395,55 @@ class _Family:
     mtp: str = ""
     mla_keys: bool = False
     head_size_keys: bool = False
+    experts: Callable[[_Meta, _Draft, frozenset[int]], None] = _experts_none
 
 
 _FAMILIES: dict[str, _Family] = {
     # dense transformers (MoE included): KV on every trunk layer
-    "llama": _Family(_dense, "kv"),
+    "llama": _Family(_dense, "kv", experts=_experts_n_ff_wide),
     "qwen2": _Family(_dense, "kv"),
-    "qwen2moe": _Family(_dense, "kv"),
+    "qwen2moe": _Family(_dense, "kv", experts=_experts_every_layer),
     "qwen3": _Family(_dense, "kv"),
-    "qwen3moe": _Family(_dense, "kv"),
-    "mistral3": _Family(_dense, "kv"),
+    "qwen3moe": _Family(_dense, "kv", experts=_experts_every_layer),
+    "mistral3": _Family(_dense, "kv", experts=_experts_n_ff_wide),
     "phi3": _Family(_phi3, "kv"),
     "gemma": _Family(_dense, "kv"),
-    "granite": _Family(_dense, "kv"),
-    "granitemoe": _Family(_dense, "kv"),
+    "granite": _Family(_dense, "kv", experts=_experts_n_ff_wide),
+    "granitemoe": _Family(_dense, "kv", experts=_experts_n_ff_wide),
     "command-r": _Family(_dense, "kv"),
     "starcoder2": _Family(_dense, "kv"),
-    "glm4moe": _Family(_dense, "kv", mtp="nextn"),
-    "deepseek2": _Family(_deepseek2, "kv", mtp="nextn", mla_keys=True),
+    "glm4moe": _Family(_dense, "kv", mtp="nextn", experts=_experts_after_dense_lead(required=False)),
+    "deepseek2": _Family(
+        _deepseek2, "kv", mtp="nextn", mla_keys=True, experts=_experts_after_dense_lead(required=True)
+    ),
     # sliding-window transformers
     "gemma2": _Family(_gemma2, "kv"),
     "gemma3": _Family(_gemma3, "kv"),
     "cohere2": _Family(_cohere2, "kv"),
-    "gpt-oss": _Family(_gpt_oss, "kv"),
+    "gpt-oss": _Family(_gpt_oss, "kv", experts=_experts_gpt_oss),
     # hybrids: attention KV on some layers, recurrent state on others
     "qwen35": _Family(_qwen_hybrid, "hybrid", "gated_delta", "trunk_not_recr", rollback=True, mtp="nextn"),
-    "qwen35moe": _Family(_qwen_hybrid, "hybrid", "gated_delta", "trunk_not_recr", rollback=True, mtp="nextn"),
-    "qwen3next": _Family(_qwen_hybrid, "hybrid", "gated_delta", "trunk_not_recr", mtp="nextn"),
-    "granitehybrid": _Family(_granitehybrid, "hybrid", "mamba"),
-    "jamba": _Family(_jamba, "hybrid", "mamba"),
+    "qwen35moe": _Family(
+        _qwen_hybrid,
+        "hybrid",
+        "gated_delta",
+        "trunk_not_recr",
+        rollback=True,
+        mtp="nextn",
+        experts=_experts_every_layer,
+    ),
+    "qwen3next": _Family(
+        _qwen_hybrid, "hybrid", "gated_delta", "trunk_not_recr", mtp="nextn", experts=_experts_every_layer
+    ),
+    "granitehybrid": _Family(_granitehybrid, "hybrid", "mamba", experts=_experts_n_ff_wide),
+    "jamba": _Family(_jamba, "hybrid", "mamba", experts=_experts_where_routed),
     "plamo2": _Family(_plamo2, "hybrid", "mamba", head_size_keys=True),
     "lfm2": _Family(_lfm2, "hybrid", "shortconv", rollback=True),
-    "lfm2moe": _Family(_lfm2, "hybrid", "shortconv", rollback=True),
-    "nemotron_h": _Family(_nemotron_h, "hybrid", "mamba", "nemotron", rollback=True),
-    "nemotron_h_moe": _Family(_nemotron_h, "hybrid", "mamba", "nemotron", rollback=True, mtp="nextn"),
+    "lfm2moe": _Family(_lfm2, "hybrid", "shortconv", rollback=True, experts=_experts_after_dense_lead(required=True)),
+    "nemotron_h": _Family(_nemotron_h, "hybrid", "mamba", "nemotron", rollback=True, experts=_experts_nemotron),
+    "nemotron_h_moe": _Family(
+        _nemotron_h, "hybrid", "mamba", "nemotron", rollback=True, mtp="nextn", experts=_experts_nemotron
+    ),
     "falcon-h1": _Family(_falcon_h1, "hybrid", "mamba", "all"),
     # pure recurrent
     "mamba": _Family(_mamba, "recurrent", "mamba"),
@@ -356,6 +458,7 @@ SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(_FAMILIES)
 
 _INPUT_TENSOR = re.compile(r"^(token_embd|position_embd|token_types)\.")
 _LAYER_TENSOR = re.compile(r"^blk\.([0-9]+)\.")
+_ROUTER_TENSOR = re.compile(r"^blk\.([0-9]+)\.ffn_gate_inp\.weight$")
 
 
 def _vocab_size(header: GGUFHeader, meta: _Meta) -> int:
@@ -393,7 +496,8 @@ def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
     n_head_kv = meta.per_layer("attention.head_count_kv", n_layer_all, n_head)
     n_ff = meta.per_layer("feed_forward_length", n_layer_all, 0)
     n_expert = meta.uint("expert_count", 0)
-    n_expert_used = max(meta.per_layer("expert_used_count", n_layer_all, 0), default=0)
+    expert_used = meta.per_layer("expert_used_count", n_layer_all, 0)
+    n_expert_used = max(expert_used, default=0)
 
     # Head sizes: llama.cpp derives them from layer 0's head count, then lets explicit keys override.
     if n_head[0] > 0:
@@ -417,8 +521,13 @@ def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
         n_ff=n_ff,
         is_swa=[False] * n_layer_all,
         is_recr=[family.memory == "recurrent"] * n_layer_all,
+        n_expert=n_expert,
+        n_expert_used=expert_used,
+        n_ff_exp=[0] * n_layer_all,
+        used_per_layer=[0] * n_layer_all,
     )
     family.rule(meta, draft, n_embd)
+    family.experts(meta, draft, _router_layers(header, n_layer_all))
     if family.memory == "recurrent" and (draft.r_width + draft.s_width) == 0:
         raise GeometryError(f"{arch} has an empty recurrent state (check its ssm/wkv keys)")
 
@@ -430,8 +539,10 @@ def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
         nextn = il >= draft.n_layer
         recurrent = _has_recurrent(family, draft, il)
         attention = _has_attention(family, draft, il)
-        k_width = (head_k_swa if swa else head_k) * heads_kv
-        v_width = 0 if draft.mla else (head_v_swa if swa else head_v) * heads_kv
+        layer_head_k = head_k_swa if swa else head_k
+        layer_head_v = head_v_swa if swa else head_v  # an MLA model's V head: its kv_lora_rank
+        k_width = layer_head_k * heads_kv
+        v_width = 0 if draft.mla else layer_head_v * heads_kv
         if (attention or (nextn and family.mtp)) and k_width == 0:
             raise GeometryError(f"{arch} layer {il} has attention but an empty K row (no KV heads or no head size)")
         layers.append(
@@ -449,6 +560,10 @@ def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
                 s_width=draft.s_width if recurrent else 0,
                 n_ff=draft.n_ff[il],
                 tensor_bytes=layer_bytes[il],
+                head_k=layer_head_k,
+                head_v=layer_head_v,
+                n_ff_exp=draft.n_ff_exp[il],
+                n_expert_used=draft.used_per_layer[il],
             )
         )
     if draft.swa_type != "none" and not any(layer.swa for layer in layers):
@@ -512,6 +627,16 @@ def _has_attention(family: _Family, d: _Draft, il: int) -> bool:
     if family.attn_filter == "trunk_not_recr":
         return il < d.n_layer and not d.is_recr[il]
     return not d.is_recr[il]
+
+
+def _router_layers(header: GGUFHeader, n_layer_all: int) -> frozenset[int]:
+    """The blocks with an expert router tensor (`blk.N.ffn_gate_inp.weight`)."""
+    out: set[int] = set()
+    for t in header.tensors:
+        m = _ROUTER_TENSOR.match(t.name)
+        if m and int(m.group(1)) < n_layer_all:
+            out.add(int(m.group(1)))
+    return frozenset(out)
 
 
 def _layer_tensor_bytes(header: GGUFHeader, n_layer_all: int) -> list[int]:

