@@ -13,19 +13,28 @@ error), on one tiny model per distinct memory rule:
   jamba (Mamba v1 state without groups), qwen3next (gated delta net, attention every 4th block);
 * pure recurrent: mamba (v1) and rwkv7 (token-shift rows and a wkv state);
 * MLA: deepseek2 caches one latent K row per token and no V.
+
+The routed-expert cases (`MOE_COMPUTE_CASES`) use the mixture families at the width ratios of released
+models (experts used x expert width against n_embd) and a short context, so that the experts' rows, not the
+attention masks, make the compute buffer: each reports its compute error with the expert widths and with
+the dense `feed_forward_length` the geometry used to stand in for them.
 """
 
 from __future__ import annotations
 
+from decimal import Decimal
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from actors.placement.compute import MEASURED_ERROR_RATIO
 from actors.placement.memory import MemoryModelError, cache_allocations, estimate
 from actors.runner.allocation_log import parse_allocation_log, printed_mib
+from messages.model import ModelGeometry
 from tests import tiny_models
 from tests.e2e.test_memory_exact import (
+    MIB,
     PRINT_STEP,
     Case,
     _assert_caches,
@@ -361,3 +370,104 @@ def test_plamo2_caches_match_before_its_first_graph_stalls(case: Case, models: d
     _assert_context(log, geometry, case.settings, case.n_ctx)
     assert _assert_caches(log, geometry, case.settings, case.n_ctx) == 1
     assert log.model_buffers == {"CPU_Mapped": printed_mib(estimate(geometry, case.settings, case.n_ctx).weights_bytes)}
+
+
+# --- routed experts: the compute buffer follows n_expert_used x n_ff_exp ------------------------------------
+
+#: How close the compute model is to these cases (it is exact to a few tenths of a percent on them).
+MOE_COMPUTE_ERROR = 0.05
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One model per mixture family at n_embd 128-256, with the expert width to n_embd ratio and the experts
+    used of a released model (Qwen3-30B-A3B, gpt-oss-20b, Qwen3.5-35B-A3B, Qwen3-Next-80B-A3B, GLM-4.5-Air,
+    DeepSeek-V3, Nemotron-3-Nano, Jamba), and its dense feed_forward_length ratio where the writer takes one."""
+    d = tmp_path_factory.mktemp("models-moe")
+    v = N_VOCAB
+    return {
+        "qwen3moe": tiny_models.write_qwen3moe(
+            d / "qwen3moe.gguf", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=768, n_vocab=v,
+            n_expert=8, n_expert_used=8, n_ff_exp=96,
+        ),
+        "gpt-oss": tiny_models.write_gpt_oss(
+            d / "gpt-oss.gguf", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_vocab=v, n_swa=128,
+            n_expert=8, n_expert_used=4, n_ff_exp=256, n_ff=256,
+        ),
+        "qwen35moe": tiny_models.write_qwen35moe(
+            d / "qwen35moe.gguf", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_vocab=v, state_size=32,
+            group_count=2, dt_rank=8, n_expert=8, n_expert_used=8, n_ff_exp=64,
+        ),
+        "qwen3next": tiny_models.write_qwen3next(
+            d / "qwen3next.gguf", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=640, n_vocab=v,
+            state_size=32, group_count=2, dt_rank=8, n_expert=16, n_expert_used=10, n_ff_exp=64,
+        ),
+        "glm4moe": tiny_models.write_glm4moe(
+            d / "glm4moe.gguf", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=672, n_vocab=v,
+            n_expert=8, n_expert_used=8, n_ff_exp=96, n_nextn=0,
+        ),
+        "deepseek2": tiny_models.write_deepseek2(
+            d / "deepseek2.gguf", n_embd=256, n_head=4, kv_lora_rank=128, rope_dim=32, n_ff=640, n_vocab=v,
+            n_expert=8, n_expert_used=8, n_ff_exp=64,
+        ),
+        "nemotron_h_moe": tiny_models.write_nemotron_h_moe(
+            d / "nemotron_h_moe.gguf", layers="ME*E", n_nextn=0, n_embd=256, n_head=4, n_head_kv=2, n_vocab=v,
+            inner=384, state_size=16, group_count=2, dt_rank=12, n_expert=8, n_expert_used=6, n_ff_exp=192,
+        ),
+        "jamba": tiny_models.write_jamba(
+            d / "jamba.gguf", n_embd=128, n_head=4, n_head_kv=2, n_ff=448, n_vocab=v, state_size=16,
+            n_expert=4, n_expert_used=2,
+        ),
+    }  # fmt: skip
+
+
+MOE_COMPUTE_CASES = [
+    case
+    for model in ("qwen3moe", "gpt-oss", "qwen35moe", "qwen3next", "glm4moe", "deepseek2", "nemotron_h_moe", "jamba")
+    for case in (Case(model, 1024, _s(slots=1)), Case(model, 4096, _s(slots=4, kv_unified=True)))
+]
+#: jamba's experts are feed_forward_length wide, which the compute model knew before expert widths existed
+DENSE_WIDTH_ALREADY_RIGHT = frozenset({"jamba"})
+
+
+def _without_expert_widths(geometry: ModelGeometry) -> ModelGeometry:
+    """The geometry as encoded before expert widths and head sizes existed."""
+    layers = tuple(
+        msgspec.structs.replace(layer, head_k=0, head_v=0, n_ff_exp=0, n_expert_used=0) for layer in geometry.layers
+    )
+    return msgspec.structs.replace(geometry, layers=layers)
+
+
+@pytest.mark.parametrize("case", MOE_COMPUTE_CASES, ids=[c.id for c in MOE_COMPUTE_CASES])
+def test_moe_compute_buffer_follows_the_routed_expert_width(
+    case: Case, moe_models: dict[str, Path], binary: str, record_property: pytest.RecordProperty
+) -> None:
+    log, error = _check(case, moe_models, binary)
+    measured = float(sum((sum(c.compute_buffers.values(), Decimal(0)) for c in log.contexts), Decimal(0)))
+    dense = estimate(_without_expert_widths(_geometry(moe_models[case.model])), case.settings, case.n_ctx)
+    dense_error = (dense.compute_bytes / MIB - measured) / measured
+    record_property("compute_error", f"{error:+.2%}")
+    record_property("compute_error_dense_n_ff", f"{dense_error:+.2%}")
+    report = f"compute {measured:.2f} MiB: off by {error:+.1%} (by {dense_error:+.1%} with the dense n_ff)"
+    assert abs(error) <= MOE_COMPUTE_ERROR, report
+    if case.model not in DENSE_WIDTH_ALREADY_RIGHT:
+        assert abs(dense_error) > MOE_COMPUTE_ERROR, f"the case does not exercise the expert width: {report}"
+
+
+def test_mla_v_head_must_be_whole_quantized_blocks_with_flash_attention(tmp_path: Path, binary: str) -> None:
+    """An MLA model's V is a view of its K latent, but llama.cpp still checks its V head size (the
+    kv_lora_rank) against a quantized V cache's block: 80 is refused for q8_0, though the 96-wide K rows
+    (latent + rope) are whole blocks."""
+    path = tiny_models.write_deepseek2(
+        tmp_path / "deepseek2-v80.gguf", n_embd=128, n_head=4, kv_lora_rank=80, rope_dim=16, n_ff=384, n_vocab=N_VOCAB
+    )
+    geometry = _geometry(path)
+    settings = _s(slots=1, cache_type_k="q8_0", cache_type_v="q8_0")
+    with pytest.raises(MemoryModelError, match="V head size 80 is not a multiple of q8_0's block of 32"):
+        estimate(geometry, settings, 4096)
+    run = run_server(path, server_args(settings, 4096), binary=binary)
+    assert not run.healthy
+    assert "does not divide n_embd_head_v=80" in run.log
+    # the same cache at f16 is fine for both
+    assert estimate(geometry, _s(slots=1), 4096).kv_v_bytes == 0
+    assert run_server(path, server_args(_s(slots=1), 4096), binary=binary).healthy
