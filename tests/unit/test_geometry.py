@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import nacl.signing
+import nkeys
 import pytest
 
 from actors.placement.geometry import (
@@ -14,7 +18,9 @@ from actors.placement.geometry import (
     geometry_from_header,
 )
 from actors.placement.gguf_header import GGUFHeader, GGUFValueType, SkippedArray, TensorInfo, read_header
+from actors.placement.registry import verify
 from messages.model import ModelGeometry
+from messages.registry import RegistryEntry
 from tests import tiny_models
 
 
@@ -266,3 +272,154 @@ def test_plamo2_head_size_comes_from_its_own_keys_when_layer_0_has_no_heads() ->
     kv = base(4, **QWEN_SSM, **heads)
     with pytest.raises(GeometryError, match="empty K row"):
         geometry_from_header(header("plamo2", kv))
+
+
+# --- routed experts and head sizes ---------------------------------------------------------------------------
+
+
+def routed(g: ModelGeometry) -> list[tuple[int, int]]:
+    """(expert width, experts used) per layer; (0, 0) for a dense FFN."""
+    return [(layer.n_ff_exp, layer.n_expert_used) for layer in g.layers]
+
+
+def router(il: int) -> TensorInfo:
+    return TensorInfo(f"blk.{il}.ffn_gate_inp.weight", (256, 16), 0, "F32", 0, 256 * 16 * 4)
+
+
+MOE = {"expert_count": 128, "expert_used_count": 8}
+LFM2 = {"shortconv.l_cache": 3}
+
+
+def test_dense_models_have_no_routed_layers() -> None:
+    assert routed(geometry_from_header(header("llama", base(2)))) == [(0, 0), (0, 0)]
+    assert routed(geometry_from_header(header("qwen3moe", base(2)))) == [(0, 0), (0, 0)]  # no experts declared
+
+
+def test_qwen3moe_experts_are_expert_feed_forward_length_wide_else_n_ff_over_experts_used() -> None:
+    kv = base(2, **MOE, expert_feed_forward_length=768)
+    assert routed(geometry_from_header(header("qwen3moe", kv))) == [(768, 8), (768, 8)]
+    # without the key llama.cpp divides the dense length among the experts used (512 / 8)
+    assert routed(geometry_from_header(header("qwen3moe", base(2, **MOE)))) == [(64, 8), (64, 8)]
+
+
+def test_mixtral_style_experts_are_feed_forward_length_wide() -> None:
+    g = geometry_from_header(header("llama", base(2, expert_count=8, expert_used_count=2)))
+    assert routed(g) == [(512, 2), (512, 2)]
+
+
+def test_deepseek2_and_glm4moe_route_after_their_dense_leading_blocks_nextn_included() -> None:
+    kv = base(4, **MOE, expert_feed_forward_length=96, leading_dense_block_count=1, nextn_predict_layers=1)
+    for arch in ("deepseek2", "glm4moe"):
+        g = geometry_from_header(header(arch, kv))
+        assert routed(g) == [(0, 0), (96, 8), (96, 8), (96, 8)]
+        assert g.layers[0].n_ff == 512  # the dense block keeps feed_forward_length
+
+
+def test_lfm2moe_routes_after_its_dense_leading_blocks() -> None:
+    kv = base(4, **MOE, expert_feed_forward_length=1792, leading_dense_block_count=2)
+    kv.update({"shortconv.l_cache": 3, "attention.head_count_kv": [0, 2, 0, 2]})
+    g = geometry_from_header(header("lfm2moe", kv))
+    assert kinds(g) == "RARA"
+    assert routed(g) == [(0, 0), (0, 0), (1792, 8), (1792, 8)]
+
+
+def test_expert_width_required_where_llama_cpp_requires_it() -> None:
+    for arch, extra in (("deepseek2", {}), ("gpt-oss", {"attention.sliding_window": 128}), ("lfm2moe", LFM2)):
+        with pytest.raises(GeometryError, match=rf"{arch}\.expert_feed_forward_length is required"):
+            geometry_from_header(header(arch, base(2, **MOE, **extra)))
+
+
+def test_nemotron_h_moe_routes_its_ffn_blocks_each_with_its_own_width_and_experts_used() -> None:
+    """Puzzle-style per-layer arrays: Mamba, MoE, attention, MoE, then one nextn block."""
+    kv = base(5, **QWEN_SSM, expert_count=16, nextn_predict_layers=1)
+    kv.update({"attention.head_count_kv": [0, 0, 2, 0, 2], "feed_forward_length": [0, 1024, 0, 2048, 1024]})
+    kv.update({"expert_used_count": [0, 4, 0, 6, 2], "expert_feed_forward_length": [0, 256, 0, 0, 128]})
+    g = geometry_from_header(header("nemotron_h_moe", kv))
+    assert kinds(g) == "R-A--"
+    # block 3 has no width of its own: its length over its experts used (2048 / 6); block 4 is nextn
+    assert routed(g) == [(0, 0), (256, 4), (0, 0), (341, 6), (128, 2)]
+
+
+def test_jamba_routes_the_blocks_that_have_a_router_with_n_ff_wide_experts() -> None:
+    kv = base(4, expert_count=16, expert_used_count=2, **{"attention.head_count_kv": [0, 0, 2, 0]})
+    kv.update({k: v for k, v in QWEN_SSM.items() if k != "ssm.group_count"})
+    g = geometry_from_header(header("jamba", kv, (router(1), router(3))))
+    assert routed(g) == [(0, 0), (512, 2), (0, 0), (512, 2)]
+
+
+def test_every_moe_writer_yields_its_expert_widths(tmp_path: Path) -> None:
+    def of(writer: Any, **kw: Any) -> ModelGeometry:
+        return geometry_from_header(read_header(writer(tmp_path / f"{writer.__name__}.gguf", **kw)))
+
+    assert set(routed(of(tiny_models.write_qwen3moe, n_ff_exp=48, n_expert_used=4))) == {(48, 4)}
+    assert set(routed(of(tiny_models.write_gpt_oss, n_ff_exp=64, n_expert_used=2))) == {(64, 2)}
+    assert set(routed(of(tiny_models.write_qwen35moe, n_ff_exp=32, n_expert_used=2))) == {(32, 2)}
+    assert set(routed(of(tiny_models.write_qwen3next, n_ff_exp=32, n_expert_used=2, n_nextn=1))) == {(32, 2)}
+    assert routed(of(tiny_models.write_deepseek2, n_ff_exp=32, n_expert_used=2)) == [(0, 0), (32, 2), (32, 2)]
+    assert routed(of(tiny_models.write_glm4moe, n_ff_exp=32, n_expert_used=2)) == [(0, 0)] + [(32, 2)] * 3
+    assert routed(of(tiny_models.write_jamba, n_ff=128, n_expert_used=2)) == [(0, 0), (128, 2), (0, 0), (128, 2)]
+    moe = of(tiny_models.write_nemotron_h_moe, layers="ME*ME", n_ff_exp=64, n_expert_used=2)
+    assert routed(moe) == [(0, 0), (64, 2), (0, 0), (0, 0), (64, 2), (64, 2)]
+
+
+def test_head_sizes_per_layer_include_the_mla_v_head_that_caches_nothing() -> None:
+    kv = base(2, **{"attention.head_count_kv": 1, "attention.key_length": 576, "attention.value_length": 512})
+    kv.update({"attention.key_length_mla": 192, "attention.value_length_mla": 128})
+    g = geometry_from_header(header("deepseek2", kv))
+    assert [(layer.head_k, layer.head_v, layer.v_width) for layer in g.layers] == [(576, 512, 0)] * 2
+    kv = base(2, **{"attention.sliding_window": 128, "attention.sliding_window_pattern": 2})
+    kv.update({"attention.key_length": 128, "attention.key_length_swa": 64, "attention.value_length_swa": 32})
+    g = geometry_from_header(header("gemma3", kv))
+    assert [(layer.head_k, layer.head_v) for layer in g.layers] == [(64, 32), (128, 32)]
+    # a recurrent layer has no KV heads but llama.cpp still reports (and checks) the model's head size
+    hybrid = geometry_from_header(header("granitehybrid", base(2, **QWEN_SSM, **{"attention.head_count_kv": [0, 2]})))
+    assert [(layer.n_head_kv, layer.head_k) for layer in hybrid.layers] == [(0, 32), (2, 32)]
+
+
+# --- geometries encoded before these fields existed ----------------------------------------------------------
+
+NEW_LAYER_FIELDS = ("head_k", "head_v", "n_ff_exp", "n_expert_used")
+
+
+def _as_encoded_before(g: ModelGeometry) -> dict[str, Any]:
+    """The JSON object an encoder from before the expert and head-size fields wrote for `g`."""
+    obj: dict[str, Any] = msgspec.to_builtins(g)
+    for layer in obj["layers"]:
+        for name in NEW_LAYER_FIELDS:
+            del layer[name]
+    return obj
+
+
+def test_a_geometry_without_the_new_fields_decodes_to_unknown_and_encodes_back_to_the_same_bytes() -> None:
+    g = geometry_from_header(header("qwen3moe", base(3, **MOE, expert_feed_forward_length=96)))
+    old = msgspec.json.encode(_as_encoded_before(g))
+    decoded = msgspec.json.decode(old, type=ModelGeometry)
+    assert all(
+        (layer.head_k, layer.head_v, layer.n_ff_exp, layer.n_expert_used) == (0, 0, 0, 0) for layer in decoded.layers
+    )
+    assert decoded == msgspec.structs.replace(
+        g, layers=tuple(msgspec.structs.replace(layer, **dict.fromkeys(NEW_LAYER_FIELDS, 0)) for layer in g.layers)
+    )
+    assert msgspec.json.encode(decoded) == old  # defaults are omitted: nothing is added on re-encoding
+
+
+def test_a_registry_entry_signed_before_the_new_fields_still_verifies() -> None:
+    """Verification re-encodes the decoded entry; the omitted defaults keep those bytes the signed ones."""
+    seed = nkeys.encode_seed(bytes(nacl.signing.SigningKey.generate()), nkeys.PREFIX_BYTE_ACCOUNT)
+    key = nkeys.from_seed(seed)
+    g = geometry_from_header(header("deepseek2", base(3, **MOE, expert_feed_forward_length=96)))
+    unsigned = {
+        "name": "old",
+        "file_name": "old.gguf",
+        "size_bytes": 1,
+        "blake3": "00" * 32,
+        "geometry": _as_encoded_before(g),
+        "created_at": 0.0,
+        "public_key": key.public_key.decode(),
+        "signature": "",
+    }
+    signature = key.sign(msgspec.json.Encoder(order="sorted").encode(unsigned))
+    signed = msgspec.json.encode({**unsigned, "signature": base64.b64encode(signature).decode()})
+    entry = msgspec.json.decode(signed, type=RegistryEntry)
+    verify(entry, [key.public_key.decode()])
+    assert not any(layer.n_ff_exp for layer in entry.geometry.layers)

@@ -23,10 +23,22 @@ from actors.placement.memory import (
 )
 from messages.model import ModelGeometry
 from messages.settings import ServingSettings
-from tests.unit.test_geometry import QWEN_SSM, base, header
+from tests.unit.test_geometry import QWEN_SSM, base, header, router
 
 MIB = 1 << 20
 GIB = 1 << 30
+MOE_GPT_OSS = {
+    "embedding_length": 2880,
+    "attention.head_count": 64,
+    "attention.head_count_kv": 8,
+    "attention.key_length": 64,
+    "attention.value_length": 64,
+    "attention.sliding_window": 128,
+    "feed_forward_length": 2880,
+    "expert_count": 32,
+    "expert_used_count": 4,
+    "expert_feed_forward_length": 2880,
+}
 
 
 def serving(**kw: Any) -> ServingSettings:
@@ -343,12 +355,73 @@ def test_rwkv_compute_is_the_time_mix_unless_the_channel_mix_is_wider() -> None:
 
 
 def test_jamba_experts_are_each_n_ff_wide() -> None:
-    """jamba has no expert_feed_forward_length: its routed experts are n_ff wide, so the FFN rows grow with
-    the experts used (a dense jamba is sized like any dense FFN)."""
+    """jamba has no expert_feed_forward_length: the experts of a block with a router are n_ff wide, so the
+    FFN rows grow with the experts used (a dense jamba is sized like any dense FFN). A geometry encoded
+    before expert widths existed knew that rule for jamba alone."""
     ssm = {k: v for k, v in QWEN_SSM.items() if k != "ssm.group_count"} | {"ssm.inner_size": 512}
     layers = {"attention.head_count_kv": [0, 2], "feed_forward_length": 1024}
     dense = geometry_from_header(header("jamba", base(2, **ssm, **layers)))
-    moe = geometry_from_header(header("jamba", base(2, **ssm, **layers, expert_count=16, expert_used_count=2)))
+    kv = base(2, **ssm, **layers, expert_count=16, expert_used_count=2)
+    moe = geometry_from_header(header("jamba", kv, (router(1),)))
     shape = resolve_context(dense, serving(slots=1), 4096)
-    grow = compute_buffers(moe, shape, flash_attn=True, n_outputs=1).device
-    assert grow - compute_buffers(dense, shape, flash_attn=True, n_outputs=1).device == 4 * 512 * 3 * 1024
+    dense_bytes = compute_buffers(dense, shape, flash_attn=True, n_outputs=1).device
+    for g in (moe, without_new_fields(moe)):
+        assert compute_buffers(g, shape, flash_attn=True, n_outputs=1).device - dense_bytes == 4 * 512 * 3 * 1024
+
+
+# --- routed experts and the MLA V head ------------------------------------------------------------------
+
+
+def without_new_fields(g: ModelGeometry) -> ModelGeometry:
+    """`g` as decoded from an encoding made before expert widths and head sizes existed."""
+    zero = dict.fromkeys(("head_k", "head_v", "n_ff_exp", "n_expert_used"), 0)
+    return msgspec.structs.replace(g, layers=tuple(msgspec.structs.replace(layer, **zero) for layer in g.layers))
+
+
+def ffn_stage(arch: str, n_ff_exp: int, n_expert_used: int, **kv: Any) -> int:
+    """The modelled compute buffer beyond the mask at n_embd 256, one slot, 1024 cells, micro-batch 512."""
+    keys = base(2, expert_count=16, expert_used_count=n_expert_used, expert_feed_forward_length=n_ff_exp, **kv)
+    g = geometry_from_header(header(arch, keys))
+    shape = resolve_context(g, serving(slots=1), 1024)
+    return compute_buffers(g, shape, flash_attn=True, n_outputs=1).device - 2 * 1024 * 512
+
+
+def test_routed_experts_size_the_ffn_rows_by_experts_used_times_expert_width() -> None:
+    """Gate, up and their product for each routed expert (n_embd 256, 5 rows of it alongside); the experts'
+    n_embd-wide outputs reuse the freed gate and up rows when they fit, else they come on top."""
+    per_token = 4 * 512
+    assert ffn_stage("glm4moe", 512, 8) == per_token * (3 * 8 * 512 + 5 * 256)
+    assert ffn_stage("glm4moe", 96, 8) == per_token * (3 * 8 * 96 + 8 * 256 + 5 * 256)
+    # measured on qwen3moe and gpt-oss: rows no wider than n_embd fit into blocks the attention freed
+    assert ffn_stage("qwen3moe", 24, 8) == per_token * (8 * 256 + 5 * 256)
+    assert ffn_stage("qwen3moe", 96, 8) == per_token * (3 * 8 * 96 + 8 * 256 + 5 * 256)
+    # nemotron's experts have no gate: one squared-ReLU row each, then the outputs
+    nemotron = {**QWEN_SSM, "ssm.inner_size": 64, "ssm.state_size": 16, "ssm.group_count": 1}
+    nemotron |= {"block_count": 3, "attention.head_count_kv": [0, 2, 0], "feed_forward_length": [0, 0, 512]}
+    assert ffn_stage("nemotron_h_moe", 512, 6, **nemotron) == per_token * (6 * 512 + 6 * 256 + 5 * 256)
+
+
+def test_routed_experts_wider_than_the_dense_length_are_not_underestimated() -> None:
+    """gpt-oss-20b: 4 experts of 2880 per token against a feed_forward_length of 2880. A geometry without
+    expert widths is sized by the dense length, as it was when it was encoded."""
+    kv = base(2, **MOE_GPT_OSS)
+    g = geometry_from_header(header("gpt-oss", kv))
+    shape = resolve_context(g, serving(slots=1), 8192)
+    new = compute_buffers(g, shape, flash_attn=True, n_outputs=1).device
+    old = compute_buffers(without_new_fields(g), shape, flash_attn=True, n_outputs=1).device
+    mask = 2 * 8192 * 512 + 2 * shape.swa_cells * 512
+    assert (new - mask, old - mask) == (4 * 512 * (3 * 4 * 2880 + 5 * 2880), 4 * 512 * (3 * 2880 + 5 * 2880))
+
+
+def test_mla_v_head_must_be_whole_quantized_blocks_with_flash_attention() -> None:
+    """An MLA model caches no V, but llama.cpp checks its V head size (the kv_lora_rank) all the same."""
+    kv = base(2, nextn_predict_layers=1, **{"attention.head_count_kv": 1, "attention.key_length": 96})
+    kv.update({"attention.value_length": 80, "attention.key_length_mla": 48, "attention.value_length_mla": 32})
+    g = geometry_from_header(header("deepseek2", kv))
+    with pytest.raises(MemoryModelError, match="V head size 80 is not a multiple of q8_0's block of 32"):
+        estimate(g, serving(cache_type_k="q8_0", cache_type_v="q8_0"), 4096)
+    with pytest.raises(MemoryModelError, match="V head size 80"):  # the MTP context's own types too
+        estimate(g, serving(spec_type="draft-mtp", spec_draft_type_k="q4_0", spec_draft_type_v="q4_0"), 4096)
+    assert estimate(g, serving(cache_type_k="f16", cache_type_v="f16"), 4096).kv_v_bytes == 0
+    # a geometry from before head sizes were recorded has no V head to check, as then
+    assert estimate(without_new_fields(g), serving(cache_type_k="q8_0", cache_type_v="q8_0"), 4096).kv_v_bytes == 0
