@@ -123,7 +123,9 @@ class PlacementDecision(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str | None = None
 
 
-ReservationState = Literal["reserved", "running"]
+#: reserved: booked, no instance yet (expires after its hold); starting: claimed by the node's runner for one
+#: instance (compare-and-set), held until that instance is ready or ends; running: the instance is ready.
+ReservationState = Literal["reserved", "starting", "running"]
 
 #: Key of a node's ledger in the reservations bucket: `node.<node_id>`.
 LEDGER_KEY_PREFIX = "node."
@@ -147,6 +149,7 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     expires_at: float | None = None  # None once the runner reports the instance ready
     running_since: float | None = None  # when the runner reported it ready (telemetry after this sees it)
     node_started_at: float | None = None  # the node process that runs it (its telemetry's started_at)
+    instance_id: str | None = None  # set by the runner's claim (state starting): the instance that uses it
 
 
 class NodeLedger(msgspec.Struct, frozen=True, kw_only=True):
