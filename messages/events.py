@@ -60,6 +60,16 @@ class NodeStarted(Event, frozen=True, kw_only=True, tag="node_started"):
     actors: tuple[str, ...]
 
 
+class EventTooLarge(Event, frozen=True, kw_only=True, tag="event_too_large"):
+    """Recorded by the journal in place of an event that could never be stored (over the bus's max_payload
+    or the journal's event limit): the loss is visible, and the outbox never jams on it."""
+
+    event_type: str
+    event_id: str
+    size_bytes: int
+    limit_bytes: int
+
+
 class NodeStopped(Event, frozen=True, kw_only=True, tag="node_stopped"):
     reason: str
 
@@ -167,6 +177,7 @@ AnyEvent = (
     | ActorStopped
     | NodeStarted
     | NodeStopped
+    | EventTooLarge
     | TelemetryChanged
     | PlacementDecided
     | ReservationReleased
