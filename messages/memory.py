@@ -2,8 +2,10 @@
 
 Produced by the memory model (`actors.placement.memory`) and printed by `mesh-actor fit --json`. Every size
 is an integer count of bytes. `kv_bytes`, `recurrent_bytes` and `draft_kv_bytes` are exact (the sums of
-llama.cpp's cache tensor sizes); `compute_bytes` is a model of llama.cpp's graph reservation and carries
-its measured error in `compute_error_ratio`.
+llama.cpp's cache tensor sizes), and so is `repack_bytes` (the CPU backend's repacked copies of quantized
+weights) for a node whose CPU features are known; `compute_bytes` is a model of llama.cpp's graph
+reservation, and `compute_margin_bytes` is the measured bound of that model's error
+(`compute_error_ratio` times `compute_bytes`, per device), counted in every total that admission compares.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class DeviceMemory(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     draft_kv_bytes: NonNegative
     compute_bytes: NonNegative
     output_bytes: NonNegative  # logits/embeddings output buffer (host)
+    repack_bytes: NonNegative = 0  # CPU_REPACK model buffer (host): repacked copies of quantized weights
+    compute_margin_bytes: NonNegative = 0  # the measured compute error bound: ceil(ratio x compute_bytes)
     host_extra_bytes: NonNegative  # context checkpoints and prompt cache (host)
     total_bytes: NonNegative
     layers: tuple[int, int] | None = None  # [first, last) block indices placed here
@@ -61,12 +65,14 @@ class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     kv_swa_bytes: NonNegative  # part of kv_bytes held by sliding-window layers
     recurrent_bytes: NonNegative  # recurrent state (R + S), exact
     draft_kv_bytes: NonNegative  # MTP / draft context KV, exact; 0 without one
-    weights_bytes: NonNegative
+    weights_bytes: NonNegative  # tensor bytes as the file declares them (mapped, not copied, on the host)
     compute_bytes: NonNegative  # modelled, see compute_error_ratio
     output_bytes: NonNegative
     host_extra_bytes: NonNegative
     total_bytes: NonNegative
     devices: tuple[DeviceMemory, ...]
     compute_error_ratio: float  # largest relative error of the compute model seen in validation
+    repack_bytes: NonNegative = 0  # CPU_REPACK buffer, see DeviceMemory
+    compute_margin_bytes: NonNegative = 0  # sum of the devices' compute margins, included in total_bytes
     fits: bool | None = None
     max_context: NonNegative | None = None

@@ -26,6 +26,21 @@ MemoryKind = Literal["kv", "hybrid", "recurrent"]
 RecurrentKind = Literal["none", "mamba", "gated_delta", "rwkv", "shortconv"]
 
 
+class RepackGroup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Weights of one ggml type that llama.cpp's CPU backend may repack (see `actors.placement.weights`).
+
+    The weights a matrix multiplication reads (2-D, or 3-D expert stacks), grouped by type and by
+    `rows_multiple`, the greatest power of two up to 16 dividing their row count (`ne[1]`), which is what
+    the repack kernels check. `bytes` is the sum of their sizes each rounded up to 32 bytes, as a CPU
+    buffer holds them.
+    """
+
+    type: str  # ggml type name in lower case, e.g. "q4_k"
+    rows_multiple: Annotated[int, msgspec.Meta(ge=1, le=16)]
+    count: NonNegative
+    bytes: NonNegative
+
+
 class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """One block (`blk.<index>.*`) of the model.
 
@@ -41,7 +56,8 @@ class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     kv_lora_rank, a view of the K latent) or has no KV heads. `n_ff_exp` and `n_expert_used` describe a
     routed mixture-of-experts FFN: each of the `n_expert_used` experts a token is routed to is `n_ff_exp`
     wide. All four are 0 when unknown (a geometry encoded before they existed); `n_ff_exp` is also 0 for a
-    dense FFN, which is `n_ff` wide.
+    dense FFN, which is `n_ff` wide. `repack` lists the quantized weights the CPU backend may repack
+    (empty for a float model, and for a geometry encoded before it existed).
     """
 
     index: NonNegative
@@ -61,6 +77,7 @@ class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     head_v: NonNegative = 0  # n_embd_head_v(il), an MLA model's kv_lora_rank; 0: unknown
     n_ff_exp: NonNegative = 0  # width of each routed expert; 0: a dense FFN (or unknown)
     n_expert_used: NonNegative = 0  # experts each token is routed to in this layer; 0 with n_ff_exp 0
+    repack: tuple[RepackGroup, ...] = ()  # quantized matmul weights the CPU backend may repack; () if none
 
 
 class ModelGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -94,3 +111,6 @@ class ModelGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     tied_output: bool
     token_embd_bytes: NonNegative
     file_size: NonNegative
+    # quantized matmul weights of the output layer (output.weight, or the tied token embeddings that
+    # llama.cpp duplicates as the output matrix) that the CPU backend may repack
+    output_repack: tuple[RepackGroup, ...] = ()

@@ -1,0 +1,148 @@
+"""Where llama-server puts the weights, per device, and what the CPU backend copies (placement core).
+
+This module owns the weights side of the memory model:
+
+* the device of every block and of the output layer (`layer_devices`): the layer-granular split
+  `llama_model::load_tensors` makes for `-ngl` and a tensor split;
+* the tensor bytes per device (`weights_per_device`): blocks where their layer lives, token embeddings on
+  the host, nextn blocks only for MTP, tied output embeddings duplicated onto a GPU output device;
+* the CPU repack buffer (`repack_bytes`): with no GPU, llama.cpp's CPU backend keeps every weight a matrix
+  multiplication reads in an interleaved layout when its type has a kernel for the CPU's features
+  (`ggml_repack_get_optimal_repack_type` in ggml-cpu/repack.cpp) and its row count suits that kernel.
+  Those weights are copied out of the mapped file into a `CPU_REPACK` buffer of anonymous RAM, each
+  rounded up to 32 bytes; the mapped file stays mapped beside it. The table below is that function's, for
+  the CPU backend of the build named in `LLAMA_CPP_VERSION` (features as its `system_info` line names
+  them). With a GPU in the device list the host-side weights go to the GPU's host buffer type instead,
+  which mmap replaces by the plain CPU buffer, so nothing is repacked there.
+
+Pure core: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from actors.placement.context import MemoryModelError, pad
+from messages.model import ModelGeometry, RepackGroup
+
+__all__ = [
+    "ANY_CPU",
+    "REPACK_RULES",
+    "layer_devices",
+    "repack_bytes",
+    "repacked",
+    "weights_per_device",
+]
+
+CPU_ALIGNMENT = 32  # TENSOR_ALIGNMENT of the CPU (and CPU_REPACK) buffer types
+
+#: Weight type -> the (CPU features all required, row-count multiple) pairs under which the CPU backend
+#: repacks it; a weight is repacked when any pair holds. From `ggml_repack_get_optimal_repack_type`
+#: (x86 AVX2/AVX512, Arm NEON with dot product or int8 matmul, s390x VXE; RISC-V needs the zvfh extension
+#: and a 256-bit vector length, which telemetry cannot see, so it is not listed). Q5_K, Q6_K and Q8_0 have
+#: Arm kernels only.
+REPACK_RULES: dict[str, tuple[tuple[frozenset[str], int], ...]] = {
+    "q4_0": (
+        (frozenset({"AVX2"}), 8),
+        (frozenset({"NEON", "MATMUL_INT8"}), 4),
+        (frozenset({"NEON", "DOTPROD"}), 4),
+        (frozenset({"VXE"}), 4),
+    ),
+    "q4_k": (
+        (frozenset({"AVX2"}), 8),
+        (frozenset({"NEON", "MATMUL_INT8"}), 8),
+        (frozenset({"NEON", "DOTPROD"}), 8),
+    ),
+    "q2_k": ((frozenset({"AVX512"}), 8),),
+    "q5_k": ((frozenset({"NEON", "MATMUL_INT8"}), 8), (frozenset({"NEON", "DOTPROD"}), 8)),
+    "q6_k": ((frozenset({"NEON", "MATMUL_INT8"}), 8), (frozenset({"NEON", "DOTPROD"}), 8)),
+    "iq4_nl": ((frozenset({"AVX2"}), 8), (frozenset({"NEON", "DOTPROD"}), 4)),
+    "mxfp4": ((frozenset({"AVX2"}), 8), (frozenset({"NEON", "DOTPROD"}), 4)),
+    "q8_0": ((frozenset({"NEON", "MATMUL_INT8"}), 4), (frozenset({"NEON", "DOTPROD"}), 4)),
+    "q1_0": ((frozenset({"NEON", "MATMUL_INT8"}), 4), (frozenset({"NEON", "DOTPROD"}), 4)),
+}
+#: Stands for "the node's CPU features are not known": every rule is taken to hold, an upper bound.
+ANY_CPU = frozenset().union(*(features for rules in REPACK_RULES.values() for features, _ in rules))
+#: The build's own switch (`GGML_CPU_REPACK`); without it in the features nothing is repacked.
+REPACK_FEATURE = "REPACK"
+
+
+def repacked(group: RepackGroup, cpu_features: frozenset[str]) -> bool:
+    """Whether the CPU backend with `cpu_features` repacks the weights of `group`."""
+    for features, rows in REPACK_RULES.get(group.type, ()):
+        if features <= cpu_features and group.rows_multiple % rows == 0:
+            return True
+    return False
+
+
+def repack_bytes(
+    geometry: ModelGeometry, cpu_features: Iterable[str] | None, *, load_nextn: bool, output_on_host: bool
+) -> int:
+    """Bytes of the `CPU_REPACK` model buffer for a model whose layers are all on the host.
+
+    `cpu_features` are the llama.cpp CPU backend's features (`REPACK` included when the build has the
+    repack buffer); None means unknown, sized as the largest any CPU could need.
+    """
+    features = ANY_CPU if cpu_features is None else frozenset(cpu_features)
+    if cpu_features is not None and REPACK_FEATURE not in features:
+        return 0
+    total = 0
+    groups: list[RepackGroup] = []
+    for layer in geometry.layers:
+        if layer.nextn and not load_nextn:
+            continue
+        groups.extend(layer.repack)
+    if output_on_host:
+        groups.extend(geometry.output_repack)
+    for group in groups:
+        if repacked(group, features):
+            total += group.bytes
+    return total
+
+
+def layer_devices(geometry: ModelGeometry, n_gpu_layers: int, gpu_split: Sequence[float]) -> list[int]:
+    """Device per block and, last, for the output layer: -1 is the host, i >= 0 is GPU i.
+
+    Mirrors `load_tensors`: the last `n_gpu_layers` of the n_layer+1 "layers" (blocks, then the output
+    layer) are offloaded, split over the GPUs in proportion to `gpu_split` with float32 cumulative fractions.
+    """
+    n_all = geometry.n_layer
+    if not gpu_split:
+        return [-1] * (n_all + 1)
+    ngl = n_gpu_layers if n_gpu_layers >= 0 else n_all + 1
+    start = max(n_all + 1 - ngl, 0)
+    act = min(ngl, n_all + 1)
+    weights = np.asarray(gpu_split, dtype=np.float32)
+    if np.any(weights < 0) or float(weights.sum()) <= 0:
+        raise MemoryModelError("the GPU split needs non-negative weights with a positive sum")
+    if act == 0:
+        return [-1] * (n_all + 1)
+    cumulative = np.cumsum(weights, dtype=np.float32)
+    splits = cumulative / np.float32(cumulative[-1])
+    # One vectorised search over every offloaded layer, in the same float32 arithmetic as llama.cpp.
+    positions = np.arange(act, dtype=np.float32) / np.float32(act)
+    offloaded = np.searchsorted(splits, positions, side="right").tolist()
+    return [-1] * start + [int(d) for d in offloaded] + [-1] * (n_all + 1 - start - act)
+
+
+def weights_per_device(geometry: ModelGeometry, devices: Sequence[int], *, load_nextn: bool) -> dict[int, int]:
+    """Tensor bytes per device: blocks where their layer lives, embeddings on the host, output tensors on
+    the output layer's device (plus a copy of tied embeddings there when that is a GPU)."""
+    out: dict[int, int] = {-1: geometry.input_tensor_bytes}
+    for layer in geometry.layers:
+        if layer.nextn and not load_nextn:
+            continue  # llama.cpp skips the MTP tensors unless an MTP context is requested
+        dev = devices[layer.index]
+        out[dev] = out.get(dev, 0) + layer.tensor_bytes
+    out_dev = devices[geometry.n_layer]
+    out[out_dev] = out.get(out_dev, 0) + geometry.output_tensor_bytes
+    if geometry.tied_output and out_dev >= 0:
+        out[out_dev] += geometry.token_embd_bytes
+    return out
+
+
+def padded(n_bytes: int) -> int:
+    """A tensor's size in a CPU buffer."""
+    return pad(n_bytes, CPU_ALIGNMENT)
