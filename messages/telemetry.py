@@ -36,6 +36,9 @@ class HostInfo(msgspec.Struct, frozen=True, kw_only=True):
     ram_available_bytes: Bytes
     usable_bytes: Bytes
     cpu_count: Count
+    # llama.cpp CPU backend features a native build has on this CPU, named as its `system_info` line names
+    # them (AVX2, AVX512, NEON, DOTPROD, MATMUL_INT8, …); they decide which weights it repacks. None: unknown.
+    cpu_features: tuple[Annotated[str, msgspec.Meta(max_length=32)], ...] | None = None
 
 
 class LlamaServerInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -65,8 +65,6 @@ REPACK_RULES: dict[str, tuple[tuple[frozenset[str], int], ...]] = {
 }
 #: Stands for "the node's CPU features are not known": every rule is taken to hold, an upper bound.
 ANY_CPU = frozenset().union(*(features for rules in REPACK_RULES.values() for features, _ in rules))
-#: The build's own switch (`GGML_CPU_REPACK`); without it in the features nothing is repacked.
-REPACK_FEATURE = "REPACK"
 
 
 def repacked(group: RepackGroup, cpu_features: frozenset[str]) -> bool:
@@ -82,12 +80,10 @@ def repack_bytes(
 ) -> int:
     """Bytes of the `CPU_REPACK` model buffer for a model whose layers are all on the host.
 
-    `cpu_features` are the llama.cpp CPU backend's features (`REPACK` included when the build has the
-    repack buffer); None means unknown, sized as the largest any CPU could need.
+    `cpu_features` are the llama.cpp CPU backend's features; None means unknown, sized as the largest any
+    CPU could need. A build made without the repack buffer (`GGML_CPU_REPACK=OFF`) allocates less.
     """
     features = ANY_CPU if cpu_features is None else frozenset(cpu_features)
-    if cpu_features is not None and REPACK_FEATURE not in features:
-        return 0
     total = 0
     groups: list[RepackGroup] = []
     for layer in geometry.layers:

