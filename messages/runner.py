@@ -23,7 +23,9 @@ class StopInstance(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     instance_id: str
 
 
-InstanceState = Literal["starting", "ready", "restarting", "stopping", "stopped", "failed", "rejected"]
+#: `stuck`: SIGKILL did not reap the server in time; it may still hold its memory (not final: the runner keeps
+#: killing it, and the instance ends stopped, failed or rejected once the process is gone).
+InstanceState = Literal["starting", "ready", "restarting", "stopping", "stuck", "stopped", "failed", "rejected"]
 
 
 class RunnerAck(msgspec.Struct, frozen=True, kw_only=True):

@@ -15,8 +15,11 @@ Rules this module keeps:
   crashes in a window) restarts it or gives up (`failed`). A running server whose reported settings differ
   from the stamp is stopped and ends `rejected`; that is never retried, since a restart would run the same
   wrong settings. Stopping is SIGTERM, then SIGKILL when the stop deadline passes.
-* Events are reported when they are true: `stopped`, `drift_rejected` and `crashed` once the process has
-  exited, so whoever credits the memory back can rely on the server being gone.
+* Events are reported when they are true: `stopped`, `drift_rejected`, `crashed` and `failed` once the
+  process has exited, so whoever credits the memory back can rely on the server being gone. A process that
+  SIGKILL did not reap within its grace is `stuck` (`ReportStuck`): it may still hold its memory, so nothing
+  final is reported; SIGKILL is sent again every `kill_retry_s` until it exits, and only then does the
+  instance end as it was going to.
 
 Theory of operation: the shell feeds `Start()`; the machine answers `Spawn(1)`; the shell starts the
 process and feeds `Spawned` (or `SpawnFailed`); the machine asks for a readiness deadline; the shell polls
@@ -51,6 +54,7 @@ __all__ = [
     "ReportRestarted",
     "ReportStarting",
     "ReportStopped",
+    "ReportStuck",
     "SetDeadline",
     "Signal",
     "Spawn",
@@ -73,6 +77,7 @@ class Phase(enum.Enum):
     READY = "ready"
     BACKOFF = "backoff"  # crashed; waiting to restart
     TERMINATING = "terminating"  # signalled; waiting for the process to exit
+    STUCK = "stuck"  # SIGKILL did not reap it in time: it may hold its memory; killed again until it exits
     STOPPED = "stopped"
     FAILED = "failed"
     REJECTED = "rejected"
@@ -83,7 +88,8 @@ class Timings:
     ready_timeout_s: float = 600.0  # spawn to /health 200 (a large model loads for minutes)
     verify_timeout_s: float = 30.0  # /health 200 to a verdict on /props, /slots and the log
     stop_grace_s: float = 10.0  # SIGTERM to SIGKILL
-    kill_grace_s: float = 5.0  # SIGKILL to giving up on the process
+    kill_grace_s: float = 5.0  # SIGKILL to reporting the process stuck
+    kill_retry_s: float = 5.0  # while stuck, SIGKILL is sent again this often (until the process exits)
     liveness_interval_s: float = 10.0  # a ready server's /health is checked this often
     liveness_failures: int = 3  # consecutive failed checks that make a ready server a crash
 
@@ -212,6 +218,14 @@ class ReportFailed:
 
 
 @dataclass(frozen=True)
+class ReportStuck:
+    """The process did not exit after SIGKILL: its memory may still be held. Not final."""
+
+    pid: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
 class Finish:
     """The instance reached a final phase; the shell ends its driver."""
 
@@ -228,6 +242,7 @@ Action = (
     | ReportCrashed
     | ReportStopped
     | ReportFailed
+    | ReportStuck
     | Finish
 )
 
@@ -241,6 +256,7 @@ _PUBLIC: dict[Phase, InstanceState] = {
     Phase.READY: "ready",
     Phase.BACKOFF: "restarting",
     Phase.TERMINATING: "stopping",
+    Phase.STUCK: "stuck",
     Phase.STOPPED: "stopped",
     Phase.FAILED: "failed",
     Phase.REJECTED: "rejected",
@@ -257,6 +273,7 @@ class Lifecycle:
         self.restarts = 0
         self.pid: int | None = None
         self.reason = ""  # why the instance is terminating, or how it ended
+        self.stuck = ""  # while stuck: why (the process did not exit after SIGKILL)
         self._policy = policy
         self._after: _After = "stop"
         self._exit_code: int | None = None
@@ -275,6 +292,11 @@ class Lifecycle:
     def done(self) -> bool:
         return self.phase in _FINAL
 
+    @property
+    def message(self) -> str:
+        """What a person reads in the instance's record."""
+        return self.stuck if self.phase is Phase.STUCK else self.reason
+
     def handle(self, event: Event, now: float) -> list[Action]:
         generation = getattr(event, "generation", None)
         if generation is not None and generation != self.generation:
@@ -284,11 +306,12 @@ class Lifecycle:
             return []
         return transition(self, event, now)
 
-    def abandon(self, reason: str) -> None:
-        """The shell ended the instance outside the machine (the runner itself is stopping and has already
-        stopped the server): record it as stopped. The only way to a final phase that bypasses the table."""
+    def abandon(self, reason: str, *, failed: bool = False) -> None:
+        """The shell ended the instance outside the machine, after it confirmed the server reaped: the
+        runner is stopping (stopped), or the driver itself failed (`failed`). The only way to a final
+        phase that bypasses the table."""
         if not self.done:
-            self.phase, self.reason, self.pid = Phase.STOPPED, reason, None
+            self.phase, self.reason, self.pid = (Phase.FAILED if failed else Phase.STOPPED), reason, None
 
     # --- transitions ---------------------------------------------------------------------------------
 
@@ -367,7 +390,7 @@ class Lifecycle:
 
     def _gone(self, event: Event, now: float) -> list[Action]:
         assert isinstance(event, Exited)
-        self.pid = None
+        self.pid, self.stuck = None, ""
         if self._after == "stop":
             return self._finish(Phase.STOPPED, self.reason, [ReportStopped(self.reason)])
         if self._after == "reject":
@@ -378,8 +401,16 @@ class Lifecycle:
         if not self._killed:
             self._killed = True
             return [Signal("SIGKILL"), SetDeadline(self.timings.kill_grace_s)]
-        why = f"llama-server (pid {self.pid}) did not exit after SIGKILL"
-        return self._finish(Phase.FAILED, why, [ReportFailed(why)])
+        # Not reaped: it may still hold its memory, so it is not reported gone. Keep killing it.
+        self.phase = Phase.STUCK
+        self.stuck = (
+            f"llama-server (pid {self.pid}) did not exit within {self.timings.kill_grace_s:g}s of SIGKILL; "
+            f"SIGKILL again every {self.timings.kill_retry_s:g}s, its memory stays held"
+        )
+        return [ReportStuck(self.pid, self.stuck), Signal("SIGKILL"), SetDeadline(self.timings.kill_retry_s)]
+
+    def _kill_again(self, event: Event, now: float) -> list[Action]:
+        return [Signal("SIGKILL"), SetDeadline(self.timings.kill_retry_s)]
 
     # --- helpers ---------------------------------------------------------------------------------------
 
@@ -401,7 +432,7 @@ class Lifecycle:
         return [ReportCrashed(code, decision.delay_s, reason), SetDeadline(decision.delay_s)]
 
     def _finish(self, phase: Phase, reason: str, reports: list[Action]) -> list[Action]:
-        self.phase, self.reason = phase, reason
+        self.phase, self.reason, self.stuck = phase, reason, ""
         return [SetDeadline(None), *reports, Finish()]
 
 
@@ -426,4 +457,7 @@ _TRANSITIONS: dict[tuple[Phase, type], _Transition] = {
     (Phase.TERMINATING, Exited): Lifecycle._gone,
     (Phase.TERMINATING, DeadlinePassed): Lifecycle._stop_deadline,
     (Phase.TERMINATING, StopRequested): Lifecycle._stop_while_terminating,
+    (Phase.STUCK, Exited): Lifecycle._gone,
+    (Phase.STUCK, DeadlinePassed): Lifecycle._kill_again,
+    (Phase.STUCK, StopRequested): Lifecycle._stop_while_terminating,
 }

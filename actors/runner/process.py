@@ -1,9 +1,11 @@
 """A llama-server process and how we talk to it (runner shell: processes, files, sockets).
 
-* `ServerProcess.spawn` starts the server from an argument list (never a shell) in its own process group,
-  with the Linux parent-death signal set to SIGKILL, so the server cannot outlive the process that started
-  it even when that one is killed with SIGKILL. Signals go to the whole group, and only while the server
-  has not been reaped (a reaped pid may already belong to someone else).
+* `ServerProcess.spawn` starts the server from an argument list (never a shell) in its own process group
+  (`process_group=0`), through the exec wrapper of `runtime.children.dying_with_parent`, which arms the Linux
+  parent-death signal (SIGKILL) before it execs the server: the server cannot outlive the process that
+  started it, even when that one is killed with SIGKILL. No `preexec_fn` (unsafe while threads run).
+  Signals go to the whole group, and only while the server has not been reaped (a reaped pid may already
+  belong to someone else).
 * Its output goes through a pipe we drain into a `ServerLog`: a file in the data dir that is rotated at a
   size limit (one old file kept), the allocation lines kept in memory until the model has loaded (for the
   verification and the observed footprint), and the last lines for crash reports.
@@ -15,13 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,18 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from actors.runner.command import LOOPBACK
+from runtime.children import dying_with_parent
 
 __all__ = [
     "HttpError",
     "HttpResponse",
     "ServerLog",
     "ServerProcess",
-    "free_port",
     "http_request",
-    "port_free",
 ]
 
-_PR_SET_PDEATHSIG = 1
 MIB = 1 << 20
 
 # Substrings of the lines `parse_allocation_log` and the drift check read; everything else stays in the file.
@@ -142,15 +139,6 @@ class ServerLog:
             self._file.close()
 
 
-def _die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        # the parent may have died before prctl took effect: then nobody would ever signal us
-        if os.getppid() != parent:
-            os._exit(1)
-
-
 class ServerProcess:
     """One running llama-server. Create with `spawn`; `pump` drains its output into the log."""
 
@@ -163,18 +151,19 @@ class ServerProcess:
     async def spawn(
         cls, argv: Sequence[str], *, env: Mapping[str, str], log: ServerLog, cwd: Path | None = None
     ) -> ServerProcess:
-        """Starts `argv`. Must run on the event loop's thread: the parent-death signal follows the thread
-        that forked, so a child forked from a worker thread would be killed when that thread ends."""
-        parent = os.getpid()
+        """Starts `argv` (`argv[0]` a path). Must run on the event loop's thread: the parent-death signal
+        follows the thread that forked, so a child forked from a worker thread would be killed when that
+        thread ends. A program that is not there is an `OSError` here, as without the wrapper."""
+        if not os.access(argv[0], os.X_OK):
+            raise FileNotFoundError(f"{argv[0]} is not an executable file")
         process = await asyncio.create_subprocess_exec(
-            *argv,
+            *dying_with_parent(list(argv), signal.SIGKILL, os.getpid()),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             cwd=cwd,
             env=dict(env),
-            start_new_session=True,  # own process group (and session): we signal the group
-            preexec_fn=lambda: _die_with_parent(parent),
+            process_group=0,  # its own process group: we signal the group
         )
         return cls(process, log)
 
@@ -195,44 +184,34 @@ class ServerProcess:
     async def wait(self) -> int:
         return await self._process.wait()
 
-    def signal(self, sig: signal.Signals) -> None:
-        """Sends `sig` to the server's process group while the server has not been reaped."""
-        if self._process.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, sig)
-
-    async def terminate(self, grace_s: float, kill_grace_s: float = 5.0) -> int | None:
-        """SIGTERM, then SIGKILL after `grace_s`; returns the exit code (None if it would not die)."""
-        self.signal(signal.SIGTERM)
+    async def wait_for(self, timeout_s: float) -> int | None:
+        """The exit code once the process is reaped, or None if it is not within `timeout_s`."""
         try:
-            async with asyncio.timeout(grace_s):
-                return await self._process.wait()
-        except TimeoutError:
-            self.signal(signal.SIGKILL)
-        try:
-            async with asyncio.timeout(kill_grace_s):
+            async with asyncio.timeout(timeout_s):
                 return await self._process.wait()
         except TimeoutError:
             return None
 
-
-def port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    def signal(self, sig: signal.Signals) -> None:
+        """Sends `sig` to the server's process group while the server has not been reaped (its pid is ours
+        until then). A server that left its group still gets it, directly."""
+        if self._process.returncode is not None:
+            return
         try:
-            s.bind((LOOPBACK, port))
-        except OSError:
-            return False
-    return True
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
-
-def free_port() -> int:
-    """A loopback port nobody listens on now (the server may still lose it to a race: then it exits and
-    is restarted on another)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
+    async def terminate(self, grace_s: float, kill_grace_s: float = 5.0) -> int | None:
+        """SIGTERM, then SIGKILL after `grace_s`; returns the exit code (None if it was not reaped within
+        `kill_grace_s` after SIGKILL: it may still be alive; see `actors.runner.reaper` for the honest stop)."""
+        self.signal(signal.SIGTERM)
+        code = await self.wait_for(grace_s)
+        if code is not None:
+            return code
+        self.signal(signal.SIGKILL)
+        return await self.wait_for(kill_grace_s)
 
 
 class HttpError(Exception):

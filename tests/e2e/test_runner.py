@@ -415,11 +415,16 @@ async def test_start_refusals_are_clear_errors(
 ) -> None:
     settings = _settings(slots=2)
     other = _reservation("r-multi", models["llama"], settings, 2048, multi_node=True)
-    expired = msgspec.structs.replace(_reservation("r-old", models["llama"], settings, 2048), expires_at=time.time())
-    await _put_ledger(bus, other, _reservation("r-big", models["llama"], settings, 2048), expired)
+    # claimed by another instance; its expiry (placement's clock) passed, which the runner never compares
+    taken = msgspec.structs.replace(
+        _reservation("r-taken", models["llama"], settings, 2048), state="starting", instance_id="i-other"
+    )
+    taken = msgspec.structs.replace(taken, expires_at=time.time() - 3600)
+    await _put_ledger(bus, other, _reservation("r-big", models["llama"], settings, 2048), taken)
     need = _predict(models["llama"], settings, 2048).total_bytes
-    # the node has one byte less than this model plus what the other (still reserved) reservation holds
-    await _put_telemetry(bus, usable=need + other.held["CPU"] - 1)
+    # the node has one byte less than this model plus what the other two reservations hold (the one past
+    # its expiry included: only placement expires reservations)
+    await _put_telemetry(bus, usable=need + other.held["CPU"] + taken.held["CPU"] - 1)
     async with runner(bus, tmp_path / "data", binary, Node(settings)):
         with pytest.raises(RemoteError) as unknown:
             await _start(bus, "r-nope")
@@ -440,9 +445,9 @@ async def test_start_refusals_are_clear_errors(
         assert big.value.code == "insufficient_memory"
         assert big.value.reply.details == {"need_bytes": {"CPU": need}, "have_bytes": {"CPU": need - 1}}
 
-        with pytest.raises(RemoteError) as old:
-            await _start(bus, "r-old")
-        assert old.value.code == "reservation_state" and "expired" in old.value.reply.message
+        with pytest.raises(RemoteError) as claimed:
+            await _start(bus, "r-taken")
+        assert claimed.value.code == "reservation_state" and "starting, not reserved" in claimed.value.reply.message
 
         await (await buckets.nodes(bus, SUBJECTS)).delete(NODE)  # the node's telemetry is gone
         with pytest.raises(RemoteError) as stale:

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.runner.actor import RunnerActor, RunnerLimits
-from actors.runner.process import HttpError, ServerLog, ServerProcess, free_port, http_request, port_free
+from actors.runner.process import HttpError, ServerLog, ServerProcess, http_request
+from runtime.children import free_port, port_free
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -236,5 +237,5 @@ def test_directories_of_ended_instances_are_pruned_oldest_first_beyond_the_limit
     for age, name in enumerate(["newest", "newer", "older", "oldest"]):
         (root / name / "slots").mkdir(parents=True)
         os.utime(root / name, (1_000_000 - age, 1_000_000 - age))
-    actor._prune_instance_dirs()
+    actor._prune_instance_dirs(frozenset())
     assert sorted(d.name for d in root.iterdir()) == ["newer", "newest"]

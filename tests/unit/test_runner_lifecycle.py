@@ -21,6 +21,7 @@ from actors.runner.lifecycle import (
     ReportRestarted,
     ReportStarting,
     ReportStopped,
+    ReportStuck,
     SetDeadline,
     Signal,
     Spawn,
@@ -135,14 +136,40 @@ def test_stop_is_sigterm_then_sigkill_after_the_grace_period() -> None:
     assert m.state == "stopped"
 
 
-def test_a_server_that_survives_sigkill_ends_failed() -> None:
+def test_a_server_that_survives_sigkill_is_stuck_and_killed_again_until_it_exits_then_stopped() -> None:
+    """Its memory may still be held: nothing final is reported (placement would release the memory)."""
     m = machine()
     ready(m)
     m.handle(StopRequested("asked"), 0)
     m.handle(DeadlinePassed(), 5)
     actions = m.handle(DeadlinePassed(), 7)
-    assert isinstance(actions[1], ReportFailed) and "did not exit after SIGKILL" in actions[1].reason
-    assert m.state == "failed"
+    assert actions[0] == ReportStuck(101, m.stuck) and "did not exit within 2s of SIGKILL" in m.stuck
+    assert actions[1:] == [Signal("SIGKILL"), SetDeadline(5)]
+    assert (m.state, m.done, m.pid, m.message) == ("stuck", False, 101, m.stuck)
+    for t in (12, 17):  # kept killing, never reported gone
+        assert m.handle(DeadlinePassed(), t) == [Signal("SIGKILL"), SetDeadline(5)]
+    assert m.handle(StopRequested("again"), 18) == []
+    assert m.handle(Exited(1, code=-9), 19) == [SetDeadline(None), ReportStopped("asked"), Finish()]
+    assert (m.state, m.message, m.pid) == ("stopped", "asked", None)
+
+
+def test_a_drifting_server_that_is_stuck_is_rejected_only_once_it_exits() -> None:
+    m = machine()
+    m.handle(Start(), 0)
+    m.handle(Spawned(1, pid=7), 0)
+    m.handle(Healthy(1), 0)
+    m.handle(Verified(1, DRIFT), 0)
+    m.handle(DeadlinePassed(), 5)
+    assert isinstance(m.handle(DeadlinePassed(), 7)[0], ReportStuck)
+    assert m.handle(Exited(1, code=-9), 8) == [SetDeadline(None), ReportDrift(DRIFT), Finish()]
+    assert m.state == "rejected"
+
+
+def test_abandon_as_failed_records_a_driver_failure() -> None:
+    m = machine()
+    ready(m)
+    m.abandon("the runner's driver failed: RuntimeError: boom", failed=True)
+    assert (m.state, m.done, m.pid) == ("failed", True, None)
 
 
 def test_not_healthy_in_time_is_a_crash_once_the_server_is_stopped() -> None:
@@ -264,7 +291,9 @@ def _events(max_generation: int = 4) -> st.SearchStrategy[Event]:
 @given(st.lists(_events(), max_size=40))
 def test_any_event_sequence_keeps_the_invariants(events: list[Event]) -> None:
     """Whatever arrives, in whatever order: a Finish exactly when the machine becomes final and nothing
-    after it; never a second process while one may be alive; ready only after a clean verification."""
+    after it; never a second process while one may be alive; never an ending reported (stopped, failed,
+    rejected, crashed: placement credits the memory back) while one may be alive; ready only after a clean
+    verification."""
     m = machine(max_restarts=3)
     alive = False  # a process of the current generation exists (spawned and not yet exited)
     verified_clean = False
@@ -285,6 +314,8 @@ def test_any_event_sequence_keeps_the_invariants(events: list[Event]) -> None:
             if isinstance(action, ReportReady):
                 assert isinstance(event, Verified) and not event.drift and event.error is None
                 verified_clean = True
+            if isinstance(action, ReportStopped | ReportFailed | ReportDrift | ReportCrashed | Finish):
+                assert not alive, f"{action} while the process may be alive"
         assert (Finish() in actions) == m.done
         if m.state == "ready":
             assert verified_clean

@@ -1,0 +1,426 @@
+"""One instance's driver (runner shell): performs the lifecycle machine's actions and feeds back what happened.
+
+`InstanceDriver.run` feeds `Start()` to the instance's `lifecycle.Lifecycle`, then performs each action the
+machine returns (spawn, verify, signal, deadline, report) and feeds back each observation (spawned, healthy,
+verified, exited, unresponsive, stop requested, deadline passed) until the machine reaches a final phase.
+The helpers of one server generation (log pump, exit watcher, /health pollers, verification) run in the
+driver's own task group.
+
+Each instance is isolated: `run` never lets an exception out. One that escapes the driving (a bug, a
+surprise from a dependency) ends this instance only: its server is reaped, the instance ends `failed` with an
+`instance_failed` event naming the error, and its record is written; the runner and its other instances
+keep running. Nothing final (`instance_stopped`, `instance_failed`, a final record) is said before the
+server is confirmed reaped (`reaper.reap`); a server SIGKILL does not reap is reported `stuck` and its
+memory stays held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import signal
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from actors.placement.memory import CacheAllocation
+from actors.runner import lifecycle as lc
+from actors.runner.admission import describe_drift
+from actors.runner.allocation_log import parse_allocation_log
+from actors.runner.command import build_command, server_environment
+from actors.runner.drift import ServerReport, server_drift
+from actors.runner.limits import RunnerLimits
+from actors.runner.observed import observed_memory
+from actors.runner.process import HttpError, ServerLog, ServerProcess, http_request
+from actors.runner.reaper import reap
+from actors.runner.records import write_status
+from messages.events import (
+    DriftRejected,
+    InstanceCrashed,
+    InstanceFailed,
+    InstanceReady,
+    InstanceRestarted,
+    InstanceStarting,
+    InstanceStopped,
+)
+from messages.memory import MemoryBreakdown
+from messages.placement import Reservation
+from messages.runner import InstanceState, InstanceStatus, ObservedMemory
+from runtime.actor import ActorContext
+from runtime.children import free_port, port_free
+
+__all__ = ["CommandRewrite", "DriverFault", "InstanceDriver", "SignalFilter"]
+
+#: Test seam: edits the argument list just before spawning (e.g. a real server that drifts).
+CommandRewrite = Callable[[tuple[str, ...]], Sequence[str]]
+#: Test seam: called with (reservation id, event) before the machine handles each event; what it raises is
+#: an unexpected failure of that instance's driver.
+DriverFault = Callable[[str, lc.Event], None]
+#: Test seam: called with (reservation id, signal) before each signal to the server; False drops it (a
+#: server that does not die).
+SignalFilter = Callable[[str, signal.Signals], bool]
+
+
+class InstanceDriver:
+    def __init__(
+        self,
+        ctx: ActorContext,
+        *,
+        node_id: str,
+        instance_id: str,
+        reservation: Reservation,
+        predicted: MemoryBreakdown,
+        allocations: tuple[CacheAllocation, ...],
+        directory: Path,
+        log: ServerLog,
+        machine: lc.Lifecycle,
+        engine: Path,
+        limits: RunnerLimits,
+        clock: Callable[[], float],
+        rewrite: CommandRewrite | None = None,
+        fault: DriverFault | None = None,
+        signal_filter: SignalFilter | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.node_id = node_id
+        self.id = instance_id
+        self.reservation = reservation
+        self.predicted = predicted
+        self.allocations = allocations
+        self.directory = directory
+        self.log = log
+        self.machine = machine
+        self.engine = engine
+        self.limits = limits
+        self._clock = clock
+        self._rewrite = rewrite
+        self._fault = fault
+        self._signal_filter = signal_filter
+        self.events: asyncio.Queue[lc.Event] = asyncio.Queue(maxsize=64)
+        self.spawned = asyncio.Event()  # the first spawn was attempted
+        self.settled = asyncio.Event()  # final, or stuck: what a stop request waits for
+        self.finished = asyncio.Event()
+        self.process: ServerProcess | None = None
+        self.port: int | None = None
+        self.command: tuple[str, ...] = ()
+        self.observed: ObservedMemory | None = None
+        self.exact: frozenset[str] = frozenset()  # which observed figures were recovered byte for byte
+        self._pollers: list[asyncio.Task[None]] = []  # health/verify of this generation
+        self._helpers: list[asyncio.Task[None]] = []  # log pumps and exit watchers
+        self._stuck = ""  # set while the driver's own reap finds the server stuck
+        self._bound = ctx.log.bind(instance_id=instance_id, reservation_id=reservation.reservation_id)
+
+    # --- what others read --------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> InstanceState:
+        return "stuck" if self._stuck and not self.machine.done else self.machine.state
+
+    @property
+    def message(self) -> str:
+        return self._stuck if self._stuck and not self.machine.done else self.machine.message
+
+    def status(self) -> InstanceStatus:
+        return InstanceStatus(
+            id=self.id,
+            node=self.node_id,
+            reservation_id=self.reservation.reservation_id,
+            state=self.state,
+            port=self.port,
+            model_path=self.reservation.model_path,
+            settings=self.reservation.stamp,
+            predicted_memory=self.predicted,
+            observed_memory=self.observed,
+            restarts=self.machine.restarts,
+            pid=self.machine.pid if self.process is None or self.process.returncode is None else None,
+            message=self.message,
+            updated_at=self._clock(),
+        )
+
+    async def request_stop(self, reason: str, timeout_s: float) -> None:
+        async with asyncio.timeout(timeout_s):
+            await self.events.put(lc.StopRequested(reason))
+
+    # --- driving -------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Drives the instance until it ends. Never raises an `Exception` (see the module docstring)."""
+        error: Exception | None = None
+        try:
+            await self._drive()
+        except Exception as exc:
+            error = exc
+        finally:
+            await self._conclude(error)
+
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        async with asyncio.TaskGroup() as tg:
+            try:
+                feedback: list[lc.Event] = [lc.Start()]
+                while True:
+                    event = feedback.pop(0) if feedback else await self._next(deadline)
+                    if event is None:
+                        await self._write_status()  # refresh the TTL while nothing happens
+                        continue
+                    if self._fault is not None:
+                        self._fault(self.reservation.reservation_id, event)
+                    actions = self.machine.handle(event, time.monotonic())
+                    for action in actions:
+                        if isinstance(action, lc.SetDeadline):
+                            deadline = None if action.seconds is None else loop.time() + action.seconds
+                        elif isinstance(action, lc.Spawn):
+                            feedback.append(await self._spawn(action.generation, tg))
+                        elif isinstance(action, lc.Verify):
+                            self._pollers.append(tg.create_task(self._verify(action.generation)))
+                        elif isinstance(action, lc.Signal):
+                            self._cancel_pollers()
+                            self._send(signal.Signals[action.signal])
+                        elif isinstance(action, lc.Finish):
+                            self._cancel_pollers()
+                        else:
+                            self._report(action)
+                            if isinstance(action, lc.ReportReady):
+                                self._pollers.append(tg.create_task(self._liveness(action.generation)))
+                    if isinstance(event, lc.Spawned | lc.SpawnFailed):
+                        self.spawned.set()
+                    if actions:  # something changed (state, pid, port, observed memory): rewrite the record
+                        await self._write_status()
+                    if self.machine.done or self.machine.phase is lc.Phase.STUCK:
+                        self.settled.set()
+                    if self.machine.done:
+                        return
+            finally:
+                await self._reap()
+
+    async def _next(self, deadline: float | None) -> lc.Event | None:
+        """The next event; `DeadlinePassed` at the machine's deadline; None when the record needs a refresh."""
+        loop = asyncio.get_running_loop()
+        refresh = loop.time() + self.limits.status_ttl_s / 3
+        until = refresh if deadline is None else min(deadline, refresh)
+        try:
+            async with asyncio.timeout_at(until):
+                return await self.events.get()
+        except TimeoutError:
+            if deadline is not None and loop.time() >= deadline:
+                return lc.DeadlinePassed()
+            return None
+
+    async def _spawn(self, generation: int, tg: asyncio.TaskGroup) -> lc.Event:
+        self._cancel_pollers()
+        port = self.port if self.port is not None and port_free(self.port) else free_port()
+        argv = build_command(str(self.engine), self.reservation, port=port, slot_save_dir=str(self.directory / "slots"))
+        if self._rewrite is not None:
+            argv = tuple(self._rewrite(argv))
+        self.port, self.command, self.observed = port, argv, None
+        self.log.begin(f"generation {generation}: {shlex.join(argv)}")
+        try:
+            process = await ServerProcess.spawn(argv, env=server_environment(os.environ), log=self.log)
+        except OSError as exc:
+            return lc.SpawnFailed(generation, str(exc))
+        self.process = process
+        self._helpers += [
+            tg.create_task(process.pump(), name=f"runner:{self.id}:log"),
+            tg.create_task(self._watch_exit(generation, process), name=f"runner:{self.id}:exit"),
+        ]
+        self._pollers.append(tg.create_task(self._poll_health(generation, port)))
+        return lc.Spawned(generation, process.pid)
+
+    def _send(self, sig: signal.Signals) -> None:
+        if self.process is None:
+            return
+        if self._signal_filter is not None and not self._signal_filter(self.reservation.reservation_id, sig):
+            return
+        self.process.signal(sig)
+
+    def _cancel_pollers(self) -> None:
+        for task in self._pollers:
+            task.cancel()
+        self._pollers.clear()
+
+    async def _watch_exit(self, generation: int, process: ServerProcess) -> None:
+        code = await process.wait()
+        await self.events.put(lc.Exited(generation, code))
+
+    async def _poll_health(self, generation: int, port: int) -> None:
+        # Bounded by the machine's readiness deadline: when it passes, the machine signals and we are cancelled.
+        while True:
+            try:
+                response = await http_request(port, "GET", "/health", timeout_s=self.limits.http_timeout_s)
+                if response.status == 200:
+                    await self.events.put(lc.Healthy(generation))
+                    return
+            except HttpError:
+                pass  # not listening yet, or still loading
+            await asyncio.sleep(self.limits.health_interval_s)
+
+    async def _liveness(self, generation: int) -> None:
+        """While ready: a server that keeps failing /health (hung, deadlocked) is reported unresponsive."""
+        t = self.limits.timings
+        port = self.port
+        assert port is not None
+        failures = 0
+        while True:
+            await asyncio.sleep(t.liveness_interval_s)
+            try:
+                response = await http_request(port, "GET", "/health", timeout_s=self.limits.http_timeout_s)
+                detail = f"HTTP {response.status}"
+                ok = response.status == 200
+            except HttpError as exc:
+                detail, ok = str(exc) or type(exc).__name__, False
+            failures = 0 if ok else failures + 1
+            if failures >= t.liveness_failures:
+                await self.events.put(lc.Unresponsive(generation, f"{failures} checks in a row: {detail}"))
+                return
+
+    async def _verify(self, generation: int) -> None:
+        port = self.port
+        assert port is not None
+        try:
+            # every allocation line is logged before "model loaded"; the pipe may lag /health a little
+            async with asyncio.timeout(self.limits.timings.verify_timeout_s):
+                await self.log.loaded.wait()
+            props = await _get_json(port, "/props", self.limits.http_timeout_s)
+            slots = await _get_json(port, "/slots", self.limits.http_timeout_s)
+        except (HttpError, TimeoutError) as exc:
+            await self.events.put(lc.Verified(generation, error=str(exc) or "the server never logged its load"))
+            return
+        log = parse_allocation_log(self.log.allocation_text())
+        drift = server_drift(self.reservation.stamp, self.predicted.context, ServerReport(props, slots, log))
+        if not drift:
+            observation = observed_memory(log, self.predicted, self.allocations)
+            self.observed, self.exact = observation.memory, observation.exact
+        await self.events.put(lc.Verified(generation, drift))
+
+    # --- the end -------------------------------------------------------------------------------------------
+
+    async def _reap(self) -> None:
+        """The driving ends (done, the runner stopping, or a failure): no server of this instance may remain.
+
+        Keeps killing a stuck server for as long as it takes, except when the driver is being cancelled (the
+        runner is stopping): then for a bounded patience, after which the instance is left `stuck`."""
+        self._cancel_pollers()
+        process = self.process
+        if process is not None and process.returncode is None:
+            t = self.limits.timings
+            task = asyncio.current_task()
+            hurried = task is not None and task.cancelling() > 0
+            await reap(
+                process,
+                self._send,
+                t,
+                self._on_stuck,
+                graceful=self.machine.phase is not lc.Phase.STUCK,
+                patience_s=t.stop_grace_s + t.kill_grace_s + 2 * t.kill_retry_s if hurried else None,
+            )
+        # let the log pump take the last lines, then end every helper so the task group can close
+        pending = [task for task in self._helpers if not task.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=2.0)
+        for helper in self._helpers:
+            helper.cancel()
+        self._helpers.clear()
+
+    async def _on_stuck(self, why: str) -> None:
+        if not self._stuck:
+            self._bound.error("instance_stuck", pid=self.process.pid if self.process else None, reason=why)
+        self._stuck = why
+        self.settled.set()
+        await self._write_status()
+
+    async def _conclude(self, error: Exception | None) -> None:
+        """Says how the instance ended, once that is true; then releases what waits on the driver."""
+        try:
+            if error is not None:
+                self._bound.error("instance_driver_failed", error=_describe(error), exc_info=error)
+            if not self.machine.done:
+                reaped = self.process is None or self.process.returncode is not None
+                ids = {"instance_id": self.id, "reservation_id": self.reservation.reservation_id}
+                if not reaped:
+                    # cancelled while the server was not confirmed gone: nothing final; its memory stays held
+                    self._stuck = self._stuck or "the runner stopped before the server was confirmed gone"
+                elif error is not None:
+                    reason = f"the runner's driver failed: {_describe(error)}"
+                    self.machine.abandon(reason, failed=True)
+                    self.ctx.emit(InstanceFailed, **ids, reason=reason)
+                else:
+                    self.machine.abandon("runner stopped")
+                    self.ctx.emit(InstanceStopped, **ids, reason="runner stopped")
+                await self._write_status()
+        except Exception as exc:  # the end of one instance must never take the runner with it
+            self._bound.error("instance_end_not_recorded", error=_describe(exc))
+        finally:
+            self.log.close()
+            self.spawned.set()
+            self.settled.set()
+            self.finished.set()
+
+    # --- reports -------------------------------------------------------------------------------------------
+
+    def _report(self, action: lc.Action) -> None:
+        ids = {"instance_id": self.id, "reservation_id": self.reservation.reservation_id}
+        bound = self._bound
+        if isinstance(action, lc.ReportStarting):
+            bound.info("instance_starting", port=self.port, generation=action.generation)
+            self.ctx.emit(InstanceStarting, **ids, command=self.command, port=self.port or 0)
+        elif isinstance(action, lc.ReportRestarted):
+            self.ctx.emit(InstanceRestarted, **ids, attempt=action.attempt)
+        elif isinstance(action, lc.ReportReady):
+            observed = self.observed
+            assert observed is not None
+            bound.info(
+                "instance_ready",
+                port=self.port,
+                observed_total=observed.total_bytes,
+                predicted_total=self.predicted.total_bytes,
+                exact=sorted(self.exact),
+            )
+            self.ctx.emit(InstanceReady, **ids, port=self.port or 0, predicted=self.predicted, observed=observed)
+        elif isinstance(action, lc.ReportDrift):
+            bound.warning("instance_drift", drift=describe_drift(action.drift))
+            self.ctx.emit(DriftRejected, **ids, stage="after_start", drift=action.drift)
+        elif isinstance(action, lc.ReportCrashed):
+            bound.warning(
+                "instance_crashed", exit_code=action.exit_code, restart_in_s=action.restart_in_s, reason=action.reason
+            )
+            self.ctx.emit(
+                InstanceCrashed,
+                **ids,
+                exit_code=action.exit_code,
+                restart_in_s=action.restart_in_s,
+                reason=action.reason,
+                log_tail=self.log.tail(),
+            )
+        elif isinstance(action, lc.ReportStopped):
+            self.ctx.emit(InstanceStopped, **ids, reason=action.reason)
+        elif isinstance(action, lc.ReportFailed):
+            bound.error("instance_failed", reason=action.reason)
+            self.ctx.emit(InstanceFailed, **ids, reason=action.reason)
+        elif isinstance(action, lc.ReportStuck):
+            bound.error("instance_stuck", pid=action.pid, reason=action.reason)
+
+    async def _write_status(self) -> None:
+        await write_status(
+            self.ctx,
+            self.status(),
+            live_ttl_s=self.limits.status_ttl_s,
+            final_ttl_s=self.limits.final_ttl_s,
+            timeout_s=self.limits.kv_timeout_s,
+        )
+
+
+async def _get_json(port: int, path: str, timeout_s: float) -> object:
+    response = await http_request(port, "GET", path, timeout_s=timeout_s)
+    if response.status != 200:
+        raise HttpError(f"GET {path}: HTTP {response.status}")
+    result: object = response.json()
+    return result
+
+
+def _describe(exc: BaseException) -> str:
+    """The first real error inside (possibly nested) exception groups, as `Type: message`."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,33 @@
+"""The runner's deadlines and bounds, in one place (the lifecycle's own deadlines are `lifecycle.Timings`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from actors.runner.lifecycle import Timings
+from runtime.restart import RestartPolicy
+
+__all__ = ["RunnerLimits", "default_restart_policy"]
+
+
+def default_restart_policy() -> RestartPolicy:
+    return RestartPolicy(max_restarts=5, window_s=600.0, backoff_initial_s=1.0, backoff_max_s=60.0)
+
+
+@dataclass(frozen=True)
+class RunnerLimits:
+    timings: Timings = field(default_factory=Timings)
+    status_ttl_s: float = 30.0  # a live instance's record outlives a dead runner by at most this
+    final_ttl_s: float = 600.0  # how long a stopped/failed/rejected instance stays visible
+    max_instances: int = 64
+    http_timeout_s: float = 5.0  # one /health, /props or /slots exchange
+    health_interval_s: float = 0.1
+    log_max_bytes: int = 16 << 20  # per instance; one rotated file is kept besides
+    kept_instance_dirs: int = 32  # directories (logs, slot files) of ended instances kept for post-mortems
+    kv_timeout_s: float = 5.0
+    #: What a start may spend reading the model file (header, blake3) before it answers "retry": the request
+    #: deadline is 30 s, and a hash that takes longer keeps running for the retry.
+    file_budget_s: float = 15.0
+    claim_attempts: int = 8  # compare-and-set conflicts on the node's ledger before a start gives up
+    #: What a stop waits for the server to be gone before it answers with the state it reached.
+    stop_answer_s: float = 25.0

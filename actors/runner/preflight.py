@@ -1,0 +1,174 @@
+"""Before a start (runner shell): reads what worker-side admission decides on, and performs the claim.
+
+It reads the node's ledger (`MESH_RESERVATIONS`, key `node.<id>`) and telemetry (`MESH_NODES`), and the model
+file a reservation names. That name comes from a ledger a peer wrote, so it is hostile input: it is resolved
+and opened by `runtime.model_files` (no NUL, no 200 KB name, no `../` out of the models dir, nothing but a
+regular file, never a blocking open of a FIFO), in a worker thread, and every failure is a
+`Refusal(model_unreadable)`, never an exception. A registry-admitted file's blake3 is checked with
+`FileDigests` (each file version hashed once); a hash that outlasts the request's budget keeps running, and
+a retry waits for the same one. The decisions are `actors.runner.admission`'s; this module moves bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats.errors
+import nats.js.errors
+from nats.js.kv import KeyValue
+
+from actors.placement.geometry import GeometryError, geometry_from_header
+from actors.placement.gguf_header import GGUFFormatError, parse_header
+from actors.runner.admission import LEDGER_UNREADABLE, MODEL_MISMATCH, MODEL_UNREADABLE, Refusal
+from messages.errors import UNAVAILABLE
+from messages.model import ModelGeometry
+from messages.placement import LEDGER_KEY_PREFIX, NodeLedger
+from messages.telemetry import NodeResources
+from runtime import buckets
+from runtime.actor import ActorContext
+from runtime.bus import BadMessage, decode_checked, encode
+from runtime.model_files import FileDigests, ModelFileError, open_regular, resolve
+
+__all__ = ["LedgerRead", "ModelFiles", "NodeState"]
+
+
+@dataclass(frozen=True)
+class LedgerRead:
+    ledger: NodeLedger | None
+    revision: int  # 0: no ledger yet
+
+
+class NodeState:
+    """The node's ledger and telemetry, read from their buckets; the claim written with compare-and-set."""
+
+    def __init__(self, node_id: str, kv_timeout_s: float) -> None:
+        self.node_id = node_id
+        self._timeout = kv_timeout_s
+
+    @property
+    def key(self) -> str:
+        return f"{LEDGER_KEY_PREFIX}{self.node_id}"
+
+    async def ledger(self, ctx: ActorContext) -> LedgerRead:
+        try:
+            async with asyncio.timeout(self._timeout):
+                kv = await buckets.reservations(ctx.bus, ctx.subjects)
+                entry = await kv.get(self.key)
+        except nats.js.errors.KeyNotFoundError:
+            return LedgerRead(None, 0)
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise Refusal(UNAVAILABLE, f"cannot read the reservations bucket: {exc!r}", releases=False) from exc
+        if not entry.value:
+            return LedgerRead(None, entry.revision or 0)
+        try:
+            ledger = decode_checked(entry.value, NodeLedger, f"ledger of node {self.node_id}")
+        except BadMessage as exc:
+            raise Refusal(LEDGER_UNREADABLE, str(exc), releases=False) from exc
+        return LedgerRead(ledger, entry.revision or 0)
+
+    async def write_ledger(self, ctx: ActorContext, ledger: NodeLedger, revision: int) -> bool:
+        """Compare-and-set on `revision`; False when someone else wrote first."""
+        try:
+            async with asyncio.timeout(self._timeout):
+                kv: KeyValue = await buckets.reservations(ctx.bus, ctx.subjects)
+                await kv.update(self.key, encode(ledger), last=revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise Refusal(UNAVAILABLE, f"cannot write the reservations bucket: {exc!r}", releases=False) from exc
+        return True
+
+    async def telemetry(self, ctx: ActorContext) -> NodeResources | None:
+        """The node's own last report (None when it expired or does not decode)."""
+        try:
+            async with asyncio.timeout(self._timeout):
+                kv = await buckets.nodes(ctx.bus, ctx.subjects)
+                entry = await kv.get(self.node_id)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise Refusal(UNAVAILABLE, f"cannot read the nodes bucket: {exc!r}", releases=False) from exc
+        if not entry.value:  # expired: a delete marker
+            return None
+        try:
+            return decode_checked(entry.value, NodeResources, f"telemetry of node {self.node_id}")
+        except BadMessage:
+            return None
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    path: Path  # the file this node runs (a relative name resolved inside the models dir)
+    geometry: ModelGeometry
+
+
+class ModelFiles:
+    """Reads model files named by reservations: which file, its header facts, its digest."""
+
+    def __init__(self, models_dir: Path, digests: FileDigests | None = None) -> None:
+        self.models_dir = models_dir
+        self._digests = digests or FileDigests()
+        self._hashing: dict[Path, asyncio.Future[str]] = {}  # hashes in flight (they outlive a request)
+
+    async def read(self, name: str, digest: str | None, budget_s: float) -> ModelFile:
+        """The model `name` names, its header read; with `digest`, the file must have that blake3."""
+        try:
+            async with asyncio.timeout(budget_s):
+                path, geometry = await asyncio.to_thread(_read_geometry, name, self.models_dir)
+        except TimeoutError as exc:
+            raise Refusal(
+                UNAVAILABLE, f"reading the header of {name[:200]!r} took over {budget_s:g}s; retry", releases=False
+            ) from exc
+        except (ModelFileError, GGUFFormatError, GeometryError, OSError, ValueError) as exc:
+            raise Refusal(MODEL_UNREADABLE, f"cannot use model {_short(name)}: {exc}", releases=True) from exc
+        if digest is not None:
+            actual = await self._digest(path, budget_s)
+            if actual != digest:
+                raise Refusal(
+                    MODEL_MISMATCH,
+                    f"{path} is not the file admission was made for (blake3 {actual[:16]}…, expected {digest[:16]}…)",
+                    releases=True,
+                )
+        return ModelFile(path, geometry)
+
+    async def _digest(self, path: Path, budget_s: float) -> str:
+        future = self._hashing.get(path)
+        if future is None:
+            # an executor future, not a task: it completes with its thread whether or not anyone awaits it
+            future = asyncio.get_running_loop().run_in_executor(None, self._digests.digest, path)
+            self._hashing[path] = future
+            future.add_done_callback(lambda done: self._finished_hash(path, done))
+        try:
+            async with asyncio.timeout(budget_s):
+                return await asyncio.shield(future)
+        except TimeoutError as exc:
+            raise Refusal(
+                UNAVAILABLE,
+                f"the blake3 of {path} is still being computed (over {budget_s:g}s so far); retry: "
+                "the digest is kept once done",
+                releases=False,
+            ) from exc
+        except (ModelFileError, OSError) as exc:
+            raise Refusal(MODEL_UNREADABLE, f"cannot read {path}: {exc}", releases=True) from exc
+
+    def _finished_hash(self, path: Path, done: asyncio.Future[str]) -> None:
+        self._hashing.pop(path, None)
+        if not done.cancelled():
+            done.exception()  # retrieved: a hash nobody waited for any more must not warn when it failed
+
+
+def _read_geometry(name: str, models_dir: Path) -> tuple[Path, ModelGeometry]:
+    """Worker thread: resolves `name`, opens it without blocking on a FIFO, reads its header."""
+    path = resolve(name, models_dir)
+    fd, key = open_regular(path)
+    with os.fdopen(fd, "rb") as handle:
+        header = parse_header(handle, key.size, source=str(path))
+    return path, geometry_from_header(header)
+
+
+def _short(name: str) -> str:
+    """A hostile name, shown so a person can recognise it without a 200 KB message."""
+    return repr(name) if len(name) <= 200 else f"{name[:120]!r}… ({len(name)} characters)"
