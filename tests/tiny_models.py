@@ -12,7 +12,8 @@ Shapes follow ggml order ({ne0, ne1, …}); numpy arrays are the reverse.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,46 +139,368 @@ def _add_kv(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
         raise TypeError(f"unsupported metadata value for {key}: {value!r}")
 
 
-def _base(
-    arch: str,
+# --- the engine: a family is header keys, sizes and a tensor table per block ------------------------------------
+
+#: Metadata keys relative to the architecture ("block_count" is written "<arch>.block_count"); a None value
+#: leaves the key out, so an optional key keeps its place in the table.
+_Keys = Mapping[str, object]
+#: Named sizes the tables refer to; a sequence gives one size per block (variable GQA, hybrid head counts).
+_Dims = Mapping[str, int | Sequence[int]]
+#: A tensor's name (under "blk.N." in a block table) and its ggml shape, one size expression per dimension.
+_Row = tuple[str, tuple[str, ...]]
+_Table = tuple[_Row, ...]
+
+_SIZE = re.compile(r"\w+(?:[*+]\w+)*")
+
+
+def _table(*parts: str | _Table) -> _Table:
+    """A tensor table from text (one tensor a line: its name, then its ggml dimensions; `#` starts a comment)
+    and other tables, in file order. A dimension is a sum of products of named sizes and whole numbers
+    ("inner+conv+dt", "2*embd", "heads*k_mla")."""
+    rows: list[_Row] = []
+    for part in parts:
+        if not isinstance(part, str):
+            rows.extend(part)
+            continue
+        for line in part.splitlines():
+            name, *shape = line.split("#", 1)[0].split() or [""]
+            if not name:
+                continue
+            if not shape or not all(_SIZE.fullmatch(size) for size in shape):
+                raise ValueError(f"bad tensor row {line.strip()!r}: expected a name and size expressions")
+            rows.append((name, tuple(shape)))
+    return tuple(rows)
+
+
+def _size(expr: str, sizes: Mapping[str, int]) -> int:
+    total = 0
+    for term in expr.split("+"):
+        product = 1
+        for factor in term.split("*"):
+            if factor.isdigit():
+                product *= int(factor)
+            elif factor in sizes:
+                product *= sizes[factor]
+            else:
+                raise ValueError(f"no size named {factor!r} for {expr!r} (known: {', '.join(sorted(sizes))})")
+        total += product
+    return total
+
+
+def _weight_type(name: str, shape: tuple[int, ...], dtype: str) -> str:
+    """Matrices take the model's weight type; vectors, norms, biases and convolution kernels stay f32, as a
+    converter writes them."""
+    stem = name.removesuffix(".weight")
+    if len(shape) >= 2 and stem != name and "norm" not in stem and not stem.endswith(("conv", "conv1d")):
+        return dtype
+    return "f32"
+
+
+def _spec(arch: str, n_vocab: int, header: _Keys, keys: _Keys | None = None, *, name: str | None = None) -> ModelSpec:
+    """The metadata in file order: the name, the family's common header, the vocabulary, the family's own keys."""
+    spec = ModelSpec(arch=arch, kv={"general.name": name or f"tiny-{arch}"})
+    for key, value in header.items():
+        if value is not None:
+            spec.kv[f"{arch}.{key}"] = value
+    _vocab(spec, n_vocab)
+    for key, value in (keys or {}).items():
+        if value is not None:
+            spec.kv[f"{arch}.{key}"] = value
+    return spec
+
+
+def _write(
+    path: str | os.PathLike[str],
+    spec: ModelSpec,
+    dims: _Dims,
+    layers: Sequence[_Table],
     *,
+    globals_: _Table | None = None,
+    dtype: str = "f32",
+    sparse: bool = False,
+) -> Path:
+    """Adds the global tensors (default: `_GLOBALS`), then block `il`'s table as "blk.{il}.…" with the sizes
+    of that block, and writes the file. `vocab` is the vocabulary's size; every `ssm_a` is made negative."""
+    n_vocab = len(spec.kv["tokenizer.ggml.tokens"])
+    blocks: list[tuple[str, _Table, int | None]] = [("", _GLOBALS if globals_ is None else globals_, None)]
+    blocks += [(f"blk.{il}.", table, il) for il, table in enumerate(layers)]
+    for prefix, table, il in blocks:
+        sizes = {"vocab": n_vocab}
+        for key, value in dims.items():
+            if isinstance(value, int):
+                sizes[key] = value
+            elif il is not None:
+                sizes[key] = value[il]
+        for name, exprs in table:
+            shape = tuple(_size(expr, sizes) for expr in exprs)
+            spec.add(prefix + name, shape, _weight_type(name, shape, dtype))
+            if name == "ssm_a":  # A = -exp(A_log): llama.cpp's SSM kernels assume a decay
+                spec.negative.add(prefix + name)
+    return write_model(spec, path, sparse=sparse)
+
+
+def _transformer(
     n_layer: int,
     n_embd: int,
     n_head: int | list[int],
     n_head_kv: int | list[int],
     n_ff: int | list[int],
-    n_vocab: int,
-    n_ctx_train: int = 32768,
+    *,
     head_dim: int | None = None,
-) -> ModelSpec:
-    spec = ModelSpec(arch=arch, kv={})
-    spec.kv["general.name"] = f"tiny-{arch}"
-    spec.kv[f"{arch}.block_count"] = n_layer
-    spec.kv[f"{arch}.context_length"] = n_ctx_train
-    spec.kv[f"{arch}.embedding_length"] = n_embd
-    spec.kv[f"{arch}.feed_forward_length"] = n_ff
-    spec.kv[f"{arch}.attention.head_count"] = n_head
-    spec.kv[f"{arch}.attention.head_count_kv"] = n_head_kv
-    spec.kv[f"{arch}.attention.layer_norm_rms_epsilon"] = 1e-6
-    spec.kv[f"{arch}.rope.freq_base"] = 10000.0
-    if head_dim is not None:
-        spec.kv[f"{arch}.attention.key_length"] = head_dim
-        spec.kv[f"{arch}.attention.value_length"] = head_dim
-    _vocab(spec, n_vocab)
-    return spec
+    n_ctx_train: int = 32768,
+) -> dict[str, object]:
+    """The header keys every attention family starts with."""
+    return {
+        "block_count": n_layer,
+        "context_length": n_ctx_train,
+        "embedding_length": n_embd,
+        "feed_forward_length": n_ff,
+        "attention.head_count": n_head,
+        "attention.head_count_kv": n_head_kv,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "rope.freq_base": 10000.0,
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+    }
 
 
-def _globals(spec: ModelSpec, n_embd: int, n_vocab: int, dtype: str, *, tied: bool = False) -> None:
-    # Global tensors first, blocks after: the nextn blocks then end the file, so a model loaded without
-    # them maps one contiguous range, as converted models do.
-    spec.add("token_embd.weight", (n_embd, n_vocab), dtype)
-    spec.add("output_norm.weight", (n_embd,))
-    if not tied:
-        spec.add("output.weight", (n_embd, n_vocab), dtype)
+def _recurrent(
+    n_layer: int, n_embd: int, n_ff: int, norm: str, eps: float, n_head: int | None = None
+) -> dict[str, object]:
+    """The header keys a pure-recurrent family starts with: no trained context limit, `norm` names the
+    norm's epsilon key (layer_norm_epsilon or layer_norm_rms_epsilon)."""
+    return {
+        "block_count": n_layer,
+        "context_length": 1 << 20,
+        "embedding_length": n_embd,
+        "feed_forward_length": n_ff,
+        "attention.head_count": n_head,
+        f"attention.{norm}": eps,
+    }
 
 
-def _per_layer(value: int | list[int], il: int) -> int:
-    return value[il] if isinstance(value, list) else value
+def _ssm(kernel: int, inner: int, state: int, dt_rank: int, groups: int | None) -> dict[str, object]:
+    """The SSM keys; `groups=None` leaves group_count out (Mamba 1 has none)."""
+    return {
+        "ssm.conv_kernel": kernel,
+        "ssm.inner_size": inner,
+        "ssm.state_size": state,
+        "ssm.time_step_rank": dt_rank,
+        "ssm.group_count": groups,
+    }
+
+
+def _moe(
+    n_expert: int,
+    n_used: int,
+    n_ff: int | None = None,
+    *,
+    shared_ff: int | None = None,
+    shared_count: int | None = None,
+) -> dict[str, object]:
+    """The routed-expert keys: the expert width and the shared expert's (a width or a count) where given."""
+    return {
+        "expert_count": n_expert,
+        "expert_used_count": n_used,
+        "expert_feed_forward_length": n_ff,
+        "expert_shared_feed_forward_length": shared_ff,
+        "expert_shared_count": shared_count,
+    }
+
+
+def _lora_ranks(rank: int) -> dict[str, object]:
+    return {f"attention.{lora}_lora_rank": rank for lora in ("decay", "iclr", "value_residual_mix", "gate")}
+
+
+def _attention_dims(
+    n_embd: int, n_head: int, n_head_kv: int | Sequence[int], head_dim: int | None = None
+) -> dict[str, int | Sequence[int]]:
+    """embd, heads, head (size), q and kv (projection widths; kv per block when `n_head_kv` is a list). Without
+    an explicit head size, Q is n_embd wide and a head n_embd / n_head."""
+    head = n_embd // n_head if head_dim is None else head_dim
+    q = n_embd if head_dim is None else n_head * head_dim
+    kv = n_head_kv * head if isinstance(n_head_kv, int) else [heads * head for heads in n_head_kv]
+    return {"embd": n_embd, "heads": n_head, "head": head, "q": q, "kv": kv}
+
+
+def _ssm_dims(kernel: int, inner: int, state: int, dt_rank: int, groups: int = 0) -> dict[str, int]:
+    """The SSM sizes: key (B/C width of a gated delta net), conv (channels a Mamba2 convolution sees: x, B and
+    C), group_width (of a Mamba2 grouped norm)."""
+    return {
+        "kernel": kernel,
+        "inner": inner,
+        "state": state,
+        "dt": dt_rank,
+        "groups": groups,
+        "key": groups * state,
+        "conv": inner + 2 * groups * state,
+        "group_width": inner // groups if groups else 0,
+    }
+
+
+def _ffn_dims(ff: int = 0, *, expert: int = 0, ff_exp: int = 0, ff_shexp: int = 0) -> dict[str, int]:
+    """The FFN sizes: the dense width, the expert count, a routed expert's and the shared expert's width."""
+    return {"ff": ff, "expert": expert, "ff_exp": ff_exp, "ff_shexp": ff_shexp}
+
+
+# --- the tables: blocks as llama.cpp's `load_tensors` creates them ----------------------------------------------
+
+# Global tensors first, blocks after: the nextn blocks then end the file, so a model loaded without them maps
+# one contiguous range, as converted models do.
+_GLOBALS = _table("""
+    token_embd.weight   embd vocab
+    output_norm.weight  embd
+    output.weight       embd vocab
+""")
+_TIED = _GLOBALS[:2]  # the output projection reuses token_embd
+
+_ATTENTION = _table("""
+    attn_q.weight       embd q
+    attn_k.weight       embd kv
+    attn_v.weight       embd kv
+    attn_output.weight  q embd
+""")
+_ATTENTION_BIASED = _table(_ATTENTION[:3], "attn_q.bias q", "attn_k.bias kv", "attn_v.bias kv", _ATTENTION[3:])
+_QK_NORM = _table("attn_q_norm.weight head", "attn_k_norm.weight head")
+# Q and its output gate in one projection, as qwen35 and qwen3next write it
+_GATED_ATTENTION = _table("attn_q.weight embd 2*q", _ATTENTION[1:], _QK_NORM)
+
+_FFN = _table("""
+    ffn_gate.weight  embd ff
+    ffn_up.weight    embd ff
+    ffn_down.weight  ff embd
+""")
+_FFN_UP_DOWN = _FFN[1:]
+# a routed MoE FFN: the router and the stacked expert matrices (3-d tensors)
+_EXPERTS = _table("""
+    ffn_gate_inp.weight   embd expert
+    ffn_gate_exps.weight  embd ff_exp expert
+    ffn_up_exps.weight    embd ff_exp expert
+    ffn_down_exps.weight  ff_exp embd expert
+""")
+_EXPERTS_UP_DOWN = _table(_EXPERTS[:1], _EXPERTS[2:])
+_GATED_SHARED_EXPERT = _table("""
+    ffn_gate_inp_shexp.weight  embd
+    ffn_gate_shexp.weight      embd ff_shexp
+    ffn_up_shexp.weight        embd ff_shexp
+    ffn_down_shexp.weight      ff_shexp embd
+""")
+_SHARED_EXPERT = _GATED_SHARED_EXPERT[1:]
+# what makes a block an MTP (nextn) head: input fusion and its two norms
+_NEXTN = _table("""
+    nextn.eh_proj.weight  2*embd embd
+    nextn.enorm.weight    embd
+    nextn.hnorm.weight    embd
+""")
+
+# a Mamba2 mixer (ssm_in packs z, x, B, C and dt), as mamba2, granitehybrid, nemotron_h and falcon-h1 load it
+_MAMBA2 = _table("""
+    ssm_in.weight      embd inner+conv+dt
+    ssm_conv1d.weight  kernel conv
+    ssm_conv1d.bias    conv
+    ssm_dt.bias        dt
+    ssm_a              1 dt
+    ssm_d              1 dt
+    ssm_norm.weight    group_width groups
+    ssm_out.weight     inner embd
+""")
+# a Mamba (v1) mixer; llama.cpp only supports an expansion factor of 2 (inner = 2 n_embd)
+_MAMBA1 = _table("""
+    ssm_in.weight      embd 2*inner
+    ssm_conv1d.weight  kernel inner
+    ssm_conv1d.bias    inner
+    ssm_x.weight       inner dt+2*state
+    ssm_dt.weight      dt inner
+    ssm_dt.bias        inner
+    ssm_a              state inner
+    ssm_d              inner
+    ssm_out.weight     inner embd
+""")
+# a gated delta net (qwen35, qwen3next): fused QKV and gate, conv, decay; beta and alpha come between
+_DELTA_NET_IN = _table("""
+    attn_qkv.weight    embd 2*key+inner
+    attn_gate.weight   embd inner
+    ssm_conv1d.weight  kernel 2*key+inner
+    ssm_dt.bias        dt
+    ssm_a              dt
+""")
+_DELTA_NET_OUT = _table("ssm_norm.weight state", "ssm_out.weight inner embd")
+# the RWKV-7 time mix shared by rwkv7 and arwkv7 (LoRA paths, fused lerp, projections)
+_RWKV7_TIME_MIX = _table("""
+    time_mix_w0.weight  embd
+    time_mix_w1.weight  embd lora
+    time_mix_w2.weight  lora embd
+    time_mix_a0.weight  embd
+    time_mix_a1.weight  embd lora
+    time_mix_a2.weight  lora embd
+    time_mix_v0.weight  embd
+    time_mix_v1.weight  embd lora
+    time_mix_v2.weight  lora embd
+    time_mix_g1.weight  embd lora
+    time_mix_g2.weight  lora embd
+    time_mix_lerp_fused.weight  embd 1 1 6
+    time_mix_k_k.weight  embd
+    time_mix_k_a.weight  embd
+    time_mix_r_k.weight  embd
+    time_mix_key.weight         embd embd
+    time_mix_value.weight       embd embd
+    time_mix_receptance.weight  embd embd
+    time_mix_output.weight      embd embd
+    time_mix_ln.weight  embd
+    time_mix_ln.bias    embd
+""")
+
+# whole blocks of the families that have one kind of block
+_DENSE = _table("attn_norm.weight embd", _ATTENTION, "ffn_norm.weight embd", _FFN)
+_QWEN2 = _table("attn_norm.weight embd", _ATTENTION_BIASED, "ffn_norm.weight embd", _FFN)
+_GEMMA2 = _table(
+    "attn_norm.weight embd",
+    _ATTENTION,
+    "post_attention_norm.weight embd",
+    "ffn_norm.weight embd",
+    _FFN,
+    "post_ffw_norm.weight embd",
+)
+_GEMMA3 = _table(
+    "attn_norm.weight embd",
+    _ATTENTION,
+    "post_attention_norm.weight embd",
+    "attn_k_norm.weight head",
+    "attn_q_norm.weight head",
+    "ffn_norm.weight embd",
+    _FFN,
+    "post_ffw_norm.weight embd",
+)
+_COHERE2 = _table("attn_norm.weight embd", _ATTENTION, _FFN)
+_PHI3 = _table("""
+    attn_norm.weight    embd
+    attn_qkv.weight     embd q+2*kv
+    attn_output.weight  q embd
+    ffn_norm.weight     embd
+    ffn_up.weight       embd 2*ff
+    ffn_down.weight     ff embd
+""")
+_GPT_OSS = _table(
+    "attn_norm.weight embd",
+    "post_attention_norm.weight embd",
+    _ATTENTION,
+    "attn_output.bias embd",
+    "attn_sinks.weight heads",
+    _EXPERTS,
+    """
+    ffn_gate_inp.bias   expert
+    ffn_gate_exps.bias  ff_exp expert
+    ffn_up_exps.bias    ff_exp expert
+    ffn_down_exps.bias  embd expert
+    """,
+)
+_FALCON_H1 = _table(
+    _MAMBA2,
+    _ATTENTION,
+    "attn_norm.weight embd",
+    "ffn_norm embd",  # falcon-h1 loads this norm without a ".weight" suffix
+    _FFN,
+)
 
 
 def write_llama(
@@ -194,25 +517,11 @@ def write_llama(
     sparse: bool = False,
 ) -> Path:
     """A llama model; `n_head_kv` may be a per-layer list (variable GQA)."""
-    head_dim = n_embd // n_head
-    spec = _base(
-        "llama", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, n_vocab=n_vocab
-    )
-    spec.kv["llama.rope.dimension_count"] = head_dim
-    _globals(spec, n_embd, n_vocab, dtype, tied=tied)
-    for il in range(n_layer):
-        kv = _per_layer(n_head_kv, il) * head_dim
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        spec.add(p + "attn_q.weight", (n_embd, n_embd), dtype)
-        spec.add(p + "attn_k.weight", (n_embd, kv), dtype)
-        spec.add(p + "attn_v.weight", (n_embd, kv), dtype)
-        spec.add(p + "attn_output.weight", (n_embd, n_embd), dtype)
-        spec.add(p + "ffn_norm.weight", (n_embd,))
-        spec.add(p + "ffn_gate.weight", (n_embd, n_ff), dtype)
-        spec.add(p + "ffn_up.weight", (n_embd, n_ff), dtype)
-        spec.add(p + "ffn_down.weight", (n_ff, n_embd), dtype)
-    return write_model(spec, path, sparse=sparse)
+    dims = _attention_dims(n_embd, n_head, n_head_kv)
+    header = _transformer(n_layer, n_embd, n_head, n_head_kv, n_ff)
+    spec = _spec("llama", n_vocab, header, {"rope.dimension_count": dims["head"]})
+    globals_ = _TIED if tied else _GLOBALS
+    return _write(path, spec, dims | _ffn_dims(n_ff), [_DENSE] * n_layer, globals_=globals_, dtype=dtype, sparse=sparse)
 
 
 def write_gemma3(
@@ -230,39 +539,14 @@ def write_gemma3(
     sparse: bool = False,
 ) -> Path:
     """A gemma3 model with sliding-window layers (pattern: every `swa_pattern`-th layer is global)."""
-    spec = _base(
-        "gemma3",
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        n_ff=n_ff,
-        n_vocab=n_vocab,
-        head_dim=head_dim,
-    )
-    spec.kv["gemma3.attention.sliding_window"] = n_swa
-    if swa_pattern is not None:
-        spec.kv["gemma3.attention.sliding_window_pattern"] = swa_pattern
-    spec.kv["gemma3.rope.freq_base_swa"] = 10000.0
-    _globals(spec, n_embd, n_vocab, "f32", tied=True)
-    q = n_head * head_dim
-    kv = n_head_kv * head_dim
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        spec.add(p + "attn_q.weight", (n_embd, q))
-        spec.add(p + "attn_k.weight", (n_embd, kv))
-        spec.add(p + "attn_v.weight", (n_embd, kv))
-        spec.add(p + "attn_output.weight", (q, n_embd))
-        spec.add(p + "post_attention_norm.weight", (n_embd,))
-        spec.add(p + "attn_k_norm.weight", (head_dim,))
-        spec.add(p + "attn_q_norm.weight", (head_dim,))
-        spec.add(p + "ffn_norm.weight", (n_embd,))
-        spec.add(p + "ffn_gate.weight", (n_embd, n_ff))
-        spec.add(p + "ffn_up.weight", (n_embd, n_ff))
-        spec.add(p + "ffn_down.weight", (n_ff, n_embd))
-        spec.add(p + "post_ffw_norm.weight", (n_embd,))
-    return write_model(spec, path)
+    keys = {
+        "attention.sliding_window": n_swa,
+        "attention.sliding_window_pattern": swa_pattern,
+        "rope.freq_base_swa": 10000.0,
+    }
+    spec = _spec("gemma3", n_vocab, _transformer(n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim=head_dim), keys)
+    dims = _attention_dims(n_embd, n_head, n_head_kv, head_dim) | _ffn_dims(n_ff)
+    return _write(path, spec, dims, [_GEMMA3] * n_layer, globals_=_TIED)
 
 
 def write_qwen35(
@@ -289,23 +573,9 @@ def write_qwen35(
 
     `inner_size = state_size · dt_rank` (the value dimension of the gated delta net).
     """
-    return _write_qwen35_family(
-        path,
-        "qwen35",
-        n_layer=n_layer,
-        n_nextn=n_nextn,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        head_dim=head_dim,
-        n_ff=n_ff,
-        n_vocab=n_vocab,
-        interval=interval,
-        ssm=(conv_kernel, state_size, group_count, dt_rank),
-        dtype=dtype,
-        n_ctx_train=n_ctx_train,
-        sparse=sparse,
-    )
+    ssm = (conv_kernel, state_size, group_count, dt_rank)
+    sizes = (n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab)
+    return _write_qwen35_family(path, "qwen35", n_layer, n_nextn, interval, sizes, ssm, dtype, n_ctx_train, sparse)
 
 
 def write_qwen35moe(
@@ -328,117 +598,70 @@ def write_qwen35moe(
     n_ff_exp: int = 64,
 ) -> Path:
     """A qwen35moe hybrid: qwen35's blocks with every FFN a routed MoE plus a gated shared expert."""
+    ssm = (conv_kernel, state_size, group_count, dt_rank)
+    sizes = (n_embd, n_head, n_head_kv, head_dim, n_ff_exp, n_vocab)
     return _write_qwen35_family(
-        path,
-        "qwen35moe",
-        n_layer=n_layer,
-        n_nextn=n_nextn,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        head_dim=head_dim,
-        n_ff=n_ff_exp,
-        n_vocab=n_vocab,
-        interval=interval,
-        ssm=(conv_kernel, state_size, group_count, dt_rank),
-        experts=(n_expert, n_expert_used),
+        path, "qwen35moe", n_layer, n_nextn, interval, sizes, ssm, experts=(n_expert, n_expert_used)
     )
 
 
 def _write_qwen35_family(
     path: str | os.PathLike[str],
     arch: str,
-    *,
     n_layer: int,
     n_nextn: int,
-    n_embd: int,
-    n_head: int,
-    n_head_kv: int,
-    head_dim: int,
-    n_ff: int,
-    n_vocab: int,
     interval: int,
+    sizes: tuple[int, int, int, int, int, int],
     ssm: tuple[int, int, int, int],
-    experts: tuple[int, int] = (0, 0),
     dtype: str = "f32",
     n_ctx_train: int = 32768,
     sparse: bool = False,
+    *,
+    experts: tuple[int, int] = (0, 0),
 ) -> Path:
+    """qwen35 and qwen35moe: `sizes` are (n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab), `ssm` (conv_kernel,
+    state_size, group_count, dt_rank); with experts, n_ff is the width of every expert and of the shared one."""
+    n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab = sizes
     conv_kernel, state_size, group_count, dt_rank = ssm
     n_expert, n_expert_used = experts
-    n_all = n_layer + n_nextn
     inner = state_size * dt_rank
-    spec = _base(
-        arch,
-        n_layer=n_all,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        n_ff=n_ff,
-        n_vocab=n_vocab,
-        n_ctx_train=n_ctx_train,
-        head_dim=head_dim,
+    header = _transformer(
+        n_layer + n_nextn, n_embd, n_head, n_head_kv, n_ff, head_dim=head_dim, n_ctx_train=n_ctx_train
     )
-    spec.kv[f"{arch}.rope.dimension_count"] = head_dim
-    spec.kv[f"{arch}.rope.dimension_sections"] = [head_dim // 4, head_dim // 8, head_dim // 8, 0]
-    spec.kv[f"{arch}.ssm.conv_kernel"] = conv_kernel
-    spec.kv[f"{arch}.ssm.inner_size"] = inner
-    spec.kv[f"{arch}.ssm.state_size"] = state_size
-    spec.kv[f"{arch}.ssm.time_step_rank"] = dt_rank
-    spec.kv[f"{arch}.ssm.group_count"] = group_count
-    spec.kv[f"{arch}.full_attention_interval"] = interval
-    if n_nextn:
-        spec.kv[f"{arch}.nextn_predict_layers"] = n_nextn
-    if n_expert:
-        spec.kv[f"{arch}.expert_count"] = n_expert
-        spec.kv[f"{arch}.expert_used_count"] = n_expert_used
-        spec.kv[f"{arch}.expert_feed_forward_length"] = n_ff
-        spec.kv[f"{arch}.expert_shared_feed_forward_length"] = n_ff
-    _globals(spec, n_embd, n_vocab, dtype)
-    key_dim = state_size * group_count
-    q = n_head * head_dim
-    kv = n_head_kv * head_dim
+    keys = {
+        "rope.dimension_count": head_dim,
+        "rope.dimension_sections": [head_dim // 4, head_dim // 8, head_dim // 8, 0],
+        **_ssm(conv_kernel, inner, state_size, dt_rank, group_count),
+        "full_attention_interval": interval,
+        "nextn_predict_layers": n_nextn or None,
+        **(_moe(n_expert, n_expert_used, n_ff, shared_ff=n_ff) if n_expert else {}),
+    }
+    dims = _attention_dims(n_embd, n_head, n_head_kv, head_dim) | _ssm_dims(
+        conv_kernel, inner, state_size, dt_rank, group_count
+    )
+    dims |= _ffn_dims(n_ff, expert=n_expert, ff_exp=n_ff, ff_shexp=n_ff)
+    ffn = _table(_EXPERTS, _GATED_SHARED_EXPERT) if n_expert else _FFN
+    layers = _qwen_hybrid_layers(n_layer, n_nextn, interval, _QWEN35_DELTA_NET, ffn)
+    return _write(path, _spec(arch, n_vocab, header, keys), dims, layers, dtype=dtype, sparse=sparse)
 
-    def attention_block(p: str) -> None:
-        spec.add(p + "attn_q.weight", (n_embd, q * 2), dtype)
-        spec.add(p + "attn_k.weight", (n_embd, kv), dtype)
-        spec.add(p + "attn_v.weight", (n_embd, kv), dtype)
-        spec.add(p + "attn_output.weight", (q, n_embd), dtype)
-        spec.add(p + "attn_q_norm.weight", (head_dim,))
-        spec.add(p + "attn_k_norm.weight", (head_dim,))
 
-    for il in range(n_all):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        spec.add(p + "post_attention_norm.weight", (n_embd,))
-        if il >= n_layer or (il + 1) % interval == 0:
-            attention_block(p)
-        else:
-            spec.add(p + "attn_qkv.weight", (n_embd, 2 * key_dim + inner), dtype)
-            spec.add(p + "attn_gate.weight", (n_embd, inner), dtype)
-            spec.add(p + "ssm_conv1d.weight", (conv_kernel, 2 * key_dim + inner))
-            spec.add(p + "ssm_dt.bias", (dt_rank,))
-            spec.add(p + "ssm_a", (dt_rank,))
-            spec.negative.add(p + "ssm_a")
-            spec.add(p + "ssm_beta.weight", (n_embd, dt_rank), dtype)
-            spec.add(p + "ssm_alpha.weight", (n_embd, dt_rank), dtype)
-            spec.add(p + "ssm_norm.weight", (state_size,))
-            spec.add(p + "ssm_out.weight", (inner, n_embd), dtype)
-        if n_expert:
-            _experts(spec, p, n_embd, n_ff, n_expert)
-            spec.add(p + "ffn_gate_inp_shexp.weight", (n_embd,))
-            spec.add(p + "ffn_gate_shexp.weight", (n_embd, n_ff))
-            spec.add(p + "ffn_up_shexp.weight", (n_embd, n_ff))
-            spec.add(p + "ffn_down_shexp.weight", (n_ff, n_embd))
-        else:
-            spec.add(p + "ffn_gate.weight", (n_embd, n_ff), dtype)
-            spec.add(p + "ffn_up.weight", (n_embd, n_ff), dtype)
-            spec.add(p + "ffn_down.weight", (n_ff, n_embd), dtype)
-        if il >= n_layer:
-            spec.add(p + "nextn.eh_proj.weight", (2 * n_embd, n_embd), dtype)
-            spec.add(p + "nextn.enorm.weight", (n_embd,))
-            spec.add(p + "nextn.hnorm.weight", (n_embd,))
-    return write_model(spec, path, sparse=sparse)
+_QWEN35_DELTA_NET = _table(_DELTA_NET_IN, "ssm_beta.weight embd dt", "ssm_alpha.weight embd dt", _DELTA_NET_OUT)
+_QWEN3NEXT_DELTA_NET = _table(_DELTA_NET_IN, "ssm_ba.weight embd 2*dt", _DELTA_NET_OUT)
+
+
+def _qwen_hybrid_layers(n_layer: int, n_nextn: int, interval: int, delta_net: _Table, ffn: _Table) -> list[_Table]:
+    """qwen35 and qwen3next blocks: full attention every `interval`-th trunk block and in the MTP blocks,
+    the gated delta net elsewhere."""
+    return [
+        _table(
+            "attn_norm.weight embd",
+            "post_attention_norm.weight embd",
+            _GATED_ATTENTION if il >= n_layer or (il + 1) % interval == 0 else delta_net,
+            ffn,
+            _NEXTN if il >= n_layer else (),
+        )
+        for il in range(n_layer + n_nextn)
+    ]
 
 
 def write_granitehybrid(
@@ -462,51 +685,20 @@ def write_granitehybrid(
     each attention layer's K/V projections by its own head count.
     """
     inner = 2 * n_embd  # llama.cpp asserts an expansion factor of 2
-    head_dim = n_embd // n_head
     per_attention = [n_head_kv] * len(attention_layers) if isinstance(n_head_kv, int) else list(n_head_kv)
     heads = dict(zip(attention_layers, per_attention, strict=True))
     kv_heads = [heads.get(il, 0) for il in range(n_layer)]
-    spec = _base(
-        "granitehybrid",
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=kv_heads,
-        n_ff=n_ff,
-        n_vocab=n_vocab,
+    keys = {"rope.dimension_count": n_embd // n_head, **_ssm(conv_kernel, inner, state_size, dt_rank, group_count)}
+    spec = _spec("granitehybrid", n_vocab, _transformer(n_layer, n_embd, n_head, kv_heads, n_ff), keys)
+    dims = (
+        _attention_dims(n_embd, n_head, kv_heads)
+        | _ssm_dims(conv_kernel, inner, state_size, dt_rank, group_count)
+        | _ffn_dims(n_ff)
     )
-    spec.kv["granitehybrid.rope.dimension_count"] = head_dim
-    spec.kv["granitehybrid.ssm.conv_kernel"] = conv_kernel
-    spec.kv["granitehybrid.ssm.inner_size"] = inner
-    spec.kv["granitehybrid.ssm.state_size"] = state_size
-    spec.kv["granitehybrid.ssm.time_step_rank"] = dt_rank
-    spec.kv["granitehybrid.ssm.group_count"] = group_count
-    _globals(spec, n_embd, n_vocab, "f32")
-    conv_dim = inner + 2 * group_count * state_size
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        if kv_heads[il] == 0:
-            spec.add(p + "ssm_in.weight", (n_embd, 2 * inner + 2 * group_count * state_size + dt_rank))
-            spec.add(p + "ssm_conv1d.weight", (conv_kernel, conv_dim))
-            spec.add(p + "ssm_conv1d.bias", (conv_dim,))
-            spec.add(p + "ssm_dt.bias", (dt_rank,))
-            spec.add(p + "ssm_a", (1, dt_rank))
-            spec.negative.add(p + "ssm_a")
-            spec.add(p + "ssm_d", (1, dt_rank))
-            spec.add(p + "ssm_norm.weight", (inner // group_count, group_count))
-            spec.add(p + "ssm_out.weight", (inner, n_embd))
-        else:
-            kv = kv_heads[il] * head_dim
-            spec.add(p + "attn_q.weight", (n_embd, n_embd))
-            spec.add(p + "attn_k.weight", (n_embd, kv))
-            spec.add(p + "attn_v.weight", (n_embd, kv))
-            spec.add(p + "attn_output.weight", (n_embd, n_embd))
-        spec.add(p + "ffn_norm.weight", (n_embd,))
-        spec.add(p + "ffn_gate.weight", (n_embd, n_ff))
-        spec.add(p + "ffn_up.weight", (n_embd, n_ff))
-        spec.add(p + "ffn_down.weight", (n_ff, n_embd))
-    return write_model(spec, path)
+    layers = [
+        _table("attn_norm.weight embd", _ATTENTION if kv else _MAMBA2, "ffn_norm.weight embd", _FFN) for kv in kv_heads
+    ]
+    return _write(path, spec, dims, layers)
 
 
 def write_mamba2(
@@ -522,35 +714,10 @@ def write_mamba2(
     n_vocab: int = 259,
 ) -> Path:
     """A pure-recurrent Mamba2 model (no attention, no KV cache)."""
-    spec = ModelSpec(arch="mamba2", kv={})
-    spec.kv["general.name"] = "tiny-mamba2"
-    spec.kv["mamba2.block_count"] = n_layer
-    spec.kv["mamba2.context_length"] = 1 << 20
-    spec.kv["mamba2.embedding_length"] = n_embd
-    spec.kv["mamba2.feed_forward_length"] = 0
-    spec.kv["mamba2.attention.head_count"] = 0
-    spec.kv["mamba2.attention.layer_norm_rms_epsilon"] = 1e-6
-    spec.kv["mamba2.ssm.conv_kernel"] = conv_kernel
-    spec.kv["mamba2.ssm.inner_size"] = inner
-    spec.kv["mamba2.ssm.state_size"] = state_size
-    spec.kv["mamba2.ssm.time_step_rank"] = dt_rank
-    spec.kv["mamba2.ssm.group_count"] = group_count
-    _vocab(spec, n_vocab)
-    _globals(spec, n_embd, n_vocab, "f32")
-    conv_dim = inner + 2 * group_count * state_size
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        spec.add(p + "ssm_in.weight", (n_embd, inner + conv_dim + dt_rank))
-        spec.add(p + "ssm_conv1d.weight", (conv_kernel, conv_dim))
-        spec.add(p + "ssm_conv1d.bias", (conv_dim,))
-        spec.add(p + "ssm_dt.bias", (dt_rank,))
-        spec.add(p + "ssm_a", (1, dt_rank))
-        spec.negative.add(p + "ssm_a")
-        spec.add(p + "ssm_d", (1, dt_rank))
-        spec.add(p + "ssm_norm.weight", (inner // group_count, group_count))
-        spec.add(p + "ssm_out.weight", (inner, n_embd))
-    return write_model(spec, path)
+    header = _recurrent(n_layer, n_embd, 0, "layer_norm_rms_epsilon", 1e-6, n_head=0)
+    header |= _ssm(conv_kernel, inner, state_size, dt_rank, group_count)
+    dims = {"embd": n_embd} | _ssm_dims(conv_kernel, inner, state_size, dt_rank, group_count)
+    return _write(path, _spec("mamba2", n_vocab, header), dims, [_table("attn_norm.weight embd", _MAMBA2)] * n_layer)
 
 
 def write_qwen35_9b(path: str | os.PathLike[str]) -> Path:
@@ -612,94 +779,6 @@ def write_hybrid_set(directory: Path, *, n_vocab: int, llama_layers: int) -> dic
 # --- more architectures, one writer each; tensor lists follow each family's `load_arch_tensors` -------------
 
 
-def _attention(
-    spec: ModelSpec, p: str, n_embd: int, q: int, k: int, v: int, *, out: int | None = None, bias: bool = False
-) -> None:
-    """Separate Q/K/V projections (optionally with biases) and the output projection from `out` (default q)."""
-    spec.add(p + "attn_q.weight", (n_embd, q))
-    spec.add(p + "attn_k.weight", (n_embd, k))
-    spec.add(p + "attn_v.weight", (n_embd, v))
-    if bias:
-        spec.add(p + "attn_q.bias", (q,))
-        spec.add(p + "attn_k.bias", (k,))
-        spec.add(p + "attn_v.bias", (v,))
-    spec.add(p + "attn_output.weight", (q if out is None else out, n_embd))
-
-
-def _ffn(spec: ModelSpec, p: str, n_embd: int, n_ff: int, *, gate: bool = True) -> None:
-    if gate:
-        spec.add(p + "ffn_gate.weight", (n_embd, n_ff))
-    spec.add(p + "ffn_up.weight", (n_embd, n_ff))
-    spec.add(p + "ffn_down.weight", (n_ff, n_embd))
-
-
-def _experts(spec: ModelSpec, p: str, n_embd: int, n_ff_exp: int, n_expert: int, *, gate: bool = True) -> None:
-    """A routed MoE FFN: the router and the stacked expert matrices (3-d tensors)."""
-    spec.add(p + "ffn_gate_inp.weight", (n_embd, n_expert))
-    if gate:
-        spec.add(p + "ffn_gate_exps.weight", (n_embd, n_ff_exp, n_expert))
-    spec.add(p + "ffn_up_exps.weight", (n_embd, n_ff_exp, n_expert))
-    spec.add(p + "ffn_down_exps.weight", (n_ff_exp, n_embd, n_expert))
-
-
-def _mamba2_mixer(
-    spec: ModelSpec,
-    p: str,
-    n_embd: int,
-    *,
-    inner: int,
-    conv_kernel: int,
-    state_size: int,
-    group_count: int,
-    dt_rank: int,
-    norm: bool = True,
-) -> None:
-    """A Mamba2 mixer as nemotron_h and falcon-h1 load it (ssm_in packs z, x, B, C and dt)."""
-    conv_dim = inner + 2 * group_count * state_size
-    spec.add(p + "ssm_in.weight", (n_embd, inner + conv_dim + dt_rank))
-    spec.add(p + "ssm_conv1d.weight", (conv_kernel, conv_dim))
-    spec.add(p + "ssm_conv1d.bias", (conv_dim,))
-    spec.add(p + "ssm_dt.bias", (dt_rank,))
-    spec.add(p + "ssm_a", (1, dt_rank))
-    spec.negative.add(p + "ssm_a")
-    spec.add(p + "ssm_d", (1, dt_rank))
-    if norm:
-        spec.add(p + "ssm_norm.weight", (inner // group_count, group_count))
-    spec.add(p + "ssm_out.weight", (inner, n_embd))
-
-
-def _mamba1_mixer(spec: ModelSpec, p: str, n_embd: int, *, conv_kernel: int, state_size: int, dt_rank: int) -> None:
-    """A Mamba (v1) mixer; llama.cpp only supports an expansion factor of 2 (inner = 2 n_embd)."""
-    inner = 2 * n_embd
-    spec.add(p + "ssm_in.weight", (n_embd, 2 * inner))
-    spec.add(p + "ssm_conv1d.weight", (conv_kernel, inner))
-    spec.add(p + "ssm_conv1d.bias", (inner,))
-    spec.add(p + "ssm_x.weight", (inner, dt_rank + 2 * state_size))
-    spec.add(p + "ssm_dt.weight", (dt_rank, inner))
-    spec.add(p + "ssm_dt.bias", (inner,))
-    spec.add(p + "ssm_a", (state_size, inner))
-    spec.negative.add(p + "ssm_a")
-    spec.add(p + "ssm_d", (inner,))
-    spec.add(p + "ssm_out.weight", (inner, n_embd))
-
-
-def _nextn(spec: ModelSpec, p: str, n_embd: int) -> None:
-    """The tensors that make a block an MTP (nextn) head: input fusion and its two norms."""
-    spec.add(p + "nextn.eh_proj.weight", (2 * n_embd, n_embd))
-    spec.add(p + "nextn.enorm.weight", (n_embd,))
-    spec.add(p + "nextn.hnorm.weight", (n_embd,))
-
-
-def _ssm_keys(spec: ModelSpec, *, conv_kernel: int, inner: int, state_size: int, dt_rank: int, groups: int) -> None:
-    a = spec.arch
-    spec.kv[f"{a}.ssm.conv_kernel"] = conv_kernel
-    spec.kv[f"{a}.ssm.inner_size"] = inner
-    spec.kv[f"{a}.ssm.state_size"] = state_size
-    spec.kv[f"{a}.ssm.time_step_rank"] = dt_rank
-    if groups:
-        spec.kv[f"{a}.ssm.group_count"] = groups
-
-
 def write_qwen2(
     path: str | os.PathLike[str],
     *,
@@ -711,64 +790,8 @@ def write_qwen2(
     n_vocab: int = 259,
 ) -> Path:
     """A qwen2 model: GQA with Q/K/V biases, head size n_embd / n_head, separate output matrix."""
-    spec = _base(
-        "qwen2", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, n_vocab=n_vocab
-    )
-    _globals(spec, n_embd, n_vocab, "f32")
-    kv = n_head_kv * (n_embd // n_head)
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        _attention(spec, p, n_embd, n_embd, kv, kv, bias=True)
-        spec.add(p + "ffn_norm.weight", (n_embd,))
-        _ffn(spec, p, n_embd, n_ff)
-    return write_model(spec, path)
-
-
-def _write_qwen3_family(
-    path: str | os.PathLike[str],
-    arch: str,
-    *,
-    n_layer: int,
-    n_embd: int,
-    n_head: int,
-    n_head_kv: int,
-    head_dim: int,
-    n_ff: int,
-    n_vocab: int,
-    n_expert: int = 0,
-    n_expert_used: int = 0,
-    n_ff_exp: int = 0,
-) -> Path:
-    spec = _base(
-        arch,
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        n_ff=n_ff,
-        n_vocab=n_vocab,
-        head_dim=head_dim,
-    )
-    if n_expert:
-        spec.kv[f"{arch}.expert_count"] = n_expert
-        spec.kv[f"{arch}.expert_used_count"] = n_expert_used
-        spec.kv[f"{arch}.expert_feed_forward_length"] = n_ff_exp
-    _globals(spec, n_embd, n_vocab, "f32", tied=True)
-    q = n_head * head_dim
-    kv = n_head_kv * head_dim
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        _attention(spec, p, n_embd, q, kv, kv)
-        spec.add(p + "attn_q_norm.weight", (head_dim,))
-        spec.add(p + "attn_k_norm.weight", (head_dim,))
-        spec.add(p + "ffn_norm.weight", (n_embd,))
-        if n_expert:
-            _experts(spec, p, n_embd, n_ff_exp, n_expert)
-        else:
-            _ffn(spec, p, n_embd, n_ff)
-    return write_model(spec, path)
+    spec = _spec("qwen2", n_vocab, _transformer(n_layer, n_embd, n_head, n_head_kv, n_ff))
+    return _write(path, spec, _attention_dims(n_embd, n_head, n_head_kv) | _ffn_dims(n_ff), [_QWEN2] * n_layer)
 
 
 def write_qwen3(
@@ -783,17 +806,7 @@ def write_qwen3(
     n_vocab: int = 259,
 ) -> Path:
     """A qwen3 model: GQA with an explicit head size (q/k norms), tied output embeddings."""
-    return _write_qwen3_family(
-        path,
-        "qwen3",
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        head_dim=head_dim,
-        n_ff=n_ff,
-        n_vocab=n_vocab,
-    )
+    return _write_qwen3_family(path, "qwen3", n_layer, (n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab))
 
 
 def write_qwen3moe(
@@ -811,20 +824,28 @@ def write_qwen3moe(
     n_ff_exp: int = 32,
 ) -> Path:
     """A qwen3moe model: qwen3 attention, every FFN a routed mixture of `n_expert` experts."""
-    return _write_qwen3_family(
-        path,
-        "qwen3moe",
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        head_dim=head_dim,
-        n_ff=n_ff,
-        n_vocab=n_vocab,
-        n_expert=n_expert,
-        n_expert_used=n_expert_used,
-        n_ff_exp=n_ff_exp,
+    sizes = (n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab)
+    return _write_qwen3_family(path, "qwen3moe", n_layer, sizes, (n_expert, n_expert_used, n_ff_exp))
+
+
+def _write_qwen3_family(
+    path: str | os.PathLike[str],
+    arch: str,
+    n_layer: int,
+    sizes: tuple[int, int, int, int, int, int],
+    experts: tuple[int, int, int] = (0, 0, 0),
+) -> Path:
+    """qwen3 and qwen3moe: `sizes` are (n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab), `experts`
+    (n_expert, n_expert_used, n_ff_exp)."""
+    n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab = sizes
+    n_expert, n_expert_used, n_ff_exp = experts
+    keys = _moe(n_expert, n_expert_used, n_ff_exp) if n_expert else {}
+    spec = _spec(arch, n_vocab, _transformer(n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim=head_dim), keys)
+    dims = _attention_dims(n_embd, n_head, n_head_kv, head_dim) | _ffn_dims(n_ff, expert=n_expert, ff_exp=n_ff_exp)
+    layer = _table(
+        "attn_norm.weight embd", _ATTENTION, _QK_NORM, "ffn_norm.weight embd", _EXPERTS if n_expert else _FFN
     )
+    return _write(path, spec, dims, [layer] * n_layer, globals_=_TIED)
 
 
 def write_gemma2(
@@ -842,34 +863,15 @@ def write_gemma2(
 ) -> Path:
     """A gemma2 model: sliding window on every other layer unless `swa_pattern` says otherwise; without
     `n_swa` the window is gemma 2's default of 4096."""
-    spec = _base(
-        "gemma2",
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        n_ff=n_ff,
-        n_vocab=n_vocab,
-        head_dim=head_dim,
-    )
-    if n_swa is not None:
-        spec.kv["gemma2.attention.sliding_window"] = n_swa
-    if swa_pattern is not None:
-        spec.kv["gemma2.attention.sliding_window_pattern"] = swa_pattern
-    spec.kv["gemma2.attn_logit_softcapping"] = 50.0
-    spec.kv["gemma2.final_logit_softcapping"] = 30.0
-    _globals(spec, n_embd, n_vocab, "f32", tied=True)
-    q = n_head * head_dim
-    kv = n_head_kv * head_dim
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        _attention(spec, p, n_embd, q, kv, kv)
-        spec.add(p + "post_attention_norm.weight", (n_embd,))
-        spec.add(p + "ffn_norm.weight", (n_embd,))
-        _ffn(spec, p, n_embd, n_ff)
-        spec.add(p + "post_ffw_norm.weight", (n_embd,))
-    return write_model(spec, path)
+    keys = {
+        "attention.sliding_window": n_swa,
+        "attention.sliding_window_pattern": swa_pattern,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    }
+    spec = _spec("gemma2", n_vocab, _transformer(n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim=head_dim), keys)
+    dims = _attention_dims(n_embd, n_head, n_head_kv, head_dim) | _ffn_dims(n_ff)
+    return _write(path, spec, dims, [_GEMMA2] * n_layer, globals_=_TIED)
 
 
 def write_cohere2(
@@ -885,22 +887,15 @@ def write_cohere2(
     swa_pattern: int | None = None,
 ) -> Path:
     """A cohere2 (Command R7B) model: three sliding-window layers then one global (pattern 4 by default)."""
-    spec = _base(
-        "cohere2", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, n_vocab=n_vocab
-    )
-    spec.kv["cohere2.attention.sliding_window"] = n_swa
-    if swa_pattern is not None:
-        spec.kv["cohere2.attention.sliding_window_pattern"] = swa_pattern
-    spec.kv["cohere2.logit_scale"] = 0.25
-    spec.kv["cohere2.attention.layer_norm_epsilon"] = 1e-5
-    _globals(spec, n_embd, n_vocab, "f32", tied=True)
-    kv = n_head_kv * (n_embd // n_head)
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        _attention(spec, p, n_embd, n_embd, kv, kv)
-        _ffn(spec, p, n_embd, n_ff)
-    return write_model(spec, path)
+    keys = {
+        "attention.sliding_window": n_swa,
+        "attention.sliding_window_pattern": swa_pattern,
+        "logit_scale": 0.25,
+        "attention.layer_norm_epsilon": 1e-5,
+    }
+    spec = _spec("cohere2", n_vocab, _transformer(n_layer, n_embd, n_head, n_head_kv, n_ff), keys)
+    dims = _attention_dims(n_embd, n_head, n_head_kv) | _ffn_dims(n_ff)
+    return _write(path, spec, dims, [_COHERE2] * n_layer, globals_=_TIED)
 
 
 def write_gpt_oss(
@@ -920,37 +915,14 @@ def write_gpt_oss(
 ) -> Path:
     """A gpt-oss model: attention sinks, sliding window on every other layer, MoE FFNs with biases.
     `n_ff` is only the header's feed_forward_length (released files repeat the expert width there)."""
-    spec = _base(
-        "gpt-oss",
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        n_ff=n_ff,
-        n_vocab=n_vocab,
-        head_dim=head_dim,
-    )
-    spec.kv["gpt-oss.rope.dimension_count"] = head_dim
-    spec.kv["gpt-oss.attention.sliding_window"] = n_swa
-    spec.kv["gpt-oss.expert_count"] = n_expert
-    spec.kv["gpt-oss.expert_used_count"] = n_expert_used
-    spec.kv["gpt-oss.expert_feed_forward_length"] = n_ff_exp
-    _globals(spec, n_embd, n_vocab, "f32")
-    q = n_head * head_dim
-    kv = n_head_kv * head_dim
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        spec.add(p + "post_attention_norm.weight", (n_embd,))
-        _attention(spec, p, n_embd, q, kv, kv)
-        spec.add(p + "attn_output.bias", (n_embd,))
-        spec.add(p + "attn_sinks.weight", (n_head,))
-        _experts(spec, p, n_embd, n_ff_exp, n_expert)
-        spec.add(p + "ffn_gate_inp.bias", (n_expert,))
-        spec.add(p + "ffn_gate_exps.bias", (n_ff_exp, n_expert))
-        spec.add(p + "ffn_up_exps.bias", (n_ff_exp, n_expert))
-        spec.add(p + "ffn_down_exps.bias", (n_embd, n_expert))
-    return write_model(spec, path)
+    keys = {
+        "rope.dimension_count": head_dim,
+        "attention.sliding_window": n_swa,
+        **_moe(n_expert, n_expert_used, n_ff_exp),
+    }
+    spec = _spec("gpt-oss", n_vocab, _transformer(n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim=head_dim), keys)
+    dims = _attention_dims(n_embd, n_head, n_head_kv, head_dim) | _ffn_dims(expert=n_expert, ff_exp=n_ff_exp)
+    return _write(path, spec, dims, [_GPT_OSS] * n_layer)
 
 
 def write_nemotron_h(
@@ -971,18 +943,8 @@ def write_nemotron_h(
     """A nemotron_h model; `layers` spells the blocks as Nemotron-H's pattern does: `M` a Mamba2 mixer,
     `*` attention, `-` an MLP. Only attention blocks have KV heads and only MLP blocks an FFN length, so
     an MLP block has neither KV nor recurrent state."""
-    return _write_nemotron(
-        path,
-        "nemotron_h",
-        layers=layers,
-        n_nextn=0,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        n_ff=n_ff,
-        n_vocab=n_vocab,
-        ssm=(conv_kernel, inner, state_size, group_count, dt_rank),
-    )
+    ssm = (conv_kernel, inner, state_size, group_count, dt_rank)
+    return _write_nemotron(path, "nemotron_h", layers, 0, (n_embd, n_head, n_head_kv, n_ff, n_vocab), ssm)
 
 
 def write_nemotron_h_moe(
@@ -1005,88 +967,56 @@ def write_nemotron_h_moe(
 ) -> Path:
     """A nemotron_h_moe model: as `write_nemotron_h`, with `E` for a routed-MoE block (plus a shared
     expert), and `n_nextn` MTP blocks (attention and MoE in one block, as the converter writes them)."""
-    return _write_nemotron(
-        path,
-        "nemotron_h_moe",
-        layers=layers,
-        n_nextn=n_nextn,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        n_ff=n_ff_exp,
-        n_vocab=n_vocab,
-        ssm=(conv_kernel, inner, state_size, group_count, dt_rank),
-        experts=(n_expert, n_expert_used),
-    )
+    ssm = (conv_kernel, inner, state_size, group_count, dt_rank)
+    sizes = (n_embd, n_head, n_head_kv, n_ff_exp, n_vocab)
+    return _write_nemotron(path, "nemotron_h_moe", layers, n_nextn, sizes, ssm, (n_expert, n_expert_used))
 
 
 def _write_nemotron(
     path: str | os.PathLike[str],
     arch: str,
-    *,
     layers: str,
     n_nextn: int,
-    n_embd: int,
-    n_head: int,
-    n_head_kv: int,
-    n_ff: int,
-    n_vocab: int,
+    sizes: tuple[int, int, int, int, int],
     ssm: tuple[int, int, int, int, int],
     experts: tuple[int, int] = (0, 0),
 ) -> Path:
+    """nemotron_h and nemotron_h_moe: `sizes` are (n_embd, n_head, n_head_kv, n_ff, n_vocab), `ssm`
+    (conv_kernel, inner, state_size, group_count, dt_rank); with experts, n_ff is every expert's width."""
+    n_embd, n_head, n_head_kv, n_ff, n_vocab = sizes
     conv_kernel, inner, state_size, group_count, dt_rank = ssm
     n_expert, n_expert_used = experts
     kinds = layers + "N" * n_nextn  # an MTP block has both attention heads and an FFN length
     kv_heads = [n_head_kv if kind in "*N" else 0 for kind in kinds]
     ff = [n_ff if kind in "-EN" else 0 for kind in kinds]
-    spec = _base(arch, n_layer=len(kinds), n_embd=n_embd, n_head=n_head, n_head_kv=kv_heads, n_ff=ff, n_vocab=n_vocab)
-    spec.kv[f"{arch}.attention.layer_norm_epsilon"] = 1e-5
-    _ssm_keys(spec, conv_kernel=conv_kernel, inner=inner, state_size=state_size, dt_rank=dt_rank, groups=group_count)
+    keys = {
+        "attention.layer_norm_epsilon": 1e-5,
+        **_ssm(conv_kernel, inner, state_size, dt_rank, group_count or None),
+        **(_moe(n_expert, n_expert_used, n_ff, shared_ff=n_ff) if n_expert else {}),
+        "nextn_predict_layers": n_nextn or None,
+    }
+    spec = _spec(arch, n_vocab, _transformer(len(kinds), n_embd, n_head, kv_heads, ff), keys)
+    dims = _attention_dims(n_embd, n_head, n_head_kv) | _ssm_dims(conv_kernel, inner, state_size, dt_rank, group_count)
+    dims |= _ffn_dims(n_ff, expert=n_expert, ff_exp=n_ff, ff_shexp=n_ff)
+    blocks = dict(_NEMOTRON_BLOCKS)
     if n_expert:
-        spec.kv[f"{arch}.expert_count"] = n_expert
-        spec.kv[f"{arch}.expert_used_count"] = n_expert_used
-        spec.kv[f"{arch}.expert_feed_forward_length"] = n_ff
-        spec.kv[f"{arch}.expert_shared_feed_forward_length"] = n_ff
-    if n_nextn:
-        spec.kv[f"{arch}.nextn_predict_layers"] = n_nextn
-    _globals(spec, n_embd, n_vocab, "f32")
-    kv = n_head_kv * (n_embd // n_head)
+        blocks["E"] = _NEMOTRON_MOE
+    unknown = [kind for kind in kinds if kind not in blocks]
+    if unknown:
+        raise ValueError(f"unknown {arch} block kind {unknown[0]!r} (expected M, * or -, or E with experts)")
+    return _write(path, spec, dims, [_table("attn_norm.weight embd", blocks[kind]) for kind in kinds])
 
-    def moe(p: str) -> None:
-        _experts(spec, p, n_embd, n_ff, n_expert, gate=False)
-        spec.add(p + "exp_probs_b.bias", (n_expert,))
-        spec.add(p + "ffn_up_shexp.weight", (n_embd, n_ff))
-        spec.add(p + "ffn_down_shexp.weight", (n_ff, n_embd))
 
-    for il, kind in enumerate(kinds):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        if kind == "M":
-            _mamba2_mixer(
-                spec,
-                p,
-                n_embd,
-                inner=inner,
-                conv_kernel=conv_kernel,
-                state_size=state_size,
-                group_count=group_count,
-                dt_rank=dt_rank,
-            )
-        elif kind == "*":
-            _attention(spec, p, n_embd, n_embd, kv, kv)
-        elif kind == "-":
-            _ffn(spec, p, n_embd, n_ff, gate=False)
-        elif kind == "E" and n_expert:
-            moe(p)
-        elif kind == "N":
-            _nextn(spec, p, n_embd)
-            spec.add(p + "nextn.shared_head_norm.weight", (n_embd,))
-            _attention(spec, p, n_embd, n_embd, kv, kv)
-            spec.add(p + "post_attention_norm.weight", (n_embd,))
-            moe(p)
-        else:
-            raise ValueError(f"unknown {arch} block kind {kind!r} (expected M, * or -, or E with experts)")
-    return write_model(spec, path)
+_NEMOTRON_MOE = _table(_EXPERTS_UP_DOWN, "exp_probs_b.bias expert", _SHARED_EXPERT[1:])
+#: Nemotron-H's block kinds by the letter its pattern spells them with; `N` is an MTP block.
+_NEMOTRON_BLOCKS = {
+    "M": _MAMBA2,
+    "*": _ATTENTION,
+    "-": _FFN_UP_DOWN,
+    "N": _table(
+        _NEXTN, "nextn.shared_head_norm.weight embd", _ATTENTION, "post_attention_norm.weight embd", _NEMOTRON_MOE
+    ),
+}
 
 
 def write_lfm2(
@@ -1105,28 +1035,27 @@ def write_lfm2(
     """An LFM2 model: short-convolution blocks, attention (with q/k norms) where head_count_kv > 0; with
     `n_swa` the attention blocks slide."""
     kv_heads = [n_head_kv if il in attention_layers else 0 for il in range(n_layer)]
-    spec = _base("lfm2", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=kv_heads, n_ff=n_ff, n_vocab=n_vocab)
-    spec.kv["lfm2.shortconv.l_cache"] = l_cache
-    if n_swa is not None:
-        spec.kv["lfm2.attention.sliding_window"] = n_swa
-    spec.add("token_embd.weight", (n_embd, n_vocab))
-    spec.add("token_embd_norm.weight", (n_embd,))  # LFM2's output norm carries this name
-    head_dim = n_embd // n_head
-    kv = n_head_kv * head_dim
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        spec.add(p + "ffn_norm.weight", (n_embd,))
-        _ffn(spec, p, n_embd, n_ff)
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        if kv_heads[il]:
-            spec.add(p + "attn_q_norm.weight", (head_dim,))
-            spec.add(p + "attn_k_norm.weight", (head_dim,))
-            _attention(spec, p, n_embd, n_embd, kv, kv)
-        else:
-            spec.add(p + "shortconv.conv.weight", (l_cache, n_embd))
-            spec.add(p + "shortconv.in_proj.weight", (n_embd, 3 * n_embd))
-            spec.add(p + "shortconv.out_proj.weight", (n_embd, n_embd))
-    return write_model(spec, path)
+    keys = {"shortconv.l_cache": l_cache, "attention.sliding_window": n_swa}
+    spec = _spec("lfm2", n_vocab, _transformer(n_layer, n_embd, n_head, kv_heads, n_ff), keys)
+    dims = _attention_dims(n_embd, n_head, n_head_kv) | _ffn_dims(n_ff) | {"l_cache": l_cache}
+    layers = [
+        _table(
+            "ffn_norm.weight embd", _FFN, "attn_norm.weight embd", _table(_QK_NORM, _ATTENTION) if kv else _SHORTCONV
+        )
+        for kv in kv_heads
+    ]
+    return _write(path, spec, dims, layers, globals_=_LFM2_GLOBALS)
+
+
+_LFM2_GLOBALS = _table("""
+    token_embd.weight       embd vocab
+    token_embd_norm.weight  embd  # LFM2's output norm carries this name
+""")
+_SHORTCONV = _table("""
+    shortconv.conv.weight      l_cache embd
+    shortconv.in_proj.weight   embd 3*embd
+    shortconv.out_proj.weight  embd embd
+""")
 
 
 def write_falcon_h1(
@@ -1146,37 +1075,14 @@ def write_falcon_h1(
     dt_rank: int = 8,
 ) -> Path:
     """A falcon-h1 model: every block runs attention and a Mamba2 mixer in parallel (KV and state)."""
-    spec = _base(
-        "falcon-h1",
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        n_ff=n_ff,
-        n_vocab=n_vocab,
-        head_dim=head_dim,
+    keys = _ssm(conv_kernel, inner, state_size, dt_rank, group_count or None)
+    spec = _spec("falcon-h1", n_vocab, _transformer(n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim=head_dim), keys)
+    dims = (
+        _attention_dims(n_embd, n_head, n_head_kv, head_dim)
+        | _ssm_dims(conv_kernel, inner, state_size, dt_rank, group_count)
+        | _ffn_dims(n_ff)
     )
-    _ssm_keys(spec, conv_kernel=conv_kernel, inner=inner, state_size=state_size, dt_rank=dt_rank, groups=group_count)
-    _globals(spec, n_embd, n_vocab, "f32")
-    q = n_head * head_dim
-    kv = n_head_kv * head_dim
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        _mamba2_mixer(
-            spec,
-            p,
-            n_embd,
-            inner=inner,
-            conv_kernel=conv_kernel,
-            state_size=state_size,
-            group_count=group_count,
-            dt_rank=dt_rank,
-        )
-        _attention(spec, p, n_embd, q, kv, kv)
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        spec.add(p + "ffn_norm", (n_embd,))  # falcon-h1 loads this norm without a ".weight" suffix
-        _ffn(spec, p, n_embd, n_ff)
-    return write_model(spec, path)
+    return _write(path, spec, dims, [_FALCON_H1] * n_layer)
 
 
 def write_jamba(
@@ -1198,29 +1104,26 @@ def write_jamba(
 ) -> Path:
     """A jamba model: Mamba (v1) mixers, attention where head_count_kv > 0, MoE FFNs on `moe_layers`."""
     kv_heads = [n_head_kv if il in attention_layers else 0 for il in range(n_layer)]
-    spec = _base("jamba", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=kv_heads, n_ff=n_ff, n_vocab=n_vocab)
-    _ssm_keys(spec, conv_kernel=conv_kernel, inner=2 * n_embd, state_size=state_size, dt_rank=dt_rank, groups=0)
-    if moe_layers:
-        spec.kv["jamba.expert_count"] = n_expert
-        spec.kv["jamba.expert_used_count"] = n_expert_used
-    _globals(spec, n_embd, n_vocab, "f32")
-    kv = n_head_kv * (n_embd // n_head)
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        if kv_heads[il]:
-            _attention(spec, p, n_embd, n_embd, kv, kv)
-        else:
-            _mamba1_mixer(spec, p, n_embd, conv_kernel=conv_kernel, state_size=state_size, dt_rank=dt_rank)
-            spec.add(p + "ssm_dt_norm.weight", (dt_rank,))
-            spec.add(p + "ssm_b_norm.weight", (state_size,))
-            spec.add(p + "ssm_c_norm.weight", (state_size,))
-        spec.add(p + "ffn_norm.weight", (n_embd,))
-        if il in moe_layers:
-            _experts(spec, p, n_embd, n_ff, n_expert)
-        else:
-            _ffn(spec, p, n_embd, n_ff)
-    return write_model(spec, path)
+    keys = {
+        **_ssm(conv_kernel, 2 * n_embd, state_size, dt_rank, None),
+        **(_moe(n_expert, n_expert_used) if moe_layers else {}),
+    }
+    spec = _spec("jamba", n_vocab, _transformer(n_layer, n_embd, n_head, kv_heads, n_ff), keys)
+    dims = _attention_dims(n_embd, n_head, n_head_kv) | _ssm_dims(conv_kernel, 2 * n_embd, state_size, dt_rank)
+    dims |= _ffn_dims(n_ff, expert=n_expert, ff_exp=n_ff)
+    layers = [
+        _table(
+            "attn_norm.weight embd",
+            _ATTENTION if kv_heads[il] else _JAMBA_MAMBA,
+            "ffn_norm.weight embd",
+            _EXPERTS if il in moe_layers else _FFN,
+        )
+        for il in range(n_layer)
+    ]
+    return _write(path, spec, dims, layers)
+
+
+_JAMBA_MAMBA = _table(_MAMBA1, "ssm_dt_norm.weight dt", "ssm_b_norm.weight state", "ssm_c_norm.weight state")
 
 
 def write_mamba(
@@ -1234,22 +1137,11 @@ def write_mamba(
     n_vocab: int = 259,
 ) -> Path:
     """A pure-recurrent Mamba (v1) model with tied output embeddings."""
-    spec = ModelSpec(arch="mamba", kv={})
-    spec.kv["general.name"] = "tiny-mamba"
-    spec.kv["mamba.block_count"] = n_layer
-    spec.kv["mamba.context_length"] = 1 << 20
-    spec.kv["mamba.embedding_length"] = n_embd
-    spec.kv["mamba.feed_forward_length"] = 0
-    spec.kv["mamba.attention.head_count"] = 0
-    spec.kv["mamba.attention.layer_norm_rms_epsilon"] = 1e-5
-    _ssm_keys(spec, conv_kernel=conv_kernel, inner=2 * n_embd, state_size=state_size, dt_rank=dt_rank, groups=0)
-    _vocab(spec, n_vocab)
-    _globals(spec, n_embd, n_vocab, "f32", tied=True)
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        _mamba1_mixer(spec, p, n_embd, conv_kernel=conv_kernel, state_size=state_size, dt_rank=dt_rank)
-    return write_model(spec, path)
+    header = _recurrent(n_layer, n_embd, 0, "layer_norm_rms_epsilon", 1e-5, n_head=0)
+    header |= _ssm(conv_kernel, 2 * n_embd, state_size, dt_rank, None)
+    dims = {"embd": n_embd} | _ssm_dims(conv_kernel, 2 * n_embd, state_size, dt_rank)
+    layers = [_table("attn_norm.weight embd", _MAMBA1)] * n_layer
+    return _write(path, _spec("mamba", n_vocab, header), dims, layers, globals_=_TIED)
 
 
 def write_rwkv7(
@@ -1263,33 +1155,30 @@ def write_rwkv7(
     lora_rank: int = 16,
 ) -> Path:
     """A pure-recurrent RWKV-7 model: token-shift rows and one wkv state (n_embd x head size) per layer."""
-    spec = ModelSpec(arch="rwkv7", kv={})
-    spec.kv["general.name"] = "tiny-rwkv7"
-    spec.kv["rwkv7.block_count"] = n_layer
-    spec.kv["rwkv7.context_length"] = 1 << 20
-    spec.kv["rwkv7.embedding_length"] = n_embd
-    spec.kv["rwkv7.feed_forward_length"] = n_ff
-    spec.kv["rwkv7.attention.layer_norm_epsilon"] = 1e-5
-    spec.kv["rwkv7.wkv.head_size"] = head_size
-    for rank in ("decay", "iclr", "value_residual_mix", "gate"):
-        spec.kv[f"rwkv7.attention.{rank}_lora_rank"] = lora_rank
-    _vocab(spec, n_vocab)
-    spec.add("token_embd.weight", (n_embd, n_vocab))
-    spec.add("token_embd_norm.weight", (n_embd,))
-    spec.add("token_embd_norm.bias", (n_embd,))
-    spec.add("output_norm.weight", (n_embd,))
-    spec.add("output_norm.bias", (n_embd,))
-    spec.add("output.weight", (n_embd, n_vocab))
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        for norm in ("attn_norm", "attn_norm_2"):
-            spec.add(p + norm + ".weight", (n_embd,))
-            spec.add(p + norm + ".bias", (n_embd,))
-        _rwkv7_time_mix(spec, p, n_embd, lora_rank)
-        spec.add(p + "channel_mix_lerp_k.weight", (n_embd, 1, 1))
-        spec.add(p + "channel_mix_key.weight", (n_embd, n_ff))
-        spec.add(p + "channel_mix_value.weight", (n_ff, n_embd))
-    return write_model(spec, path)
+    header = _recurrent(n_layer, n_embd, n_ff, "layer_norm_epsilon", 1e-5)
+    header |= {"wkv.head_size": head_size, **_lora_ranks(lora_rank)}
+    dims = {"embd": n_embd, "ff": n_ff, "lora": lora_rank}
+    return _write(path, _spec("rwkv7", n_vocab, header), dims, [_RWKV7] * n_layer, globals_=_RWKV7_GLOBALS)
+
+
+_RWKV7_GLOBALS = _table("""
+    token_embd.weight       embd vocab
+    token_embd_norm.weight  embd
+    token_embd_norm.bias    embd
+    output_norm.weight      embd
+    output_norm.bias        embd
+    output.weight           embd vocab
+""")
+_RWKV7 = _table(
+    "attn_norm.weight embd",
+    "attn_norm.bias embd",
+    "attn_norm_2.weight embd",
+    "attn_norm_2.bias embd",
+    _RWKV7_TIME_MIX,
+    "channel_mix_lerp_k.weight embd 1 1",
+    "channel_mix_key.weight embd ff",
+    "channel_mix_value.weight ff embd",
+)
 
 
 def write_deepseek2(
@@ -1316,51 +1205,51 @@ def write_deepseek2(
     `q_lora_rank=0`), one latent KV "head" of kv_lora_rank + rope dims (cached as K only) with split k_b/v_b
     up-projections, MoE after
     `n_dense_lead` dense blocks, and `n_nextn` MTP blocks after the `n_layer` trunk blocks."""
-    k_mla = qk_nope_dim + rope_dim
     n_all = n_layer + n_nextn
-    spec = _base("deepseek2", n_layer=n_all, n_embd=n_embd, n_head=n_head, n_head_kv=1, n_ff=n_ff, n_vocab=n_vocab)
-    a = "deepseek2"
-    spec.kv[f"{a}.attention.key_length"] = kv_lora_rank + rope_dim
-    spec.kv[f"{a}.attention.value_length"] = kv_lora_rank
-    spec.kv[f"{a}.attention.key_length_mla"] = k_mla
-    spec.kv[f"{a}.attention.value_length_mla"] = v_head_dim
-    spec.kv[f"{a}.attention.q_lora_rank"] = q_lora_rank
-    spec.kv[f"{a}.attention.kv_lora_rank"] = kv_lora_rank
-    spec.kv[f"{a}.rope.dimension_count"] = rope_dim
-    spec.kv[f"{a}.leading_dense_block_count"] = n_dense_lead
-    spec.kv[f"{a}.expert_count"] = n_expert
-    spec.kv[f"{a}.expert_used_count"] = n_expert_used
-    spec.kv[f"{a}.expert_feed_forward_length"] = n_ff_exp
-    spec.kv[f"{a}.expert_shared_count"] = n_expert_shared
-    if n_nextn:
-        spec.kv[f"{a}.nextn_predict_layers"] = n_nextn
-    _globals(spec, n_embd, n_vocab, "f32")
-    for il in range(n_all):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        spec.add(p + "attn_kv_a_norm.weight", (kv_lora_rank,))
-        if q_lora_rank:
-            spec.add(p + "attn_q_a_norm.weight", (q_lora_rank,))
-            spec.add(p + "attn_q_a.weight", (n_embd, q_lora_rank))
-            spec.add(p + "attn_q_b.weight", (q_lora_rank, n_head * k_mla))
-        else:
-            spec.add(p + "attn_q.weight", (n_embd, n_head * k_mla))
-        spec.add(p + "attn_kv_a_mqa.weight", (n_embd, kv_lora_rank + rope_dim))
-        spec.add(p + "attn_k_b.weight", (qk_nope_dim, kv_lora_rank, n_head))
-        spec.add(p + "attn_v_b.weight", (kv_lora_rank, v_head_dim, n_head))
-        spec.add(p + "attn_output.weight", (n_head * v_head_dim, n_embd))
-        spec.add(p + "ffn_norm.weight", (n_embd,))
-        if il < n_dense_lead:
-            _ffn(spec, p, n_embd, n_ff)
-        else:
-            _experts(spec, p, n_embd, n_ff_exp, n_expert)
-            shared = n_ff_exp * n_expert_shared
-            spec.add(p + "ffn_gate_shexp.weight", (n_embd, shared))
-            spec.add(p + "ffn_up_shexp.weight", (n_embd, shared))
-            spec.add(p + "ffn_down_shexp.weight", (shared, n_embd))
-        if il >= n_layer:
-            _nextn(spec, p, n_embd)
-    return write_model(spec, path)
+    keys = {
+        "attention.key_length": kv_lora_rank + rope_dim,
+        "attention.value_length": kv_lora_rank,
+        "attention.key_length_mla": qk_nope_dim + rope_dim,
+        "attention.value_length_mla": v_head_dim,
+        "attention.q_lora_rank": q_lora_rank,
+        "attention.kv_lora_rank": kv_lora_rank,
+        "rope.dimension_count": rope_dim,
+        "leading_dense_block_count": n_dense_lead,
+        **_moe(n_expert, n_expert_used, n_ff_exp, shared_count=n_expert_shared),
+        "nextn_predict_layers": n_nextn or None,
+    }
+    spec = _spec("deepseek2", n_vocab, _transformer(n_all, n_embd, n_head, 1, n_ff), keys)
+    mla = {"q_lora": q_lora_rank, "kv_lora": kv_lora_rank, "rope": rope_dim, "nope": qk_nope_dim, "v_head": v_head_dim}
+    dims = {"embd": n_embd, "heads": n_head, "k_mla": qk_nope_dim + rope_dim} | mla
+    dims |= _ffn_dims(n_ff, expert=n_expert, ff_exp=n_ff_exp, ff_shexp=n_ff_exp * n_expert_shared)
+    q = _MLA_Q_LORA if q_lora_rank else _table("attn_q.weight embd heads*k_mla")
+    layers = [
+        _table(
+            "attn_norm.weight embd",
+            "attn_kv_a_norm.weight kv_lora",
+            q,
+            _MLA_KV,
+            "ffn_norm.weight embd",
+            _FFN if il < n_dense_lead else _table(_EXPERTS, _SHARED_EXPERT),
+            _NEXTN if il >= n_layer else (),
+        )
+        for il in range(n_all)
+    ]
+    return _write(path, spec, dims, layers)
+
+
+# deepseek2's MLA: a low-rank Q, one latent KV "head" with split k_b/v_b up-projections
+_MLA_Q_LORA = _table("""
+    attn_q_a_norm.weight  q_lora
+    attn_q_a.weight       embd q_lora
+    attn_q_b.weight       q_lora heads*k_mla
+""")
+_MLA_KV = _table("""
+    attn_kv_a_mqa.weight  embd kv_lora+rope
+    attn_k_b.weight       nope kv_lora heads
+    attn_v_b.weight       kv_lora v_head heads
+    attn_output.weight    heads*v_head embd
+""")
 
 
 def write_qwen3next(
@@ -1386,55 +1275,20 @@ def write_qwen3next(
     """A qwen3next model: gated delta net blocks with full attention every `interval`-th block, every FFN
     a routed MoE plus a gated shared expert; `n_nextn` MTP blocks (attention) follow the trunk."""
     inner = state_size * dt_rank
-    n_all = n_layer + n_nextn
-    spec = _base(
-        "qwen3next",
-        n_layer=n_all,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        n_ff=n_ff,
-        n_vocab=n_vocab,
-        head_dim=head_dim,
+    keys = {
+        **_ssm(conv_kernel, inner, state_size, dt_rank, group_count or None),
+        "full_attention_interval": interval,
+        **_moe(n_expert, n_expert_used, n_ff_exp, shared_ff=n_ff_exp),
+        "nextn_predict_layers": n_nextn or None,
+    }
+    header = _transformer(n_layer + n_nextn, n_embd, n_head, n_head_kv, n_ff, head_dim=head_dim)
+    dims = _attention_dims(n_embd, n_head, n_head_kv, head_dim) | _ssm_dims(
+        conv_kernel, inner, state_size, dt_rank, group_count
     )
-    _ssm_keys(spec, conv_kernel=conv_kernel, inner=inner, state_size=state_size, dt_rank=dt_rank, groups=group_count)
-    spec.kv["qwen3next.full_attention_interval"] = interval
-    spec.kv["qwen3next.expert_count"] = n_expert
-    spec.kv["qwen3next.expert_used_count"] = n_expert_used
-    spec.kv["qwen3next.expert_feed_forward_length"] = n_ff_exp
-    spec.kv["qwen3next.expert_shared_feed_forward_length"] = n_ff_exp
-    if n_nextn:
-        spec.kv["qwen3next.nextn_predict_layers"] = n_nextn
-    _globals(spec, n_embd, n_vocab, "f32")
-    key_dim = state_size * group_count
-    q = n_head * head_dim
-    kv = n_head_kv * head_dim
-    for il in range(n_all):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        spec.add(p + "post_attention_norm.weight", (n_embd,))
-        if il >= n_layer or (il + 1) % interval == 0:
-            _attention(spec, p, n_embd, 2 * q, kv, kv, out=q)
-            spec.add(p + "attn_q_norm.weight", (head_dim,))
-            spec.add(p + "attn_k_norm.weight", (head_dim,))
-        else:
-            spec.add(p + "attn_qkv.weight", (n_embd, 2 * key_dim + inner))
-            spec.add(p + "attn_gate.weight", (n_embd, inner))
-            spec.add(p + "ssm_conv1d.weight", (conv_kernel, 2 * key_dim + inner))
-            spec.add(p + "ssm_dt.bias", (dt_rank,))
-            spec.add(p + "ssm_a", (dt_rank,))
-            spec.negative.add(p + "ssm_a")
-            spec.add(p + "ssm_ba.weight", (n_embd, 2 * dt_rank))
-            spec.add(p + "ssm_norm.weight", (state_size,))
-            spec.add(p + "ssm_out.weight", (inner, n_embd))
-        _experts(spec, p, n_embd, n_ff_exp, n_expert)
-        spec.add(p + "ffn_gate_inp_shexp.weight", (n_embd,))
-        spec.add(p + "ffn_gate_shexp.weight", (n_embd, n_ff_exp))
-        spec.add(p + "ffn_up_shexp.weight", (n_embd, n_ff_exp))
-        spec.add(p + "ffn_down_shexp.weight", (n_ff_exp, n_embd))
-        if il >= n_layer:
-            _nextn(spec, p, n_embd)
-    return write_model(spec, path)
+    dims |= _ffn_dims(expert=n_expert, ff_exp=n_ff_exp, ff_shexp=n_ff_exp)
+    ffn = _table(_EXPERTS, _GATED_SHARED_EXPERT)
+    layers = _qwen_hybrid_layers(n_layer, n_nextn, interval, _QWEN3NEXT_DELTA_NET, ffn)
+    return _write(path, _spec("qwen3next", n_vocab, header, keys), dims, layers)
 
 
 def write_plamo2(
@@ -1457,49 +1311,46 @@ def write_plamo2(
     no SSM groups, inner size = Mamba heads x head size."""
     mamba = [il % mamba_step != mamba_step // 2 for il in range(n_layer)]
     inner = dt_rank * head_dim
-    spec = _base(
-        "plamo2",
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=[0 if m else n_head for m in mamba],
-        n_head_kv=[0 if m else n_head_kv for m in mamba],
-        n_ff=n_ff,
-        n_vocab=n_vocab,
-        head_dim=head_dim,
+    heads = [0 if m else n_head for m in mamba]
+    heads_kv = [0 if m else n_head_kv for m in mamba]
+    header = _transformer(n_layer, n_embd, heads, heads_kv, n_ff, head_dim=head_dim)
+    spec = _spec("plamo2", n_vocab, header, _ssm(conv_kernel, inner, state_size, dt_rank, 0))
+    dims = (
+        _attention_dims(n_embd, n_head, n_head_kv, head_dim)
+        | _ssm_dims(conv_kernel, inner, state_size, dt_rank)
+        | _ffn_dims(n_ff)
     )
-    _ssm_keys(spec, conv_kernel=conv_kernel, inner=inner, state_size=state_size, dt_rank=dt_rank, groups=0)
-    spec.kv["plamo2.ssm.group_count"] = 0
-    _globals(spec, n_embd, n_vocab, "f32", tied=True)
-    dt_dim = max(64, n_embd // 16)
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        if mamba[il]:
-            spec.add(p + "ssm_in.weight", (n_embd, 2 * inner))
-            spec.add(p + "ssm_conv1d.weight", (conv_kernel, inner))
-            spec.add(p + "ssm_x.weight", (inner, dt_dim + 2 * state_size))
-            spec.add(p + "ssm_dt.weight", (dt_dim, dt_rank))
-            spec.add(p + "ssm_dt.bias", (dt_rank,))
-            spec.add(p + "ssm_a", (dt_rank,))
-            spec.negative.add(p + "ssm_a")
-            spec.add(p + "ssm_d", (dt_rank,))
-            spec.add(p + "ssm_out.weight", (inner, n_embd))
-            spec.add(p + "ssm_dt_norm", (dt_dim,))  # these three norms have no ".weight" suffix
-            spec.add(p + "ssm_b_norm", (state_size,))
-            spec.add(p + "ssm_c_norm", (state_size,))
-        else:
-            q = n_head * head_dim
-            kv = n_head_kv * head_dim
-            spec.add(p + "attn_qkv.weight", (n_embd, q + 2 * kv))
-            spec.add(p + "attn_q_norm.weight", (head_dim, n_head))
-            spec.add(p + "attn_k_norm.weight", (head_dim, n_head_kv))
-            spec.add(p + "attn_output.weight", (q, n_embd))
-        spec.add(p + "post_attention_norm", (n_embd,))
-        spec.add(p + "ffn_norm.weight", (n_embd,))
-        spec.add(p + "ffn_down.weight", (n_ff, n_embd))
-        spec.add(p + "ffn_up.weight", (n_embd, 2 * n_ff))
-        spec.add(p + "post_ffw_norm", (n_embd,))
-    return write_model(spec, path)
+    dims |= {"heads_kv": n_head_kv, "dt_dim": max(64, n_embd // 16)}
+    layers = [_table("attn_norm.weight embd", _PLAMO2_MAMBA if m else _PLAMO2_ATTENTION, _PLAMO2_FFN) for m in mamba]
+    return _write(path, spec, dims, layers, globals_=_TIED)
+
+
+_PLAMO2_MAMBA = _table("""
+    ssm_in.weight      embd 2*inner
+    ssm_conv1d.weight  kernel inner
+    ssm_x.weight       inner dt_dim+2*state
+    ssm_dt.weight      dt_dim dt
+    ssm_dt.bias        dt
+    ssm_a              dt
+    ssm_d              dt
+    ssm_out.weight     inner embd
+    ssm_dt_norm        dt_dim  # these three norms have no ".weight" suffix
+    ssm_b_norm         state
+    ssm_c_norm         state
+""")
+_PLAMO2_ATTENTION = _table("""
+    attn_qkv.weight     embd q+2*kv
+    attn_q_norm.weight  head heads
+    attn_k_norm.weight  head heads_kv
+    attn_output.weight  q embd
+""")
+_PLAMO2_FFN = _table("""
+    post_attention_norm  embd
+    ffn_norm.weight      embd
+    ffn_down.weight      ff embd
+    ffn_up.weight        embd 2*ff
+    post_ffw_norm        embd
+""")
 
 
 def write_phi3(
@@ -1515,22 +1366,10 @@ def write_phi3(
 ) -> Path:
     """A phi3 model with a fused gate/up projection; its header may name a sliding window (as converted
     Phi-3 models do), which llama.cpp ignores."""
-    spec = _base("phi3", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, n_vocab=n_vocab)
     # a name containing "phi3" makes the vocabulary loader look up Phi-3's own special tokens
-    spec.kv["general.name"] = "tiny-phi-three"
-    if n_swa is not None:
-        spec.kv["phi3.attention.sliding_window"] = n_swa
-    _globals(spec, n_embd, n_vocab, "f32")
-    kv = n_head_kv * (n_embd // n_head)
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        spec.add(p + "attn_qkv.weight", (n_embd, n_embd + 2 * kv))
-        spec.add(p + "attn_output.weight", (n_embd, n_embd))
-        spec.add(p + "ffn_norm.weight", (n_embd,))
-        spec.add(p + "ffn_up.weight", (n_embd, 2 * n_ff))
-        spec.add(p + "ffn_down.weight", (n_ff, n_embd))
-    return write_model(spec, path)
+    header = _transformer(n_layer, n_embd, n_head, n_head_kv, n_ff)
+    spec = _spec("phi3", n_vocab, header, {"attention.sliding_window": n_swa}, name="tiny-phi-three")
+    return _write(path, spec, _attention_dims(n_embd, n_head, n_head_kv) | _ffn_dims(n_ff), [_PHI3] * n_layer)
 
 
 def write_arwkv7(
@@ -1545,42 +1384,11 @@ def write_arwkv7(
     token_shift_count: int = 1,
 ) -> Path:
     """An ARWKV-7 model (RWKV-7 time mix, a SwiGLU FFN): its converter writes one token-shift row."""
-    spec = ModelSpec(arch="arwkv7", kv={})
-    spec.kv["general.name"] = "tiny-arwkv7"
-    spec.kv["arwkv7.block_count"] = n_layer
-    spec.kv["arwkv7.context_length"] = 1 << 20
-    spec.kv["arwkv7.embedding_length"] = n_embd
-    spec.kv["arwkv7.feed_forward_length"] = n_ff
-    spec.kv["arwkv7.attention.layer_norm_rms_epsilon"] = 1e-5
-    spec.kv["arwkv7.wkv.head_size"] = head_size
-    spec.kv["arwkv7.token_shift_count"] = token_shift_count
-    for rank in ("decay", "iclr", "value_residual_mix", "gate"):
-        spec.kv[f"arwkv7.attention.{rank}_lora_rank"] = lora_rank
-    _vocab(spec, n_vocab)
-    _globals(spec, n_embd, n_vocab, "f32")
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        _rwkv7_time_mix(spec, p, n_embd, lora_rank)
-        spec.add(p + "ffn_norm.weight", (n_embd,))
-        _ffn(spec, p, n_embd, n_ff)
-    return write_model(spec, path)
-
-
-def _rwkv7_time_mix(spec: ModelSpec, p: str, n_embd: int, lora_rank: int) -> None:
-    """The RWKV-7 time-mix tensors shared by rwkv7 and arwkv7 (LoRA paths, fused lerp, projections)."""
-    for lora in ("w", "a", "v", "g"):
-        if lora != "g":
-            spec.add(p + f"time_mix_{lora}0.weight", (n_embd,))
-        spec.add(p + f"time_mix_{lora}1.weight", (n_embd, lora_rank))
-        spec.add(p + f"time_mix_{lora}2.weight", (lora_rank, n_embd))
-    spec.add(p + "time_mix_lerp_fused.weight", (n_embd, 1, 1, 6))
-    for vec in ("k_k", "k_a", "r_k"):
-        spec.add(p + f"time_mix_{vec}.weight", (n_embd,))
-    for proj in ("key", "value", "receptance", "output"):
-        spec.add(p + f"time_mix_{proj}.weight", (n_embd, n_embd))
-    spec.add(p + "time_mix_ln.weight", (n_embd,))
-    spec.add(p + "time_mix_ln.bias", (n_embd,))
+    header = _recurrent(n_layer, n_embd, n_ff, "layer_norm_rms_epsilon", 1e-5)
+    header |= {"wkv.head_size": head_size, "token_shift_count": token_shift_count, **_lora_ranks(lora_rank)}
+    dims = {"embd": n_embd, "ff": n_ff, "lora": lora_rank}
+    layer = _table("attn_norm.weight embd", _RWKV7_TIME_MIX, "ffn_norm.weight embd", _FFN)
+    return _write(path, _spec("arwkv7", n_vocab, header), dims, [layer] * n_layer)
 
 
 def write_glm4moe(
@@ -1602,41 +1410,35 @@ def write_glm4moe(
     """A GLM-4.5-style glm4moe: dense leading blocks, then routed MoE with a shared expert, and `n_nextn`
     MTP blocks after the trunk (a dense model's MTP head, with a V cache unlike deepseek2's)."""
     n_all = n_layer + n_nextn
-    spec = _base(
-        "glm4moe",
-        n_layer=n_all,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        n_ff=n_ff,
-        n_vocab=n_vocab,
-        head_dim=head_dim,
+    keys = {
+        "leading_dense_block_count": n_dense_lead,
+        **_moe(n_expert, n_expert_used, n_ff_exp, shared_count=1),
+        "nextn_predict_layers": n_nextn or None,
+    }
+    spec = _spec("glm4moe", n_vocab, _transformer(n_all, n_embd, n_head, n_head_kv, n_ff, head_dim=head_dim), keys)
+    dims = _attention_dims(n_embd, n_head, n_head_kv, head_dim) | _ffn_dims(
+        n_ff, expert=n_expert, ff_exp=n_ff_exp, ff_shexp=n_ff_exp
     )
-    spec.kv["glm4moe.leading_dense_block_count"] = n_dense_lead
-    spec.kv["glm4moe.expert_count"] = n_expert
-    spec.kv["glm4moe.expert_used_count"] = n_expert_used
-    spec.kv["glm4moe.expert_feed_forward_length"] = n_ff_exp
-    spec.kv["glm4moe.expert_shared_count"] = 1
-    if n_nextn:
-        spec.kv["glm4moe.nextn_predict_layers"] = n_nextn
-    _globals(spec, n_embd, n_vocab, "f32")
-    q = n_head * head_dim
-    kv = n_head_kv * head_dim
-    for il in range(n_all):
-        p = f"blk.{il}."
-        spec.add(p + "attn_norm.weight", (n_embd,))
-        _attention(spec, p, n_embd, q, kv, kv, bias=True)
-        spec.add(p + "attn_q_norm.weight", (head_dim,))
-        spec.add(p + "attn_k_norm.weight", (head_dim,))
-        spec.add(p + "post_attention_norm.weight", (n_embd,))
-        if il >= n_dense_lead:
-            _experts(spec, p, n_embd, n_ff_exp, n_expert)
-            spec.add(p + "exp_probs_b.bias", (n_expert,))
-            spec.add(p + "ffn_gate_shexp.weight", (n_embd, n_ff_exp))
-            spec.add(p + "ffn_down_shexp.weight", (n_ff_exp, n_embd))
-            spec.add(p + "ffn_up_shexp.weight", (n_embd, n_ff_exp))
-        else:
-            _ffn(spec, p, n_embd, n_ff)
-        if il >= n_layer:
-            _nextn(spec, p, n_embd)
-    return write_model(spec, path)
+    layers = [
+        _table(
+            "attn_norm.weight embd",
+            _ATTENTION_BIASED,
+            _QK_NORM,
+            "post_attention_norm.weight embd",
+            _GLM4MOE_MOE if il >= n_dense_lead else _FFN,
+            _NEXTN if il >= n_layer else (),
+        )
+        for il in range(n_all)
+    ]
+    return _write(path, spec, dims, layers)
+
+
+_GLM4MOE_MOE = _table(
+    _EXPERTS,
+    """
+    exp_probs_b.bias       expert
+    ffn_gate_shexp.weight  embd ff_shexp
+    ffn_down_shexp.weight  ff_shexp embd
+    ffn_up_shexp.weight    embd ff_shexp
+    """,
+)
