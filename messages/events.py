@@ -90,12 +90,17 @@ def event_type(event: Event) -> str:
 # --- placement -----------------------------------------------------------------------------------------
 
 
-class PlacementDecided(Event, frozen=True, kw_only=True, tag="placement_decided"):
-    """Everything needed to recompute a decision: the request, the view it saw, and the decision."""
+class DecisionInputs(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a placement decision used, complete: what replay feeds to today's core.
+
+    Small decisions carry these fields inline in their `placement_decided` event. A large one (a view of
+    thousands of nodes would not fit in one NATS message) stores this record in the decisions object store
+    under the blake3 of its JSON encoding, and its event carries that digest (`record`)."""
 
     request: PlacementRequest
     view: tuple[NodeResources, ...]  # every node the placement actor knew, stale ones included
     view_revisions: dict[str, int]
+    view_ages: dict[str, float] = {}  # seconds since each report arrived (placement's own clock)
     ledgers: tuple[NodeLedger, ...]  # memory held on those nodes at the time
     geometry: ModelGeometry | None  # the model's header facts as read (None if unreadable)
     model_path: str | None
@@ -103,10 +108,37 @@ class PlacementDecided(Event, frozen=True, kw_only=True, tag="placement_decided"
     decision: PlacementDecision
 
 
+class DecisionRecordRef(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a decision's complete `DecisionInputs` is stored: object `blake3` of the decisions store."""
+
+    blake3: str  # hex digest of the stored bytes (the JSON encoding of the DecisionInputs)
+    size_bytes: int
+
+
+class PlacementDecided(Event, frozen=True, kw_only=True, tag="placement_decided"):
+    """Everything needed to recompute a decision: the request, the view it saw, and the decision.
+
+    With `record` set, the inputs are stored beside the journal (see `DecisionInputs`) and this event is a
+    bounded summary: `view`, `view_revisions`, `view_ages` and `ledgers` are empty, `geometry` is None, the
+    request names at most 64 of its nodes and the decision keeps its first 8 rejections and no view."""
+
+    request: PlacementRequest
+    view: tuple[NodeResources, ...] = ()
+    view_revisions: dict[str, int] = {}
+    view_ages: dict[str, float] = {}
+    ledgers: tuple[NodeLedger, ...] = ()
+    geometry: ModelGeometry | None = None
+    model_path: str | None = None
+    unreadable_ledgers: tuple[str, ...] = ()
+    decision: PlacementDecision
+    record: DecisionRecordRef | None = None
+
+
 class ReservationReleased(Event, frozen=True, kw_only=True, tag="reservation_released"):
     reservation_id: str
     node_id_released: str
-    reason: str  # "stopped", "failed", "rejected", "refused", "expired", "node_restarted"
+    # "stopped", "failed", "rejected", "refused", "expired", "node_restarted", "instance_gone", "rolled_back"
+    reason: str
 
 
 class ReservationObserved(Event, frozen=True, kw_only=True, tag="reservation_observed"):

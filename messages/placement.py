@@ -32,6 +32,7 @@ RejectReason = Literal[
     "no_nodes",  # no node is eligible at all
     "reservation_conflict",  # another placement took the memory first, repeatedly
     "ledger_unreadable",  # the node's reservation ledger does not decode: nothing is booked there
+    "multi_node_unsupported",  # the request allows a split over nodes: split (RPC) serving is not built
 ]
 
 
@@ -63,8 +64,10 @@ class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     nodes: tuple[str, ...] = ()  # only these nodes (default: any live node)
     settings: PreferredSettings | None = None
     n_gpu_layers: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -ngl; -1 = all layers on GPUs when there are GPUs
-    allow_multi_node: bool = True
-    hold_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 600.0  # a reservation not started by then expires
+    allow_multi_node: bool = False  # true is refused (multi_node_unsupported): split serving is not built
+    # A reservation no runner claimed within this many seconds (on each placement actor's own clock, from when
+    # it first saw the reservation) expires; a claimed one is held while its instance lives.
+    hold_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 600.0
     request_id: str | None = None  # the client's own correlation id, echoed in the decision
 
 
@@ -145,9 +148,13 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     devices: tuple[DeviceMemory, ...]  # predicted per device (what is held while reserved)
     held: dict[str, int]  # device -> bytes held now (predicted, then observed once running)
     multi_node: bool = False
-    created_at: float
-    expires_at: float | None = None  # None once the runner reports the instance ready
-    running_since: float | None = None  # when the runner reported it ready (telemetry after this sees it)
+    created_at: float  # the booking placement actor's clock (informational)
+    # `created_at + hold_s` on the booking actor's clock, for people (expiry is measured by each placement
+    # actor on its own clock, never by comparing this with another host's time); None once running.
+    expires_at: float | None = None
+    hold_s: float | None = None  # how long it is held unclaimed (None in ledgers written before it was kept)
+    # When its instance became ready, on the node's own clock: the node's reports sent later see the memory.
+    running_since: float | None = None
     node_started_at: float | None = None  # the node process that runs it (its telemetry's started_at)
     instance_id: str | None = None  # set by the runner's claim (state starting): the instance that uses it
 

@@ -1,16 +1,23 @@
 """Placement actor (shell): answers `mesh.placement.request` and `mesh.placement.fit`, keeps reservations.
 
-- The cluster view comes only from events: a watch on the nodes KV bucket (telemetry with per-key TTL;
-  an expired key arrives as an empty delete marker and removes the node).
+- The cluster view comes only from events: a watch on the nodes KV bucket (telemetry with per-key TTL; an
+  expired key arrives as an empty delete marker and removes the node). Each report's arrival is noted on
+  this actor's monotonic clock: staleness is the time since it arrived, never a comparison with the time
+  the node wrote into it.
 - Ledgers (memory held per node) live in the reservations KV bucket, key `node.<id>`. A decision reads the
-  ledgers of the nodes it considers, decides with the pure core, and writes each chosen node's ledger with
-  compare-and-set on the revision it read. If another placement actor wrote first, it re-reads and decides
-  again, so two actors never book the same memory; a multi-node booking that fails half-way is rolled back.
-- Runner events (ready, stopped, failed, refused, drift) arrive through a durable JetStream consumer shared
-  by every placement actor, so none is lost while placement restarts: ready replaces the prediction by the
-  observed footprint, the others release the reservation. Reservations never started expire.
+  ledgers of the nodes it considers from a watched local copy, decides with the pure core, and writes the
+  chosen node's ledger with compare-and-set on the revision it read. If another placement actor wrote
+  first, it re-reads the bucket and decides again, so two actors never book the same memory; a refusal
+  decided from the local copy is re-checked against the bucket before it is answered.
+- Everything that happens to a reservation afterwards is decided by `reservations.py` (pure) and written
+  with compare-and-set: runner events through a durable JetStream consumer shared by every placement actor
+  are the fast path, and a periodic reconcile compares the ledgers with the instance records of the
+  instances bucket, so memory is released (or a missed ready applied) even when events are lost or late.
+- Model files named by clients are hostile input: every file operation runs in a worker thread, through
+  `runtime.model_files` (no FIFO can block, no path can escape the models dir).
 - Every `placement.request` decision is a `placement_decided` journal event with its inputs (replayable);
-  `placement.fit` answers the same question, reserves nothing and is not journaled.
+  large inputs go to a side record (`decision_records.py`). `placement.fit` answers the same question,
+  reserves nothing and is not journaled.
 """
 
 from __future__ import annotations
@@ -18,24 +25,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
+import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from stat import S_ISREG
+from pathlib import Path
 
-import blake3
 import msgspec
 import nats.errors
 import nats.js.errors
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.object_store import ObjectStore
 
+from actors.placement import decision_records
 from actors.placement.admission import ModelFacts, ViewEntry, decide, rejected
 from actors.placement.geometry import GeometryError, UnsupportedArchitecture, geometry_from_header
-from actors.placement.gguf_header import GGUFFormatError, read_header
-from actors.placement.ledger import expired, replaced, with_reservation, without
+from actors.placement.gguf_header import GGUFFormatError, parse_header
+from actors.placement.ledger import with_reservation
 from actors.placement.registry import RegistryUntrusted, check_file, verify
+from actors.placement.reservations import (
+    Change,
+    Promote,
+    Reconciler,
+    Release,
+    ReleaseReason,
+    apply,
+    released_by_event,
+)
 from messages.events import (
+    DecisionInputs,
     DriftRejected,
     InstanceFailed,
     InstanceReady,
@@ -56,16 +77,33 @@ from messages.placement import (
     Reservation,
 )
 from messages.registry import RegistryEntry
+from messages.runner import InstanceStatus
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext
 from runtime.bus import BadMessage, decode_checked, encode
 from runtime.logging import get_logger
+from runtime.model_files import FileDigests, FileKey, ModelFileError, check_name, file_key, open_regular, resolve
 
 QUEUE_GROUP = "placement"
 RUNNER_EVENTS_CONSUMER = "placement-reservations"
-_RELEASING = {"instance_stopped": "stopped", "instance_failed": "failed", "drift_rejected": "rejected"}
-_RELEASING["instance_refused"] = "refused"
+_RELEASING: dict[str, ReleaseReason] = {
+    "instance_stopped": "stopped",
+    "instance_failed": "failed",
+    "drift_rejected": "rejected",
+    "instance_refused": "refused",
+}
+#: A decision event larger than this stores its inputs in a side record (the journal's own limit is larger).
+INLINE_EVENT_BYTES = 32 * 1024
+#: What the bounded summary of a large decision keeps inline.
+SUMMARY_NODES = 64
+SUMMARY_REJECTIONS = 8
+#: Refusals that depend on a ledger, re-checked against the bucket when decided from the local copy.
+_LEDGER_REASONS = frozenset({"insufficient_memory", "ledger_unreadable"})
+#: KV key characters (nats-py refuses others); a registry name outside them names no entry.
+_REGISTRY_NAME = re.compile(r"^[-/_=.a-zA-Z0-9]{1,255}$")
+_MODEL_CACHE_ENTRIES = 256
+_CHANGE_DEADLINE_S = 10.0
 
 
 #: The runner events that change a reservation.
@@ -88,9 +126,8 @@ class ModelProblem(Exception):
 
 @dataclass(frozen=True, slots=True)
 class _Cached:
-    key: tuple[int, int]  # size, mtime_ns
+    key: FileKey
     geometry: ModelGeometry
-    digest: str | None = None
 
 
 def ledger_key(node_id: str) -> str:
@@ -105,19 +142,36 @@ class PlacementActor(Actor):
         self,
         *,
         trusted_registry_keys: tuple[str, ...] = (),
+        models_dir: Path | None = None,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         max_attempts: int = 8,
         sweep_interval_s: float = 2.0,
+        claim_grace_s: float = 30.0,
+        inline_event_bytes: int = INLINE_EVENT_BYTES,
     ) -> None:
+        """`models_dir`: where relative model paths live (as for the runner); without one they are refused.
+        `sweep_interval_s`: how often reservations are reconciled. `claim_grace_s`: how long a claimed
+        reservation is held before its instance's record first appears."""
         self.trusted = trusted_registry_keys
+        self.models_dir = models_dir
         self._clock = clock
+        self._monotonic = monotonic
         self._max_attempts = max_attempts
         self._sweep_interval = sweep_interval_s
+        self._claim_grace = claim_grace_s
+        self._inline_event_bytes = inline_event_bytes
         self._view: dict[str, ViewEntry] = {}
-        self._models: dict[str, _Cached] = {}
+        self._arrived: dict[str, float] = {}  # node -> when its report arrived (our monotonic clock)
         self._view_ready = asyncio.Event()
         self._ledger_cache: dict[str, tuple[NodeLedger | None, int]] = {}
         self._ledgers_ready = asyncio.Event()
+        self._records_ready = asyncio.Event()
+        self._reconciler = Reconciler(claim_grace_s=claim_grace_s)
+        # Model header facts by resolved path, read and used from worker threads.
+        self._models: OrderedDict[str, _Cached] = OrderedDict()
+        self._models_lock = threading.Lock()
+        self._digests = FileDigests()
         self._log = get_logger(actor=self.name)
 
     # --- wiring ---------------------------------------------------------------------------------------
@@ -127,17 +181,22 @@ class PlacementActor(Actor):
         self._nodes = await buckets.nodes(ctx.bus, subjects)
         self._ledgers = await buckets.reservations(ctx.bus, subjects)
         self._registry = await buckets.registry(ctx.bus, subjects)
-        self._view = {}
+        self._instances = await buckets.instances(ctx.bus, subjects)
+        self._records: ObjectStore = await decision_records.open_store(ctx.bus, subjects)
+        self._view, self._arrived = {}, {}
         self._view_ready = asyncio.Event()
         self._ledger_cache = {}
         self._ledgers_ready = asyncio.Event()
+        self._records_ready = asyncio.Event()
+        self._reconciler = Reconciler(claim_grace_s=self._claim_grace)
         ctx.spawn(self._watch_nodes(ctx), "watch-nodes")
         ctx.spawn(self._watch_ledgers(), "watch-ledgers")
+        ctx.spawn(self._watch_instances(ctx), "watch-instances")
         async with asyncio.timeout(10):
             await self._view_ready.wait()
             await self._ledgers_ready.wait()
         ctx.spawn(self._follow_runner_events(ctx), "runner-events")
-        ctx.spawn(self._sweep(ctx), "sweep")
+        ctx.spawn(self._reconcile_forever(ctx), "reconcile")
         await ctx.add_endpoint(
             "request", subjects.placement_request, PlacementRequest, lambda r: self.place(ctx, r, dry_run=False),
             queue_group=QUEUE_GROUP,
@@ -155,7 +214,7 @@ class PlacementActor(Actor):
                     self._view_ready.set()
                     continue
                 if not entry.value or entry.operation in ("DEL", "PURGE"):
-                    self._view.pop(entry.key, None)  # expired (delete marker) or removed
+                    self._forget_node(entry.key)  # expired (delete marker) or removed
                     continue
                 try:
                     node = decode_checked(entry.value, NodeResources, f"telemetry of {entry.key}")
@@ -163,16 +222,33 @@ class PlacementActor(Actor):
                         raise BadMessage(f"telemetry under key {entry.key}", f"claims to be node {node.node_id!r}")
                 except BadMessage as exc:
                     ctx.log.warning("bad_telemetry", key=entry.key, error=str(exc))
-                    self._view.pop(entry.key, None)  # what it said before is no longer what it says
+                    self._forget_node(entry.key)  # what it said before is no longer what it says
                     continue
                 self._view[entry.key] = ViewEntry(resources=node, revision=entry.revision or 0)
+                self._arrived[entry.key] = self._monotonic()
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await watcher.stop()  # type: ignore[no-untyped-call]
 
+    def _forget_node(self, node: str) -> None:
+        self._view.pop(node, None)
+        self._arrived.pop(node, None)
+
+    def _current_view(self) -> dict[str, ViewEntry]:
+        """The view with each report's age, on our own clock."""
+        now = self._monotonic()
+        return {
+            name: ViewEntry(
+                resources=entry.resources,
+                revision=entry.revision,
+                age_s=max(0.0, now - self._arrived.get(name, now)),
+            )
+            for name, entry in self._view.items()
+        }
+
     async def _watch_ledgers(self) -> None:
         """A local copy of every node's ledger: decisions read it first (compare-and-set still guards every
-        write, and a conflict re-reads the bucket), so a decision costs no bucket round trip per node."""
+        write, and a conflict or a refusal re-reads the bucket), so a decision costs no round trip per node."""
         watcher = await self._ledgers.watchall()
         try:
             async for entry in watcher:
@@ -180,7 +256,32 @@ class PlacementActor(Actor):
                     self._ledgers_ready.set()
                     continue
                 node = entry.key.removeprefix(LEDGER_KEY_PREFIX)
-                self._ledger_cache[node] = self._decode_ledger(node, entry.value, entry.revision or 0)
+                decoded = self._decode_ledger(node, entry.value, entry.revision or 0)
+                self._ledger_cache[node] = decoded
+                self._reconciler.saw_ledger(node, decoded[0], self._monotonic())
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await watcher.stop()  # type: ignore[no-untyped-call]
+
+    async def _watch_instances(self, ctx: ActorContext) -> None:
+        """The runners' instance records: what the reconcile compares the ledgers with."""
+        watcher = await self._instances.watchall()
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    self._records_ready.set()
+                    continue
+                if not entry.value or entry.operation in ("DEL", "PURGE"):
+                    self._reconciler.saw_record(entry.key, None)  # expired: its runner stopped refreshing it
+                    continue
+                try:
+                    record = decode_checked(entry.value, InstanceStatus, f"instance record {entry.key}")
+                    if record.id != entry.key:
+                        raise BadMessage(f"instance record {entry.key}", f"claims to be instance {record.id!r}")
+                except BadMessage as exc:
+                    ctx.log.warning("bad_instance_record", key=entry.key, error=str(exc))
+                    continue
+                self._reconciler.saw_record(entry.key, record)
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await watcher.stop()  # type: ignore[no-untyped-call]
@@ -200,7 +301,7 @@ class PlacementActor(Actor):
     async def place(self, ctx: ActorContext, request: PlacementRequest, *, dry_run: bool) -> PlacementDecision:
         decision_id = uuid.uuid4().hex
         now = self._clock()
-        view = dict(self._view)
+        view = self._current_view()
         try:
             facts = await self._model_facts(request)
         except ModelProblem as exc:
@@ -208,21 +309,19 @@ class PlacementActor(Actor):
                 request, exc.reason, str(exc), decision_id=decision_id, now=now, dry_run=dry_run, view=view
             )
             if not dry_run:
-                self._journal(ctx, request, view, {}, None, decision)
+                await self._journal(ctx, request, view, {}, None, decision)
             return decision
 
         reservation_id = uuid.uuid4().hex[:16]
         names = list(request.nodes or view)
+        # The local copy first; after a lost compare-and-set or a refusal, the bucket itself.
+        ledgers = {name: self._ledger_cache.get(name, (None, 0)) for name in names}
+        from_bucket = False
         held: dict[str, NodeLedger] = {}
         unreadable: set[str] = set()
-        for attempt in range(self._max_attempts):
+        for _ in range(self._max_attempts):
             now = self._clock()
-            view = dict(self._view)
-            # The local copy first; after a lost compare-and-set, the bucket itself.
-            if attempt == 0:
-                ledgers = {name: self._ledger_cache.get(name, (None, 0)) for name in names}
-            else:
-                ledgers = await self._read_ledgers(names)
+            view = self._current_view()
             unreadable = {name for name, (_, revision) in ledgers.items() if revision < 0}
             held = {name: ledger for name, (ledger, _) in ledgers.items() if ledger is not None}
             outcome = decide(
@@ -236,8 +335,20 @@ class PlacementActor(Actor):
                 dry_run=dry_run,
                 unreadable=frozenset(unreadable),
             )
-            if not outcome.reservations or await self._commit(ctx, outcome.reservations, ledgers, now):
+            if outcome.reservations:
+                if await self._commit(ctx, outcome.reservations, ledgers):
+                    break
+                ledgers, from_bucket = await self._read_ledgers(names), True
+                continue
+            if outcome.decision.admitted or from_bucket:
                 break
+            # A refusal from the local copy may be a copy that lags the bucket: check what it relied on.
+            suspects = [r.node_id for r in outcome.decision.rejections if r.reason in _LEDGER_REASONS]
+            fresh = await self._read_ledgers(suspects)
+            from_bucket = True
+            if all(fresh[name][1] == ledgers.get(name, (None, 0))[1] for name in fresh):
+                break
+            ledgers.update(fresh)
         else:
             conflict = rejected(
                 request,
@@ -248,10 +359,11 @@ class PlacementActor(Actor):
                 dry_run=dry_run,
                 view=view,
             )
-            self._journal(ctx, request, view, held, facts, conflict, unreadable)
+            if not dry_run:
+                await self._journal(ctx, request, view, held, facts, conflict, unreadable)
             return conflict
         if not dry_run:
-            self._journal(ctx, request, view, held, facts, outcome.decision, unreadable)
+            await self._journal(ctx, request, view, held, facts, outcome.decision, unreadable)
             ctx.log.info(
                 "placement_decided",
                 decision=decision_id,
@@ -261,7 +373,7 @@ class PlacementActor(Actor):
             )
         return outcome.decision
 
-    def _journal(
+    async def _journal(
         self,
         ctx: ActorContext,
         request: PlacementRequest,
@@ -271,31 +383,57 @@ class PlacementActor(Actor):
         decision: PlacementDecision,
         unreadable: set[str] | None = None,
     ) -> None:
-        ctx.emit(
-            PlacementDecided,
+        """Records the decision: inline when small, else its inputs in a side record and a bounded event."""
+        inputs = DecisionInputs(
             request=request,
             view=tuple(entry.resources for entry in view.values()),
             view_revisions={name: entry.revision for name, entry in view.items()},
+            view_ages={name: entry.age_s for name, entry in view.items() if entry.age_s is not None},
             ledgers=tuple(ledgers.values()),
             geometry=facts.geometry if facts else None,
             model_path=facts.path if facts else request.model.path,
             unreadable_ledgers=tuple(sorted(unreadable or ())),
             decision=decision,
         )
+        data, ref = decision_records.encode_record(inputs)
+        if ref.size_bytes <= self._inline_event_bytes:
+            ctx.emit(PlacementDecided, **{f: getattr(inputs, f) for f in DecisionInputs.__struct_fields__})
+            return
+        try:
+            async with asyncio.timeout(_CHANGE_DEADLINE_S):
+                await decision_records.store(self._records, data, ref)
+        except (nats.errors.Error, TimeoutError) as exc:
+            # The event still names the record, so replay says which decision lost its inputs.
+            ctx.log.error("decision_record_not_stored", decision=decision.decision_id, error=repr(exc))
+        ctx.emit(
+            PlacementDecided,
+            request=msgspec.structs.replace(request, nodes=request.nodes[:SUMMARY_NODES]),
+            model_path=inputs.model_path,
+            unreadable_ledgers=inputs.unreadable_ledgers[:SUMMARY_NODES],
+            decision=msgspec.structs.replace(decision, rejections=decision.rejections[:SUMMARY_REJECTIONS], view={}),
+            record=ref,
+        )
 
-    async def _read_ledgers(self, names: list[str]) -> dict[str, tuple[NodeLedger | None, int]]:
+    async def _read_ledgers(self, names: Iterable[str]) -> dict[str, tuple[NodeLedger | None, int]]:
         """Each node's ledger and the revision to compare-and-set against (0: the key does not exist).
 
         A ledger that does not decode is reported with revision -1: nothing may be booked on that node (we
         cannot know what it holds), and it is never overwritten here, so an operator can inspect it."""
         out: dict[str, tuple[NodeLedger | None, int]] = {}
-        for name in names:
-            try:
-                entry = await self._ledgers.get(ledger_key(name))
-            except nats.js.errors.KeyNotFoundError:
-                out[name] = (None, 0)
-                continue
-            out[name] = self._decode_ledger(name, entry.value, entry.revision or 0)
+        limit = asyncio.Semaphore(32)
+
+        async def read(name: str) -> None:
+            async with limit:
+                try:
+                    entry = await self._ledgers.get(ledger_key(name))
+                except nats.js.errors.KeyNotFoundError:
+                    out[name] = (None, 0)
+                    return
+                out[name] = self._decode_ledger(name, entry.value, entry.revision or 0)
+
+        async with asyncio.TaskGroup() as tg:
+            for name in dict.fromkeys(names):
+                tg.create_task(read(name))
         return out
 
     async def _write_ledger(self, node: str, ledger: NodeLedger, revision: int) -> int | None:
@@ -312,43 +450,22 @@ class PlacementActor(Actor):
         ctx: ActorContext,
         reservations: tuple[Reservation, ...],
         ledgers: dict[str, tuple[NodeLedger | None, int]],
-        now: float,
     ) -> bool:
         written: list[Reservation] = []
         for reservation in reservations:
             node = reservation.node_id
             ledger, revision = ledgers.get(node, (None, 0))
-            new_revision = await self._write_ledger(node, with_reservation(ledger, node, reservation, now), revision)
+            new_revision = await self._write_ledger(node, with_reservation(ledger, node, reservation), revision)
             if new_revision is None:
-                # Lost the race on this node: take back what this booking already wrote, then let the caller
-                # retry. Taking back is itself compare-and-set, so it never drops another placement's booking.
+                # Lost the race on this node: take back what this booking already wrote (only while still
+                # unclaimed), then let the caller retry.
                 for done in written:
-                    if not await self._release(done.node_id, done.reservation_id):
-                        ctx.log.error(
-                            "rollback_failed",
-                            node=done.node_id,
-                            reservation=done.reservation_id,
-                            expires=done.expires_at,
-                        )
+                    rollback = Release(done.node_id, done.reservation_id, "rolled_back", seen=("reserved", None))
+                    if not await self._make(ctx, rollback, emit=False):
+                        ctx.log.error("rollback_failed", node=done.node_id, reservation=done.reservation_id)
                 return False
             written.append(reservation)
         return True
-
-    async def _update_reservation(
-        self, node: str, reservation_id: str, change: Callable[[NodeLedger, Reservation], NodeLedger | None]
-    ) -> Reservation | None:
-        """Applies `change` to one reservation with compare-and-set, retrying on conflicts."""
-        for _ in range(self._max_attempts):
-            ledger, revision = (await self._read_ledgers([node]))[node]
-            if ledger is None or revision < 0:
-                return None
-            current = next((r for r in ledger.reservations if r.reservation_id == reservation_id), None)
-            if current is None:
-                return None
-            new = change(ledger, current)
-            if new is None or await self._write_ledger(node, new, revision) is not None:
-                return current
-        return None
 
     # --- models ---------------------------------------------------------------------------------------
 
@@ -359,45 +476,49 @@ class PlacementActor(Actor):
         if ref.registry is not None:
             return await self._registry_facts(ref.registry, ref.path)
         assert ref.path is not None
-        cached = self._cached_model(ref.path)
-        geometry = cached.geometry if cached else (await asyncio.to_thread(self._read_model, ref.path, False))[0]
+        geometry = await asyncio.to_thread(self._load_geometry, ref.path)
         return ModelFacts(geometry=geometry, path=ref.path)
 
-    def _cached_model(self, path: str) -> _Cached | None:
-        """The cached header facts when the file has not changed (one stat: cheap enough for the loop)."""
-        cached = self._models.get(path)
-        if cached is None:
-            return None
+    def _resolve(self, path: str) -> Path:
+        """The file `path` names here (blocking: worker thread). Relative paths live in the models dir."""
         try:
-            stat = os.stat(path)
-        except OSError:
-            return None  # let the full read report the problem
-        return cached if cached.key == (stat.st_size, stat.st_mtime_ns) else None
+            check_name(path)
+            if self.models_dir is None and not Path(path).is_absolute():
+                raise ModelFileError(
+                    f"{path!r} is a relative path and this placement node has no models dir: give an absolute path"
+                )
+            return resolve(path, self.models_dir or Path("."))
+        except ModelFileError as exc:
+            raise ModelProblem("model_unreadable", str(exc)) from exc
 
-    def _read_model(self, path: str, want_digest: bool) -> tuple[ModelGeometry, str | None]:
-        """Header facts of a local file, cached by (size, mtime); the blake3 digest on demand."""
+    def _load_geometry(self, path: str) -> ModelGeometry:
+        """Header facts of a local file (blocking: worker thread), cached per file version."""
+        resolved = self._resolve(path)
         try:
-            stat = os.stat(path)
-            if not S_ISREG(stat.st_mode):  # a FIFO or device would block or never end
-                raise ModelProblem("model_unreadable", f"{path} is not a regular file")
-            key = (stat.st_size, stat.st_mtime_ns)
-            cached = self._models.get(path)
-            if cached is None or cached.key != key:
-                cached = _Cached(key=key, geometry=geometry_from_header(read_header(path)))
-            if want_digest and cached.digest is None:
-                hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-                hasher.update_mmap(path)
-                cached = _Cached(key=key, geometry=cached.geometry, digest=hasher.hexdigest())
-            self._models[path] = cached
-            return cached.geometry, cached.digest
+            fd, key = open_regular(resolved)
+            with os.fdopen(fd, "rb") as handle:
+                with self._models_lock:
+                    cached = self._models.get(str(resolved))
+                if cached is not None and cached.key == key:
+                    return cached.geometry
+                geometry = geometry_from_header(parse_header(handle, key.size, source=str(resolved)))
+        except ModelFileError as exc:
+            raise ModelProblem("model_unreadable", str(exc)) from exc
         except UnsupportedArchitecture as exc:
             raise ModelProblem("unsupported_architecture", str(exc)) from exc
         except (GGUFFormatError, GeometryError) as exc:
             raise ModelProblem("model_unreadable", f"{path}: {exc}") from exc
         except OSError as exc:
             raise ModelProblem("model_unreadable", f"cannot read {path}: {exc.strerror or exc}") from exc
+        with self._models_lock:
+            self._models[str(resolved)] = _Cached(key=key, geometry=geometry)
+            while len(self._models) > _MODEL_CACHE_ENTRIES:
+                self._models.popitem(last=False)
+        return geometry
 
     async def _registry_facts(self, name: str, path: str | None) -> ModelFacts:
+        if not _REGISTRY_NAME.match(name):
+            raise ModelProblem("model_unreadable", f"{name[:80]!r} is not a registry entry name")
         try:
             entry_raw = await self._registry.get(name)
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyValueError, ValueError) as exc:
@@ -406,25 +527,25 @@ class PlacementActor(Actor):
             raise ModelProblem("model_unreadable", f"no registry entry named {name!r}")
         try:
             entry = decode_checked(entry_raw.value, RegistryEntry, f"registry entry {name!r}")
-            verify(entry, self.trusted)
+            verify(entry, self.trusted, stored_as=name)
             if path is not None:
                 await asyncio.to_thread(self._check_registry_file, entry, path)
         except (BadMessage, RegistryUntrusted) as exc:
             raise ModelProblem("registry_untrusted", str(exc)) from exc
-        except ModelProblem:
-            raise
-        except OSError as exc:
-            raise ModelProblem("model_unreadable", f"cannot read {path}: {exc}") from exc
         return ModelFacts(geometry=entry.geometry, path=path or entry.file_name, digest=entry.blake3)
 
     def _check_registry_file(self, entry: RegistryEntry, path: str) -> None:
-        """When the placement node has the file, it must be the one that was signed (size, then digest)."""
-        if not os.path.exists(path):
-            return
-        size = os.stat(path).st_size
-        check_file(entry, size=size, digest=None)  # cheap check before hashing
-        _, digest = self._read_model(path, True)
-        check_file(entry, size=size, digest=digest)
+        """When the placement node has the file, it must be the one that was signed: size, then blake3
+        (blocking: worker thread; each file version is hashed once)."""
+        resolved = self._resolve(path)
+        if not os.path.lexists(resolved):
+            return  # not on this node: the signed facts are enough
+        try:
+            size = file_key(resolved).size
+            check_file(entry, size=size, digest=None)  # cheap check before hashing
+            check_file(entry, size=size, digest=self._digests.digest(resolved))
+        except ModelFileError as exc:
+            raise ModelProblem("model_unreadable", str(exc)) from exc
 
     # --- reservation lifecycle ------------------------------------------------------------------------
 
@@ -445,72 +566,81 @@ class PlacementActor(Actor):
                 try:
                     kind = _EVENT_TYPE.decode(msg.data).type
                     if kind == "instance_ready" or kind in _RELEASING:
-                        event: RunnerOutcome = _RUNNER_OUTCOME.decode(msg.data)
-                        await self._apply_runner_event(ctx, event)
+                        await self._apply_runner_event(ctx, _RUNNER_OUTCOME.decode(msg.data))
                 except msgspec.MsgspecError as exc:
                     # Malformed or from a peer that lies: it changes nothing, and is not retried forever.
                     ctx.log.warning("bad_runner_event", subject=msg.subject, error=str(exc))
+                except (nats.errors.Error, TimeoutError) as exc:
+                    # Not acknowledged: redelivered after ack_wait (the reconcile converges meanwhile).
+                    ctx.log.warning("runner_event_not_applied", subject=msg.subject, error=repr(exc))
+                    continue
                 await msg.ack()
 
     async def _apply_runner_event(self, ctx: ActorContext, event: RunnerOutcome) -> None:
-        node, reservation_id = event.node, event.reservation_id
+        node, rid = event.node, event.reservation_id
+        change: Change
         if isinstance(event, InstanceReady):
-            now = self._clock()
-            total = event.observed.total_bytes
             entry = self._view.get(node)
-            node_started_at = entry.resources.started_at if entry else None
+            change = Promote(
+                node=node,
+                reservation_id=rid,
+                instance_id=event.instance_id,
+                observed_total=event.observed.total_bytes,
+                running_since=event.time,  # the node's clock, compared only with the node's own reports
+                node_started_at=entry.resources.started_at if entry else None,
+            )
+        else:
+            change = released_by_event(node, rid, event.instance_id, _RELEASING[event_type(event)])
+        await self._make(ctx, change)
 
-            def ready(ledger: NodeLedger, current: Reservation) -> NodeLedger:
-                held = _observed_held(current, total)
-                running = msgspec.structs.replace(
-                    current,
-                    state="running",
-                    held=held,
-                    expires_at=None,
-                    running_since=now,
-                    node_started_at=node_started_at,
-                )
-                return replaced(ledger, running)
+    async def _make(self, ctx: ActorContext, change: Change, *, emit: bool = True) -> bool:
+        """Applies `change` to the latest revision of its node's ledger with compare-and-set, re-checking on
+        every attempt that it still applies. True when it was written."""
+        node = change.node
+        async with asyncio.timeout(_CHANGE_DEADLINE_S):
+            for _ in range(self._max_attempts):
+                ledger, revision = (await self._read_ledgers([node]))[node]
+                if revision < 0:
+                    return False  # unreadable: left for an operator
+                new = apply(change, ledger)
+                if new is None:
+                    return False
+                if await self._write_ledger(node, new, revision) is not None:
+                    if emit:
+                        self._announce(ctx, change, new)
+                    return True
+        return False
 
-            if (current := await self._update_reservation(node, reservation_id, ready)) is not None:
-                ctx.emit(ReservationObserved, reservation_id=reservation_id, held=_observed_held(current, total))
-        elif await self._release(node, reservation_id):
-            reason = _RELEASING[event_type(event)]
-            ctx.emit(ReservationReleased, reservation_id=reservation_id, node_id_released=node, reason=reason)
+    def _announce(self, ctx: ActorContext, change: Change, ledger: NodeLedger) -> None:
+        rid = change.reservation_id
+        if isinstance(change, Release):
+            ctx.emit(ReservationReleased, reservation_id=rid, node_id_released=change.node, reason=change.reason)
+            ctx.log.info("reservation_released", node=change.node, reservation=rid, reason=change.reason)
+            return
+        running = next(r for r in ledger.reservations if r.reservation_id == rid)
+        ctx.emit(ReservationObserved, reservation_id=rid, held=dict(running.held))
 
-    async def _release(self, node: str, reservation_id: str) -> bool:
-        def remove(ledger: NodeLedger, _: Reservation) -> NodeLedger:
-            return without(ledger, reservation_id)
-
-        return await self._update_reservation(node, reservation_id, remove) is not None
-
-    async def _sweep(self, ctx: ActorContext) -> None:
-        """Releases what nobody will use: reservations never started before their deadline, and instances of
-        a node process that has since restarted (its runner took its llama-servers down when it died)."""
+    async def _reconcile_forever(self, ctx: ActorContext) -> None:
         while True:
             await asyncio.sleep(self._sweep_interval)
-            now = self._clock()
-            for name, entry in list(self._view.items()):
-                ledger, _ = self._ledger_cache.get(name, (None, 0))  # releasing re-reads and compares-and-sets
-                if ledger is None:
-                    continue
-                started = entry.resources.started_at  # the node's own clock on both sides: no skew
-                stale = [(r, "expired") for r in expired(ledger, now)]
-                stale += [
-                    (r, "node_restarted")
-                    for r in ledger.reservations
-                    if r.node_started_at is not None and r.node_started_at != started
-                ]
-                for reservation, reason in stale:
-                    rid = reservation.reservation_id
-                    if await self._release(name, rid):
-                        ctx.emit(ReservationReleased, reservation_id=rid, node_id_released=name, reason=reason)
+            await self.reconcile(ctx)
 
-
-def _observed_held(reservation: Reservation, observed_total: int) -> dict[str, int]:
-    """Held memory once running: the observed footprint, plus the host extras (prompt cache, checkpoints)
-    that grow at run time and are not in the startup figures. Multi-device layouts keep the prediction."""
-    if len(reservation.devices) != 1 or observed_total <= 0:
-        return dict(reservation.held)
-    device = reservation.devices[0]
-    return {device.device: observed_total + device.host_extra_bytes}
+    async def reconcile(self, ctx: ActorContext) -> None:
+        """One pass: compares every ledger with the instance records and the view, and writes what the
+        core says should change. Failures are logged and retried by the next pass."""
+        for node, (ledger, revision) in list(self._ledger_cache.items()):
+            if ledger is None or revision < 0:
+                continue
+            entry = self._view.get(node)
+            changes = self._reconciler.changes(
+                node,
+                ledger,
+                node_started_at=entry.resources.started_at if entry else None,
+                now=self._monotonic(),
+                records_complete=self._records_ready.is_set(),
+            )
+            for change in changes:
+                try:
+                    await self._make(ctx, change)
+                except (nats.errors.Error, TimeoutError) as exc:
+                    ctx.log.warning("reconcile_change_failed", node=node, change=repr(change), error=repr(exc))

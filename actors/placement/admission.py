@@ -3,13 +3,15 @@
 Rules this module keeps:
 - Settings are stamped from what a node advertises, never from the request. A client may *require*
   settings; a node advertising something else is refused with `settings_mismatch` naming the fields.
-- A node is eligible only with fresh telemetry (`now - sent_at <= ttl_s`) and advertised serving settings.
+- A node is eligible only with fresh telemetry and advertised serving settings. Fresh means its latest
+  report arrived at the placement actor at most `ttl_s` ago, on the placement actor's own clock (the shell
+  passes each report's age): a node's `sent_at` is its own clock and is never compared with ours.
 - Each node is sized with the memory model against what its ledger says is available on each device
   (`actors.placement.ledger`); the decision carries the breakdown per device, need and have.
-- One node is preferred: among the nodes that fit, the one left with the most headroom on its tightest
-  device (ties by node id), so load spreads. Only when no single node fits are layers split over the
-  smallest number of nodes (largest first), in proportion to what each can hold; the head node runs the
-  server with its settings, and every node's share must fit.
+- One node is chosen: among the nodes that fit, the one left with the most headroom on its tightest
+  device (ties by node id in natural order: gpu-1 < gpu-2 < gpu-10), so load spreads. A model is never
+  split over nodes: split (RPC) serving is not built, so a request that allows it is refused
+  (`multi_node_unsupported`) rather than admitted to something no runner can start.
 - Without `ctx`, or with `max_ctx`, the context is the largest that fits, capped at the model's
   training context; it is always one llama-server can build (multiples of 256 cells per stream).
 Nothing here reads a clock, a file or the bus: `now` and the ids are passed in, which is what lets
@@ -18,6 +20,7 @@ Nothing here reads a clock, a file or the bus: `now` and the ids are passed in, 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -50,6 +53,8 @@ from messages.placement import (
 from messages.settings import ServingSettings
 from messages.telemetry import NodeResources
 
+_DIGITS = re.compile(r"(\d+)")
+
 
 @dataclass(frozen=True, slots=True)
 class ModelFacts:
@@ -62,8 +67,16 @@ class ModelFacts:
 
 @dataclass(frozen=True, slots=True)
 class ViewEntry:
+    """A node's latest report, its nodes-bucket revision, and how long ago it arrived (seconds, on the
+    placement actor's clock). `age_s` None (decisions recorded before ages were kept) falls back to the
+    decision time minus the report's `sent_at`, as decisions were made then."""
+
     resources: NodeResources
     revision: int
+    age_s: float | None = None
+
+    def age(self, now: float) -> float:
+        return self.age_s if self.age_s is not None else now - self.resources.sent_at
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,19 +118,19 @@ def _eligible(
 ) -> tuple[list[ViewEntry], list[NodeRejection]]:
     eligible: list[ViewEntry] = []
     rejections: list[NodeRejection] = []
-    for name in request.nodes or sorted(view):
+    for name in request.nodes or sorted(view, key=natural_key):
         entry = view.get(name)
         if entry is None:
             rejections.append(NodeRejection(node_id=name, reason="not_found", message="no telemetry from this node"))
             continue
         node = entry.resources
-        age = now - node.sent_at
+        age = entry.age(now)
         if age > node.ttl_s:
             rejections.append(
                 NodeRejection(
                     node_id=name,
                     reason="telemetry_stale",
-                    message=f"last report {age:.1f}s ago, older than its {node.ttl_s:g}s TTL",
+                    message=f"last report arrived {age:.1f}s ago, longer than its {node.ttl_s:g}s TTL",
                 )
             )
         elif name in unreadable:
@@ -175,7 +188,6 @@ def _fit(
     have: Mapping[str, int],
     *,
     layers: tuple[int, int],
-    fixed_ctx: int | None = None,
 ) -> _Fit | NodeRejection:
     node = entry.resources
     gpus = _gpu_names(node)
@@ -188,9 +200,7 @@ def _fit(
     step = _step(settings)
     try:
         ceiling = max_context(geometry, settings, budgets, n_gpu_layers=n_gpu_layers, gpu_split=split)
-        if fixed_ctx is not None:
-            ctx = fixed_ctx
-        elif request.ctx is not None and not request.max_ctx:
+        if request.ctx is not None and not request.max_ctx:
             ctx = request.ctx
         elif ceiling is None:
             ctx = request.ctx or step
@@ -216,85 +226,6 @@ def _fit(
     return _Fit(entry, settings, breakdown, ctx, ceiling, headroom, n_gpu_layers, split, layers)
 
 
-def _sub_geometry(geometry: ModelGeometry, first: int, last: int) -> ModelGeometry:
-    """The blocks [first, last) as a model of their own: the share of one node in a layer split."""
-    head, tail = first == 0, last == geometry.n_layer
-    layers = tuple(msgspec.structs.replace(layer, index=i) for i, layer in enumerate(geometry.layers[first:last]))
-    return msgspec.structs.replace(
-        geometry,
-        layers=layers,
-        n_layer=last - first,
-        n_layer_nextn=sum(1 for layer in layers if layer.nextn),
-        input_tensor_bytes=geometry.input_tensor_bytes if head else 0,
-        output_tensor_bytes=geometry.output_tensor_bytes if tail else 0,
-        tied_output=geometry.tied_output and tail,
-        token_embd_bytes=geometry.token_embd_bytes if tail else 0,
-    )
-
-
-def _ranges(n_layer: int, weights: Sequence[int]) -> list[tuple[int, int]] | None:
-    """Contiguous block ranges in proportion to `weights`, each at least one block."""
-    k = len(weights)
-    total = sum(weights)
-    if n_layer < k or total <= 0:
-        return None
-    bounds = [0]
-    acc = 0
-    for i, w in enumerate(weights[:-1]):
-        acc += w
-        cut = round(n_layer * acc / total)
-        cut = max(cut, bounds[-1] + 1)
-        cut = min(cut, n_layer - (k - 1 - i))
-        bounds.append(cut)
-    bounds.append(n_layer)
-    return [(bounds[i], bounds[i + 1]) for i in range(k)]
-
-
-def _split(
-    request: PlacementRequest,
-    geometry: ModelGeometry,
-    candidates: Sequence[tuple[ViewEntry, dict[str, int]]],
-) -> list[_Fit] | None:
-    ordered = sorted(candidates, key=lambda c: (-sum(c[1].values()), c[0].resources.node_id))
-    if not ordered:
-        return None
-    head_settings = ordered[0][0].resources.settings
-    assert head_settings is not None
-    # Prompt cache and checkpoints live in the head node's RAM only.
-    member_settings = msgspec.structs.replace(head_settings, cache_ram_mib=0, ctx_checkpoints=0)
-    for k in range(2, len(ordered) + 1):
-        chosen = ordered[:k]
-        ranges = _ranges(geometry.n_layer, [sum(have.values()) for _, have in chosen])
-        if ranges is None:
-            return None
-        fits: list[_Fit] = []
-        ctx: int | None = None
-        # With a free context, the shared context is the smallest ceiling of the members.
-        for attempt in range(2):
-            fits = []
-            for i, ((entry, have), (first, last)) in enumerate(zip(chosen, ranges, strict=True)):
-                result = _fit(
-                    request,
-                    _sub_geometry(geometry, first, last),
-                    entry,
-                    head_settings if i == 0 else member_settings,
-                    have,
-                    layers=(first, last),
-                    fixed_ctx=ctx,
-                )
-                if isinstance(result, NodeRejection):
-                    break
-                fits.append(result)
-            if len(fits) != k:
-                break
-            ctxs = {f.ctx for f in fits}
-            if len(ctxs) == 1:
-                return fits
-            if attempt == 0:
-                ctx = min(ctxs)
-    return None
-
-
 def _reservation(
     fit: _Fit,
     stamp: Stamp,
@@ -302,7 +233,6 @@ def _reservation(
     *,
     reservation_id: str,
     decision_id: str,
-    multi_node: bool,
     now: float,
     hold_s: float,
 ) -> Reservation:
@@ -317,9 +247,9 @@ def _reservation(
         layers=fit.layers,
         devices=fit.breakdown.devices,
         held={d.device: d.total_bytes for d in fit.breakdown.devices},
-        multi_node=multi_node,
         created_at=now,
         expires_at=now + hold_s,
+        hold_s=hold_s,
     )
 
 
@@ -348,6 +278,15 @@ def decide(
 ) -> Outcome:
     """`unreadable` names nodes whose ledger could not be read: nothing is booked on them."""
     geometry = model.geometry
+    if request.allow_multi_node:
+        message = (
+            "allow_multi_node: splitting a model over several nodes (llama.cpp RPC serving) is not built, and "
+            "no runner would start such a placement; ask without allow_multi_node"
+        )
+        refusal = rejected(
+            request, "multi_node_unsupported", message, decision_id=decision_id, now=now, dry_run=dry_run, view=view
+        )
+        return Outcome(msgspec.structs.replace(refusal, architecture=geometry.architecture, model_digest=model.digest))
     eligible, rejections = _eligible(request, view, now, unreadable)
     haves = {e.resources.node_id: available(e.resources, ledgers.get(e.resources.node_id), now) for e in eligible}
     fits: list[_Fit] = []
@@ -359,17 +298,6 @@ def decide(
             rejections.append(result)
         else:
             fits.append(result)
-
-    chosen: list[_Fit] = []
-    if fits:
-        chosen = [max(fits, key=lambda f: (f.headroom, _neg(f.entry.resources.node_id)))]
-    elif request.allow_multi_node and len(eligible) > 1:
-        candidates = [
-            (e, haves[e.resources.node_id])
-            for e in eligible
-            if not any(r.node_id == e.resources.node_id and r.reason == "unsupported_settings" for r in rejections)
-        ]
-        chosen = _split(request, geometry, candidates) or []
 
     base = PlacementDecision(
         decision_id=decision_id,
@@ -383,64 +311,47 @@ def decide(
         decided_at=now,
         request_id=request.request_id,
     )
-    if not chosen:
+    if not fits:
         reason, message = _overall(rejections, view)
         return Outcome(msgspec.structs.replace(base, reason=reason, message=message, rejections=tuple(rejections)))
 
-    head = chosen[0]
-    multi = len(chosen) > 1
-    chosen_ids = {f.entry.resources.node_id for f in chosen}
+    chosen = min(fits, key=lambda f: (-f.headroom, natural_key(f.entry.resources.node_id)))
+    node = chosen.entry.resources
     stamp = Stamp(
-        settings=head.settings,
-        ctx=head.ctx,
-        n_gpu_layers=head.n_gpu_layers,
-        gpu_split=head.gpu_split,
-        llama_server_version=head.entry.resources.llama_server.version if head.entry.resources.llama_server else None,
+        settings=chosen.settings,
+        ctx=chosen.ctx,
+        n_gpu_layers=chosen.n_gpu_layers,
+        gpu_split=chosen.gpu_split,
+        llama_server_version=node.llama_server.version if node.llama_server else None,
     )
-    ceilings = [f.ceiling for f in chosen if f.ceiling is not None]
-    placements = tuple(
-        NodePlacement(
-            node_id=f.entry.resources.node_id,
-            layers=f.layers,
-            breakdown=f.breakdown,
-            telemetry_revision=f.entry.revision,
-        )
-        for f in chosen
+    placement = NodePlacement(
+        node_id=node.node_id, layers=chosen.layers, breakdown=chosen.breakdown, telemetry_revision=chosen.entry.revision
     )
     reservations: tuple[Reservation, ...] = ()
     if not dry_run:
-        reservations = tuple(
+        reservations = (
             _reservation(
-                f,
-                stamp,
-                model,
-                reservation_id=reservation_id,
-                decision_id=decision_id,
-                multi_node=multi,
-                now=now,
+                chosen, stamp, model, reservation_id=reservation_id, decision_id=decision_id, now=now,
                 hold_s=request.hold_s,
-            )
-            for f in chosen
-        )
-    names = ", ".join(f"{p.node_id} blocks {p.layers[0]}-{p.layers[1] - 1}" for p in placements)
+            ),
+        )  # fmt: skip
     decision = msgspec.structs.replace(
         base,
         admitted=True,
-        ctx=head.ctx,
-        context_ceiling=min(ceilings) if ceilings else None,
+        ctx=chosen.ctx,
+        context_ceiling=chosen.ceiling,
         stamp=stamp,
-        placements=placements,
-        multi_node=multi,
+        placements=(placement,),
         reservation_id=None if dry_run else reservation_id,
-        message=("split over " if multi else "on ") + names,
-        rejections=tuple(r for r in rejections if r.node_id not in chosen_ids),
+        message=f"on {node.node_id} blocks {chosen.layers[0]}-{chosen.layers[1] - 1}",
+        rejections=tuple(r for r in rejections if r.node_id != node.node_id),
     )
     return Outcome(decision, reservations)
 
 
-def _neg(text: str) -> tuple[int, ...]:
-    """Sort key that prefers the smaller id under max()."""
-    return tuple(-ord(c) for c in text)
+def natural_key(text: str) -> tuple[tuple[int, int, str], ...]:
+    """Sort key of node ids in natural order: runs of digits compare as numbers (gpu-2 < gpu-10)."""
+    return tuple((0, int(part), part) if part.isdigit() else (1, 0, part) for part in _DIGITS.split(text) if part)
 
 
 def rejected(

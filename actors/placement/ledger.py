@@ -8,21 +8,18 @@ Two limits apply to every device and the smaller one wins:
   see yet (admitted but not running, or ready after the report was taken). It respects every other
   consumer of the device.
 An instance being stopped keeps its memory until its reservation is released, i.e. until it is gone.
-Expired reservations (never started before their deadline) hold nothing.
+Every reservation in the ledger holds its memory until it is removed from it: expiry is decided by the
+placement actor on its own clock (`actors.placement.reservations`), so nothing here compares a time written
+by one host with another host's clock. The one comparison of times (`running_since` against the report's
+`sent_at`) is between two readings of the same node's clock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 from messages.placement import NodeLedger, Reservation
 from messages.telemetry import NodeResources
-
-
-def live_reservations(ledger: NodeLedger | None, now: float) -> tuple[Reservation, ...]:
-    if ledger is None:
-        return ()
-    return tuple(r for r in ledger.reservations if not (r.expires_at is not None and r.expires_at <= now))
 
 
 def device_sizes(node: NodeResources) -> dict[str, tuple[int, int]]:
@@ -46,10 +43,16 @@ def _sum(reservations: Iterable[Reservation]) -> dict[str, int]:
     return held
 
 
-def available(node: NodeResources, ledger: NodeLedger | None, now: float) -> dict[str, int]:
-    """Bytes a new reservation may take on each device of `node`."""
-    reservations = live_reservations(ledger, now)
+def available(node: NodeResources, ledger: NodeLedger | None, now: float | None = None) -> dict[str, int]:
+    """Bytes a new reservation may take on each device of `node`.
+
+    `now` is not used (every reservation in the ledger holds memory until it is removed); it is accepted so
+    that callers written when expiry was checked here keep working."""
+    del now
+    reservations = ledger.reservations if ledger is not None else ()
     held_all = _sum(reservations)
+    # running_since and sent_at are both the node's own clock: the report sent after the instance became
+    # ready already shows its memory as used.
     unseen = _sum(r for r in reservations if r.running_since is None or r.running_since >= node.sent_at)
     return {
         device: max(0, min(size - held_all.get(device, 0), usable - unseen.get(device, 0)))
@@ -57,13 +60,9 @@ def available(node: NodeResources, ledger: NodeLedger | None, now: float) -> dic
     }
 
 
-def held_by_node(ledgers: Mapping[str, NodeLedger], now: float) -> dict[str, dict[str, int]]:
-    return {node: _sum(live_reservations(ledger, now)) for node, ledger in ledgers.items()}
-
-
-def with_reservation(ledger: NodeLedger | None, node_id: str, reservation: Reservation, now: float) -> NodeLedger:
-    """The ledger with `reservation` added (expired ones dropped on the way)."""
-    return NodeLedger(node_id=node_id, reservations=(*live_reservations(ledger, now), reservation))
+def with_reservation(ledger: NodeLedger | None, node_id: str, reservation: Reservation) -> NodeLedger:
+    """The ledger with `reservation` added."""
+    return NodeLedger(node_id=node_id, reservations=(*(ledger.reservations if ledger else ()), reservation))
 
 
 def without(ledger: NodeLedger, reservation_id: str) -> NodeLedger:
@@ -80,7 +79,3 @@ def replaced(ledger: NodeLedger, reservation: Reservation) -> NodeLedger:
             reservation if r.reservation_id == reservation.reservation_id else r for r in ledger.reservations
         ),
     )
-
-
-def expired(ledger: NodeLedger, now: float) -> tuple[Reservation, ...]:
-    return tuple(r for r in ledger.reservations if r.expires_at is not None and r.expires_at <= now)

@@ -2,7 +2,9 @@
 
 Keys are NATS nkeys (ed25519): a seed (`S…`) signs, a public key (`U…`, `A…`, `O…`, `N…`, `C…`) verifies.
 An entry is trusted only when its `public_key` is one of the configured keys, the signature verifies over
-the canonical encoding, and — when the file can be checked — size and digest match what was signed.
+the canonical encoding, it is stored under the name it was signed for (so a valid entry for one model
+cannot be copied under another model's name), and — when the file can be checked — size and digest match
+what was signed.
 """
 
 from __future__ import annotations
@@ -63,8 +65,14 @@ def check_public_key(public_key: str) -> str:
     return public_key.strip()
 
 
-def verify(entry: RegistryEntry, trusted: Iterable[str]) -> None:
-    """Raises RegistryUntrusted unless a trusted key signed exactly this entry."""
+def verify(entry: RegistryEntry, trusted: Iterable[str], *, stored_as: str | None = None) -> None:
+    """Raises RegistryUntrusted unless a trusted key signed exactly this entry (and, given `stored_as`, the
+    registry key it was read from, signed it for that name)."""
+    if stored_as is not None and entry.name != stored_as:
+        raise RegistryUntrusted(
+            f"registry entry stored as {stored_as!r} was signed for {entry.name!r}: an entry is only trusted "
+            "under its own name"
+        )
     if not entry.signature:
         raise RegistryUntrusted(f"registry entry {entry.name!r} is unsigned")
     if entry.public_key not in set(trusted):

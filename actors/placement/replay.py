@@ -1,8 +1,10 @@
 """Replay (placement core, pure): recompute a recorded decision with today's core and say what differs.
 
-A `placement_decided` event carries the request, the cluster view and ledgers the decision saw, the
-model geometry and the time; replaying feeds them to `decide` again. Fields that identify the decision
-rather than describe it (its id, time, the estimator version) are not compared.
+A decision's inputs (`DecisionInputs`: the request, the cluster view with each report's age, the ledgers,
+the model geometry and the time) travel inline in its `placement_decided` event, or, for a large view, in
+a side record named by its blake3 digest (the shell fetches it; `inputs_of` says which). Replaying feeds
+them to `decide` again. Fields that identify the decision rather than describe it (its id, time, the
+estimator version) are not compared.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 import msgspec
 
 from actors.placement.admission import ModelFacts, Outcome, ViewEntry, decide
-from messages.events import PlacementDecided
+from messages.events import DecisionInputs, PlacementDecided
 from messages.model import ModelGeometry
 from messages.placement import PlacementDecision
 
@@ -30,22 +32,49 @@ class Difference:
     now: Any
 
 
-def recompute(event: PlacementDecided, geometry: ModelGeometry, *, decide_fn: DecideFn = decide) -> PlacementDecision:
-    """The decision today's core makes from the recorded inputs."""
-    recorded = event.decision
-    view = {n.node_id: ViewEntry(resources=n, revision=event.view_revisions.get(n.node_id, 0)) for n in event.view}
-    ledgers = {ledger.node_id: ledger for ledger in event.ledgers}
-    facts = ModelFacts(geometry=geometry, path=event.model_path or "", digest=recorded.model_digest)
+def inputs_of(event: PlacementDecided) -> DecisionInputs | None:
+    """The inputs an event carries inline; None when they are in its side record (`event.record`)."""
+    if event.record is not None:
+        return None
+    return DecisionInputs(
+        request=event.request,
+        view=event.view,
+        view_revisions=event.view_revisions,
+        view_ages=event.view_ages,
+        ledgers=event.ledgers,
+        geometry=event.geometry,
+        model_path=event.model_path,
+        unreadable_ledgers=event.unreadable_ledgers,
+        decision=event.decision,
+    )
+
+
+def recompute(
+    recorded: DecisionInputs | PlacementDecided, geometry: ModelGeometry, *, decide_fn: DecideFn = decide
+) -> PlacementDecision:
+    """The decision today's core makes from the recorded inputs (an event with inline inputs, or a record)."""
+    inputs = inputs_of(recorded) if isinstance(recorded, PlacementDecided) else recorded
+    if inputs is None:
+        raise ValueError("the event's inputs are in its side record: fetch the record and replay that")
+    decision = inputs.decision
+    view = {
+        n.node_id: ViewEntry(
+            resources=n, revision=inputs.view_revisions.get(n.node_id, 0), age_s=inputs.view_ages.get(n.node_id)
+        )
+        for n in inputs.view
+    }
+    ledgers = {ledger.node_id: ledger for ledger in inputs.ledgers}
+    facts = ModelFacts(geometry=geometry, path=inputs.model_path or "", digest=decision.model_digest)
     outcome = decide_fn(
-        event.request,
+        inputs.request,
         facts,
         view,
         ledgers,
-        now=recorded.decided_at,
-        decision_id=recorded.decision_id,
-        reservation_id=recorded.reservation_id or "",
-        dry_run=recorded.dry_run,
-        unreadable=frozenset(event.unreadable_ledgers),
+        now=decision.decided_at,
+        decision_id=decision.decision_id,
+        reservation_id=decision.reservation_id or "",
+        dry_run=decision.dry_run,
+        unreadable=frozenset(inputs.unreadable_ledgers),
     )
     return outcome.decision
 

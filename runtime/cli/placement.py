@@ -49,7 +49,12 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     size.add_argument("--max-ctx", action="store_true", help="the largest context that fits")
     place.add_argument("--node", action="append", default=[], metavar="ID", help="only these nodes (repeatable)")
     place.add_argument("-ngl", "--n-gpu-layers", type=int, default=-1, metavar="N")
-    place.add_argument("--no-multi-node", action="store_true", help="never split layers over nodes")
+    place.add_argument(
+        "--multi-node",
+        action="store_true",
+        help="allow a split over nodes (refused: split serving is not built; the default never splits)",
+    )
+    place.add_argument("--no-multi-node", action="store_true", help=argparse.SUPPRESS)  # the default; kept for scripts
     place.add_argument("--hold", type=float, default=600.0, metavar="S", help="reservation expiry if never started")
     place.add_argument("--fit", action="store_true", help="what-if: decide without reserving (mesh.placement.fit)")
     place.add_argument("--start", action="store_true", help="start the admitted instance on its node")
@@ -88,7 +93,7 @@ def _request(args: argparse.Namespace) -> PlacementRequest:
         "max_ctx": args.max_ctx,
         "nodes": args.node,
         "n_gpu_layers": args.n_gpu_layers,
-        "allow_multi_node": not args.no_multi_node,
+        "allow_multi_node": args.multi_node,
         "hold_s": args.hold,
     }
     try:

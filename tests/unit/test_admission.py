@@ -5,13 +5,13 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from actors.placement.admission import ModelFacts, Outcome, ViewEntry, decide
+from actors.placement.admission import ModelFacts, Outcome, ViewEntry, decide, natural_key
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from actors.placement.ledger import available, with_reservation
 from actors.placement.memory import estimate
 from messages.model import ModelGeometry
-from messages.placement import NodeLedger, PlacementRequest, PreferredSettings, Reservation, Stamp
+from messages.placement import ModelRef, NodeLedger, PlacementRequest, PreferredSettings, Reservation, Stamp
 from messages.settings import ServingSettings
 from messages.telemetry import HostInfo, LlamaServerInfo, NodeResources
 from tests.tiny_models import write_llama, write_qwen35
@@ -152,20 +152,38 @@ def test_most_headroom_wins(dense: ModelFacts) -> None:
     assert [r.node_id for r in decision.rejections] == []
 
 
-def test_layers_are_split_over_the_fewest_nodes_when_none_fits_alone(dense: ModelFacts) -> None:
+def test_a_model_no_single_node_holds_is_refused_not_split(dense: ModelFacts) -> None:
     total = need(dense.geometry, ServingSettings(**QUIET), 4096)
     nodes = view(node("a", int(total * 0.7)), node("b", int(total * 0.7)), node("c", int(total * 0.7)))
     outcome = run(request(), dense, nodes)
-    decision = outcome.decision
-    assert decision.admitted and decision.multi_node, decision.message
-    assert len(decision.placements) == 2
-    (first, last) = (decision.placements[0].layers, decision.placements[1].layers)
-    assert first[0] == 0 and first[1] == last[0] and last[1] == dense.geometry.n_layer
-    for placement in decision.placements:
-        assert all(d.fits for d in placement.breakdown.devices)
-    assert {r.node_id for r in outcome.reservations} == {p.node_id for p in decision.placements}
-    assert all(r.multi_node for r in outcome.reservations)
-    assert not run(request(allow_multi_node=False), dense, nodes).decision.admitted
+    assert not outcome.decision.admitted and outcome.decision.reason == "insufficient_memory"
+    assert not outcome.decision.multi_node and not outcome.reservations
+
+
+def test_a_request_that_allows_a_multi_node_split_is_refused_because_split_serving_is_not_built(
+    dense: ModelFacts,
+) -> None:
+    assert PlacementRequest(model=ModelRef(path="m.gguf")).allow_multi_node is False  # the default
+    for usable in (8 * GIB, 1):  # whether or not one node would fit alone
+        outcome = run(request(allow_multi_node=True), dense, view(node("a", usable), node("b", usable)))
+        decision = outcome.decision
+        assert not decision.admitted and decision.reason == "multi_node_unsupported" and not outcome.reservations
+        assert "not built" in decision.message
+
+
+def test_ties_go_to_the_node_first_in_natural_order(dense: ModelFacts) -> None:
+    names = ("gpu-10", "gpu-2", "gpu-1")
+    decision = run(request(), dense, view(*(node(n, 8 * GIB) for n in names))).decision
+    assert decision.placements[0].node_id == "gpu-1"
+    assert sorted(["gpu-10", "gpu-2", "gpu-1", "a7", "a10"], key=natural_key) == [
+        "a7",
+        "a10",
+        "gpu-1",
+        "gpu-2",
+        "gpu-10",
+    ]
+    rejected = run(request(), dense, view(*(node(n, 1) for n in names))).decision
+    assert [r.node_id for r in rejected.rejections] == ["gpu-1", "gpu-2", "gpu-10"]
 
 
 def test_largest_context_is_buildable_fits_and_is_capped_at_training_context(dense: ModelFacts) -> None:
@@ -185,19 +203,38 @@ def test_reserved_memory_is_not_offered_twice(dense: ModelFacts) -> None:
     nodes = view(node("a", int(total * 1.5)))
     first = run(request(), dense, nodes)
     assert first.decision.admitted
-    ledgers = {"a": with_reservation(None, "a", first.reservations[0], NOW)}
+    ledgers = {"a": with_reservation(None, "a", first.reservations[0])}
     second = run(request(), dense, nodes, ledgers)
     assert not second.decision.admitted and second.decision.reason == "insufficient_memory"
     # A dry run reserves nothing.
     assert not run(request(), dense, nodes, dry_run=True).reservations
 
 
-def test_expired_reservations_hold_nothing(dense: ModelFacts) -> None:
+def test_every_reservation_in_the_ledger_holds_until_removed_whatever_its_expires_at_says(dense: ModelFacts) -> None:
+    # expires_at is the booking actor's wall clock: comparing it with ours would let skew free memory
+    # that a runner may be using. Expiry is the placement actor's decision; the ledger is the truth.
     total = need(dense.geometry, ServingSettings(**QUIET), 4096)
     nodes = view(node("a", int(total * 1.5)))
-    reservation = msgspec.structs.replace(run(request(), dense, nodes).reservations[0], expires_at=NOW - 1)
+    reservation = msgspec.structs.replace(run(request(), dense, nodes).reservations[0], expires_at=NOW - 3600)
     ledger = NodeLedger(node_id="a", reservations=(reservation,))
-    assert available(nodes["a"].resources, ledger, NOW) == {"CPU": int(total * 1.5)}
+    held = reservation.held["CPU"]
+    assert available(nodes["a"].resources, ledger, NOW) == {"CPU": int(total * 1.5) - held}
+    assert available(nodes["a"].resources, ledger) == available(nodes["a"].resources, ledger, NOW + 10**6)
+
+
+def test_staleness_is_the_age_of_the_report_on_our_clock_never_the_senders_time(dense: ModelFacts) -> None:
+    for skew in (30.0, -30.0):  # the node's clock 30 s ahead of ours, then 30 s behind
+        skewed = node("a", 8 * GIB, sent_at=NOW + skew)
+        arrived_now = {"a": ViewEntry(resources=skewed, revision=1, age_s=0.5)}
+        assert run(request(), dense, arrived_now).decision.admitted, skew
+        silent = {"a": ViewEntry(resources=skewed, revision=1, age_s=16.0)}  # ttl 15 s: no report since
+        decision = run(request(), dense, silent).decision
+        assert not decision.admitted and decision.reason == "telemetry_stale", skew
+
+
+def test_a_reservation_records_its_hold_as_a_duration(dense: ModelFacts) -> None:
+    (reservation,) = run(request(hold_s=42.0), dense, view(node("a", 8 * GIB))).reservations
+    assert reservation.hold_s == 42.0 and reservation.state == "reserved" and reservation.instance_id is None
 
 
 def test_running_instance_seen_by_telemetry_is_not_counted_twice_but_capacity_still_is() -> None:
