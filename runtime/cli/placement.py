@@ -20,20 +20,22 @@ import nacl.signing
 import nats.js.errors
 import nkeys
 
+from actors.placement import decision_records
 from actors.placement.geometry import GeometryError, geometry_from_header
-from actors.placement.gguf_header import GGUFFormatError, read_header
+from actors.placement.gguf_header import GGUFFormatError, parse_header, read_header
 from actors.placement.registry import RegistryUntrusted, public_key_of, sign
-from actors.placement.replay import differences, recompute
-from messages.events import PlacementDecided
+from actors.placement.replay import differences, inputs_of, recompute
+from messages.events import DecisionInputs, PlacementDecided
 from messages.model import ModelGeometry
 from messages.placement import ModelRef, PlacementDecision, PlacementRequest
 from messages.registry import RegistryEntry
 from messages.runner import RunnerAck, StartInstance
 from messages.subjects import Subjects, check_token
 from runtime import buckets
-from runtime.bus import BadMessage, BusError, RemoteError, decode_checked, encode
+from runtime.bus import BadMessage, Bus, BusError, RemoteError, decode_checked, encode
 from runtime.cli.common import EXIT_USAGE, CliError, add_client_options, connect, emit_json, prefix
 from runtime.cli.journal import read_events
+from runtime.model_files import ModelFileError, open_regular
 from runtime.sizes import format_size
 
 EXIT_REFUSED = 3
@@ -168,15 +170,29 @@ async def cmd_place(args: argparse.Namespace) -> int:
     return 0 if decision.admitted else EXIT_REFUSED
 
 
-def _geometry_now(event: PlacementDecided) -> tuple[ModelGeometry | None, str]:
-    """Today's reading of the model when the file is still there, else the recorded one."""
-    path = event.model_path
-    if path and event.request.model.registry is None and os.path.exists(path):
+def _geometry_now(inputs: DecisionInputs) -> tuple[ModelGeometry | None, str]:
+    """Today's reading of the model when the file is still there (by absolute path), else the recorded one."""
+    path = inputs.model_path
+    if path and inputs.request.model.registry is None and Path(path).is_absolute():
         try:
-            return geometry_from_header(read_header(path)), "file"
+            fd, key = open_regular(Path(path))  # a journal names the file: never block on a FIFO or device
+        except ModelFileError:
+            return inputs.geometry, "recorded"
+        try:
+            with os.fdopen(fd, "rb") as handle:
+                return geometry_from_header(parse_header(handle, key.size, source=path)), "file"
         except (GGUFFormatError, GeometryError, OSError):
             return None, "file unreadable now"
-    return event.geometry, "recorded"
+    return inputs.geometry, "recorded"
+
+
+async def _inputs(bus: Bus, subjects: Subjects, event: PlacementDecided) -> DecisionInputs:
+    """The decision's inputs: inline in the event, or its side record (fetched and checked by digest)."""
+    inline = inputs_of(event)
+    if inline is not None:
+        return inline
+    assert event.record is not None
+    return await decision_records.fetch(bus, subjects, event.record)
 
 
 async def cmd_replay(args: argparse.Namespace) -> int:
@@ -193,20 +209,26 @@ async def cmd_replay(args: argparse.Namespace) -> int:
             except BadMessage as exc:
                 skipped.append({"seq": stored.seq, "reason": f"not a decision this version can read: {exc.error}"})
                 continue
-            geometry, source = _geometry_now(event)
+            decision_id = event.decision.decision_id
+            try:
+                inputs = await _inputs(bus, subjects, event)
+            except decision_records.RecordUnavailable as exc:
+                skipped.append({"seq": stored.seq, "decision_id": decision_id, "reason": str(exc)})
+                continue
+            geometry, source = await asyncio.to_thread(_geometry_now, inputs)
             if geometry is None:
                 reason = f"model unreadable (geometry: {source})"
-                skipped.append({"seq": stored.seq, "decision_id": event.decision.decision_id, "reason": reason})
+                skipped.append({"seq": stored.seq, "decision_id": decision_id, "reason": reason})
                 continue
             replayed += 1
-            now = await asyncio.to_thread(recompute, event, geometry)
-            diff = differences(event.decision, now)
+            now = await asyncio.to_thread(recompute, inputs, geometry)
+            diff = differences(inputs.decision, now)
             if diff:
                 changed.append(
                     {
                         "seq": stored.seq,
-                        "decision_id": event.decision.decision_id,
-                        "model": event.request.model.path or event.request.model.registry,
+                        "decision_id": decision_id,
+                        "model": inputs.request.model.path or inputs.request.model.registry,
                         "geometry": source,
                         "differences": [{"path": d.path, "recorded": d.recorded, "now": d.now} for d in diff],
                     }
