@@ -172,6 +172,14 @@ def _table(*parts: str | _Table) -> _Table:
     return tuple(rows)
 
 
+def _without(table: _Table, *names: str) -> _Table:
+    """`table` less the named tensors (a variant that lacks a gate or an output projection)."""
+    missing = set(names) - {name for name, _ in table}
+    if missing:
+        raise ValueError(f"no tensor {sorted(missing)} in the table")
+    return tuple(row for row in table if row[0] not in names)
+
+
 def _size(expr: str, sizes: Mapping[str, int]) -> int:
     total = 0
     for term in expr.split("+"):
@@ -291,20 +299,15 @@ def _ssm(kernel: int, inner: int, state: int, dt_rank: int, groups: int | None) 
 
 
 def _moe(
-    n_expert: int,
-    n_used: int,
-    n_ff: int | None = None,
-    *,
-    shared_ff: int | None = None,
-    shared_count: int | None = None,
+    n_expert: int, n_used: int, n_ff: int | None = None, *, shared_ff: int | None = None, n_shared: int | None = None
 ) -> dict[str, object]:
-    """The routed-expert keys: the expert width and the shared expert's (a width or a count) where given."""
+    """The routed-expert keys: the expert width, the shared expert's width or count, where given."""
     return {
         "expert_count": n_expert,
         "expert_used_count": n_used,
         "expert_feed_forward_length": n_ff,
         "expert_shared_feed_forward_length": shared_ff,
-        "expert_shared_count": shared_count,
+        "expert_shared_count": n_shared,
     }
 
 
@@ -352,7 +355,7 @@ _GLOBALS = _table("""
     output_norm.weight  embd
     output.weight       embd vocab
 """)
-_TIED = _GLOBALS[:2]  # the output projection reuses token_embd
+_TIED = _without(_GLOBALS, "output.weight")  # the output projection reuses token_embd
 
 _ATTENTION = _table("""
     attn_q.weight       embd q
@@ -360,17 +363,31 @@ _ATTENTION = _table("""
     attn_v.weight       embd kv
     attn_output.weight  q embd
 """)
-_ATTENTION_BIASED = _table(_ATTENTION[:3], "attn_q.bias q", "attn_k.bias kv", "attn_v.bias kv", _ATTENTION[3:])
+_ATTENTION_BIASED = _table("""
+    attn_q.weight       embd q
+    attn_k.weight       embd kv
+    attn_v.weight       embd kv
+    attn_q.bias         q
+    attn_k.bias         kv
+    attn_v.bias         kv
+    attn_output.weight  q embd
+""")
 _QK_NORM = _table("attn_q_norm.weight head", "attn_k_norm.weight head")
-# Q and its output gate in one projection, as qwen35 and qwen3next write it
-_GATED_ATTENTION = _table("attn_q.weight embd 2*q", _ATTENTION[1:], _QK_NORM)
+_GATED_ATTENTION = _table("""
+    attn_q.weight       embd 2*q  # Q and its output gate in one projection (qwen35, qwen3next)
+    attn_k.weight       embd kv
+    attn_v.weight       embd kv
+    attn_output.weight  q embd
+    attn_q_norm.weight  head
+    attn_k_norm.weight  head
+""")
 
 _FFN = _table("""
     ffn_gate.weight  embd ff
     ffn_up.weight    embd ff
     ffn_down.weight  ff embd
 """)
-_FFN_UP_DOWN = _FFN[1:]
+_FFN_UP_DOWN = _without(_FFN, "ffn_gate.weight")
 # a routed MoE FFN: the router and the stacked expert matrices (3-d tensors)
 _EXPERTS = _table("""
     ffn_gate_inp.weight   embd expert
@@ -378,14 +395,14 @@ _EXPERTS = _table("""
     ffn_up_exps.weight    embd ff_exp expert
     ffn_down_exps.weight  ff_exp embd expert
 """)
-_EXPERTS_UP_DOWN = _table(_EXPERTS[:1], _EXPERTS[2:])
+_EXPERTS_UP_DOWN = _without(_EXPERTS, "ffn_gate_exps.weight")
 _GATED_SHARED_EXPERT = _table("""
     ffn_gate_inp_shexp.weight  embd
     ffn_gate_shexp.weight      embd ff_shexp
     ffn_up_shexp.weight        embd ff_shexp
     ffn_down_shexp.weight      ff_shexp embd
 """)
-_SHARED_EXPERT = _GATED_SHARED_EXPERT[1:]
+_SHARED_EXPERT = _without(_GATED_SHARED_EXPERT, "ffn_gate_inp_shexp.weight")
 # what makes a block an MTP (nextn) head: input fusion and its two norms
 _NEXTN = _table("""
     nextn.eh_proj.weight  2*embd embd
@@ -1007,7 +1024,7 @@ def _write_nemotron(
     return _write(path, spec, dims, [_table("attn_norm.weight embd", blocks[kind]) for kind in kinds])
 
 
-_NEMOTRON_MOE = _table(_EXPERTS_UP_DOWN, "exp_probs_b.bias expert", _SHARED_EXPERT[1:])
+_NEMOTRON_MOE = _table(_EXPERTS_UP_DOWN, "exp_probs_b.bias expert", _without(_SHARED_EXPERT, "ffn_gate_shexp.weight"))
 #: Nemotron-H's block kinds by the letter its pattern spells them with; `N` is an MTP block.
 _NEMOTRON_BLOCKS = {
     "M": _MAMBA2,
@@ -1215,7 +1232,7 @@ def write_deepseek2(
         "attention.kv_lora_rank": kv_lora_rank,
         "rope.dimension_count": rope_dim,
         "leading_dense_block_count": n_dense_lead,
-        **_moe(n_expert, n_expert_used, n_ff_exp, shared_count=n_expert_shared),
+        **_moe(n_expert, n_expert_used, n_ff_exp, n_shared=n_expert_shared),
         "nextn_predict_layers": n_nextn or None,
     }
     spec = _spec("deepseek2", n_vocab, _transformer(n_all, n_embd, n_head, 1, n_ff), keys)
@@ -1412,7 +1429,7 @@ def write_glm4moe(
     n_all = n_layer + n_nextn
     keys = {
         "leading_dense_block_count": n_dense_lead,
-        **_moe(n_expert, n_expert_used, n_ff_exp, shared_count=1),
+        **_moe(n_expert, n_expert_used, n_ff_exp, n_shared=1),
         "nextn_predict_layers": n_nextn or None,
     }
     spec = _spec("glm4moe", n_vocab, _transformer(n_all, n_embd, n_head, n_head_kv, n_ff, head_dim=head_dim), keys)
