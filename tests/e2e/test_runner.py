@@ -32,7 +32,8 @@ from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from actors.placement.memory import estimate
 from actors.runner.actor import RunnerActor, RunnerLimits
-from actors.runner.lifecycle import Timings
+from actors.runner.driver import DriverFault, SignalFilter
+from actors.runner.lifecycle import Event, Timings, Verified
 from actors.runner.process import http_request
 from messages.memory import MemoryBreakdown
 from messages.placement import NodeLedger, Reservation, Stamp
@@ -133,6 +134,8 @@ async def runner(
     policy: RestartPolicy | None = None,
     rewrite: Callable[[tuple[str, ...]], Sequence[str]] | None = None,
     limits: RunnerLimits = FAST,
+    fault: DriverFault | None = None,
+    signal_filter: SignalFilter | None = None,
 ) -> AsyncIterator[RunnerActor]:
     actor = RunnerActor(
         NODE,
@@ -142,6 +145,8 @@ async def runner(
         limits=limits,
         restart_policy=(lambda: policy) if policy else lambda: RestartPolicy(backoff_initial_s=0.05),
         rewrite_command=rewrite,
+        driver_fault=fault,
+        signal_filter=signal_filter,
     )
     async with supervised(bus, [actor], node_id=NODE):
         yield actor
@@ -492,6 +497,122 @@ async def test_registry_admitted_files_are_found_in_the_models_dir_and_checked_b
     assert mismatch.value.code == "model_mismatch" and "not the file admission was made for" in str(mismatch.value)
     (refused,) = await journal_reader.wait_for(of_type("instance_refused", reservation_id="r-forged"))
     assert refused["message"].startswith("model_mismatch:")
+
+
+async def test_a_failing_driver_ends_its_instance_only_and_the_others_keep_serving(
+    bus: Bus, journal_reader: JournalReader, models: dict[str, Path], binary: str, tmp_path: Path
+) -> None:
+    """An exception escaping one instance's driver (here injected when its server is verified) reaps that
+    server and ends that instance `failed`; before, it crashed the runner and reaped every instance."""
+
+    def fault(reservation_id: str, event: Event) -> None:
+        if reservation_id == "r-bad" and isinstance(event, Verified):
+            raise RuntimeError("injected driver fault")
+
+    settings = _settings(slots=1)
+    await _put_ledger(
+        bus,
+        _reservation("r-good", models["llama"], settings, 512),
+        _reservation("r-bad", models["llama"], settings, 512),
+    )
+    await _put_telemetry(bus)
+    async with runner(bus, tmp_path / "data", binary, Node(settings), fault=fault):
+        good = await _start(bus, "r-good")
+        await journal_reader.wait_for(of_type("instance_ready", instance_id=good.instance_id), timeout=60)
+        bad = await _start(bus, "r-bad")
+        starting = (await journal_reader.wait_for(of_type("instance_starting", instance_id=bad.instance_id)))[0]
+        failed = (await journal_reader.wait_for(of_type("instance_failed", instance_id=bad.instance_id), timeout=60))[0]
+        assert "RuntimeError: injected driver fault" in failed["reason"]
+        record = await _status(bus, bad.instance_id)
+        assert record.state == "failed" and "injected driver fault" in record.message
+        assert not _servers_with(f"--port {bad.port}") and bad.port == starting["port"]
+
+        assert good.port is not None
+        assert (await http_request(good.port, "GET", "/health", timeout_s=10)).status == 200
+        assert (await _status(bus, good.instance_id)).state == "ready"
+        # the runner keeps serving: the same incarnation answers and stops the good one
+        stopped = await _request(bus, "stop", StopInstance(instance_id=good.instance_id))
+        assert stopped.state == "stopped"
+        await journal_reader.wait_for(of_type("instance_stopped", instance_id=good.instance_id))
+    assert not [e for e in journal_reader.events if e["type"] in ("actor_crashed", "actor_restarted")]
+    said = [e["type"] for e in journal_reader.events if e.get("instance_id") == bad.instance_id]
+    assert "instance_stopped" not in said and said.count("instance_failed") == 1
+
+
+@dataclass
+class Unkillable:
+    """Drops SIGKILL (and SIGTERM) to one reservation's server while `holding`: a server that does not die."""
+
+    reservation_id: str
+    holding: bool = True
+
+    def __call__(self, reservation_id: str, sig: signal.Signals) -> bool:
+        return not (self.holding and reservation_id == self.reservation_id)
+
+
+STUBBORN = dataclasses.replace(
+    FAST, timings=dataclasses.replace(FAST.timings, stop_grace_s=0.3, kill_grace_s=0.3, kill_retry_s=0.2)
+)
+
+
+async def test_a_server_that_survives_sigkill_is_reported_stuck_and_stopped_only_once_it_is_gone(
+    bus: Bus, journal_reader: JournalReader, models: dict[str, Path], binary: str, tmp_path: Path
+) -> None:
+    """Before, the instance was reported gone (and its memory released) while the process could live on."""
+    settings = _settings(slots=1)
+    await _put_ledger(bus, _reservation("r-stuck", models["llama"], settings, 512))
+    await _put_telemetry(bus)
+    unkillable = Unkillable("r-stuck")
+    async with runner(bus, tmp_path / "data", binary, Node(settings), limits=STUBBORN, signal_filter=unkillable):
+        iid = (await _start(bus, "r-stuck")).instance_id
+        await journal_reader.wait_for(of_type("instance_ready", instance_id=iid), timeout=60)
+        pid = (await _status(bus, iid)).pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)  # and it ignores SIGTERM, too
+        try:
+            ack = await _request(bus, "stop", StopInstance(instance_id=iid))
+            assert ack.state == "stuck" and "did not exit" in ack.message
+            record = await _status(bus, iid)
+            assert (record.state, record.pid) == ("stuck", pid) and _alive(pid)
+            assert not [e for e in journal_reader.events if e["type"] == "instance_stopped"]
+            unkillable.holding = False  # the kernel lets it go: the next SIGKILL reaps it
+            (stopped,) = await journal_reader.wait_for(of_type("instance_stopped", instance_id=iid), timeout=30)
+            assert not _alive(pid)
+            assert stopped["reason"] == "stop requested"
+            assert (await _status(bus, iid)).state == "stopped"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_runner_that_stops_with_a_stuck_server_reports_nothing_final(
+    bus: Bus, journal_reader: JournalReader, models: dict[str, Path], binary: str, tmp_path: Path
+) -> None:
+    settings = _settings(slots=1)
+    await _put_ledger(bus, _reservation("r-left", models["llama"], settings, 512))
+    await _put_telemetry(bus)
+    pid = None
+    try:
+        async with runner(
+            bus, tmp_path / "data", binary, Node(settings), limits=STUBBORN, signal_filter=Unkillable("r-left")
+        ):
+            iid = (await _start(bus, "r-left")).instance_id
+            await journal_reader.wait_for(of_type("instance_ready", instance_id=iid), timeout=60)
+            pid = (await _status(bus, iid)).pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+        # the runner is gone; the journal has everything it said (its actor_stopped is the last word)
+        await journal_reader.wait_for(of_type("actor_stopped", actor="runner"))
+        said = [e["type"] for e in journal_reader.events if e.get("instance_id") == iid]
+        assert "instance_stopped" not in said and "instance_failed" not in said
+        assert _alive(pid)
+        record = await _status(bus, iid)
+        assert record.state == "stuck" and record.pid == pid
+    finally:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            await _wait_gone(pid)
 
 
 _HOST = """
