@@ -1,0 +1,101 @@
+"""Model names from clients are hostile input: through the real `mesh.placement.request` / `fit` subjects,
+every bad name is a clear refusal, the actor keeps serving, and relative names mean the models dir."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.placement.actor import PlacementActor
+from runtime.bus import Bus
+from tests.conftest import JournalReader, put_telemetry, supervised
+from tests.integration.test_placement import GIB, SUBJECTS, ledger, report, wait_view
+from tests.tiny_models import write_llama
+
+
+@pytest.fixture
+def models_dir(tmp_path: Path) -> Path:
+    root = tmp_path / "models"
+    (root / "sub").mkdir(parents=True)
+    write_llama(root / "dense.gguf", n_layer=4)
+    write_llama(root / "sub" / "nested.gguf", n_layer=4)
+    outside = write_llama(tmp_path / "outside.gguf", n_layer=4)  # a real model the client must not reach
+    (root / "escape.gguf").symlink_to(outside)
+    os.mkfifo(root / "fifo.gguf")  # opening it would block forever
+    return root
+
+
+@pytest.fixture
+async def placement(bus: Bus, models_dir: Path) -> AsyncIterator[PlacementActor]:
+    actor = PlacementActor(models_dir=models_dir)
+    async with supervised(bus, [actor], node_id="p1"):
+        await put_telemetry(bus, report("a", 8 * GIB))
+        await wait_view(actor, "a")
+        yield actor
+
+
+async def answer(bus: Bus, payload: bytes, *, fit: bool) -> dict[str, Any]:
+    subject = SUBJECTS.placement_fit if fit else SUBJECTS.placement_request
+    msg = await bus.nc.request(subject, payload, timeout=10)
+    body: dict[str, Any] = json.loads(msg.data)
+    return body
+
+
+def ask(model: dict[str, str]) -> bytes:
+    return json.dumps({"model": model, "ctx": 2048}).encode()
+
+
+async def test_hostile_model_names_are_refused_clearly_and_the_actor_keeps_serving(
+    bus: Bus, placement: PlacementActor, models_dir: Path, journal_reader: JournalReader
+) -> None:
+    hostile = {
+        "NUL byte": ({"path": str(models_dir / "dense.gguf") + "\x00.txt"}, "NUL byte"),
+        "FIFO": ({"path": str(models_dir / "fifo.gguf")}, "not a regular file"),
+        "directory": ({"path": str(models_dir)}, "is a directory"),
+        "device": ({"path": "/dev/zero"}, "not a regular file"),
+        "200 KB path": ({"path": "/" + "a" * 200_000}, "longer than 4096 bytes"),
+        "climbs out": ({"path": "../outside.gguf"}, "leaves the models dir"),
+        "climbs out deeper": ({"path": "sub/../../outside.gguf"}, "leaves the models dir"),
+        "symlink out": ({"path": "escape.gguf"}, "leaves the models dir"),
+        "empty": ({"path": ""}, "empty"),
+        "registry NUL": ({"registry": "dense\x00"}, "not a registry entry name"),
+    }
+    for i, (case, (model, needle)) in enumerate(hostile.items()):
+        body = await answer(bus, ask(model), fit=bool(i % 2))
+        assert body.get("admitted") is False, (case, body)
+        assert body["reason"] == "model_unreadable", (case, body)
+        assert needle in body["message"], (case, body["message"])
+
+    nested = b'{"model": {"path": "dense.gguf"}, "ctx": 2048, "nodes": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    body = await answer(bus, nested, fit=False)
+    assert body["code"] == "bad_request" and body["details"]["path"].startswith("$.nodes"), body
+
+    good = await answer(bus, ask({"path": "dense.gguf"}), fit=False)  # relative: inside the models dir
+    assert good["admitted"] is True, good
+    (held,) = (await ledger(bus, "a")).reservations
+    assert held.model_path == "dense.gguf"  # as named: each runner finds it in its own models dir
+    nested_ok = await answer(bus, ask({"path": "sub/../sub/nested.gguf"}), fit=True)
+    assert nested_ok["admitted"] is True, nested_ok
+
+    await journal_reader.wait_for(lambda e: e.get("type") == "placement_decided" and e["decision"]["admitted"])
+    assert not [e for e in journal_reader.events if e.get("type") in ("actor_crashed", "actor_restarted")]
+
+
+async def test_a_relative_model_name_is_refused_where_there_is_no_models_dir(
+    bus: Bus, models_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    actor = PlacementActor()
+    async with supervised(bus, [actor], node_id="p1"):
+        await put_telemetry(bus, report("a", 8 * GIB))
+        await wait_view(actor, "a")
+        monkeypatch.chdir(models_dir)  # the actor's working directory holds the file: it must not matter
+        body = await answer(bus, ask({"path": "dense.gguf"}), fit=True)
+        assert body["admitted"] is False and body["reason"] == "model_unreadable"
+        assert "no models dir" in body["message"]
+        absolute = await answer(bus, ask({"path": str(models_dir / "dense.gguf")}), fit=True)
+        assert absolute["admitted"] is True
