@@ -11,7 +11,11 @@ crashes too often. Every start, crash, restart, give-up and stop is a journal ev
 
 A handler answers a request by returning a Struct, or refuses it by raising `RequestError`; a message
 that is not valid JSON or not of the endpoint's schema is answered `bad_request` with the offending path
-and never reaches the handler. Neither is a crash.
+and never reaches the handler. Nothing a client sends can crash an actor: any other exception raised while
+handling one request is an `internal` error reply for that request (logged with its traceback), and the
+actor keeps serving; the same holds for one message of a subscription. Every request runs under the request
+deadline, counted from its arrival (time in the inbox included): past it, the handler is cancelled and the
+requester answered `timeout`. Only the actor's own tasks (and its `run`) crash the incarnation.
 """
 
 from __future__ import annotations
@@ -127,7 +131,7 @@ class ActorContext:
                     await _respond_error(request, ErrorReply(code=TIMEOUT, message=message))
                     continue
                 try:
-                    await self._answer(request, request_type, handler, name)
+                    await self._answer(request, request_type, handler, name, arrived + self._deadline)
                 except asyncio.CancelledError:
                     # The incarnation is ending under this request: say so rather than leave it to time out.
                     reply = ErrorReply(code=UNAVAILABLE, message=f"{self.actor} stopped while answering; retry")
@@ -139,10 +143,16 @@ class ActorContext:
             EndpointConfig(name=name, subject=subject, handler=on_request, queue_group=queue_group)
         )
 
-    async def _answer(self, request: Request, request_type: type[Req], handler: RequestHandler[Req], name: str) -> None:
+    async def _answer(
+        self, request: Request, request_type: type[Req], handler: RequestHandler[Req], name: str, deadline: float
+    ) -> None:
+        """Answers one request: its reply, or an error reply. Never raises but for cancellation of the actor."""
         try:
             message = decode_checked(request.data, request_type, f"request on {request.subject!r}")
-            reply = await handler(message)
+            async with asyncio.timeout_at(deadline):
+                reply = await handler(message)
+            payload = encode(reply)
+            self.bus.check_size(request.subject, payload)
         except BadMessage as exc:
             self.log.info("bad_request", endpoint=name, error=str(exc))
             await _respond_error(request, exc.to_reply())
@@ -150,16 +160,23 @@ class ActorContext:
         except RequestError as exc:
             await _respond_error(request, exc.reply)
             return
-        except Exception as exc:
-            await _respond_error(request, ErrorReply(code=INTERNAL, message=f"{self.actor} failed: {exc!r}"))
-            raise
-        payload = encode(reply)
-        try:
-            self.bus.check_size(request.subject, payload)
+        except TimeoutError:
+            # Raised by the deadline above (or by a handler's own deadline): either way the requester hears why.
+            late = f"{self.actor} did not answer within the {self._deadline:g}s request deadline"
+            self.log.warning("request_timeout", endpoint=name, deadline_s=self._deadline)
+            await _respond_error(request, ErrorReply(code=TIMEOUT, message=late))
+            return
         except PayloadTooLarge as exc:
             await _respond_error(request, ErrorReply(code=INTERNAL, message=str(exc)))
             return
-        await request.respond(payload)
+        except Exception as exc:
+            # A bug met by one request: that request fails, the actor keeps serving the others. It does not
+            # count toward the restart intensity, so no client can make a node give up.
+            self.log.exception("request_failed", endpoint=name, error=repr(exc))
+            await _respond_error(request, ErrorReply(code=INTERNAL, message=f"{self.actor} failed: {exc!r}"))
+            return
+        with contextlib.suppress(nats.errors.Error):
+            await request.respond(payload)
 
     async def subscribe(
         self,
@@ -170,7 +187,8 @@ class ActorContext:
         queue: str = "",
         pending_limit: int = 4096,
     ) -> None:
-        """Handles messages on `subject` one at a time; undecodable ones are logged and skipped."""
+        """Handles messages on `subject` one at a time, each under the request deadline; undecodable ones are
+        logged and skipped (answered `bad_request` when they have a reply subject), failing ones logged."""
         sub = await self.bus.nc.subscribe(subject, queue=queue, pending_msgs_limit=pending_limit)
         self._subscriptions.append(sub)
 
@@ -185,7 +203,13 @@ class ActorContext:
                             msg.reply, encode(exc.to_reply()), headers=error_headers(exc.to_reply())
                         )
                     continue
-                await handler(message, msg)
+                try:
+                    async with asyncio.timeout(self._deadline):
+                        await handler(message, msg)
+                except TimeoutError:
+                    self.log.warning("message_timeout", subject=msg.subject, deadline_s=self._deadline)
+                except Exception as exc:  # one message's failure is that message's, never the actor's
+                    self.log.exception("message_failed", subject=msg.subject, error=repr(exc))
 
         self.spawn(worker(), f"subscription:{subject}")
 
@@ -231,6 +255,7 @@ class Supervisor:
         escalate: bool = True,
         request_deadline_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        shutdown_deadline_s: float = 5.0,
     ) -> None:
         self._bus = bus
         self._journal = journal
@@ -240,6 +265,7 @@ class Supervisor:
         self._escalate = escalate
         self._deadline = request_deadline_s
         self._clock = clock
+        self._shutdown_deadline = shutdown_deadline_s
         self._log = get_logger(component="supervisor", node=node_id)
 
     async def run(self, actors: Sequence[Actor]) -> None:
@@ -312,10 +338,16 @@ class Supervisor:
                 )
                 await actor.run(ctx)
         finally:
-            if ctx is not None:
-                await ctx.close()
-            with contextlib.suppress(nats.errors.Error, AssertionError, RuntimeError):
-                await service.stop()
+            # Bounded: the client library's drain of the service's subscriptions waits for every pending
+            # message with no deadline of its own; a stuck drain must not keep the node from stopping.
+            try:
+                async with asyncio.timeout(self._shutdown_deadline):
+                    if ctx is not None:
+                        await ctx.close()
+                    with contextlib.suppress(nats.errors.Error, AssertionError, RuntimeError):
+                        await service.stop()
+            except TimeoutError:
+                self._log.warning("actor_shutdown_overdue", actor=actor.name, deadline_s=self._shutdown_deadline)
 
 
 def _describe(exc: BaseException) -> str:

@@ -130,6 +130,8 @@ def decode_checked(data: bytes, message_type: type[T], what: str) -> T:
         raise BadMessage(what, text, match.group(1) if match else "$") from exc
     except msgspec.DecodeError as exc:
         raise BadMessage(what, f"malformed JSON: {exc}") from exc
+    except RecursionError as exc:  # hostile nesting deeper than the decoder's stack allows
+        raise BadMessage(what, "JSON nested too deeply") from exc
 
 
 #: HTTP-like numbers for the NATS micro convention's numeric `Nats-Service-Error-Code` header.
@@ -280,8 +282,12 @@ def parse_reply(subject: str, msg: Msg, reply_type: type[T]) -> T:
     return decode_checked(msg.data, reply_type, f"reply on {subject!r}")
 
 
-async def _close_quietly(nc: Client) -> None:
+async def _close_quietly(nc: Client, deadline_s: float = 5.0) -> None:
     if nc.is_closed:
         return
-    with contextlib.suppress(nats.errors.Error, OSError):  # already gone; nothing more to release
-        await nc.close()
+    try:
+        async with asyncio.timeout(deadline_s):
+            with contextlib.suppress(nats.errors.Error, OSError):  # already gone; nothing more to release
+                await nc.close()
+    except TimeoutError:
+        get_logger(component="bus").warning("nats_close_overdue", deadline_s=deadline_s)

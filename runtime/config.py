@@ -140,6 +140,7 @@ _OPTIONS: dict[str, Callable[[Any], Any]] = {
     "nats": _urls,
     "nats_user": str,
     "nats_password": str,
+    "nats_password_file": str,
     "nats_token": str,
     "nats_creds": str,
     "nats_tls_ca": str,
@@ -168,6 +169,27 @@ def _read_toml(path: Path) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"{path}: unknown key(s) {', '.join(map(repr, unknown))}")
     return data
+
+
+def read_password_file(path: str) -> str:
+    """The NATS password kept in a file (its first line), so it never appears in a process's argv."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the NATS password file {path}: {exc}") from exc
+    password = text.splitlines()[0] if text else ""
+    if not password:
+        raise ConfigError(f"the NATS password file {path} is empty")
+    return password
+
+
+def _password(values: Mapping[str, Any]) -> str | None:
+    password, path = values.get("nats_password"), values.get("nats_password_file")
+    if path is None:
+        return password if password is None else str(password)
+    if password is not None:
+        raise ConfigError("give the NATS password once: a password file or MESH_ACTOR_NATS_PASSWORD, not both")
+    return read_password_file(str(path))
 
 
 def load_config(
@@ -199,7 +221,7 @@ def load_config(
     nats = NatsOptions(
         urls=values.get("nats", ()),
         user=values.get("nats_user"),
-        password=values.get("nats_password"),
+        password=_password(values),
         token=values.get("nats_token"),
         creds_file=values.get("nats_creds"),
         tls_ca=values.get("nats_tls_ca"),

@@ -6,11 +6,20 @@ by age and bytes. Events are published through a bounded outbox drained by one t
 waits on the journal and an outage of NATS loses nothing until the outbox overflows (then the oldest
 events are dropped and counted in the log). Each event's id is its `Nats-Msg-Id`, so a publish retried
 after a lost acknowledgement is stored once.
+
+Only what can succeed is retried. An event larger than the journal's limit (`max_event_bytes`, and never
+more than the server's `max_payload`) is not queued: an `event_too_large` event naming its type, id and
+size takes its place, so one oversized event can never jam the outbox (producers that record large inputs,
+such as placement's decisions, keep their events under the limit themselves). A publish the server refuses
+for good (over its max_payload, which a server may lower at any time) is dropped the same way; outages
+and timeouts are retried with capped backoff. Memory accounting never waits on the journal: placement
+reconciles reservations from the instances bucket, and the journal only records.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections import deque
@@ -21,7 +30,7 @@ import nats.errors
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
-from messages.events import Event, event_type
+from messages.events import Event, EventTooLarge, event_type
 from messages.subjects import Subjects
 from runtime.bus import Bus, encode
 from runtime.logging import get_logger
@@ -70,6 +79,7 @@ class Journal:
         clock: Callable[[], float] = time.time,
         outbox_limit: int = 10_000,
         publish_timeout_s: float = 5.0,
+        max_event_bytes: int = 256 * 1024,
     ) -> None:
         self._bus = bus
         self._subjects = subjects
@@ -78,6 +88,7 @@ class Journal:
         self._outbox: deque[tuple[str, bytes, str]] = deque()
         self._limit = outbox_limit
         self._timeout = publish_timeout_s
+        self._max_event = max_event_bytes
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -88,13 +99,44 @@ class Journal:
         """An event of `event_class` with its envelope (id, time, node, actor) filled in."""
         return event_class(id=uuid.uuid4().hex, time=self._clock(), node=self._node_id, actor=actor, **fields)
 
+    @property
+    def max_event_bytes(self) -> int:
+        """The largest event this journal stores: its own limit, within the server's max_payload."""
+        with contextlib.suppress(AttributeError, TypeError, ValueError):  # not connected yet: the own limit
+            server = self._bus.max_payload
+            return min(self._max_event, server - min(4096, server // 8))  # room for subject and headers
+        return self._max_event
+
     def record(self, event: Event) -> None:
         subject = self._subjects.event(event.actor, event_type(event))
+        payload = encode(event)
+        if len(payload) > self.max_event_bytes:
+            self._too_large(event, len(payload))
+            return
+        self._enqueue(subject, payload, event.id)
+
+    def _too_large(self, event: Event, size: int) -> None:
+        self.dropped += 1
+        kind = event_type(event)
+        self._log.error(
+            "journal_event_too_large", type=kind, event_id=event.id, size_bytes=size, limit_bytes=self.max_event_bytes
+        )
+        marker = self.new(
+            EventTooLarge,
+            event.actor,
+            event_type=kind,
+            event_id=event.id,
+            size_bytes=size,
+            limit_bytes=self.max_event_bytes,
+        )
+        self._enqueue(self._subjects.event(marker.actor, event_type(marker)), encode(marker), marker.id)
+
+    def _enqueue(self, subject: str, payload: bytes, msg_id: str) -> None:
         if len(self._outbox) >= self._limit:
             self._outbox.popleft()
             self.dropped += 1
             self._log.error("journal_outbox_overflow", dropped_total=self.dropped, limit=self._limit)
-        self._outbox.append((subject, encode(event), event.id))
+        self._outbox.append((subject, payload, msg_id))
         self._idle.clear()
         self._wakeup.set()
 
@@ -115,6 +157,13 @@ class Journal:
             subject, payload, msg_id = self._outbox[0]
             try:
                 await self._bus.js.publish(subject, payload, timeout=self._timeout, headers={MSG_ID_HEADER: msg_id})
+            except nats.errors.MaxPayloadError:
+                # The server's limit is below this event (it can be lowered while we run): retrying cannot help.
+                self._log.error("journal_event_refused", subject=subject, size_bytes=len(payload))
+                self.dropped += 1
+                if self._outbox and self._outbox[0][2] == msg_id:
+                    self._outbox.popleft()
+                continue
             except (nats.errors.Error, TimeoutError) as exc:
                 self._log.warning("journal_publish_retry", subject=subject, error=str(exc) or type(exc).__name__)
                 await asyncio.sleep(backoff)

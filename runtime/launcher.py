@@ -13,7 +13,7 @@ import fcntl
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import IO, TypeVar
 
@@ -85,12 +85,35 @@ async def _unless_stopped(awaitable: Awaitable[T], stop: asyncio.Event) -> T:
         await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopped.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await work
-    raise StartupInterrupted("stopped while starting")
+        if not work.done():
+            work.cancel()
+            await _finish(work)
+    if work.cancelled():
+        raise StartupInterrupted("stopped while starting")
+    return work.result()
+
+
+async def _finish(task: asyncio.Future[T], deadline_s: float = 30.0) -> None:
+    """Waits (bounded) for a task we cancelled to end. Our own cancellation is never swallowed: `asyncio.wait`
+    does not propagate the task's outcome, and a cancellation of the caller still interrupts the wait."""
+    done, _ = await asyncio.wait({task}, timeout=deadline_s)
+    if not done:
+        get_logger(component="node").error("shutdown_overdue", task=repr(task), deadline_s=deadline_s)
+
+
+@contextlib.contextmanager
+def _signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, reload: Callable[[], None]) -> Iterator[None]:
+    """SIGINT/SIGTERM set `stop`, SIGHUP reloads; the handlers that were there before are put back after."""
+    handled = {signal.SIGINT: stop.set, signal.SIGTERM: stop.set, signal.SIGHUP: reload}
+    previous = {sig: signal.getsignal(sig) for sig in handled}
+    for sig, handler in handled.items():
+        loop.add_signal_handler(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, before in previous.items():
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, before)
 
 
 class ServingSettingsHolder:
@@ -125,19 +148,20 @@ async def run_node(
     announce: Callable[[str], None],
     stop: asyncio.Event | None = None,
     reload_settings: Callable[[], ServingSettings] | None = None,
+    handle_signals: bool = False,
 ) -> int:
-    """Runs the node until SIGINT/SIGTERM (or `stop` is set); SIGHUP reloads the serving settings.
-    Returns the process exit code."""
+    """Runs the node until `stop` is set; with `handle_signals` (the `mesh-actor run` process), SIGINT and
+    SIGTERM stop it and SIGHUP reloads the serving settings, and the process's previous handlers are restored
+    when it returns (an in-process node, e.g. in a test, installs none). Returns the process exit code."""
     log = get_logger(node=config.node_id)
     lock = lock_data_dir(config.data_dir)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     serving = ServingSettingsHolder(config.serving, reload_settings)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, serving.reload)
     try:
         async with contextlib.AsyncExitStack() as stack:
+            if handle_signals:
+                stack.enter_context(_signals(loop, stop, serving.reload))
             embedded = not config.nats.urls
             if embedded:
                 server = EmbeddedNats(config.data_dir, preferred_port=config.nats_port)
@@ -198,8 +222,6 @@ async def run_node(
             )
             return await _serve(config, journal, supervisor, actors, stop, announce, url, embedded)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
         lock.close()
 
 
@@ -227,8 +249,7 @@ async def _serve(
             log.error("node_stopping", reason=reason)
         stopped.cancel()
         supervised.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await supervised
+        await _finish(supervised)
         journal.emit(NodeStopped, "node", reason=reason)
         if not await journal.flush(5.0):
             log.warning("journal_not_flushed", pending=journal.pending)

@@ -81,7 +81,7 @@ def file_key(path: Path) -> FileKey:
 def open_regular(path: Path) -> tuple[int, FileKey]:
     """Opens `path` for reading without blocking on a FIFO and checks, on the open descriptor, that it is
     the regular file `file_key` saw. Returns the descriptor (the caller closes it) and its key."""
-    key = file_key(path)
+    file_key(path)  # refuses a FIFO, device or directory before open could block on it
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as exc:

@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from runtime.bus import Bus, BusError
-from runtime.config import CONFIG_FILE, ConfigError, NatsOptions, NodeConfig, default_data_dir, load_config
+from runtime.config import (
+    CONFIG_FILE,
+    ConfigError,
+    NatsOptions,
+    NodeConfig,
+    default_data_dir,
+    load_config,
+    read_password_file,
+)
 from runtime.embedded import EmbeddedNatsError, read_credentials
 
 EXIT_OK = 0
@@ -48,7 +56,13 @@ def add_nats_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("NATS connection (default: the embedded server recorded in the data dir)")
     group.add_argument("--nats", action="append", metavar="URL", help="NATS URL; repeat or comma-separate for several")
     group.add_argument("--nats-user")
-    group.add_argument("--nats-password")
+    # Not shown in --help: a password on the command line is visible to every user of the host (ps, /proc).
+    group.add_argument("--nats-password", help=argparse.SUPPRESS)
+    group.add_argument(
+        "--nats-password-file",
+        metavar="FILE",
+        help="file holding the NATS password (or set MESH_ACTOR_NATS_PASSWORD); never pass it in argv",
+    )
     group.add_argument("--nats-token")
     group.add_argument("--nats-creds", metavar="FILE", help="NATS credentials file (JWT + nkey)")
     group.add_argument("--nats-tls-ca", metavar="FILE")
@@ -75,6 +89,16 @@ def _flag_or_env(args: argparse.Namespace, name: str) -> str | None:
     return str(value) if value is not None else None
 
 
+def _client_password(args: argparse.Namespace) -> str | None:
+    path = _flag_or_env(args, "nats_password_file")
+    if path is None:
+        return _flag_or_env(args, "nats_password")
+    try:
+        return read_password_file(path)
+    except ConfigError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from exc
+
+
 def client_options(args: argparse.Namespace) -> NatsOptions:
     """How this command reaches NATS: flags, then MESH_ACTOR_NATS* variables, then the data dir."""
     urls: list[str] = []
@@ -86,7 +110,7 @@ def client_options(args: argparse.Namespace) -> NatsOptions:
         return NatsOptions(
             urls=tuple(urls),
             user=_flag_or_env(args, "nats_user"),
-            password=_flag_or_env(args, "nats_password"),
+            password=_client_password(args),
             token=_flag_or_env(args, "nats_token"),
             creds_file=_flag_or_env(args, "nats_creds"),
             tls_ca=_flag_or_env(args, "nats_tls_ca"),

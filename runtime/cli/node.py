@@ -127,6 +127,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "nats": ",".join(args.nats) if args.nats else None,
         "nats_user": args.nats_user,
         "nats_password": args.nats_password,
+        "nats_password_file": args.nats_password_file,
         "nats_token": args.nats_token,
         "nats_creds": args.nats_creds,
         "nats_tls_ca": args.nats_tls_ca,
@@ -152,7 +153,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         return load_config(flags, os.environ, serving).serving
 
     try:
-        return await run_node(config, announce=announce, reload_settings=reload_settings)
+        return await run_node(config, announce=announce, reload_settings=reload_settings, handle_signals=True)
     except StartupInterrupted:
         return 130
     except (DataDirBusy, EmbeddedNatsError, JetStreamUnavailable, BusError, OSError) as exc:

@@ -20,7 +20,8 @@ from tests.conftest import JournalReader, NatsServer, of_type, supervised
 
 class Ping(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     n: int
-    crash: bool = False
+    crash: bool = False  # the handler raises
+    fail_task: bool = False  # the actor's own task raises
     slow: bool = False
 
 
@@ -42,6 +43,11 @@ class EchoActor(Actor):
         incarnation = self.incarnations
         if incarnation <= self.crash_on_start:
             raise RuntimeError(f"cannot start (incarnation {incarnation})")
+        task_fails = asyncio.Event()
+
+        async def own_task() -> None:  # a fault of the actor itself (not of a request) crashes the incarnation
+            await task_fails.wait()
+            raise RuntimeError("own task failed")
 
         async def handle(ping: Ping) -> Pong:
             if ping.slow:
@@ -49,10 +55,13 @@ class EchoActor(Actor):
                 await asyncio.sleep(3600)  # until the incarnation ends
             if ping.crash:
                 raise RuntimeError("asked to crash")
+            if ping.fail_task:
+                task_fails.set()
             if ping.n < 0:
                 raise RequestError(BAD_REQUEST, "n must not be negative", {"path": "$.n"})
             return Pong(n=ping.n, incarnation=incarnation)
 
+        ctx.spawn(own_task(), "own-task")
         await ctx.add_endpoint("ping", "test.echo.ping", Ping, handle)
 
 
@@ -75,16 +84,52 @@ async def test_crashed_actor_is_restarted_and_serves_again(bus: Bus, journal_rea
     async with supervised(bus, [actor]):
         await wait_serving(bus)
         assert (await ping(bus, 1)).incarnation == 1
-        with pytest.raises(RemoteError) as crashed:
-            await ping(bus, 2, crash=True)
-        assert crashed.value.code == "internal"
+        await bus.request("test.echo.ping", Ping(n=2, fail_task=True), Pong, timeout=5)
         await journal_reader.wait_for(of_type("actor_crashed", actor="echo"))
         await journal_reader.wait_for(of_type("actor_restarted", actor="echo", attempt=2))
         await wait_serving(bus)
         assert (await ping(bus, 3)).incarnation == 2
     crash = (await journal_reader.wait_for(of_type("actor_crashed")))[0]
-    assert "asked to crash" in crash["error"]
+    assert "own task failed" in crash["error"]
     assert crash["node"] == "test-node"
+
+
+async def test_a_failing_request_is_an_internal_error_and_never_counts_toward_restarts(
+    bus: Bus, journal_reader: JournalReader
+) -> None:
+    actor = EchoActor()
+    policy = RestartPolicy(max_restarts=2, window_s=60, backoff_initial_s=0.01)
+    async with supervised(bus, [actor], policy=lambda: policy) as task:
+        await wait_serving(bus)
+        for n in range(10):  # far past the restart intensity, had these been crashes
+            with pytest.raises(RemoteError) as failed:
+                await ping(bus, n, crash=True)
+            assert failed.value.code == "internal" and "asked to crash" in str(failed.value)
+        assert (await ping(bus, 11)).incarnation == 1
+        assert not task.done()
+    assert actor.incarnations == 1
+    assert not [e for e in journal_reader.events if e.get("type") in ("actor_crashed", "actor_gave_up")]
+
+
+async def test_a_handler_slower_than_the_request_deadline_is_answered_timeout(bus: Bus) -> None:
+    actor = EchoActor()
+    async with supervised(bus, [actor], request_deadline_s=0.5):
+        await wait_serving(bus)
+        started = time.monotonic()
+        with pytest.raises(RemoteError) as late:
+            await bus.request("test.echo.ping", Ping(n=1, slow=True), Pong, timeout=10)
+        assert late.value.code == "timeout" and "deadline" in str(late.value)
+        assert time.monotonic() - started < 5  # answered at the deadline, not at the requester's timeout
+        assert (await ping(bus, 2)).incarnation == 1  # the endpoint serves the next request
+
+
+async def test_deeply_nested_json_is_a_bad_request(bus: Bus) -> None:
+    async with supervised(bus, [EchoActor()]):
+        await wait_serving(bus)
+        for payload in (b"[" * 100_000 + b"]" * 100_000, b'{"n": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"):
+            msg = await bus.nc.request("test.echo.ping", payload, timeout=5)
+            assert msg.headers is not None and msg.headers["Mesh-Error"] == BAD_REQUEST
+        assert (await ping(bus, 1)).n == 1
 
 
 async def test_restart_intensity_exceeded_gives_up_for_good(bus: Bus, journal_reader: JournalReader) -> None:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import signal
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import msgspec
+import nats.errors
 import nats.js.errors
 import pytest
 
@@ -162,8 +164,9 @@ async def test_nats_env_describes_the_embedded_server(tmp_path: Path) -> None:
 
 @contextlib.asynccontextmanager
 async def node_in_process(
-    tmp_path: Path, server: NatsServer, node_id: str, *, ttl: str = "3"
+    tmp_path: Path, server: NatsServer, node_id: str, *, ttl: str = "3", handle_signals: bool = False
 ) -> AsyncIterator[asyncio.Task[int]]:
+    """`run_node` in this process; leaving the block stops it, and it must end within 20 s."""
     env = {
         "MESH_ACTOR_NATS": server.url,
         "MESH_ACTOR_NATS_USER": server.options.user or "",
@@ -173,16 +176,43 @@ async def node_in_process(
     config = load_config(flags, env)
     stop = asyncio.Event()
     ready = asyncio.Event()
-    task = asyncio.create_task(run_node(config, announce=lambda _: ready.set(), stop=stop))
+    task = asyncio.create_task(
+        run_node(config, announce=lambda _: ready.set(), stop=stop, handle_signals=handle_signals)
+    )
     try:
-        async with asyncio.timeout(20):
-            await ready.wait()
+        # asyncio.wait never swallows a cancellation of ours, and never waits past its timeout
+        await asyncio.wait({task, asyncio.ensure_future(ready.wait())}, timeout=20, return_when="FIRST_COMPLETED")
+        assert ready.is_set(), f"the node did not come up within 20 s: {task}"
         yield task
     finally:
         stop.set()
-        async with asyncio.timeout(20):
-            with contextlib.suppress(Exception):
-                await task
+        done, _ = await asyncio.wait({task}, timeout=20)
+        if not done:
+            stacks = _task_stacks()
+            task.cancel()
+            await asyncio.wait({task}, timeout=10)
+            raise AssertionError(f"the node did not stop within 20 s of its stop event; tasks:\n{stacks}")
+        assert task.result() == 0
+
+
+def _task_stacks() -> str:
+    """Where every task of the loop waits: what a stuck shutdown needs to be understood."""
+    out = io.StringIO()
+    for task in asyncio.all_tasks():
+        out.write(f"--- {task.get_name()}\n")
+        task.print_stack(limit=12, file=out)
+    return out.getvalue()
+
+
+async def _until(predicate: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
+    """Polls `predicate` until it holds. The deadline is checked on every turn, so it holds even when a
+    cancellation by `asyncio.timeout` is lost in a library's own `wait_for` (Python 3.11 can lose one)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"{what} within {timeout:g}s")
+        await asyncio.sleep(0.1)
 
 
 async def _next_report(bus: Bus, node_id: str, timeout: float = 10.0) -> NodeResources:
@@ -224,13 +254,14 @@ async def test_nats_killed_and_restarted_mid_run_node_reconnects_and_journal_is_
             early = await reader.wait_for(lambda e: True, count=stored_before)
             assert [e["type"] for e in early[:2]] == ["node_started", "actor_started"]
             kv = await probe.js.key_value(Subjects().nodes_bucket)
-            async with asyncio.timeout(10):
-                while True:
-                    with contextlib.suppress(nats.js.errors.KeyNotFoundError):
-                        entry = await kv.get("epsilon")
-                        if msgspec.json.decode(entry.value or b"{}", type=dict)["seq"] > before.seq:
-                            break
-                    await asyncio.sleep(0.1)
+
+            async def newer_report_stored() -> bool:
+                with contextlib.suppress(nats.js.errors.KeyNotFoundError, nats.errors.TimeoutError):
+                    entry = await kv.get("epsilon")
+                    return bool(msgspec.json.decode(entry.value or b"{}", type=dict)["seq"] > before.seq)
+                return False
+
+            await _until(newer_report_stored, 10, "the nodes bucket holds no report newer than before the outage")
             await reader.stop()
         finally:
             await probe.close()
@@ -246,26 +277,29 @@ async def test_dead_node_disappears_from_the_nodes_bucket_after_its_ttl(
             kv = await probe.js.key_value(Subjects().nodes_bucket)
             assert (await kv.get("zeta")).value
         # On expiry the server leaves a delete marker: the key reads back empty (or not at all).
-        async with asyncio.timeout(15):
-            while True:
-                try:
-                    entry = await kv.get("zeta")
-                except nats.js.errors.KeyNotFoundError:
-                    break
-                if not entry.value:
-                    break
-                await asyncio.sleep(0.2)
-        code, out, _ = await _cli(
+
+        async def expired() -> bool:
+            try:
+                return not (await kv.get("zeta")).value
+            except nats.js.errors.KeyNotFoundError:
+                return True
+            except nats.errors.TimeoutError:
+                return False
+
+        await _until(expired, 15, "the dead node's key did not expire")
+        secret = tmp_path / "nats-password"
+        secret.write_text(f"{nats_server.options.password}\n")  # the password never appears in argv
+        code, out, err = await _cli(
             "status",
             "--json",
             "--nats",
             nats_server.url,
             "--nats-user",
             nats_server.options.user or "",
-            "--nats-password",
-            nats_server.options.password or "",
+            "--nats-password-file",
+            str(secret),
         )
-        assert code == 0 and json.loads(out)["nodes"] == []
+        assert code == 0 and json.loads(out)["nodes"] == [], err
     finally:
         await probe.close()
     assert os.environ.get("MESH_ACTOR_NATS") is None  # in-process nodes took their config from a dict
@@ -288,3 +322,21 @@ async def test_client_commands_follow_the_data_dirs_config_to_an_external_nats(
     (data_dir / "config.toml").write_text("no_such_option = 1\n")
     code, _, err = await _cli("status", "--data-dir", str(data_dir))
     assert code == 2 and "no_such_option" in err
+
+
+async def test_in_process_node_leaves_no_signal_handlers_behind(tmp_path: Path, nats_server: NatsServer) -> None:
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    async with node_in_process(tmp_path, nats_server, "eta"):
+        assert {sig: signal.getsignal(sig) for sig in before} == before  # a library caller's handlers stay
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+async def test_node_handling_signals_stops_on_sigterm_and_restores_the_previous_handlers(
+    tmp_path: Path, nats_server: NatsServer
+) -> None:
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    async with node_in_process(tmp_path, nats_server, "theta", handle_signals=True) as task:
+        os.kill(os.getpid(), signal.SIGTERM)  # reaches the node's handler, not pytest's default
+        done, _ = await asyncio.wait({task}, timeout=20)
+        assert done and task.result() == 0
+    assert {sig: signal.getsignal(sig) for sig in before} == before

@@ -90,3 +90,30 @@ def test_top_level_nats_url_in_the_config_file_is_used(tmp_path: Path) -> None:
     (tmp_path / "config.toml").write_text('nats = "nats://a:4222,nats://b:4222"\nnats_token = "t"\n')
     config = load_config({"data_dir": str(tmp_path), "node_id": "n"}, {})
     assert config.nats.urls == ("nats://a:4222", "nats://b:4222") and config.nats.token == "t"
+
+
+def test_nats_password_comes_from_a_file_never_from_argv(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\nignored second line\n")
+    config = load_config({"data_dir": str(tmp_path), "nats": "nats://a:4222", "nats_password_file": str(secret)}, {})
+    assert config.nats.password == "s3cret"
+    env = {"MESH_ACTOR_NATS_PASSWORD_FILE": str(secret)}
+    assert load_config({"data_dir": str(tmp_path)}, env).nats.password == "s3cret"
+    assert load_config({"data_dir": str(tmp_path)}, {"MESH_ACTOR_NATS_PASSWORD": "env"}).nats.password == "env"
+
+
+@pytest.mark.parametrize("content", ["", "\n"])
+def test_an_empty_password_file_is_refused(tmp_path: Path, content: str) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text(content)
+    with pytest.raises(ConfigError, match="empty"):
+        load_config({"data_dir": str(tmp_path), "nats_password_file": str(secret)}, {})
+
+
+def test_a_password_given_twice_or_a_missing_file_is_refused(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("a\n")
+    with pytest.raises(ConfigError, match="not both"):
+        load_config({"data_dir": str(tmp_path), "nats_password_file": str(secret)}, {"MESH_ACTOR_NATS_PASSWORD": "b"})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config({"data_dir": str(tmp_path), "nats_password_file": str(tmp_path / "missing")}, {})
