@@ -563,7 +563,7 @@ def write_gemma3(
     }
     spec = _spec("gemma3", n_vocab, _transformer(n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim=head_dim), keys)
     dims = _attention_dims(n_embd, n_head, n_head_kv, head_dim) | _ffn_dims(n_ff)
-    return _write(path, spec, dims, [_GEMMA3] * n_layer, globals_=_TIED)
+    return _write(path, spec, dims, [_GEMMA3] * n_layer, globals_=_TIED, sparse=sparse)
 
 
 def write_qwen35(
