@@ -823,7 +823,9 @@ def write_qwen3(
     n_vocab: int = 259,
 ) -> Path:
     """A qwen3 model: GQA with an explicit head size (q/k norms), tied output embeddings."""
-    return _write_qwen3_family(path, "qwen3", n_layer, (n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab))
+    spec = _spec("qwen3", n_vocab, _transformer(n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim=head_dim))
+    dims = _attention_dims(n_embd, n_head, n_head_kv, head_dim) | _ffn_dims(n_ff)
+    return _write(path, spec, dims, [_table(_QWEN3, _FFN)] * n_layer, globals_=_TIED)
 
 
 def write_qwen3moe(
@@ -841,28 +843,14 @@ def write_qwen3moe(
     n_ff_exp: int = 32,
 ) -> Path:
     """A qwen3moe model: qwen3 attention, every FFN a routed mixture of `n_expert` experts."""
-    sizes = (n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab)
-    return _write_qwen3_family(path, "qwen3moe", n_layer, sizes, (n_expert, n_expert_used, n_ff_exp))
-
-
-def _write_qwen3_family(
-    path: str | os.PathLike[str],
-    arch: str,
-    n_layer: int,
-    sizes: tuple[int, int, int, int, int, int],
-    experts: tuple[int, int, int] = (0, 0, 0),
-) -> Path:
-    """qwen3 and qwen3moe: `sizes` are (n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab), `experts`
-    (n_expert, n_expert_used, n_ff_exp)."""
-    n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab = sizes
-    n_expert, n_expert_used, n_ff_exp = experts
-    keys = _moe(n_expert, n_expert_used, n_ff_exp) if n_expert else {}
-    spec = _spec(arch, n_vocab, _transformer(n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim=head_dim), keys)
+    header = _transformer(n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim=head_dim)
+    spec = _spec("qwen3moe", n_vocab, header, _moe(n_expert, n_expert_used, n_ff_exp) if n_expert else {})
     dims = _attention_dims(n_embd, n_head, n_head_kv, head_dim) | _ffn_dims(n_ff, expert=n_expert, ff_exp=n_ff_exp)
-    layer = _table(
-        "attn_norm.weight embd", _ATTENTION, _QK_NORM, "ffn_norm.weight embd", _EXPERTS if n_expert else _FFN
-    )
+    layer = _table(_QWEN3, _EXPERTS if n_expert else _FFN)
     return _write(path, spec, dims, [layer] * n_layer, globals_=_TIED)
+
+
+_QWEN3 = _table("attn_norm.weight embd", _ATTENTION, _QK_NORM, "ffn_norm.weight embd")  # then the FFN
 
 
 def write_gemma2(
