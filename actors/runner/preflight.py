@@ -114,9 +114,11 @@ class ModelFiles:
         self._hashing: dict[Path, asyncio.Future[str]] = {}  # hashes in flight (they outlive a request)
 
     async def read(self, name: str, digest: str | None, budget_s: float) -> ModelFile:
-        """The model `name` names, its header read; with `digest`, the file must have that blake3."""
+        """The model `name` names, its header read; with `digest`, the file must have that blake3. The header
+        and the digest share `budget_s`, so a start answers within the request deadline."""
+        until = asyncio.get_running_loop().time() + budget_s
         try:
-            async with asyncio.timeout(budget_s):
+            async with asyncio.timeout_at(until):
                 path, geometry = await asyncio.to_thread(_read_geometry, name, self.models_dir)
         except TimeoutError as exc:
             raise Refusal(
@@ -125,7 +127,7 @@ class ModelFiles:
         except (ModelFileError, GGUFFormatError, GeometryError, OSError, ValueError) as exc:
             raise Refusal(MODEL_UNREADABLE, f"cannot use model {_short(name)}: {exc}", releases=True) from exc
         if digest is not None:
-            actual = await self._digest(path, budget_s)
+            actual = await self._digest(path, until, budget_s)
             if actual != digest:
                 raise Refusal(
                     MODEL_MISMATCH,
@@ -134,7 +136,7 @@ class ModelFiles:
                 )
         return ModelFile(path, geometry)
 
-    async def _digest(self, path: Path, budget_s: float) -> str:
+    async def _digest(self, path: Path, until: float, budget_s: float) -> str:
         future = self._hashing.get(path)
         if future is None:
             # an executor future, not a task: it completes with its thread whether or not anyone awaits it
@@ -142,7 +144,7 @@ class ModelFiles:
             self._hashing[path] = future
             future.add_done_callback(lambda done: self._finished_hash(path, done))
         try:
-            async with asyncio.timeout(budget_s):
+            async with asyncio.timeout_at(until):
                 return await asyncio.shield(future)
         except TimeoutError as exc:
             raise Refusal(

@@ -131,7 +131,8 @@ async def test_hostile_model_paths_from_a_ledger_are_refused_as_unreadable_and_t
     for rid in hostile:
         (event,) = await journal_reader.wait_for(of_type("instance_refused", reservation_id=rid))
         assert event["message"].startswith("model_unreadable:")
-    messages = {rid: e["message"] for e in journal_reader.events if (rid := e.get("reservation_id")) in hostile}
+    refusals = [e for e in journal_reader.events if e["type"] == "instance_refused"]
+    messages: dict[str, str] = {e["reservation_id"]: e["message"] for e in refusals}
     assert "NUL" in messages["r-nul"] and "longer than" in messages["r-long"]
     assert "leaves the models dir" in messages["r-escape"] and "leaves the models dir" in messages["r-link"]
     assert "not a regular file" in messages["r-fifo"] and "directory" in messages["r-dir"]
@@ -186,13 +187,62 @@ class SlowDisk(FileDigests):
 
     def __init__(self) -> None:
         super().__init__()
+        self.started = threading.Event()
         self.release = threading.Event()
         self.calls = 0
 
     def digest(self, path: Path) -> str:
         self.calls += 1
+        self.started.set()
         self.release.wait(60)
         return super().digest(path)
+
+
+async def test_a_ledger_changed_during_the_checks_is_read_again_and_the_memory_checked_against_it(
+    bus: Bus, journal_reader: JournalReader, model: Path, model_digest: str, tmp_path: Path
+) -> None:
+    """Placement books another reservation on this node while the runner hashes the model: the claim's
+    compare-and-set fails on the revision the runner read, so it reads the ledger again and finds that the
+    model no longer fits. The memory check and the claim always see the same ledger."""
+    signed = msgspec.structs.replace(_reservation("r-late", model, SETTINGS, 512), model_digest=model_digest)
+    need = signed.held["CPU"]
+    await _put_ledger(bus, signed)
+    await _put_telemetry(bus, usable=need + need // 2)  # fits alone, not beside a second one
+    disk = SlowDisk()
+    async with runner(bus, tmp_path / "data", digests=disk):
+        start = asyncio.create_task(_start(bus, "r-late"))
+        assert await asyncio.to_thread(disk.started.wait, 30)  # the ledger was read; the hash runs
+        rival = _reservation("r-rival", model, SETTINGS, 512)
+        await _put_ledger(bus, signed, rival)
+        disk.release.set()
+        with pytest.raises(RemoteError) as refused:
+            await start
+    assert refused.value.code == "insufficient_memory"
+    assert refused.value.reply.details["have_bytes"] == {"CPU": need // 2}
+    ledger = await _ledger(bus)
+    assert ledger.reservations == (signed, rival)  # nothing claimed, nothing lost
+    (event,) = await journal_reader.wait_for(of_type("instance_refused", reservation_id="r-late"))
+    assert event["have_bytes"] == {"CPU": need // 2}
+
+
+async def test_a_ledger_changed_during_the_checks_is_claimed_on_its_new_revision(
+    bus: Bus, model: Path, model_digest: str, tmp_path: Path
+) -> None:
+    signed = msgspec.structs.replace(_reservation("r-cas", model, SETTINGS, 512), model_digest=model_digest)
+    await _put_ledger(bus, signed)
+    await _put_telemetry(bus)
+    disk = SlowDisk()
+    async with runner(bus, tmp_path / "data", digests=disk):
+        start = asyncio.create_task(_start(bus, "r-cas"))
+        assert await asyncio.to_thread(disk.started.wait, 30)
+        rival = _reservation("r-rival", model, SETTINGS, 512)
+        await _put_ledger(bus, signed, rival)
+        disk.release.set()
+        ack = await start
+        ledger = {r.reservation_id: r for r in (await _ledger(bus)).reservations}
+        assert (ledger["r-cas"].state, ledger["r-cas"].instance_id) == ("starting", ack.instance_id)
+        assert ledger["r-rival"] == rival  # the other writer's booking survives the claim
+        await _request(bus, "stop", StopInstance(instance_id=ack.instance_id))
 
 
 async def test_a_slow_digest_answers_retry_within_the_budget_keeps_hashing_and_the_retry_uses_it(
