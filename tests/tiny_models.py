@@ -6,6 +6,13 @@ architecture requires. With `sparse=True` the tensor data region is left as a fi
 written, then the file is truncated to its full size), so realistic 9B-30B shapes cost almost no disk and
 load as zeros. Used by the end-to-end tests and by `python -m benchmarks.accuracy`.
 
+Each family is data: its header keys (dicts relative to the architecture; None leaves a key out), its named
+sizes, and a tensor table per block kind (`_table`: one tensor a line, its name and its ggml dimensions as size
+expressions such as `embd 2*q` or `kernel inner+2*groups*state`). One engine (`_spec`, `_write`) writes the
+keys in file order, resolves every block's sizes (a per-block list for variable GQA and hybrids) and adds the
+tensors; matrices take the model's weight type, norms, biases, vectors and conv kernels stay f32, and every
+`ssm_a` is negative. Adding an architecture is a table and a writer of a few lines.
+
 Shapes follow ggml order ({ne0, ne1, …}); numpy arrays are the reverse.
 """
 
