@@ -54,6 +54,7 @@ from messages.settings import ServingSettings
 from messages.telemetry import NodeResources
 
 _DIGITS = re.compile(r"(\d+)")
+_SUMMARY_NODES = 8  # nodes named in the message of a refusal
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +261,9 @@ def _overall(rejections: Sequence[NodeRejection], view: Mapping[str, ViewEntry])
         return "no_nodes", "no node is eligible"
     reasons = sorted({r.reason for r in rejections})
     reason: RejectReason = "insufficient_memory" if "insufficient_memory" in reasons else reasons[0]
-    summary = "; ".join(f"{r.node_id}: {r.reason} ({r.message})" for r in rejections)
+    summary = "; ".join(f"{r.node_id}: {r.reason} ({r.message})" for r in rejections[:_SUMMARY_NODES])
+    if len(rejections) > _SUMMARY_NODES:  # every node is in `rejections`; the message stays readable
+        summary += f"; and {len(rejections) - _SUMMARY_NODES} more nodes (see rejections)"
     return reason, f"no node can take the model: {summary}"
 
 

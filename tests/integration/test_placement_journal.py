@@ -1,0 +1,101 @@
+"""Decision events stay small whatever the cluster's size, and replay still has everything: a decision over
+a view of 2,000 nodes is journaled as a bounded event naming a side record, and replays identically."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from actors.placement import decision_records
+from actors.placement.actor import PlacementActor
+from actors.placement.replay import differences, inputs_of, recompute
+from messages.events import PlacementDecided
+from runtime import buckets
+from runtime.bus import Bus, encode
+from runtime.cli import placement as placement_cli
+from tests.conftest import JournalReader, NatsServer, of_type, supervised
+from tests.integration.test_placement import GIB, SUBJECTS, ask, place, report
+from tests.tiny_models import write_llama
+
+NODES = 2000
+
+
+async def replay_cli(server: NatsServer, capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    parser = argparse.ArgumentParser(prog="mesh-actor")
+    placement_cli.register(parser.add_subparsers(dest="command", required=True))
+    options = server.options
+    assert options.user and options.password
+    args = parser.parse_args(
+        ["replay", "--json", "--nats", server.url, "--nats-user", options.user, f"--nats-password={options.password}"]
+    )
+    capsys.readouterr()
+    code = await args.func(args)
+    result: dict[str, object] = json.loads(capsys.readouterr().out)
+    result["exit_code"] = code
+    return result
+
+
+async def test_a_decision_over_2000_nodes_is_a_small_event_and_replays_identically(
+    bus: Bus,
+    nats_server: NatsServer,
+    tmp_path: Path,
+    journal_reader: JournalReader,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model = write_llama(tmp_path / "dense.gguf", n_layer=4)
+    nodes = await buckets.nodes(bus, SUBJECTS)
+    for i in range(NODES):
+        await nodes.put(f"node-{i}", encode(report(f"node-{i}", (4 + i % 7) * GIB)))
+    actor = PlacementActor()
+    async with supervised(bus, [actor], node_id="p1"):
+        async with asyncio.timeout(30):
+            while len(actor._view) < NODES:
+                await asyncio.sleep(0.05)
+        decision = await place(bus, ask(model, ctx=2048))
+        assert decision.admitted and len(decision.view) == NODES
+        refused = await place(bus, ask(model, ctx=2048, settings={"slots": 7}))  # 2,000 rejections
+        assert not refused.admitted and len(refused.rejections) == NODES
+
+        raw = [
+            msg
+            for msg in await journal_reader.wait_for(of_type("placement_decided"), count=2)
+            if msg.get("type") == "placement_decided"
+        ]
+    for recorded_event, answered in zip(raw, (decision, refused), strict=True):
+        size = len(json.dumps(recorded_event).encode())
+        assert size < 64 * 1024, size
+        event = msgspec.convert(recorded_event, PlacementDecided)
+        assert event.record is not None and inputs_of(event) is None and event.view == ()
+        assert event.decision.decision_id == answered.decision_id and len(event.decision.rejections) <= 8
+        inputs = await decision_records.fetch(bus, SUBJECTS, event.record)
+        assert len(inputs.view) == NODES and inputs.decision == answered
+        assert inputs.geometry is not None
+        assert differences(inputs.decision, recompute(inputs, inputs.geometry)) == []
+
+    result = await replay_cli(nats_server, capsys)
+    assert result == {"replayed": 2, "changed": [], "skipped": [], "exit_code": 0}
+
+
+async def test_a_small_decision_keeps_its_inputs_inline(
+    bus: Bus, tmp_path: Path, journal_reader: JournalReader
+) -> None:
+    model = write_llama(tmp_path / "dense.gguf", n_layer=4)
+    nodes = await buckets.nodes(bus, SUBJECTS)
+    await nodes.put("a", encode(report("a", 8 * GIB)))
+    actor = PlacementActor()
+    async with supervised(bus, [actor], node_id="p1"):
+        async with asyncio.timeout(10):
+            while "a" not in actor._view:
+                await asyncio.sleep(0.02)
+        await place(bus, ask(model, ctx=2048))
+        (recorded,) = await journal_reader.wait_for(of_type("placement_decided"))
+    event = msgspec.convert(recorded, PlacementDecided)
+    assert event.record is None and [n.node_id for n in event.view] == ["a"] and "a" in event.view_ages
+    inputs = inputs_of(event)
+    assert inputs is not None and inputs.geometry is not None
+    assert differences(event.decision, recompute(inputs, inputs.geometry)) == []
