@@ -22,7 +22,7 @@ from actors.placement.registry import public_key_of, sign
 from actors.placement.replay import differences, recompute
 from messages.events import InstanceReady, InstanceStopped, PlacementDecided
 from messages.memory import MemoryBreakdown
-from messages.placement import NodeLedger, PlacementDecision, PlacementRequest
+from messages.placement import NodeLedger, PlacementDecision, PlacementRequest, Reservation, Stamp
 from messages.registry import RegistryEntry
 from messages.runner import ObservedMemory
 from messages.settings import ServingSettings
@@ -246,10 +246,12 @@ async def test_runner_events_replace_and_release_reservations(
             total_bytes=12345,
         )  # fmt: skip
         ids = {"instance_id": "i1", "reservation_id": rid}
-        runner_journal.emit(InstanceReady, "runner", **ids, port=1, predicted=predicted, observed=observed)
+        ready = runner_journal.emit(InstanceReady, "runner", **ids, port=1, predicted=predicted, observed=observed)
         await journal_reader.wait_for(of_type("reservation_observed", reservation_id=rid))
         (running,) = (await ledger(bus, "a")).reservations
         assert running.state == "running" and running.held == {"CPU": 12345} and running.expires_at is None
+        assert running.running_since == ready.time  # the node's clock, compared only with its own reports
+        assert running.instance_id == "i1"
         assert running.node_started_at == placement._view["a"].resources.started_at
         runner_journal.emit(InstanceStopped, "runner", **ids, reason="stop requested")
         released = await journal_reader.wait_for(of_type("reservation_released", reservation_id=rid))
@@ -390,7 +392,9 @@ async def test_replay_finds_a_changed_decision_after_a_core_change_and_none_othe
                 node, settings=msgspec.structs.replace(node.settings, slots=node.settings.slots + 1)
             )
 
-        bumped = {name: ViewEntry(resources=bump(e.resources), revision=e.revision) for name, e in view.items()}
+        bumped = {
+            name: ViewEntry(resources=bump(e.resources), revision=e.revision, age_s=e.age_s) for name, e in view.items()
+        }
         return decide(request, facts, bumped, ledgers, **kw)
 
     diff = differences(events[0].decision, recompute(events[0], geometries[0], decide_fn=changed_core))
@@ -483,3 +487,21 @@ async def test_a_model_path_that_is_not_a_regular_file_is_refused_at_once(
     await wait_view(placement, "a")
     decision = await place(bus, ask(fifo))
     assert not decision.admitted and decision.reason == "model_unreadable" and "not a regular file" in decision.message
+
+
+async def test_a_refusal_decided_from_a_lagging_local_copy_is_rechecked_against_the_bucket(
+    bus: Bus, placement: PlacementActor, models: dict[str, Path]
+) -> None:
+    await put_telemetry(bus, report("a", need(models["dense"]) + 10 * MIB))
+    await wait_view(placement, "a")
+    assert (await place(bus, ask(models["dense"]), fit=True)).admitted
+    # The local copy lags the bucket: it still shows the node full, the bucket holds nothing there.
+    full = Reservation(
+        reservation_id="gone", decision_id="d", node_id="a", state="running", model_path="m.gguf",
+        stamp=Stamp(settings=QUIET, ctx=256, n_gpu_layers=0), layers=(0, 1), devices=(), held={"CPU": 64 * GIB},
+        created_at=0.0,
+    )  # fmt: skip
+    placement._ledger_cache["a"] = (NodeLedger(node_id="a", reservations=(full,)), 7)
+    decision = await place(bus, ask(models["dense"]))
+    assert decision.admitted, decision.message
+    assert [r.reservation_id for r in (await ledger(bus, "a")).reservations] == [decision.reservation_id]
