@@ -189,6 +189,10 @@ class RunnerActor(Actor):
                 server_log = await asyncio.to_thread(self._prepare_directory, directory, frozenset(self._drivers))
             except OSError as exc:  # after the claim: still journaled, so placement releases the memory
                 raise Refusal(DATA_DIR_UNWRITABLE, f"cannot prepare {directory}: {exc}", releases=True) from exc
+            except asyncio.CancelledError:  # the deadline or the actor's end, after the claim: nothing will run
+                cancelled = Refusal(UNAVAILABLE, "the start was cancelled after its claim; the reservation is given up", releases=True)
+                self._refused(ctx, rid, reservation, instance_id, cancelled)
+                raise
         except Refusal as refusal:
             raise self._refused(ctx, rid, reservation, instance_id, refusal) from refusal
         assert self.engine_path is not None  # check_reservation refused a node without one
