@@ -190,7 +190,8 @@ class RunnerActor(Actor):
             except OSError as exc:  # after the claim: still journaled, so placement releases the memory
                 raise Refusal(DATA_DIR_UNWRITABLE, f"cannot prepare {directory}: {exc}", releases=True) from exc
             except asyncio.CancelledError:  # the deadline or the actor's end, after the claim: nothing will run
-                cancelled = Refusal(UNAVAILABLE, "the start was cancelled after its claim; the reservation is given up", releases=True)
+                message = "the start was cancelled after its claim; the reservation is given up"
+                cancelled = Refusal(UNAVAILABLE, message, releases=True)
                 self._refused(ctx, rid, reservation, instance_id, cancelled)
                 raise
         except Refusal as refusal:
