@@ -75,6 +75,10 @@ async def test_hostile_model_names_are_refused_clearly_and_the_actor_keeps_servi
     body = await answer(bus, nested, fit=False)
     assert body["code"] == "bad_request" and body["details"]["path"].startswith("$.nodes"), body
 
+    odd_nodes = json.dumps({"model": {"path": "dense.gguf"}, "ctx": 2048, "nodes": ["a b", "\u0000", "*", ">"]})
+    body = await answer(bus, odd_nodes.encode(), fit=False)
+    assert body["reason"] == "not_found" and {r["reason"] for r in body["rejections"]} == {"not_found"}, body
+
     good = await answer(bus, ask({"path": "dense.gguf"}), fit=False)  # relative: inside the models dir
     assert good["admitted"] is True, good
     (held,) = (await ledger(bus, "a")).reservations
