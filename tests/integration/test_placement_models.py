@@ -3,6 +3,7 @@ every bad name is a clear refusal, the actor keeps serving, and relative names m
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import AsyncIterator
@@ -103,3 +104,14 @@ async def test_a_relative_model_name_is_refused_where_there_is_no_models_dir(
         assert "no models dir" in body["message"]
         absolute = await answer(bus, ask({"path": str(models_dir / "dense.gguf")}), fit=True)
         assert absolute["admitted"] is True
+
+
+async def test_a_stuck_model_read_never_stops_the_actor_answering_others(bus: Bus, placement: PlacementActor) -> None:
+    # Header reads run in a worker thread: while one is stuck (here: on the model cache's lock), the event
+    # loop still serves the other endpoint.
+    with placement._models_lock:
+        stuck = asyncio.create_task(answer(bus, ask({"path": "dense.gguf"}), fit=False))
+        other = await answer(bus, ask({"path": "../outside.gguf"}), fit=True)
+        assert other["reason"] == "model_unreadable"
+        assert not stuck.done()
+    assert (await stuck)["admitted"] is True
