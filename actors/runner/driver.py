@@ -215,7 +215,8 @@ class InstanceDriver:
         if self._rewrite is not None:
             argv = tuple(self._rewrite(argv))
         self.port, self.command, self.observed = port, argv, None
-        self.log.begin(f"generation {generation}: {shlex.join(argv)}")
+        self.log.restart()
+        await asyncio.to_thread(self.log.write, self.log.header(f"generation {generation}: {shlex.join(argv)}"))
         try:
             process = await ServerProcess.spawn(argv, env=server_environment(os.environ), log=self.log)
         except OSError as exc:
@@ -352,10 +353,16 @@ class InstanceDriver:
         except Exception as exc:  # the end of one instance must never take the runner with it
             self._bound.error("instance_end_not_recorded", error=_describe(exc))
         finally:
-            self.log.close()
-            self.spawned.set()
-            self.settled.set()
-            self.finished.set()
+            self.log.finish()
+            try:
+                await asyncio.to_thread(self.log.close_file)
+            except BaseException:
+                self.log.close_file()  # asked to hurry: close it here rather than leak it
+                raise
+            finally:
+                self.spawned.set()
+                self.settled.set()
+                self.finished.set()
 
     # --- reports -------------------------------------------------------------------------------------------
 

@@ -6,9 +6,10 @@
   started it, even when that one is killed with SIGKILL. No `preexec_fn` (unsafe while threads run).
   Signals go to the whole group, and only while the server has not been reaped (a reaped pid may already
   belong to someone else).
-* Its output goes through a pipe we drain into a `ServerLog`: a file in the data dir that is rotated at a
-  size limit (one old file kept), the allocation lines kept in memory until the model has loaded (for the
-  verification and the observed footprint), and the last lines for crash reports.
+* Its output goes through a pipe we drain into a `ServerLog`: a file in the data dir (written from a worker
+  thread, never on the event loop) that is rotated at a size limit (one old file kept), the allocation
+  lines kept in memory until the model has loaded (for the verification and the observed footprint), and
+  the last lines for crash reports.
 * `http_request` is a small HTTP/1.1 client over `asyncio.open_connection` for loopback use: one request
   per connection, a deadline on the whole exchange and a ceiling on the response size.
 """
@@ -21,6 +22,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -78,17 +80,31 @@ class ServerLog:
         self._kept: list[str] = []
         self._tail: deque[str] = deque(maxlen=tail_lines)
         self.loaded = asyncio.Event()
+        self._lock = threading.Lock()  # the file is written from worker threads
 
-    def begin(self, header: str) -> None:
-        """Starts a new generation: a header line in the file, fresh allocation lines and tail."""
+    def restart(self) -> None:
+        """Starts a new generation in memory: fresh allocation lines and tail (event loop)."""
         self._partial = b""
         self._kept = []
         self._tail.clear()
         self.loaded = asyncio.Event()
-        self._write(f"=== {header}\n".encode())
+
+    @staticmethod
+    def header(text: str) -> bytes:
+        return f"=== {text}\n".encode()
+
+    def begin(self, header: str) -> None:
+        """`restart` and the header line written at once (for callers that may block)."""
+        self.restart()
+        self.write(self.header(header))
 
     def feed(self, data: bytes) -> None:
-        self._write(data)
+        """`take` and `write` at once (for callers that may block)."""
+        self.write(data)
+        self.take(data)
+
+    def take(self, data: bytes) -> None:
+        """The in-memory part of new output: lines, allocation lines, tail (event loop; no I/O)."""
         chunk = self._partial + data
         *lines, rest = chunk.split(b"\n")
         # a line longer than the limit is cut; llama-server's lines are short, a runaway one must not grow us
@@ -97,11 +113,10 @@ class ServerLog:
             self._line(raw[: self._max_line].decode("utf-8", errors="replace").rstrip("\r"))
 
     def finish(self) -> None:
+        """The output ended: its last, unterminated line counts too (event loop; no I/O)."""
         if self._partial:
             self._line(self._partial.decode("utf-8", errors="replace"))
             self._partial = b""
-        with contextlib.suppress(OSError):
-            self._file.flush()
 
     def _line(self, line: str) -> None:
         self._tail.append(line)
@@ -112,14 +127,16 @@ class ServerLog:
         elif len(self._kept) < self._max_kept and any(marker in line for marker in _ALLOCATION_MARKERS):
             self._kept.append(line)
 
-    def _write(self, data: bytes) -> None:
-        try:
-            if self._size + len(data) > self.max_bytes:
-                self._rotate()
-            self._file.write(data)
-            self._size += len(data)
-        except OSError:
-            pass  # a full disk must not stop the server; the in-memory lines still serve supervision
+    def write(self, data: bytes) -> None:
+        """The file part: appends `data`, rotating at the size limit. Blocking: call it from a worker thread."""
+        with self._lock:
+            try:
+                if self._size + len(data) > self.max_bytes:
+                    self._rotate()
+                self._file.write(data)
+                self._size += len(data)
+            except (OSError, ValueError):
+                pass  # a full disk (or a closed file) must not stop the server; memory still serves supervision
 
     def _rotate(self) -> None:
         self._file.close()
@@ -133,10 +150,14 @@ class ServerLog:
     def tail(self, max_chars: int = 4000) -> str:
         return "\n".join(self._tail)[-max_chars:]
 
+    def close_file(self) -> None:
+        """Flushes and closes the file. Blocking: call it from a worker thread."""
+        with self._lock, contextlib.suppress(OSError):
+            self._file.close()
+
     def close(self) -> None:
         self.finish()
-        with contextlib.suppress(OSError):
-            self._file.close()
+        self.close_file()
 
 
 class ServerProcess:
@@ -172,12 +193,14 @@ class ServerProcess:
         return self._process.returncode
 
     async def pump(self) -> None:
-        """Copies the server's output into the log until it closes its end of the pipe."""
+        """Copies the server's output into the log until it closes its end of the pipe (the file writes in a
+        worker thread, one chunk at a time, in order)."""
         stream = self._process.stdout
         assert stream is not None
         try:
             while chunk := await stream.read(65536):
-                self.log.feed(chunk)
+                self.log.take(chunk)
+                await asyncio.to_thread(self.log.write, chunk)
         finally:
             self.log.finish()
 
