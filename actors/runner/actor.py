@@ -183,7 +183,13 @@ class RunnerActor(Actor):
                 allocations = cache_allocations(model.geometry, stamp.settings, stamp.ctx)
             except MemoryModelError as exc:
                 raise Refusal(UNSUPPORTED, f"llama-server would refuse these settings: {exc}", releases=True) from exc
-            claimed = await self._claim(ctx, reservation, predicted, instance_id, read.ledger, read.revision)
+            try:
+                async with asyncio.timeout(self.limits.claim_budget_s):
+                    claimed = await self._claim(ctx, reservation, predicted, instance_id, read.ledger, read.revision)
+            except TimeoutError as exc:
+                # a claim may have landed unseen: give the reservation up rather than leave it claimed by nobody
+                message = f"the node's buckets did not answer within {self.limits.claim_budget_s:g}s"
+                raise Refusal(UNAVAILABLE, message, releases=True) from exc
             directory = self.data_dir / "runner" / instance_id
             try:
                 server_log = await asyncio.to_thread(self._prepare_directory, directory, frozenset(self._drivers))
@@ -218,7 +224,7 @@ class RunnerActor(Actor):
         self._drivers[instance_id] = driver
         ctx.spawn(self._supervise(ctx, driver), f"instance:{instance_id}")
         with contextlib.suppress(TimeoutError):  # spawning takes milliseconds; the ack says where it stands
-            async with asyncio.timeout(self.limits.http_timeout_s):
+            async with asyncio.timeout(self.limits.spawn_ack_s):
                 await driver.spawned.wait()
         return self._ack(driver, "starting")
 

@@ -25,9 +25,12 @@ class RunnerLimits:
     log_max_bytes: int = 16 << 20  # per instance; one rotated file is kept besides
     kept_instance_dirs: int = 32  # directories (logs, slot files) of ended instances kept for post-mortems
     kv_timeout_s: float = 5.0
-    #: What a start may spend reading the model file (header, blake3) before it answers "retry": the request
-    #: deadline is 30 s, and a hash that takes longer keeps running for the retry.
-    file_budget_s: float = 15.0
+    # A start answers within the request deadline (30 s): reading the ledger (kv_timeout_s), the model file
+    # (file_budget_s: header and blake3; a longer hash keeps running for the retry), the memory check and
+    # claim (claim_budget_s), then the spawn (spawn_ack_s): 5 + 12 + 6 + 2 s at most.
+    file_budget_s: float = 12.0
+    claim_budget_s: float = 6.0
     claim_attempts: int = 8  # compare-and-set conflicts on the node's ledger before a start gives up
+    spawn_ack_s: float = 2.0  # spawning takes milliseconds; the ack says where it stands after this
     #: What a stop waits for the server to be gone before it answers with the state it reached.
     stop_answer_s: float = 25.0
