@@ -190,6 +190,8 @@ class InstanceDriver:
                         await self._write_status()
                     if self.machine.done or self.machine.phase is lc.Phase.STUCK:
                         self.settled.set()
+                    else:  # e.g. a stuck server that finally exited and is restarted: a later stop waits again
+                        self.settled.clear()
                     if self.machine.done:
                         return
             finally:
