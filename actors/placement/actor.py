@@ -13,8 +13,8 @@
   with compare-and-set: runner events through a durable JetStream consumer shared by every placement actor
   are the fast path, and a periodic reconcile compares the ledgers with the instance records of the
   instances bucket, so memory is released (or a missed ready applied) even when events are lost or late.
-- Model files named by clients are hostile input: every file operation runs in a worker thread, through
-  `runtime.model_files` (no FIFO can block, no path can escape the models dir).
+- Model files named by clients are hostile input: `model_reader.py` reads them in worker threads (no FIFO
+  can block, no path can escape the models dir) and verifies registry entries.
 - Every `placement.request` decision is a `placement_decided` journal event with its inputs (replayable);
   large inputs go to a side record (`decision_records.py`). `placement.fit` answers the same question,
   reserves nothing and is not journaled.
@@ -24,14 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import re
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -42,10 +37,8 @@ from nats.js.object_store import ObjectStore
 
 from actors.placement import decision_records
 from actors.placement.admission import ModelFacts, ViewEntry, decide, rejected
-from actors.placement.geometry import GeometryError, UnsupportedArchitecture, geometry_from_header
-from actors.placement.gguf_header import GGUFFormatError, parse_header
 from actors.placement.ledger import with_reservation
-from actors.placement.registry import RegistryUntrusted, check_file, verify
+from actors.placement.model_reader import ModelProblem, ModelReader
 from actors.placement.reservations import (
     Change,
     Promote,
@@ -67,23 +60,19 @@ from messages.events import (
     ReservationReleased,
     event_type,
 )
-from messages.model import ModelGeometry
 from messages.placement import (
     LEDGER_KEY_PREFIX,
     NodeLedger,
     PlacementDecision,
     PlacementRequest,
-    RejectReason,
     Reservation,
 )
-from messages.registry import RegistryEntry
 from messages.runner import InstanceStatus
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext
 from runtime.bus import BadMessage, decode_checked, encode
 from runtime.logging import get_logger
-from runtime.model_files import FileDigests, FileKey, ModelFileError, check_name, file_key, open_regular, resolve
 
 QUEUE_GROUP = "placement"
 RUNNER_EVENTS_CONSUMER = "placement-reservations"
@@ -100,9 +89,6 @@ SUMMARY_NODES = 64
 SUMMARY_REJECTIONS = 8
 #: Refusals that depend on a ledger, re-checked against the bucket when decided from the local copy.
 _LEDGER_REASONS = frozenset({"insufficient_memory", "ledger_unreadable"})
-#: KV key characters (nats-py refuses others); a registry name outside them names no entry.
-_REGISTRY_NAME = re.compile(r"^[-/_=.a-zA-Z0-9]{1,255}$")
-_MODEL_CACHE_ENTRIES = 256
 _CHANGE_DEADLINE_S = 10.0
 
 
@@ -116,18 +102,6 @@ class _EventType(msgspec.Struct):
 
 _EVENT_TYPE = msgspec.json.Decoder(_EventType)
 _RUNNER_OUTCOME = msgspec.json.Decoder(RunnerOutcome)
-
-
-class ModelProblem(Exception):
-    def __init__(self, reason: RejectReason, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-@dataclass(frozen=True, slots=True)
-class _Cached:
-    key: FileKey
-    geometry: ModelGeometry
 
 
 def ledger_key(node_id: str) -> str:
@@ -168,10 +142,7 @@ class PlacementActor(Actor):
         self._ledgers_ready = asyncio.Event()
         self._records_ready = asyncio.Event()
         self._reconciler = Reconciler(claim_grace_s=claim_grace_s)
-        # Model header facts by resolved path, read and used from worker threads.
-        self._models: OrderedDict[str, _Cached] = OrderedDict()
-        self._models_lock = threading.Lock()
-        self._digests = FileDigests()
+        self.models = ModelReader(trusted_registry_keys=trusted_registry_keys, models_dir=models_dir)
         self._log = get_logger(actor=self.name)
 
     # --- wiring ---------------------------------------------------------------------------------------
@@ -303,7 +274,7 @@ class PlacementActor(Actor):
         now = self._clock()
         view = self._current_view()
         try:
-            facts = await self._model_facts(request)
+            facts = await self.models.facts(request.model, self._registry)
         except ModelProblem as exc:
             decision = rejected(
                 request, exc.reason, str(exc), decision_id=decision_id, now=now, dry_run=dry_run, view=view
@@ -468,86 +439,6 @@ class PlacementActor(Actor):
                 return False
             written.append(reservation)
         return True
-
-    # --- models ---------------------------------------------------------------------------------------
-
-    async def _model_facts(self, request: PlacementRequest) -> ModelFacts:
-        ref = request.model
-        if ref.path is None and ref.registry is None:
-            raise ModelProblem("model_unreadable", "the request names no model: give model.path or model.registry")
-        if ref.registry is not None:
-            return await self._registry_facts(ref.registry, ref.path)
-        assert ref.path is not None
-        geometry = await asyncio.to_thread(self._load_geometry, ref.path)
-        return ModelFacts(geometry=geometry, path=ref.path)
-
-    def _resolve(self, path: str) -> Path:
-        """The file `path` names here (blocking: worker thread). Relative paths live in the models dir."""
-        try:
-            check_name(path)
-            if self.models_dir is None and not Path(path).is_absolute():
-                raise ModelFileError(
-                    f"{path!r} is a relative path and this placement node has no models dir: give an absolute path"
-                )
-            return resolve(path, self.models_dir or Path("."))
-        except ModelFileError as exc:
-            raise ModelProblem("model_unreadable", str(exc)) from exc
-
-    def _load_geometry(self, path: str) -> ModelGeometry:
-        """Header facts of a local file (blocking: worker thread), cached per file version."""
-        resolved = self._resolve(path)
-        try:
-            fd, key = open_regular(resolved)
-            with os.fdopen(fd, "rb") as handle:
-                with self._models_lock:
-                    cached = self._models.get(str(resolved))
-                if cached is not None and cached.key == key:
-                    return cached.geometry
-                geometry = geometry_from_header(parse_header(handle, key.size, source=str(resolved)))
-        except ModelFileError as exc:
-            raise ModelProblem("model_unreadable", str(exc)) from exc
-        except UnsupportedArchitecture as exc:
-            raise ModelProblem("unsupported_architecture", str(exc)) from exc
-        except (GGUFFormatError, GeometryError) as exc:
-            raise ModelProblem("model_unreadable", f"{path}: {exc}") from exc
-        except OSError as exc:
-            raise ModelProblem("model_unreadable", f"cannot read {path}: {exc.strerror or exc}") from exc
-        with self._models_lock:
-            self._models[str(resolved)] = _Cached(key=key, geometry=geometry)
-            while len(self._models) > _MODEL_CACHE_ENTRIES:
-                self._models.popitem(last=False)
-        return geometry
-
-    async def _registry_facts(self, name: str, path: str | None) -> ModelFacts:
-        if not _REGISTRY_NAME.match(name):
-            raise ModelProblem("model_unreadable", f"{name[:80]!r} is not a registry entry name")
-        try:
-            entry_raw = await self._registry.get(name)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyValueError, ValueError) as exc:
-            raise ModelProblem("model_unreadable", f"no registry entry named {name!r}") from exc
-        if not entry_raw.value:
-            raise ModelProblem("model_unreadable", f"no registry entry named {name!r}")
-        try:
-            entry = decode_checked(entry_raw.value, RegistryEntry, f"registry entry {name!r}")
-            verify(entry, self.trusted, stored_as=name)
-            if path is not None:
-                await asyncio.to_thread(self._check_registry_file, entry, path)
-        except (BadMessage, RegistryUntrusted) as exc:
-            raise ModelProblem("registry_untrusted", str(exc)) from exc
-        return ModelFacts(geometry=entry.geometry, path=path or entry.file_name, digest=entry.blake3)
-
-    def _check_registry_file(self, entry: RegistryEntry, path: str) -> None:
-        """When the placement node has the file, it must be the one that was signed: size, then blake3
-        (blocking: worker thread; each file version is hashed once)."""
-        resolved = self._resolve(path)
-        if not os.path.lexists(resolved):
-            return  # not on this node: the signed facts are enough
-        try:
-            size = file_key(resolved).size
-            check_file(entry, size=size, digest=None)  # cheap check before hashing
-            check_file(entry, size=size, digest=self._digests.digest(resolved))
-        except ModelFileError as exc:
-            raise ModelProblem("model_unreadable", str(exc)) from exc
 
     # --- reservation lifecycle ------------------------------------------------------------------------
 

@@ -109,7 +109,7 @@ async def test_a_relative_model_name_is_refused_where_there_is_no_models_dir(
 async def test_a_stuck_model_read_never_stops_the_actor_answering_others(bus: Bus, placement: PlacementActor) -> None:
     # Header reads run in a worker thread: while one is stuck (here: on the model cache's lock), the event
     # loop still serves the other endpoint.
-    with placement._models_lock:
+    with placement.models._lock:
         stuck = asyncio.create_task(answer(bus, ask({"path": "dense.gguf"}), fit=False))
         other = await answer(bus, ask({"path": "../outside.gguf"}), fit=True)
         assert other["reason"] == "model_unreadable"

@@ -1,0 +1,139 @@
+"""Model facts for placement (shell): the geometry of the model a request names, from its file or from a
+signed registry entry.
+
+Model names come from clients, so they are hostile input. Every file operation runs in a worker thread,
+through `runtime.model_files`: a name with a NUL byte or 200 KB long, a FIFO, a device or a directory is a
+`model_unreadable` refusal, never an exception and never a blocked event loop; a relative name is a file
+inside the node's models dir (as the runner resolves it), and may not climb out of it. Header facts are
+cached per file version (device, inode, size, mtime); registry files are hashed once per version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats.js.errors
+from nats.js.kv import KeyValue
+
+from actors.placement.admission import ModelFacts
+from actors.placement.geometry import GeometryError, UnsupportedArchitecture, geometry_from_header
+from actors.placement.gguf_header import GGUFFormatError, parse_header
+from actors.placement.registry import RegistryUntrusted, check_file, verify
+from messages.model import ModelGeometry
+from messages.placement import ModelRef, RejectReason
+from messages.registry import RegistryEntry
+from runtime.bus import BadMessage, decode_checked
+from runtime.model_files import FileDigests, FileKey, ModelFileError, check_name, file_key, open_regular, resolve
+
+#: KV key characters (nats-py refuses others); a registry name outside them names no entry.
+_REGISTRY_NAME = re.compile(r"^[-/_=.a-zA-Z0-9]{1,255}$")
+_CACHE_ENTRIES = 256
+
+
+class ModelProblem(Exception):
+    """The model cannot be placed; `reason` is the decision's reject reason."""
+
+    def __init__(self, reason: RejectReason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class _Cached:
+    key: FileKey
+    geometry: ModelGeometry
+
+
+class ModelReader:
+    """Reads what admission needs about a model. Thread-safe: header reads and hashing run in workers."""
+
+    def __init__(self, *, trusted_registry_keys: tuple[str, ...] = (), models_dir: Path | None = None) -> None:
+        self.trusted = trusted_registry_keys
+        self.models_dir = models_dir
+        self._cache: OrderedDict[str, _Cached] = OrderedDict()
+        self._lock = threading.Lock()
+        self._digests = FileDigests()
+
+    async def facts(self, ref: ModelRef, registry: KeyValue) -> ModelFacts:
+        """The model a request names, read here or taken from its signed registry entry."""
+        if ref.path is None and ref.registry is None:
+            raise ModelProblem("model_unreadable", "the request names no model: give model.path or model.registry")
+        if ref.registry is not None:
+            return await self._registry_facts(registry, ref.registry, ref.path)
+        assert ref.path is not None
+        geometry = await asyncio.to_thread(self.load_geometry, ref.path)
+        return ModelFacts(geometry=geometry, path=ref.path)
+
+    def _resolve(self, path: str) -> Path:
+        """The file `path` names here (blocking: worker thread). Relative paths live in the models dir."""
+        try:
+            check_name(path)
+            if self.models_dir is None and not Path(path).is_absolute():
+                raise ModelFileError(
+                    f"{path!r} is a relative path and this placement node has no models dir: give an absolute path"
+                )
+            return resolve(path, self.models_dir or Path("."))
+        except ModelFileError as exc:
+            raise ModelProblem("model_unreadable", str(exc)) from exc
+
+    def load_geometry(self, path: str) -> ModelGeometry:
+        """Header facts of a local file (blocking: worker thread), cached per file version."""
+        resolved = self._resolve(path)
+        try:
+            fd, key = open_regular(resolved)
+            with os.fdopen(fd, "rb") as handle:
+                with self._lock:
+                    cached = self._cache.get(str(resolved))
+                if cached is not None and cached.key == key:
+                    return cached.geometry
+                geometry = geometry_from_header(parse_header(handle, key.size, source=str(resolved)))
+        except ModelFileError as exc:
+            raise ModelProblem("model_unreadable", str(exc)) from exc
+        except UnsupportedArchitecture as exc:
+            raise ModelProblem("unsupported_architecture", str(exc)) from exc
+        except (GGUFFormatError, GeometryError) as exc:
+            raise ModelProblem("model_unreadable", f"{path}: {exc}") from exc
+        except OSError as exc:
+            raise ModelProblem("model_unreadable", f"cannot read {path}: {exc.strerror or exc}") from exc
+        with self._lock:
+            self._cache[str(resolved)] = _Cached(key=key, geometry=geometry)
+            while len(self._cache) > _CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return geometry
+
+    async def _registry_facts(self, registry: KeyValue, name: str, path: str | None) -> ModelFacts:
+        if not _REGISTRY_NAME.match(name):
+            raise ModelProblem("model_unreadable", f"{name[:80]!r} is not a registry entry name")
+        try:
+            entry_raw = await registry.get(name)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyValueError, ValueError) as exc:
+            raise ModelProblem("model_unreadable", f"no registry entry named {name!r}") from exc
+        if not entry_raw.value:
+            raise ModelProblem("model_unreadable", f"no registry entry named {name!r}")
+        try:
+            entry = decode_checked(entry_raw.value, RegistryEntry, f"registry entry {name!r}")
+            verify(entry, self.trusted, stored_as=name)
+            if path is not None:
+                await asyncio.to_thread(self._check_registry_file, entry, path)
+        except (BadMessage, RegistryUntrusted) as exc:
+            raise ModelProblem("registry_untrusted", str(exc)) from exc
+        return ModelFacts(geometry=entry.geometry, path=path or entry.file_name, digest=entry.blake3)
+
+    def _check_registry_file(self, entry: RegistryEntry, path: str) -> None:
+        """When the placement node has the file, it must be the one that was signed: size, then blake3
+        (blocking: worker thread; each file version is hashed once)."""
+        resolved = self._resolve(path)
+        if not os.path.lexists(resolved):
+            return  # not on this node: the signed facts are enough
+        try:
+            size = file_key(resolved).size
+            check_file(entry, size=size, digest=None)  # cheap check before hashing
+            check_file(entry, size=size, digest=self._digests.digest(resolved))
+        except ModelFileError as exc:
+            raise ModelProblem("model_unreadable", str(exc)) from exc
