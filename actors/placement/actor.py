@@ -127,8 +127,6 @@ class PlacementActor(Actor):
         """`models_dir`: where relative model paths live (as for the runner); without one they are refused.
         `sweep_interval_s`: how often reservations are reconciled. `claim_grace_s`: how long a claimed
         reservation is held before its instance's record first appears."""
-        self.trusted = trusted_registry_keys
-        self.models_dir = models_dir
         self._clock = clock
         self._monotonic = monotonic
         self._max_attempts = max_attempts
