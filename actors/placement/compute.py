@@ -55,7 +55,7 @@ from messages.model import LayerGeometry, ModelGeometry
 
 __all__ = ["CALIBRATION_VERSION", "MEASURED_ERROR_RATIO", "ComputeEstimate", "compute_buffers"]
 
-CALIBRATION_VERSION = "compute-4"
+CALIBRATION_VERSION = "compute-5"
 #: Largest relative error of the model against llama-server's reported compute buffers in calibration.
 MEASURED_ERROR_RATIO = 0.25
 
@@ -71,6 +71,14 @@ NARROW_ROWS_IN_ATTENTION_BLOCKS = frozenset({"qwen3moe", "gpt-oss"})
 #: For a geometry encoded before expert widths existed (every `n_ff_exp` 0): the architectures whose
 #: experts are `feed_forward_length` wide; the dense n_ff stands in for the others, as it did then.
 EXPERTS_AS_WIDE_AS_N_FF = frozenset({"jamba"})
+#: The recurrent stage llama.cpp reserves with one sequence per slot (`sched_reserve` builds its worst-case
+#: graph with n_seqs = slots): every slot's state is gathered from the cache and written back by the scan,
+#: two state copies per slot live at once, beside n_embd-wide rows per token (fitted per recurrent kind on
+#: Qwen3.5-9B and Mamba2-2.7B widths at 8-32 slots; compute-5).
+RECURRENT_STATE_COPIES = 2
+RECURRENT_STAGE_EMBD = {"mamba": 14.6, "gated_delta": 10.87}
+#: nemotron_h's MLP blocks are ungated (squared ReLU): up and its activation, no gate.
+UNGATED_FFN_FACTOR = 2
 RWKV_EMBD_FACTOR = 20  # n_embd-wide rows live at the peak of an RWKV-7 time mix, per token
 RWKV_FFN_FACTOR = 2  # an RWKV channel mix keeps two n_ff-wide rows (no gate)
 RWKV_STATE_COPIES = 2  # the wkv state read and written per sequence
@@ -98,7 +106,7 @@ def _ffn_rows(geometry: ModelGeometry, layer: LayerGeometry) -> int:
     still live.
     """
     if not layer.n_ff_exp:
-        return FFN_FACTOR * layer.n_ff
+        return (UNGATED_FFN_FACTOR if geometry.architecture in UNGATED_EXPERTS else FFN_FACTOR) * layer.n_ff
     routed = max(1, layer.n_expert_used or geometry.n_expert_used) * layer.n_ff_exp
     outputs = max(1, layer.n_expert_used or geometry.n_expert_used) * geometry.n_embd
     if geometry.architecture in UNGATED_EXPERTS:
@@ -133,13 +141,19 @@ def _layer_peak(
     if any(layer.n_ff_exp for layer in geometry.layers):
         ffn_rows = max((_ffn_rows(geometry, layer) for layer in layers), default=0)
     else:
-        ffn_rows = FFN_FACTOR * _legacy_n_ff(geometry, layers)
+        factor = UNGATED_FFN_FACTOR if geometry.architecture in UNGATED_EXPERTS else FFN_FACTOR
+        ffn_rows = factor * _legacy_n_ff(geometry, layers)
     activation = 4 * t * (ffn_rows + EMBD_FACTOR * n_embd)
     if geometry.recurrent_kind == "mamba" and any(layer.recurrent for layer in layers):
         width = 2 * geometry.ssm_d_inner + 2 * geometry.ssm_n_group * geometry.ssm_d_state + geometry.ssm_dt_rank
         state = max(layer.r_width + layer.s_width for layer in layers if layer.recurrent)
         mamba = int(4 * t * MAMBA_IN_FACTOR * width) + 4 * shape.n_seq_max * state
         activation = max(activation, mamba)
+    stage_embd = RECURRENT_STAGE_EMBD.get(geometry.recurrent_kind)
+    if stage_embd is not None and any(layer.recurrent for layer in layers):
+        state = max(layer.r_width + layer.s_width for layer in layers if layer.recurrent)
+        stage = int(4 * t * stage_embd * n_embd) + RECURRENT_STATE_COPIES * 4 * shape.n_seq_max * state
+        activation = max(activation, stage)
     if geometry.recurrent_kind == "rwkv" and any(layer.recurrent for layer in layers):
         # the time mix (six lerped inputs, r/w/k/v/a/g and their LoRA paths) or the channel mix (key and its
         # squared ReLU, n_ff wide), whichever is larger, plus the wkv state read and written per sequence

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -9,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.placement.compute import compute_buffers
+from actors.placement.compute import MEASURED_ERROR_RATIO, compute_buffers
 from actors.placement.geometry import geometry_from_header
+from actors.placement.gguf_header import TensorInfo
 from actors.placement.memory import (
     LLAMA_CPP_VERSION,
     Budgets,
@@ -425,3 +427,99 @@ def test_mla_v_head_must_be_whole_quantized_blocks_with_flash_attention() -> Non
     assert estimate(g, serving(cache_type_k="f16", cache_type_v="f16"), 4096).kv_v_bytes == 0
     # a geometry from before head sizes were recorded has no V head to check, as then
     assert estimate(without_new_fields(g), serving(cache_type_k="q8_0", cache_type_v="q8_0"), 4096).kv_v_bytes == 0
+
+
+# --- CPU repack buffer and the named compute margin ------------------------------------------------------
+
+
+def _quantized_llama(
+    types: dict[str, str], *, rows: int = 512, n_vocab: int = 1000, tied: bool = False
+) -> ModelGeometry:
+    """A 2-block llama header whose matmul weights have the given ggml types (by tensor base name)."""
+    sizes = {"F32": (1, 4), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q6_K": (256, 210), "Q8_0": (32, 34)}
+
+    def tensor(name: str, shape: tuple[int, ...], kind: str = "F32") -> TensorInfo:
+        block, size = sizes[kind]
+        n = 1
+        for d in shape:
+            n *= d
+        return TensorInfo(name, shape, 0, kind, 0, n // block * size)
+
+    tensors = [tensor("token_embd.weight", (256, n_vocab), types.get("token_embd", "F32"))]
+    if not tied:
+        tensors.append(tensor("output.weight", (256, n_vocab), types.get("output", "F32")))
+    for il in range(2):
+        tensors.append(tensor(f"blk.{il}.attn_norm.weight", (256,)))
+        tensors.append(tensor(f"blk.{il}.attn_q.weight", (256, 256), types.get("attn_q", "F32")))
+        tensors.append(tensor(f"blk.{il}.ffn_up.weight", (256, rows), types.get("ffn_up", "F32")))
+    return geometry_from_header(header("llama", base(2), tuple(tensors)))
+
+
+AVX512_HOST = ("AVX", "AVX2", "AVX512", "FMA")
+SETTINGS_1 = ServingSettings(slots=1, cache_ram_mib=0)
+
+
+def test_repack_counts_the_quantized_matmul_weights_the_advertised_cpu_features_repack() -> None:
+    g = _quantized_llama({"attn_q": "Q4_0", "ffn_up": "Q6_K", "token_embd": "Q4_K", "output": "Q4_K"})
+    b = estimate(g, SETTINGS_1, 512, cpu_features=AVX512_HOST)
+    q4_0 = 256 * 256 // 32 * 18  # each attn_q; Q6_K has Arm kernels only; token_embd is read by get_rows
+    output = 256 * 1000 // 256 * 144
+    assert b.repack_bytes == 2 * q4_0 + output
+    assert b.devices[0].repack_bytes == b.repack_bytes
+    arm = estimate(g, SETTINGS_1, 512, cpu_features=("NEON", "DOTPROD"))
+    assert arm.repack_bytes == 2 * q4_0 + 2 * (256 * 512 // 256 * 210) + output
+
+
+def test_repack_needs_rows_the_kernel_interleaves() -> None:
+    g = _quantized_llama({"ffn_up": "Q4_0"}, rows=1004)  # 1004 rows: a multiple of 4, not of 8
+    assert estimate(g, SETTINGS_1, 512, cpu_features=AVX512_HOST).repack_bytes == 0
+    up = 256 * 1004 // 32 * 18
+    assert estimate(g, SETTINGS_1, 512, cpu_features=("NEON", "DOTPROD")).repack_bytes == 2 * up
+
+
+def test_tied_embeddings_are_repacked_as_the_output_matrix() -> None:
+    g = _quantized_llama({"token_embd": "Q4_0"}, tied=True)
+    assert estimate(g, SETTINGS_1, 512, cpu_features=AVX512_HOST).repack_bytes == 256 * 1000 // 32 * 18
+
+
+def test_unknown_cpu_features_size_the_largest_repack_and_a_gpu_layout_none() -> None:
+    g = _quantized_llama({"attn_q": "Q4_0", "ffn_up": "Q6_K"})
+    unknown = estimate(g, SETTINGS_1, 512)
+    assert unknown.repack_bytes > estimate(g, SETTINGS_1, 512, cpu_features=AVX512_HOST).repack_bytes
+    assert estimate(g, SETTINGS_1, 512, cpu_features=()).repack_bytes == 0
+    assert estimate(g, SETTINGS_1, 512, n_gpu_layers=0, gpu_split=(1.0,)).repack_bytes == 0
+
+
+def test_repack_bytes_count_in_the_host_total_admission_compares() -> None:
+    g = _quantized_llama({"attn_q": "Q4_0"})
+    without = estimate(g, SETTINGS_1, 512, cpu_features=())
+    with_repack = estimate(g, SETTINGS_1, 512, cpu_features=AVX512_HOST)
+    assert with_repack.devices[0].total_bytes - without.devices[0].total_bytes == with_repack.repack_bytes
+    budget = Budgets(host=without.devices[0].total_bytes)
+    assert estimate(g, SETTINGS_1, 512, cpu_features=AVX512_HOST, budgets=budget).fits is False
+
+
+def test_compute_margin_is_the_measured_bound_times_the_modelled_compute_per_device() -> None:
+    g = _quantized_llama({})
+    b = estimate(g, SETTINGS_1, 4096)
+    host = b.devices[0]
+    assert host.compute_bytes > 0
+    assert host.compute_margin_bytes == math.ceil(host.compute_bytes * MEASURED_ERROR_RATIO)
+    assert b.compute_margin_bytes == host.compute_margin_bytes
+    parts = (
+        host.weights_bytes + host.repack_bytes + host.kv_bytes + host.recurrent_bytes + host.draft_kv_bytes
+        + host.compute_bytes + host.compute_margin_bytes + host.output_bytes + host.host_extra_bytes
+    )  # fmt: skip
+    assert host.total_bytes == parts
+    assert b.compute_error_ratio == MEASURED_ERROR_RATIO
+    # a budget that holds everything but the margin does not fit: the margin is part of what admission needs
+    short = Budgets(host=host.total_bytes - host.compute_margin_bytes)
+    assert estimate(g, SETTINGS_1, 4096, budgets=short).fits is False
+
+
+def test_compute_margin_follows_each_gpu_that_holds_layers() -> None:
+    g = _quantized_llama({})
+    b = estimate(g, SETTINGS_1, 4096, gpu_split=(1.0, 1.0))
+    for device in b.devices:
+        assert device.compute_margin_bytes == math.ceil(device.compute_bytes * b.compute_error_ratio)
+    assert b.compute_margin_bytes == sum(d.compute_margin_bytes for d in b.devices)
