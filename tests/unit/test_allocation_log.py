@@ -135,3 +135,20 @@ def test_arbitrary_text_never_raises(text: str) -> None:
 )
 def test_truncated_and_spliced_allocation_lines_never_raise(parts: list[str]) -> None:
     parse_allocation_log("".join(parts))
+
+
+def test_system_info_gives_the_cpu_backend_features() -> None:
+    log = parse_allocation_log(
+        "0.00.002.706 I cmn  common_param: system_info: n_threads = 2 (n_threads_batch = 2) / 2 | CPU : SSE3 = 1 |"
+        " AVX2 = 1 | AVX512 = 1 | SVE_CNT = 16 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | \n"
+    )
+    assert log.cpu_features == frozenset({"SSE3", "AVX2", "AVX512", "LLAMAFILE", "OPENMP", "REPACK"})
+    assert parse_allocation_log("load_tensors: CPU_Mapped model buffer size = 1.00 MiB\n").cpu_features is None
+
+
+def test_repack_model_buffer_is_read_beside_the_mapped_one() -> None:
+    log = parse_allocation_log(
+        "load_tensors:   CPU_Mapped model buffer size =     3.73 MiB\n"
+        "load_tensors:   CPU_REPACK model buffer size =     1.88 MiB\n"
+    )
+    assert log.model_buffers == {"CPU_Mapped": Decimal("3.73"), "CPU_REPACK": Decimal("1.88")}

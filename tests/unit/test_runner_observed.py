@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 from decimal import Decimal
 
+import msgspec
 import pytest
 
 from actors.placement.memory import CacheAllocation, cache_allocations, estimate
@@ -181,3 +182,24 @@ def test_an_empty_log_observes_nothing_and_claims_no_exactness_for_what_was_pred
 @pytest.mark.parametrize("mib", ["0.00", "0.01", "1.00", "1234.56"])
 def test_mib_to_bytes_is_the_nearest_integer(mib: str) -> None:
     assert mib_to_bytes(Decimal(mib)) == round(Decimal(mib) * MIB)
+
+
+def test_weights_with_a_repack_buffer_are_exact_when_both_buffers_print_as_predicted() -> None:
+    geometry = llama()
+    settings = serving()
+    predicted = estimate(geometry, settings, 1024)
+    repacked = msgspec.structs.replace(predicted, repack_bytes=1_974_272)
+    allocations = cache_allocations(geometry, settings, 1024)
+    lines = (
+        f"load_tensors:   CPU_Mapped model buffer size = {printed_mib(repacked.weights_bytes)} MiB\n"
+        f"load_tensors:   CPU_REPACK model buffer size = {printed_mib(repacked.repack_bytes)} MiB\n"
+    )
+    observation = observed_memory(parse_allocation_log(lines), repacked, allocations)
+    assert "weights_bytes" in observation.exact
+    assert observation.memory.weights_bytes == repacked.weights_bytes + repacked.repack_bytes
+    # a repack buffer the prediction did not expect (or one that prints differently) is not exact
+    unexpected = observed_memory(parse_allocation_log(lines), predicted, allocations)
+    assert "weights_bytes" not in unexpected.exact
+    assert unexpected.memory.weights_bytes == mib_to_bytes(printed_mib(predicted.weights_bytes)) + mib_to_bytes(
+        printed_mib(repacked.repack_bytes)
+    )

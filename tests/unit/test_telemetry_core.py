@@ -79,3 +79,22 @@ def test_large_usable_moves_are_reported_early() -> None:
     )
     assert not usable_moved(first, small)
     assert usable_moved(first, big)
+
+
+def test_cpu_features_are_the_llama_cpp_names_of_the_kernel_flags() -> None:
+    from actors.telemetry.resources import ggml_cpu_features
+
+    x86 = frozenset({"fpu", "sse2", "pni", "avx", "avx2", "fma", "avx512f", "avx512_vnni", "aes"})
+    assert ggml_cpu_features(x86) == ("AVX", "AVX2", "AVX512", "AVX512_VNNI", "FMA", "SSE3")
+    arm = frozenset({"fp", "asimd", "asimddp", "i8mm", "sve"})
+    assert ggml_cpu_features(arm) == ("DOTPROD", "MATMUL_INT8", "NEON", "SVE")
+    assert ggml_cpu_features(None) is None
+
+
+def test_report_advertises_the_cpu_features_and_a_change_is_material() -> None:
+    host = replace(HOST, cpu_flags=frozenset({"avx2", "avx512f"}))
+    first = build_report(FACTS, seq=1, now=101.0, host=host, nvml=NvmlReading(driver=None, error="none"))
+    assert first.host.cpu_features == ("AVX2", "AVX512")
+    other = build_report(FACTS, seq=2, now=102.0, host=HOST, nvml=NvmlReading(driver=None, error="none"))
+    assert other.host.cpu_features is None
+    assert material_change(first, other) == "cpu features changed"
