@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from actors.placement import decision_records
 from actors.placement.actor import QUEUE_GROUP, RUNNER_EVENTS_CONSUMER, PlacementActor, ledger_key
 from actors.runner import actor as runner_actor
 from actors.runner.actor import RunnerActor, RunnerLimits
@@ -73,7 +74,9 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
     ),
     ev.ReservationReleased: (
         (PLACEMENT,),
-        "a reservation was removed; `reason`: stopped, failed, rejected, refused (runner events) or expired",
+        "a reservation was removed; `reason`: stopped, failed, rejected, refused (runner events or the instance's "
+        "final record), expired (never claimed within its hold), instance_gone (its instance record vanished), "
+        "node_restarted, rolled_back",
     ),
     ev.ReservationObserved: ((PLACEMENT,), "the instance is ready: the reservation now holds the observed footprint"),
     ev.InstanceStarting: ((RUNNER,), "a llama-server process was spawned (every generation, restarts included)"),
@@ -89,7 +92,15 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
     ),
     ev.InstanceRestarted: ((RUNNER,), "the server was spawned again after a crash"),
     ev.InstanceStopped: ((RUNNER,), "stopped on request or because the runner stopped; the server is gone"),
-    ev.InstanceFailed: ((RUNNER,), "given up: too many crashes, or the process survived SIGKILL"),
+    ev.InstanceFailed: ((RUNNER,), "given up: too many crashes, or the driver of this instance failed"),
+    ev.InstanceStuck: (
+        (RUNNER,),
+        "the server survived SIGKILL: it is killed again until it is gone, and its memory stays held",
+    ),
+    ev.EventTooLarge: (
+        (*SUPERVISED, NODE),
+        "recorded by the journal in place of an event that could never be stored (over its size limit)",
+    ),
 }
 
 _inbox = inspect.signature(ActorContext.add_endpoint).parameters["inbox"].default
@@ -102,9 +113,12 @@ ERROR_CODES: dict[str, str] = {
     "(e.g. `$.ctx`) when a field is at fault",
     errors.NOT_FOUND: "the runner has no such reservation (`start`) or instance (`stop`)",
     errors.BUSY: f"the endpoint's inbox ({_inbox} requests) is full; retry later",
-    errors.UNAVAILABLE: "the actor is restarting or stopping, or the runner cannot read a bucket; retry later",
-    errors.INTERNAL: "the handler crashed (a bug; the actor restarts), or the reply would exceed `max_payload`",
-    errors.TIMEOUT: f"the actor did not answer within its request deadline ({_deadline:g} s)",
+    errors.UNAVAILABLE: "the actor is restarting or stopping, the runner cannot read a bucket, a model file's "
+    "hash is still running, or the ledger kept changing; retry later",
+    errors.INTERNAL: "the handler failed on this request (a bug; the actor keeps serving, and it never counts "
+    "toward restarts), or the reply would exceed `max_payload`",
+    errors.TIMEOUT: f"the actor did not answer within its request deadline ({_deadline:g} s from arrival, time "
+    "in the inbox included; the handler is cancelled)",
     runner_actor.SETTINGS_DRIFT: "the node's serving settings or llama-server build differ from the stamp; "
     "`details.drift` is a list of [FieldDrift](#fielddrift)",
     runner_actor.INSUFFICIENT_MEMORY: "worker-side admission: the model no longer fits; `details.need_bytes` and "
@@ -114,7 +128,7 @@ ERROR_CODES: dict[str, str] = {
     "would refuse for this model",
     runner_actor.MODEL_UNREADABLE: "the runner cannot read the model's GGUF header",
     runner_actor.ENGINE_UNAVAILABLE: "the node has no llama-server",
-    runner_actor.RESERVATION_STATE: "the reservation is not `reserved` (already running) or has expired",
+    runner_actor.RESERVATION_STATE: "the reservation is not `reserved` (already claimed or running)",
     runner_actor.TOO_MANY_INSTANCES: f"the node already runs {_limits.max_instances} instances",
     runner_actor.DATA_DIR_UNWRITABLE: "the instance directory in the data dir cannot be created",
     runner_actor.LEDGER_UNREADABLE: "the node's reservation ledger does not decode as a NodeLedger",
@@ -422,8 +436,8 @@ def render() -> str:
             buckets.RESERVATIONS,
             f"`{ledger_key('<node id>')}`",
             "NodeLedger",
-            "none (reservations carry `expires_at`)",
-            "placement, compare-and-set on the revision read",
+            "none (an unclaimed reservation expires `hold_s` after placement first saw it)",
+            "placement; the runner's claim (`reserved` to `starting`); compare-and-set on the revision read",
             "runner (`start`), `mesh-actor status`",
         ),
         (
@@ -443,7 +457,7 @@ def render() -> str:
             f"per key: {_limits.status_ttl_s:g} s while the instance lives (refreshed), "
             f"{_limits.final_ttl_s:g} s once it ended",
             "runner",
-            "`mesh-actor status`, `mesh-actor stop`",
+            "placement (reconcile), `mesh-actor status`, `mesh-actor stop`",
         ),
     ]
     for name, spec, key, value, key_ttl, writer, reader in rows:
@@ -455,6 +469,13 @@ def render() -> str:
             "Per-key TTLs are set with the `Nats-TTL` header on a JetStream publish to "
             "`$KV.<bucket>.<key>`. A ledger holds every reservation on its node; placement rewrites it "
             "with the revision it read, and re-reads and decides again when another placement wrote first.",
+            "",
+            f"A decision whose inputs are too large for one event (a view of thousands of nodes) stores them "
+            f"in the JetStream object store `{decision_records.store_name(S)}`, as one object named by the blake3 "
+            f"of its bytes; its `placement_decided` event carries that digest in `record`, and `mesh-actor "
+            f"replay` fetches and checks it. Records are kept "
+            f"{decision_records.DEFAULT_MAX_AGE_S / 86400:g} days (at most "
+            f"{decision_records.DEFAULT_MAX_BYTES >> 30} GiB, oldest first).",
             "",
             "## Events",
             "",

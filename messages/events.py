@@ -201,6 +201,13 @@ class InstanceFailed(InstanceEvent, frozen=True, kw_only=True, tag="instance_fai
     reason: str
 
 
+class InstanceStuck(InstanceEvent, frozen=True, kw_only=True, tag="instance_stuck"):
+    """The server did not go away when killed: its memory stays held, and the runner keeps killing it."""
+
+    pid: int | None
+    reason: str
+
+
 AnyEvent = (
     ActorStarted
     | ActorCrashed
@@ -222,4 +229,5 @@ AnyEvent = (
     | InstanceRestarted
     | InstanceStopped
     | InstanceFailed
+    | InstanceStuck
 )

@@ -85,12 +85,21 @@ class ActorContext:
         self._tg = tg
         self._service = service
         self._deadline = request_deadline_s
+        self.tasks: set[asyncio.Task[None]] = set()
         self._inboxes: list[asyncio.Queue[tuple[Request, float]]] = []
         self._subscriptions: list[Any] = []
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """Runs `coro` in this incarnation's task group; its exception is a crash of the actor."""
-        return self._tg.create_task(coro, name=f"{self.actor}:{name}")
+        task = self._tg.create_task(coro, name=f"{self.actor}:{name}")
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    def cancel_tasks(self) -> None:
+        """Cancels every task of this incarnation (again: a cancellation may have been lost)."""
+        for task in self.tasks:
+            task.cancel()
 
     def emit(self, event_class: type[Any], **fields: Any) -> Any:
         """Records a journal event from this actor."""
@@ -283,7 +292,7 @@ class Supervisor:
             else:
                 self._journal.emit(ActorRestarted, actor.name, attempt=attempt)
             try:
-                await self._incarnation(actor)
+                await self._run_incarnation(actor)
             except asyncio.CancelledError:
                 self._journal.emit(ActorStopped, actor.name)
                 raise
@@ -315,7 +324,38 @@ class Supervisor:
             self._journal.emit(ActorStopped, actor.name)
             return
 
-    async def _incarnation(self, actor: Actor) -> None:
+    async def _run_incarnation(self, actor: Actor) -> None:
+        """Runs one incarnation in its own task, so that stopping it is bounded.
+
+        The NATS client library swallows a cancellation that arrives while it flushes (`_flush_pending`), so
+        one `cancel()` may be lost: a loop in an actor task then keeps running, and a task group would wait
+        for it forever. When this supervisor is cancelled, it cancels the incarnation and every task of it
+        again every half second until they end, and after twice `shutdown_deadline_s` stops waiting (the tasks
+        left are logged; they end when the connection closes)."""
+        contexts: list[ActorContext] = []
+        incarnation = asyncio.create_task(self._incarnation(actor, contexts), name=f"incarnation:{actor.name}")
+        try:
+            await asyncio.wait({incarnation})
+        except asyncio.CancelledError:
+            await self._stop(actor, incarnation, contexts)
+            raise
+        incarnation.result()  # a crash raises here
+
+    async def _stop(self, actor: Actor, incarnation: asyncio.Task[None], contexts: list[ActorContext]) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2 * self._shutdown_deadline
+        while not incarnation.done() and loop.time() < deadline:
+            incarnation.cancel()
+            for ctx in contexts:
+                ctx.cancel_tasks()
+            await asyncio.wait({incarnation}, timeout=0.5)
+        if not incarnation.done():
+            stuck = [t.get_name() for ctx in contexts for t in ctx.tasks if not t.done()]
+            self._log.error("actor_stop_overdue", actor=actor.name, tasks=stuck, deadline_s=2 * self._shutdown_deadline)
+        elif not incarnation.cancelled() and (error := incarnation.exception()) is not None:
+            self._log.warning("actor_failed_while_stopping", actor=actor.name, error=_describe(error))
+
+    async def _incarnation(self, actor: Actor, contexts: list[ActorContext]) -> None:
         service = await nats.micro.add_service(
             self._bus.nc,
             name=f"mesh-{actor.name}",
@@ -336,7 +376,12 @@ class Supervisor:
                     service=service,
                     request_deadline_s=self._deadline,
                 )
+                contexts.append(ctx)
                 await actor.run(ctx)
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    # we were cancelled while `run` was inside the client library, which swallowed it
+                    raise asyncio.CancelledError("cancelled while the actor was starting")
         finally:
             # Bounded: the client library's drain of the service's subscriptions waits for every pending
             # message with no deadline of its own; a stuck drain must not keep the node from stopping.

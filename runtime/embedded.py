@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -26,11 +24,11 @@ from pathlib import Path
 import nats
 import nats.errors
 
+from runtime.children import dying_with_parent, free_port, port_free
 from runtime.config import NatsOptions
 from runtime.logging import get_logger
 
 CREDENTIALS_FILE = "nats.json"
-_PR_SET_PDEATHSIG = 1
 
 
 class EmbeddedNatsError(RuntimeError):
@@ -80,31 +78,8 @@ def _write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        # As nats-server itself does: a port in TIME_WAIT after our own restart is free to listen on.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _ignore_error(exc: Exception) -> None:
     return None
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class EmbeddedNats:
@@ -153,21 +128,18 @@ class EmbeddedNats:
     async def start(self) -> Credentials:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         binary = find_nats_server()
-        port = self.preferred_port if self.preferred_port and _port_free(self.preferred_port) else free_port()
+        port = self.preferred_port if self.preferred_port and port_free(self.preferred_port) else free_port()
         creds = self._credentials_for(port)
         config = self._write_config(creds, port)
         # Output goes to a file, never a pipe nobody reads (a full pipe would block the server). The server
         # logs to its own rotated log file; this one only catches start-up failures, so each start truncates it.
         with (self.data_dir / "nats-server.out").open("wb") as out:
             self._process = await asyncio.create_subprocess_exec(
-                binary,
-                "-c",
-                str(config),
+                *dying_with_parent((binary, "-c", str(config)), signal.SIGTERM, os.getpid()),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
                 start_new_session=True,  # a Ctrl-C in the terminal reaches us; we stop the server last
-                preexec_fn=_die_with_parent,
             )
         try:
             await self._wait_ready(creds)

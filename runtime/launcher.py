@@ -35,6 +35,7 @@ from runtime.config import ConfigError, NodeConfig
 from runtime.embedded import EmbeddedNats
 from runtime.journal import Journal, ensure_events_stream
 from runtime.logging import get_logger
+from runtime.model_files import FileDigests
 
 VERSION = "0.1.0"
 T = TypeVar("T")
@@ -198,16 +199,20 @@ async def run_node(
                 llama_server_error=engine_error,
                 settings=config.serving,
             )
+            # Relative model names (registry entries) mean the same file to placement and to the runner.
+            models_dir = config.models_dir or config.data_dir / "models"
+            digests = FileDigests()  # one per node: placement and the runner hash each file version once
             actors: list[Actor] = [
                 TelemetryActor(facts, settings_source=serving.get, interval_s=config.telemetry_interval_s),
-                PlacementActor(trusted_registry_keys=config.registry_keys),
+                PlacementActor(trusted_registry_keys=config.registry_keys, models_dir=models_dir, digests=digests),
                 RunnerActor(
                     config.node_id,
                     config.data_dir,
                     Path(engine.path) if engine else None,
                     lambda: serving.get() if engine is not None else None,  # what telemetry advertises
                     engine_version=engine.version if engine else None,
-                    models_dir=config.models_dir,
+                    models_dir=models_dir,
+                    digests=digests,
                 ),
             ]
             supervisor = Supervisor(bus=bus, journal=journal, subjects=config.subjects, node_id=config.node_id)

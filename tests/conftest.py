@@ -142,6 +142,7 @@ async def supervised(
     policy: Callable[[], RestartPolicy] | None = None,
     escalate: bool = True,
     request_deadline_s: float = 30.0,
+    shutdown_deadline_s: float = 5.0,
 ) -> AsyncIterator[asyncio.Task[None]]:
     """Runs `actors` under a real Supervisor with a running Journal; stops them at the end.
 
@@ -156,6 +157,7 @@ async def supervised(
         policy=policy or (lambda: RestartPolicy(backoff_initial_s=0.01)),
         escalate=escalate,
         request_deadline_s=request_deadline_s,
+        shutdown_deadline_s=shutdown_deadline_s,
     )
     journal_task = asyncio.create_task(journal.run())
     task = asyncio.create_task(supervisor.run(actors))

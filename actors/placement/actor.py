@@ -73,6 +73,7 @@ from runtime import buckets
 from runtime.actor import Actor, ActorContext
 from runtime.bus import BadMessage, decode_checked, encode
 from runtime.logging import get_logger
+from runtime.model_files import FileDigests
 
 QUEUE_GROUP = "placement"
 RUNNER_EVENTS_CONSUMER = "placement-reservations"
@@ -117,6 +118,7 @@ class PlacementActor(Actor):
         *,
         trusted_registry_keys: tuple[str, ...] = (),
         models_dir: Path | None = None,
+        digests: FileDigests | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         max_attempts: int = 8,
@@ -140,7 +142,7 @@ class PlacementActor(Actor):
         self._ledgers_ready = asyncio.Event()
         self._records_ready = asyncio.Event()
         self._reconciler = Reconciler(claim_grace_s=claim_grace_s)
-        self.models = ModelReader(trusted_registry_keys=trusted_registry_keys, models_dir=models_dir)
+        self.models = ModelReader(trusted_registry_keys=trusted_registry_keys, models_dir=models_dir, digests=digests)
         self._log = get_logger(actor=self.name)
 
     # --- wiring ---------------------------------------------------------------------------------------

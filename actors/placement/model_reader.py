@@ -53,12 +53,18 @@ class _Cached:
 class ModelReader:
     """Reads what admission needs about a model. Thread-safe: header reads and hashing run in workers."""
 
-    def __init__(self, *, trusted_registry_keys: tuple[str, ...] = (), models_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        trusted_registry_keys: tuple[str, ...] = (),
+        models_dir: Path | None = None,
+        digests: FileDigests | None = None,
+    ) -> None:
         self.trusted = trusted_registry_keys
         self.models_dir = models_dir
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._lock = threading.Lock()
-        self._digests = FileDigests()
+        self._digests = digests or FileDigests()
 
     async def facts(self, ref: ModelRef, registry: KeyValue) -> ModelFacts:
         """The model a request names, read here or taken from its signed registry entry."""

@@ -43,6 +43,7 @@ from messages.events import (
     InstanceRestarted,
     InstanceStarting,
     InstanceStopped,
+    InstanceStuck,
 )
 from messages.memory import MemoryBreakdown
 from messages.placement import Reservation
@@ -328,7 +329,15 @@ class InstanceDriver:
 
     async def _on_stuck(self, why: str) -> None:
         if not self._stuck:
-            self._bound.error("instance_stuck", pid=self.process.pid if self.process else None, reason=why)
+            pid = self.process.pid if self.process else None
+            self._bound.error("instance_stuck", pid=pid, reason=why)
+            self.ctx.emit(
+                InstanceStuck,
+                instance_id=self.id,
+                reservation_id=self.reservation.reservation_id,
+                pid=pid,
+                reason=why,
+            )
         self._stuck = why
         self.settled.set()
         await self._write_status()
@@ -409,6 +418,7 @@ class InstanceDriver:
             self.ctx.emit(InstanceFailed, **ids, reason=action.reason)
         elif isinstance(action, lc.ReportStuck):
             bound.error("instance_stuck", pid=action.pid, reason=action.reason)
+            self.ctx.emit(InstanceStuck, **ids, pid=action.pid, reason=action.reason)
 
     async def _write_status(self) -> None:
         await write_status(

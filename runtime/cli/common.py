@@ -31,7 +31,12 @@ EXIT_USAGE = 2
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """Reports a usage error as one line on stderr (exit code 2) instead of the usage text plus the error."""
+    """Reports a usage error as one line on stderr (exit code 2) instead of the usage text plus the error.
+    Flags are never abbreviated: `--nats-password SECRET` must be an error, not `--nats-password-file SECRET`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
@@ -56,8 +61,7 @@ def add_nats_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("NATS connection (default: the embedded server recorded in the data dir)")
     group.add_argument("--nats", action="append", metavar="URL", help="NATS URL; repeat or comma-separate for several")
     group.add_argument("--nats-user")
-    # Not shown in --help: a password on the command line is visible to every user of the host (ps, /proc).
-    group.add_argument("--nats-password", help=argparse.SUPPRESS)
+    # No --nats-password: a password on the command line is visible to every user of the host (ps, /proc).
     group.add_argument(
         "--nats-password-file",
         metavar="FILE",
@@ -92,7 +96,7 @@ def _flag_or_env(args: argparse.Namespace, name: str) -> str | None:
 def _client_password(args: argparse.Namespace) -> str | None:
     path = _flag_or_env(args, "nats_password_file")
     if path is None:
-        return _flag_or_env(args, "nats_password")
+        return os.environ.get("MESH_ACTOR_NATS_PASSWORD")
     try:
         return read_password_file(path)
     except ConfigError as exc:

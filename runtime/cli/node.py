@@ -126,7 +126,6 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "prefix": args.prefix,
         "nats": ",".join(args.nats) if args.nats else None,
         "nats_user": args.nats_user,
-        "nats_password": args.nats_password,
         "nats_password_file": args.nats_password_file,
         "nats_token": args.nats_token,
         "nats_creds": args.nats_creds,

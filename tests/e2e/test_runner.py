@@ -346,7 +346,9 @@ async def test_cli_stop_finds_the_instance_node_and_stops_it(
         pid = (await _status(bus, ack.instance_id)).pid
         assert pid is not None
         flags = ["--nats", nats_server.url, "--nats-user", str(nats_server.options.user)]
-        flags += ["--nats-password", str(nats_server.options.password)]
+        secret = tmp_path / "nats-password"
+        secret.write_text(f"{nats_server.options.password}\n")  # never in argv
+        flags += ["--nats-password-file", str(secret)]
         assert await run_cli("stop", ack.instance_id, "--json", *flags) == 0
         reply = json.loads(capsys.readouterr().out)
         assert (reply["instance_id"], reply["node_id"], reply["state"]) == (ack.instance_id, NODE, "stopped")

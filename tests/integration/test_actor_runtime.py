@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -230,3 +231,63 @@ async def test_a_request_in_flight_when_the_actor_stops_is_answered_unavailable(
             await pending
     assert stopped.value.code == "unavailable"
     assert time.monotonic() - started < 5  # an answer, not the 30 s request deadline
+
+
+class SwallowingActor(Actor):
+    """Swallows cancellations the way the NATS client library does while it flushes (`_flush_pending`)."""
+
+    name = "swallower"
+
+    def __init__(self, *, in_run: bool = False, swallow: int = 1) -> None:
+        self.in_run = in_run
+        self.swallow = swallow  # how many cancellations its task loses
+        self.ready = asyncio.Event()
+        self.release = asyncio.Event()
+        self.lost = 0
+
+    async def run(self, ctx: ActorContext) -> None:
+        async def stubborn() -> None:
+            while not self.release.is_set():
+                try:
+                    self.ready.set()
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    self.lost += 1
+                    if self.lost > self.swallow:
+                        raise
+
+        if self.in_run:
+            ctx.spawn(asyncio.sleep(3600), "plain")  # type: ignore[arg-type]
+            self.ready.set()
+            with contextlib.suppress(asyncio.CancelledError):  # lost while "starting"
+                await asyncio.sleep(3600)
+            return
+        ctx.spawn(stubborn(), "stubborn")
+
+
+@pytest.mark.parametrize("in_run", [False, True], ids=["task-loses-a-cancel", "run-loses-a-cancel"])
+async def test_an_actor_that_loses_a_cancellation_still_stops_promptly(bus: Bus, in_run: bool) -> None:
+    actor = SwallowingActor(in_run=in_run)
+    async with supervised(bus, [actor]) as task:
+        async with asyncio.timeout(10):
+            await actor.ready.wait()
+        started = time.monotonic()
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=10)
+        assert done, "the supervisor waited on a task whose cancellation was lost"
+    assert time.monotonic() - started < 3
+    assert in_run or actor.lost == 2  # the first cancellation was lost, the second one ended it
+
+
+async def test_an_actor_that_never_stops_is_abandoned_after_the_shutdown_deadline(bus: Bus) -> None:
+    actor = SwallowingActor(swallow=1_000_000)
+    try:
+        async with supervised(bus, [actor], shutdown_deadline_s=0.5) as task:
+            async with asyncio.timeout(10):
+                await actor.ready.wait()
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=10)
+            assert done, "stopping an actor must be bounded even when its task never ends"
+    finally:
+        actor.release.set()  # let the abandoned task end before the test's loop closes
+        await asyncio.sleep(0)

@@ -26,7 +26,9 @@ async def run_cli(*argv: str) -> int:
 def nats_flags(server: NatsServer) -> list[str]:
     options = server.options
     assert options.user and options.password
-    return ["--nats", server.url, "--nats-user", options.user, f"--nats-password={options.password}"]
+    secret = server.data_dir / "client-password"
+    secret.write_text(options.password + "\n")  # never in argv
+    return ["--nats", server.url, "--nats-user", options.user, "--nats-password-file", str(secret)]
 
 
 async def test_doctor_reports_engine_nvml_nats_and_jetstream_as_json(

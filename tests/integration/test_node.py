@@ -11,6 +11,7 @@ import signal
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import nats.errors
@@ -134,6 +135,7 @@ async def test_second_node_on_the_same_data_dir_is_refused(tmp_path: Path) -> No
         (["run", "--parallel", "0"], "slots"),
         (["run", "--cache-type-k", "q3"], "invalid choice"),
         (["run", "--nats", "localhost"], "not a URL"),
+        (["run", "--nats-password", "s3cret"], "unrecognized arguments"),  # no password in argv, not even abbreviated
     ],
 )
 async def test_bad_run_flags_are_usage_errors(tmp_path: Path, args: list[str], needle: str) -> None:
@@ -196,11 +198,16 @@ async def node_in_process(
 
 
 def _task_stacks() -> str:
-    """Where every task of the loop waits: what a stuck shutdown needs to be understood."""
+    """Where every task of the loop waits, down the chain of awaits: what a stuck shutdown needs to be seen."""
     out = io.StringIO()
     for task in asyncio.all_tasks():
-        out.write(f"--- {task.get_name()}\n")
-        task.print_stack(limit=12, file=out)
+        out.write(f"--- {task.get_name()} {'cancelling' if task.cancelling() else ''}\n")
+        awaited: Any = task.get_coro()
+        while awaited is not None:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "ag_frame", None)
+            if frame is not None:
+                out.write(f"    {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}\n")
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "ag_await", None)
     return out.getvalue()
 
 
@@ -275,7 +282,13 @@ async def test_dead_node_disappears_from_the_nodes_bucket_after_its_ttl(
         async with node_in_process(tmp_path, nats_server, "zeta", ttl="2"):
             await _next_report(probe, "zeta")
             kv = await probe.js.key_value(Subjects().nodes_bucket)
-            assert (await kv.get("zeta")).value
+
+            async def stored() -> bool:  # the report goes out on its subject just before the bucket put
+                with contextlib.suppress(nats.js.errors.KeyNotFoundError, nats.errors.TimeoutError):
+                    return bool((await kv.get("zeta")).value)
+                return False
+
+            await _until(stored, 10, "the live node's report is not in the nodes bucket")
         # On expiry the server leaves a delete marker: the key reads back empty (or not at all).
 
         async def expired() -> bool:

@@ -30,8 +30,10 @@ async def replay_cli(server: NatsServer, capsys: pytest.CaptureFixture[str]) -> 
     placement_cli.register(parser.add_subparsers(dest="command", required=True))
     options = server.options
     assert options.user and options.password
+    secret = server.data_dir / "client-password"
+    secret.write_text(options.password + "\n")  # never in argv
     args = parser.parse_args(
-        ["replay", "--json", "--nats", server.url, "--nats-user", options.user, f"--nats-password={options.password}"]
+        ["replay", "--json", "--nats", server.url, "--nats-user", options.user, "--nats-password-file", str(secret)]
     )
     capsys.readouterr()
     code = await args.func(args)
