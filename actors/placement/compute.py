@@ -76,7 +76,7 @@ EXPERTS_AS_WIDE_AS_N_FF = frozenset({"jamba"})
 #: two state copies per slot live at once, beside n_embd-wide rows per token (fitted per recurrent kind on
 #: Qwen3.5-9B and Mamba2-2.7B widths at 8-32 slots; compute-5).
 RECURRENT_STATE_COPIES = 2
-RECURRENT_STAGE_EMBD = {"mamba": 14.6, "gated_delta": 10.87}
+RECURRENT_STAGE_EMBD = {"mamba": 14.6, "gated_delta": 9.8}
 #: nemotron_h's MLP blocks are ungated (squared ReLU): up and its activation, no gate.
 UNGATED_FFN_FACTOR = 2
 RWKV_EMBD_FACTOR = 20  # n_embd-wide rows live at the peak of an RWKV-7 time mix, per token
@@ -141,8 +141,9 @@ def _layer_peak(
     if any(layer.n_ff_exp for layer in geometry.layers):
         ffn_rows = max((_ffn_rows(geometry, layer) for layer in layers), default=0)
     else:
-        factor = UNGATED_FFN_FACTOR if geometry.architecture in UNGATED_EXPERTS else FFN_FACTOR
-        ffn_rows = factor * _legacy_n_ff(geometry, layers)
+        # a dense nemotron_h MLP is ungated; a MoE geometry without expert widths is sized as it was before
+        ungated = geometry.architecture in UNGATED_EXPERTS and not geometry.n_expert
+        ffn_rows = (UNGATED_FFN_FACTOR if ungated else FFN_FACTOR) * _legacy_n_ff(geometry, layers)
     activation = 4 * t * (ffn_rows + EMBD_FACTOR * n_embd)
     if geometry.recurrent_kind == "mamba" and any(layer.recurrent for layer in layers):
         width = 2 * geometry.ssm_d_inner + 2 * geometry.ssm_n_group * geometry.ssm_d_state + geometry.ssm_dt_rank

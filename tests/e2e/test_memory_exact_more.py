@@ -427,7 +427,8 @@ MOE_COMPUTE_CASES = [
     for case in (Case(model, 1024, _s(slots=1)), Case(model, 4096, _s(slots=4, kv_unified=True)))
 ]
 #: jamba's experts are feed_forward_length wide, which the compute model knew before expert widths existed
-DENSE_WIDTH_ALREADY_RIGHT = frozenset({"jamba"})
+#: and at nemotron_h_moe's tiny widths the recurrent stage (compute-5) sets the peak whatever the FFN width
+DENSE_WIDTH_ALREADY_RIGHT = frozenset({"jamba", "nemotron_h_moe"})
 
 
 def _without_expert_widths(geometry: ModelGeometry) -> ModelGeometry:
