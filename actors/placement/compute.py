@@ -41,6 +41,12 @@ exact to 0.1% except Nemotron-3-Nano with 4 slots (-7.6%); the dense n_ff used b
 -63% there (gpt-oss-20b -48%). `MEASURED_ERROR_RATIO` bounds those and the e2e cases; the hybrid outliers
 above are shapes where a stage the model lacks makes the peak. A geometry encoded before expert widths
 existed is sized as before.
+compute-5 adds the recurrent stage `sched_reserve` reaches with one sequence per slot: each slot's state
+gathered and written back (two copies per slot) beside n_embd-wide rows per token (14.6 for Mamba-style,
+9.8 for gated delta nets), and nemotron_h's ungated MLP (2 rows). Fitted on Qwen3.5-9B and Mamba2-2.7B
+widths at 1-32 slots; on the hold-out realistic shapes of `benchmarks/compute_shapes.py` (Qwen3.5-27B,
+Falcon-H1-1.5B, Nemotron-H-9B, Gemma3-12B, Qwen3-8B) within -3.6%..+10.3%; the MTP draft context of
+Qwen3.5-9B is over by 15.4%.
 Warm-up routes every expert; the runner disables it (`--no-warmup`), so it is not modelled.
 GPU compute buffers (per-device graph splits, the host-side buffer) are not validated: no GPU build was
 available.
