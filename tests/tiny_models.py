@@ -18,9 +18,10 @@ Shapes follow ggml order ({ne0, ne1, …}); numpy arrays are the reverse.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,8 +85,24 @@ def _vocab(spec: ModelSpec, n_vocab: int) -> None:
     spec.kv["tokenizer.ggml.unknown_token_id"] = 0
 
 
+_ALL_SPARSE = False
+
+
+@contextlib.contextmanager
+def sparse_files() -> Iterator[None]:
+    """Inside this block every writer writes sparse files (the data region a hole that loads as zeros), also
+    those without a `sparse` argument: realistic shapes for benchmarks cost no disk."""
+    global _ALL_SPARSE
+    before, _ALL_SPARSE = _ALL_SPARSE, True
+    try:
+        yield
+    finally:
+        _ALL_SPARSE = before
+
+
 def write_model(spec: ModelSpec, path: str | os.PathLike[str], *, sparse: bool = False, seed: int = 0) -> Path:
     """Writes `spec` as a GGUF file; with `sparse`, the data region is a hole (loads as zeros)."""
+    sparse = sparse or _ALL_SPARSE
     out = Path(path)
     writer = gguf.GGUFWriter(str(out), spec.arch)
     for key, value in spec.kv.items():

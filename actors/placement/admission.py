@@ -200,7 +200,10 @@ def _fit(
     budgets = Budgets(gpus=tuple(have.get(g, 0) for g in gpus), host=have.get("CPU", 0))
     step = _step(settings)
     try:
-        ceiling = max_context(geometry, settings, budgets, n_gpu_layers=n_gpu_layers, gpu_split=split)
+        features = node.host.cpu_features  # which quantized weights its CPU backend repacks
+        ceiling = max_context(
+            geometry, settings, budgets, n_gpu_layers=n_gpu_layers, gpu_split=split, cpu_features=features
+        )
         if request.ctx is not None and not request.max_ctx:
             ctx = request.ctx
         elif ceiling is None:
@@ -210,7 +213,7 @@ def _fit(
             if geometry.n_ctx_train >= step:
                 ctx = min(ctx, max((geometry.n_ctx_train // step) * step, request.ctx or 0))
             ctx = max(ctx, request.ctx or 0)
-        breakdown = estimate(geometry, settings, ctx, n_gpu_layers=n_gpu_layers, gpu_split=split)
+        breakdown = estimate(geometry, settings, ctx, n_gpu_layers=n_gpu_layers, gpu_split=split, cpu_features=features)
     except MemoryModelError as exc:
         return NodeRejection(node_id=node.node_id, reason="unsupported_settings", message=str(exc))
     breakdown, short = _with_budgets(breakdown, have)

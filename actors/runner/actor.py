@@ -172,6 +172,7 @@ class RunnerActor(Actor):
             )
             model = await self._models.read(reservation.model_path, reservation.model_digest, self.limits.file_budget_s)
             stamp = reservation.stamp
+            telemetry = await self._node.telemetry(ctx)  # its CPU features decide the repacked weights
             try:
                 predicted = estimate(
                     model.geometry,
@@ -179,6 +180,7 @@ class RunnerActor(Actor):
                     stamp.ctx,
                     n_gpu_layers=stamp.n_gpu_layers,
                     gpu_split=stamp.gpu_split,
+                    cpu_features=telemetry.host.cpu_features if telemetry else None,
                 )
                 allocations = cache_allocations(model.geometry, stamp.settings, stamp.ctx)
             except MemoryModelError as exc:

@@ -24,6 +24,8 @@ from actors.placement.memory import (
     MemoryModelError,
     estimate,
 )
+from actors.telemetry.probes import read_host
+from actors.telemetry.resources import ggml_cpu_features
 from messages.memory import MemoryBreakdown
 from messages.model import ModelGeometry
 from messages.settings import ServingSettings
@@ -119,6 +121,14 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     fit.add_argument("--memory", type=_sizes, default=None, metavar="SIZE[,SIZE...]",
                      help="budget per GPU, e.g. 24GiB,8GiB (with -ngl 0: the host budget)")  # fmt: skip
     fit.add_argument("--host-memory", type=_size, default=None, metavar="SIZE", help="host RAM budget")
+    fit.add_argument(
+        "--cpu-features",
+        type=_features,
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="llama.cpp CPU features of the node (decide which weights the CPU backend repacks; "
+        "default: this host's; 'unknown' for the upper bound)",
+    )
     fit.add_argument("--json", action="store_true", help="print one JSON object")
     fit.set_defaults(func=run_fit)
 
@@ -246,6 +256,7 @@ def run_fit(args: argparse.Namespace) -> int:
             n_gpu_layers=args.n_gpu_layers,
             gpu_split=split,
             budgets=budgets,
+            cpu_features=_host_features() if args.cpu_features is None else args.cpu_features or None,
         )
     except (OSError, GGUFFormatError, GeometryError, MemoryModelError) as exc:
         return _model_error(args.model, exc)
@@ -256,6 +267,17 @@ def run_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _features(text: str) -> tuple[str, ...]:
+    """`--cpu-features`: comma-separated names, or `unknown` (an empty tuple: the upper bound)."""
+    if text.strip().lower() == "unknown":
+        return ()
+    return tuple(name.strip().upper() for name in text.split(",") if name.strip())
+
+
+def _host_features() -> tuple[str, ...] | None:
+    return ggml_cpu_features(read_host().cpu_flags)
+
+
 def _fit_table(b: MemoryBreakdown) -> str:
     c = b.context
     lines = [
@@ -264,16 +286,18 @@ def _fit_table(b: MemoryBreakdown) -> str:
         f"estimator {b.estimator_version}, validated against {b.llama_cpp_version}",
         "",
     ]
-    columns = ("weights", "KV", "recurrent", "draft KV", "compute", "output", "host extra", "total")
+    columns = ("weights", "repack", "KV", "recurrent", "draft KV", "compute", "margin", "output", "host extra", "total")
     header = f"{'device':<8}" + "".join(f"{name:>13}" for name in columns) + f"{'budget':>13}  fits"
     lines.append(header)
     for d in b.devices:
         values = (
             d.weights_bytes,
+            d.repack_bytes,
             d.kv_bytes,
             d.recurrent_bytes,
             d.draft_kv_bytes,
             d.compute_bytes,
+            d.compute_margin_bytes,
             d.output_bytes,
             d.host_extra_bytes,
             d.total_bytes,
@@ -283,10 +307,12 @@ def _fit_table(b: MemoryBreakdown) -> str:
         lines.append(f"{d.device:<8}" + "".join(f"{format_size(v):>13}" for v in values) + f"{budget:>13}  {fits}")
     totals = (
         b.weights_bytes,
+        b.repack_bytes,
         b.kv_bytes,
         b.recurrent_bytes,
         b.draft_kv_bytes,
         b.compute_bytes,
+        b.compute_margin_bytes,
         b.output_bytes,
         b.host_extra_bytes,
         b.total_bytes,
@@ -294,8 +320,9 @@ def _fit_table(b: MemoryBreakdown) -> str:
     lines.append(f"{'total':<8}" + "".join(f"{format_size(v):>13}" for v in totals))
     lines.append("")
     lines.append(
-        f"exact: KV {b.kv_bytes} B, recurrent {b.recurrent_bytes} B, draft KV {b.draft_kv_bytes} B; "
-        f"compute modelled (measured error up to {b.compute_error_ratio:.0%})"
+        f"exact: KV {b.kv_bytes} B, recurrent {b.recurrent_bytes} B, draft KV {b.draft_kv_bytes} B, "
+        f"weights {b.weights_bytes} B, repack {b.repack_bytes} B; compute modelled, with a margin of its "
+        f"measured error bound ({b.compute_error_ratio:.0%}: {b.compute_margin_bytes} B) included in the total"
     )
     if b.fits is not None:
         ceiling = f"{b.max_context} tokens" if b.max_context else "none (even the smallest context does not fit)"
