@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import blake3
 import msgspec
 import nacl.signing
 import nats.js.errors
@@ -35,7 +34,7 @@ from runtime import buckets
 from runtime.bus import BadMessage, Bus, BusError, RemoteError, decode_checked, encode
 from runtime.cli.common import EXIT_USAGE, CliError, add_client_options, connect, emit_json, prefix
 from runtime.cli.journal import read_events
-from runtime.model_files import ModelFileError, open_regular
+from runtime.model_files import FileDigests, ModelFileError, open_regular
 from runtime.sizes import format_size
 
 EXIT_REFUSED = 3
@@ -269,13 +268,15 @@ def _build_entry(path: Path, name: str, key_file: Path) -> RegistryEntry:
     seed = key_file.read_bytes()
     public_key_of(seed)  # a clear error for a file that is not an nkey seed
     geometry = geometry_from_header(read_header(path))
-    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    hasher.update_mmap(path)
+    try:
+        digest = FileDigests().digest(path)
+    except ModelFileError as exc:
+        raise CliError(str(exc)) from exc
     unsigned = RegistryEntry(
         name=name,
         file_name=path.name,
         size_bytes=path.stat().st_size,
-        blake3=hasher.hexdigest(),
+        blake3=digest,
         geometry=geometry,
         created_at=time.time(),
         public_key="",
