@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import nats.errors
+import nats.js.errors
 import nats.micro
 from nats.aio.msg import Msg
 from nats.micro.request import Request
@@ -35,7 +36,17 @@ from nats.micro.service import EndpointConfig, Service
 from messages.errors import BUSY, INTERNAL, TIMEOUT, UNAVAILABLE, ErrorReply
 from messages.events import ActorCrashed, ActorGaveUp, ActorRestarted, ActorStarted, ActorStopped
 from messages.subjects import Subjects
-from runtime.bus import BadMessage, Bus, PayloadTooLarge, decode_checked, encode, error_headers
+from runtime.bus import (
+    BadMessage,
+    Bus,
+    ConnectFailed,
+    NoResponders,
+    PayloadTooLarge,
+    RequestTimeout,
+    decode_checked,
+    encode,
+    error_headers,
+)
 from runtime.journal import Journal
 from runtime.logging import get_logger
 from runtime.restart import GiveUp, RestartPolicy
@@ -285,12 +296,14 @@ class Supervisor:
     async def supervise(self, actor: Actor) -> None:
         policy = self._policy()
         attempt = 0
+        outage_backoff = _OUTAGE_BACKOFF_INITIAL_S
         while True:
             attempt += 1
             if attempt == 1:
                 self._journal.emit(ActorStarted, actor.name, attempt=attempt)
             else:
                 self._journal.emit(ActorRestarted, actor.name, attempt=attempt)
+            started = self._clock()
             try:
                 await self._run_incarnation(actor)
             except asyncio.CancelledError:
@@ -298,6 +311,20 @@ class Supervisor:
                 raise
             except Exception as exc:
                 error = _describe(exc)
+                if _bus_outage(exc):
+                    # NATS is away (or JetStream not back yet): the actor is not at fault, so this never counts
+                    # toward its restart intensity; it comes back with capped backoff once the bus does.
+                    if self._clock() - started > _OUTAGE_RESET_S:
+                        outage_backoff = _OUTAGE_BACKOFF_INITIAL_S
+                    self._log.warning(
+                        "actor_waiting_for_bus", actor=actor.name, error=error, restart_in_s=outage_backoff
+                    )
+                    self._journal.emit(
+                        ActorCrashed, actor.name, error=error, crashes_in_window=0, restart_in_s=outage_backoff
+                    )
+                    await asyncio.sleep(outage_backoff)
+                    outage_backoff = min(outage_backoff * 2, _OUTAGE_BACKOFF_MAX_S)
+                    continue
                 decision = policy.on_crash(self._clock())
                 if isinstance(decision, GiveUp):
                     self._log.error("actor_gave_up", actor=actor.name, error=error, crashes=decision.crashes_in_window)
@@ -311,7 +338,9 @@ class Supervisor:
                     if self._escalate:
                         raise ActorGaveUpError(f"actor {actor.name} gave up after repeated crashes: {error}") from exc
                     return
-                self._log.warning("actor_crashed", actor=actor.name, error=error, restart_in_s=decision.delay_s)
+                self._log.warning(
+                    "actor_crashed", actor=actor.name, error=error, restart_in_s=decision.delay_s, exc_info=exc
+                )
                 self._journal.emit(
                     ActorCrashed,
                     actor.name,
@@ -393,6 +422,35 @@ class Supervisor:
                         await service.stop()
             except TimeoutError:
                 self._log.warning("actor_shutdown_overdue", actor=actor.name, deadline_s=self._shutdown_deadline)
+
+
+_OUTAGE_BACKOFF_INITIAL_S = 0.5
+_OUTAGE_BACKOFF_MAX_S = 10.0
+_OUTAGE_RESET_S = 60.0  # an incarnation that lived this long starts the outage backoff afresh
+
+#: Faults of the bus itself (no server, no answer, JetStream unavailable), as opposed to faults of an actor.
+_OUTAGES = (
+    nats.errors.TimeoutError,
+    nats.errors.NoServersError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.FlushTimeoutError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.NoStreamResponseError,
+    ConnectFailed,
+    NoResponders,
+    RequestTimeout,
+)
+
+
+def _bus_outage(exc: BaseException) -> bool:
+    """Whether every failure inside `exc` (possibly an exception group) is a fault of the bus."""
+    if isinstance(exc, BaseExceptionGroup):
+        return bool(exc.exceptions) and all(_bus_outage(e) for e in exc.exceptions)
+    return isinstance(exc, _OUTAGES)
 
 
 def _describe(exc: BaseException) -> str:

@@ -13,6 +13,7 @@ import nats.errors
 import pytest
 
 from messages.errors import BAD_REQUEST
+from runtime import actor as actor_module
 from runtime.actor import Actor, ActorContext, ActorGaveUpError, RequestError
 from runtime.bus import Bus, NoResponders, PayloadTooLarge, RemoteError
 from runtime.restart import RestartPolicy
@@ -291,3 +292,38 @@ async def test_an_actor_that_never_stops_is_abandoned_after_the_shutdown_deadlin
     finally:
         actor.release.set()  # let the abandoned task end before the test's loop closes
         await asyncio.sleep(0)
+
+
+class FlakyBusActor(Actor):
+    """Fails to start with a bus fault (as when NATS is away) a number of times, then serves."""
+
+    name = "echo"
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.incarnations = 0
+
+    async def run(self, ctx: ActorContext) -> None:
+        self.incarnations += 1
+        if self.incarnations <= self.failures:
+            raise nats.errors.TimeoutError
+
+        async def handle(ping: Ping) -> Pong:
+            return Pong(n=ping.n, incarnation=self.incarnations)
+
+        await ctx.add_endpoint("ping", "test.echo.ping", Ping, handle)
+
+
+async def test_bus_faults_restart_the_actor_but_never_count_toward_giving_up(
+    bus: Bus, journal_reader: JournalReader, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(actor_module, "_OUTAGE_BACKOFF_INITIAL_S", 0.01)
+    monkeypatch.setattr(actor_module, "_OUTAGE_BACKOFF_MAX_S", 0.02)
+    actor = FlakyBusActor(failures=6)
+    policy = RestartPolicy(max_restarts=2, window_s=60, backoff_initial_s=0.01)  # 6 real crashes would give up
+    async with supervised(bus, [actor], policy=lambda: policy) as task:
+        await wait_serving(bus)
+        assert (await ping(bus, 1)).incarnation == 7 and not task.done()
+    crashes = await journal_reader.wait_for(of_type("actor_crashed", actor="echo"), count=6)
+    assert all(c["crashes_in_window"] == 0 for c in crashes)
+    assert not [e for e in journal_reader.events if e.get("type") == "actor_gave_up"]

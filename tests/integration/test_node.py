@@ -353,3 +353,32 @@ async def test_node_handling_signals_stops_on_sigterm_and_restores_the_previous_
         done, _ = await asyncio.wait({task}, timeout=20)
         assert done and task.result() == 0
     assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+async def test_a_long_nats_outage_crashes_no_actor_and_the_node_carries_on(
+    tmp_path: Path, nats_server: NatsServer
+) -> None:
+    """Longer than the supervisor's restart window allows crashes for: a bus fault must not end the node."""
+    async with node_in_process(tmp_path, nats_server, "iota") as task:
+        probe = await Bus.connect(nats_server.options, name="probe")
+        before = await _next_report(probe, "iota")
+        await probe.close()
+        await nats_server.kill()
+        await asyncio.sleep(12)  # the node runs without NATS (a fixed outage is the point, not a wait)
+        assert not task.done()
+        await nats_server.start()
+        probe = await Bus.connect(nats_server.options, name="probe")
+        try:
+            after = await _next_report(probe, "iota", timeout=15)
+            assert after.seq > before.seq and not task.done()
+            stored = (await probe.js.stream_info(Subjects().events_stream)).state.messages
+            reader = JournalReader(probe, Subjects())
+            await reader.start()
+            events = await reader.wait_for(lambda e: True, count=stored)  # the whole journal so far
+            await reader.stop()
+            assert events[0]["type"] == "node_started"
+            assert not [e for e in events if e.get("type") == "actor_gave_up"]
+            # an incarnation may fail while the bus is away; none of that counts toward the restart intensity
+            assert all(e["crashes_in_window"] == 0 for e in events if e.get("type") == "actor_crashed")
+        finally:
+            await probe.close()
