@@ -6,9 +6,13 @@ definition), the existing one is used. Buckets are never deleted or recreated.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
@@ -88,3 +92,32 @@ async def read_all(bus: Bus, name: str, value_type: type[T]) -> tuple[list[tuple
         except BadMessage as exc:
             warnings.append(str(exc))
     return values, warnings
+
+
+async def watch(kv: KeyValue, ready: asyncio.Event) -> AsyncIterator[KeyValue.Entry]:
+    """Every entry of `kv`, its current values first (then `ready` is set), then each change as it happens.
+    The watcher is stopped when the caller stops iterating (or is cancelled)."""
+    watcher = await kv.watchall()
+    try:
+        async for entry in watcher:
+            if entry is None:  # the initial values are all in
+                ready.set()
+                continue
+            yield entry
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await watcher.stop()  # type: ignore[no-untyped-call]
+
+
+def removed(entry: KeyValue.Entry) -> bool:
+    """A deleted or purged key, or one whose TTL expired (a delete marker reads back empty)."""
+    return not entry.value or entry.operation in ("DEL", "PURGE")
+
+
+def decode_keyed(entry: KeyValue.Entry, value_type: type[T], key_of: Callable[[T], str], what: str) -> T:
+    """The entry's value as `value_type`, which must name the key it is stored under (a value copied under
+    another key is refused: `BadMessage`)."""
+    value = decode_checked(entry.value or b"", value_type, f"{what} {entry.key}")
+    if key_of(value) != entry.key:
+        raise BadMessage(f"{what} under key {entry.key}", f"claims to be {key_of(value)!r}")
+    return value

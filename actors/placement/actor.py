@@ -23,7 +23,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -178,28 +177,18 @@ class PlacementActor(Actor):
         )  # fmt: skip
 
     async def _watch_nodes(self, ctx: ActorContext) -> None:
-        watcher = await self._nodes.watchall()
-        try:
-            async for entry in watcher:
-                if entry is None:  # the initial values are all in
-                    self._view_ready.set()
-                    continue
-                if not entry.value or entry.operation in ("DEL", "PURGE"):
-                    self._forget_node(entry.key)  # expired (delete marker) or removed
-                    continue
-                try:
-                    node = decode_checked(entry.value, NodeResources, f"telemetry of {entry.key}")
-                    if node.node_id != entry.key:
-                        raise BadMessage(f"telemetry under key {entry.key}", f"claims to be node {node.node_id!r}")
-                except BadMessage as exc:
-                    ctx.log.warning("bad_telemetry", key=entry.key, error=str(exc))
-                    self._forget_node(entry.key)  # what it said before is no longer what it says
-                    continue
-                self._view[entry.key] = ViewEntry(resources=node, revision=entry.revision or 0)
-                self._arrived[entry.key] = self._monotonic()
-        finally:
-            with contextlib.suppress(nats.errors.Error):
-                await watcher.stop()  # type: ignore[no-untyped-call]
+        async for entry in buckets.watch(self._nodes, self._view_ready):
+            if buckets.removed(entry):
+                self._forget_node(entry.key)  # expired (delete marker) or removed
+                continue
+            try:
+                node = buckets.decode_keyed(entry, NodeResources, lambda n: n.node_id, "telemetry of node")
+            except BadMessage as exc:
+                ctx.log.warning("bad_telemetry", key=entry.key, error=str(exc))
+                self._forget_node(entry.key)  # what it said before is no longer what it says
+                continue
+            self._view[entry.key] = ViewEntry(resources=node, revision=entry.revision or 0)
+            self._arrived[entry.key] = self._monotonic()
 
     def _forget_node(self, node: str) -> None:
         self._view.pop(node, None)
@@ -220,42 +209,24 @@ class PlacementActor(Actor):
     async def _watch_ledgers(self) -> None:
         """A local copy of every node's ledger: decisions read it first (compare-and-set still guards every
         write, and a conflict or a refusal re-reads the bucket), so a decision costs no round trip per node."""
-        watcher = await self._ledgers.watchall()
-        try:
-            async for entry in watcher:
-                if entry is None:
-                    self._ledgers_ready.set()
-                    continue
-                node = entry.key.removeprefix(LEDGER_KEY_PREFIX)
-                decoded = self._decode_ledger(node, entry.value, entry.revision or 0)
-                self._ledger_cache[node] = decoded
-                self._reconciler.saw_ledger(node, decoded[0], self._monotonic())
-        finally:
-            with contextlib.suppress(nats.errors.Error):
-                await watcher.stop()  # type: ignore[no-untyped-call]
+        async for entry in buckets.watch(self._ledgers, self._ledgers_ready):
+            node = entry.key.removeprefix(LEDGER_KEY_PREFIX)
+            decoded = self._decode_ledger(node, entry.value, entry.revision or 0)
+            self._ledger_cache[node] = decoded
+            self._reconciler.saw_ledger(node, decoded[0], self._monotonic())
 
     async def _watch_instances(self, ctx: ActorContext) -> None:
         """The runners' instance records: what the reconcile compares the ledgers with."""
-        watcher = await self._instances.watchall()
-        try:
-            async for entry in watcher:
-                if entry is None:
-                    self._records_ready.set()
-                    continue
-                if not entry.value or entry.operation in ("DEL", "PURGE"):
-                    self._reconciler.saw_record(entry.key, None)  # expired: its runner stopped refreshing it
-                    continue
-                try:
-                    record = decode_checked(entry.value, InstanceStatus, f"instance record {entry.key}")
-                    if record.id != entry.key:
-                        raise BadMessage(f"instance record {entry.key}", f"claims to be instance {record.id!r}")
-                except BadMessage as exc:
-                    ctx.log.warning("bad_instance_record", key=entry.key, error=str(exc))
-                    continue
-                self._reconciler.saw_record(entry.key, record)
-        finally:
-            with contextlib.suppress(nats.errors.Error):
-                await watcher.stop()  # type: ignore[no-untyped-call]
+        async for entry in buckets.watch(self._instances, self._records_ready):
+            if buckets.removed(entry):
+                self._reconciler.saw_record(entry.key, None)  # expired: its runner stopped refreshing it
+                continue
+            try:
+                record = buckets.decode_keyed(entry, InstanceStatus, lambda r: r.id, "instance record")
+            except BadMessage as exc:
+                ctx.log.warning("bad_instance_record", key=entry.key, error=str(exc))
+                continue
+            self._reconciler.saw_record(entry.key, record)
 
     def _decode_ledger(self, node: str, value: bytes | None, revision: int) -> tuple[NodeLedger | None, int]:
         """A ledger and its revision; revision -1 marks one that does not decode (nothing is booked there)."""
