@@ -47,6 +47,12 @@ gathered and written back (two copies per slot) beside n_embd-wide rows per toke
 widths at 1-32 slots; on the hold-out realistic shapes of `benchmarks/compute_shapes.py` (Qwen3.5-27B,
 Falcon-H1-1.5B, Nemotron-H-9B, Gemma3-12B, Qwen3-8B) within -3.6%..+10.3%; the MTP draft context of
 Qwen3.5-9B is over by 15.4%.
+compute-6: the Qwen3.5 MTP draft context is computed as ggml-alloc places its graph (`_graph_peak` over the
+draft graph of `qwen35.cpp`: the hidden state input, the eh_proj concat, Q with its gate, the SwiGLU FFN;
+exact to 0.01 MiB on the 9B and 27B widths, where compute-5 was over by 36% and 23%); with rollback rows the
+recurrent stage holds n_rs_seq + 1 snapshots of each slot's S state (`ggml_gated_delta_net`'s K, Mamba's
+scan likewise); a Mamba-2 stage is `4·(d_inner + n_group·d_state) + 6·n_embd` rows per token, not 14.6
+n_embd (Falcon-H1-1.5B, d_inner 1.5 n_embd, was over by 10.3%).
 Warm-up routes every expert; the runner disables it (`--no-warmup`), so it is not modelled.
 GPU compute buffers (per-device graph splits, the host-side buffer) are not validated: no GPU build was
 available.
@@ -61,7 +67,7 @@ from messages.model import LayerGeometry, ModelGeometry
 
 __all__ = ["CALIBRATION_VERSION", "MEASURED_ERROR_RATIO", "ComputeEstimate", "compute_buffers"]
 
-CALIBRATION_VERSION = "compute-5"
+CALIBRATION_VERSION = "compute-6"
 #: Largest relative error of the model against llama-server's reported compute buffers in calibration.
 MEASURED_ERROR_RATIO = 0.25
 
@@ -82,7 +88,9 @@ EXPERTS_AS_WIDE_AS_N_FF = frozenset({"jamba"})
 #: two state copies per slot live at once, beside n_embd-wide rows per token (fitted per recurrent kind on
 #: Qwen3.5-9B and Mamba2-2.7B widths at 8-32 slots; compute-5).
 RECURRENT_STATE_COPIES = 2
-RECURRENT_STAGE_EMBD = {"mamba": 14.6, "gated_delta": 9.8}
+MAMBA_STAGE_INNER = 4  # d_inner + n_group·d_state wide rows per token at a Mamba-2 scan (compute-6)
+MAMBA_STAGE_EMBD = 6  # n_embd-wide rows beside them (compute-6; compute-5 had 14.6 n_embd in all)
+GATED_DELTA_STAGE_EMBD = 9.8
 #: nemotron_h's MLP blocks are ungated (squared ReLU): up and its activation, no gate.
 UNGATED_FFN_FACTOR = 2
 RWKV_EMBD_FACTOR = 20  # n_embd-wide rows live at the peak of an RWKV-7 time mix, per token
@@ -90,6 +98,11 @@ RWKV_FFN_FACTOR = 2  # an RWKV channel mix keeps two n_ff-wide rows (no gate)
 RWKV_STATE_COPIES = 2  # the wkv state read and written per sequence
 SCORE_EMBD_FACTOR = 7
 SCORE_KV_FACTOR = 2
+GGML_ALIGNMENT = 32  # the CPU buffer type's alignment, to which ggml-alloc rounds every tensor
+#: Ops ggml-alloc may compute in place over a source (`ggml_op_can_inplace`), as named in `_graph_peak`.
+INPLACE_OPS = frozenset({"add", "mul", "rms_norm", "rope", "unary", "scale", "soft_max"})
+#: Architectures whose MTP draft graph `_gated_mtp_draft` describes (Qwen3.5's dense `graph_mtp`).
+GATED_MTP_DRAFT = frozenset({"qwen35"})
 HOST_EMBD_FACTOR = 2  # with GPUs: token embeddings looked up on the host, and their copy for upload
 
 
@@ -133,6 +146,22 @@ def _legacy_n_ff(geometry: ModelGeometry, layers: list[LayerGeometry]) -> int:
     return n_ff
 
 
+def _recurrent_stage_rows(geometry: ModelGeometry) -> float | None:
+    """Elements per token live beside the state copies at the recurrent stage, or None for a kind without one.
+
+    A Mamba-2 scan (`build_mamba2_layer`) keeps the input projection (z, x, B, C and dt: two d_inner-wide and
+    two n_group·d_state-wide rows), the convolved x/B/C rows and the scan output (d_inner) live, beside
+    n_embd-wide rows (the residual, the normed input, falcon-h1's attention branch): `4·(d_inner +
+    n_group·d_state) + 6·n_embd` (fitted on Mamba2-2.7B and Falcon-H1-1.5B, whose d_inner is 2 and 1.5
+    n_embd). A gated delta net: 9.8 n_embd."""
+    if geometry.recurrent_kind == "mamba":
+        inner = geometry.ssm_d_inner + geometry.ssm_n_group * geometry.ssm_d_state
+        return MAMBA_STAGE_INNER * inner + MAMBA_STAGE_EMBD * geometry.n_embd
+    if geometry.recurrent_kind == "gated_delta":
+        return GATED_DELTA_STAGE_EMBD * geometry.n_embd
+    return None
+
+
 def _layer_peak(
     geometry: ModelGeometry,
     layers: list[LayerGeometry],
@@ -156,10 +185,13 @@ def _layer_peak(
         state = max(layer.r_width + layer.s_width for layer in layers if layer.recurrent)
         mamba = int(4 * t * MAMBA_IN_FACTOR * width) + 4 * shape.n_seq_max * state
         activation = max(activation, mamba)
-    stage_embd = RECURRENT_STAGE_EMBD.get(geometry.recurrent_kind)
-    if stage_embd is not None and any(layer.recurrent for layer in layers):
+    stage_rows = _recurrent_stage_rows(geometry)
+    if stage_rows is not None and any(layer.recurrent for layer in layers):
         state = max(layer.r_width + layer.s_width for layer in layers if layer.recurrent)
-        stage = int(4 * t * stage_embd * n_embd) + RECURRENT_STATE_COPIES * 4 * shape.n_seq_max * state
+        # with rollback rows the scan writes n_rs_seq + 1 snapshots of each slot's S state, not one
+        snapshots = shape.n_rs_seq * max(layer.s_width for layer in layers if layer.recurrent)
+        copies = RECURRENT_STATE_COPIES * state + snapshots
+        stage = int(4 * t * stage_rows) + 4 * shape.n_seq_max * copies
         activation = max(activation, stage)
     if geometry.recurrent_kind == "rwkv" and any(layer.recurrent for layer in layers):
         # the time mix (six lerped inputs, r/w/k/v/a/g and their LoRA paths) or the channel mix (key and its
@@ -188,6 +220,191 @@ def _masks(layers: list[LayerGeometry], shape: ContextShape, *, flash_attn: bool
     return total
 
 
+class _Arena:
+    """ggml-alloc's dynamic allocator (`ggml_dyn_tallocr`): best fit among the inner free blocks, else the
+    tail block (which grows the buffer); freed blocks merge with their neighbours. `peak` is the buffer size."""
+
+    def __init__(self) -> None:
+        self.free: list[list[int]] = [[0, 1 << 62]]  # [offset, size], by offset; the last one is the tail
+        self.peak = 0
+
+    def alloc(self, size: int) -> int:
+        size = -(-size // GGML_ALIGNMENT) * GGML_ALIGNMENT
+        best = len(self.free) - 1
+        best_size: int | None = None
+        for i, (_, block) in enumerate(self.free[:-1]):
+            if block >= size and (best_size is None or block <= best_size):
+                best, best_size = i, block
+        offset = self.free[best][0]
+        self.free[best] = [offset + size, self.free[best][1] - size]
+        if self.free[best][1] == 0:
+            del self.free[best]
+        self.peak = max(self.peak, offset + size)
+        return offset
+
+    def release(self, offset: int, size: int) -> None:
+        size = -(-size // GGML_ALIGNMENT) * GGML_ALIGNMENT
+        blocks = self.free
+        for i, (start, block) in enumerate(blocks):
+            if start + block == offset:
+                blocks[i][1] += size
+                if i + 1 < len(blocks) and offset + size == blocks[i + 1][0]:
+                    blocks[i][1] += blocks.pop(i + 1)[1]
+                return
+            if offset + size == start:
+                blocks[i] = [offset, block + size]
+                if i > 0 and blocks[i - 1][0] + blocks[i - 1][1] == offset:
+                    blocks[i - 1][1] += blocks.pop(i)[1]
+                return
+        blocks.insert(sum(1 for start, _ in blocks if start < offset), [offset, size])
+
+
+#: (name, op, bytes, sources) of one graph node; op "view" for a view of its first source
+_Node = tuple[str, str, int, tuple[str, ...]]
+
+
+def _reusable_source(
+    op: str,
+    n_bytes: int,
+    srcs: tuple[str, ...],
+    offset: dict[str, int],
+    size: dict[str, int],
+    view_of: dict[str, str],
+    children: dict[str, int],
+    views: dict[str, int],
+    outputs: frozenset[str],
+) -> str | None:
+    """The tensor whose block an in-place op takes over (`ggml_gallocr_allocate_node`): a source no other
+    node still reads and no view holds, of the same size, or the source of such a view if that view is its
+    only one; not an output, nor a tensor ggml-alloc did not place."""
+    if op not in INPLACE_OPS:
+        return None
+    for src in srcs:
+        base = view_of.get(src, src)
+        if base in outputs or base not in offset or children[src] != 1 or views.get(src, 0):
+            continue
+        if base != src and views[base] == 1 and not children.get(base, 0):
+            return base
+        if base == src and size[src] == n_bytes:
+            return src
+    return None
+
+
+def _graph_peak(inputs: list[tuple[str, int]], nodes: list[_Node], outputs: frozenset[str]) -> int:
+    """The buffer ggml-alloc reserves for a graph (`ggml_gallocr_alloc_graph_impl`): inputs first, then each
+    node in order, in place over a source it alone consumes where the op allows, every tensor freed once its
+    last consumer ran (a view keeps its source alive); outputs are never freed."""
+    arena = _Arena()
+    offset: dict[str, int] = {}
+    size = dict(inputs) | {name: n_bytes for name, _, n_bytes, _ in nodes}
+    view_of = {name: srcs[0] for name, op, _, srcs in nodes if op == "view"}
+    children: dict[str, int] = {}
+    views: dict[str, int] = {}
+    for name, n_bytes in inputs:
+        offset[name] = arena.alloc(n_bytes)
+    for _, _, _, srcs in nodes:
+        for src in srcs:
+            children[src] = children.get(src, 0) + 1
+    for src in view_of.values():
+        views[src] = views.get(src, 0) + 1
+    for name, op, n_bytes, srcs in nodes:
+        if op in ("view", "external"):
+            pass
+        elif (
+            reused := _reusable_source(op, n_bytes, srcs, offset, size, view_of, children, views, outputs)
+        ) is not None:
+            offset[name] = offset.pop(reused)  # in place: the source's block, its tail freed if larger
+            if size[reused] > n_bytes:
+                arena.release(offset[name] + n_bytes, size[reused] - n_bytes)
+        else:
+            offset[name] = arena.alloc(n_bytes)
+        for src in srcs:
+            children[src] -= 1
+            if children[src] or views.get(src, 0):
+                continue
+            base = view_of.get(src, src)
+            if base != src:
+                views[base] -= 1
+                if views[base] or children.get(base, 0):
+                    continue
+            if base in offset and base not in outputs:
+                arena.release(offset.pop(base), size[base])
+    return arena.peak
+
+
+def _gated_mtp_draft(geometry: ModelGeometry, nextn: list[LayerGeometry], shape: ContextShape) -> int | None:
+    """The compute buffer of a Qwen3.5 MTP draft context with flash attention (`qwen35.cpp` `graph_mtp`):
+    the token embedding and the target's hidden state, each normed, concatenated (2 n_embd) and projected
+    (`eh_proj`); gated attention (Q and its gate in one 2·n_head·head_dim projection, the gate copied out,
+    flash attention into the cache); a dense SwiGLU FFN; the head norm and the logits of one output per
+    slot. The peak is where ggml-alloc places them, so it is computed as ggml-alloc does (`_graph_peak`).
+    None for a draft this graph does not describe (another architecture, routed experts, widths unknown)."""
+    if geometry.architecture not in GATED_MTP_DRAFT or len(nextn) != 1:
+        return None
+    layer = nextn[0]
+    if layer.n_ff_exp or not layer.head_k or not layer.n_ff or not layer.n_head:
+        return None
+    t, n_out = shape.n_ubatch, max(1, shape.n_seq_max)
+    e, q = 4 * t * geometry.n_embd, 4 * t * layer.n_head * layer.head_k
+    kv, ff = 4 * t * layer.k_width, 4 * t * layer.n_ff
+    inputs = [
+        ("tokens", 4 * t),
+        ("h", e),
+        ("pos", 4 * t),
+        ("k_idxs", 8 * t),
+        ("v_idxs", 8 * t),
+        ("mask", _masks(nextn, shape, flash_attn=True)),
+        ("out_ids", 4 * n_out),
+    ]
+    nodes: list[_Node] = [
+        ("tok", "get_rows", e, ("tokens",)),
+        ("tok_norm", "rms_norm", e, ("tok",)),
+        ("enorm", "mul", e, ("tok_norm",)),
+        ("h_norm", "rms_norm", e, ("h",)),
+        ("hnorm", "mul", e, ("h_norm",)),
+        ("concat", "concat", 2 * e, ("enorm", "hnorm")),
+        ("eh_proj", "mul_mat", e, ("concat",)),
+        ("norm", "rms_norm", e, ("eh_proj",)),
+        ("attn_norm", "mul", e, ("norm",)),
+        ("q_full", "mul_mat", 2 * q, ("attn_norm",)),
+        ("q_view", "view", q, ("q_full",)),
+        ("q_norm", "rms_norm", q, ("q_view",)),
+        ("q_normed", "mul", q, ("q_norm",)),
+        ("q_rope", "rope", q, ("q_normed", "pos")),
+        ("v", "mul_mat", kv, ("attn_norm",)),
+        ("k", "mul_mat", kv, ("attn_norm",)),
+        ("k_view", "view", kv, ("k",)),
+        ("k_norm", "rms_norm", kv, ("k_view",)),
+        ("k_normed", "mul", kv, ("k_norm",)),
+        ("k_rope", "rope", kv, ("k_normed", "pos")),
+        ("k_rows", "view", kv, ("k_rope",)),
+        ("k_cache", "external", 0, ("k_rows", "k_idxs")),
+        ("v_rows", "view", kv, ("v",)),
+        ("v_cache", "external", 0, ("v_rows", "v_idxs")),
+        ("q_perm", "view", q, ("q_rope",)),
+        ("attn", "flash_attn_ext", q, ("q_perm", "mask", "k_cache", "v_cache")),
+        ("pregate", "view", q, ("attn",)),
+        ("gate_view", "view", q, ("q_full",)),
+        ("gate", "cont", q, ("gate_view",)),
+        ("gate_sigmoid", "unary", q, ("gate",)),
+        ("gated", "mul", q, ("pregate", "gate_sigmoid")),
+        ("attn_out", "mul_mat", e, ("gated",)),
+        ("attn_residual", "add", e, ("attn_out", "eh_proj")),
+        ("post_norm", "rms_norm", e, ("attn_residual",)),
+        ("attn_post_norm", "mul", e, ("post_norm",)),
+        ("ffn_gate", "mul_mat", ff, ("attn_post_norm",)),
+        ("ffn_up", "mul_mat", ff, ("attn_post_norm",)),
+        ("ffn_swiglu", "glu", ff, ("ffn_gate", "ffn_up")),
+        ("ffn_out", "mul_mat", e, ("ffn_swiglu",)),
+        ("post_ffn", "add", e, ("ffn_out", "attn_residual")),
+        ("head_norm", "rms_norm", e, ("post_ffn",)),
+        ("h_nextn", "mul", e, ("head_norm",)),
+        ("head_rows", "get_rows", 4 * n_out * geometry.n_embd, ("h_nextn", "out_ids")),
+        ("logits", "mul_mat", 4 * n_out * geometry.n_vocab, ("head_rows",)),
+    ]
+    return _graph_peak(inputs, nodes, frozenset({"h_nextn", "logits"}))
+
+
 def compute_buffers(
     geometry: ModelGeometry,
     shape: ContextShape,
@@ -206,8 +423,12 @@ def compute_buffers(
     draft = 0
     if draft_shape is not None:
         nextn = [layer for layer in geometry.layers if layer.nextn]
-        draft = _masks(nextn, draft_shape, flash_attn=flash_attn) + _layer_peak(
-            geometry, nextn, draft_shape, flash_attn=flash_attn, n_outputs=draft_shape.n_seq_max
+        gated = _gated_mtp_draft(geometry, nextn, draft_shape) if flash_attn else None
+        draft = (
+            gated
+            if gated is not None
+            else _masks(nextn, draft_shape, flash_attn=flash_attn)
+            + _layer_peak(geometry, nextn, draft_shape, flash_attn=flash_attn, n_outputs=draft_shape.n_seq_max)
         )
     host = 4 * shape.n_ubatch * HOST_EMBD_FACTOR * geometry.n_embd if offloaded else 0
     return ComputeEstimate(device=target, host=host, draft=draft)

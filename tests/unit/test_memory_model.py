@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.placement.compute import MEASURED_ERROR_RATIO, compute_buffers
+from actors.placement.context import draft_settings
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import TensorInfo
 from actors.placement.memory import (
@@ -523,3 +524,65 @@ def test_compute_margin_follows_each_gpu_that_holds_layers() -> None:
     for device in b.devices:
         assert device.compute_margin_bytes == math.ceil(device.compute_bytes * b.compute_error_ratio)
     assert b.compute_margin_bytes == sum(d.compute_margin_bytes for d in b.devices)
+
+
+# --- compute-6: the MTP draft graph, rollback snapshots, the Mamba-2 stage ------------------------------------
+
+
+def qwen35_27b() -> ModelGeometry:
+    """Qwen3.5-27B widths (5120; 24 heads x 256, 4 KV heads; delta net 48 value heads of 128; n_ff 17408)."""
+    ssm = {**QWEN_SSM, "ssm.inner_size": 6144, "ssm.time_step_rank": 48}
+    kv = base(17, **ssm, nextn_predict_layers=1, embedding_length=5120)
+    kv.update({"attention.head_count": 24, "attention.head_count_kv": 4, "feed_forward_length": 17408})
+    kv.update({"attention.key_length": 256, "attention.value_length": 256})
+    return geometry_from_header(header("qwen35", kv))
+
+
+def mtp_compute(g: ModelGeometry, slots: int = 4, depth: int = 3) -> tuple[float, float]:
+    """(target, draft) compute buffers in MiB at 8192 cells, unified, MTP of `depth`, flash attention."""
+    settings = serving(slots=slots, kv_unified=True, spec_type="draft-mtp", spec_draft_n_max=depth)
+    shape = resolve_context(g, settings, 8192)
+    draft_shape = resolve_context(g, draft_settings(settings), shape.n_ctx)
+    got = compute_buffers(g, shape, flash_attn=True, n_outputs=slots * (1 + depth), draft_shape=draft_shape)
+    return got.device / MIB, got.draft / MIB
+
+
+@pytest.mark.parametrize(("geometry", "server_mib"), [(qwen35_9b, 88.02), (qwen35_27b, 130.02)])
+def test_qwen35_mtp_draft_compute_is_where_ggml_alloc_places_the_draft_graph(geometry: Any, server_mib: float) -> None:
+    """llama-server's `sched_reserve` of the MTP context (4 slots, 8192 cells): the draft graph keeps the
+    target's hidden state, the concatenated eh_proj input, Q with its gate and a SwiGLU FFN, and the holes
+    between them set the peak (compute-5 sized it as a trunk layer: 120 and 160 MiB, +36% and +23%)."""
+    _, draft = mtp_compute(geometry())
+    assert abs(draft - server_mib) < 0.05
+
+
+def test_rollback_rows_add_state_snapshots_to_the_recurrent_stage() -> None:
+    """With MTP depth 3 every slot's scan writes 4 snapshots of its delta-net state, not one: the 27B target
+    context reserved 178.49 MiB with MTP against 160.02 without (compute-5: 160, -10.4%)."""
+    g = qwen35_27b()
+    target, _ = mtp_compute(g)
+    with_rows = resolve_context(g, serving(slots=4, kv_unified=True, spec_type="draft-mtp", spec_draft_n_max=3), 8192)
+    without = msgspec.structs.replace(with_rows, n_rs_seq=0)
+    s_width = max(layer.s_width for layer in g.layers if layer.recurrent)
+    stage = compute_buffers(g, with_rows, flash_attn=True, n_outputs=16).device
+    assert stage - compute_buffers(g, without, flash_attn=True, n_outputs=16).device > 0
+    assert stage - compute_buffers(g, without, flash_attn=True, n_outputs=16).device <= 4 * 4 * 3 * s_width
+    assert abs(target / 178.49 - 1) <= 0.10
+
+
+def falcon_h1_1_5b() -> ModelGeometry:
+    kv = base(24, embedding_length=2048, feed_forward_length=8192)
+    kv.update({"attention.head_count": 8, "attention.head_count_kv": 2})
+    kv.update({"attention.key_length": 128, "attention.value_length": 128})
+    kv.update({"ssm.conv_kernel": 4, "ssm.inner_size": 3072, "ssm.state_size": 256, "ssm.group_count": 1})
+    kv["ssm.time_step_rank"] = 24
+    return geometry_from_header(header("falcon-h1", kv))
+
+
+@pytest.mark.parametrize(("slots", "server_mib"), [(1, 76.02), (4, 82.23), (16, 154.72)])
+def test_mamba2_stage_follows_the_inner_width_not_only_n_embd(slots: int, server_mib: float) -> None:
+    """Falcon-H1-1.5B's d_inner is 1.5 n_embd (Mamba2-2.7B's is 2): the scan's rows are d_inner wide, so
+    sizing them by n_embd alone (compute-5, 14.6 n_embd) over-reserved by 10.3% at 4 slots."""
+    shape = resolve_context(falcon_h1_1_5b(), serving(slots=slots, kv_unified=True), 8192)
+    got = compute_buffers(falcon_h1_1_5b(), shape, flash_attn=True, n_outputs=slots).device / MIB
+    assert abs(got / server_mib - 1) <= 0.02
