@@ -1,0 +1,410 @@
+"""The L3 store on a real file system: round trips, corruption, quarantine, hostile names, and kill -9 of an
+ingesting process at many points (nothing partial is ever loadable; reconcile cleans up)."""
+
+from __future__ import annotations
+
+import os
+import random
+import selectors
+import signal
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from actors.l3 import layout
+from actors.l3.budget import StoredEntry, plan_eviction
+from actors.l3.commit import Rule
+from actors.l3.layout import DigestError, Manifest, SegmentRef
+from actors.l3.store import CommitRefused, CorruptEntry, Store, StoreError, UnknownEntry
+
+ROOT = Path(__file__).resolve().parents[2]
+SEG = layout.MIN_SEGMENT_BYTES  # 64 KiB: many segments from small files
+IDENTITY = "1d" * 32
+KIND = "llama_slot"
+
+
+def _payload(path: Path, size: int, seed: int = 0) -> bytes:
+    data = random.Random(seed).randbytes(size)
+    path.write_bytes(data)
+    return data
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def _ingest(store: Store, source: Path, tokens: tuple[int, ...] = (1, 2, 3)) -> Manifest:
+    return store.ingest(source, identity=IDENTITY, tokens=tokens, payload_kind=KIND)
+
+
+def _entry(m: Manifest) -> str:
+    return layout.entry_id(m.identity, m.tokens)
+
+
+# ---- round trip ----
+
+
+@pytest.mark.parametrize("size", [0, 1, SEG - 1, SEG, 5 * SEG + 123])
+def test_ingest_then_assemble_gives_the_same_bytes(tmp_path: Path, size: int) -> None:
+    data = _payload(tmp_path / "slot.bin", size)
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    m = _ingest(store, tmp_path / "slot.bin")
+    assert (m.total_bytes, len(m.segments), m.n_tokens) == (size, -(-size // SEG), 3)
+    assert store.load_manifest(_entry(m)) == m
+    store.assemble(m, tmp_path / "out.bin")
+    assert (tmp_path / "out.bin").read_bytes() == data
+    inventory = store.reconcile()
+    assert [e.entry for e in inventory.entries] == [_entry(m)]
+    assert (inventory.tokens, inventory.removed_orphans, inventory.quarantined) == (3, 0, ())
+
+
+def test_identical_segments_are_stored_once_and_survive_until_no_entry_names_them(tmp_path: Path) -> None:
+    a = _payload(tmp_path / "a.bin", 4 * SEG)
+    (tmp_path / "b.bin").write_bytes(a[: 2 * SEG] + random.Random(9).randbytes(2 * SEG))  # shares 2 segments
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    ma, mb = _ingest(store, tmp_path / "a.bin", (1,)), _ingest(store, tmp_path / "b.bin", (2,))
+    assert len(_files(tmp_path / "l3" / "segments")) == 6
+    store.remove_entries([_entry(ma)])
+    inventory = store.reconcile()
+    assert inventory.removed_orphans == 2 and inventory.bytes == 4 * SEG
+    store.assemble(mb, tmp_path / "out.bin")
+    assert (tmp_path / "out.bin").read_bytes() == (tmp_path / "b.bin").read_bytes()
+
+
+def test_ingest_and_assemble_hold_a_few_segments_of_memory_not_the_payload(tmp_path: Path) -> None:
+    seg = 256 * 1024
+    _payload(tmp_path / "slot.bin", 64 * seg)  # 16 MiB
+    store = Store(tmp_path / "l3", segment_bytes=seg)
+    tracemalloc.start()
+    try:
+        m = _ingest(store, tmp_path / "slot.bin")
+        _, ingest_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        store.assemble(m, tmp_path / "out.bin")
+        _, assemble_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert ingest_peak < 4 * seg, ingest_peak
+    assert assemble_peak < 4 * seg, assemble_peak
+
+
+def test_the_commit_check_can_re_read_the_stored_segments(tmp_path: Path) -> None:
+    data = _payload(tmp_path / "slot.bin", 3 * SEG + 5)
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    m = store.ingest(tmp_path / "slot.bin", identity=IDENTITY, tokens=(7,), payload_kind=KIND, reread=True)
+    store.assemble(m, tmp_path / "out.bin")
+    assert (tmp_path / "out.bin").read_bytes() == data
+
+
+def test_a_slot_file_rewritten_during_ingest_is_refused_and_nothing_is_loadable(tmp_path: Path) -> None:
+    source = tmp_path / "slot.bin"
+    _payload(source, 3 * SEG)
+
+    def grow(step: str, n: int) -> None:
+        if (step, n) == ("segment", 0):
+            with source.open("ab") as f:
+                f.write(b"more")
+
+    store = Store(tmp_path / "l3", segment_bytes=SEG, checkpoint=grow)
+    with pytest.raises(CommitRefused) as refused:
+        _ingest(store, source)
+    assert refused.value.refusal.rule is Rule.SEGMENT_COUNT
+    assert list((tmp_path / "l3" / "manifests").iterdir()) == []
+    assert store.reconcile().removed_orphans == 3
+
+
+def test_a_source_that_is_not_a_regular_file_is_a_clear_error(tmp_path: Path) -> None:
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(StoreError, match="not a regular file"):
+        _ingest(store, tmp_path / "fifo")
+    with pytest.raises(StoreError, match="directory"):
+        _ingest(store, tmp_path)
+
+
+# ---- corruption and quarantine ----
+
+
+def _corrupt_one_segment(store: Store, m: Manifest, index: int = 1) -> Path:
+    path = store.segment_file(m.segments[index].digest)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+    return path
+
+
+def test_a_corrupted_segment_is_detected_at_assemble_and_the_entry_is_quarantined(tmp_path: Path) -> None:
+    _payload(tmp_path / "slot.bin", 3 * SEG)
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    m = _ingest(store, tmp_path / "slot.bin")
+    _corrupt_one_segment(store, m)
+    with pytest.raises(CorruptEntry) as corrupt:
+        store.assemble(m, tmp_path / "out.bin")
+    assert corrupt.value.refusal.rule is Rule.SEGMENT_MISMATCH and corrupt.value.refusal.index == 1
+    assert not (tmp_path / "out.bin").exists()  # never a partial output
+    assert [p.name for p in (tmp_path / "l3").rglob(".tmp-*")] == []
+    with pytest.raises(UnknownEntry):
+        store.load_manifest(_entry(m))
+    inventory = store.reconcile()
+    assert inventory.entries == () and [q.readable for q in inventory.quarantined] == [True]
+    assert all(store.segment_file(s.digest).exists() for s in m.segments)  # quarantine keeps its segments
+
+
+def test_a_corrupted_segment_is_quarantined_by_a_verifying_reconcile(tmp_path: Path) -> None:
+    _payload(tmp_path / "slot.bin", 3 * SEG)
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    m = _ingest(store, tmp_path / "slot.bin")
+    _corrupt_one_segment(store, m, index=2)
+    assert len(store.reconcile().entries) == 1  # same size: only re-hashing sees it
+    inventory = store.reconcile(verify_content=True)
+    assert inventory.entries == ()
+    assert [(q.reason.split(":")[0], q.readable) for q in inventory.quarantined] == [("segment_mismatch", True)]
+    assert inventory.removed_orphans == 0
+    assert all(store.segment_file(s.digest).exists() for s in m.segments)
+
+
+def test_a_truncated_or_missing_segment_is_quarantined_at_reconcile(tmp_path: Path) -> None:
+    _payload(tmp_path / "slot.bin", 3 * SEG)
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    m1 = _ingest(store, tmp_path / "slot.bin", (1,))
+    (tmp_path / "slot2.bin").write_bytes(random.Random(5).randbytes(2 * SEG))
+    m2 = _ingest(store, tmp_path / "slot2.bin", (2,))
+    with store.segment_file(m1.segments[0].digest).open("r+b") as f:
+        f.truncate(10)
+    store.segment_file(m2.segments[1].digest).unlink()
+    inventory = store.reconcile()
+    assert inventory.entries == ()
+    assert sorted(q.reason.split(":")[0] for q in inventory.quarantined) == ["segment_missing", "segment_size"]
+
+
+def test_re_ingesting_replaces_a_damaged_segment_with_the_good_bytes(tmp_path: Path) -> None:
+    data = _payload(tmp_path / "slot.bin", 3 * SEG)
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    m = _ingest(store, tmp_path / "slot.bin")
+    _corrupt_one_segment(store, m)
+    again = _ingest(store, tmp_path / "slot.bin")
+    assert again == m
+    store.assemble(m, tmp_path / "out.bin")
+    assert (tmp_path / "out.bin").read_bytes() == data
+
+
+def test_an_unreadable_manifest_is_quarantined_and_its_segments_are_kept(tmp_path: Path) -> None:
+    _payload(tmp_path / "slot.bin", 3 * SEG)
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    m = _ingest(store, tmp_path / "slot.bin")
+    store.manifest_file(_entry(m)).write_bytes(b'{"version": 1, "identity": "trunc')
+    segments_before = _files(tmp_path / "l3" / "segments")
+    inventory = store.reconcile()
+    assert inventory.entries == ()
+    assert [(q.name, q.readable) for q in inventory.quarantined] == [(layout.manifest_name(_entry(m)), False)]
+    assert inventory.gc_suspended and inventory.removed_orphans == 0
+    assert _files(tmp_path / "l3" / "segments") == segments_before
+    again = store.reconcile()  # still there on the next start: still kept
+    assert again.gc_suspended and _files(tmp_path / "l3" / "segments") == segments_before
+
+
+def test_a_manifest_filed_under_another_entrys_name_is_quarantined(tmp_path: Path) -> None:
+    _payload(tmp_path / "slot.bin", SEG)
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    m = _ingest(store, tmp_path / "slot.bin", (1,))
+    store.manifest_file(_entry(m)).rename(store.manifest_file("ee" * 32))
+    inventory = store.reconcile()
+    assert inventory.entries == () and inventory.quarantined[0].reason.startswith("identity")
+
+
+def test_quarantining_twice_keeps_both_copies(tmp_path: Path) -> None:
+    _payload(tmp_path / "slot.bin", SEG)
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    m = _ingest(store, tmp_path / "slot.bin")
+    store.quarantine(_entry(m), "test")
+    _ingest(store, tmp_path / "slot.bin")
+    store.quarantine(_entry(m), "test")
+    assert len(list((tmp_path / "l3" / "quarantine").iterdir())) == 2
+
+
+def test_an_eviction_plan_applied_to_the_store_frees_exactly_its_segments(tmp_path: Path) -> None:
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    manifests = []
+    for i in range(3):
+        (tmp_path / f"s{i}.bin").write_bytes(random.Random(i).randbytes(2 * SEG))
+        manifests.append(_ingest(store, tmp_path / f"s{i}.bin", (i,)))
+    sizes = {s.digest: s.length for m in manifests for s in m.segments}
+    entries = [
+        StoredEntry(entry=_entry(m), segments=tuple(s.digest for s in m.segments), last_use=i)
+        for i, m in enumerate(manifests)
+    ]
+    plan = plan_eviction(entries, sizes, budget=4 * SEG)
+    store.remove_entries(plan.evict)
+    store.remove_segments(plan.free)
+    assert plan.evict == (_entry(manifests[0]),)
+    inventory = store.reconcile()
+    assert inventory.bytes == plan.bytes_after and inventory.removed_orphans == 0
+    assert len(inventory.entries) == 2
+
+
+# ---- hostile names ----
+
+
+@pytest.mark.parametrize("bad", ["../" * 21 + "a", "A" * 64, "a" * 63, "a" * 65, "a" * 63 + "\n", "..", ""])
+def test_non_hex_wrong_length_or_traversing_digests_are_refused(tmp_path: Path, bad: str) -> None:
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    with pytest.raises(DigestError):
+        store.segment_file(bad)
+    with pytest.raises(DigestError):
+        store.manifest_file(bad)
+    with pytest.raises(DigestError):
+        store.load_manifest(bad)
+    with pytest.raises(DigestError):
+        store.remove_segments([bad])
+    with pytest.raises(DigestError):
+        store.ingest(tmp_path, identity=bad, tokens=(), payload_kind=KIND)
+
+
+def test_a_foreign_manifest_naming_a_traversing_segment_is_refused_before_any_file_is_opened(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"x" * 10)
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    hostile = Manifest(
+        identity=IDENTITY,
+        tokens=(),
+        n_tokens=0,
+        payload_kind=KIND,
+        total_bytes=10,
+        payload_digest="00" * 32,
+        segments=(SegmentRef(0, 0, 10, "../../secret"),),
+    )
+    with pytest.raises(CommitRefused) as refused:
+        store.assemble(hostile, tmp_path / "out.bin")
+    assert refused.value.refusal.rule is Rule.DIGEST_SYNTAX
+    assert not (tmp_path / "out.bin").exists()
+
+
+def test_files_the_store_did_not_write_are_reported_and_left_alone(tmp_path: Path) -> None:
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    (tmp_path / "l3" / "segments" / "zz").mkdir()
+    (tmp_path / "l3" / "manifests" / "notes.txt").write_text("hi")
+    (tmp_path / "l3" / "segments" / "ab").mkdir()
+    (tmp_path / "l3" / "segments" / "ab" / ("cd" * 32)).write_bytes(b"misfiled")
+    inventory = store.reconcile()
+    assert sorted(inventory.unknown_files) == ["manifests/notes.txt", f"segments/ab/{'cd' * 32}", "segments/zz"]
+    assert (tmp_path / "l3" / "manifests" / "notes.txt").exists()
+
+
+# ---- kill -9 at many points ----
+
+CHILD = textwrap.dedent(
+    """
+    import logging, os, signal, sys, time
+    from pathlib import Path
+    import structlog
+    from actors.l3.store import Store
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+    root, source, kill_step, kill_n, seg = sys.argv[1:]
+    def checkpoint(step, n):
+        if step == kill_step and n == int(kill_n):
+            os.kill(os.getpid(), signal.SIGKILL)
+    store = Store(Path(root), segment_bytes=int(seg), checkpoint=checkpoint)
+    print("ready", flush=True)
+    started = time.perf_counter()
+    store.ingest(Path(source), identity="1d" * 32, tokens=range(50), payload_kind="llama_slot")
+    print("done", time.perf_counter() - started, flush=True)
+    """
+)
+N_SEGMENTS = 48
+
+
+def _spawn(root: Path, source: Path, kill_step: str = "never", kill_n: int = -1) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(root), str(source), kill_step, str(kill_n), str(SEG)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        bufsize=0,  # unbuffered: readline takes one line, never the next one into a buffer select cannot see
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def _read_line(proc: subprocess.Popen[bytes], deadline_s: float) -> str:
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout=deadline_s):
+            proc.kill()
+            raise AssertionError("the ingesting child said nothing before its deadline")
+    return proc.stdout.readline().decode()
+
+
+def _said_something(proc: subprocess.Popen[bytes], within_s: float) -> bool:
+    """Waits on the child's stdout (its "done" line or its exit), at most `within_s`: a precise kill time."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        return bool(sel.select(timeout=within_s))
+
+
+def _check_after_crash(root: Path, source_bytes: bytes, out: Path) -> None:
+    store = Store(root, segment_bytes=SEG)
+    # Before any cleanup: whatever manifest exists names a complete, verified payload.
+    for path in (root / "manifests").iterdir():
+        if layout.is_temp_name(path.name):
+            continue
+        m = store.load_manifest(path.name.removesuffix(".json"))
+        store.assemble(m, out)
+        assert out.read_bytes() == source_bytes
+    inventory = store.reconcile()
+    assert inventory.quarantined == () and not inventory.gc_suspended
+    assert [p for p in root.rglob(".tmp-*")] == []
+    referenced = {s.digest for e in inventory.entries for s in store.load_manifest(e.entry).segments}
+    assert {p.name for p in (root / "segments").rglob("*") if p.is_file()} == referenced  # no orphans left
+    # The store is usable afterwards, and the entry (if it was committed) still loads.
+    m = store.ingest(out.with_name("source.bin"), identity=IDENTITY, tokens=range(50), payload_kind=KIND)
+    store.assemble(m, out)
+    assert out.read_bytes() == source_bytes
+
+
+@pytest.mark.timeout(180)
+def test_kill_9_of_an_ingesting_process_never_leaves_a_loadable_partial_entry(tmp_path: Path) -> None:
+    source = tmp_path / "source.bin"
+    source_bytes = _payload(source, N_SEGMENTS * SEG - 1000)
+    out = tmp_path / "out.bin"
+    rng = random.Random(20261201)
+
+    # How long one ingest takes here, so the timed kills land inside it.
+    proc = _spawn(tmp_path / "probe", source)
+    assert _read_line(proc, 30) == "ready\n"
+    duration = float(_read_line(proc, 30).split()[1])
+    assert proc.wait(timeout=30) == 0
+
+    # Exact points: after any segment's rename, after the segment fsyncs, after the manifest's rename.
+    steps = [("segment", i) for i in range(N_SEGMENTS)] + [("segments_durable", N_SEGMENTS), ("manifest", 0)]
+    exact = rng.sample(steps[:-2], 28) + steps[-2:]
+    runs: list[tuple[str, int, float | None]] = [(s, n, None) for s, n in exact]
+    runs += [("never", -1, rng.uniform(0, 1.3 * duration)) for _ in range(40)]  # anywhere, mid-write included
+
+    outcomes = {"killed": 0, "completed": 0}
+    for i, (step, n, delay) in enumerate(runs):
+        root = tmp_path / f"run{i}"
+        proc = _spawn(root, source, step, n)
+        try:
+            assert _read_line(proc, 30) == "ready\n"
+            if delay is not None and not _said_something(proc, delay):  # still ingesting after `delay`
+                proc.send_signal(signal.SIGKILL)
+            code = proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        outcomes["killed" if code == -signal.SIGKILL else "completed"] += 1
+        assert code in (0, -signal.SIGKILL), (step, n, code)
+        if step != "never":
+            assert code == -signal.SIGKILL
+        _check_after_crash(root, source_bytes, out)
+    assert outcomes["killed"] >= 50, outcomes
