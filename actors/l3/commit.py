@@ -3,8 +3,8 @@
 Rules this module keeps:
 
 * Nothing partial is ever loadable. A manifest is written only after `validate` accepted it against the
-  segments as they were really stored (index, offset, length and blake3 of the bytes) and the blake3 of the
-  whole payload computed from those same bytes; nothing a peer or a caller *claims* is trusted.
+  segments as they were really stored (index, offset, length and blake3 of the stored bytes) and the
+  payload digest recomputed from those (`layout.payload_root`); nothing a peer or a caller *claims* is trusted.
 * A manifest tiles its payload exactly: segment i is at position i, starts where segment i-1 ended (the first
   at 0), is not empty, and the lengths add up to `total_bytes`. No gap, overlap, duplicate or reorder passes.
 * The rules are the tables `_MANIFEST_RULES` (the manifest alone) and `_OBSERVED_RULES` (against what was
@@ -29,6 +29,7 @@ from actors.l3.layout import (
     Manifest,
     SegmentRef,
     is_digest,
+    is_payload_kind,
 )
 
 __all__ = ["Refusal", "Rule", "check_manifest", "check_present", "validate"]
@@ -58,7 +59,6 @@ class Refusal(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _Check = Callable[[Manifest], Refusal | None]
-_PAYLOAD_KIND_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
 
 
 def _version(m: Manifest) -> Refusal | None:
@@ -72,7 +72,7 @@ def _identity(m: Manifest) -> Refusal | None:
 
 
 def _payload_kind(m: Manifest) -> Refusal | None:
-    if 0 < len(m.payload_kind) <= 32 and set(m.payload_kind) <= _PAYLOAD_KIND_CHARS:
+    if is_payload_kind(m.payload_kind):
         return None
     return Refusal(rule=Rule.PAYLOAD_KIND, detail="payload kind must be 1-32 of [a-z0-9_]")
 

@@ -10,6 +10,11 @@ Rules this module keeps:
   either a fixed word or a checked digest, so a path never holds a separator, `..` or a NUL.
 * A payload is cut into segments of one fixed size (the last one shorter), in order. A segment is named by
   the blake3 of its bytes, so identical segments of two entries are one file.
+* The payload digest is the root of a two-level hash tree: blake3 over the segment table (index, offset,
+  length and blake3 of every segment, in order), like BLAKE3's own tree at a coarser grain. It commits to
+  every byte and to their order exactly as a blake3 of the concatenation would, and it is recomputed from
+  the segments as they are re-hashed, so one hashing pass over the bytes checks both (a flat blake3 of the
+  payload would need a second pass: measured in benchmarks/RESULTS.md).
 * A manifest names its entry: the entry id is blake3 over the identity and the token ids, so a manifest
   filed under another name is detected. Manifests and token lists read from disk have size ceilings that
   are checked before anything is allocated.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Sequence
 from typing import Final
 
 import blake3
@@ -40,18 +46,21 @@ __all__ = [
     "entry_id",
     "is_digest",
     "is_fanout_name",
+    "is_payload_kind",
     "is_temp_name",
     "manifest_name",
     "manifest_path",
+    "payload_root",
     "plan_segments",
     "quarantine_path",
     "segment_path",
     "temp_name",
 ]
 
-#: Chosen by `benchmarks/l3_ingest.py` (see benchmarks/RESULTS.md): large enough that per-file costs
-#: (create, fsync, rename) vanish against the bytes, small enough that ingest holds little memory.
-DEFAULT_SEGMENT_BYTES: Final = 16 * 1024 * 1024
+#: Chosen by `benchmarks/l3_ingest.py` (benchmarks/RESULTS.md, L3 store): each segment costs an fsync, so
+#: ingest gains up to about 32 MiB (4 MiB: 0.6x the 32 MiB rate) and no more beyond it, while every larger
+#: segment is more memory mapped per helper thread.
+DEFAULT_SEGMENT_BYTES: Final = 32 * 1024 * 1024
 MIN_SEGMENT_BYTES: Final = 64 * 1024
 MAX_SEGMENT_BYTES: Final = 256 * 1024 * 1024
 #: A token list longer than any context llama.cpp supports is refused before it is decoded.
@@ -69,6 +78,8 @@ MANIFEST_SUFFIX: Final = ".json"
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _ENTRY_DOMAIN: Final = b"mesh-actor/l3/entry/v1\x00"
+_PAYLOAD_DOMAIN: Final = b"mesh-actor/l3/payload/v1\x00"
+_PAYLOAD_KIND = re.compile(r"[a-z0-9_]{1,32}")
 
 
 class DigestError(ValueError):
@@ -106,7 +117,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     n_tokens: int
     payload_kind: str
     total_bytes: int
-    payload_digest: str  # blake3 of the whole payload, in order
+    payload_digest: str  # payload_root(segments): the hash-tree root over every segment, in order
     segments: tuple[SegmentRef, ...]
 
 
@@ -138,6 +149,25 @@ def entry_id(identity: str, tokens: tuple[int, ...] | list[int]) -> str:
     hasher.update(struct.pack("<Q", len(tokens)))
     hasher.update(struct.pack(f"<{len(tokens)}I", *tokens))
     return str(hasher.hexdigest())
+
+
+def payload_root(segments: Sequence[SegmentRef]) -> str:
+    """The payload digest: blake3 over the segment table, every field fixed-width or length-prefixed."""
+    hasher = blake3.blake3(_PAYLOAD_DOMAIN)
+    hasher.update(struct.pack("<Q", len(segments)))
+    for seg in segments:
+        digest = seg.digest.encode("utf-8", errors="surrogateescape")
+        try:
+            hasher.update(struct.pack("<qqqQ", seg.index, seg.offset, seg.length, len(digest)))
+        except struct.error as exc:
+            raise ValueError(f"segment {seg.index} has a field outside 64 bits") from exc
+        hasher.update(digest)
+    return str(hasher.hexdigest())
+
+
+def is_payload_kind(value: str) -> bool:
+    """A payload kind is a short word: 1-32 of [a-z0-9_]."""
+    return _PAYLOAD_KIND.fullmatch(value) is not None
 
 
 def plan_segments(total_bytes: int, segment_bytes: int) -> list[tuple[int, int, int]]:

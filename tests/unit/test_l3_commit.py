@@ -299,3 +299,14 @@ def test_a_manifest_round_trips_and_refuses_unknown_fields_and_oversize_input() 
         layout.decode_manifest(layout.encode_manifest(m)[:-1] + b',"node":"x"}')
     with pytest.raises(msgspec.ValidationError):
         layout.decode_manifest(b" " * (layout.MAX_MANIFEST_BYTES + 1))
+
+
+@given(lengths=lengths, how=st.sampled_from(sorted(TAMPERINGS)), where=st.integers(min_value=0), k=st.integers(1, 1000))
+def test_the_payload_root_changes_with_any_change_of_the_segment_table(
+    lengths: list[int], how: str, where: int, k: int
+) -> None:
+    honest = _manifest(lengths)
+    tampered = TAMPERINGS[how](honest, where % len(lengths), k)
+    if tampered.segments == honest.segments:  # total and payload digest are not in the table
+        return
+    assert layout.payload_root(tampered.segments) != layout.payload_root(honest.segments)
