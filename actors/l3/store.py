@@ -70,7 +70,6 @@ Checkpoint = Callable[[str, int], None]
 
 _OPEN_READ: Final = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 _OPEN_CREATE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-_MAP_POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the pages in at once
 _OPEN_CREATE_RW: Final = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 #: Segments copied but not yet hashed and durable, at most: the page cache holds them, not this process.
 _AHEAD: Final = 6
@@ -522,7 +521,7 @@ def _hash_fd(fd: int, length: int, threads: int) -> str:
     """blake3 of the first `length` bytes of an open file, memory-mapped (no copy into this process)."""
     hasher = blake3.blake3(max_threads=threads)
     if length:
-        with mmap.mmap(fd, length, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ) as mapped:
+        with mmap.mmap(fd, length, access=mmap.ACCESS_READ) as mapped:
             hasher.update(mapped)
     return str(hasher.hexdigest())
 
