@@ -90,12 +90,25 @@ EXPERTS_AS_WIDE_AS_N_FF = frozenset({"jamba"})
 RECURRENT_STATE_COPIES = 2
 MAMBA_STAGE_INNER = 4  # d_inner + n_group·d_state wide rows per token at a Mamba-2 scan (compute-6)
 MAMBA_STAGE_EMBD = 6  # n_embd-wide rows beside them (compute-6; compute-5 had 14.6 n_embd in all)
-GATED_DELTA_STAGE_EMBD = 9.8
+#: A gated delta net's stage: n_embd-wide rows and rows as wide as its convolved q/k/v channels
+#: (`d_inner + 2·n_group·d_state`), per token (compute-6; compute-5 had 9.8 n_embd in all, which held only
+#: where those channels are 2 n_embd wide).
+GATED_DELTA_STAGE_EMBD = 5
+GATED_DELTA_STAGE_CONV = 2.4
+#: Blocks whose attention and FFN read the same normed input (`cohere2.cpp`, `command-r.cpp`): the
+#: attention output stays live beside the FFN rows, one more n_embd-wide row.
+PARALLEL_BLOCK = frozenset({"cohere2", "command-r"})
 #: nemotron_h's MLP blocks are ungated (squared ReLU): up and its activation, no gate.
 UNGATED_FFN_FACTOR = 2
 RWKV_EMBD_FACTOR = 20  # n_embd-wide rows live at the peak of an RWKV-7 time mix, per token
 RWKV_FFN_FACTOR = 2  # an RWKV channel mix keeps two n_ff-wide rows (no gate)
 RWKV_STATE_COPIES = 2  # the wkv state read and written per sequence
+#: ARWKV-7 (an RWKV-7 time mix before a SwiGLU FFN): the FFN stage is `max(3·n_ff + 12·n_embd, 4.7·n_ff)`
+#: rows per token (fitted on n_embd 1792-4096 at n_ff 18944 and 22016, compute-6; compute-5 had the
+#: channel mix's 2·n_ff and was under by 27% at ARWKV-7-7B widths).
+RWKV_SWIGLU_FFN = frozenset({"arwkv7"})
+RWKV_SWIGLU_EMBD = 12
+RWKV_SWIGLU_FFN_ALONE = 4.7
 SCORE_EMBD_FACTOR = 7
 SCORE_KV_FACTOR = 2
 GGML_ALIGNMENT = 32  # the CPU buffer type's alignment, to which ggml-alloc rounds every tensor
@@ -158,7 +171,8 @@ def _recurrent_stage_rows(geometry: ModelGeometry) -> float | None:
         inner = geometry.ssm_d_inner + geometry.ssm_n_group * geometry.ssm_d_state
         return MAMBA_STAGE_INNER * inner + MAMBA_STAGE_EMBD * geometry.n_embd
     if geometry.recurrent_kind == "gated_delta":
-        return GATED_DELTA_STAGE_EMBD * geometry.n_embd
+        conv = geometry.ssm_d_inner + 2 * geometry.ssm_n_group * geometry.ssm_d_state
+        return GATED_DELTA_STAGE_EMBD * geometry.n_embd + GATED_DELTA_STAGE_CONV * conv
     return None
 
 
@@ -179,7 +193,8 @@ def _layer_peak(
         # a dense nemotron_h MLP is ungated; a MoE geometry without expert widths is sized as it was before
         ungated = geometry.architecture in UNGATED_EXPERTS and not geometry.n_expert
         ffn_rows = (UNGATED_FFN_FACTOR if ungated else FFN_FACTOR) * _legacy_n_ff(geometry, layers)
-    activation = 4 * t * (ffn_rows + EMBD_FACTOR * n_embd)
+    embd_rows = EMBD_FACTOR + (1 if geometry.architecture in PARALLEL_BLOCK else 0)
+    activation = 4 * t * (ffn_rows + embd_rows * n_embd)
     if geometry.recurrent_kind == "mamba" and any(layer.recurrent for layer in layers):
         width = 2 * geometry.ssm_d_inner + 2 * geometry.ssm_n_group * geometry.ssm_d_state + geometry.ssm_dt_rank
         state = max(layer.r_width + layer.s_width for layer in layers if layer.recurrent)
@@ -198,8 +213,14 @@ def _layer_peak(
         # squared ReLU, n_ff wide), whichever is larger, plus the wkv state read and written per sequence
         state = max(layer.r_width + layer.s_width for layer in layers if layer.recurrent)
         n_ff = max(layer.n_ff for layer in layers)
-        mix = max(RWKV_EMBD_FACTOR * n_embd, RWKV_FFN_FACTOR * n_ff)
-        activation = 4 * t * mix + RWKV_STATE_COPIES * 4 * shape.n_seq_max * state
+        if geometry.architecture in RWKV_SWIGLU_FFN:
+            # a SwiGLU FFN after the time mix: gate, up and their product, placed among the blocks the time
+            # mix left, which the rows n_ff wide fit only partly (fitted, compute-6)
+            ffn = max(FFN_FACTOR * n_ff + RWKV_SWIGLU_EMBD * n_embd, RWKV_SWIGLU_FFN_ALONE * n_ff)
+            mix = max(RWKV_EMBD_FACTOR * n_embd, ffn)
+        else:
+            mix = max(RWKV_EMBD_FACTOR * n_embd, RWKV_FFN_FACTOR * n_ff)
+        activation = int(4 * t * mix) + RWKV_STATE_COPIES * 4 * shape.n_seq_max * state
     scores = 0
     if attention and not flash_attn:
         n_head = max(layer.n_head for layer in attention)

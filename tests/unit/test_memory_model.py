@@ -586,3 +586,49 @@ def test_mamba2_stage_follows_the_inner_width_not_only_n_embd(slots: int, server
     shape = resolve_context(falcon_h1_1_5b(), serving(slots=slots, kv_unified=True), 8192)
     got = compute_buffers(falcon_h1_1_5b(), shape, flash_attn=True, n_outputs=slots).device / MIB
     assert abs(got / server_mib - 1) <= 0.02
+
+
+def qwen35moe_35b_a3b() -> ModelGeometry:
+    """Qwen3.5-35B-A3B widths: n_embd 2048 with the 9B's delta net (16 key / 32 value heads of 128)."""
+    kv = base(9, **QWEN_SSM, nextn_predict_layers=1, embedding_length=2048)
+    kv.update({"attention.head_count": 16, "attention.head_count_kv": 2, "feed_forward_length": 512})
+    kv.update({"attention.key_length": 256, "attention.value_length": 256})
+    kv.update({"expert_count": 256, "expert_used_count": 8, "expert_feed_forward_length": 512})
+    kv["expert_shared_feed_forward_length"] = 512
+    return geometry_from_header(header("qwen35moe", kv))
+
+
+def test_gated_delta_stage_follows_its_conv_channels_not_only_n_embd() -> None:
+    """Qwen3.5-35B-A3B has the 9B's delta-net widths at half the n_embd: the stage's convolved q/k/v rows
+    do not shrink with n_embd. At 16 slots the server reserved 133.52 MiB; compute-5's 9.8 n_embd rows gave
+    114.2 MiB (-14.5%)."""
+    g = qwen35moe_35b_a3b()
+    shape = resolve_context(g, serving(slots=16, kv_unified=True), 8192)
+    got = compute_buffers(g, shape, flash_attn=True, n_outputs=16).device / MIB
+    assert abs(got / 133.52 - 1) <= 0.02
+
+
+def test_parallel_attention_and_ffn_keep_the_attention_output_beside_the_ffn_rows() -> None:
+    """cohere2 computes attention and FFN from one normed input and adds both to the residual: one more
+    n_embd-wide row than a sequential block (Command-R7B widths, 1 slot: server 144.53 MiB)."""
+    kv = base(8, embedding_length=4096, feed_forward_length=14336, **{"attention.head_count": 32})
+    kv.update({"attention.head_count_kv": 8, "attention.sliding_window": 4096})
+    kv["attention.sliding_window_pattern"] = 4
+    g = geometry_from_header(header("cohere2", kv))
+    shape = resolve_context(g, serving(slots=1, kv_unified=True), 8192)
+    got = compute_buffers(g, shape, flash_attn=True, n_outputs=1).device / MIB
+    assert abs(got / 144.53 - 1) <= 0.01
+
+
+def test_arwkv7_ffn_stage_is_a_swiglu_not_an_rwkv_channel_mix() -> None:
+    """ARWKV-7 at Qwen2.5-7B widths (3584, n_ff 18944), 1 slot: the server reserved 193.90 MiB; sizing its
+    FFN as RWKV-7's two-row channel mix (compute-5) gave 141.78, -27%."""
+    kv = base(4, embedding_length=3584, feed_forward_length=18944, **{"attention.head_count": 0})
+    kv.update({"wkv.head_size": 64, "token_shift_count": 1, "attention.head_count_kv": 0})
+    kv.update({"time_mix_extra_dim": 64, "time_decay_extra_dim": 64})
+    kv.update({"attention.decay_lora_rank": 64, "attention.iclr_lora_rank": 64})
+    kv.update({"attention.value_residual_mix_lora_rank": 64, "attention.gate_lora_rank": 64})
+    g = geometry_from_header(header("arwkv7", kv))
+    shape = resolve_context(g, serving(slots=1, kv_unified=True), 8192)
+    got = compute_buffers(g, shape, flash_attn=True, n_outputs=1).device / MIB
+    assert 0 <= got / 193.90 - 1 <= 0.05
