@@ -58,8 +58,8 @@ __all__ = [
 ]
 
 #: Chosen by `benchmarks/l3_ingest.py` (benchmarks/RESULTS.md, L3 store): each segment costs an fsync, so
-#: ingest gains up to about 32 MiB (4 MiB: 0.6x the 32 MiB rate) and no more beyond it, while every larger
-#: segment is more memory mapped per helper thread.
+#: ingest gains up to 16-32 MiB (8 MiB: about 0.7x the 32 MiB rate, 4 MiB: 0.6x) and nothing beyond, while
+#: every larger segment is more memory mapped per helper thread.
 DEFAULT_SEGMENT_BYTES: Final = 32 * 1024 * 1024
 MIN_SEGMENT_BYTES: Final = 64 * 1024
 MAX_SEGMENT_BYTES: Final = 256 * 1024 * 1024
