@@ -137,6 +137,27 @@ def test_a_source_that_is_not_a_regular_file_is_a_clear_error(tmp_path: Path) ->
         _ingest(store, tmp_path)
 
 
+def test_repeated_segments_inside_one_payload_are_one_file(tmp_path: Path) -> None:
+    # Zero-filled regions repeat; helper threads that settle the same digest at once must not collide.
+    data = bytes(8 * SEG) + b"tail"
+    (tmp_path / "slot.bin").write_bytes(data)
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    m = _ingest(store, tmp_path / "slot.bin")
+    assert len({s.digest for s in m.segments}) == 2
+    assert len(_files(tmp_path / "l3" / "segments")) == 2
+    store.assemble(m, tmp_path / "out.bin")
+    assert (tmp_path / "out.bin").read_bytes() == data
+    assert store.reconcile().removed_temp == 0
+
+
+def test_a_payload_kind_that_is_not_a_short_word_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    _payload(tmp_path / "slot.bin", SEG)
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    with pytest.raises(StoreError, match="payload kind"):
+        store.ingest(tmp_path / "slot.bin", identity=IDENTITY, tokens=(1,), payload_kind="../x")
+    assert _files(tmp_path / "l3") == []
+
+
 # ---- corruption and quarantine ----
 
 
@@ -216,6 +237,18 @@ def test_an_unreadable_manifest_is_quarantined_and_its_segments_are_kept(tmp_pat
     assert _files(tmp_path / "l3" / "segments") == segments_before
     again = store.reconcile()  # still there on the next start: still kept
     assert again.gc_suspended and _files(tmp_path / "l3" / "segments") == segments_before
+
+
+def test_a_quarantined_entry_keeps_its_segments_across_restarts(tmp_path: Path) -> None:
+    _payload(tmp_path / "slot.bin", 3 * SEG)
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    m = _ingest(store, tmp_path / "slot.bin")
+    store.quarantine(_entry(m), "operator")
+    for _ in range(2):  # each start finds it in quarantine, readable: its segments are referenced, not orphans
+        inventory = store.reconcile()
+        assert inventory.entries == () and not inventory.gc_suspended and inventory.removed_orphans == 0
+        assert [(q.reason, q.readable) for q in inventory.quarantined] == [("found in quarantine", True)]
+    assert all(store.segment_file(s.digest).exists() for s in m.segments)
 
 
 def test_a_manifest_filed_under_another_entrys_name_is_quarantined(tmp_path: Path) -> None:
