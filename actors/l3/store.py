@@ -325,8 +325,13 @@ class Store:
         return None
 
     def _corrupt(self, manifest: Manifest, refusal: Refusal) -> NoReturn:
+        """Quarantines the stored entry if it is this manifest (not a newer one, nor a peer's), then raises."""
         entry = layout.entry_id(manifest.identity, manifest.tokens)
-        if self.manifest_file(entry).exists():
+        try:
+            stored = self.load_manifest(entry)
+        except StoreError:  # absent, or unreadable (reconcile quarantines that one)
+            stored = None
+        if stored == manifest:
             self.quarantine(entry, refusal.rule.value)
         raise CorruptEntry(entry, refusal)
 

@@ -186,6 +186,20 @@ def test_a_corrupted_segment_is_detected_at_assemble_and_the_entry_is_quarantine
     assert all(store.segment_file(s.digest).exists() for s in m.segments)  # quarantine keeps its segments
 
 
+def test_a_failing_stale_manifest_does_not_quarantine_the_entry_stored_now(tmp_path: Path) -> None:
+    _payload(tmp_path / "slot.bin", 2 * SEG, seed=1)
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    old = _ingest(store, tmp_path / "slot.bin")
+    data = _payload(tmp_path / "slot.bin", 2 * SEG, seed=2)  # the same tokens saved again: new bytes
+    new = _ingest(store, tmp_path / "slot.bin")
+    store.remove_segments([old.segments[0].digest])
+    with pytest.raises(CorruptEntry):
+        store.assemble(old, tmp_path / "out.bin")
+    assert store.load_manifest(_entry(new)) == new  # still loadable
+    store.assemble(new, tmp_path / "out.bin")
+    assert (tmp_path / "out.bin").read_bytes() == data
+
+
 def test_a_corrupted_segment_is_quarantined_by_a_verifying_reconcile(tmp_path: Path) -> None:
     _payload(tmp_path / "slot.bin", 3 * SEG)
     store = Store(tmp_path / "l3", segment_bytes=SEG)
