@@ -2,8 +2,9 @@
 
 Blocking file I/O only: call every method from a worker thread (`asyncio.to_thread`), never on the event
 loop. The decisions are the pure cores' (`layout`, `commit`, `budget`); this shell moves bytes and says what
-it saw. One `Store` per directory, and `reconcile` only while nothing ingests (at startup): it deletes the
-segments no manifest names, which includes those of an ingest still running.
+it saw. One `Store` per directory, and `reconcile` and `enforce_budget` only while nothing ingests (the
+actor serialises them): they delete segments no manifest names, which includes those of an ingest still
+running. While a manifest that cannot be parsed sits in the store, neither deletes any segment.
 
 On disk, under the store root::
 
@@ -38,7 +39,7 @@ import os
 import secrets
 import stat
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Final, NoReturn
@@ -48,6 +49,7 @@ import msgspec
 import structlog
 
 from actors.l3 import layout
+from actors.l3.budget import Eviction, StoredEntry, plan_eviction
 from actors.l3.commit import Refusal, Rule, check_manifest, check_present, validate
 from actors.l3.layout import Manifest, SegmentRef
 from runtime.model_files import ModelFileError, open_regular
@@ -364,6 +366,69 @@ class Store:
         """Deletes segments (an eviction's `free`, after `remove_entries`)."""
         for digest in digests:
             _unlink_quietly(self.segment_file(digest))
+
+    # ---- budget ----
+
+    def touch(self, entry: str) -> None:
+        """Records a use (a restore): the manifest's mtime is the last use the next start knows."""
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self.manifest_file(entry))
+
+    def enforce_budget(
+        self, budget: int, *, pinned: Collection[str] = (), last_use: Mapping[str, float] | None = None
+    ) -> Eviction:
+        """One eviction pass (`budget.plan_eviction`) over what is stored, applied: manifests first, then the
+        segments no kept entry names. `pinned`: entries being committed or restored; `last_use`: the caller's
+        clock for entries it has seen used (the manifest's mtime otherwise). Quarantined manifests keep their
+        segments. While any manifest cannot be parsed, its segments are unknown, so nothing is evicted at all
+        (the pass says so: `fits` is then only true if the store fits already)."""
+        uses = last_use or {}
+        pins = set(pinned)
+        sizes = self._segment_sizes()
+        stored: list[StoredEntry] = []
+        unparseable: list[str] = []
+        for folder in (layout.MANIFESTS_DIR, layout.QUARANTINE_DIR):
+            for item in os.scandir(self.root / folder):
+                if layout.is_temp_name(item.name) or (
+                    folder == layout.MANIFESTS_DIR and not layout.is_manifest_name(item.name)
+                ):
+                    continue
+                try:
+                    manifest = layout.decode_manifest(_read_small(Path(item.path), layout.MAX_MANIFEST_BYTES))
+                except (OSError, msgspec.MsgspecError):
+                    unparseable.append(f"{folder}/{item.name}")
+                    continue
+                digests = tuple(seg.digest for seg in manifest.segments)
+                if folder == layout.QUARANTINE_DIR:
+                    stored.append(
+                        StoredEntry(entry=f"{folder}/{item.name}", segments=digests, last_use=0, quarantined=True)
+                    )
+                    continue
+                entry = item.name[: -len(layout.MANIFEST_SUFFIX)]
+                seen = uses.get(entry, item.stat(follow_symlinks=False).st_mtime_ns / 1e9)
+                stored.append(StoredEntry(entry=entry, segments=digests, last_use=seen, pinned=entry in pins))
+        if unparseable:
+            total = sum(sizes.values())
+            log.warning("l3_eviction_blocked", unparseable=unparseable[:10], bytes=total, budget=budget)
+            return Eviction(evict=(), free=(), bytes_before=total, bytes_after=total, fits=total <= budget)
+        plan = plan_eviction(stored, sizes, budget)
+        self.remove_entries(plan.evict)
+        self.remove_segments(plan.free)
+        if plan.evict or plan.free:
+            log.info("l3_evicted", entries=len(plan.evict), segments=len(plan.free), bytes_after=plan.bytes_after)
+        if not plan.fits:
+            log.warning("l3_over_budget", budget=budget, bytes=plan.bytes_after, pinned=len(pins))
+        return plan
+
+    def _segment_sizes(self) -> dict[str, int]:
+        sizes: dict[str, int] = {}
+        for sub in os.scandir(self.root / layout.SEGMENTS_DIR):
+            if not (layout.is_fanout_name(sub.name) and sub.is_dir(follow_symlinks=False)):
+                continue
+            for item in os.scandir(sub.path):
+                if layout.is_digest(item.name) and item.name[:2] == sub.name and item.is_file(follow_symlinks=False):
+                    sizes[item.name] = item.stat(follow_symlinks=False).st_size
+        return sizes
 
     # ---- startup ----
 

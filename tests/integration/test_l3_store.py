@@ -304,6 +304,46 @@ def test_an_eviction_plan_applied_to_the_store_frees_exactly_its_segments(tmp_pa
     assert len(inventory.entries) == 2
 
 
+def test_the_budget_holds_under_a_burst_of_captures_and_evicts_least_recently_used(tmp_path: Path) -> None:
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    budget = 7 * SEG  # room for three 2-segment entries, not four
+    manifests = []
+    for i in range(10):
+        (tmp_path / "slot.bin").write_bytes(random.Random(100 + i).randbytes(2 * SEG))
+        m = _ingest(store, tmp_path / "slot.bin", (i,))
+        manifests.append(m)
+        uses = {_entry(x): float(j) for j, x in enumerate(manifests)}
+        uses[_entry(manifests[0])] = 100.0  # the first entry keeps being restored: most recently used
+        plan = store.enforce_budget(budget, pinned={_entry(m)}, last_use=uses)
+        assert plan.fits and plan.bytes_after <= budget
+        assert store.reconcile().bytes <= budget
+    kept = {e.entry for e in store.reconcile().entries}
+    assert kept == {_entry(manifests[0]), _entry(manifests[8]), _entry(manifests[9])}
+    for m in manifests:
+        if _entry(m) in kept:
+            store.assemble(m, tmp_path / "out.bin")
+
+
+def test_eviction_never_frees_what_a_pinned_quarantined_or_unreadable_manifest_names(tmp_path: Path) -> None:
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    ms = []
+    for i in range(4):
+        (tmp_path / "slot.bin").write_bytes(random.Random(200 + i).randbytes(2 * SEG))
+        ms.append(_ingest(store, tmp_path / "slot.bin", (i,)))
+    store.quarantine(_entry(ms[3]), "test")
+    truncated = layout.encode_manifest(ms[1])[:-40]
+    store.manifest_file(_entry(ms[1])).write_bytes(truncated)
+    blocked = store.enforce_budget(0, pinned={_entry(ms[2])})
+    assert blocked.evict == () and blocked.free == () and not blocked.fits  # its segments are unknown
+    assert all(store.segment_file(s.digest).exists() for m in ms for s in m.segments)
+    store.manifest_file(_entry(ms[1])).write_bytes(layout.encode_manifest(ms[1]))  # repaired
+    plan = store.enforce_budget(0, pinned={_entry(ms[2])})
+    assert set(plan.evict) == {_entry(ms[0]), _entry(ms[1])} and not plan.fits
+    for m in ms[2:]:  # pinned, quarantined: kept
+        assert all(store.segment_file(s.digest).exists() for s in m.segments)
+    assert not any(store.segment_file(s.digest).exists() for m in ms[:2] for s in m.segments)
+
+
 # ---- hostile names ----
 
 
