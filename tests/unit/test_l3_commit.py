@@ -310,3 +310,44 @@ def test_the_payload_root_changes_with_any_change_of_the_segment_table(
     if tampered.segments == honest.segments:  # total and payload digest are not in the table
         return
     assert layout.payload_root(tampered.segments) != layout.payload_root(honest.segments)
+
+
+@given(
+    edits=st.lists(st.tuples(st.integers(0, 10_000), st.binary(max_size=3), st.integers(0, 3)), min_size=1, max_size=4)
+)
+def test_a_damaged_manifest_file_decodes_or_fails_with_a_msgspec_error(edits: list[tuple[int, bytes, int]]) -> None:
+    raw = bytearray(layout.encode_manifest(_manifest([10, 20])))
+    for where, insert, cut in edits:  # a truncated, overwritten or spliced file
+        i = where % (len(raw) + 1)
+        raw[i : i + cut] = insert
+    try:
+        decoded = layout.decode_manifest(bytes(raw))
+    except msgspec.MsgspecError:
+        return
+    check_manifest(decoded)  # judged, never raises
+
+
+small_ints = st.integers(min_value=-(1 << 40), max_value=1 << 40)
+manifests = st.builds(
+    Manifest,
+    version=st.integers(0, 3),
+    identity=st.sampled_from([IDENTITY, "", "x" * 64, IDENTITY.upper()]),
+    tokens=st.lists(small_ints, max_size=5).map(tuple),
+    n_tokens=st.integers(0, 6),
+    payload_kind=st.text(max_size=40),
+    total_bytes=small_ints,
+    payload_digest=st.sampled_from([PAYLOAD, "", "../x"]),
+    segments=st.lists(
+        st.builds(SegmentRef, small_ints, small_ints, small_ints, st.sampled_from([_digest(1), "", "../../x"])),
+        max_size=5,
+    ).map(tuple),
+)
+
+
+@given(manifests)
+def test_the_manifest_rules_judge_any_manifest_without_raising(m: Manifest) -> None:
+    refusal = check_manifest(m)
+    if refusal is None:  # accepted: then it really tiles its total, and every digest is one
+        assert sum(s.length for s in m.segments) == m.total_bytes
+        assert all(layout.is_digest(s.digest) for s in m.segments) and layout.is_digest(m.payload_digest)
+        assert [s.index for s in m.segments] == list(range(len(m.segments)))
