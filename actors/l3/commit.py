@@ -50,6 +50,7 @@ class Rule(enum.Enum):
     PAYLOAD_DIGEST = "payload_digest"  # the re-hashed payload differs from the manifest's digest
     SEGMENT_MISSING = "segment_missing"  # a named segment is not in the store
     SEGMENT_SIZE = "segment_size"  # a stored segment's size differs from its length
+    SEGMENT_UNREADABLE = "segment_unreadable"  # a stored segment cannot be read (an I/O error, not a file)
 
 
 class Refusal(msgspec.Struct, frozen=True, kw_only=True):

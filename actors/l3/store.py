@@ -19,25 +19,26 @@ names a complete, verified payload. What a crash leaves behind is temporary file
 `reconcile` removes both.
 
 How bytes move (one hashing pass): each segment is copied from the slot file into a temporary file through
-one 4 MiB buffer, and a helper thread hashes *the temporary file as stored* (memory-mapped), then fsyncs it
+one 4 MiB buffer, and a helper thread hashes *the temporary file as stored* (read back), then fsyncs it
 and renames it to its digest, while the next segment is copied. So the commit check re-hashes what the
 store holds, not a buffer that might differ from it, and nothing a caller claims. The slot file's size and
 mtime are checked again at the end: one rewritten during ingest is refused. A segment already present is
 re-hashed before it is reused (a damaged one is replaced). Every read-back (`assemble`, `verify`,
 `reconcile(verify_content=True)`) re-hashes each segment and recomputes the payload digest from them;
-`assemble` copies each segment in the kernel (`copy_file_range`) while a helper hashes it.
-Memory: the copy buffer, plus at most `_HELPERS` segments mapped while they are hashed; `_AHEAD` more may
-sit in the page cache waiting for their fsync.
+`assemble` writes out exactly the bytes it has just hashed. Files are read with read(2), never mapped, so a
+bad sector or a file truncated under us is an error (the entry is quarantined), not a SIGBUS. Memory: one
+4 MiB buffer per thread (the caller's and `_HELPERS` helpers); `_AHEAD` segments more may sit in the page
+cache waiting for their fsync.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import mmap
 import os
 import secrets
 import stat
+import threading
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -81,9 +82,8 @@ _HELPERS: Final = 4
 #: Bytes move through one buffer of this size. Large writes also leave the page cache in large folios, which
 #: hash back ~1.4x faster than pages written by copy_file_range (benchmarks/RESULTS.md, L3 store).
 _COPY_BUFFER_BYTES: Final = 4 * 1024 * 1024
-#: `assemble` copies in the kernel (measured ~3x faster than through a buffer while the segment is hashed);
-#: this buffer is only for file systems where it cannot.
-_FALLBACK_BUFFER_BYTES: Final = 1024 * 1024
+_TRANSIENT_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
+_buffers = threading.local()
 
 
 class StoreError(Exception):
@@ -233,7 +233,7 @@ class Store:
         """(helper thread) Hashes the stored temporary file, then makes it durable under its digest, or
         drops it when an intact copy is there already. Closes `fd`."""
         try:
-            digest = _hash_fd(fd, seen.length, threads=1)
+            digest, _ = _hash_fd(fd, seen.length, _thread_buffer())
             final = self.segment_file(digest)
             if _intact(final, digest, seen.length):
                 _unlink_quietly(tmp)
@@ -271,8 +271,7 @@ class Store:
         out = os.open(tmp, _OPEN_CREATE, 0o600)
         try:
             try:
-                with ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-verify") as hasher:
-                    refusal = self._read_back(manifest, out, hasher)
+                refusal = self._read_back(manifest, out)
             finally:
                 os.close(out)
             if refusal is not None:
@@ -285,38 +284,39 @@ class Store:
     def verify(self, manifest: Manifest) -> None:
         """Re-hashes every segment and recomputes the payload digest; quarantines and raises `CorruptEntry`
         on a mismatch."""
-        refusal = check_manifest(manifest) or self._read_back(manifest, None, None)
+        refusal = check_manifest(manifest) or self._read_back(manifest, None)
         if refusal is not None:
             self._corrupt(manifest, refusal)
 
-    def _read_back(self, manifest: Manifest, out: int | None, hasher: ThreadPoolExecutor | None) -> Refusal | None:
-        """Hashes each stored segment (copying it to `out` at its offset meanwhile, when given), then checks
-        the payload digest recomputed from what was hashed."""
+    def _read_back(self, manifest: Manifest, out: int | None) -> Refusal | None:
+        """Reads and hashes each stored segment, writing the very bytes it hashed to `out` at their offset
+        (when given), then checks the payload digest recomputed from what was hashed. A segment that cannot be
+        read (missing, resized, a read error) is a refusal; an error writing `out` is raised."""
         seen: list[SegmentRef] = []
-        buffer = memoryview(bytearray(_FALLBACK_BUFFER_BYTES if out is not None else 0))
+        buffer = _thread_buffer()
         for seg in manifest.segments:
             try:
                 fd = os.open(self.segment_file(seg.digest), _OPEN_READ)
             except FileNotFoundError:
                 return Refusal(rule=Rule.SEGMENT_MISSING, detail="segment is not stored", index=seg.index)
+            except OSError as exc:
+                return _unreadable(seg, exc)
             try:
                 info = os.fstat(fd)
                 if not stat.S_ISREG(info.st_mode) or info.st_size != seg.length:
                     detail = f"stored {info.st_size} bytes, expected {seg.length}"
                     return Refusal(rule=Rule.SEGMENT_SIZE, detail=detail, index=seg.index)
                 os.set_blocking(fd, True)
-                if out is None or hasher is None:
-                    digest = _hash_fd(fd, seg.length, threads=blake3.blake3.AUTO)
-                else:  # the kernel copies while the helper hashes: both read the same cached pages
-                    hashing = hasher.submit(_hash_fd, fd, seg.length, 1)
-                    try:
-                        copied = _copy_in_kernel(fd, out, 0, seg.length, seg.offset, buffer)
-                    finally:
-                        digest = hashing.result()
-                    if copied != seg.length:
-                        return Refusal(rule=Rule.SEGMENT_SIZE, detail=f"copied {copied} bytes", index=seg.index)
+                try:
+                    digest, got = _hash_fd(fd, seg.length, buffer, out, seg.offset)
+                except _ReadFailed as failed:
+                    return _unreadable(seg, failed.error)
             finally:
                 os.close(fd)
+            if got != seg.length:
+                return Refusal(
+                    rule=Rule.SEGMENT_SIZE, detail=f"read {got} bytes, expected {seg.length}", index=seg.index
+                )
             if digest != seg.digest:
                 return Refusal(
                     rule=Rule.SEGMENT_MISMATCH, detail="segment bytes do not hash to its name", index=seg.index
@@ -544,7 +544,7 @@ class Store:
         if refusal is None and layout.manifest_name(layout.entry_id(manifest.identity, manifest.tokens)) != name:
             refusal = Refusal(rule=Rule.IDENTITY, detail="the manifest is filed under another entry's name")
         if refusal is None and verify_content:
-            refusal = self._read_back(manifest, None, None)
+            refusal = self._read_back(manifest, None)
         if refusal is not None:
             return manifest, f"{refusal.rule.value}: {refusal.detail}"[:200]
         return manifest, None
@@ -591,30 +591,47 @@ def _copy_range(src: int, dst: int, src_offset: int, length: int, dst_offset: in
     return done
 
 
-def _copy_in_kernel(src: int, dst: int, src_offset: int, length: int, dst_offset: int, buffer: memoryview) -> int:
-    """`_copy_range` by `copy_file_range` (no copy through this process), through `buffer` where the kernel
-    cannot (another file system, an old kernel)."""
+class _ReadFailed(Exception):
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _thread_buffer() -> memoryview:
+    """This thread's copy/hash buffer (helper threads each have one; they live as long as one ingest)."""
+    buffer: memoryview | None = getattr(_buffers, "buffer", None)
+    if buffer is None:
+        buffer = _buffers.buffer = memoryview(bytearray(_COPY_BUFFER_BYTES))
+    return buffer
+
+
+def _hash_fd(fd: int, length: int, buffer: memoryview, out: int | None = None, out_offset: int = 0) -> tuple[str, int]:
+    """blake3 of the first `length` bytes of an open file and how many there were, read through `buffer`
+    (read(2), not a mapping: a bad sector or a truncated file is an error here, never a SIGBUS), each chunk
+    written to `out` after it is hashed when given. Read errors raise `_ReadFailed`; write errors OSError."""
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
     done = 0
     while done < length:
         try:
-            n = os.copy_file_range(src, dst, length - done, src_offset + done, dst_offset + done)
+            got = os.preadv(fd, [buffer[: min(len(buffer), length - done)]], done)
         except OSError as exc:
-            if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                raise
-            return done + _copy_range(src, dst, src_offset + done, length - done, dst_offset + done, buffer)
-        if n == 0:
+            raise _ReadFailed(exc) from exc
+        if got == 0:
             break
-        done += n
-    return done
+        chunk = buffer[:got]
+        hasher.update(chunk)
+        if out is not None:
+            written = 0
+            while written < got:
+                written += os.pwritev(out, [chunk[written:]], out_offset + done + written)
+        done += got
+    return str(hasher.hexdigest()), done
 
 
-def _hash_fd(fd: int, length: int, threads: int) -> str:
-    """blake3 of the first `length` bytes of an open file, memory-mapped (no copy into this process)."""
-    hasher = blake3.blake3(max_threads=threads)
-    if length:
-        with mmap.mmap(fd, length, access=mmap.ACCESS_READ) as mapped:
-            hasher.update(mapped)
-    return str(hasher.hexdigest())
+def _unreadable(seg: SegmentRef, exc: OSError) -> Refusal:
+    if exc.errno in _TRANSIENT_ERRNOS:  # not the segment's fault: let the caller retry
+        raise exc
+    return Refusal(rule=Rule.SEGMENT_UNREADABLE, detail=f"cannot read it: {exc.strerror or exc}", index=seg.index)
 
 
 def _intact(path: Path, digest: str, length: int) -> bool:
@@ -627,7 +644,7 @@ def _intact(path: Path, digest: str, length: int) -> bool:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_size != length:
             return False
-        if _hash_fd(fd, length, threads=1) == digest:
+        if _hash_fd(fd, length, _thread_buffer())[0] == digest:
             return True
     finally:
         os.close(fd)

@@ -22,6 +22,7 @@ from actors.l3.commit import Rule
 from actors.l3.layout import DigestError, Manifest, SegmentRef
 from actors.l3.store import (
     _COPY_BUFFER_BYTES,
+    _HELPERS,
     CommitRefused,
     CorruptEntry,
     Inventory,
@@ -86,9 +87,9 @@ def test_identical_segments_are_stored_once_and_survive_until_no_entry_names_the
 
 def test_ingest_and_assemble_hold_a_bounded_buffer_not_the_payload(tmp_path: Path) -> None:
     seg = 1024 * 1024
-    _payload(tmp_path / "slot.bin", 64 * seg)  # 64 MiB
+    _payload(tmp_path / "slot.bin", 96 * seg)  # 96 MiB
     store = Store(tmp_path / "l3", segment_bytes=seg)
-    bound = _COPY_BUFFER_BYTES + seg  # the copy buffer, and change (segments are mapped, never copied in)
+    bound = (1 + _HELPERS) * _COPY_BUFFER_BYTES + seg  # one buffer per thread, and change
     tracemalloc.start()
     try:
         m = _ingest(store, tmp_path / "slot.bin")
@@ -379,6 +380,21 @@ def test_a_foreign_manifest_naming_a_traversing_segment_is_refused_before_any_fi
         store.assemble(hostile, tmp_path / "out.bin")
     assert refused.value.refusal.rule is Rule.DIGEST_SYNTAX
     assert not (tmp_path / "out.bin").exists()
+
+
+def test_a_segment_replaced_by_a_symlink_is_never_followed(tmp_path: Path) -> None:
+    data = _payload(tmp_path / "slot.bin", 2 * SEG)
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    m = _ingest(store, tmp_path / "slot.bin")
+    outside = tmp_path / "outside"
+    outside.write_bytes(data[:SEG])  # the right bytes, but outside the store
+    path = store.segment_file(m.segments[0].digest)
+    path.unlink()
+    path.symlink_to(outside)
+    with pytest.raises(CorruptEntry) as corrupt:
+        store.verify(m)
+    assert corrupt.value.refusal.rule is Rule.SEGMENT_UNREADABLE
+    assert store.reconcile().unknown_files == (f"segments/{path.parent.name}/{path.name}",)
 
 
 def test_files_the_store_did_not_write_are_reported_and_left_alone(tmp_path: Path) -> None:
