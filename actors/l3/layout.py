@@ -59,7 +59,7 @@ __all__ = [
 
 #: Chosen by `benchmarks/l3_ingest.py` (benchmarks/RESULTS.md, L3 store): each segment costs an fsync, so
 #: ingest gains up to 16-32 MiB (8 MiB: about 0.7x the 32 MiB rate, 4 MiB: 0.6x) and nothing beyond, while
-#: every larger segment is more memory mapped per helper thread.
+#: a larger segment is more to hash again when it is reused, and more to re-fetch when one is damaged.
 DEFAULT_SEGMENT_BYTES: Final = 32 * 1024 * 1024
 MIN_SEGMENT_BYTES: Final = 64 * 1024
 MAX_SEGMENT_BYTES: Final = 256 * 1024 * 1024
