@@ -325,6 +325,18 @@ def test_the_budget_holds_under_a_burst_of_captures_and_evicts_least_recently_us
             store.assemble(m, tmp_path / "out.bin")
 
 
+def test_a_restore_recorded_with_touch_survives_eviction_across_restarts(tmp_path: Path) -> None:
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    ms = []
+    for i in range(3):
+        (tmp_path / "slot.bin").write_bytes(random.Random(300 + i).randbytes(SEG))
+        ms.append(_ingest(store, tmp_path / "slot.bin", (i,)))
+        os.utime(store.manifest_file(_entry(ms[-1])), ns=(i * 10**9, i * 10**9))  # committed at t = 0, 1, 2 s
+    store.touch(_entry(ms[0]))  # restored now: the most recent use, kept in the manifest's mtime
+    plan = Store(tmp_path / "l3", segment_bytes=SEG).enforce_budget(2 * SEG)  # a fresh start, no clock passed
+    assert plan.evict == (_entry(ms[1]),)
+
+
 def test_eviction_never_frees_what_a_pinned_quarantined_or_unreadable_manifest_names(tmp_path: Path) -> None:
     store = Store(tmp_path / "l3", segment_bytes=SEG)
     ms = []
