@@ -1,15 +1,16 @@
 """Compute buffers of realistic model shapes: the compute model against llama-server's own reservation.
 
-Each case writes a released model's geometry (8B-27B dense, hybrid, sliding-window and recurrent widths) as
-a sparse file (the header is real, the weights are file holes that read as zeros, so a 50 GB model costs no
-disk), starts llama-server on it with every allocation flag pinned (`--no-warmup`, so nothing is computed),
-reads `sched_reserve: CPU compute buffer size` (target context, plus the MTP context when there is one) and
-stops it once the model is loaded. The compute model (`actors.placement.compute`) predicts the same figure.
+Each case writes a released model's geometry (0.5B-111B dense, MoE, hybrid, sliding-window, MLA and
+recurrent widths) as a sparse file (the header is real, the weights are file holes that read as zeros, so a
+50 GB model costs no disk), starts llama-server on it with every allocation flag pinned (`--no-warmup`, so
+nothing is computed), reads `sched_reserve: CPU compute buffer size` (target context, plus the MTP context
+when there is one) and stops it once the model is loaded. The compute model (`actors.placement.compute`)
+predicts the same figure.
 
 Cases are split into a fit set (the shapes the model's coefficients were chosen on) and a hold-out set
 (shapes not looked at while fitting); both are reported, per case and per family.
 
-Run from the repository root: `python -m benchmarks.compute_shapes` (about 2-4 min on 2 cores;
+Run from the repository root: `python -m benchmarks.compute_shapes` (about 20 min on 2 cores;
 `--only SUBSTRING` runs the cases whose label contains it, `--jobs` is not offered: one server at a time).
 Some shapes use fewer blocks than the released model to keep the mapped file small; the compute buffer
 depends on one block's widths, the context and the slots, not on the number of blocks.
