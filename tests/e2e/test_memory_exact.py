@@ -29,7 +29,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from actors.placement.compute import MEASURED_ERROR_RATIO
+from actors.placement.compute import MEASURED_ERROR_RATIO, compute_buffers
+from actors.placement.context import draft_settings
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from actors.placement.memory import CACHE_TYPES, MemoryModelError, cache_allocations, estimate, resolve_context
@@ -293,3 +294,36 @@ def test_sparse_qwen35_9b_shape_matches_llama_server(tmp_path: Path, binary: str
     assert log.model_buffers == {"CPU_Mapped": printed_mib(breakdown.weights_bytes)}
     assert breakdown.recurrent_bytes == 4 * 52_690_944  # REFERENCE: 1 slot, times 1 + 3 rollback rows
     assert breakdown.kv_bytes == 32_768 * 8192
+
+
+def test_qwen35_mtp_draft_compute_is_placed_as_llama_server_places_it(tmp_path: Path, binary: str) -> None:
+    """The MTP context's compute buffer at Qwen3.5-9B widths (4 blocks + nextn, sparse; 4 slots, 8192
+    cells, depth 3) is the server's figure to the print step: the draft graph is placed node by node as
+    ggml-alloc places it (compute-5 sized it as a trunk layer: 120 MiB against the server's 88.02)."""
+    path = tiny_models.write_qwen35(
+        tmp_path / "qwen35-9b-widths.gguf",
+        n_layer=4,
+        n_nextn=1,
+        n_embd=4096,
+        n_head=16,
+        n_head_kv=4,
+        head_dim=256,
+        n_ff=12288,
+        n_vocab=248320,
+        state_size=128,
+        group_count=16,
+        dt_rank=32,
+        dtype="f16",
+        sparse=True,
+    )
+    geometry = _geometry(path)
+    settings = _s(slots=4, kv_unified=True, spec_type="draft-mtp", spec_draft_n_max=3)
+    run = run_server(path, server_args(settings, 8192), binary=binary, deadline=300)
+    assert run.healthy, run.log[-3000:]
+    log = parse_allocation_log(run.log)
+    assert len(log.contexts) == 2
+    server_draft = float(sum(log.contexts[1].compute_buffers.values(), Decimal(0)))
+    shape = resolve_context(geometry, settings, 8192)
+    draft_shape = resolve_context(geometry, draft_settings(settings), shape.n_ctx)
+    modelled = compute_buffers(geometry, shape, flash_attn=True, n_outputs=16, draft_shape=draft_shape).draft
+    assert abs(modelled / MIB - server_draft) <= 0.02, f"draft compute {modelled / MIB:.2f} vs {server_draft} MiB"
