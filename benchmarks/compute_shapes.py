@@ -39,7 +39,7 @@ from actors.placement.gguf_header import read_header
 from actors.placement.memory import LLAMA_CPP_VERSION, estimate
 from actors.runner.allocation_log import parse_allocation_log
 from messages.settings import ServingSettings
-from tests import tiny_models
+from tests import tiny_models, tiny_models_dense
 from tests.llama_harness import find_server, run_server, server_args
 
 MIB = 1 << 20
@@ -215,7 +215,7 @@ def shapes() -> dict[str, Shape]:
 
 
 #: Shapes of `_more_shapes` a compute-6 coefficient was chosen on.
-FIT_MORE = frozenset({"qwen35moe-35B-A3B", "cohere2-7B", "arwkv7-7B"})
+FIT_MORE = frozenset({"qwen35moe-35B-A3B", "cohere2-7B", "arwkv7-7B", "starcoder2-7B"})
 
 
 def _more_shapes() -> list[Shape]:
@@ -281,6 +281,50 @@ def _more_shapes() -> list[Shape]:
             "arwkv7-32B",
             "arwkv7",
             lambda p: t.write_arwkv7(p, n_layer=4, n_embd=5120, head_size=64, n_ff=27648, n_vocab=152064, lora_rank=96),
+        ),
+        # the dense families of `tests.tiny_models_dense`: Mistral-Small-3 (24B), Gemma-7B, Granite-3.1-8B,
+        # Command-R (35B), StarCoder2-7B (fit: its one-row GELU MLP) and -15B
+        Shape(
+            "mistral3-24B",
+            "mistral3",
+            lambda p: tiny_models_dense.write_mistral3(
+                p, n_layer=4, n_embd=5120, n_head=32, n_head_kv=8, head_dim=128, n_ff=32768, n_vocab=131072
+            ),
+        ),
+        Shape(
+            "gemma-7B",
+            "gemma",
+            lambda p: tiny_models_dense.write_gemma(
+                p, n_layer=4, n_embd=3072, n_head=16, n_head_kv=16, head_dim=256, n_ff=24576, n_vocab=256000
+            ),
+        ),
+        Shape(
+            "granite-8B",
+            "granite",
+            lambda p: tiny_models_dense.write_granite(
+                p, n_layer=4, n_embd=4096, n_head=32, n_head_kv=8, n_ff=12800, n_vocab=49155
+            ),
+        ),
+        Shape(
+            "command-r-35B",
+            "command-r",
+            lambda p: tiny_models_dense.write_command_r(
+                p, n_layer=4, n_embd=8192, n_head=64, n_head_kv=8, n_ff=22528, n_vocab=256000
+            ),
+        ),
+        Shape(
+            "starcoder2-7B",
+            "starcoder2",
+            lambda p: tiny_models_dense.write_starcoder2(
+                p, n_layer=4, n_embd=4608, n_head=36, n_head_kv=4, n_ff=18432, n_vocab=49152
+            ),
+        ),
+        Shape(
+            "starcoder2-15B",
+            "starcoder2",
+            lambda p: tiny_models_dense.write_starcoder2(
+                p, n_layer=4, n_embd=6144, n_head=48, n_head_kv=4, n_ff=24576, n_vocab=49152
+            ),
         ),
         # Phi-3-mini: 3072, 32 heads / 32 KV (head 96), n_ff 8192
         Shape(

@@ -86,12 +86,25 @@ MAMBA_STAGE_EMBD = 6  # n_embd-wide rows beside them (compute-6; compute-5 had 1
 #: where those channels are 2 n_embd wide).
 GATED_DELTA_STAGE_EMBD = 5
 GATED_DELTA_STAGE_CONV = 2.4
-#: Blocks whose attention and FFN read the same normed input (`cohere2.cpp`, `command-r.cpp`): the
-#: attention output stays live beside the FFN rows, one more n_embd-wide row.
-PARALLEL_BLOCK = frozenset({"cohere2", "command-r"})
+#: Ungated FFNs (`LLM_FFN_SEQ`) whose bias and activation run in place over the up projection: one n_ff-wide
+#: row (starcoder2's GELU MLP; measured at StarCoder2-7B widths, where 3 rows over-reserved by 81%).
+SEQUENTIAL_FFN_ROWS = {"starcoder2": 1}
+#: Blocks whose attention and FFN read the same normed input (`cohere2.cpp`): the attention output stays
+#: live beside the FFN rows, one more n_embd-wide row. Not command-r, whose graph is the same parallel block
+#: but whose reservation has no such row (measured exact without it at n_embd 128, 4096 and 8192, GQA and
+#: not; with it, +6-7% at Command-R 35B/32B widths).
+PARALLEL_BLOCK = frozenset({"cohere2"})
 #: nemotron_h's MLP blocks are ungated (squared ReLU): up and its activation, no gate.
 UNGATED_FFN_FACTOR = 2
 RWKV_EMBD_FACTOR = 20  # n_embd-wide rows live at the peak of an RWKV-7 time mix, per token
+#: RWKV-6's time mix (`build_rwkv6_time_mix`) keeps fewer: the five lerped inputs, r/k/v/g, the decay, the
+#: shifted and normed inputs and the wkv output (measured at Finch 1.6B and n_embd 256, where 20 rows
+#: over-reserved by 27-36%); QRWKV6's is the same graph without the bonus and the group norm.
+RWKV_TIME_MIX_ROWS = {"rwkv6": 15, "rwkv6qwen2": 15}
+#: QRWKV6 (rwkv6qwen2): RWKV-6's time mix before Qwen2's SwiGLU FFN, whose stage holds one state copy per slot
+#: where the time mix holds two (measured at QRWKV6-7B widths, 1-16 slots; the 20-row RWKV-7 rule was +29%
+#: at n_embd 256).
+QRWKV_SWIGLU_FFN = frozenset({"rwkv6qwen2"})
 RWKV_FFN_FACTOR = 2  # an RWKV channel mix keeps two n_ff-wide rows (no gate)
 RWKV_STATE_COPIES = 2  # the wkv state read and written per sequence
 #: ARWKV-7 (an RWKV-7 time mix before a SwiGLU FFN): the FFN stage is `max(3·n_ff + 12·n_embd, 4.7·n_ff)`
@@ -183,7 +196,8 @@ def _layer_peak(
     else:
         # a dense nemotron_h MLP is ungated; a MoE geometry without expert widths is sized as it was before
         ungated = geometry.architecture in UNGATED_EXPERTS and not geometry.n_expert
-        ffn_rows = (UNGATED_FFN_FACTOR if ungated else FFN_FACTOR) * _legacy_n_ff(geometry, layers)
+        factor = SEQUENTIAL_FFN_ROWS.get(geometry.architecture, UNGATED_FFN_FACTOR if ungated else FFN_FACTOR)
+        ffn_rows = factor * _legacy_n_ff(geometry, layers)
     embd_rows = EMBD_FACTOR + (1 if geometry.architecture in PARALLEL_BLOCK else 0)
     activation = 4 * t * (ffn_rows + embd_rows * n_embd)
     if geometry.recurrent_kind == "mamba" and any(layer.recurrent for layer in layers):
@@ -210,16 +224,28 @@ def _layer_peak(
             ffn = max(FFN_FACTOR * n_ff + RWKV_SWIGLU_EMBD * n_embd, RWKV_SWIGLU_FFN_ALONE * n_ff)
             mix = max(RWKV_EMBD_FACTOR * n_embd, ffn)
         else:
-            mix = max(RWKV_EMBD_FACTOR * n_embd, RWKV_FFN_FACTOR * n_ff)
-        activation = int(4 * t * mix) + RWKV_STATE_COPIES * 4 * shape.n_seq_max * state
+            time_mix = RWKV_TIME_MIX_ROWS.get(geometry.architecture, RWKV_EMBD_FACTOR)
+            mix = max(time_mix * n_embd, RWKV_FFN_FACTOR * n_ff)
+        per_slot = 4 * shape.n_seq_max * state
+        activation = int(4 * t * mix) + RWKV_STATE_COPIES * per_slot
+        if geometry.architecture in QRWKV_SWIGLU_FFN:
+            # QRWKV6: Qwen2's SwiGLU FFN (gate, up and their product beside the n_embd-wide rows, as a dense
+            # block) beside one state copy per slot, where its channel mix would have two n_ff-wide rows
+            time_mix = RWKV_TIME_MIX_ROWS[geometry.architecture]
+            swiglu = int(4 * t * (FFN_FACTOR * n_ff + EMBD_FACTOR * n_embd)) + per_slot
+            activation = max(int(4 * t * time_mix * n_embd) + RWKV_STATE_COPIES * per_slot, swiglu)
     scores = 0
     if attention and not flash_attn:
         n_head = max(layer.n_head for layer in attention)
         kv_width = max(layer.k_width for layer in attention)
         n_kv = max(shape.swa_cells if layer.swa else shape.n_ctx_seq for layer in attention)
         scores = 4 * n_kv * t * n_head + 4 * t * (SCORE_EMBD_FACTOR * n_embd + SCORE_KV_FACTOR * kv_width)
-    output = 4 * geometry.n_vocab * n_outputs + 4 * t * 2 * n_embd
-    return max(activation, scores, output)
+    return max(activation, scores, _output_stage(geometry, t, n_outputs))
+
+
+def _output_stage(geometry: ModelGeometry, n_ubatch: int, n_outputs: int) -> int:
+    """The logits of the reserved outputs plus two embedding-sized rows per token."""
+    return 4 * geometry.n_vocab * n_outputs + 4 * n_ubatch * 2 * geometry.n_embd
 
 
 def _masks(layers: list[LayerGeometry], shape: ContextShape, *, flash_attn: bool) -> int:

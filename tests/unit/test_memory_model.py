@@ -632,3 +632,15 @@ def test_arwkv7_ffn_stage_is_a_swiglu_not_an_rwkv_channel_mix() -> None:
     shape = resolve_context(g, serving(slots=1, kv_unified=True), 8192)
     got = compute_buffers(g, shape, flash_attn=True, n_outputs=1).device / MIB
     assert 0 <= got / 193.90 - 1 <= 0.05
+
+
+def test_starcoder2_mlp_keeps_one_n_ff_row() -> None:
+    """StarCoder2's MLP is ungated (`LLM_FFN_SEQ`, GELU): its bias and activation run in place over the up
+    projection, one n_ff-wide row, not a SwiGLU's three (StarCoder2-7B widths, 1 slot: server 89.02 MiB;
+    compute-6 before this term: 161 MiB, +81%)."""
+    kv = base(4, embedding_length=4608, feed_forward_length=18432, **{"attention.head_count": 36})
+    kv.update({"attention.head_count_kv": 4, "attention.layer_norm_epsilon": 1e-5})
+    g = geometry_from_header(header("starcoder2", kv))
+    shape = resolve_context(g, serving(slots=1, kv_unified=True), 8192)
+    got = compute_buffers(g, shape, flash_attn=True, n_outputs=1).device / MIB
+    assert abs(got / 89.02 - 1) <= 0.01
