@@ -13,10 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tests.tiny_models import (
+    _ATTENTION,
+    _ATTENTION_BIASED,
     _EXPERTS,
     _FFN,
     _GATED_SHARED_EXPERT,
     _GLOBALS,
+    _LFM2_GLOBALS,
     _QK_NORM,
     _RWKV7_GLOBALS,
     _SHARED_EXPERT,
@@ -33,22 +36,6 @@ from tests.tiny_models import (
 )
 
 __all__ = ["write_granitemoe", "write_lfm2moe", "write_qwen2moe", "write_rwkv6", "write_rwkv6qwen2"]
-
-_ATTENTION_QKV_BIASED = _table("""
-    attn_q.weight       embd q
-    attn_k.weight       embd kv
-    attn_v.weight       embd kv
-    attn_q.bias         q
-    attn_k.bias         kv
-    attn_v.bias         kv
-    attn_output.weight  q embd
-""")
-_ATTENTION = _table("""
-    attn_q.weight       embd q
-    attn_k.weight       embd kv
-    attn_v.weight       embd kv
-    attn_output.weight  q embd
-""")
 
 
 def write_qwen2moe(
@@ -74,7 +61,7 @@ def write_qwen2moe(
     dims |= _ffn_dims(n_ff, expert=n_expert, ff_exp=n_ff_exp, ff_shexp=n_ff_shexp)
     layer = _table(
         "attn_norm.weight embd",
-        _ATTENTION_QKV_BIASED,
+        _ATTENTION_BIASED,
         "ffn_norm.weight embd",
         _EXPERTS,
         _GATED_SHARED_EXPERT,
@@ -107,7 +94,9 @@ def write_granitemoe(
         "attention.scale": 0.015625,
     }
     spec = _spec("granitemoe", n_vocab, _transformer(n_layer, n_embd, n_head, n_head_kv, n_ff), keys)
-    dims = _attention_dims(n_embd, n_head, n_head_kv) | _ffn_dims(n_ff, expert=n_expert, ff_exp=n_ff, ff_shexp=n_ff_shexp)
+    dims = _attention_dims(n_embd, n_head, n_head_kv) | _ffn_dims(
+        n_ff, expert=n_expert, ff_exp=n_ff, ff_shexp=n_ff_shexp
+    )
     layer = _table(
         "attn_norm.weight embd", _ATTENTION, "ffn_norm.weight embd", _EXPERTS, _SHARED_EXPERT if n_ff_shexp else ()
     )
@@ -155,11 +144,6 @@ def write_lfm2moe(
     ]
     return _write(path, spec, dims, layers, globals_=_LFM2_GLOBALS, sparse=sparse)
 
-
-_LFM2_GLOBALS = _table("""
-    token_embd.weight       embd vocab
-    token_embd_norm.weight  embd  # LFM2's output norm carries this name
-""")
 
 # the RWKV-6 time mix up to its key projection: the data-dependent lerp LoRA (five mixes, fused), the bonus
 # ("first") per head, which only rwkv6 has (without it llama.cpp runs QRWKV's gated linear attention), and
@@ -234,7 +218,9 @@ def write_rwkv6(
         channel_mix_receptance.weight  embd embd
         """,
     )
-    return _write(path, _spec("rwkv6", n_vocab, header), dims, [layer] * n_layer, globals_=_RWKV7_GLOBALS, sparse=sparse)
+    return _write(
+        path, _spec("rwkv6", n_vocab, header), dims, [layer] * n_layer, globals_=_RWKV7_GLOBALS, sparse=sparse
+    )
 
 
 def write_rwkv6qwen2(
