@@ -72,12 +72,25 @@ def write_mistral3(
     n_ff: int = 128,
     n_vocab: int = 259,
     dtype: str = "f32",
+    yarn: bool = False,
     sparse: bool = False,
 ) -> Path:
     """A mistral3 (Mistral Small 3.x, Ministral 3) model: llama's block with an explicit head size, so Q may
-    be narrower or wider than n_embd; an untied output projection."""
+    be narrower or wider than n_embd; an untied output projection. With `yarn`, Ministral 3's YaRN scaling
+    and attention temperature (its graph then scales Q by a per-token factor)."""
     header = _transformer(n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim=head_dim)
-    spec = _spec("mistral3", n_vocab, header, {"rope.dimension_count": head_dim})
+    keys: dict[str, object] = {"rope.dimension_count": head_dim}
+    if yarn:
+        keys |= {
+            "rope.scaling.type": "yarn",
+            "rope.scaling.factor": 16.0,
+            "rope.scaling.original_context_length": 16384,
+            "rope.scaling.yarn_beta_fast": 32.0,
+            "rope.scaling.yarn_beta_slow": 1.0,
+            "rope.scaling.yarn_log_multiplier": 1.0,
+            "attention.temperature_scale": 0.1,
+        }
+    spec = _spec("mistral3", n_vocab, header, keys)
     dims = _attention_dims(n_embd, n_head, n_head_kv, head_dim) | _ffn_dims(n_ff)
     return _write(path, spec, dims, [_DENSE] * n_layer, globals_=_GLOBALS, dtype=dtype, sparse=sparse)
 
