@@ -15,6 +15,7 @@ records its compute error and must be within 10%.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 
@@ -268,7 +269,7 @@ def realistic_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
 
 @pytest.mark.parametrize("case", REALISTIC_CASES, ids=[c.id for c in REALISTIC_CASES])
 def test_released_widths_compute_buffer_within_the_stated_bound(
-    case: Case, realistic_models: dict[str, Path], binary: str, record_property: pytest.RecordProperty
+    case: Case, realistic_models: dict[str, Path], binary: str, record_property: Callable[[str, object], None]
 ) -> None:
     path = realistic_models[case.model]
     geometry = _geometry(path)
