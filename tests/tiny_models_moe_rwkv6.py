@@ -51,10 +51,11 @@ def write_qwen2moe(
     n_expert_used: int = 2,
     n_ff_exp: int = 64,
     n_ff_shexp: int = 256,
+    dtype: str = "f32",
     sparse: bool = False,
 ) -> Path:
     """A qwen2moe (Qwen1.5-MoE, Qwen2-57B-A14B) model: qwen2's biased GQA, every FFN a routed mixture plus a
-    sigmoid-gated shared expert `n_ff_shexp` wide."""
+    sigmoid-gated shared expert `n_ff_shexp` wide; matrices of weight type `dtype`."""
     header = _transformer(n_layer, n_embd, n_head, n_head_kv, n_ff)
     spec = _spec("qwen2moe", n_vocab, header, _moe(n_expert, n_expert_used, n_ff_exp, shared_ff=n_ff_shexp))
     dims = _attention_dims(n_embd, n_head, n_head_kv)
@@ -66,7 +67,7 @@ def write_qwen2moe(
         _EXPERTS,
         _GATED_SHARED_EXPERT,
     )
-    return _write(path, spec, dims, [layer] * n_layer, globals_=_GLOBALS, sparse=sparse)
+    return _write(path, spec, dims, [layer] * n_layer, globals_=_GLOBALS, dtype=dtype, sparse=sparse)
 
 
 def write_granitemoe(

@@ -124,8 +124,8 @@ def test_recurrent_families_have_a_state_line_that_pins_its_bytes(models: dict[s
 
 @pytest.fixture(scope="module")
 def realistic(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One sparse file per architecture at a released model's widths: Qwen1.5-MoE-A2.7B, granite-3.0-3b-a800m,
-    LFM2-8B-A1B, RWKV-6 Finch 1.6B and 7B, QRWKV6-7B and 32B (Qwen2.5 widths)."""
+    """Sparse files at released models' widths: Qwen1.5-MoE-A2.7B and Qwen2-57B-A14B, granite-3.0-3b-a800m and
+    1b-a400m, LFM2-8B-A1B, RWKV-6 Finch 1.6B and 7B, QRWKV6-7B and 32B (Qwen2.5 widths)."""
     d = tmp_path_factory.mktemp("models-moe-rwkv6-realistic")
     return {
         "qwen2moe-A2.7B": tiny.write_qwen2moe(
@@ -147,7 +147,21 @@ def realistic(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             d / "rwkv6qwen2.gguf", n_layer=2, n_embd=3584, head_size=128, n_head_kv=4, n_ff=18944,
             n_vocab=152064, mix_lora=64, decay_lora=128, sparse=True,
         ),
-        # shapes no coefficient was chosen on (the RWKV-6 rows were read off the two above)
+        # shapes no coefficient was chosen on (the RWKV-6 rows were read off the two above): Qwen2-57B-A14B
+        # (its shared expert as wide as 8 routed ones; f16, half the pages to map), granite-3.0-1b-a400m, a
+        # Granite MoE Shared layout
+        "qwen2moe-57B-A14B": tiny.write_qwen2moe(
+            d / "qwen2moe-57b.gguf", n_layer=2, n_embd=3584, n_head=28, n_head_kv=4, n_ff=18944,
+            n_vocab=151936, n_expert=64, n_expert_used=8, n_ff_exp=2560, n_ff_shexp=20480, dtype="f16", sparse=True,
+        ),
+        "granitemoe-1B-A400M": tiny.write_granitemoe(
+            d / "granitemoe-1b.gguf", n_layer=2, n_embd=1024, n_head=16, n_head_kv=8, n_ff=512, n_vocab=49155,
+            n_expert=32, n_expert_used=8, sparse=True,
+        ),
+        "granitemoe-shared-3B": tiny.write_granitemoe(
+            d / "granitemoe-shared.gguf", n_layer=2, n_embd=1536, n_head=24, n_head_kv=8, n_ff=512,
+            n_vocab=49155, n_expert=40, n_expert_used=8, n_ff_shexp=1024, sparse=True,
+        ),
         "rwkv6-7B": tiny.write_rwkv6(
             d / "rwkv6-7b.gguf", n_layer=2, n_embd=4096, head_size=64, n_ff=14336, n_vocab=65536, mix_lora=64,
             decay_lora=128, sparse=True,
@@ -169,6 +183,9 @@ REALISTIC = [
         "rwkv6qwen2-7B",
         "rwkv6-7B",
         "rwkv6qwen2-32B",
+        "qwen2moe-57B-A14B",
+        "granitemoe-1B-A400M",
+        "granitemoe-shared-3B",
     )
     for slots in (1, 4, 16)
 ]
