@@ -119,16 +119,19 @@ def write_lfm2moe(
     n_expert: int = 8,
     n_expert_used: int = 2,
     n_ff_exp: int = 64,
+    n_swa: int | None = None,
     sparse: bool = False,
 ) -> Path:
     """An LFM2-MoE (LFM2-8B-A1B) model: LFM2's short-convolution and attention blocks, dense SwiGLU FFNs in
-    the first `n_dense_lead` blocks, then routed experts with a sigmoid router and its bias."""
+    the first `n_dense_lead` blocks, then routed experts with a sigmoid router and its bias. `n_swa` writes
+    a sliding window key, which llama.cpp's lfm2moe loader (unlike lfm2's) does not read."""
     kv_heads = [n_head_kv if il in attention_layers else 0 for il in range(n_layer)]
     keys = {
         "shortconv.l_cache": l_cache,
         "leading_dense_block_count": n_dense_lead,
         **_moe(n_expert, n_expert_used, n_ff_exp),
         "expert_gating_func": 2,  # sigmoid
+        "attention.sliding_window": n_swa,
     }
     spec = _spec("lfm2moe", n_vocab, _transformer(n_layer, n_embd, n_head, kv_heads, n_ff), keys)
     dims = _attention_dims(n_embd, n_head, n_head_kv) | _ffn_dims(n_ff, expert=n_expert, ff_exp=n_ff_exp)

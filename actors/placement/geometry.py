@@ -281,6 +281,14 @@ def _lfm2(meta: _Meta, d: _Draft, n_embd: int) -> None:
             d.is_swa[il] = not d.is_recr[il]
 
 
+def _lfm2moe(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    # lfm2moe's loader does not read the sliding window that lfm2's does: its attention never slides
+    _lfm2(meta, d, n_embd)
+    d.swa_type = "none"
+    d.n_swa = 0
+    d.is_swa = [False] * d.n_layer_all
+
+
 def _mamba(meta: _Meta, d: _Draft, n_embd: int) -> None:
     _ssm(meta, d, groups=False)
 
@@ -440,7 +448,9 @@ _FAMILIES: dict[str, _Family] = {
     "jamba": _Family(_jamba, "hybrid", "mamba", experts=_experts_where_routed),
     "plamo2": _Family(_plamo2, "hybrid", "mamba", head_size_keys=True),
     "lfm2": _Family(_lfm2, "hybrid", "shortconv", rollback=True),
-    "lfm2moe": _Family(_lfm2, "hybrid", "shortconv", rollback=True, experts=_experts_after_dense_lead(required=True)),
+    "lfm2moe": _Family(
+        _lfm2moe, "hybrid", "shortconv", rollback=True, experts=_experts_after_dense_lead(required=True)
+    ),
     "nemotron_h": _Family(_nemotron_h, "hybrid", "mamba", "nemotron", rollback=True, experts=_experts_nemotron),
     "nemotron_h_moe": _Family(
         _nemotron_h, "hybrid", "mamba", "nemotron", rollback=True, mtp="nextn", experts=_experts_nemotron

@@ -9,7 +9,7 @@ per-slot streams and a quantized K cache:
 * qwen2moe: qwen2's biased GQA with routed experts and a gated shared expert: a plain KV cache;
 * granitemoe: experts `feed_forward_length` wide, tied embeddings: a plain KV cache;
 * lfm2moe: LFM2's short-conv state (`n_embd x (l_cache - 1)`, no S) and attention KV where head_count_kv > 0,
-  dense leading blocks then experts;
+  dense leading blocks then experts; unlike lfm2, a sliding_window key makes no layer slide;
 * rwkv6: two token-shift rows and a wkv state per layer; rwkv6qwen2 (QRWKV6): one token-shift row.
   A recurrent state is f32 whatever the K cache type.
 
@@ -65,6 +65,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             d / "lfm2moe.gguf", attention_layers=(2, 5), n_layer=6, n_dense_lead=2, n_embd=256, n_head=4,
             n_head_kv=2, n_ff=768, n_vocab=v, n_expert=8, n_expert_used=2, n_ff_exp=128,
         ),
+        # a sliding_window key that lfm2 would honour: lfm2moe's loader never reads it
+        "lfm2moe-window-key": tiny.write_lfm2moe(
+            d / "lfm2moe-window-key.gguf", n_embd=256, n_ff=768, n_vocab=v, n_expert=8, n_expert_used=2,
+            n_ff_exp=128, n_swa=256,
+        ),
         "rwkv6": tiny.write_rwkv6(d / "rwkv6.gguf", n_embd=256, head_size=64, n_ff=896, n_vocab=v),
         "rwkv6qwen2": tiny.write_rwkv6qwen2(
             d / "rwkv6qwen2.gguf", n_embd=256, head_size=64, n_head_kv=2, n_ff=768, n_vocab=v
@@ -84,6 +89,8 @@ CASES = [
 ] + [
     Case("granitemoe-shared", 8192, _s(slots=3, kv_unified=True, cache_type_k="q8_0", cache_type_v="q8_0")),
     Case("lfm2moe", 8192, _s(slots=2, flash_attn="off")),
+    Case("lfm2moe-window-key", 8192, _s(slots=2)),  # one full cache of 4096 cells per stream, not a window
+    Case("lfm2moe-window-key", 8192, _s(slots=4, kv_unified=True)),
     Case("rwkv6", 4096, _s(slots=8, kv_unified=True)),
 ]
 
@@ -97,6 +104,16 @@ def test_cache_bytes_match_llama_server_exactly(
     assert abs(error) <= MEASURED_ERROR_RATIO, f"compute buffer off by {error:+.1%}"
 
 
+def test_lfm2moe_attention_never_slides_even_with_a_window_key(models: dict[str, Path]) -> None:
+    """lfm2's loader turns `attention.sliding_window` into sliding attention layers; lfm2moe's does not read
+    the key, so its attention layers keep full caches (the shared LFM2 rule used to give them a window)."""
+    geometry = _geometry(models["lfm2moe-window-key"])
+    assert geometry.swa_type == "none" and geometry.n_swa == 0
+    assert not any(layer.swa for layer in geometry.layers)
+    kinds = {a.kind for a in cache_allocations(geometry, _s(slots=2), 8192)}
+    assert kinds == {"kv", "recurrent"}
+
+
 def test_every_attention_family_has_a_byte_exact_kv_line(models: dict[str, Path]) -> None:
     """Each model with attention has at least one KV line large enough that its printed figure pins the
     byte count, or its part of the proof would be vacuous."""
@@ -105,7 +122,7 @@ def test_every_attention_family_has_a_byte_exact_kv_line(models: dict[str, Path]
         for a in cache_allocations(_geometry(models[case.model]), case.settings, case.n_ctx):
             if a.kind != "recurrent" and a.layers and a.cells * a.streams * _row_step(a.type_a) > PRINT_STEP:
                 exact.add(case.model)
-    assert exact >= {"qwen2moe", "granitemoe", "granitemoe-shared", "lfm2moe"}
+    assert exact >= {"qwen2moe", "granitemoe", "granitemoe-shared", "lfm2moe", "lfm2moe-window-key"}
 
 
 def test_recurrent_families_have_a_state_line_that_pins_its_bytes(models: dict[str, Path]) -> None:
