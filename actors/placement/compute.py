@@ -22,8 +22,10 @@ Qwen3.5 MTP draft), it places that graph as ggml-alloc does (`_graph_peak`) inst
     `ggml_gated_delta_net`'s K, Mamba's scan likewise) beside per-token rows: `4 · (d_inner + n_group ·
     d_state) + 6 · n_embd` for a Mamba-2 scan, `5 · n_embd + 2.4 · (d_inner + 2 · n_group · d_state)` for a
     gated delta net; also a Mamba layer's `3.5 ·` input projection width plus one state copy;
-  - RWKV: `max(20 · n_embd, 2 · n_ff)` per token (time mix or channel mix), ARWKV-7's SwiGLU FFN
-    `max(3 · n_ff + 12 · n_embd, 4.7 · n_ff)`, plus two state copies per slot;
+  - RWKV: `max(20 · n_embd, 2 · n_ff)` per token (time mix or channel mix; RWKV-6's time mix 15 · n_embd),
+    ARWKV-7's SwiGLU FFN `max(3 · n_ff + 12 · n_embd, 4.7 · n_ff)`, plus two state copies per slot; QRWKV6
+    (rwkv6qwen2) the larger of its time mix with two state copies per slot and its SwiGLU FFN stage
+    (`3 · n_ff + 5 · n_embd`) with one;
   - without flash attention, the attention-score stage: the f32 `n_kv x n_ubatch x n_head` score matrix
     plus `4 · n_ubatch · (7 · n_embd + 2 · n_kv_width)`;
   - the output stage: logits for the reserved outputs plus two embedding-sized rows per token;
