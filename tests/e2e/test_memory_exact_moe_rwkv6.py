@@ -21,6 +21,7 @@ compute error (`compute_error`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 
@@ -97,7 +98,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_cache_bytes_match_llama_server_exactly(
-    case: Case, models: dict[str, Path], binary: str, record_property: pytest.RecordProperty
+    case: Case, models: dict[str, Path], binary: str, record_property: Callable[[str, object], None]
 ) -> None:
     _, error = _check(case, models, binary)
     record_property("compute_error", f"{error:+.2%}")
@@ -210,7 +211,7 @@ REALISTIC = [
 
 @pytest.mark.parametrize("case", REALISTIC, ids=[c.id for c in REALISTIC])
 def test_released_widths_compute_within_ten_percent(
-    case: Case, realistic: dict[str, Path], binary: str, record_property: pytest.RecordProperty
+    case: Case, realistic: dict[str, Path], binary: str, record_property: Callable[[str, object], None]
 ) -> None:
     log, error = _check(case, realistic, binary)
     measured = float(sum((sum(c.compute_buffers.values(), Decimal(0)) for c in log.contexts), Decimal(0)))
