@@ -13,7 +13,7 @@ per-slot streams and a quantized K cache:
 * rwkv6: two token-shift rows and a wkv state per layer; rwkv6qwen2 (QRWKV6): one token-shift row.
   A recurrent state is f32 whatever the K cache type.
 
-The realistic cases (`REALISTIC`) write sparse files at released models' widths (two per architecture but
+The realistic cases (`REALISTIC`) write sparse files at released models' widths (two or three per architecture but
 lfm2moe; fewer blocks: the buffers depend on one block's widths, the context and the slots) and compare the
 caches exactly and the compute buffer within 10% at 1, 4 and 16 unified slots (8192 context) and 2 per-slot
 streams (16384); each records its compute error (`compute_error`). The RWKV-6 time-mix rows were read off
