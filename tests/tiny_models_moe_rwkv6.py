@@ -238,13 +238,14 @@ def write_rwkv6qwen2(
     n_vocab: int = 259,
     mix_lora: int = 32,
     decay_lora: int = 64,
+    token_shift_count: int = 1,
     sparse: bool = False,
 ) -> Path:
     """An RWKV6-Qwen2 (QRWKV6) model: an RWKV-6 time mix with gated linear attention (no bonus, no group
     norm) over Qwen2's grouped K/V widths (`n_head_kv` heads, with biases) before Qwen2's SwiGLU FFN; its
     converter writes one token-shift row (the graph asserts n_embd_r == n_embd)."""
     header = _recurrent(n_layer, n_embd, n_ff, "layer_norm_rms_epsilon", 1e-6, n_head=n_embd // head_size)
-    header |= {"attention.head_count_kv": n_head_kv, "token_shift_count": 1}
+    header |= {"attention.head_count_kv": n_head_kv, "token_shift_count": token_shift_count}
     header |= _rwkv6_keys(head_size, mix_lora, decay_lora)
     dims = _rwkv6_dims(n_embd, n_ff, head_size, mix_lora, decay_lora) | {"kv": n_head_kv * head_size}
     layer = _table(

@@ -301,6 +301,14 @@ def _rwkv_family(meta: _Meta, d: _Draft, n_embd: int) -> None:
     _rwkv(meta, d, n_embd)
 
 
+def _rwkv6qwen2(meta: _Meta, d: _Draft, n_embd: int) -> None:
+    # its graph asserts one token-shift row (n_embd_r == n_embd); the default of 2 aborts llama-server
+    _rwkv(meta, d, n_embd)
+    if d.r_width != n_embd:
+        shift = meta.uint("token_shift_count", 2)
+        raise GeometryError(f"rwkv6qwen2.token_shift_count must be 1 (llama.cpp's graph requires it), got {shift}")
+
+
 # --- routed experts (llama.cpp `load_arch_tensors`: the shapes of `ffn_*_exps`) -----------------------------
 #
 # A rule marks the layers whose FFN is a routed mixture and gives each its expert width. Most graphs route
@@ -460,7 +468,7 @@ _FAMILIES: dict[str, _Family] = {
     "mamba": _Family(_mamba, "recurrent", "mamba"),
     "mamba2": _Family(_mamba2, "recurrent", "mamba"),
     "rwkv6": _Family(_rwkv_family, "recurrent", "rwkv"),
-    "rwkv6qwen2": _Family(_rwkv_family, "recurrent", "rwkv"),
+    "rwkv6qwen2": _Family(_rwkv6qwen2, "recurrent", "rwkv"),
     "rwkv7": _Family(_rwkv_family, "recurrent", "rwkv"),
     "arwkv7": _Family(_rwkv_family, "recurrent", "rwkv"),
 }

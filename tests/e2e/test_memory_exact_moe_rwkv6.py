@@ -29,10 +29,11 @@ from pathlib import Path
 import pytest
 
 from actors.placement.compute import MEASURED_ERROR_RATIO
+from actors.placement.geometry import GeometryError
 from actors.placement.memory import cache_allocations
 from tests import tiny_models_moe_rwkv6 as tiny
 from tests.e2e.test_memory_exact import PRINT_STEP, Case, _check, _geometry, _row_step, _s
-from tests.llama_harness import require_server
+from tests.llama_harness import require_server, run_server, server_args
 
 pytestmark = pytest.mark.e2e
 
@@ -114,6 +115,17 @@ def test_lfm2moe_attention_never_slides_even_with_a_window_key(models: dict[str,
     assert not any(layer.swa for layer in geometry.layers)
     kinds = {a.kind for a in cache_allocations(geometry, _s(slots=2), 8192)}
     assert kinds == {"kv", "recurrent"}
+
+
+def test_rwkv6qwen2_with_two_token_shift_rows_is_refused_like_llama_server(tmp_path: Path, binary: str) -> None:
+    """QRWKV6's graph asserts one token-shift row: a file with two (the RWKV-6 default) aborts llama-server
+    while it reserves, so the geometry refuses it by name instead of predicting a state for it."""
+    path = tiny.write_rwkv6qwen2(tmp_path / "rwkv6qwen2-shift2.gguf", n_vocab=N_VOCAB, token_shift_count=2)
+    with pytest.raises(GeometryError, match="token_shift_count must be 1"):
+        _geometry(path)
+    run = run_server(path, server_args(_s(slots=1), 4096), binary=binary)
+    assert not run.healthy
+    assert "n_embd == hparams.n_embd_r()" in run.log
 
 
 def test_every_attention_family_has_a_byte_exact_kv_line(models: dict[str, Path]) -> None:
