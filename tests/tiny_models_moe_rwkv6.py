@@ -190,12 +190,14 @@ def write_rwkv6(
     n_vocab: int = 259,
     mix_lora: int = 32,
     decay_lora: int = 64,
+    token_shift_count: int | None = None,
     sparse: bool = False,
 ) -> Path:
     """A pure-recurrent RWKV-6 (Finch) model: two token-shift rows (time mix and channel mix) and a wkv
     state (n_embd x head size) per layer; a layer-norm after the embeddings."""
     header = _recurrent(n_layer, n_embd, n_ff, "layer_norm_epsilon", 1e-5)
     header |= _rwkv6_keys(head_size, mix_lora, decay_lora) | {"rescale_every_n_layers": 6}
+    header |= {"token_shift_count": token_shift_count}  # None: left out, llama.cpp's default of 2
     dims = _rwkv6_dims(n_embd, n_ff, head_size, mix_lora, decay_lora)
     layer = _table(
         """

@@ -301,12 +301,19 @@ def _rwkv_family(meta: _Meta, d: _Draft, n_embd: int) -> None:
     _rwkv(meta, d, n_embd)
 
 
-def _rwkv6qwen2(meta: _Meta, d: _Draft, n_embd: int) -> None:
-    # its graph asserts one token-shift row (n_embd_r == n_embd); the default of 2 aborts llama-server
-    _rwkv(meta, d, n_embd)
-    if d.r_width != n_embd:
+def _rwkv_token_shifts(rows: int) -> Callable[[_Meta, _Draft, int], None]:
+    """RWKV-6 and QRWKV6 graphs assert their token-shift row count (2 and 1): another count aborts
+    llama-server while it reserves, so it is refused by name."""
+
+    def rule(meta: _Meta, d: _Draft, n_embd: int) -> None:
+        _rwkv(meta, d, n_embd)
         shift = meta.uint("token_shift_count", 2)
-        raise GeometryError(f"rwkv6qwen2.token_shift_count must be 1 (llama.cpp's graph requires it), got {shift}")
+        if shift != rows:
+            raise GeometryError(
+                f"{meta.arch}.token_shift_count must be {rows} (llama.cpp's graph requires it), got {shift}"
+            )
+
+    return rule
 
 
 # --- routed experts (llama.cpp `load_arch_tensors`: the shapes of `ffn_*_exps`) -----------------------------
@@ -467,8 +474,8 @@ _FAMILIES: dict[str, _Family] = {
     # pure recurrent
     "mamba": _Family(_mamba, "recurrent", "mamba"),
     "mamba2": _Family(_mamba2, "recurrent", "mamba"),
-    "rwkv6": _Family(_rwkv_family, "recurrent", "rwkv"),
-    "rwkv6qwen2": _Family(_rwkv6qwen2, "recurrent", "rwkv"),
+    "rwkv6": _Family(_rwkv_token_shifts(2), "recurrent", "rwkv"),
+    "rwkv6qwen2": _Family(_rwkv_token_shifts(1), "recurrent", "rwkv"),
     "rwkv7": _Family(_rwkv_family, "recurrent", "rwkv"),
     "arwkv7": _Family(_rwkv_family, "recurrent", "rwkv"),
 }

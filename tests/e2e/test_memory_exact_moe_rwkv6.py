@@ -128,6 +128,16 @@ def test_rwkv6qwen2_with_two_token_shift_rows_is_refused_like_llama_server(tmp_p
     assert "n_embd == hparams.n_embd_r()" in run.log
 
 
+def test_rwkv6_with_one_token_shift_row_is_refused_like_llama_server(tmp_path: Path, binary: str) -> None:
+    """RWKV-6's graph asserts two token-shift rows (time mix and channel mix)."""
+    path = tiny.write_rwkv6(tmp_path / "rwkv6-shift1.gguf", n_vocab=N_VOCAB, token_shift_count=1)
+    with pytest.raises(GeometryError, match="token_shift_count must be 2"):
+        _geometry(path)
+    run = run_server(path, server_args(_s(slots=1), 4096), binary=binary)
+    assert not run.healthy
+    assert "token_shift_count == 2" in run.log
+
+
 def test_every_attention_family_has_a_byte_exact_kv_line(models: dict[str, Path]) -> None:
     """Each model with attention has at least one KV line large enough that its printed figure pins the
     byte count, or its part of the proof would be vacuous."""
