@@ -23,9 +23,11 @@ __all__ = [
     "CacheAllocation",
     "Caches",
     "cache_allocations",
+    "draft_caches",
     "host_extras",
     "kv_layers",
     "recurrent_layers",
+    "target_caches",
 ]
 
 MIB = 1 << 20
@@ -104,25 +106,46 @@ class CacheAllocation:
     b_bytes: int
 
 
-def cache_allocations(geometry: ModelGeometry, settings: ServingSettings, n_ctx: int) -> tuple[CacheAllocation, ...]:
-    """Every cache the server allocates, in the order it logs them (target context first)."""
-    mtp = validate(geometry, settings)
-    shape = resolve_context(geometry, settings, n_ctx)
-    out: list[CacheAllocation] = []
-    target_layers = [layer for layer in geometry.layers if layer.attention]
-    kv = kv_layers(
+def target_caches(geometry: ModelGeometry, settings: ServingSettings, shape: ContextShape) -> Caches:
+    """The target context's caches: KV of its attention layers (never the nextn blocks) and recurrent state."""
+    caches = kv_layers(
         geometry,
-        target_layers,
+        [layer for layer in geometry.layers if layer.attention],
         shape,
         type_k=settings.cache_type_k,
         type_v=settings.cache_type_v,
         flash_attn=settings.flash_attn == "on",
     )
+    recurrent_layers(caches, geometry.layers, shape)
+    return caches
+
+
+def draft_caches(
+    geometry: ModelGeometry, settings: ServingSettings, shape: ContextShape
+) -> tuple[Caches, ContextShape]:
+    """The MTP context's KV caches and shape: the target's slots and n_ctx, no rollback rows, only the nextn
+    blocks, with the draft cache types."""
+    draft_shape = resolve_context(geometry, draft_settings(settings), shape.n_ctx)
+    caches = kv_layers(
+        geometry,
+        [layer for layer in geometry.layers if layer.nextn],
+        draft_shape,
+        type_k=settings.spec_draft_type_k,
+        type_v=settings.spec_draft_type_v,
+        flash_attn=settings.flash_attn == "on",
+    )
+    return caches, draft_shape
+
+
+def cache_allocations(geometry: ModelGeometry, settings: ServingSettings, n_ctx: int) -> tuple[CacheAllocation, ...]:
+    """Every cache the server allocates, in the order it logs them (target context first)."""
+    mtp = validate(geometry, settings)
+    shape = resolve_context(geometry, settings, n_ctx)
+    out: list[CacheAllocation] = []
+    caches = target_caches(geometry, settings, shape)
     if geometry.memory != "recurrent":
-        out.extend(_kv_lines("target", geometry, kv, shape, settings.cache_type_k, settings.cache_type_v))
+        out.extend(_kv_lines("target", geometry, caches, shape, settings.cache_type_k, settings.cache_type_v))
     if geometry.memory != "kv":
-        caches = Caches()
-        recurrent_layers(caches, geometry.layers, shape)
         out.append(
             CacheAllocation(
                 context="target",
@@ -139,16 +162,7 @@ def cache_allocations(geometry: ModelGeometry, settings: ServingSettings, n_ctx:
             )
         )
     if mtp:
-        draft_shape = resolve_context(geometry, draft_settings(settings), shape.n_ctx)
-        nextn = [layer for layer in geometry.layers if layer.nextn]
-        draft = kv_layers(
-            geometry,
-            nextn,
-            draft_shape,
-            type_k=settings.spec_draft_type_k,
-            type_v=settings.spec_draft_type_v,
-            flash_attn=settings.flash_attn == "on",
-        )
+        draft, draft_shape = draft_caches(geometry, settings, shape)
         # the qwen/nemotron MTP context is a plain cache; a dense model's follows its SWA split
         mtp_geometry = (
             geometry if geometry.recurrent_kind == "none" else msgspec.structs.replace(geometry, swa_type="none")

@@ -25,7 +25,14 @@ from typing import TypeVar
 import msgspec
 
 from actors.placement import compute as compute_model
-from actors.placement.caches import CacheAllocation, Caches, cache_allocations, host_extras, kv_layers, recurrent_layers
+from actors.placement.caches import (
+    CacheAllocation,
+    Caches,
+    cache_allocations,
+    draft_caches,
+    host_extras,
+    target_caches,
+)
 from actors.placement.context import (
     CACHE_TYPES,
     CELL_PAD,
@@ -36,7 +43,6 @@ from actors.placement.context import (
     SPEC_TYPES,
     MemoryModelError,
     cache_row_bytes,
-    draft_settings,
     pad,
     resolve_context,
     spec_n_max,
@@ -203,30 +209,8 @@ def _estimate(
     types = spec_types(settings)
 
     shape = resolve_context(geometry, settings, n_ctx)
-    target_layers = [layer for layer in geometry.layers if layer.attention]
-    target = kv_layers(
-        geometry,
-        target_layers,
-        shape,
-        type_k=settings.cache_type_k,
-        type_v=settings.cache_type_v,
-        flash_attn=flash_attn,
-    )
-    recurrent_layers(target, geometry.layers, shape)
-
-    draft = Caches()
-    draft_shape = None
-    if mtp:
-        # The MTP context has the target's slots and n_ctx, no rollback rows, and only the nextn blocks.
-        draft_shape = resolve_context(geometry, draft_settings(settings), shape.n_ctx)
-        draft = kv_layers(
-            geometry,
-            [layer for layer in geometry.layers if layer.nextn],
-            draft_shape,
-            type_k=settings.spec_draft_type_k,
-            type_v=settings.spec_draft_type_v,
-            flash_attn=flash_attn,
-        )
+    target = target_caches(geometry, settings, shape)
+    draft, draft_shape = draft_caches(geometry, settings, shape) if mtp else (Caches(), None)
 
     devices = layer_devices(geometry, n_gpu_layers, gpu_split)
     weights = weights_per_device(geometry, devices, load_nextn=mtp)
