@@ -761,12 +761,13 @@ def write_mamba2(
     return _write(path, _spec("mamba2", n_vocab, header), dims, [_table("attn_norm.weight embd", _MAMBA2)] * n_layer)
 
 
-def write_qwen35_9b(path: str | os.PathLike[str]) -> Path:
+def write_qwen35_9b(path: str | os.PathLike[str], *, n_layer: int = 32) -> Path:
     """The Qwen3.5-9B geometry (32 layers + 1 nextn: 8 attention, 24 recurrent; 4 KV heads x 256; conv 4,
-    inner 4096, state 128, groups 16) as a sparse file: the header is real, the weights read as zeros."""
+    inner 4096, state 128, groups 16) as a sparse file: the header is real, the weights read as zeros.
+    `n_layer` keeps fewer blocks of the same widths (buffers that depend on one block stay the same)."""
     return write_qwen35(
         path,
-        n_layer=32,
+        n_layer=n_layer,
         n_nextn=1,
         n_embd=4096,
         n_head=16,

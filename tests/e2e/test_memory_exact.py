@@ -300,22 +300,7 @@ def test_qwen35_mtp_draft_compute_is_placed_as_llama_server_places_it(tmp_path: 
     """The MTP context's compute buffer at Qwen3.5-9B widths (4 blocks + nextn, sparse; 4 slots, 8192
     cells, depth 3) is the server's figure to the print step: the draft graph is placed node by node as
     ggml-alloc places it (compute-5 sized it as a trunk layer: 120 MiB against the server's 88.02)."""
-    path = tiny_models.write_qwen35(
-        tmp_path / "qwen35-9b-widths.gguf",
-        n_layer=4,
-        n_nextn=1,
-        n_embd=4096,
-        n_head=16,
-        n_head_kv=4,
-        head_dim=256,
-        n_ff=12288,
-        n_vocab=248320,
-        state_size=128,
-        group_count=16,
-        dt_rank=32,
-        dtype="f16",
-        sparse=True,
-    )
+    path = tiny_models.write_qwen35_9b(tmp_path / "qwen35-9b-widths.gguf", n_layer=4)
     geometry = _geometry(path)
     settings = _s(slots=4, kv_unified=True, spec_type="draft-mtp", spec_draft_n_max=3)
     run = run_server(path, server_args(settings, 8192), binary=binary, deadline=300)
