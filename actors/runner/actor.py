@@ -66,6 +66,7 @@ from messages.memory import MemoryBreakdown
 from messages.placement import NodeLedger, Reservation
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
 from messages.settings import ServingSettings
+from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext, RequestError
 from runtime.model_files import FileDigests
@@ -187,7 +188,9 @@ class RunnerActor(Actor):
                 raise Refusal(UNSUPPORTED, f"llama-server would refuse these settings: {exc}", releases=True) from exc
             try:
                 async with asyncio.timeout(self.limits.claim_budget_s):
-                    claimed = await self._claim(ctx, reservation, predicted, instance_id, read.ledger, read.revision)
+                    claimed = await self._claim(
+                        ctx, reservation, predicted, instance_id, read.ledger, read.revision, telemetry
+                    )
             except TimeoutError as exc:
                 # a claim may have landed unseen: give the reservation up rather than leave it claimed by nobody
                 message = f"the node's buckets did not answer within {self.limits.claim_budget_s:g}s"
@@ -238,14 +241,16 @@ class RunnerActor(Actor):
         instance_id: str,
         current: NodeLedger | None,
         revision: int,
+        telemetry: NodeResources | None,
     ) -> Reservation:
         """Re-checks memory against the ledger and claims the reservation on that very revision; on a
         conflict (another writer came first) reads it again and decides again, a bounded number of times."""
         rid = checked.reservation_id
         for attempt in range(self.limits.claim_attempts):
-            if attempt:
+            if attempt:  # someone wrote first: the ledger and the node's report, read again
                 read = await self._node.ledger(ctx)
                 current, revision = read.ledger, read.revision
+                telemetry = await self._node.telemetry(ctx)
             reservation = find(current, rid, self.node_id)
             if (reservation.model_path, reservation.model_digest, reservation.stamp) != (
                 checked.model_path,
@@ -253,7 +258,7 @@ class RunnerActor(Actor):
                 checked.stamp,
             ):
                 raise Refusal(RESERVATION_STATE, f"reservation {rid} changed while being started", releases=False)
-            check_memory(reservation, predicted, await self._node.telemetry(ctx), current)
+            check_memory(reservation, predicted, telemetry, current)
             claimed_ledger = claim(current, rid, self.node_id, instance_id)
             if await self._node.write_ledger(ctx, claimed_ledger, revision):
                 return find(claimed_ledger, rid, self.node_id)
