@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from messages.generate import Candidate, RouteDecision, RouteWeights
 from messages.memory import MemoryBreakdown
 from messages.model import ModelGeometry
 from messages.placement import NodeLedger, PlacementDecision, PlacementRequest
@@ -208,6 +209,70 @@ class InstanceStuck(InstanceEvent, frozen=True, kw_only=True, tag="instance_stuc
     reason: str
 
 
+# ---- generation (router) ----
+
+
+class GenerateRouted(Event, frozen=True, kw_only=True, tag="generate_routed"):
+    """A `mesh.generate` request was routed (or refused for want of an instance), with every input of the
+    choice: `mesh-actor replay` re-decides it."""
+
+    request_id: str
+    model: str
+    n_prompt: int  # prompt tokens (0: the prompt was text and no tokenization was needed to choose)
+    candidates: tuple[Candidate, ...]
+    weights: RouteWeights
+    decision: RouteDecision
+    router_version: str
+
+
+# ---- L3 (the node's store of saved slot states; owned by the L3 actor) ----
+
+
+class L3Captured(Event, frozen=True, kw_only=True, tag="l3_captured"):
+    """A saved slot state was committed to this node's store."""
+
+    entry: str
+    identity: str
+    n_tokens: int
+    bytes: int
+    new_bytes: int  # bytes of segments the store did not hold before (content addressing dedupes the rest)
+    ingest_ms: float
+
+
+class L3CaptureDropped(Event, frozen=True, kw_only=True, tag="l3_capture_dropped"):
+    """A capture was not stored (queue full, refused by the commit rules, over budget, I/O error)."""
+
+    identity: str
+    n_tokens: int
+    reason: str
+
+
+class L3Evicted(Event, frozen=True, kw_only=True, tag="l3_evicted"):
+    """One eviction pass: the entries it removed (least recently used first) and the bytes it freed."""
+
+    entries: tuple[str, ...]
+    freed_bytes: int
+    budget_bytes: int
+    stored_bytes: int  # after the pass
+
+
+class L3Quarantined(Event, frozen=True, kw_only=True, tag="l3_quarantined"):
+    """A manifest that failed to load or verify was moved aside; its segments are kept."""
+
+    entry: str
+    reason: str
+
+
+class L3Fetched(Event, frozen=True, kw_only=True, tag="l3_fetched"):
+    """An entry was fetched from a peer's store and verified (bytes moved: segments this node lacked)."""
+
+    entry: str
+    peer: str
+    bytes: int
+    moved_bytes: int
+    fetch_ms: float
+
+
 AnyEvent = (
     ActorStarted
     | ActorCrashed
@@ -230,4 +295,10 @@ AnyEvent = (
     | InstanceStopped
     | InstanceFailed
     | InstanceStuck
+    | GenerateRouted
+    | L3Captured
+    | L3CaptureDropped
+    | L3Evicted
+    | L3Quarantined
+    | L3Fetched
 )

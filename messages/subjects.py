@@ -58,6 +58,10 @@ class Subjects:
     def instances_bucket(self) -> str:
         return f"{self._upper}_INSTANCES"
 
+    @property
+    def l3_bucket(self) -> str:
+        return f"{self._upper}_L3"
+
     def telemetry(self, node: str) -> str:
         return f"{self.prefix}.telemetry.{node}"
 
@@ -75,6 +79,20 @@ class Subjects:
 
     def runner(self, node: str, verb: str) -> str:
         return f"{self.prefix}.runner.{node}.{verb}"
+
+    @property
+    def generate(self) -> str:
+        return f"{self.prefix}.generate"
+
+    def serving(self, node: str) -> str:
+        return f"{self.prefix}.serving.{node}"
+
+    @property
+    def serving_all(self) -> str:
+        return f"{self.prefix}.serving.*"
+
+    def l3(self, node: str, verb: str) -> str:
+        return f"{self.prefix}.l3.{node}.{verb}"
 
     def event(self, actor: str, kind: str) -> str:
         return f"{self.prefix}.events.{actor}.{kind}"

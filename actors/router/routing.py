@@ -1,0 +1,64 @@
+"""Which ready instance serves a generation (router core, pure: the decision `mesh-actor replay` re-runs).
+
+The cost of sending a prompt of `n_prompt` tokens to a candidate is counted in prompt tokens' worth of work:
+
+* `new`: the tokens it must evaluate, `n_prompt - held` (the prefix it holds, resident in a slot or in L3,
+  is reused);
+* `restore`: bringing a stored prefix into a slot is cheap but not free: `held x l3_local_cost` from the
+  node's own store, `held x l3_peer_cost` from a peer's (the bytes cross the network first); resident is free;
+* `load`: each generation already running or queued there slows this one (`active_cost` each), and when no
+  slot is free it waits for one (`wait_cost` per request ahead of it, itself included).
+
+The lowest cost wins; ties go to the instance that holds more, then to the lowest instance id (natural
+order), so the same inputs always give the same choice. Nothing here reads a clock or the bus.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Final
+
+from messages.generate import Candidate, RouteDecision, RouteWeights, Scored
+
+__all__ = ["DEFAULT_WEIGHTS", "ROUTER_VERSION", "Candidate", "RouteDecision", "RouteWeights", "Scored", "choose"]
+
+#: Named in every routing event; bump it when `choose` changes what it decides.
+ROUTER_VERSION: Final = "route-1"
+
+
+DEFAULT_WEIGHTS: Final = RouteWeights()
+
+
+def _natural(text: str) -> tuple[tuple[int, int | str], ...]:
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", text) if p)
+
+
+def _score(c: Candidate, n_prompt: int, w: RouteWeights) -> Scored:
+    held = min(c.held_tokens, n_prompt)
+    per_token = {"resident": 0.0, "l3_local": w.l3_local_cost, "l3_peer": w.l3_peer_cost, "cold": 0.0}[c.source]
+    active = max(c.busy + c.queued, c.inflight)
+    waiting = max(0, active - c.slots + 1)  # requests ahead of this one, itself included, once slots are full
+    load = w.active_cost * active + w.wait_cost * waiting
+    restore = held * per_token
+    new = n_prompt - held
+    return Scored(instance_id=c.instance_id, cost=new + restore + load, new_tokens=new, restore=restore, load=load)
+
+
+def choose(n_prompt: int, candidates: Sequence[Candidate], weights: RouteWeights = DEFAULT_WEIGHTS) -> RouteDecision:
+    """The candidate with the lowest cost for a prompt of `n_prompt` tokens (0: unknown length)."""
+    if not candidates:
+        return RouteDecision(chosen=None, reason="no ready instance of the model")
+    by_id = {c.instance_id: c for c in candidates}
+    scores = sorted(
+        (_score(c, n_prompt, weights) for c in candidates),
+        key=lambda s: (s.cost, -by_id[s.instance_id].held_tokens, _natural(s.instance_id)),
+    )
+    best = by_id[scores[0].instance_id]
+    if len(candidates) == 1:
+        reason = "the only ready instance"
+    elif best.held_tokens > 0:
+        reason = f"holds {best.held_tokens} of {n_prompt} prompt tokens ({best.source}) at cost {scores[0].cost:g}"
+    else:
+        reason = f"lowest load (cost {scores[0].cost:g})"
+    return RouteDecision(chosen=best.instance_id, reason=reason, scores=tuple(scores))

@@ -1,0 +1,501 @@
+"""Generations on the runner's servers (runner shell): slots, L3 restore and capture, streaming.
+
+`mesh.runner.<node>.generate` takes the router's `RunnerGenerate`. For the instance it names (ready, on this
+node) the runner:
+
+1. tokenizes the prompt on that server (`/tokenize`, specials added as `/completion` would) unless the router
+   already did;
+2. takes the free slot holding the longest prefix of those tokens (`slots.SlotTable`; requests queue in
+   arrival order when every slot is busy, up to the request's deadline);
+3. when the node's L3 holds a longer prefix than the slot (at most one token short of the prompt: the server
+   must compute the last position's logits), writes it into the instance's `--slot-save-path` and restores it
+   into the slot (`/slots/{id}?action=restore`);
+4. when the prompt is long enough to keep and neither the slot nor L3 held all but its last token, first
+   prefills the prompt one token short and saves that state (`capture`): the same prompt again, on any
+   model kind, then evaluates one token, where a state saved after the prompt could not be rolled back on a
+   hybrid model (see the reference: a recurrent state cannot be rewound);
+5. runs `/completion` with `id_slot` and `cache_prompt`, streamed from the server; with a client `stream`
+   subject, publishes each piece as a `GenerateChunk` and checks every `STREAM_PING_S` that someone still
+   listens (no responders: the generation stops and the slot is freed);
+6. answers, then saves the slot's state after the completion (prompt and generated tokens: the next turn of
+   a conversation extends it) and hands it to L3, holding the slot until the save is done, off the reply's path.
+
+A server error is the request's error, never the runner's; the slot's contents are then unknown (it holds
+nothing), and the slot is freed whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import platform
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import nats.errors
+
+from actors.l3.api import L3Access, L3Hit, L3Unavailable
+from actors.l3.identity import DraftSettings, Platform, StateInputs, exact_state_identity
+from actors.router.prefixes import resident_prefixes
+from actors.runner.server_api import ServerApi, ServerApiError, sampling_body
+from actors.runner.slots import Grant, SlotTable
+from messages.errors import BAD_REQUEST, NOT_FOUND, TIMEOUT, UNAVAILABLE
+from messages.generate import (
+    STREAM_PING_HEADER,
+    STREAM_PING_S,
+    GenerateChunk,
+    GenerateResult,
+    InstanceLoad,
+    RunnerGenerate,
+    ServingReport,
+    StopReason,
+    StreamPing,
+)
+from messages.l3 import PrefixSource
+from messages.placement import Reservation
+from runtime.actor import RequestError
+from runtime.bus import Bus, encode
+from runtime.logging import get_logger
+
+__all__ = ["PAYLOAD_KIND", "ClientGone", "Serving", "ServingLimits", "state_identity"]
+
+PAYLOAD_KIND: Final = "llama_slot"
+_log = get_logger(component="serving")
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    capture_min_tokens: int = 256  # shorter prompts are not kept in L3
+    tokenize_timeout_s: float = 10.0
+    slot_file_timeout_s: float = 120.0  # one save or restore of a slot state (a large state is seconds of disk)
+    idle_timeout_s: float = 120.0  # the server sent nothing this long during a completion (a long prefill)
+    max_generations: int = 64  # generations running or queued on this runner at once
+    report_interval_s: float = 2.0
+    report_ttl_s: float = 10.0
+    stream_silence_s: float = 5.0  # a streaming client that answers no ping this long is gone
+
+
+class ClientGone(Exception):
+    """The streaming client stopped listening."""
+
+
+def state_identity(reservation: Reservation, model_digest: str, engine_version: str | None) -> str:
+    """The exact-state identity of the slot states an instance of `reservation` saves."""
+    s = reservation.stamp.settings
+    draft = None
+    if s.spec_type != "none":
+        draft = DraftSettings(
+            spec_type=s.spec_type,
+            draft_depth=s.spec_draft_n_max,
+            cache_type_k=s.spec_draft_type_k,
+            cache_type_v=s.spec_draft_type_v,
+        )
+    inputs = StateInputs(
+        model_digest=model_digest,
+        llama_build=engine_version,
+        cache_type_k=s.cache_type_k,
+        cache_type_v=s.cache_type_v,
+        flash_attention=s.flash_attn == "on",
+        unified_kv=s.kv_unified,
+        draft=draft,
+        payload_kind=PAYLOAD_KIND,
+        platform=Platform(machine=platform.machine(), byte_order="little" if sys.byteorder == "little" else "big"),
+    )
+    return exact_state_identity(inputs)
+
+
+class _Instance:
+    """One ready instance as serving sees it (rebuilt when its server restarts: the slots hold nothing then)."""
+
+    def __init__(self, instance_id: str, port: int, slots: int, slot_dir: Path, generation: object) -> None:
+        self.id = instance_id
+        self.port = port
+        self.slot_dir = slot_dir
+        self.generation = generation
+        self.table = SlotTable(slots)
+        self.wakeups: list[asyncio.Future[None]] = []  # waiters for a slot, woken on every release
+        self.identity: str | None = None
+
+    def wake(self) -> None:
+        for waiter in self.wakeups:
+            if not waiter.done():
+                waiter.set_result(None)
+        self.wakeups.clear()
+
+
+class _Stream:
+    """Chunks to a client's subject, in order, with a liveness check."""
+
+    def __init__(self, bus: Bus, subject: str, request_id: str, silence_s: float) -> None:
+        self._bus = bus
+        self.subject = subject
+        self.request_id = request_id
+        self.seq = 0
+        self._silence_s = silence_s
+
+    async def send(self, text: str, tokens: list[int]) -> None:
+        chunk = GenerateChunk(request_id=self.request_id, seq=self.seq, text=text, tokens=tokens)
+        self.seq += 1
+        await self._bus.nc.publish(self.subject, encode(chunk))
+
+    async def watch(self) -> None:
+        """Returns never; raises `ClientGone` once nobody listens on the subject (or answers for too long)."""
+        loop = asyncio.get_running_loop()
+        answered = loop.time()
+        while True:
+            await asyncio.sleep(STREAM_PING_S)
+            ping = encode(StreamPing(request_id=self.request_id, seq=self.seq))
+            try:
+                await self._bus.nc.request(
+                    self.subject, ping, timeout=STREAM_PING_S * 2, headers={STREAM_PING_HEADER: "1"}
+                )
+                answered = loop.time()
+            except nats.errors.NoRespondersError as exc:
+                raise ClientGone("no subscriber on the stream subject") from exc
+            except nats.errors.TimeoutError as exc:
+                if loop.time() - answered > self._silence_s:
+                    raise ClientGone(f"the client answered no ping for {self._silence_s:g}s") from exc
+
+
+class Serving:
+    """The generations of one runner incarnation."""
+
+    def __init__(
+        self,
+        node_id: str,
+        bus: Bus,
+        api: ServerApi,
+        l3: L3Access | None,
+        spawn: Callable[[Any, str], asyncio.Task[None]],
+        limits: ServingLimits = ServingLimits(),
+    ) -> None:
+        self.node_id = node_id
+        self._bus = bus
+        self._api = api
+        self._l3 = l3
+        self._spawn = spawn
+        self.limits = limits
+        self._instances: dict[str, _Instance] = {}
+        self._active = 0
+        self.changed = asyncio.Event()  # set on every load change: the report goes out soon after
+        self._seq = 0
+
+    # --- the instances ---------------------------------------------------------------------------------
+
+    def sync(self, ready: dict[str, tuple[int, int, Path, object]]) -> None:
+        """The ready instances now: id -> (port, slots, slot dir, generation). A new generation (a restarted
+        server) starts with empty slots; instances no longer ready are forgotten once idle."""
+        for iid, (port, slots, slot_dir, generation) in ready.items():
+            known = self._instances.get(iid)
+            if known is None or known.generation != generation or known.port != port:
+                identity = known.identity if known is not None else None
+                fresh = _Instance(iid, port, slots, slot_dir, generation)
+                fresh.identity = identity
+                if known is not None:  # running generations keep their own object; new ones get fresh slots
+                    fresh.table = known.table
+                    fresh.table.forget()
+                    fresh.wakeups = known.wakeups
+                self._instances[iid] = fresh
+                self.changed.set()
+        for iid in [i for i in self._instances if i not in ready]:
+            if self._instances[iid].table.busy == 0 and self._instances[iid].table.queued == 0:
+                del self._instances[iid]
+                self.changed.set()
+
+    def set_identity(self, instance_id: str, identity: str) -> None:
+        instance = self._instances.get(instance_id)
+        if instance is not None and instance.identity != identity:
+            instance.identity = identity
+            self.changed.set()
+
+    def identity_of(self, instance_id: str) -> str | None:
+        instance = self._instances.get(instance_id)
+        return instance.identity if instance is not None else None
+
+    def report(self) -> ServingReport:
+        self._seq += 1
+        loads = []
+        for inst in self._instances.values():
+            resident = resident_prefixes(inst.identity, inst.table.holdings()) if inst.identity else ()
+            loads.append(
+                InstanceLoad(
+                    instance_id=inst.id,
+                    slots=inst.table.n_slots,
+                    busy=inst.table.busy,
+                    queued=inst.table.queued,
+                    identity=inst.identity,
+                    resident=resident,
+                )
+            )
+        return ServingReport(
+            node_id=self.node_id, seq=self._seq, ttl_s=self.limits.report_ttl_s, instances=tuple(loads)
+        )
+
+    # --- requests --------------------------------------------------------------------------------------------
+
+    async def tokenize(self, instance_id: str, text: str) -> list[int]:
+        instance = self._instance(instance_id)
+        try:
+            return await self._api.tokenize(instance.port, text, timeout_s=self.limits.tokenize_timeout_s)
+        except ServerApiError as exc:
+            raise RequestError(UNAVAILABLE, f"instance {instance_id}: {exc}") from exc
+
+    def _instance(self, instance_id: str) -> _Instance:
+        instance = self._instances.get(instance_id)
+        if instance is None:
+            raise RequestError(NOT_FOUND, f"no ready instance {instance_id!r} on node {self.node_id}")
+        return instance
+
+    async def generate(self, order: RunnerGenerate) -> GenerateResult:
+        started = time.perf_counter()
+        request = order.request
+        instance = self._instance(order.instance_id)
+        if self._active >= self.limits.max_generations:
+            raise RequestError(UNAVAILABLE, f"node {self.node_id} runs {self._active} generations already; retry")
+        self._active += 1
+        try:
+            async with asyncio.timeout(request.timeout_s):
+                return await self._generate(instance, order, started)
+        except TimeoutError as exc:
+            raise RequestError(TIMEOUT, f"the generation did not finish within {request.timeout_s:g}s") from exc
+        finally:
+            self._active -= 1
+
+    async def _generate(self, instance: _Instance, order: RunnerGenerate, started: float) -> GenerateResult:
+        request = order.request
+        prompt = request.prompt
+        if order.tokens is not None:
+            tokens = list(order.tokens)
+        elif isinstance(prompt, str):
+            tokens = await self.tokenize(instance.id, prompt)
+        else:
+            tokens = list(prompt)
+        if not tokens:
+            raise RequestError(BAD_REQUEST, "the prompt has no tokens")
+        grant = await self._acquire(instance, tokens)
+        handed_over = False
+        try:
+            result, held, saved = await self._run(instance, grant, order, tokens, started)
+            if saved is not None:  # the save runs after the reply; it gives the slot back itself
+                self._spawn(self._save_after(instance, grant.slot, saved), f"capture:{order.request_id}")
+                handed_over = True
+            else:
+                self._release(instance, grant.slot, held)
+                handed_over = True
+            return result
+        finally:
+            if not handed_over:
+                self._release(instance, grant.slot, None)
+
+    async def _acquire(self, instance: _Instance, tokens: Sequence[int]) -> Grant:
+        table = instance.table
+        grant = table.acquire(tokens)
+        if grant is not None:
+            self.changed.set()
+            return grant
+        ticket = object()
+        table.wait(ticket)
+        self.changed.set()
+        loop = asyncio.get_running_loop()
+        try:
+            while not table.my_turn(ticket):
+                waiter: asyncio.Future[None] = loop.create_future()
+                instance.wakeups.append(waiter)
+                await waiter
+            grant = table.acquire(tokens, ticket)
+        except BaseException:
+            table.withdraw(ticket)
+            self.changed.set()
+            raise
+        assert grant is not None
+        self.changed.set()
+        return grant
+
+    def _release(self, instance: _Instance, slot: int, held: Sequence[int] | None) -> None:
+        instance.table.release(slot, held)
+        instance.wake()
+        self.changed.set()
+
+    async def _run(
+        self, instance: _Instance, grant: Grant, order: RunnerGenerate, tokens: list[int], started: float
+    ) -> tuple[GenerateResult, list[int] | None, tuple[list[int], str] | None]:
+        """The generation on an acquired slot: its result, what the slot holds after it, and what to save."""
+        request = order.request
+        slot = grant.slot
+        source: PrefixSource = "resident" if grant.resident > 0 else "cold"
+        held = grant.resident
+        restored = 0
+        identity = instance.identity
+        capture_on = request.capture and self._l3 is not None and identity is not None
+        if self._l3 is not None and identity is not None and held < len(tokens) - 1:
+            hit = await self._l3.lookup(identity, tokens, max_tokens=len(tokens) - 1)
+            if hit is not None and hit.n_tokens > held and await self._restore(instance, slot, hit):
+                restored = held = hit.n_tokens
+                source = hit.source
+                instance.table.update(slot, tokens[:held])
+        evaluated = 0
+        capture = "off" if not request.capture else "no_l3" if self._l3 is None else "no_identity"
+        if capture_on:
+            capture = "short" if len(tokens) - 1 < self.limits.capture_min_tokens else "held"
+            if capture == "held" and held < len(tokens) - 1:
+                evaluated += await self._prefill_and_save(instance, slot, tokens[:-1], order.request_id)
+                capture = "queued"
+        body = {
+            "prompt": tokens,
+            "n_predict": request.n_predict,
+            "id_slot": slot,
+            "cache_prompt": True,
+            "return_tokens": True,
+            **sampling_body(request.sampling, request.sampling.stop),
+        }
+        stream = (
+            _Stream(self._bus, request.stream, order.request_id, self.limits.stream_silence_s)
+            if request.stream
+            else None
+        )
+        generated: list[int] = []
+        text: list[str] = []
+        first: float | None = None
+        final: dict[str, Any] = {}
+        stop: StopReason = "limit"
+
+        async def complete() -> None:
+            nonlocal first, final
+            async for event in self._api.completion(
+                instance.port, body, connect_timeout_s=self.limits.tokenize_timeout_s,
+                idle_timeout_s=self.limits.idle_timeout_s,
+            ):  # fmt: skip
+                pieces = [t for t in event.get("tokens") or () if isinstance(t, int)]
+                content = event.get("content") or ""
+                if (pieces or content) and first is None:
+                    first = time.perf_counter()
+                generated.extend(pieces)
+                text.append(content)
+                if stream is not None and (pieces or content):
+                    await stream.send(content, pieces)
+                if event.get("stop"):
+                    final = event
+
+        try:
+            if stream is None:
+                await complete()
+            else:
+                async with asyncio.TaskGroup() as tg:
+                    watcher = tg.create_task(stream.watch())
+                    await complete()
+                    watcher.cancel()
+        except* ClientGone as group:
+            _log.info("stream_client_gone", request_id=order.request_id, reason=str(group.exceptions[0]))
+            stop = "cancelled"
+        except* ServerApiError as group:
+            error = group.exceptions[0]
+            status = getattr(error, "status", None)
+            code = BAD_REQUEST if status == 400 else UNAVAILABLE
+            raise RequestError(code, f"instance {instance.id}: {error}") from error
+        timings = final.get("timings") or {}
+        if stop != "cancelled":
+            stop = {"eos": "eos", "word": "stop_word"}.get(str(final.get("stop_type")), "limit")  # type: ignore[assignment]
+        evaluated += int(timings.get("prompt_n", 0) or 0)
+        now = time.perf_counter()
+        after = tokens + generated[:-1] if stop != "cancelled" else None
+        save = None
+        if capture_on and after is not None and len(after) >= self.limits.capture_min_tokens:
+            save = (tokens + generated, order.request_id)
+            capture = "queued"
+        result = GenerateResult(
+            request_id=order.request_id,
+            text="".join(text),
+            tokens=generated,
+            prompt_tokens=len(tokens),
+            source=source,
+            tokens_restored=restored,
+            tokens_cached=int(timings.get("cache_n", 0) or 0),
+            tokens_evaluated=evaluated,
+            ttft_ms=order.routed_ms + ((first or now) - started) * 1000,
+            total_ms=order.routed_ms + (now - started) * 1000,
+            node=self.node_id,
+            instance=instance.id,
+            slot=slot,
+            stop_reason=stop,
+            decision_id=order.route.decision_id if order.route else "",
+            capture=capture,
+        )
+        return result, after, save
+
+    async def _restore(self, instance: _Instance, slot: int, hit: L3Hit) -> bool:
+        assert self._l3 is not None
+        name = f"restore-{uuid.uuid4().hex}.bin"
+        path = instance.slot_dir / name
+        try:
+            await self._l3.materialize(hit, path, deadline_s=self.limits.slot_file_timeout_s)
+            reply = await self._api.slot_action(
+                instance.port, slot, "restore", name, timeout_s=self.limits.slot_file_timeout_s
+            )
+            if int(reply.get("n_restored", -1)) != hit.n_tokens:
+                _log.warning("restore_mismatch", entry=hit.entry, expected=hit.n_tokens, got=reply.get("n_restored"))
+                instance.table.update(slot, ())
+                return False
+            return True
+        except (L3Unavailable, ServerApiError) as exc:
+            _log.warning("restore_failed", instance_id=instance.id, entry=hit.entry, error=str(exc))
+            instance.table.update(slot, ())
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(path.unlink, missing_ok=True)
+
+    async def _prefill_and_save(self, instance: _Instance, slot: int, prefix: list[int], request_id: str) -> int:
+        """Prefills `prefix` into the slot and captures it; returns the tokens the server evaluated."""
+        body = {"prompt": prefix, "n_predict": 0, "id_slot": slot, "cache_prompt": True, "temperature": 0}
+        final: dict[str, Any] = {}
+        try:
+            async for event in self._api.completion(
+                instance.port, body, connect_timeout_s=self.limits.tokenize_timeout_s,
+                idle_timeout_s=self.limits.idle_timeout_s,
+            ):  # fmt: skip
+                if event.get("stop"):
+                    final = event
+        except ServerApiError as exc:
+            raise RequestError(UNAVAILABLE, f"instance {instance.id}: {exc}") from exc
+        instance.table.update(slot, prefix)
+        await self._save(instance, slot, prefix, f"{request_id}-prefix")
+        return int((final.get("timings") or {}).get("prompt_n", 0) or 0)
+
+    async def _save(self, instance: _Instance, slot: int, tokens: list[int], tag: str) -> None:
+        """Saves the slot and hands the file to L3 (what the slot holds is `tokens[:n_saved]`)."""
+        assert self._l3 is not None and instance.identity is not None
+        name = f"capture-{tag}-{uuid.uuid4().hex[:8]}.bin"
+        path = instance.slot_dir / name
+        try:
+            reply = await self._api.slot_action(
+                instance.port, slot, "save", name, timeout_s=self.limits.slot_file_timeout_s
+            )
+        except ServerApiError as exc:
+            _log.warning("save_failed", instance_id=instance.id, error=str(exc))
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(path.unlink, missing_ok=True)
+            return
+        n_saved = int(reply.get("n_saved", -1))
+        if not 0 < n_saved <= len(tokens):
+            _log.warning("save_mismatch", instance_id=instance.id, n_saved=n_saved, known=len(tokens))
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(path.unlink, missing_ok=True)
+            return
+        self._l3.capture(path, identity=instance.identity, tokens=tokens[:n_saved], payload_kind=PAYLOAD_KIND)
+
+    async def _save_after(self, instance: _Instance, slot: int, saved: tuple[list[int], str]) -> None:
+        """After the reply: the slot's state saved into L3, then the slot given back."""
+        tokens, request_id = saved
+        held: list[int] | None = tokens[:-1]
+        try:
+            await self._save(instance, slot, tokens, request_id)
+        except Exception as exc:  # a capture failing is the capture's problem, never the runner's
+            _log.warning("capture_failed", instance_id=instance.id, error=repr(exc))
+            held = None
+        finally:
+            self._release(instance, slot, held)

@@ -1,0 +1,130 @@
+"""The slots of one llama-server instance: which is free, and which tokens each one holds (runner core, pure).
+
+Rules this module keeps:
+
+* A request gets a free slot or waits; `acquire` never hands out a busy slot, and every acquired slot is
+  given back exactly once (`release`), with the tokens the server's cache holds for it afterwards.
+* Among free slots, the one whose held tokens share the longest prefix with the request wins (the server
+  then reuses that prefix); ties go to the least recently used slot (its contents are the least likely to
+  be wanted again), then to the lowest id. A slot whose state is unknown (the server restarted, a request
+  failed) holds nothing.
+* Waiting requests are served in arrival order: a release hands the slot to the oldest waiter.
+* No clock and no I/O: "recently" is a counter of releases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Sequence
+
+__all__ = ["Grant", "SlotTable", "common_prefix"]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Grant:
+    """A slot handed to one request, and the prefix the server already holds for it."""
+
+    __slots__ = ("resident", "slot")
+
+    def __init__(self, slot: int, resident: int) -> None:
+        self.slot = slot
+        self.resident = resident
+
+    def __repr__(self) -> str:
+        return f"Grant(slot={self.slot}, resident={self.resident})"
+
+
+class SlotTable:
+    def __init__(self, n_slots: int) -> None:
+        if n_slots < 1:
+            raise ValueError("an instance has at least one slot")
+        self._held: list[tuple[int, ...]] = [() for _ in range(n_slots)]
+        self._busy = [False] * n_slots
+        self._used = [0] * n_slots  # release counter at last release: lower is older
+        self._clock = 0
+        self._waiting: deque[object] = deque()
+
+    @property
+    def n_slots(self) -> int:
+        return len(self._held)
+
+    @property
+    def busy(self) -> int:
+        return sum(self._busy)
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    def held(self, slot: int) -> tuple[int, ...]:
+        return self._held[slot]
+
+    def holdings(self) -> list[tuple[int, ...]]:
+        """What every slot holds (busy ones included: their prefix stays while they run)."""
+        return list(self._held)
+
+    def wait(self, ticket: object) -> None:
+        """Queues a request that found no free slot (or arrived behind others)."""
+        self._waiting.append(ticket)
+
+    def withdraw(self, ticket: object) -> None:
+        """A waiting request gave up (deadline, client gone)."""
+        with contextlib.suppress(ValueError):
+            self._waiting.remove(ticket)
+
+    def my_turn(self, ticket: object) -> bool:
+        """Whether `ticket` may take a slot now: it is the oldest waiter (or nobody waits) and a slot is free."""
+        if not self.free():
+            return False
+        return not self._waiting or self._waiting[0] is ticket
+
+    def free(self) -> bool:
+        return not all(self._busy)
+
+    def acquire(self, tokens: Sequence[int], ticket: object | None = None) -> Grant | None:
+        """The best free slot for `tokens`, marked busy; None when every slot is busy or others wait first."""
+        if ticket is None and self._waiting:
+            return None
+        if ticket is not None and not self.my_turn(ticket):
+            return None
+        best: tuple[int, int, int] | None = None  # (-shared prefix, last used, slot)
+        for slot, busy in enumerate(self._busy):
+            if busy:
+                continue
+            key = (-common_prefix(self._held[slot], tokens), self._used[slot], slot)
+            if best is None or key < best:
+                best = key
+        if best is None:
+            return None
+        if ticket is not None:
+            self._waiting.popleft()
+        slot = best[2]
+        self._busy[slot] = True
+        return Grant(slot, -best[0])
+
+    def update(self, slot: int, tokens: Sequence[int]) -> None:
+        """What the server holds for a busy slot now (after a restore or a prefill)."""
+        if not self._busy[slot]:
+            raise ValueError(f"slot {slot} is not acquired")
+        self._held[slot] = tuple(tokens)
+
+    def release(self, slot: int, tokens: Sequence[int] | None) -> None:
+        """Gives a slot back; `tokens` is what the server's cache holds for it now (None: unknown)."""
+        if not self._busy[slot]:
+            raise ValueError(f"slot {slot} is not acquired")
+        self._busy[slot] = False
+        self._held[slot] = tuple(tokens) if tokens is not None else ()
+        self._clock += 1
+        self._used[slot] = self._clock
+
+    def forget(self) -> None:
+        """The server restarted: no slot holds anything (busy slots stay busy until released)."""
+        self._held = [() for _ in self._held]

@@ -1,0 +1,185 @@
+"""Generation: `mesh.generate` (any node's router) and `mesh.runner.<node>.generate` (the chosen runner).
+
+A client sends a `GenerateRequest` to `mesh.generate` (a queue group on every node). The router picks a ready
+instance of the model (the one holding the longest prefix of the prompt, resident in a slot or in its node's
+L3 store, traded against its load), journals the decision (`generate_routed`), and forwards a
+`RunnerGenerate` to that instance's runner. The runner tokenizes, restores the longest stored prefix into a
+free slot, runs the completion on its llama-server and answers a `GenerateResult`; the slot's state is captured
+into L3 afterwards, without delaying the reply.
+
+With `stream` set to a subject the client subscribes to, the runner also publishes `GenerateChunk`s there as
+tokens come (`seq` 0, 1, 2, … with no gaps; the reply still carries the whole result and ends the stream).
+Every `STREAM_PING_S` the runner sends a `StreamPing` there as a request: a client must answer it (any
+payload); when nobody listens any more (no responders), the generation stops and its slot is freed.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal
+
+import msgspec
+
+from messages.l3 import PrefixSource
+
+#: Longest accepted prompt: text (characters) or token ids.
+MAX_PROMPT_CHARS: Final = 4 << 20
+MAX_PROMPT_TOKENS: Final = 1 << 20
+#: How often a streaming runner checks that its client still listens.
+STREAM_PING_S: Final = 0.5
+#: Header a stream ping carries (chunks carry none).
+STREAM_PING_HEADER: Final = "Mesh-Stream-Ping"
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+StopReason = Literal["eos", "limit", "stop_word", "cancelled"]
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """llama-server's sampling parameters (same names, same defaults). `temperature` 0 is greedy."""
+
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 0.8
+    top_k: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 40
+    top_p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.95
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.05
+    seed: Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)] | None = None  # None: a random seed
+    stop: Annotated[
+        tuple[Annotated[str, msgspec.Meta(min_length=1, max_length=256)], ...], msgspec.Meta(max_length=16)
+    ] = ()
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`model`: a registry name, a model path as placed, or an instance id. `prompt`: text, or token ids."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    prompt: (
+        Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PROMPT_CHARS)]
+        | Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+    )
+    n_predict: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 128
+    sampling: Sampling = Sampling()
+    stream: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None  # subject for chunks
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 300.0  # the whole generation, routing included
+    request_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
+    capture: bool = True  # False: do not store this request's states in L3
+
+
+class RouteChoice(msgspec.Struct, frozen=True, kw_only=True):
+    """What routing expects of the chosen instance (the runner re-checks all of it)."""
+
+    held_tokens: int  # the prefix routing credited the instance with
+    source: PrefixSource
+    decision_id: str
+
+
+class RunnerGenerate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The router's order to one runner: run `request` on `instance_id`."""
+
+    request: GenerateRequest
+    request_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    instance_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    tokens: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)] | None = None  # tokenized already
+    route: RouteChoice | None = None
+    routed_ms: float = 0.0  # the router's time before forwarding (counted in the time to first token)
+
+
+class Tokenize(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    instance_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    text: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PROMPT_CHARS)]
+
+
+class Tokens(msgspec.Struct, frozen=True, kw_only=True):
+    tokens: list[int]
+
+
+class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    seq: int
+    text: str
+    tokens: list[int]
+
+
+class StreamPing(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    seq: int  # chunks published so far
+
+
+class GenerateResult(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    text: str
+    tokens: list[int]  # the generated token ids
+    prompt_tokens: int
+    source: PrefixSource  # where the reused prefix came from (`cold`: nothing was reused)
+    tokens_restored: int  # restored from L3 into the slot before the completion
+    tokens_cached: int  # reused by the server (llama-server's `cache_n`; includes restored tokens)
+    tokens_evaluated: int  # llama-server's `prompt_n`: prompt tokens it computed
+    ttft_ms: float  # from the router's receipt to the first generated token
+    total_ms: float
+    node: str
+    instance: str
+    slot: int
+    stop_reason: StopReason
+    decision_id: str = ""
+    capture: str = ""  # what happens to the state: "queued", or why not ("off", "short", "no_l3", …)
+
+
+# ---- what runners publish about their instances (`mesh.serving.<node>`, core NATS, not journaled) ----
+
+
+class HeldPrefix(msgspec.Struct, frozen=True, array_like=True):
+    """A slot holds the first `n_tokens` tokens whose entry id (identity, tokens) is `entry`."""
+
+    n_tokens: int
+    entry: str
+
+
+class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True):
+    instance_id: str
+    slots: int
+    busy: int
+    queued: int
+    identity: str | None  # the exact-state identity of its states (None: unknown, no L3 credit)
+    resident: tuple[HeldPrefix, ...] = ()  # at the lengths `actors.router.prefixes.marks` gives, per slot
+
+
+class ServingReport(msgspec.Struct, frozen=True, kw_only=True):
+    """Sent on every change (debounced) and every few seconds; a report older than `ttl_s` is not used."""
+
+    node_id: str
+    seq: int
+    ttl_s: float
+    instances: tuple[InstanceLoad, ...]
+
+
+# ---- routing (inputs and outcome of `actors.router.routing.choose`, journaled as `generate_routed`) ----
+
+
+class RouteWeights(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    active_cost: float = 64.0  # prompt tokens' worth per generation running or queued on the instance
+    wait_cost: float = 1024.0  # per request ahead when no slot is free
+    l3_local_cost: float = 0.02  # per restored token from the node's own store
+    l3_peer_cost: float = 0.1  # per restored token fetched from a peer's store
+
+
+class Candidate(msgspec.Struct, frozen=True, kw_only=True):
+    instance_id: str
+    node: str
+    slots: int
+    busy: int  # slots generating now
+    queued: int  # requests waiting for a slot
+    inflight: int = 0  # requests this router sent there that the last load report may not count yet
+    held_tokens: int = 0
+    source: PrefixSource = "cold"
+    held_node: str | None = None  # the store holding an L3 prefix
+
+
+class Scored(msgspec.Struct, frozen=True, kw_only=True):
+    instance_id: str
+    cost: float
+    new_tokens: int
+    restore: float
+    load: float
+
+
+class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
+    chosen: str | None
+    reason: str
+    scores: tuple[Scored, ...] = ()

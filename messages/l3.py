@@ -1,0 +1,139 @@
+"""L3: what a node's durable store of saved slot states holds, as routing and peers see it.
+
+Each node's L3 actor publishes its `L3Inventory` in the `MESH_L3` KV bucket (key = node id, per-key TTL,
+refreshed while the node lives). Routing reads it to credit a node with the prefixes its store holds; a peer
+that wants an entry fetches it over `mesh.l3.<node>.manifest` / `.segment`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal
+
+import msgspec
+
+#: Where a prompt's prefix came from when a generation started.
+PrefixSource = Literal["resident", "l3_local", "l3_peer", "cold"]
+
+
+class L3Item(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One stored entry: its exact-state identity, how many tokens it holds, its entry id and size."""
+
+    identity: str
+    n_tokens: int
+    entry: str
+    bytes: int
+
+
+class L3Inventory(msgspec.Struct, frozen=True, kw_only=True):
+    """One node's store: totals, and its entries (the most recently used first, at most `max_items`)."""
+
+    node_id: str
+    entries: int
+    tokens: int
+    bytes: int
+    budget_bytes: int
+    quarantined: int = 0
+    items: tuple[L3Item, ...] = ()
+    truncated: bool = False  # more entries are stored than `items` lists
+    sent_at: float = 0.0
+
+
+# ---- peer fetch: `mesh.l3.<node>.manifests` / `.manifest` / `.segment` ----
+#
+# `.manifests` answers JSON. `.manifest` and `.segment` answer raw bytes (one chunk, at most what the request
+# asks and never more than fits the server's max_payload), with the chunk's place in the headers:
+# `L3-Offset` (where the chunk starts) and `L3-Total` (the size of the whole manifest or segment). A fetcher
+# asks for the next offset until it has `L3-Total` bytes; errors are the usual error replies (headers
+# `Mesh-Error` etc., JSON body). Every digest and entry id must be 64 lowercase hex characters.
+
+#: Headers of a raw chunk reply.
+CHUNK_OFFSET_HEADER: Final = "L3-Offset"
+CHUNK_TOTAL_HEADER: Final = "L3-Total"
+
+Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$", description="blake3, 64 lowercase hex")]
+Offset = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+
+
+class ManifestsRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The entries a node's store holds (from its catalog, no disk read), most recently used first."""
+
+    identity: Digest | None = None  # only entries of this exact-state identity
+    limit: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 1000
+
+
+class ManifestList(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    items: tuple[L3Item, ...]
+    truncated: bool = False
+
+
+class ManifestRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One chunk of an entry's manifest (the stored JSON, as on disk); the reply is raw bytes."""
+
+    entry: Digest
+    offset: Offset = 0
+
+
+class SegmentRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One chunk of a stored segment, by its digest; the reply is raw bytes."""
+
+    digest: Digest
+    offset: Offset = 0
+    length: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]  # at most; the server caps it under max_payload
+
+
+# ---- administration: `mesh.l3.<node>.stat` / `.verify` / `.gc` / `.evict` (what `mesh-actor l3` sends) ----
+
+
+class EntryRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`stat` and `verify`: one entry by id."""
+
+    entry: Digest
+
+
+class EntryStat(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    entry: str
+    identity: str
+    n_tokens: int
+    bytes: int
+    payload_kind: str
+    payload_digest: str
+    segments: int
+    last_use: float  # unix seconds
+    pinned: bool  # being committed or restored right now
+
+
+class VerifyReply(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    entry: str
+    ok: bool
+    detail: str = ""  # why not: the entry was quarantined
+
+
+class GcRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Reconcile the store now (temporary files, bad manifests, orphan segments)."""
+
+
+class GcReply(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    entries: int
+    bytes: int
+    removed_temp: int
+    removed_orphans: int
+    quarantined: tuple[str, ...]  # manifests moved to quarantine by this pass
+    gc_suspended: bool  # an unreadable manifest is quarantined: no segment was collected
+
+
+class EvictRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Evict one entry, or every entry not in use (`all`)."""
+
+    entry: Digest | None = None
+    all: bool = False
+
+
+class EvictReply(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    evicted: tuple[str, ...]
+    freed_bytes: int
+    pinned: tuple[str, ...] = ()  # asked for but in use: not evicted
