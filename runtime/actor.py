@@ -65,6 +65,17 @@ class RequestError(Exception):
         self.reply = ErrorReply(code=code, message=message, details=details or {})
 
 
+class RawReply:
+    """A reply of raw bytes (bulk data, e.g. an L3 segment chunk) with its metadata in NATS headers, for a
+    handler that returns it instead of a Struct; its size is checked against max_payload like any reply."""
+
+    __slots__ = ("data", "headers")
+
+    def __init__(self, data: bytes, headers: dict[str, str] | None = None) -> None:
+        self.data = data
+        self.headers = headers or {}
+
+
 class ActorGaveUpError(RuntimeError):
     """An actor exceeded its restart intensity; raised by the supervisor when it escalates."""
 
@@ -125,14 +136,18 @@ class ActorContext:
         *,
         queue_group: str | None = None,
         inbox: int = 256,
+        workers: int = 1,
     ) -> None:
-        """Serves request/reply on `subject` (a micro service endpoint), one request at a time.
+        """Serves request/reply on `subject` (a micro service endpoint), `workers` requests at a time.
 
         The client library's callback only queues the request (or answers `busy` when the inbox is full), so
-        replies keep the library's write batching under load; the worker in this incarnation's task group
-        answers in order. A request that waited in the inbox past the request deadline is answered `timeout`
-        (its requester has given up); requests still queued when the incarnation ends get `unavailable`.
+        replies keep the library's write batching under load; the workers in this incarnation's task group
+        answer (with one worker, in order). A request that waited in the inbox past the request deadline is
+        answered `timeout` (its requester has given up); requests still queued when the incarnation ends get
+        `unavailable`. A handler may return a `RawReply` (bytes and headers) instead of a Struct.
         """
+        if workers < 1:
+            raise ValueError("an endpoint needs at least one worker")
         queue: asyncio.Queue[tuple[Request, float]] = asyncio.Queue(maxsize=inbox)
         self._inboxes.append(queue)
         loop = asyncio.get_running_loop()
@@ -158,7 +173,8 @@ class ActorContext:
                     await _respond_error(request, reply)
                     raise
 
-        self.spawn(worker(), f"endpoint:{name}")
+        for n in range(workers):
+            self.spawn(worker(), f"endpoint:{name}" if workers == 1 else f"endpoint:{name}:{n}")
         await self._service.add_endpoint(
             EndpointConfig(name=name, subject=subject, handler=on_request, queue_group=queue_group)
         )
@@ -171,7 +187,8 @@ class ActorContext:
             message = decode_checked(request.data, request_type, f"request on {request.subject!r}")
             async with asyncio.timeout_at(deadline):
                 reply = await handler(message)
-            payload = encode(reply)
+            headers = reply.headers if isinstance(reply, RawReply) else None
+            payload = reply.data if isinstance(reply, RawReply) else encode(reply)
             self.bus.check_size(request.subject, payload)
         except BadMessage as exc:
             self.log.info("bad_request", endpoint=name, error=str(exc))
@@ -196,7 +213,7 @@ class ActorContext:
             await _respond_error(request, ErrorReply(code=INTERNAL, message=f"{self.actor} failed: {exc!r}"))
             return
         with contextlib.suppress(nats.errors.Error):
-            await request.respond(payload)
+            await request.respond(payload, headers=headers)
 
     async def subscribe(
         self,

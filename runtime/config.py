@@ -62,6 +62,7 @@ class NodeConfig:
     journal_max_age_s: float = 7 * 24 * 3600.0
     journal_max_bytes: int = 1 << 30
     log_level: str = "info"
+    l3_budget_bytes: int | None = None  # None: a capped share of the disk (actors/l3/budget.py); 0: no capture
 
     @property
     def subjects(self) -> Subjects:
@@ -91,6 +92,13 @@ def _size(text: Any) -> int:
     if isinstance(text, int) and not isinstance(text, bool) and text > 0:
         return text
     return parse_size(str(text))
+
+
+def _budget(text: Any) -> int:
+    """A size, where 0 is allowed (it turns the L3 store's capture off)."""
+    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+        return text
+    return 0 if str(text).strip() in ("0", "0B", "0b") else parse_size(str(text))
 
 
 def _urls(text: Any) -> tuple[str, ...]:
@@ -137,6 +145,7 @@ _OPTIONS: dict[str, Callable[[Any], Any]] = {
     "journal_max_age": _positive_float,
     "journal_max_bytes": _size,
     "log_level": _level,
+    "l3_budget": _budget,
     "nats": _urls,
     "nats_user": str,
     "nats_password": str,
@@ -248,6 +257,7 @@ def load_config(
         journal_max_age_s=values.get("journal_max_age", 7 * 24 * 3600.0),
         journal_max_bytes=values.get("journal_max_bytes", 1 << 30),
         log_level=values.get("log_level", "info"),
+        l3_budget_bytes=values.get("l3_budget"),
     )
 
 

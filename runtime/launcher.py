@@ -21,6 +21,7 @@ import msgspec
 import nats.errors
 import nats.js.errors
 
+from actors.l3.actor import L3Actor
 from actors.placement.actor import PlacementActor
 from actors.runner.actor import RunnerActor
 from actors.runner.engine import EngineNotFound, find_llama_server, probe_llama_server
@@ -202,6 +203,7 @@ async def run_node(
             # Relative model names (registry entries) mean the same file to placement and to the runner.
             models_dir = config.models_dir or config.data_dir / "models"
             digests = FileDigests()  # one per node: placement and the runner hash each file version once
+            l3 = L3Actor(config.node_id, config.data_dir, budget_bytes=config.l3_budget_bytes)
             actors: list[Actor] = [
                 TelemetryActor(facts, settings_source=serving.get, interval_s=config.telemetry_interval_s),
                 PlacementActor(trusted_registry_keys=config.registry_keys, models_dir=models_dir, digests=digests),
@@ -214,6 +216,7 @@ async def run_node(
                     models_dir=models_dir,
                     digests=digests,
                 ),
+                l3,
             ]
             supervisor = Supervisor(bus=bus, journal=journal, subjects=config.subjects, node_id=config.node_id)
             url = ",".join(options.urls)

@@ -42,16 +42,25 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, entry: object) -> bool:
+        return entry in self._entries
+
     def add(self, identity: str, tokens: Sequence[int]) -> str:
         """Records an entry; returns its id. Adding the same entry twice changes nothing."""
-        entry = entry_id(identity, list(tokens))
+        return self.add_entry(identity, len(tokens), entry_id(identity, list(tokens)))
+
+    def add_entry(self, identity: str, n_tokens: int, entry: str) -> str:
+        """Records an entry whose id is known (a reconciled manifest's name, or a peer's inventory item: the
+        id is what a lookup probes for, so a wrong one is simply never found)."""
         if entry in self._entries:
             return entry
-        key = (identity, len(tokens))
+        if n_tokens < 0:
+            raise ValueError("n_tokens must not be negative")
+        key = (identity, n_tokens)
         self._entries[entry] = key
         self._counts[key] = self._counts.get(key, 0) + 1
         if self._counts[key] == 1:
-            bisect.insort(self._lengths.setdefault(identity, []), len(tokens))
+            bisect.insort(self._lengths.setdefault(identity, []), n_tokens)
         return entry
 
     def remove(self, entry: str) -> None:

@@ -61,6 +61,7 @@ __all__ = [
     "Inventory",
     "InventoryEntry",
     "QuarantinedManifest",
+    "SegmentReceiver",
     "Store",
     "StoreError",
     "UnknownEntry",
@@ -336,6 +337,83 @@ class Store:
         if stored == manifest:
             self.quarantine(entry, refusal.rule.value)
         raise CorruptEntry(entry, refusal)
+
+    # ---- peer fetch: serving chunks, receiving segments, committing a fetched entry ----
+
+    def manifest_bytes(self, entry: str) -> bytes:
+        """The stored manifest of `entry` as it is on disk (what a peer fetches and checks itself)."""
+        try:
+            return _read_small(self.manifest_file(entry), layout.MAX_MANIFEST_BYTES)
+        except FileNotFoundError as exc:
+            raise UnknownEntry(f"no entry {entry}") from exc
+
+    def read_chunk(self, digest: str, offset: int, length: int) -> tuple[bytes, int]:
+        """Up to `length` bytes of the stored segment `digest` from `offset`, and the segment's size.
+        `UnknownEntry` when it is not stored; the read is bounded by the caller's `length`."""
+        if offset < 0 or length < 0:
+            raise StoreError("offset and length must not be negative")
+        try:
+            fd = os.open(self.segment_file(digest), _OPEN_READ)
+        except FileNotFoundError as exc:
+            raise UnknownEntry(f"no segment {digest}") from exc
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise StoreError(f"segment {digest[:16]}… is not a regular file")
+            os.set_blocking(fd, True)
+            want = max(0, min(length, info.st_size - offset))
+            buffer = bytearray(want)
+            got = _pread_full(fd, memoryview(buffer), offset)
+            return (bytes(buffer) if got == want else bytes(buffer[:got])), info.st_size
+        finally:
+            os.close(fd)
+
+    def has_segment(self, digest: str, length: int) -> bool:
+        """Whether a segment of that name and size is stored (its content is re-hashed at commit and restore)."""
+        try:
+            info = os.stat(self.segment_file(digest), follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return stat.S_ISREG(info.st_mode) and info.st_size == length
+
+    def receive_segment(self, digest: str, length: int) -> SegmentReceiver:
+        """A temporary file in `segments/` for one segment arriving from a peer (see `SegmentReceiver`)."""
+        return SegmentReceiver(self, layout.check_digest(digest, "segment digest"), length)
+
+    def commit_fetched(self, manifest: Manifest, received: Mapping[str, SegmentReceiver]) -> None:
+        """Makes a fetched entry loadable: `received` (digest -> a finished receiver) holds the segments that
+        came from the peer, hashed as they arrived; every other segment the manifest names must be stored here
+        and is re-hashed now. Then the same commit check as an ingest (`commit.validate`), and the manifest is
+        written last. Call it where ingest is called (never beside `reconcile` or `enforce_budget`).
+        `CommitRefused` leaves nothing loadable (the received temporary files are the caller's to abort)."""
+        refusal = check_manifest(manifest)
+        if refusal is not None:
+            raise CommitRefused(refusal)
+        observed: list[SegmentRef] = []
+        for seg in manifest.segments:
+            got = received.get(seg.digest)
+            if got is not None:
+                observed.append(SegmentRef(seg.index, seg.offset, got.received, got.observed))
+            elif _intact(self.segment_file(seg.digest), seg.digest, seg.length):
+                observed.append(seg)
+            else:
+                raise CommitRefused(Refusal(rule=Rule.SEGMENT_MISSING, detail="not stored here", index=seg.index))
+        refusal = validate(manifest, observed, layout.payload_root(observed))
+        if refusal is not None:
+            raise CommitRefused(refusal)
+        dirs = {self.root / layout.SEGMENTS_DIR}
+        for digest, receiver in received.items():
+            final = self.segment_file(digest)
+            if not final.parent.is_dir():
+                self._make_dir(final.parent)
+            os.replace(receiver.path, final)
+            receiver.landed = True
+            dirs.add(final.parent)
+        for d in sorted(dirs):
+            _fsync_dir(d)
+        entry = layout.entry_id(manifest.identity, manifest.tokens)
+        self._write_atomic(self.manifest_file(entry), layout.encode_manifest(manifest))
+        log.debug("l3_fetched_committed", entry=entry, received=len(received), segments=len(manifest.segments))
 
     # ---- quarantine, removal ----
 
@@ -696,3 +774,54 @@ def _fsync_dir(path: Path) -> None:
 def _unlink_quietly(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+class SegmentReceiver:
+    """One segment arriving from a peer, in order: each chunk is hashed and written to a temporary file in
+    `segments/` (which `reconcile` removes if we die), `finish` fsyncs it and checks its blake3 against the
+    name it was asked for. It lands under its digest only in `Store.commit_fetched`, with the manifest, so
+    nothing fetched is loadable or even named before every byte was verified. Blocking: worker threads."""
+
+    def __init__(self, store: Store, digest: str, length: int) -> None:
+        if not 0 < length <= layout.MAX_SEGMENT_BYTES:
+            raise StoreError(f"segment length {length} is outside (0, {layout.MAX_SEGMENT_BYTES}]")
+        self.digest = digest
+        self.length = length
+        self.path = store.root / layout.SEGMENTS_DIR / layout.temp_name(f"fetch-{digest[:16]}", secrets.token_hex(8))
+        self.received = 0
+        self.observed = ""
+        self.landed = False
+        self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        self._fd: int | None = os.open(self.path, _OPEN_CREATE, 0o644)
+
+    def write(self, data: bytes | memoryview) -> None:
+        """The next chunk, in order; more bytes than the segment holds is an error (nothing is written)."""
+        if self._fd is None:
+            raise StoreError("the segment receiver is closed")
+        if self.received + len(data) > self.length:
+            raise StoreError(f"segment {self.digest[:16]}… is {self.length} bytes; the peer sent more")
+        self._hasher.update(data)
+        view = memoryview(data)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self._fd, view[done:], self.received + done)
+        self.received += len(view)
+
+    def finish(self) -> None:
+        """fsyncs and closes; `StoreError` when the bytes received are not the segment asked for."""
+        if self._fd is None:
+            raise StoreError("the segment receiver is closed")
+        self.observed = str(self._hasher.hexdigest())
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = None
+        if self.received != self.length or self.observed != self.digest:
+            raise StoreError(f"segment {self.digest[:16]}… from the peer does not hash to its name")
+
+    def abort(self) -> None:
+        """Closes and removes the temporary file unless it landed."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if not self.landed:
+            _unlink_quietly(self.path)

@@ -30,6 +30,7 @@ from runtime.cli.common import (
     emit_json,
     prefix,
 )
+from runtime.cli.l3 import fetch_l3_totals
 from runtime.cli.runner import fetch_instances
 from runtime.config import ConfigError, load_config
 from runtime.embedded import EmbeddedNatsError
@@ -92,6 +93,11 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         "--models-dir", metavar="DIR", help="where relative model paths are found (default DATA_DIR/models)"
     )
     run.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    run.add_argument(
+        "--l3-budget",
+        metavar="SIZE",
+        help="disk the L3 store of saved slot states may use (0: no capture; default: a capped share of the disk)",
+    )
     run.add_argument("--json", action="store_true", help="print the ready line as one JSON object")
     run.add_argument(
         "--registry-key",
@@ -123,6 +129,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "models_dir": args.models_dir,
         "registry_keys": ",".join(args.registry_key) if args.registry_key else None,
         "log_level": args.log_level,
+        "l3_budget": args.l3_budget,
         "prefix": args.prefix,
         "nats": ",".join(args.nats) if args.nats else None,
         "nats_user": args.nats_user,
@@ -160,29 +167,42 @@ async def cmd_run(args: argparse.Namespace) -> int:
 
 
 async def fetch_status(args: argparse.Namespace) -> tuple[list[NodeResources], list[InstanceStatus], list[Reservation]]:
+    nodes, instances, reservations, _ = await _fetch_status(args)
+    return nodes, instances, reservations
+
+
+async def _fetch_status(
+    args: argparse.Namespace,
+) -> tuple[list[NodeResources], list[InstanceStatus], list[Reservation], dict[str, dict[str, int]]]:
     subjects = Subjects(prefix(args))
     bus = await connect(args, "status")
     try:
         nodes, warnings = await buckets.read_all(bus, subjects.nodes_bucket, NodeResources)
         ledgers, more = await buckets.read_all(bus, subjects.reservations_bucket, NodeLedger)
         instances = await fetch_instances(bus, subjects)
+        l3 = await fetch_l3_totals(bus, subjects)
     finally:
         await bus.close()
     for warning in warnings + more:
         print(f"mesh-actor: warning: skipping {warning}", file=sys.stderr)
     reservations = [r for _, ledger in ledgers for r in ledger.reservations]
-    return [node for _, node in nodes], instances, reservations
+    return [node for _, node in nodes], instances, reservations, l3
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
     async with asyncio.timeout(30):
-        nodes, instances, reservations = await fetch_status(args)
+        nodes, instances, reservations, l3 = await _fetch_status(args)
     now = time.time()
     if args.json:
         emit_json(
             {
                 "nodes": [
-                    {**msgspec.to_builtins(node), "age_s": round(max(0.0, now - node.sent_at), 3)} for node in nodes
+                    {
+                        **msgspec.to_builtins(node),
+                        "age_s": round(max(0.0, now - node.sent_at), 3),
+                        "l3": l3.get(node.node_id),
+                    }
+                    for node in nodes
                 ],
                 "instances": [msgspec.to_builtins(i) for i in instances],
                 "reservations": [msgspec.to_builtins(r) for r in reservations],
@@ -192,7 +212,10 @@ async def cmd_status(args: argparse.Namespace) -> int:
     if not nodes:
         print("no live nodes")
     else:
-        print(f"{'NODE':<20} {'AGE':>6} {'CPUS':>4} {'RAM USABLE':>12} {'GPUS':<28} {'LLAMA-SERVER':<24} SETTINGS")
+        print(
+            f"{'NODE':<20} {'AGE':>6} {'CPUS':>4} {'RAM USABLE':>12} {'GPUS':<28} {'LLAMA-SERVER':<24} "
+            f"{'L3 (ENTRIES/TOKENS/USED/BUDGET)':<36} SETTINGS"
+        )
     for node in nodes:
         gpus = ", ".join(f"{g.index}:{format_size(g.usable_bytes)}" for g in node.gpus) or "-"
         engine = node.llama_server.version[:24] if node.llama_server else "(none)"
@@ -205,7 +228,16 @@ async def cmd_status(args: argparse.Namespace) -> int:
         )
         age = f"{max(0.0, now - node.sent_at):.1f}s"
         usable = format_size(node.host.usable_bytes)
-        print(f"{node.node_id:<20} {age:>6} {node.host.cpu_count:>4} {usable:>12} {gpus:<28} {engine:<24} {settings}")
+        held = l3.get(node.node_id)
+        store = (
+            f"{held['entries']}/{held['tokens']}/{format_size(held['bytes'])}/{format_size(held['budget_bytes'])}"
+            if held
+            else "-"
+        )
+        print(
+            f"{node.node_id:<20} {age:>6} {node.host.cpu_count:>4} {usable:>12} {gpus:<28} {engine:<24} "
+            f"{store:<36} {settings}"
+        )
     if instances:
         print(f"\n{'INSTANCE':<18} {'NODE':<14} {'STATE':<10} {'PORT':>6} {'PREDICTED':>11} {'OBSERVED':>11} MODEL")
     for inst in instances:
