@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from actors.l3.actor import L3Actor, L3Limits
 from actors.placement import decision_records
 from actors.placement.actor import QUEUE_GROUP, RUNNER_EVENTS_CONSUMER, PlacementActor, ledger_key
 from actors.runner import actor as runner_actor
@@ -35,6 +36,7 @@ from actors.runner.actor import RunnerActor, RunnerLimits
 from actors.telemetry.actor import TelemetryActor
 from messages import errors
 from messages import events as ev
+from messages import l3 as l3_messages
 from messages import placement as placement_messages
 from messages.errors import ErrorReply
 from messages.placement import NodeLedger, PlacementDecision, PlacementRequest, RejectReason
@@ -51,9 +53,9 @@ API_MD = Path(__file__).with_name("api.md")
 COMMAND = "python -m docs.generate_api"
 
 S = Subjects(DEFAULT_PREFIX)
-TELEMETRY, PLACEMENT, RUNNER = TelemetryActor.name, PlacementActor.name, RunnerActor.name
+TELEMETRY, PLACEMENT, RUNNER, L3 = TelemetryActor.name, PlacementActor.name, RunnerActor.name, L3Actor.name
 NODE = "node"  # the pseudo-actor of `mesh-actor run` itself (runtime/launcher.py)
-SUPERVISED = (TELEMETRY, PLACEMENT, RUNNER)
+SUPERVISED = (TELEMETRY, PLACEMENT, RUNNER, L3)
 
 #: Who publishes each event, and when. Every member of `AnyEvent` must be here (checked at render time).
 EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
@@ -97,6 +99,19 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
         (RUNNER,),
         "the server survived SIGKILL: it is killed again until it is gone, and its memory stays held",
     ),
+    ev.L3Captured: ((L3,), "a saved slot state was ingested and committed (after its eviction pass)"),
+    ev.L3CaptureDropped: (
+        (L3,),
+        "a capture was not stored; `reason`: queue_full, disabled (budget 0), over_budget, not_running, stopping, "
+        "refused: <commit rule>, io_error: <why>",
+    ),
+    ev.L3Evicted: ((L3,), "one eviction pass (budget) or `l3 evict`: the entries removed, least recently used first"),
+    ev.L3Quarantined: (
+        (L3,),
+        "a manifest failed to load or verify (startup reconcile, `l3 gc`, a restore or `l3 verify`); its segments "
+        "are kept",
+    ),
+    ev.L3Fetched: ((L3,), "an entry was fetched from a peer and committed; `moved_bytes`: the segments it lacked"),
     ev.EventTooLarge: (
         (*SUPERVISED, NODE),
         "recorded by the journal in place of an event that could never be stored (over its size limit)",
@@ -106,6 +121,7 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
 _inbox = inspect.signature(ActorContext.add_endpoint).parameters["inbox"].default
 _deadline = inspect.signature(Supervisor.__init__).parameters["request_deadline_s"].default
 _limits = RunnerLimits()
+_l3_limits = L3Limits()
 
 #: What each stable error code means. Every code constant must be here (checked at render time).
 ERROR_CODES: dict[str, str] = {
@@ -385,6 +401,18 @@ def render() -> str:
             "the runner of that node |",
             f"| `{S.telemetry(node)}` | pub | {_link('NodeResources')} | telemetry of that node, every "
             f"{interval:g} s and on change (placement reads the nodes bucket instead) |",
+            f"| `{S.l3(node, 'manifests')}` | req/reply | {_link('ManifestsRequest')} → {_link('ManifestList')} | "
+            "the L3 actor of that node (peer fetch: what its store holds) |",
+            f"| `{S.l3(node, 'manifest')}` | req/reply | {_link('ManifestRequest')} → raw bytes: one chunk of the "
+            f"stored manifest JSON, headers `{l3_messages.CHUNK_OFFSET_HEADER}` and `{l3_messages.CHUNK_TOTAL_HEADER}` "
+            "| the L3 actor of that node |",
+            f"| `{S.l3(node, 'segment')}` | req/reply | {_link('SegmentRequest')} → raw bytes: one chunk of the "
+            f"segment (under `max_payload`), headers `{l3_messages.CHUNK_OFFSET_HEADER}` and "
+            f"`{l3_messages.CHUNK_TOTAL_HEADER}`; several requests are served at once | the L3 actor of that node |",
+            f"| `{S.l3(node, 'stat')}` / `{S.l3(node, 'verify')}` | req/reply | {_link('EntryRequest')} → "
+            f"{_link('EntryStat')} / {_link('VerifyReply')} | the L3 actor of that node (`mesh-actor l3`) |",
+            f"| `{S.l3(node, 'gc')}` / `{S.l3(node, 'evict')}` | req/reply | {_link('GcRequest')} → {_link('GcReply')}"
+            f" / {_link('EvictRequest')} → {_link('EvictReply')} | the L3 actor of that node (`mesh-actor l3`) |",
             f"| `{S.event('<actor>', '<type>')}` | JetStream, stream `{S.events_stream}` | one [event](#events) | "
             "every actor |",
             "| `$KV.<bucket>.<key>` | KV bucket | see [KV buckets](#kv-buckets) | |",
@@ -458,6 +486,16 @@ def render() -> str:
             f"{_limits.final_ttl_s:g} s once it ended",
             "runner",
             "placement (reconcile), `mesh-actor status`, `mesh-actor stop`",
+        ),
+        (
+            S.l3_bucket,
+            buckets.L3,
+            "`<node id>`",
+            "L3Inventory",
+            f"per key: {_l3_limits.inventory_ttl_s:g} s (refreshed every {_l3_limits.inventory_refresh_s:g} s and "
+            "soon after every change)",
+            "the L3 actor",
+            "router (prefix credit), other nodes' L3 actors (peer hits), `mesh-actor l3 ls`, `mesh-actor status`",
         ),
     ]
     for name, spec, key, value, key_ttl, writer, reader in rows:
@@ -595,6 +633,18 @@ def render() -> str:
         NodeLedger,
         RegistryEntry,
         InstanceStatus,
+        l3_messages.L3Inventory,
+        l3_messages.ManifestsRequest,
+        l3_messages.ManifestList,
+        l3_messages.ManifestRequest,
+        l3_messages.SegmentRequest,
+        l3_messages.EntryRequest,
+        l3_messages.EntryStat,
+        l3_messages.VerifyReply,
+        l3_messages.GcRequest,
+        l3_messages.GcReply,
+        l3_messages.EvictRequest,
+        l3_messages.EvictReply,
         ErrorReply,
         *event_types,
     ]
