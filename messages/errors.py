@@ -18,6 +18,7 @@ BUSY: Final = "busy"  # the actor's inbox is full; retry later
 UNAVAILABLE: Final = "unavailable"  # the actor is restarting or stopping
 INTERNAL: Final = "internal"  # a bug: the actor crashed while handling the request
 TIMEOUT: Final = "timeout"
+NO_INSTANCE: Final = "no_instance"  # no ready instance serves the model a generation names
 
 #: Header names of the NATS micro protocol for service errors; we set them too so `nats req` shows them.
 ERROR_HEADER: Final = "Nats-Service-Error"

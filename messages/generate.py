@@ -117,6 +117,9 @@ class GenerateResult(msgspec.Struct, frozen=True, kw_only=True):
     instance: str
     slot: int
     stop_reason: StopReason
+    # False when a streamed reply could not list every generated token id (llama-server's stream leaves out
+    # the ids of tokens whose bytes it held back as incomplete UTF-8); `text` is complete either way
+    tokens_exact: bool = True
     decision_id: str = ""
     capture: str = ""  # what happens to the state: "queued", or why not ("off", "short", "no_l3", …)
 

@@ -32,8 +32,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
+import aiohttp
 import msgspec
+import nats.errors
 
+from actors.l3.api import L3Access
 from actors.placement.memory import MemoryModelError, cache_allocations, estimate
 from actors.runner import lifecycle as lc
 from actors.runner.admission import (
@@ -60,8 +63,11 @@ from actors.runner.limits import RunnerLimits, default_restart_policy
 from actors.runner.preflight import ModelFiles, NodeState
 from actors.runner.process import ServerLog
 from actors.runner.records import TTL_HEADER
+from actors.runner.server_api import ServerApi
+from actors.runner.serving import Serving, ServingLimits, state_identity
 from messages.errors import NOT_FOUND, UNAVAILABLE
 from messages.events import DriftRejected, InstanceRefused
+from messages.generate import GenerateResult, RunnerGenerate, Tokenize, Tokens
 from messages.memory import MemoryBreakdown
 from messages.placement import NodeLedger, Reservation
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
@@ -69,6 +75,7 @@ from messages.settings import ServingSettings
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext, RequestError
+from runtime.bus import encode
 from runtime.model_files import FileDigests
 from runtime.restart import RestartPolicy
 
@@ -111,11 +118,14 @@ class RunnerActor(Actor):
         digests: FileDigests | None = None,
         driver_fault: DriverFault | None = None,
         signal_filter: SignalFilter | None = None,
+        l3: L3Access | None = None,
+        serving_limits: ServingLimits | None = None,
     ) -> None:
         """`settings_source` gives the node's serving settings now (None: none advertised); `engine_version`
         is its llama-server's `--version` as telemetry advertises it. `rewrite_command`, `driver_fault` and
         `signal_filter` are test seams (see `driver.py`): a real server that drifts, a driver that fails, a
-        server that does not die."""
+        server that does not die. `l3` is the node's store of slot states (None: nothing is restored or
+        captured)."""
         self.node_id = node_id
         self.data_dir = data_dir
         # A reservation made from a registry entry alone names the file, not where it is: relative model
@@ -134,6 +144,9 @@ class RunnerActor(Actor):
         self._node = NodeState(node_id, self.limits.kv_timeout_s)
         self._drivers: dict[str, InstanceDriver] = {}
         self._finished: OrderedDict[str, InstanceStatus] = OrderedDict()
+        self.l3 = l3
+        self.serving_limits = serving_limits or ServingLimits()
+        self._identities: dict[str, asyncio.Future[str]] = {}  # model path -> its digest, computing or done
 
     # --- endpoints -----------------------------------------------------------------------------------
 
@@ -151,6 +164,74 @@ class RunnerActor(Actor):
 
         await ctx.add_endpoint("start", ctx.subjects.runner(self.node_id, "start"), StartInstance, start)
         await ctx.add_endpoint("stop", ctx.subjects.runner(self.node_id, "stop"), StopInstance, stop)
+
+        session = ServerApi.session()
+        serving = Serving(self.node_id, ctx.bus, ServerApi(session), self.l3, ctx.spawn, self.serving_limits)
+        ctx.spawn(self._serve(ctx, serving, session), "serving")
+
+        async def generate(order: RunnerGenerate) -> GenerateResult:
+            return await serving.generate(order)
+
+        async def tokenize(request: Tokenize) -> Tokens:
+            return Tokens(tokens=await serving.tokenize(request.instance_id, request.text))
+
+        limits = self.serving_limits
+        await ctx.add_endpoint(
+            "generate",
+            ctx.subjects.runner(self.node_id, "generate"),
+            RunnerGenerate,
+            generate,
+            workers=limits.max_generations,
+            inbox=limits.max_generations * 4,
+            deadline_s=3600.0 + 60.0,  # each generation keeps its own `timeout_s` (at most an hour)
+        )
+        await ctx.add_endpoint("tokenize", ctx.subjects.runner(self.node_id, "tokenize"), Tokenize, tokenize, workers=8)
+
+    async def _serve(self, ctx: ActorContext, serving: Serving, session: aiohttp.ClientSession) -> None:
+        """Keeps serving's view of the ready instances current and publishes the node's serving report on
+        every change (at most every 0.1 s) and every `report_interval_s`; closes the HTTP session at the end."""
+        loop = asyncio.get_running_loop()
+        last = -1e9
+        try:
+            while True:
+                ready: dict[str, tuple[int, int, Path, object]] = {}
+                for driver in self._drivers.values():
+                    if driver.state == "ready" and driver.port is not None:
+                        generation = (driver.port, driver.machine.restarts)
+                        slots = driver.reservation.stamp.settings.slots
+                        ready[driver.id] = (driver.port, slots, driver.directory / "slots", generation)
+                        if serving.identity_of(driver.id) is None:
+                            identity = self._identity(driver)
+                            if identity is not None:
+                                serving.set_identity(driver.id, identity)
+                serving.sync(ready)
+                now = loop.time()
+                if serving.changed.is_set() or now - last >= self.serving_limits.report_interval_s:
+                    serving.changed.clear()
+                    last = now
+                    with contextlib.suppress(nats.errors.Error):
+                        await ctx.bus.nc.publish(ctx.subjects.serving(self.node_id), encode(serving.report()))
+                await asyncio.sleep(0.1)
+        finally:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(5):
+                    await session.close()
+
+    def _identity(self, driver: InstanceDriver) -> str | None:
+        """The instance's exact-state identity once its model file's digest is known (hashed in a worker
+        thread, once per file; None until then)."""
+        path = driver.reservation.model_path
+        future = self._identities.get(path)
+        if future is None:
+            future = asyncio.get_running_loop().run_in_executor(None, self._models.digests.digest, Path(path))
+            self._identities[path] = future
+            return None
+        if not future.done():
+            return None
+        if future.cancelled() or future.exception() is not None:
+            self._identities.pop(path, None)  # tried again on the next pass
+            return None
+        return state_identity(driver.reservation, future.result(), self.engine_version)
 
     async def _start(self, ctx: ActorContext, request: StartInstance) -> RunnerAck:
         rid = request.reservation_id

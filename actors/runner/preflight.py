@@ -110,7 +110,7 @@ class ModelFiles:
 
     def __init__(self, models_dir: Path, digests: FileDigests | None = None) -> None:
         self.models_dir = models_dir
-        self._digests = digests or FileDigests()
+        self.digests = digests or FileDigests()
         self._hashing: dict[Path, asyncio.Future[str]] = {}  # hashes in flight (they outlive a request)
 
     async def read(self, name: str, digest: str | None, budget_s: float) -> ModelFile:
@@ -140,7 +140,7 @@ class ModelFiles:
         future = self._hashing.get(path)
         if future is None:
             # an executor future, not a task: it completes with its thread whether or not anyone awaits it
-            future = asyncio.get_running_loop().run_in_executor(None, self._digests.digest, path)
+            future = asyncio.get_running_loop().run_in_executor(None, self.digests.digest, path)
             self._hashing[path] = future
             future.add_done_callback(lambda done: self._finished_hash(path, done))
         try:

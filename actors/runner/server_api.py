@@ -50,7 +50,8 @@ class ServerApi:
     @staticmethod
     def session(limit: int = 256) -> aiohttp.ClientSession:
         """The session a runner incarnation opens (and closes when it ends)."""
-        connector = aiohttp.TCPConnector(limit=limit, force_close=False, enable_cleanup_closed=True)
+        # One connection per request: llama-server closes some (after a stream) while the pool would reuse them.
+        connector = aiohttp.TCPConnector(limit=limit, force_close=True)
         # a line may be up to twice the read buffer: that is the event ceiling
         return aiohttp.ClientSession(connector=connector, read_bufsize=MAX_EVENT_BYTES // 2, auto_decompress=False)
 

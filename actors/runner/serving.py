@@ -361,6 +361,7 @@ class Serving:
         generated: list[int] = []
         text: list[str] = []
         first: float | None = None
+        before_completion = time.perf_counter()
         final: dict[str, Any] = {}
         stop: StopReason = "limit"
 
@@ -383,7 +384,11 @@ class Serving:
 
         try:
             if stream is None:
-                await complete()
+                # Whole: the reply lists every token id (a stream leaves out the ids of tokens whose bytes it
+                # held back as incomplete UTF-8). Closing the connection at a deadline still stops the server.
+                final = await self._api.json(instance.port, "POST", "/completion", body, timeout_s=request.timeout_s)
+                generated = [t for t in final.get("tokens") or () if isinstance(t, int)]
+                text = [str(final.get("content") or "")]
             else:
                 async with asyncio.TaskGroup() as tg:
                     watcher = tg.create_task(stream.watch())
@@ -397,14 +402,19 @@ class Serving:
             status = getattr(error, "status", None)
             code = BAD_REQUEST if status == 400 else UNAVAILABLE
             raise RequestError(code, f"instance {instance.id}: {error}") from error
+        exact = int(final.get("tokens_predicted", len(generated)) or 0) == len(generated)
         timings = final.get("timings") or {}
+        if stream is None and timings:  # the server's own clock: prompt time, then the first token
+            first = before_completion + (timings.get("prompt_ms", 0) + timings.get("predicted_per_token_ms", 0)) / 1000
         if stop != "cancelled":
             stop = {"eos": "eos", "word": "stop_word"}.get(str(final.get("stop_type")), "limit")  # type: ignore[assignment]
         evaluated += int(timings.get("prompt_n", 0) or 0)
         now = time.perf_counter()
-        after = tokens + generated[:-1] if stop != "cancelled" else None
+        after = tokens + generated[:-1] if stop != "cancelled" and exact else None
         save = None
-        if capture_on and after is not None and len(after) >= self.limits.capture_min_tokens:
+        if capture_on and not exact:
+            capture = "token_ids_unknown"  # the stream left some ids out: the state cannot be indexed
+        elif capture_on and after is not None and len(after) >= self.limits.capture_min_tokens:
             save = (tokens + generated, order.request_id)
             capture = "queued"
         result = GenerateResult(
@@ -422,6 +432,7 @@ class Serving:
             instance=instance.id,
             slot=slot,
             stop_reason=stop,
+            tokens_exact=exact,
             decision_id=order.route.decision_id if order.route else "",
             capture=capture,
         )

@@ -1,0 +1,298 @@
+"""Router actor (shell): `mesh.generate` on every node (queue group), forwarded to the chosen runner.
+
+What it keeps, from the bus only (nothing a client says): the ready instances (`MESH_INSTANCES`), each node's
+serving report (`mesh.serving.<node>`: slots, busy, queued, resident prefixes; not used once older than its
+TTL on this actor's clock), each node's L3 inventory (`MESH_L3`) and the registry (for model names).
+
+A request names a model by instance id, registry name, model path as placed, or a bare file name (with or
+without `.gguf`). With more than one ready instance and a text prompt, the prompt is tokenized once on one of
+them (so prefixes can be compared; the runner then skips its own tokenization). Each candidate is credited
+with the prefix it holds (`prefixes.Holdings`), `routing.choose` picks one, the decision is journaled
+(`generate_routed`, replayable) and the request goes to `mesh.runner.<node>.generate` with the tokens and the
+time spent here. The runner's error replies pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import PurePosixPath
+from typing import Final
+
+from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
+
+from actors.router.prefixes import Holdings
+from actors.router.routing import DEFAULT_WEIGHTS, ROUTER_VERSION, choose
+from messages.errors import BAD_REQUEST, NO_INSTANCE, TIMEOUT, UNAVAILABLE
+from messages.events import GenerateRouted
+from messages.generate import (
+    Candidate,
+    GenerateRequest,
+    GenerateResult,
+    InstanceLoad,
+    RouteChoice,
+    RouteWeights,
+    RunnerGenerate,
+    ServingReport,
+    Tokenize,
+    Tokens,
+)
+from messages.l3 import L3Inventory
+from messages.registry import RegistryEntry
+from messages.runner import InstanceStatus
+from runtime import buckets
+from runtime.actor import Actor, ActorContext, RequestError
+from runtime.bus import BadMessage, NoResponders, PayloadTooLarge, RemoteError, RequestTimeout, decode_checked
+
+__all__ = ["QUEUE_GROUP", "RouterActor"]
+
+QUEUE_GROUP: Final = "generate"
+MAX_CONCURRENT: Final = 256
+#: Extra time a forwarded request waits beyond the generation's own timeout (the runner answers by then).
+FORWARD_SLACK_S: Final = 5.0
+
+
+class RouterActor(Actor):
+    name = "router"
+    description = "mesh.generate: route a generation to the instance holding its prefix, traded against load"
+
+    def __init__(
+        self,
+        weights: RouteWeights = DEFAULT_WEIGHTS,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+        tokenize_timeout_s: float = 10.0,
+    ) -> None:
+        self.weights = weights
+        self._monotonic = monotonic
+        self._tokenize_timeout_s = tokenize_timeout_s
+        self._instances: dict[str, InstanceStatus] = {}
+        self._reports: dict[str, tuple[ServingReport, float]] = {}  # node -> (report, arrival)
+        self._inventories: dict[str, L3Inventory] = {}
+        self._inflight: dict[str, int] = {}
+        self._holdings: Holdings | None = None  # rebuilt after any change of reports or inventories
+
+    async def run(self, ctx: ActorContext) -> None:
+        self._instances.clear()
+        self._reports.clear()
+        self._inventories.clear()
+        self._holdings = None
+        instances = await buckets.instances(ctx.bus, ctx.subjects)
+        inventories = await buckets.l3(ctx.bus, ctx.subjects)
+        self._registry = await buckets.registry(ctx.bus, ctx.subjects)
+        instances_ready, inventories_ready = asyncio.Event(), asyncio.Event()
+        ctx.spawn(self._watch_instances(ctx, instances, instances_ready), "watch-instances")
+        ctx.spawn(self._watch_inventories(ctx, inventories, inventories_ready), "watch-l3")
+        await ctx.subscribe(ctx.subjects.serving_all, ServingReport, self._on_report)
+        async with asyncio.timeout(10):
+            await instances_ready.wait()
+            await inventories_ready.wait()
+
+        async def generate(request: GenerateRequest) -> GenerateResult:
+            return await self.generate(ctx, request)
+
+        await ctx.add_endpoint(
+            "generate",
+            ctx.subjects.generate,
+            GenerateRequest,
+            generate,
+            queue_group=QUEUE_GROUP,
+            workers=MAX_CONCURRENT,
+            inbox=MAX_CONCURRENT * 4,
+            deadline_s=3600.0 + 2 * FORWARD_SLACK_S,  # each request keeps its own `timeout_s`
+        )
+
+    # --- views -------------------------------------------------------------------------------------------
+
+    async def _watch_instances(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
+        async for entry in buckets.watch(kv, ready):
+            if buckets.removed(entry):
+                self._instances.pop(entry.key, None)
+                continue
+            try:
+                status = buckets.decode_keyed(entry, InstanceStatus, lambda s: s.id, "instance")
+            except BadMessage as exc:
+                ctx.log.warning("bad_instance_record", key=entry.key, error=str(exc))
+                self._instances.pop(entry.key, None)
+                continue
+            if status.state == "ready" and status.port is not None:
+                self._instances[entry.key] = status
+            else:
+                self._instances.pop(entry.key, None)
+
+    async def _watch_inventories(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
+        async for entry in buckets.watch(kv, ready):
+            self._holdings = None
+            if buckets.removed(entry):
+                self._inventories.pop(entry.key, None)
+                continue
+            try:
+                inventory = buckets.decode_keyed(entry, L3Inventory, lambda i: i.node_id, "L3 inventory")
+            except BadMessage as exc:
+                ctx.log.warning("bad_l3_inventory", key=entry.key, error=str(exc))
+                self._inventories.pop(entry.key, None)
+                continue
+            self._inventories[entry.key] = inventory
+
+    async def _on_report(self, report: ServingReport, msg: Msg) -> None:
+        node = msg.subject.rsplit(".", 1)[-1]
+        if report.node_id != node:
+            return  # a report must come from the node it names
+        previous = self._reports.get(node)
+        if previous is not None and report.seq <= previous[0].seq and report.seq != 1:
+            return  # late (a restarted runner starts again at 1)
+        self._reports[node] = (report, self._monotonic())
+        self._holdings = None
+
+    def _loads(self) -> dict[str, InstanceLoad]:
+        """Every instance's last load report that is still current."""
+        now = self._monotonic()
+        loads = {}
+        for report, arrived in self._reports.values():
+            if now - arrived <= report.ttl_s:
+                for load in report.instances:
+                    loads[load.instance_id] = load
+        return loads
+
+    def _current_holdings(self, loads: dict[str, InstanceLoad]) -> Holdings:
+        if self._holdings is None:
+            holdings = Holdings()
+            for load in loads.values():
+                if load.identity is not None:
+                    holdings.add_resident(load.instance_id, load.identity, load.resident)
+            for node, inventory in self._inventories.items():
+                holdings.add_stored(node, inventory.items)
+            self._holdings = holdings
+        return self._holdings
+
+    # --- requests --------------------------------------------------------------------------------------------
+
+    async def _matching(self, model: str) -> list[InstanceStatus]:
+        ready = list(self._instances.values())
+        by_id = [s for s in ready if s.id == model]
+        if by_id:
+            return by_id
+        by_path = [s for s in ready if s.model_path == model]
+        if by_path:
+            return by_path
+        file_name = await self._registry_file(model)
+        if file_name is not None:
+            named = [s for s in ready if s.model_path == file_name or PurePosixPath(s.model_path).name == file_name]
+            if named:
+                return named
+        if "/" not in model:
+            return [s for s in ready if model in (PurePosixPath(s.model_path).name, PurePosixPath(s.model_path).stem)]
+        return []
+
+    async def _registry_file(self, name: str) -> str | None:
+        try:
+            async with asyncio.timeout(2.0):
+                entry = await self._registry.get(name)
+        except Exception:  # no bucket, no key, a name nats-py refuses, a timeout: no registry entry
+            return None
+        if not entry.value:
+            return None
+        try:
+            return decode_checked(entry.value, RegistryEntry, "registry entry").file_name
+        except BadMessage:
+            return None
+
+    async def generate(self, ctx: ActorContext, request: GenerateRequest) -> GenerateResult:
+        started = time.perf_counter()
+        request_id = request.request_id or uuid.uuid4().hex
+        matching = await self._matching(request.model)
+        tokens = request.prompt if isinstance(request.prompt, list) else None
+        tokenized_by: str | None = None  # the model file whose tokenizer made `tokens` from the text
+        if isinstance(request.prompt, str) and len(matching) > 1:
+            tokens, tokenized_by = await self._tokenize(ctx, matching, request.prompt)
+        loads = self._loads()
+        holdings = self._current_holdings(loads)
+        hashes: dict[tuple[str, int], str] = {}
+        candidates = []
+        for status in sorted(matching, key=lambda s: s.id):
+            load = loads.get(status.id)
+            slots = load.slots if load else status.settings.settings.slots
+            credit = None
+            if tokens is not None and load is not None:
+                credit = holdings.credit(
+                    status.id, status.node, load.identity, tokens, max_tokens=len(tokens), cache=hashes
+                )
+            candidates.append(
+                Candidate(
+                    instance_id=status.id,
+                    node=status.node,
+                    slots=slots,
+                    busy=load.busy if load else 0,
+                    queued=load.queued if load else 0,
+                    inflight=self._inflight.get(status.id, 0),
+                    held_tokens=credit.n_tokens if credit else 0,
+                    source=credit.source if credit else "cold",
+                    held_node=credit.node if credit else None,
+                )
+            )
+        n_prompt = len(tokens) if tokens is not None else 0
+        decision = choose(n_prompt, candidates, self.weights)
+        event = ctx.emit(
+            GenerateRouted,
+            request_id=request_id,
+            model=request.model,
+            n_prompt=n_prompt,
+            candidates=tuple(candidates),
+            weights=self.weights,
+            decision=decision,
+            router_version=ROUTER_VERSION,
+        )
+        if decision.chosen is None:
+            raise RequestError(NO_INSTANCE, f"no ready instance serves {request.model!r}", {"model": request.model})
+        chosen = next(c for c in candidates if c.instance_id == decision.chosen)
+        chosen_path = self._instances[chosen.instance_id].model_path if chosen.instance_id in self._instances else ""
+        order = RunnerGenerate(
+            request=request,
+            request_id=request_id,
+            instance_id=chosen.instance_id,
+            tokens=tokens if tokenized_by is None or tokenized_by == chosen_path else None,
+            route=RouteChoice(held_tokens=chosen.held_tokens, source=chosen.source, decision_id=event.id),
+            routed_ms=(time.perf_counter() - started) * 1000,
+        )
+        self._inflight[chosen.instance_id] = self._inflight.get(chosen.instance_id, 0) + 1
+        try:
+            return await ctx.bus.request(
+                ctx.subjects.runner(chosen.node, "generate"),
+                order,
+                GenerateResult,
+                timeout=request.timeout_s + FORWARD_SLACK_S,
+            )
+        except RemoteError as exc:
+            raise RequestError(exc.reply.code, exc.reply.message, exc.reply.details) from exc
+        except NoResponders as exc:
+            raise RequestError(UNAVAILABLE, f"the runner of node {chosen.node} does not answer; retry") from exc
+        except RequestTimeout as exc:
+            raise RequestError(TIMEOUT, f"node {chosen.node} did not answer within {request.timeout_s:g}s") from exc
+        except PayloadTooLarge as exc:
+            raise RequestError(BAD_REQUEST, f"the prompt is too large for the bus: {exc}") from exc
+        finally:
+            left = self._inflight.get(chosen.instance_id, 1) - 1
+            if left > 0:
+                self._inflight[chosen.instance_id] = left
+            else:
+                self._inflight.pop(chosen.instance_id, None)
+
+    async def _tokenize(
+        self, ctx: ActorContext, matching: list[InstanceStatus], text: str
+    ) -> tuple[list[int] | None, str | None]:
+        """The prompt's tokens from one ready instance and the model file that made them (instances of one
+        file tokenize alike), or (None, None)."""
+        first = min(matching, key=lambda s: s.id)
+        with contextlib.suppress(RemoteError, NoResponders, RequestTimeout, PayloadTooLarge):
+            reply = await ctx.bus.request(
+                ctx.subjects.runner(first.node, "tokenize"),
+                Tokenize(instance_id=first.id, text=text),
+                Tokens,
+                timeout=self._tokenize_timeout_s,
+            )
+            return reply.tokens, first.model_path
+        return None, None

@@ -1,0 +1,101 @@
+"""`mesh-actor generate MODEL PROMPT`: one generation through the mesh (`mesh.generate`).
+
+Tokens are printed as they come with `--stream` (the default on a terminal); `--json` prints the whole reply
+object instead (text, token ids, where the prefix came from, tokens restored and evaluated, timings, node and
+instance). `--tokens` reads PROMPT as comma-separated token ids. Exit codes: 0 done, 1 the mesh refused or
+failed (the error code and message on stderr), 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import msgspec
+
+from messages.generate import GenerateChunk, GenerateRequest
+from messages.subjects import Subjects
+from runtime.bus import BusError, RemoteError
+from runtime.cli.common import EXIT_OK, EXIT_USAGE, CliError, add_client_options, connect, emit_json, prefix
+from runtime.generate_client import StreamGap, generate
+
+
+def register(sub: argparse._SubParsersAction[Any]) -> None:
+    p = sub.add_parser("generate", help="generate text with a model served by the mesh")
+    p.add_argument("model", metavar="MODEL", help="registry name, model path as placed, file name, or instance id")
+    p.add_argument("prompt", metavar="PROMPT", help="the prompt text (with --tokens: comma-separated token ids)")
+    p.add_argument("-n", "--n-predict", type=int, default=128, metavar="N", help="tokens to generate (128)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they come")
+    p.add_argument("--tokens", action="store_true", help="PROMPT is token ids, e.g. 1,15,27")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at TEXT (repeatable)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="the whole generation (300 s)")
+    p.add_argument("--no-capture", action="store_true", help="do not keep this prompt's state in L3")
+    add_client_options(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def _request(args: argparse.Namespace) -> GenerateRequest:
+    prompt: str | list[int] = args.prompt
+    if args.tokens:
+        try:
+            prompt = [int(t) for t in args.prompt.split(",") if t.strip()]
+        except ValueError as exc:
+            raise CliError(f"--tokens: {args.prompt[:80]!r} is not comma-separated token ids", EXIT_USAGE) from exc
+    fields = {
+        "model": args.model,
+        "prompt": prompt,
+        "n_predict": args.n_predict,
+        "timeout_s": args.timeout,
+        "capture": not args.no_capture,
+        "sampling": {
+            "temperature": args.temperature,
+            "top_k": args.top_k,
+            "top_p": args.top_p,
+            "min_p": args.min_p,
+            "seed": args.seed,
+            "stop": args.stop,
+        },
+    }
+    try:
+        return msgspec.convert(fields, GenerateRequest)
+    except msgspec.ValidationError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from exc
+
+
+async def cmd_generate(args: argparse.Namespace) -> int:
+    request = _request(args)
+    stream = args.stream and not args.json
+    bus = await connect(args, "generate")
+
+    async def show(chunk: GenerateChunk) -> None:
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+
+    try:
+        result = await generate(bus, Subjects(prefix(args)), request, show if stream else None)
+    except RemoteError as exc:
+        raise CliError(f"{exc.code}: {exc.reply.message}") from exc
+    except (BusError, StreamGap) as exc:
+        raise CliError(str(exc)) from exc
+    finally:
+        await bus.close()
+    if args.json:
+        emit_json(msgspec.to_builtins(result))
+        return EXIT_OK
+    if stream:
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(result.text + "\n")
+    print(
+        f"[{result.node}/{result.instance} slot {result.slot}: {result.prompt_tokens} prompt tokens, "
+        f"{result.tokens_restored} restored ({result.source}), {result.tokens_evaluated} evaluated, "
+        f"{len(result.tokens)} generated, first token {result.ttft_ms:.0f} ms, total {result.total_ms:.0f} ms]",
+        file=sys.stderr,
+    )
+    return EXIT_OK

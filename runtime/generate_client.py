@@ -1,0 +1,93 @@
+"""The client side of `mesh.generate`: one call, optionally streamed (used by the CLI and the front door).
+
+With `on_chunk`, the call subscribes to a fresh inbox subject, names it as the request's `stream`, answers the
+runner's liveness pings, and hands chunks to `on_chunk` in `seq` order (a chunk that arrives early waits for
+the ones before it; at most `max_pending` wait). The reply ends the stream: chunks still missing then are
+reported as a gap (`StreamGap`), never silently dropped. Cancelling the call unsubscribes, so the runner's next
+ping finds no listener and stops the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import nats.errors
+from nats.aio.msg import Msg
+
+from messages.generate import STREAM_PING_HEADER, GenerateChunk, GenerateRequest, GenerateResult
+from messages.subjects import Subjects
+from runtime.bus import BadMessage, Bus, decode_checked
+
+__all__ = ["StreamGap", "generate"]
+
+#: How long the reply may take beyond the generation's own timeout (routing and forwarding).
+REPLY_SLACK_S = 15.0
+
+
+class StreamGap(Exception):
+    """The reply came but some chunks never did (the bus dropped them: a slow consumer)."""
+
+
+async def generate(
+    bus: Bus,
+    subjects: Subjects,
+    request: GenerateRequest,
+    on_chunk: Callable[[GenerateChunk], Awaitable[None]] | None = None,
+    *,
+    max_pending: int = 4096,
+) -> GenerateResult:
+    timeout = request.timeout_s + REPLY_SLACK_S
+    if on_chunk is None:
+        return await bus.request(subjects.generate, request, GenerateResult, timeout=timeout)
+    subject = bus.nc.new_inbox()
+    chunks: asyncio.Queue[GenerateChunk | None] = asyncio.Queue()  # None: the reply came
+
+    async def on_message(msg: Msg) -> None:
+        if msg.headers and STREAM_PING_HEADER in msg.headers:
+            if msg.reply:
+                with contextlib.suppress(nats.errors.Error):
+                    await bus.nc.publish(msg.reply, b"")
+            return
+        with contextlib.suppress(BadMessage):  # a stray message on our inbox is not a chunk
+            chunks.put_nowait(decode_checked(msg.data, GenerateChunk, "stream chunk"))
+
+    sub = await bus.nc.subscribe(subject, cb=on_message, pending_msgs_limit=max_pending * 4)
+    next_seq = 0
+    early: dict[int, GenerateChunk] = {}
+
+    async def deliver() -> None:
+        nonlocal next_seq
+        while True:
+            chunk = await chunks.get()
+            if chunk is None:
+                return
+            if chunk.seq < next_seq:
+                continue  # a duplicate
+            early[chunk.seq] = chunk
+            if len(early) > max_pending:
+                raise StreamGap(f"chunk {next_seq} is missing and {len(early)} later ones wait")
+            while next_seq in early:
+                await on_chunk(early.pop(next_seq))
+                next_seq += 1
+
+    delivering = asyncio.create_task(deliver(), name="generate-stream")
+    try:
+        streamed = msgspec.structs.replace(request, stream=subject)
+        try:
+            result = await bus.request(subjects.generate, streamed, GenerateResult, timeout=timeout)
+        except BaseException:
+            delivering.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StreamGap):
+                await delivering
+            raise
+        chunks.put_nowait(None)  # the runner published every chunk before its reply: they are queued by now
+        await delivering  # raises StreamGap from a stream that overflowed
+        if early:
+            raise StreamGap(f"chunks {next_seq}..{max(early)} incomplete when the reply came")
+        return result
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
