@@ -1,0 +1,108 @@
+"""The L3 catalog and peer view (pure): pins, last use, inventory order and cap, peer hits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from actors.l3.catalog import ITEM_BYTES, Catalog, PeerView, items_within
+from actors.l3.layout import entry_id
+from messages.l3 import L3Inventory, L3Item
+from runtime.bus import encode
+from runtime.config import ConfigError, load_config
+
+ID = "1d" * 32
+
+
+def _catalog(*lengths: int) -> Catalog:
+    catalog = Catalog()
+    for n in lengths:
+        tokens = list(range(1, n + 1))
+        catalog.add(entry_id(ID, tokens), identity=ID, n_tokens=n, bytes=n * 10, last_use=float(n))
+    return catalog
+
+
+def test_lookup_finds_the_longest_stored_prefix_and_forgets_removed_entries() -> None:
+    catalog = _catalog(10, 20, 30)
+    query = list(range(1, 41))
+    hit = catalog.lookup(ID, query, max_tokens=40)
+    assert hit is not None and hit.n_tokens == 30
+    assert catalog.lookup(ID, query, max_tokens=25) is not None
+    catalog.remove([hit.entry])
+    again = catalog.lookup(ID, query, max_tokens=40)
+    assert again is not None and again.n_tokens == 20
+
+
+def test_pins_are_counted_per_entry() -> None:
+    catalog = _catalog(5)
+    entry = entry_id(ID, [1, 2, 3, 4, 5])
+    catalog.pin(entry)
+    catalog.pin(entry)
+    catalog.unpin(entry)
+    assert catalog.pinned() == {entry}
+    catalog.unpin(entry)
+    assert catalog.pinned() == frozenset()
+
+
+def test_inventory_lists_most_recent_first_and_says_when_truncated() -> None:
+    catalog = _catalog(1, 2, 3, 4)
+    catalog.touch(entry_id(ID, [1]), now=100.0)
+    inventory = catalog.inventory("n", budget_bytes=1000, max_items=2, sent_at=5.0)
+    assert [i.n_tokens for i in inventory.items] == [1, 4]
+    assert (inventory.entries, inventory.tokens, inventory.truncated) == (4, 10, True)
+
+
+def test_an_inventory_of_the_allowed_size_fits_its_share_of_max_payload() -> None:
+    max_payload = 1 << 20
+    n = items_within(max_payload)
+    items = tuple(L3Item(identity=ID, n_tokens=1 << 24, entry="ff" * 32, bytes=1 << 40) for _ in range(n))
+    inventory = L3Inventory(node_id="n" * 64, entries=n, tokens=n, bytes=1 << 40, budget_bytes=1 << 40, items=items)
+    assert len(encode(items[0])) <= ITEM_BYTES
+    assert len(encode(inventory)) <= max_payload // 4 + 1024
+
+
+def test_peer_view_offers_only_longer_prefixes_that_fit_and_forgets_a_node() -> None:
+    peers = PeerView()
+    long = list(range(1, 51))
+    peers.update(
+        L3Inventory(
+            node_id="b",
+            entries=1,
+            tokens=50,
+            bytes=500,
+            budget_bytes=0,
+            items=(L3Item(identity=ID, n_tokens=50, entry=entry_id(ID, long), bytes=500),),
+        )
+    )
+    query = [*long, 7]
+    hit = peers.lookup(ID, query, max_tokens=51, longer_than=10, max_bytes=1000)
+    assert hit is not None and (hit.node, hit.n_tokens) == ("b", 50)
+    assert peers.lookup(ID, query, max_tokens=51, longer_than=50, max_bytes=1000) is None
+    assert peers.lookup(ID, query, max_tokens=51, longer_than=0, max_bytes=499) is None
+    assert peers.lookup(ID, query, max_tokens=49, longer_than=0, max_bytes=1000) is None
+    peers.update(L3Inventory(node_id="b", entries=0, tokens=0, bytes=0, budget_bytes=0))  # replaces
+    assert peers.lookup(ID, query, max_tokens=51, longer_than=0, max_bytes=1000) is None
+    peers.update(
+        L3Inventory(
+            node_id="c",
+            entries=1,
+            tokens=50,
+            bytes=500,
+            budget_bytes=0,
+            items=(L3Item(identity=ID, n_tokens=50, entry=entry_id(ID, long), bytes=500),),
+        )
+    )
+    peers.drop("c")
+    assert peers.nodes() == ["b"] and peers.lookup(ID, query, max_tokens=51, longer_than=0, max_bytes=1000) is None
+
+
+def test_l3_budget_comes_from_flag_env_or_file_and_zero_is_allowed(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text('l3_budget = "2GiB"\n')
+    assert load_config({"data_dir": str(tmp_path)}, {}).l3_budget_bytes == 2 << 30
+    env = {"MESH_ACTOR_L3_BUDGET": "512MiB"}
+    assert load_config({"data_dir": str(tmp_path)}, env).l3_budget_bytes == 512 << 20
+    assert load_config({"data_dir": str(tmp_path), "l3_budget": "0"}, env).l3_budget_bytes == 0
+    assert load_config({"data_dir": str(tmp_path / "none")}, {}).l3_budget_bytes is None
+    with pytest.raises(ConfigError, match="--l3-budget"):
+        load_config({"data_dir": str(tmp_path), "l3_budget": "lots"}, {})
