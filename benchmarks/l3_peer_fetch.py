@@ -1,0 +1,193 @@
+"""Benchmark: L3 peer fetch over NATS vs a loopback TCP copy of the same bytes, same run, same file.
+
+Two L3 actors on one embedded nats-server (two data dirs on one machine). Node A holds an entry of
+`--size-mib` random bytes (ingested before the clock starts). Node B materializes it, which fetches the
+manifest and every segment from A (chunks under the server's max_payload, `fetch_window` requests in flight,
+each chunk hashed as it arrives), commits the entry to B's store (fsynced) and then assembles it to the
+destination file. A second, local materialize on B times the assemble alone; the fetch is the difference.
+
+Baseline: the same file sent over a loopback TCP socket (`socket.sendfile`) into a file that is then
+fsynced: what a durable copy between two processes on this machine costs without NATS, hashing or
+segments. Ratio = baseline time / fetch time (the issue's target: >= 0.6). Run from the repository root:
+
+    python -m benchmarks.l3_peer_fetch [--size-mib 1024] [--rounds 1] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import shutil
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import structlog
+
+from actors.l3 import layout
+from actors.l3.actor import L3Actor
+from actors.l3.api import L3Hit
+from actors.l3.store import Store
+from benchmarks.environment import print_environment
+from messages.subjects import Subjects
+from runtime.actor import Supervisor
+from runtime.bus import Bus
+from runtime.embedded import EmbeddedNats
+from runtime.journal import Journal, ensure_events_stream
+
+MIB = 1024 * 1024
+IDENTITY = "1d" * 32
+TOKENS = tuple(range(1, 4097))
+
+
+def _write_random(path: Path, size: int) -> None:
+    rng = random.Random(1)
+    with path.open("wb") as f:
+        left = size
+        while left:
+            n = min(left, 8 * MIB)
+            f.write(rng.randbytes(n))
+            left -= n
+
+
+def _tcp_copy(source: Path, dest: Path) -> float:
+    """Seconds to send `source` over loopback TCP into `dest`, fsynced."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn, source.open("rb") as f:
+            conn.sendfile(f)
+
+    started = time.perf_counter()
+    sender = threading.Thread(target=serve)
+    sender.start()
+    buffer = memoryview(bytearray(4 * MIB))
+    with socket.create_connection(("127.0.0.1", port)) as conn, dest.open("wb") as out:
+        while True:
+            n = conn.recv_into(buffer)
+            if n == 0:
+                break
+            out.write(buffer[:n])
+        out.flush()
+        os.fsync(out.fileno())
+    sender.join()
+    listener.close()
+    return time.perf_counter() - started
+
+
+@contextlib.asynccontextmanager
+async def _node(bus: Bus, actor: L3Actor, node_id: str) -> AsyncIterator[L3Actor]:
+    subjects = Subjects()
+    journal = Journal(bus, subjects, node_id)
+    supervisor = Supervisor(bus=bus, journal=journal, subjects=subjects, node_id=node_id)
+    journal_task = asyncio.create_task(journal.run())
+    task = asyncio.create_task(supervisor.run([actor]))
+    try:
+        async with asyncio.timeout(60):
+            while True:  # polled: the actor has no "started" event of its own
+                if actor.running:
+                    break
+                await asyncio.sleep(0.02)
+        yield actor
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        await journal.flush(5)
+        journal_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await journal_task
+
+
+async def _fetch_round(bus: Bus, root: Path, size: int, n: int) -> tuple[float, float]:
+    """(seconds for B's peer materialize, seconds for its local materialize afterwards)."""
+    b_dir = root / f"b{n}"
+    budget = 4 * size + (64 * MIB)
+    b = L3Actor("bench-b", b_dir, budget_bytes=budget)
+    async with _node(bus, b, "bench-b"):
+        async with asyncio.timeout(60):
+            while True:  # until B has seen A's inventory
+                hit = await b.lookup(IDENTITY, [*TOKENS, 1], max_tokens=len(TOKENS))
+                if hit is not None:
+                    break
+                await asyncio.sleep(0.05)
+        assert hit.source == "l3_peer", hit
+        started = time.perf_counter()
+        await b.materialize(hit, root / f"peer{n}.bin", deadline_s=600)
+        peer = time.perf_counter() - started
+        local_hit = L3Hit(entry=hit.entry, n_tokens=hit.n_tokens, bytes=hit.bytes, node="bench-b", source="l3_local")
+        started = time.perf_counter()
+        await b.materialize(local_hit, root / f"local{n}.bin", deadline_s=600)
+        local = time.perf_counter() - started
+    for name in (f"peer{n}.bin", f"local{n}.bin"):
+        (root / name).unlink()
+    await asyncio.to_thread(shutil.rmtree, b_dir)
+    return peer, local
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    print_environment()
+    size = args.size_mib * MIB
+    base = Path(args.dir) if args.dir else None
+    with tempfile.TemporaryDirectory(dir=base, prefix="l3-peer-fetch-") as tmp:
+        root = Path(tmp)
+        source = root / "slot.bin"
+        await asyncio.to_thread(_write_random, source, size)
+        a_dir = root / "a"
+        store = Store(a_dir / "l3")
+        await asyncio.to_thread(store.ingest, source, identity=IDENTITY, tokens=TOKENS, payload_kind="llama_slot")
+        server = EmbeddedNats(root / "nats", preferred_port=0)
+        creds = await server.start()
+        bus = await Bus.connect(creds.options(), name="bench")
+        try:
+            await ensure_events_stream(bus, Subjects(), max_age_s=3600, max_bytes=64 << 20)
+            print(f"  max_payload      {bus.max_payload} bytes; segment {layout.DEFAULT_SEGMENT_BYTES // MIB} MiB")
+            print(f"  payload          {args.size_mib} MiB of random bytes, {len(TOKENS)} tokens")
+            a = L3Actor("bench-a", a_dir, budget_bytes=4 * size)
+            fetch_s: list[float] = []
+            assemble_s: list[float] = []
+            tcp_s: list[float] = []
+            async with _node(bus, a, "bench-a"):
+                for n in range(args.rounds):
+                    tcp_s.append(await asyncio.to_thread(_tcp_copy, source, root / "tcp.bin"))
+                    (root / "tcp.bin").unlink()
+                    peer, local = await _fetch_round(bus, root, size, n)
+                    fetch_s.append(peer - local)
+                    assemble_s.append(local)
+        finally:
+            await bus.close()
+            await server.stop()
+
+    def rate(seconds: float) -> str:
+        return f"{size / MIB / seconds:8.0f} MiB/s"
+
+    tcp, fetch, assemble = (statistics.median(v) for v in (tcp_s, fetch_s, assemble_s))
+    print("results (median of rounds)")
+    print(f"  loopback TCP copy + fsync      {tcp:7.3f} s  {rate(tcp)}")
+    print(f"  peer fetch over NATS (durable) {fetch:7.3f} s  {rate(fetch)}")
+    print(f"  then assemble to dest (local)  {assemble:7.3f} s  {rate(assemble)}")
+    print(f"  ratio fetch / TCP (throughput) {tcp / fetch:7.2f}x  (target >= 0.6x)")
+    print(f"  ratio fetch+assemble / TCP     {tcp / (fetch + assemble):7.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--dir", help="where the temporary files go (default: the system temp dir)")
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
