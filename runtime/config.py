@@ -226,7 +226,8 @@ def load_config(
                     raise ConfigError(f"{source}: {exc}") from exc
                 break
 
-    serving = _serving_settings(file_values.get("serving"), env, serving_flags or {}, toml_path)
+    l3_on = values.get("l3_budget") != 0
+    serving = _serving_settings(file_values.get("serving"), env, serving_flags or {}, toml_path, l3_on=l3_on)
     nats = NatsOptions(
         urls=values.get("nats", ()),
         user=values.get("nats_user"),
@@ -266,7 +267,12 @@ def _default_node_id() -> str:
     return name or "node"
 
 
-def _serving_settings(table: Any, env: Mapping[str, str], flags: Mapping[str, Any], toml_path: Path) -> ServingSettings:
+def _serving_settings(
+    table: Any, env: Mapping[str, str], flags: Mapping[str, Any], toml_path: Path, *, l3_on: bool = False
+) -> ServingSettings:
+    """The node's serving settings. With L3 on, `swa_full` defaults to true: a restored window-sized SWA cache
+    is re-processed in full by llama-server, so slot states of SWA models are only worth keeping with a full
+    cache (which admission counts exactly); `--no-swa-full` (or `swa_full = false`) keeps the window."""
     merged: dict[str, Any] = {}
     if table is not None:
         if not isinstance(table, dict):
@@ -278,6 +284,8 @@ def _serving_settings(table: Any, env: Mapping[str, str], flags: Mapping[str, An
         if raw is not None:
             merged[name] = raw  # msgspec's lax mode turns "4"/"true" into the field's type
     merged.update({k: v for k, v in flags.items() if v is not None})
+    if l3_on:
+        merged.setdefault("swa_full", True)
     try:
         return msgspec.convert(merged, ServingSettings, strict=False)
     except msgspec.ValidationError as exc:

@@ -194,12 +194,13 @@ class RunnerActor(Actor):
         last = -1e9
         try:
             while True:
-                ready: dict[str, tuple[int, int, Path, object]] = {}
+                ready: dict[str, tuple[int, int, Path, object, bool]] = {}
                 for driver in self._drivers.values():
                     if driver.state == "ready" and driver.port is not None:
                         generation = (driver.port, driver.machine.restarts)
                         slots = driver.reservation.stamp.settings.slots
-                        ready[driver.id] = (driver.port, slots, driver.directory / "slots", generation)
+                        rollback = driver.predicted.recurrent_bytes == 0  # a recurrent state cannot be rewound
+                        ready[driver.id] = (driver.port, slots, driver.directory / "slots", generation, rollback)
                         if serving.identity_of(driver.id) is None:
                             identity = self._identity(driver)
                             if identity is not None:

@@ -112,12 +112,14 @@ def state_identity(reservation: Reservation, model_digest: str, engine_version: 
 class _Instance:
     """One ready instance as serving sees it (rebuilt when its server restarts: the slots hold nothing then)."""
 
-    def __init__(self, instance_id: str, port: int, slots: int, slot_dir: Path, generation: object) -> None:
+    def __init__(
+        self, instance_id: str, port: int, slots: int, slot_dir: Path, generation: object, rollback: bool
+    ) -> None:
         self.id = instance_id
         self.port = port
         self.slot_dir = slot_dir
         self.generation = generation
-        self.table = SlotTable(slots)
+        self.table = SlotTable(slots, rollback=rollback)
         self.wakeups: list[asyncio.Future[None]] = []  # waiters for a slot, woken on every release
         self.identity: str | None = None
 
@@ -187,14 +189,14 @@ class Serving:
 
     # --- the instances ---------------------------------------------------------------------------------
 
-    def sync(self, ready: dict[str, tuple[int, int, Path, object]]) -> None:
-        """The ready instances now: id -> (port, slots, slot dir, generation). A new generation (a restarted
-        server) starts with empty slots; instances no longer ready are forgotten once idle."""
-        for iid, (port, slots, slot_dir, generation) in ready.items():
+    def sync(self, ready: dict[str, tuple[int, int, Path, object, bool]]) -> None:
+        """The ready instances now: id -> (port, slots, slot dir, generation, rollback). A new generation (a
+        restarted server) starts with empty slots; instances no longer ready are forgotten once idle."""
+        for iid, (port, slots, slot_dir, generation, rollback) in ready.items():
             known = self._instances.get(iid)
             if known is None or known.generation != generation or known.port != port:
                 identity = known.identity if known is not None else None
-                fresh = _Instance(iid, port, slots, slot_dir, generation)
+                fresh = _Instance(iid, port, slots, slot_dir, generation, rollback)
                 fresh.identity = identity
                 if known is not None:  # running generations keep their own object; new ones get fresh slots
                     fresh.table = known.table

@@ -6,8 +6,10 @@ Rules this module keeps:
   given back exactly once (`release`), with the tokens the server's cache holds for it afterwards.
 * Among free slots, the one whose held tokens share the longest prefix with the request wins (the server
   then reuses that prefix); ties go to the least recently used slot (its contents are the least likely to
-  be wanted again), then to the lowest id. A slot whose state is unknown (the server restarted, a request
-  failed) holds nothing.
+  be wanted again), then to the lowest id. On a model whose state cannot be rolled back (recurrent layers:
+  `rollback=False`), a slot is credited only when everything it holds is a prefix of the request: one
+  holding more would be re-evaluated from the start by the server. A slot whose state is unknown (the
+  server restarted, a request failed) holds nothing.
 * Waiting requests are served in arrival order: a release hands the slot to the oldest waiter.
 * No clock and no I/O: "recently" is a counter of releases.
 """
@@ -43,9 +45,10 @@ class Grant:
 
 
 class SlotTable:
-    def __init__(self, n_slots: int) -> None:
+    def __init__(self, n_slots: int, *, rollback: bool = True) -> None:
         if n_slots < 1:
             raise ValueError("an instance has at least one slot")
+        self.rollback = rollback
         self._held: list[tuple[int, ...]] = [() for _ in range(n_slots)]
         self._busy = [False] * n_slots
         self._used = [0] * n_slots  # release counter at last release: lower is older
@@ -99,7 +102,7 @@ class SlotTable:
         for slot, busy in enumerate(self._busy):
             if busy:
                 continue
-            key = (-common_prefix(self._held[slot], tokens), self._used[slot], slot)
+            key = (-self.reusable(slot, tokens), self._used[slot], slot)
             if best is None or key < best:
                 best = key
         if best is None:
@@ -109,6 +112,14 @@ class SlotTable:
         slot = best[2]
         self._busy[slot] = True
         return Grant(slot, -best[0])
+
+    def reusable(self, slot: int, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` the server can reuse from what `slot` holds."""
+        held = self._held[slot]
+        shared = common_prefix(held, tokens)
+        if not self.rollback and shared < len(held):
+            return 0
+        return shared
 
     def update(self, slot: int, tokens: Sequence[int]) -> None:
         """What the server holds for a busy slot now (after a restore or a prefill)."""

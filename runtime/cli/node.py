@@ -53,6 +53,7 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("-b", "--batch-size", dest="batch", type=int, metavar="N")
     group.add_argument("-ub", "--ubatch-size", dest="ubatch", type=int, metavar="N")
     group.add_argument("--swa-full", dest="swa_full", action="store_true", default=None)
+    group.add_argument("--no-swa-full", dest="swa_full", action="store_false", help="window-sized SWA cache")
     group.add_argument("--spec-type", dest="spec_type", metavar="TYPE")
     group.add_argument("--spec-draft-n-max", dest="spec_draft_n_max", type=int, metavar="N")
     group.add_argument("-ctkd", "--spec-draft-type-k", dest="spec_draft_type_k", choices=CACHE_TYPES)

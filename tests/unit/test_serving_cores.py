@@ -1,0 +1,158 @@
+"""The serving path's pure cores: the slot table, prefix credit and routing."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from actors.l3.layout import entry_id
+from actors.router.prefixes import Holdings, marks, resident_prefixes
+from actors.router.routing import choose
+from actors.runner.slots import SlotTable, common_prefix
+from messages.generate import Candidate, RouteWeights
+from messages.l3 import L3Item
+
+IDENTITY = "ab" * 32
+
+
+# ---- slots ----
+
+
+def test_the_free_slot_holding_the_longest_prefix_wins_and_ties_go_to_the_least_recently_used() -> None:
+    table = SlotTable(3)
+    grants = [table.acquire([1, 2, 3]) for _ in range(3)]
+    assert [g.slot for g in grants if g] == [0, 1, 2]
+    assert table.acquire([1]) is None  # all busy
+    table.release(1, [1, 2, 3, 4])
+    table.release(0, [9, 9])
+    table.release(2, [1, 2])
+    grant = table.acquire([1, 2, 3, 4, 5])
+    assert grant is not None and (grant.slot, grant.resident) == (1, 4)
+    grant = table.acquire([7])  # nothing shared: the least recently released (slot 0)
+    assert grant is not None and (grant.slot, grant.resident) == (0, 0)
+
+
+def test_waiters_are_served_in_arrival_order_and_a_withdrawn_one_loses_its_turn() -> None:
+    table = SlotTable(1)
+    assert table.acquire([1]) is not None
+    first, second = object(), object()
+    table.wait(first)
+    table.wait(second)
+    assert table.queued == 2 and not table.my_turn(first)
+    table.release(0, [1])
+    assert table.my_turn(first) and not table.my_turn(second)
+    assert table.acquire([5]) is None  # a newcomer does not overtake the queue
+    table.withdraw(first)
+    grant = table.acquire([1, 2], second)
+    assert grant is not None and grant.resident == 1 and table.queued == 0
+
+
+def test_release_of_a_slot_not_acquired_is_refused_and_a_restart_forgets_what_slots_held() -> None:
+    table = SlotTable(2)
+    with pytest.raises(ValueError):
+        table.release(0, None)
+    grant = table.acquire([1, 2])
+    assert grant is not None
+    table.release(grant.slot, [1, 2])
+    table.forget()
+    again = table.acquire([1, 2])
+    assert again is not None and again.resident == 0
+
+
+@given(st.lists(st.integers(0, 3), max_size=20), st.lists(st.integers(0, 3), max_size=20))
+def test_common_prefix_is_the_length_of_the_shared_start(a: list[int], b: list[int]) -> None:
+    n = common_prefix(a, b)
+    assert a[:n] == b[:n] and (n == min(len(a), len(b)) or a[n] != b[n])
+
+
+# ---- prefix credit ----
+
+
+def test_marks_are_powers_of_two_from_16_and_the_full_length() -> None:
+    assert marks(0) == [] and marks(5) == [5] and marks(16) == [16] and marks(40) == [16, 32, 40]
+
+
+def test_an_instance_is_credited_with_the_longest_mark_it_shares_and_never_more() -> None:
+    held = list(range(100))
+    holdings = Holdings()
+    holdings.add_resident("i1", IDENTITY, resident_prefixes(IDENTITY, [held]))
+    query = held[:70] + [999] * 10
+    credit = holdings.credit("i1", "n1", IDENTITY, query, max_tokens=len(query))
+    assert (credit.n_tokens, credit.source) == (64, "resident")
+    assert holdings.credit("i2", "n1", IDENTITY, query, max_tokens=80).source == "cold"  # another instance
+    assert holdings.credit("i1", "n1", "cd" * 32, query, max_tokens=80).n_tokens == 0  # another identity
+    assert holdings.credit("i1", "n1", IDENTITY, [5, *held[1:]], max_tokens=100).n_tokens == 0  # first token differs
+
+
+def test_stored_prefixes_credit_the_own_node_before_a_peer_and_resident_before_both() -> None:
+    tokens = list(range(300))
+    item = L3Item(identity=IDENTITY, n_tokens=299, entry=entry_id(IDENTITY, tokens[:299]), bytes=1000)
+    holdings = Holdings()
+    holdings.add_stored("n2", [item])
+    peer = holdings.credit("i1", "n1", IDENTITY, tokens, max_tokens=299)
+    assert (peer.n_tokens, peer.source, peer.node) == (299, "l3_peer", "n2")
+    own = holdings.credit("i2", "n2", IDENTITY, tokens, max_tokens=299)
+    assert (own.n_tokens, own.source) == (299, "l3_local")
+    assert holdings.credit("i1", "n1", IDENTITY, tokens, max_tokens=298).n_tokens == 0  # one short is the limit
+    holdings.add_resident("i2", IDENTITY, resident_prefixes(IDENTITY, [tokens[:299]]))
+    assert holdings.credit("i2", "n2", IDENTITY, tokens, max_tokens=299).source == "resident"
+
+
+# ---- routing ----
+
+
+def _c(iid: str, **fields: object) -> Candidate:
+    return Candidate(**{"instance_id": iid, "node": "n", "slots": 2, "busy": 0, "queued": 0, **fields})  # type: ignore[arg-type]
+
+
+def test_no_candidate_is_no_choice_and_one_is_the_only_choice() -> None:
+    assert choose(10, []).chosen is None
+    assert choose(10, [_c("a")]).reason == "the only ready instance"
+
+
+def test_the_instance_holding_the_prefix_wins_until_its_load_costs_more_than_the_prefix_saves() -> None:
+    w = RouteWeights()
+    holder = _c("b", held_tokens=1000, source="resident")
+    assert choose(1100, [_c("a"), holder], w).chosen == "b"
+    busy_holder = _c("b", held_tokens=1000, source="resident", busy=2, queued=1)  # full: waits behind two
+    assert choose(1100, [_c("a"), busy_holder], w).chosen == "a"
+    assert choose(1100, [_c("a"), _c("b", held_tokens=60, source="resident", busy=1)], w).chosen == "a"
+
+
+def test_ties_go_to_the_larger_holding_then_to_the_natural_order_of_ids() -> None:
+    assert choose(10, [_c("i10"), _c("i9"), _c("i2")]).chosen == "i2"
+    assert choose(0, [_c("a"), _c("b")]).chosen == "a"
+    peer = _c("a", held_tokens=100, source="l3_peer")
+    local = _c("b", held_tokens=100, source="l3_local")
+    assert choose(200, [peer, local]).chosen == "b"  # a local restore is cheaper than a fetch
+
+
+def test_inflight_requests_count_as_load_before_the_runner_reports_them() -> None:
+    assert choose(10, [_c("a", inflight=3), _c("b")]).chosen == "b"
+
+
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4), st.integers(0, 500)), min_size=1, max_size=6))
+def test_the_choice_is_the_cheapest_and_the_same_for_the_same_inputs_in_any_order(
+    rows: list[tuple[int, int, int]],
+) -> None:
+    cands = [
+        _c(f"i{k}", busy=b, queued=q, held_tokens=h, source="resident" if h else "cold")
+        for k, (b, q, h) in enumerate(rows)
+    ]
+    one = choose(500, cands)
+    two = choose(500, list(reversed(cands)))
+    assert one.chosen == two.chosen
+    assert one.scores[0].cost == min(s.cost for s in one.scores)
+
+
+def test_without_rollback_a_slot_holding_more_than_the_request_is_worth_nothing() -> None:
+    table = SlotTable(2, rollback=False)
+    a, b = table.acquire([0]), table.acquire([0])
+    assert a is not None and b is not None
+    table.release(a.slot, [1, 2, 3, 4])  # more than the next request: cannot be rewound
+    table.release(b.slot, [1, 2])  # a prefix of it: extends
+    grant = table.acquire([1, 2, 3])
+    assert grant is not None and (grant.slot, grant.resident) == (b.slot, 2)
+    other = table.acquire([1, 2, 3])
+    assert other is not None and other.resident == 0
