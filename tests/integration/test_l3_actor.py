@@ -3,6 +3,7 @@ peer fetch (with a stalled peer), hostile requests, and `mesh-actor l3 ls --json
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -25,6 +26,7 @@ from messages.l3 import L3Inventory, L3Item, ManifestList, ManifestsRequest
 from messages.subjects import Subjects
 from runtime import buckets
 from runtime.bus import Bus, RemoteError, encode
+from runtime.cli import l3 as l3_cli
 from tests.conftest import JournalReader, NatsServer, mesh_actor_command, of_type, supervised
 
 SEG = layout.MIN_SEGMENT_BYTES  # 64 KiB segments: many segments from small files
@@ -318,3 +320,39 @@ async def test_cli_l3_ls_json_lists_entries_of_every_node(
                 "bytes": len(data),
             }
         ]
+
+
+async def test_cli_stat_verify_and_evict_go_to_the_node(
+    bus: Bus, journal_reader: JournalReader, nats_server: NatsServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    options = nats_server.options
+    assert options.user and options.password
+    secret = tmp_path / "password"
+    secret.write_text(options.password + "\n")
+    flags = ["--nats", nats_server.url, "--nats-user", options.user, "--nats-password-file", str(secret)]
+    parser = argparse.ArgumentParser(prog="mesh-actor")
+    l3_cli.register(parser.add_subparsers(dest="command", required=True))
+
+    async def cli(*argv: str) -> tuple[int, Any]:
+        args = parser.parse_args([*argv, "--json", *flags])
+        code = int(await args.func(args))
+        return code, json.loads(capsys.readouterr().out)
+
+    async with l3_node(bus, tmp_path / "a", "node-a") as l3:
+        source, data = _slot_file(tmp_path / "slots", 2 * SEG, seed=8)
+        l3.capture(source, identity=IDENTITY, tokens=[1, 2], payload_kind=KIND)
+        await journal_reader.wait_for(of_type("l3_captured"))
+        await _until(lambda: _inventory(bus, "node-a"))
+        entry = layout.entry_id(IDENTITY, (1, 2))
+        code, stat = await cli("l3", "stat", entry, "--data-dir", str(tmp_path / "cli"))
+        assert code == 0 and (stat["n_tokens"], stat["bytes"], stat["segments"]) == (2, len(data), 2)
+        code, verified = await cli("l3", "verify", "--data-dir", str(tmp_path / "cli"))
+        assert code == 0 and verified == [{"node_id": "node-a", "entry": entry, "ok": True, "detail": ""}]
+        code, evicted = await cli("l3", "evict", "--node", "node-a", entry, "--data-dir", str(tmp_path / "cli"))
+        assert code == 0 and evicted["evicted"] == [entry] and evicted["freed_bytes"] == len(data)
+        await journal_reader.wait_for(of_type("l3_evicted"))
+        assert await l3.lookup(IDENTITY, [1, 2, 3], max_tokens=2) is None
+        assert not [p for p in (tmp_path / "a" / "l3" / "segments").rglob("*") if p.is_file()]
+    # no node runs on the data dir now: --offline works on the store itself, under the data dir's lock
+    code, gc = await cli("l3", "gc", "--offline", "--data-dir", str(tmp_path / "a"))
+    assert code == 0 and gc["entries"] == 0
