@@ -31,6 +31,8 @@ import msgspec
 from actors.l3.actor import L3Actor, L3Limits
 from actors.placement import decision_records
 from actors.placement.actor import QUEUE_GROUP, RUNNER_EVENTS_CONSUMER, PlacementActor, ledger_key
+from actors.router.actor import QUEUE_GROUP as ROUTER_QUEUE
+from actors.router.actor import RouterActor
 from actors.runner import actor as runner_actor
 from actors.runner.actor import RunnerActor, RunnerLimits
 from actors.telemetry.actor import TelemetryActor
@@ -39,6 +41,17 @@ from messages import events as ev
 from messages import l3 as l3_messages
 from messages import placement as placement_messages
 from messages.errors import ErrorReply
+from messages.generate import (
+    STREAM_PING_HEADER,
+    GenerateChunk,
+    GenerateRequest,
+    GenerateResult,
+    RunnerGenerate,
+    ServingReport,
+    StreamPing,
+    Tokenize,
+    Tokens,
+)
 from messages.placement import NodeLedger, PlacementDecision, PlacementRequest, RejectReason
 from messages.registry import RegistryEntry
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
@@ -54,8 +67,9 @@ COMMAND = "python -m docs.generate_api"
 
 S = Subjects(DEFAULT_PREFIX)
 TELEMETRY, PLACEMENT, RUNNER, L3 = TelemetryActor.name, PlacementActor.name, RunnerActor.name, L3Actor.name
+ROUTER = RouterActor.name
 NODE = "node"  # the pseudo-actor of `mesh-actor run` itself (runtime/launcher.py)
-SUPERVISED = (TELEMETRY, PLACEMENT, RUNNER, L3)
+SUPERVISED = (TELEMETRY, PLACEMENT, RUNNER, L3, ROUTER)
 
 #: Who publishes each event, and when. Every member of `AnyEvent` must be here (checked at render time).
 EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
@@ -99,6 +113,11 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
         (RUNNER,),
         "the server survived SIGKILL: it is killed again until it is gone, and its memory stays held",
     ),
+    ev.GenerateRouted: (
+        (ROUTER,),
+        "every `generate` request: the candidates with their load and held prefix, the weights, the choice "
+        "(`chosen` null: no ready instance, answered `no_instance`); `mesh-actor replay` re-decides it",
+    ),
     ev.L3Captured: ((L3,), "a saved slot state was ingested and committed (after its eviction pass)"),
     ev.L3CaptureDropped: (
         (L3,),
@@ -133,6 +152,7 @@ ERROR_CODES: dict[str, str] = {
     "hash is still running, or the ledger kept changing; retry later",
     errors.INTERNAL: "the handler failed on this request (a bug; the actor keeps serving, and it never counts "
     "toward restarts), or the reply would exceed `max_payload`",
+    errors.NO_INSTANCE: "`generate`: no ready instance serves the model the request names",
     errors.TIMEOUT: f"the actor did not answer within its request deadline ({_deadline:g} s from arrival, time "
     "in the inbox included; the handler is cancelled)",
     runner_actor.SETTINGS_DRIFT: "the node's serving settings or llama-server build differ from the stamp; "
@@ -399,6 +419,16 @@ def render() -> str:
             "the runner of that node |",
             f"| `{S.runner(node, 'stop')}` | req/reply | {_link('StopInstance')} → {_link('RunnerAck')} | "
             "the runner of that node |",
+            f"| `{S.generate}` | req/reply, queue group `{ROUTER_QUEUE}` | {_link('GenerateRequest')} → "
+            f"{_link('GenerateResult')}; with `stream`, {_link('GenerateChunk')}s on that subject, and "
+            f"{_link('StreamPing')} requests (header `{STREAM_PING_HEADER}`) the client must answer | the router "
+            "(every node; one answers) |",
+            f"| `{S.runner(node, 'generate')}` | req/reply | {_link('RunnerGenerate')} → {_link('GenerateResult')} "
+            "| the runner of that node (sent by routers) |",
+            f"| `{S.runner(node, 'tokenize')}` | req/reply | {_link('Tokenize')} → {_link('Tokens')} | the runner "
+            "of that node |",
+            f"| `{S.serving(node)}` | pub | {_link('ServingReport')} (slots, busy, queued, resident prefixes) | the "
+            "runner of that node, on change and every few seconds (routers read it) |",
             f"| `{S.telemetry(node)}` | pub | {_link('NodeResources')} | telemetry of that node, every "
             f"{interval:g} s and on change (placement reads the nodes bucket instead) |",
             f"| `{S.l3(node, 'manifests')}` | req/reply | {_link('ManifestsRequest')} → {_link('ManifestList')} | "
@@ -633,6 +663,14 @@ def render() -> str:
         NodeLedger,
         RegistryEntry,
         InstanceStatus,
+        GenerateRequest,
+        GenerateResult,
+        GenerateChunk,
+        StreamPing,
+        RunnerGenerate,
+        Tokenize,
+        Tokens,
+        ServingReport,
         l3_messages.L3Inventory,
         l3_messages.ManifestsRequest,
         l3_messages.ManifestList,

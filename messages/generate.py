@@ -56,7 +56,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     )
     n_predict: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 128
     sampling: Sampling = Sampling()
-    stream: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None  # subject for chunks
+    # The subject for chunks: an inbox (`_INBOX.` and tokens), so no request can make a runner publish elsewhere
+    stream: Annotated[str, msgspec.Meta(max_length=256, pattern=r"^_INBOX(\.[A-Za-z0-9_-]+)+$")] | None = None
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 300.0  # the whole generation, routing included
     request_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
     capture: bool = True  # False: do not store this request's states in L3

@@ -137,8 +137,10 @@ class ActorContext:
         queue_group: str | None = None,
         inbox: int = 256,
         workers: int = 1,
+        deadline_s: float | None = None,
     ) -> None:
-        """Serves request/reply on `subject` (a micro service endpoint), `workers` requests at a time.
+        """Serves request/reply on `subject` (a micro service endpoint), `workers` requests at a time, each under
+        `deadline_s` from its arrival (default: the supervisor's request deadline).
 
         The client library's callback only queues the request (or answers `busy` when the inbox is full), so
         replies keep the library's write batching under load; the workers in this incarnation's task group
@@ -151,6 +153,7 @@ class ActorContext:
         queue: asyncio.Queue[tuple[Request, float]] = asyncio.Queue(maxsize=inbox)
         self._inboxes.append(queue)
         loop = asyncio.get_running_loop()
+        limit = self._deadline if deadline_s is None else deadline_s
 
         async def on_request(request: Request) -> None:
             try:
@@ -161,12 +164,12 @@ class ActorContext:
         async def worker() -> None:
             while True:
                 request, arrived = await queue.get()
-                if loop.time() - arrived > self._deadline:
-                    message = f"{self.actor} did not get to the request within {self._deadline:g}s"
+                if loop.time() - arrived > limit:
+                    message = f"{self.actor} did not get to the request within {limit:g}s"
                     await _respond_error(request, ErrorReply(code=TIMEOUT, message=message))
                     continue
                 try:
-                    await self._answer(request, request_type, handler, name, arrived + self._deadline)
+                    await self._answer(request, request_type, handler, name, arrived, limit)
                 except asyncio.CancelledError:
                     # The incarnation is ending under this request: say so rather than leave it to time out.
                     reply = ErrorReply(code=UNAVAILABLE, message=f"{self.actor} stopped while answering; retry")
@@ -180,12 +183,18 @@ class ActorContext:
         )
 
     async def _answer(
-        self, request: Request, request_type: type[Req], handler: RequestHandler[Req], name: str, deadline: float
+        self,
+        request: Request,
+        request_type: type[Req],
+        handler: RequestHandler[Req],
+        name: str,
+        arrived: float,
+        limit: float,
     ) -> None:
         """Answers one request: its reply, or an error reply. Never raises but for cancellation of the actor."""
         try:
             message = decode_checked(request.data, request_type, f"request on {request.subject!r}")
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(arrived + limit):
                 reply = await handler(message)
             headers = reply.headers if isinstance(reply, RawReply) else None
             payload = reply.data if isinstance(reply, RawReply) else encode(reply)
@@ -199,8 +208,8 @@ class ActorContext:
             return
         except TimeoutError:
             # Raised by the deadline above (or by a handler's own deadline): either way the requester hears why.
-            late = f"{self.actor} did not answer within the {self._deadline:g}s request deadline"
-            self.log.warning("request_timeout", endpoint=name, deadline_s=self._deadline)
+            late = f"{self.actor} did not answer within the {limit:g}s request deadline"
+            self.log.warning("request_timeout", endpoint=name, deadline_s=limit)
             await _respond_error(request, ErrorReply(code=TIMEOUT, message=late))
             return
         except PayloadTooLarge as exc:

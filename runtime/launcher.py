@@ -23,6 +23,7 @@ import nats.js.errors
 
 from actors.l3.actor import L3Actor
 from actors.placement.actor import PlacementActor
+from actors.router.actor import RouterActor
 from actors.runner.actor import RunnerActor
 from actors.runner.engine import EngineNotFound, find_llama_server, probe_llama_server
 from actors.telemetry.actor import TelemetryActor
@@ -215,8 +216,10 @@ async def run_node(
                     engine_version=engine.version if engine else None,
                     models_dir=models_dir,
                     digests=digests,
+                    l3=l3,
                 ),
                 l3,
+                RouterActor(),
             ]
             supervisor = Supervisor(bus=bus, journal=journal, subjects=config.subjects, node_id=config.node_id)
             url = ",".join(options.urls)

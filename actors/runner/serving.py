@@ -143,7 +143,10 @@ class _Stream:
     async def send(self, text: str, tokens: list[int]) -> None:
         chunk = GenerateChunk(request_id=self.request_id, seq=self.seq, text=text, tokens=tokens)
         self.seq += 1
-        await self._bus.nc.publish(self.subject, encode(chunk))
+        try:
+            await self._bus.nc.publish(self.subject, encode(chunk))
+        except nats.errors.Error as exc:  # a subject the server refuses, a connection gone: nobody can listen
+            raise ClientGone(f"cannot publish to the stream subject: {exc!r}") from exc
 
     async def watch(self) -> None:
         """Returns never; raises `ClientGone` once nobody listens on the subject (or answers for too long)."""
@@ -162,6 +165,8 @@ class _Stream:
             except nats.errors.TimeoutError as exc:
                 if loop.time() - answered > self._silence_s:
                     raise ClientGone(f"the client answered no ping for {self._silence_s:g}s") from exc
+            except nats.errors.Error as exc:
+                raise ClientGone(f"cannot ping the stream subject: {exc!r}") from exc
 
 
 class Serving:

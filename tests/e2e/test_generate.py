@@ -1,0 +1,248 @@
+"""The serving path from the outside: `mesh-actor run`, `mesh-actor generate`, and `mesh.generate` over NATS.
+
+Real nats-server (embedded by `mesh-actor run`), real llama-servers on generated tiny models (dense, SWA,
+hybrid). A state computed before a full restart of the node is restored from L3 afterwards and continues
+exactly like a cold run; routing sends a prompt to the instance that holds it; bad requests get structured
+errors; a streaming client that goes away frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from messages.generate import GenerateChunk, GenerateRequest, GenerateResult
+from messages.subjects import Subjects
+from runtime.bus import Bus
+from runtime.config import NatsOptions
+from runtime.generate_client import generate
+from tests.e2e.test_mesh import cli, nats_env, node, wait_nodes
+from tests.llama_harness import require_server
+from tests.tiny_models import write_gemma3, write_llama, write_qwen35
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+QUIET = ("--cache-ram", "0", "--ctx-checkpoints", "0", "--parallel", "2")
+PROMPT = [1 + (i * 7) % 250 for i in range(300)]  # longer than the SWA window and the capture threshold
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    require_server()
+    root = tmp_path_factory.mktemp("generate-models")
+    return {
+        "dense": write_llama(root / "dense.gguf"),
+        "swa": write_gemma3(root / "swa.gguf", n_swa=64),
+        "hybrid": write_qwen35(root / "hybrid.gguf", n_layer=4, state_size=16, dt_rank=4),
+    }
+
+
+async def start_model(data_dir: Path, model: Path, ctx: int = 2048) -> str:
+    code, out, err = await cli("place", str(model), "-c", str(ctx), "--start", "--json", "--data-dir", str(data_dir))
+    assert code == 0, err + out
+    instance_id = str(json.loads(out)["instance"]["instance_id"])
+    async with asyncio.timeout(60):
+        while True:
+            _, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
+            (instance,) = [i for i in json.loads(out)["instances"] if i["id"] == instance_id]
+            if instance["state"] == "ready":
+                return instance_id
+            assert instance["state"] == "starting", instance
+            await asyncio.sleep(0.2)
+
+
+async def gen(data_dir: Path, model: str, tokens: list[int], n: int = 32, *extra: str) -> dict[str, Any]:
+    ids = ",".join(map(str, tokens))
+    code, out, err = await cli(
+        "generate", model, ids, "--tokens", "-n", str(n), "--temperature", "0", "--json", *extra,
+        "--data-dir", str(data_dir),
+    )  # fmt: skip
+    assert code == 0, err + out
+    return dict(json.loads(out))
+
+
+async def wait_captured(data_dir: Path, n_tokens: int) -> None:
+    """Until the node's L3 lists an entry of `n_tokens` tokens (captures are committed off the reply's path)."""
+    async with asyncio.timeout(30):
+        while True:
+            code, out, _ = await cli("l3", "ls", "--json", "--data-dir", str(data_dir))
+            if code == 0 and any(e["tokens"] == n_tokens for e in json.loads(out)):
+                return
+            await asyncio.sleep(0.2)
+
+
+@pytest.mark.parametrize("kind", ["dense", "swa", "hybrid"])
+async def test_a_state_restored_after_a_restart_continues_exactly_like_a_cold_run(
+    tmp_path: Path, models: dict[str, Path], kind: str
+) -> None:
+    data_dir = tmp_path / "node"
+    model = models[kind]
+    async with node(data_dir, "solo", *QUIET):
+        await wait_nodes(data_dir, "solo")
+        await start_model(data_dir, model)
+        cold = await gen(data_dir, model.name, PROMPT)
+        assert cold["source"] == "cold" and cold["tokens_evaluated"] == len(PROMPT), cold
+        assert cold["capture"] == "queued" and len(cold["tokens"]) == 32
+        turn = [*PROMPT, *cold["tokens"], 11, 12, 13, 14, 15]
+        await wait_captured(data_dir, len(PROMPT) - 1)  # the prompt one token short
+        await wait_captured(data_dir, len(PROMPT) + 31)  # the prompt and the reply (its last token unevaluated)
+
+    async with node(data_dir, "solo", *QUIET):  # a full restart: nothing resident, the store on disk
+        await wait_nodes(data_dir, "solo")
+        await start_model(data_dir, model)
+        again = await gen(data_dir, model.name, PROMPT)
+        assert again["tokens"] == cold["tokens"]  # token for token, greedy
+        assert again["source"] == "l3_local", again
+        assert (again["tokens_restored"], again["tokens_evaluated"]) == (len(PROMPT) - 1, 1), again
+
+    async with node(data_dir, "solo", *QUIET):
+        await wait_nodes(data_dir, "solo")
+        await start_model(data_dir, model)
+        second_turn = await gen(data_dir, model.name, turn, 8)
+        assert second_turn["source"] == "l3_local", second_turn
+        assert second_turn["tokens_restored"] == len(PROMPT) + 31
+        assert second_turn["tokens_evaluated"] == len(turn) - (len(PROMPT) + 31), second_turn  # only the new ones
+
+
+async def test_routing_sends_a_prompt_to_the_instance_that_holds_it(tmp_path: Path, models: dict[str, Path]) -> None:
+    data_dir = tmp_path / "node"
+    async with node(data_dir, "router", *QUIET):
+        await wait_nodes(data_dir, "router")
+        first = await start_model(data_dir, models["dense"], ctx=2048)
+        second = await start_model(data_dir, models["dense"], ctx=2048)
+        served = await gen(data_dir, "dense", PROMPT, 4, "--no-capture")
+        holder = served["instance"]
+        assert holder in (first, second)
+        await asyncio.sleep(0.5)  # the runner's serving report (resident prefixes) reaches the router
+        for _ in range(3):
+            again = await gen(data_dir, "dense", PROMPT, 4, "--no-capture")
+            assert again["instance"] == holder and again["source"] == "resident", again
+            assert again["tokens_evaluated"] <= 1
+        other = [2 + (i * 3) % 200 for i in range(300)]
+        assert (await gen(data_dir, "dense", other, 4, "--no-capture"))["source"] == "cold"
+        code, out, err = await cli(
+            "events", "--json", "--subject", "router.generate_routed", "--data-dir", str(data_dir)
+        )
+        assert code == 0, err
+        routed = [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+        assert len(routed) == 5 and {r["decision"]["chosen"] for r in routed[1:4]} == {holder}
+        assert all(len(r["candidates"]) == 2 for r in routed)
+
+
+@contextlib.asynccontextmanager
+async def client(data_dir: Path) -> Any:
+    env = await nats_env(data_dir)
+    bus = await Bus.connect(
+        NatsOptions(
+            urls=(env["MESH_ACTOR_NATS"],),
+            user=env["MESH_ACTOR_NATS_USER"],
+            password=env["MESH_ACTOR_NATS_PASSWORD"],
+        ),
+        name="test-client",
+    )
+    try:
+        yield bus
+    finally:
+        await bus.close()
+
+
+async def test_malformed_generate_requests_get_structured_errors_and_the_node_keeps_serving(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    data_dir = tmp_path / "node"
+    subjects = Subjects()
+    async with node(data_dir, "strict", *QUIET):
+        await wait_nodes(data_dir, "strict")
+        await start_model(data_dir, models["dense"])
+        async with client(data_dir) as bus:
+            cases: list[tuple[bytes, str, str | None]] = [
+                (b"not json", "bad_request", None),
+                (b'{"prompt": "hi"}', "bad_request", "$"),
+                (b'{"model": "dense", "prompt": []}', "bad_request", "$.prompt"),
+                (b'{"model": "dense", "prompt": "hi", "n_predict": 0}', "bad_request", "$.n_predict"),
+                (b'{"model": "dense", "prompt": [-1]}', "bad_request", "$.prompt[0]"),
+                (b'{"model": "dense", "prompt": "hi", "extra": 1}', "bad_request", None),
+                (b'{"model": "dense", "prompt": "hi", "sampling": {"temperature": -1}}', "bad_request", None),
+                (b'{"model": "dense", "prompt": "hi", "stream": "a b"}', "bad_request", "$.stream"),
+                (b'{"model": "dense", "prompt": "hi", "stream": "mesh.events.x"}', "bad_request", "$.stream"),
+                (b'{"model": "no-such-model", "prompt": "hi"}', "no_instance", None),
+                (b'{"model": "dense", "prompt": [1, 2], "request_id": "../x"}', "bad_request", None),
+                (b"[" * 5000 + b"]" * 5000, "bad_request", None),
+            ]
+            for payload, code, path in cases:
+                msg = await bus.request_raw(subjects.generate, payload, timeout=10)
+                reply = json.loads(msg.data)
+                assert reply.get("code") == code, (payload[:60], reply)
+                if path is not None:
+                    assert reply["details"].get("path") == path, reply
+            ok = await generate(bus, subjects, GenerateRequest(model="dense", prompt="hello", n_predict=4))
+            assert len(ok.tokens) == 4
+
+
+async def test_streamed_chunks_arrive_in_order_and_a_client_that_goes_away_frees_the_slot(tmp_path: Path) -> None:
+    require_server()
+    slow = write_llama(tmp_path / "slow.gguf", n_layer=12, n_embd=512, n_head=8, n_head_kv=4, n_ff=2048)
+    data_dir = tmp_path / "node"
+    subjects = Subjects()
+    async with node(data_dir, "streamer", "--cache-ram", "0", "--ctx-checkpoints", "0", "--parallel", "1"):
+        await wait_nodes(data_dir, "streamer")
+        await start_model(data_dir, slow, ctx=8192)
+        async with client(data_dir) as bus:
+            chunks: list[GenerateChunk] = []
+
+            async def keep(chunk: GenerateChunk) -> None:
+                chunks.append(chunk)
+
+            request = GenerateRequest(model="slow", prompt="stream me", n_predict=24, capture=False)
+            result = await generate(bus, subjects, request, keep)
+            assert [c.seq for c in chunks] == list(range(len(chunks))) and chunks
+            assert "".join(c.text for c in chunks) == result.text
+            assert result.stop_reason == "limit"
+
+            # A long generation, abandoned after a few chunks: the runner's next ping finds nobody listening.
+            seen = asyncio.Event()
+
+            async def leave_soon(chunk: GenerateChunk) -> None:
+                if chunk.seq >= 3:
+                    seen.set()
+
+            long = GenerateRequest(model="slow", prompt="go on", n_predict=7000, capture=False, timeout_s=120)
+            abandoned = asyncio.create_task(generate(bus, subjects, long, leave_soon))
+            async with asyncio.timeout(30):
+                await seen.wait()
+            abandoned.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await abandoned
+            cancelled_at = loop_time()
+            port = await instance_port(data_dir)
+            full_s = 7000 * result.total_ms / 1000 / len(result.tokens)  # what the whole generation would take
+            async with asyncio.timeout(30):
+                while await slot_busy(port):
+                    await asyncio.sleep(0.1)
+            stopped_after = loop_time() - cancelled_at
+            assert stopped_after < min(5.0, full_s / 2), (stopped_after, full_s)
+            quick = GenerateRequest(model="slow", prompt="next", n_predict=2, capture=False, timeout_s=60)
+            after: GenerateResult = await generate(bus, subjects, quick)  # the one slot is free again
+            assert len(after.tokens) == 2
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()
+
+
+async def instance_port(data_dir: Path) -> int:
+    _, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
+    (instance,) = json.loads(out)["instances"]
+    return int(instance["port"])
+
+
+async def slot_busy(port: int) -> bool:
+    """Whether any slot of the llama-server on `port` is processing (its own `/slots` report)."""
+    async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/slots") as response:
+        slots = await response.json()
+    return any(s.get("is_processing") for s in slots)
