@@ -79,8 +79,9 @@ def recompute(
     return outcome.decision
 
 
-def differences(recorded: PlacementDecision, now: PlacementDecision) -> list[Difference]:
-    """Every leaf that differs between two decisions, as JSON paths (`$.stamp.settings.slots`)."""
+def differences(recorded: msgspec.Struct, now: msgspec.Struct) -> list[Difference]:
+    """Every leaf that differs between two decisions (placement or routing), as JSON paths
+    (`$.stamp.settings.slots`)."""
     found: list[Difference] = []
     _walk("$", msgspec.to_builtins(recorded), msgspec.to_builtins(now), found)
     return found

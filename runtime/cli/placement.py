@@ -24,7 +24,8 @@ from actors.placement.geometry import GeometryError, geometry_from_header
 from actors.placement.gguf_header import GGUFFormatError, parse_header, read_header
 from actors.placement.registry import RegistryUntrusted, public_key_of, sign
 from actors.placement.replay import differences, inputs_of, recompute
-from messages.events import DecisionInputs, PlacementDecided
+from actors.router.routing import choose
+from messages.events import DecisionInputs, GenerateRouted, PlacementDecided
 from messages.model import ModelGeometry
 from messages.placement import ModelRef, PlacementDecision, PlacementRequest
 from messages.registry import RegistryEntry
@@ -229,7 +230,27 @@ async def cmd_replay(args: argparse.Namespace) -> int:
                         "seq": stored.seq,
                         "decision_id": decision_id,
                         "model": inputs.request.model.path or inputs.request.model.registry,
+                        "kind": "placement",
                         "geometry": source,
+                        "differences": [{"path": d.path, "recorded": d.recorded, "now": d.now} for d in diff],
+                    }
+                )
+        async for stored in read_events(bus, subjects, "router.generate_routed", since=args.since, follow=False):
+            try:
+                routed = decode_checked(stored.data, GenerateRouted, f"event {stored.seq}")
+            except BadMessage as exc:
+                skipped.append({"seq": stored.seq, "reason": f"not a routing this version can read: {exc.error}"})
+                continue
+            replayed += 1
+            rerouted = choose(routed.n_prompt, routed.candidates, routed.weights)
+            diff = differences(routed.decision, rerouted)
+            if diff:
+                changed.append(
+                    {
+                        "seq": stored.seq,
+                        "decision_id": routed.id,
+                        "model": routed.model,
+                        "kind": "routing",
                         "differences": [{"path": d.path, "recorded": d.recorded, "now": d.now} for d in diff],
                     }
                 )

@@ -132,6 +132,10 @@ async def test_routing_sends_a_prompt_to_the_instance_that_holds_it(tmp_path: Pa
         routed = [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
         assert len(routed) == 5 and {r["decision"]["chosen"] for r in routed[1:4]} == {holder}
         assert all(len(r["candidates"]) == 2 for r in routed)
+        code, out, err = await cli("replay", "--json", "--data-dir", str(data_dir))  # today's core agrees
+        assert code == 0, err + out
+        replay = json.loads(out)
+        assert replay["replayed"] >= 5 + 2 and replay["changed"] == [], replay  # and the two placements
 
 
 @contextlib.asynccontextmanager
