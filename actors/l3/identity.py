@@ -4,7 +4,8 @@ Rules this module keeps:
 
 * Two states share an identity only if everything that shapes their bytes is the same: the model file's
   *content* digest (so a requantized or republished file behind the same name never shares state), the
-  llama.cpp build, the K and V cache types, flash attention, unified KV, the draft/MTP settings (spec type,
+  llama.cpp build, the K and V cache types, flash attention, unified KV, a full or window-sized SWA cache
+  (a window-sized one keeps only the last window's cells), the draft/MTP settings (spec type,
   draft depth, draft cache types), the payload kind and the platform (machine, byte order).
 * Where the state was made is not part of it: there is no node, port or slot field, and decoding refuses
   unknown fields, so such a field cannot slip in from the wire.
@@ -25,7 +26,7 @@ from actors.l3.layout import check_digest
 
 __all__ = ["DraftSettings", "Platform", "StateInputs", "canonical_encoding", "exact_state_identity"]
 
-_DOMAIN: Final = b"mesh-actor/l3/exact-state-identity/v1\x00"
+_DOMAIN: Final = b"mesh-actor/l3/exact-state-identity/v2\x00"
 _INT_LIMIT: Final = 1 << 63
 
 
@@ -52,6 +53,7 @@ class StateInputs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     cache_type_v: str | None
     flash_attention: bool | None
     unified_kv: bool | None
+    swa_full: bool | None  # --swa-full (None: the model has no sliding-window layers)
     draft: DraftSettings | None  # None: no speculative decoding configured
     payload_kind: str
     platform: Platform | None
@@ -68,6 +70,7 @@ _FIELDS: Final[dict[type[_Record], tuple[str, ...]]] = {
         "cache_type_v",
         "flash_attention",
         "unified_kv",
+        "swa_full",
         "draft",
         "payload_kind",
         "platform",

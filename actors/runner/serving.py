@@ -84,8 +84,11 @@ class ClientGone(Exception):
     """The streaming client stopped listening."""
 
 
-def state_identity(reservation: Reservation, model_digest: str, engine_version: str | None) -> str:
-    """The exact-state identity of the slot states an instance of `reservation` saves."""
+def state_identity(
+    reservation: Reservation, model_digest: str, engine_version: str | None, *, sliding_window: bool
+) -> str:
+    """The exact-state identity of the slot states an instance of `reservation` saves (`sliding_window`: the
+    model has sliding-window layers, so a full or window-sized SWA cache shapes the state)."""
     s = reservation.stamp.settings
     draft = None
     if s.spec_type != "none":
@@ -102,6 +105,7 @@ def state_identity(reservation: Reservation, model_digest: str, engine_version: 
         cache_type_v=s.cache_type_v,
         flash_attention=s.flash_attn == "on",
         unified_kv=s.kv_unified,
+        swa_full=s.swa_full if sliding_window else None,
         draft=draft,
         payload_kind=PAYLOAD_KIND,
         platform=Platform(machine=platform.machine(), byte_order="little" if sys.byteorder == "little" else "big"),
