@@ -232,7 +232,8 @@ class RunnerActor(Actor):
         if future.cancelled() or future.exception() is not None:
             self._identities.pop(path, None)  # tried again on the next pass
             return None
-        return state_identity(driver.reservation, future.result(), self.engine_version)
+        sliding_window = any(a.kind == "kv_swa" for a in driver.allocations)
+        return state_identity(driver.reservation, future.result(), self.engine_version, sliding_window=sliding_window)
 
     async def _start(self, ctx: ActorContext, request: StartInstance) -> RunnerAck:
         rid = request.reservation_id
