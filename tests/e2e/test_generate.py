@@ -250,3 +250,49 @@ async def slot_busy(port: int) -> bool:
     async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/slots") as response:
         slots = await response.json()
     return any(s.get("is_processing") for s in slots)
+
+
+async def test_a_node_restores_a_prefix_computed_on_another_node_from_its_peer_store(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    first, second = tmp_path / "a", tmp_path / "b"
+    model = models["dense"]
+    async with node(first, "node-a", *QUIET):
+        env = await nats_env(first)
+        async with node(second, "node-b", *QUIET, env=env):
+            await wait_nodes(first, "node-a", "node-b")
+            code, out, err = await cli(
+                "place", str(model), "-c", "2048", "--node", "node-a", "--start", "--json", env=env
+            )
+            assert code == 0, err + out
+            on_a = json.loads(out)["instance"]["instance_id"]
+            await wait_ready(first, on_a)
+            cold = await gen(first, model.name, PROMPT)
+            assert cold["node"] == "node-a" and cold["source"] == "cold"
+            await wait_captured(first, len(PROMPT) - 1)
+            code, _, err = await cli("stop", on_a, "--data-dir", str(first))
+            assert code == 0, err
+
+            code, out, err = await cli(
+                "place", str(model), "-c", "2048", "--node", "node-b", "--start", "--json", env=env
+            )
+            assert code == 0, err + out
+            await wait_ready(first, json.loads(out)["instance"]["instance_id"])
+            fetched = await gen(first, model.name, PROMPT)
+            assert fetched["node"] == "node-b" and fetched["source"] == "l3_peer", fetched
+            assert (fetched["tokens_restored"], fetched["tokens_evaluated"]) == (len(PROMPT) - 1, 1), fetched
+            assert fetched["tokens"] == cold["tokens"]
+            code, out, err = await cli("l3", "ls", "--json", "--node", "node-b", "--data-dir", str(first))
+            assert code == 0, err
+            assert any(e["tokens"] == len(PROMPT) - 1 for e in json.loads(out))  # kept where it was fetched to
+
+
+async def wait_ready(data_dir: Path, instance_id: str) -> None:
+    async with asyncio.timeout(60):
+        while True:
+            _, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
+            states = [i["state"] for i in json.loads(out)["instances"] if i["id"] == instance_id]
+            if states == ["ready"]:
+                return
+            assert states in ([], ["starting"]), states
+            await asyncio.sleep(0.2)
