@@ -9,6 +9,7 @@ the server prints its shutdown records, SIGKILL if it lingers. The log is return
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -21,12 +22,14 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
 
 from messages.settings import ServingSettings
 
-__all__ = ["ServerRun", "find_server", "require_server", "run_server", "server_args"]
+__all__ = ["ServerReply", "ServerRun", "call_server", "find_server", "require_server", "run_server", "server_args"]
 
 ENV_BINARY = "MESH_ACTOR_LLAMA_SERVER"
 
@@ -64,6 +67,25 @@ class ServerRun:
     healthy: bool
     returncode: int | None
     seconds: float
+
+
+@dataclass(frozen=True)
+class ServerReply:
+    status: int
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+async def call_server(port: int, method: str, path: str, body: Any = None, *, timeout_s: float) -> ServerReply:
+    """One request to a llama-server on loopback (aiohttp; `body` sent as JSON), answered within `timeout_s`."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.request(method, f"http://127.0.0.1:{port}{path}", json=body) as response,
+    ):
+        return ServerReply(response.status, await response.read())
 
 
 def _free_port() -> int:

@@ -156,18 +156,20 @@ class RunnerActor(Actor):
         await asyncio.to_thread((self.data_dir / "runner").mkdir, parents=True, exist_ok=True)
         await asyncio.to_thread(self._prune_instance_dirs, frozenset())
 
+        # before the start endpoint: every driver of this incarnation talks to its server through this session
+        session = ServerApi.session()
+        api = ServerApi(session)
+        serving = Serving(self.node_id, ctx.bus, api, self.l3, ctx.spawn, self.serving_limits)
+        ctx.spawn(self._serve(ctx, serving, session), "serving")
+
         async def start(request: StartInstance) -> RunnerAck:
-            return await self._start(ctx, request)
+            return await self._start(ctx, request, api)
 
         async def stop(request: StopInstance) -> RunnerAck:
             return await self._stop(request)
 
         await ctx.add_endpoint("start", ctx.subjects.runner(self.node_id, "start"), StartInstance, start)
         await ctx.add_endpoint("stop", ctx.subjects.runner(self.node_id, "stop"), StopInstance, stop)
-
-        session = ServerApi.session()
-        serving = Serving(self.node_id, ctx.bus, ServerApi(session), self.l3, ctx.spawn, self.serving_limits)
-        ctx.spawn(self._serve(ctx, serving, session), "serving")
 
         async def generate(order: RunnerGenerate) -> GenerateResult:
             return await serving.generate(order)
@@ -235,7 +237,7 @@ class RunnerActor(Actor):
         sliding_window = any(a.kind == "kv_swa" for a in driver.allocations)
         return state_identity(driver.reservation, future.result(), self.engine_version, sliding_window=sliding_window)
 
-    async def _start(self, ctx: ActorContext, request: StartInstance) -> RunnerAck:
+    async def _start(self, ctx: ActorContext, request: StartInstance, api: ServerApi) -> RunnerAck:
         rid = request.reservation_id
         for driver in self._drivers.values():
             if driver.reservation.reservation_id == rid:  # already running it: starting is idempotent
@@ -305,6 +307,7 @@ class RunnerActor(Actor):
             engine=self.engine_path,
             limits=self.limits,
             clock=self._clock,
+            api=api,
             rewrite=self._rewrite,
             fault=self._fault,
             signal_filter=self._signal_filter,

@@ -32,9 +32,10 @@ from actors.runner.command import build_command, server_environment
 from actors.runner.drift import ServerReport, server_drift
 from actors.runner.limits import RunnerLimits
 from actors.runner.observed import observed_memory
-from actors.runner.process import HttpError, ServerLog, ServerProcess, http_request
+from actors.runner.process import MIB, ServerLog, ServerProcess
 from actors.runner.reaper import reap
 from actors.runner.records import write_status
+from actors.runner.server_api import ServerApi, ServerApiError
 from messages.events import (
     DriftRejected,
     InstanceCrashed,
@@ -62,6 +63,9 @@ DriverFault = Callable[[str, lc.Event], None]
 #: server that does not die).
 SignalFilter = Callable[[str, signal.Signals], bool]
 
+#: Ceiling on a /props or /slots reply (a few KiB in practice).
+_REPLY_LIMIT = 8 * MIB
+
 
 class InstanceDriver:
     def __init__(
@@ -79,6 +83,7 @@ class InstanceDriver:
         engine: Path,
         limits: RunnerLimits,
         clock: Callable[[], float],
+        api: ServerApi,
         rewrite: CommandRewrite | None = None,
         fault: DriverFault | None = None,
         signal_filter: SignalFilter | None = None,
@@ -95,6 +100,7 @@ class InstanceDriver:
         self.engine = engine
         self.limits = limits
         self._clock = clock
+        self._api = api  # the runner incarnation's HTTP session (it outlives every driver of that incarnation)
         self._rewrite = rewrite
         self._fault = fault
         self._signal_filter = signal_filter
@@ -252,12 +258,11 @@ class InstanceDriver:
         # Bounded by the machine's readiness deadline: when it passes, the machine signals and we are cancelled.
         while True:
             try:
-                response = await http_request(port, "GET", "/health", timeout_s=self.limits.http_timeout_s)
-                if response.status == 200:
+                if await self._api.status(port, "/health", timeout_s=self.limits.http_timeout_s) == 200:
                     await self.events.put(lc.Healthy(generation))
                     return
-            except HttpError:
-                pass  # not listening yet, or still loading
+            except ServerApiError:
+                pass  # not listening yet (503 while loading is a status, not an error)
             await asyncio.sleep(self.limits.health_interval_s)
 
     async def _liveness(self, generation: int) -> None:
@@ -269,10 +274,10 @@ class InstanceDriver:
         while True:
             await asyncio.sleep(t.liveness_interval_s)
             try:
-                response = await http_request(port, "GET", "/health", timeout_s=self.limits.http_timeout_s)
-                detail = f"HTTP {response.status}"
-                ok = response.status == 200
-            except HttpError as exc:
+                status = await self._api.status(port, "/health", timeout_s=self.limits.http_timeout_s)
+                detail = f"HTTP {status}"
+                ok = status == 200
+            except ServerApiError as exc:
                 detail, ok = str(exc) or type(exc).__name__, False
             failures = 0 if ok else failures + 1
             if failures >= t.liveness_failures:
@@ -286,9 +291,9 @@ class InstanceDriver:
             # every allocation line is logged before "model loaded"; the pipe may lag /health a little
             async with asyncio.timeout(self.limits.timings.verify_timeout_s):
                 await self.log.loaded.wait()
-            props = await _get_json(port, "/props", self.limits.http_timeout_s)
-            slots = await _get_json(port, "/slots", self.limits.http_timeout_s)
-        except (HttpError, TimeoutError) as exc:
+            props = await self._get_json(port, "/props")
+            slots = await self._get_json(port, "/slots")
+        except (ServerApiError, TimeoutError) as exc:
             await self.events.put(lc.Verified(generation, error=str(exc) or "the server never logged its load"))
             return
         log = parse_allocation_log(self.log.allocation_text())
@@ -420,6 +425,12 @@ class InstanceDriver:
             bound.error("instance_stuck", pid=action.pid, reason=action.reason)
             self.ctx.emit(InstanceStuck, **ids, pid=action.pid, reason=action.reason)
 
+    async def _get_json(self, port: int, path: str) -> object:
+        reply: object = await self._api.json(
+            port, "GET", path, None, timeout_s=self.limits.http_timeout_s, max_bytes=_REPLY_LIMIT
+        )
+        return reply
+
     async def _write_status(self) -> None:
         await write_status(
             self.ctx,
@@ -428,14 +439,6 @@ class InstanceDriver:
             final_ttl_s=self.limits.final_ttl_s,
             timeout_s=self.limits.kv_timeout_s,
         )
-
-
-async def _get_json(port: int, path: str, timeout_s: float) -> object:
-    response = await http_request(port, "GET", path, timeout_s=timeout_s)
-    if response.status != 200:
-        raise HttpError(f"GET {path}: HTTP {response.status}")
-    result: object = response.json()
-    return result
 
 
 def _describe(exc: BaseException) -> str:

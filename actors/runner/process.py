@@ -1,4 +1,4 @@
-"""A llama-server process and how we talk to it (runner shell: processes, files, sockets).
+"""A llama-server process and its output (runner shell: processes, files).
 
 * `ServerProcess.spawn` starts the server from an argument list (never a shell) in its own process group
   (`process_group=0`), through the exec wrapper of `runtime.children.dying_with_parent`, which arms the Linux
@@ -10,35 +10,25 @@
   thread, never on the event loop) that is rotated at a size limit (one old file kept), the allocation
   lines kept in memory until the model has loaded (for the verification and the observed footprint), and
   the last lines for crash reports.
-* `http_request` is a small HTTP/1.1 client over `asyncio.open_connection` for loopback use: one request
-  per connection, a deadline on the whole exchange and a ceiling on the response size.
+
+Talking to the server over HTTP is `actors.runner.server_api` (aiohttp), not this module.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import subprocess
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from actors.runner.command import LOOPBACK
 from runtime.children import dying_with_parent
 
-__all__ = [
-    "HttpError",
-    "HttpResponse",
-    "ServerLog",
-    "ServerProcess",
-    "http_request",
-]
+__all__ = ["ServerLog", "ServerProcess"]
 
 MIB = 1 << 20
 
@@ -235,91 +225,3 @@ class ServerProcess:
             return code
         self.signal(signal.SIGKILL)
         return await self.wait_for(kill_grace_s)
-
-
-class HttpError(Exception):
-    """The HTTP exchange failed: no connection, no answer in time, a malformed or oversized response."""
-
-
-@dataclass(frozen=True)
-class HttpResponse:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-    def json(self) -> Any:
-        try:
-            return json.loads(self.body)
-        except ValueError as exc:
-            raise HttpError(f"response is not JSON: {exc}") from exc
-
-
-_HEAD_LIMIT = 64 * 1024
-
-
-async def http_request(
-    port: int,
-    method: str,
-    path: str,
-    *,
-    body: bytes | None = None,
-    timeout_s: float,
-    max_bytes: int = 8 * MIB,
-    host: str = LOOPBACK,
-) -> HttpResponse:
-    """One HTTP/1.1 request to `host:port`, answered within `timeout_s`, body at most `max_bytes`."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await _exchange(host, port, method, path, body, max_bytes)
-    except TimeoutError as exc:
-        raise HttpError(f"{method} {path}: no answer within {timeout_s:g}s") from exc
-    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
-        raise HttpError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
-
-
-async def _exchange(host: str, port: int, method: str, path: str, body: bytes | None, max_bytes: int) -> HttpResponse:
-    reader, writer = await asyncio.open_connection(host, port, limit=_HEAD_LIMIT)
-    try:
-        head = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", "Connection: close", "Accept: */*"]
-        if body is not None:
-            head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
-        writer.write(("\r\n".join(head) + "\r\n\r\n").encode("ascii") + (body or b""))
-        await writer.drain()
-        raw_head = await reader.readuntil(b"\r\n\r\n")
-        status_line, *header_lines = raw_head.decode("latin-1").rstrip("\r\n").split("\r\n")
-        parts = status_line.split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
-            raise HttpError(f"{method} {path}: malformed status line {status_line[:80]!r}")
-        headers: dict[str, str] = {}
-        for line in header_lines:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            data = await _read_chunked(reader, max_bytes)
-        elif "content-length" in headers:
-            length = int(headers["content-length"])
-            if not 0 <= length <= max_bytes:
-                raise HttpError(f"{method} {path}: body of {length} bytes is over the limit of {max_bytes}")
-            data = await reader.readexactly(length)
-        else:
-            data = await reader.read(max_bytes + 1)
-            if len(data) > max_bytes:
-                raise HttpError(f"{method} {path}: body over the limit of {max_bytes} bytes")
-        return HttpResponse(status=int(parts[1]), headers=headers, body=data)
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-
-
-async def _read_chunked(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
-    out = bytearray()
-    while True:
-        size_line = await reader.readuntil(b"\r\n")
-        size = int(size_line.split(b";", 1)[0].strip() or b"0", 16)
-        if size == 0:
-            return bytes(out)
-        if len(out) + size > max_bytes:
-            raise HttpError(f"chunked body over the limit of {max_bytes} bytes")
-        out += await reader.readexactly(size)
-        await reader.readexactly(2)  # the CRLF after each chunk

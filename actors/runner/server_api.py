@@ -1,7 +1,8 @@
 """llama-server's HTTP API as the runner uses it (runner shell: one aiohttp session per runner incarnation).
 
 Every call has a deadline and a ceiling on what it reads; a failure is a `ServerApiError` whose message says
-which call failed and why (HTTP status and the server's own error message when it sent one). Completions are
+which call failed and why (HTTP status and the server's own error message when it sent one; no answer in time;
+a reply over its ceiling; a connection refused or garbage where HTTP was expected). Completions are
 always streamed from the server (server-sent events), even when the client asked for the whole reply: the
 first token's time is measured, and closing the response (a client that went away, a deadline) makes the
 server stop generating and free the slot.
@@ -20,6 +21,8 @@ from actors.runner.command import LOOPBACK
 __all__ = ["MAX_EVENT_BYTES", "ServerApi", "ServerApiError"]
 
 MAX_JSON_BYTES: Final = 64 << 20
+#: Ceiling on a reply whose body only says "ok" or "loading" (/health).
+MAX_STATUS_BYTES: Final = 64 << 10
 #: Longest server-sent event line accepted (a chunk carries a few tokens; the last one the timings).
 MAX_EVENT_BYTES: Final = 4 << 20
 
@@ -41,6 +44,15 @@ def _reason(status: int, body: bytes) -> str:
     return f"HTTP {status}: {message or body[:300].decode(errors='replace')}"
 
 
+def _failure(exc: aiohttp.ClientError) -> str:
+    """An aiohttp failure in one line: refused, disconnected, or what was wrong with the reply."""
+    if isinstance(exc, aiohttp.ClientResponseError):  # the reply could not be parsed ("400" is aiohttp's own)
+        text = f"malformed reply: {exc.message}"
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())[:300]
+
+
 class ServerApi:
     """Calls on the llama-servers of one node (loopback), sharing one connection pool."""
 
@@ -55,24 +67,45 @@ class ServerApi:
         # a line may be up to twice the read buffer: that is the event ceiling
         return aiohttp.ClientSession(connector=connector, read_bufsize=MAX_EVENT_BYTES // 2, auto_decompress=False)
 
-    async def json(self, port: int, method: str, path: str, body: Mapping[str, Any] | None, *, timeout_s: float) -> Any:
+    async def json(
+        self,
+        port: int,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None,
+        *,
+        timeout_s: float,
+        max_bytes: int = MAX_JSON_BYTES,
+    ) -> Any:
+        """The JSON of a 200 reply to `method path`, answered within `timeout_s`, at most `max_bytes`."""
+        status, data = await self._call(port, method, path, body, timeout_s=timeout_s, max_bytes=max_bytes)
+        if status != 200:
+            raise ServerApiError(f"{method} {path}: {_reason(status, data)}", status)
+        try:
+            return json.loads(data)
+        except ValueError as exc:
+            raise ServerApiError(f"{method} {path}: the reply is not JSON ({exc})", status) from exc
+
+    async def status(self, port: int, path: str, *, timeout_s: float) -> int:
+        """The HTTP status of `GET path` (any status: /health answers 503 while the model loads)."""
+        status, _ = await self._call(port, "GET", path, None, timeout_s=timeout_s, max_bytes=MAX_STATUS_BYTES)
+        return status
+
+    async def _call(
+        self, port: int, method: str, path: str, body: Mapping[str, Any] | None, *, timeout_s: float, max_bytes: int
+    ) -> tuple[int, bytes]:
+        """One exchange: its status and whole body. The deadline covers connecting, the head and the body."""
         url = f"http://{LOOPBACK}:{port}{path}"
+        what = f"{method} {path}"
         try:
             async with self._session.request(
                 method, url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as response:
-                data = await response.content.read(MAX_JSON_BYTES + 1)
-                if len(data) > MAX_JSON_BYTES:
-                    raise ServerApiError(f"{method} {path}: reply over {MAX_JSON_BYTES} bytes", response.status)
-                if response.status != 200:
-                    raise ServerApiError(f"{method} {path}: {_reason(response.status, data)}", response.status)
-                return json.loads(data)
+                return response.status, await _read_bounded(response, what, max_bytes)
         except TimeoutError as exc:
-            raise ServerApiError(f"{method} {path}: no answer within {timeout_s:g}s") from exc
+            raise ServerApiError(f"{what}: no answer within {timeout_s:g}s") from exc
         except aiohttp.ClientError as exc:
-            raise ServerApiError(f"{method} {path}: {exc!r}") from exc
-        except ValueError as exc:
-            raise ServerApiError(f"{method} {path}: the reply is not JSON ({exc})") from exc
+            raise ServerApiError(f"{what}: {_failure(exc)}") from exc
 
     async def tokenize(self, port: int, text: str, *, timeout_s: float) -> list[int]:
         reply = await self.json(port, "POST", "/tokenize", {"content": text, "add_special": True}, timeout_s=timeout_s)
@@ -107,7 +140,23 @@ class ServerApi:
         except TimeoutError as exc:
             raise ServerApiError(f"POST /completion: the server sent nothing for {idle_timeout_s:g}s") from exc
         except aiohttp.ClientError as exc:
-            raise ServerApiError(f"POST /completion: {exc!r}") from exc
+            raise ServerApiError(f"POST /completion: {_failure(exc)}") from exc
+
+
+async def _read_bounded(response: aiohttp.ClientResponse, what: str, max_bytes: int) -> bytes:
+    """The whole body, refused once it is over `max_bytes` (a declared length before anything is read)."""
+    declared = response.content_length
+    if declared is not None and declared > max_bytes:
+        raise ServerApiError(
+            f"{what}: a reply of {declared} bytes is over the limit of {max_bytes} bytes", response.status
+        )
+    data = bytearray()
+    # `read(n)` returns what has arrived (at most n), not n bytes: read until the end or one byte past the limit
+    while chunk := await response.content.read(max_bytes + 1 - len(data)):
+        data += chunk
+        if len(data) > max_bytes:
+            raise ServerApiError(f"{what}: a reply over the limit of {max_bytes} bytes", response.status)
+    return bytes(data)
 
 
 async def _events(stream: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:

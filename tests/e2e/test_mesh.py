@@ -23,14 +23,13 @@ import pytest
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from actors.placement.memory import estimate
-from actors.runner.process import http_request
 from messages.runner import RunnerAck, StartInstance
 from messages.settings import ServingSettings
 from messages.subjects import Subjects
 from runtime.bus import Bus, RemoteError
 from runtime.config import NatsOptions
 from tests.conftest import mesh_actor_command, processes
-from tests.llama_harness import require_server
+from tests.llama_harness import call_server, require_server
 from tests.tiny_models import write_llama, write_qwen35
 
 pytestmark = pytest.mark.e2e
@@ -183,10 +182,10 @@ async def test_placed_and_started_instance_answers_and_observed_cache_bytes_equa
             assert observed[key] == predicted[key], key
         if kind == "hybrid":
             assert observed["recurrent_bytes"] > 0
-        response = await http_request(
-            instance["port"], "POST", "/completion", body=b'{"prompt": "hi", "n_predict": 4}', timeout_s=60
+        response = await call_server(
+            instance["port"], "POST", "/completion", {"prompt": "hi", "n_predict": 4}, timeout_s=60
         )
-        assert response.status == 200 and "content" in json.loads(response.body)
+        assert response.status == 200 and "content" in response.json()
 
         code, out, err = await cli("stop", instance_id, "--data-dir", str(data_dir))
         assert code == 0, err

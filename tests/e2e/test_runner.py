@@ -34,7 +34,6 @@ from actors.placement.memory import estimate
 from actors.runner.actor import RunnerActor, RunnerLimits
 from actors.runner.driver import DriverFault, SignalFilter
 from actors.runner.lifecycle import Event, Timings, Verified
-from actors.runner.process import http_request
 from messages.memory import MemoryBreakdown
 from messages.placement import NodeLedger, Reservation, Stamp
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
@@ -48,7 +47,7 @@ from runtime.restart import RestartPolicy
 from tests import tiny_models
 from tests.conftest import JournalReader, NatsServer, of_type, processes, supervised
 from tests.integration.test_cli_runner import run_cli
-from tests.llama_harness import require_server
+from tests.llama_harness import call_server, require_server
 
 pytestmark = pytest.mark.e2e
 
@@ -213,9 +212,7 @@ async def test_dense_instance_serves_completions_and_reports_cache_bytes_exactly
         assert observed["output_bytes"] == predicted.output_bytes
         assert ready["predicted"]["kv_bytes"] == predicted.kv_bytes
 
-        reply = await http_request(
-            ack.port, "POST", "/completion", body=b'{"prompt": "hello", "n_predict": 4}', timeout_s=30
-        )
+        reply = await call_server(ack.port, "POST", "/completion", {"prompt": "hello", "n_predict": 4}, timeout_s=30)
         assert reply.status == 200
         assert reply.json()["tokens_predicted"] == 4
 
@@ -530,7 +527,7 @@ async def test_a_failing_driver_ends_its_instance_only_and_the_others_keep_servi
         assert not _servers_with(f"--port {bad.port}") and bad.port == starting["port"]
 
         assert good.port is not None
-        assert (await http_request(good.port, "GET", "/health", timeout_s=10)).status == 200
+        assert (await call_server(good.port, "GET", "/health", timeout_s=10)).status == 200
         assert (await _status(bus, good.instance_id)).state == "ready"
         # the runner keeps serving: the same incarnation answers and stops the good one
         stopped = await _request(bus, "stop", StopInstance(instance_id=good.instance_id))

@@ -1,9 +1,11 @@
-"""The runner's process shell without llama-server: the bounded server log, the HTTP client, process groups."""
+"""The runner's process shell without llama-server: the bounded server log, the HTTP client (`ServerApi`) against
+hostile servers, process groups."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -15,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.runner.actor import RunnerActor, RunnerLimits
-from actors.runner.process import HttpError, ServerLog, ServerProcess, http_request
+from actors.runner.process import ServerLog, ServerProcess
+from actors.runner.server_api import ServerApi, ServerApiError
 from runtime.children import free_port, port_free
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -86,82 +89,145 @@ def test_a_runaway_line_is_cut_and_the_tail_is_bounded(tmp_path: Path) -> None:
     log.close()
 
 
-# --- the HTTP client ---------------------------------------------------------------------------------------
+# --- the HTTP client (aiohttp through ServerApi) against hostile servers ------------------------------------
 
 
-async def test_get_with_content_length_and_post_with_a_body() -> None:
+@contextlib.asynccontextmanager
+async def server_api() -> AsyncIterator[ServerApi]:
+    session = ServerApi.session()
+    try:
+        yield ServerApi(session)
+    finally:
+        await session.close()
+
+
+async def test_get_and_post_reach_the_server_and_a_503_is_a_status() -> None:
     seen: list[bytes] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
         length = next(
-            (int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.startswith(b"Content-Length")), 0
+            (int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0
         )
         seen.append(head + await reader.readexactly(length))
         writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\n\r\n{"status":"ok"}')
         await writer.drain()
         writer.close()
 
-    async with http_server(handler) as port:
-        response = await http_request(port, "GET", "/health", timeout_s=5)
-        assert (response.status, response.json()) == (200, {"status": "ok"})
-        await http_request(port, "POST", "/completion", body=b'{"n": 1}', timeout_s=5)
-    assert seen[0].startswith(b"GET /health HTTP/1.1\r\n")
+    async with server_api() as api, http_server(handler) as port:
+        assert await api.json(port, "GET", "/props", None, timeout_s=5) == {"status": "ok"}
+        assert await api.json(port, "POST", "/completion", {"n": 1}, timeout_s=5) == {"status": "ok"}
+    assert seen[0].startswith(b"GET /props HTTP/1.1\r\n")
     assert seen[1].startswith(b"POST /completion HTTP/1.1\r\n") and seen[1].endswith(b'\r\n\r\n{"n": 1}')
 
+    loading = (
+        b'HTTP/1.1 503 Service Unavailable\r\nContent-Length: 45\r\n\r\n{"error":{"code":503,"message":"Loading..."}}'
+    )
+    async with server_api() as api, http_server(_respond(loading)) as port:
+        assert await api.status(port, "/health", timeout_s=5) == 503
+        with pytest.raises(ServerApiError, match=r"GET /props: HTTP 503: Loading\.\.\.") as caught:
+            await api.json(port, "GET", "/props", None, timeout_s=5)
+        assert caught.value.status == 503
 
-async def test_chunked_and_close_delimited_bodies_are_read() -> None:
-    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nabcd\r\n3\r\nefg\r\n0\r\n\r\n"
-    async with http_server(_respond(chunked)) as port:
-        assert (await http_request(port, "GET", "/", timeout_s=5)).body == b"abcdefg"
-    async with http_server(_respond(b"HTTP/1.0 503 Service Unavailable\r\n\r\nloading")) as port:
-        response = await http_request(port, "GET", "/health", timeout_s=5)
-        assert (response.status, response.body) == (503, b"loading")
+
+async def test_chunked_close_delimited_and_trickled_bodies_are_read_whole() -> None:
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\n[1, \r\n3\r\n2 ]\r\n0\r\n\r\n"
+    async with server_api() as api, http_server(_respond(chunked)) as port:
+        assert await api.json(port, "GET", "/slots", None, timeout_s=5) == [1, 2]
+    async with server_api() as api, http_server(_respond(b"HTTP/1.0 200 OK\r\n\r\n[3]")) as port:
+        assert await api.json(port, "GET", "/slots", None, timeout_s=5) == [3]
+
+    reply = json.dumps({"slots": ["x" * 100] * 200}).encode()  # arrives in many pieces: all of them are read
+
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(reply))
+        for i in range(0, len(reply), 1000):
+            writer.write(reply[i : i + 1000])
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        writer.close()
+
+    async with server_api() as api, http_server(trickle) as port:
+        assert await api.json(port, "GET", "/slots", None, timeout_s=5) == json.loads(reply)
+
+
+async def _endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    with contextlib.suppress(OSError):
+        while True:  # until the client hangs up
+            writer.write(b"z" * 65536)
+            await writer.drain()
 
 
 @pytest.mark.parametrize(
-    "raw",
+    "handler",
     [
-        b"HTTP/1.1 200 OK\r\nContent-Length: 999999999\r\n\r\n",
-        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nfffffff\r\n",
-        b"HTTP/1.1 200 OK\r\n\r\n" + b"z" * 2048,
+        _respond(b"HTTP/1.1 200 OK\r\nContent-Length: 999999999\r\n\r\n"),
+        _respond(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n800\r\n" + b"z" * 2048 + b"\r\n0\r\n\r\n"),
+        _respond(b"HTTP/1.1 200 OK\r\n\r\n" + b"z" * 2048),
+        _endless,
     ],
-    ids=["declared", "chunked", "until-close"],
+    ids=["declared", "chunked", "until-close", "endless"],
 )
-async def test_a_body_over_the_ceiling_is_an_error_before_it_is_read(raw: bytes) -> None:
-    async with http_server(_respond(raw)) as port:
-        with pytest.raises(HttpError, match="limit"):
-            await http_request(port, "GET", "/", timeout_s=5, max_bytes=1024)
+async def test_a_reply_over_the_ceiling_is_refused_with_a_clear_error(handler: Handler) -> None:
+    async with server_api() as api, http_server(handler) as port:
+        with pytest.raises(ServerApiError, match=r"^GET /props: a reply .*over the limit of 1024 bytes$"):
+            await api.json(port, "GET", "/props", None, timeout_s=5, max_bytes=1024)
 
 
-async def test_malformed_answers_silence_and_refusal_are_http_errors() -> None:
-    async with http_server(_respond(b"SSH-2.0-OpenSSH\r\n\r\n")) as port:
-        with pytest.raises(HttpError, match="malformed status line"):
-            await http_request(port, "GET", "/", timeout_s=5)
+async def test_a_health_reply_is_bounded_too() -> None:
+    async with server_api() as api, http_server(_endless) as port:
+        with pytest.raises(ServerApiError, match="GET /health: a reply over the limit"):
+            await api.status(port, "/health", timeout_s=5)
 
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.read()  # never answers
 
-    async with http_server(silent) as port:
-        with pytest.raises(HttpError, match=r"no answer within 0\.2s"):
-            await http_request(port, "GET", "/", timeout_s=0.2)
-    with pytest.raises(HttpError):
-        await http_request(free_port(), "GET", "/", timeout_s=5)
+async def test_garbage_silence_a_stalled_body_and_refusal_are_server_api_errors() -> None:
+    async with server_api() as api:
+        async with http_server(_respond(b"SSH-2.0-OpenSSH\r\n\r\n")) as port:
+            with pytest.raises(ServerApiError, match=r"^GET /health: malformed reply: Bad status line") as caught:
+                await api.status(port, "/health", timeout_s=5)
+            assert caught.value.status is None
+
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read()  # never answers
+
+        async with http_server(silent) as port:
+            with pytest.raises(ServerApiError, match=r"^GET /health: no answer within 0\.2s$"):
+                await api.status(port, "/health", timeout_s=0.2)
+
+        async def stalled(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n[")
+            await writer.drain()
+            await reader.read()  # the rest never comes
+
+        async with http_server(stalled) as port:
+            with pytest.raises(ServerApiError, match=r"^GET /props: no answer within 0\.2s$"):
+                await api.json(port, "GET", "/props", None, timeout_s=0.2)
+
+        with pytest.raises(ServerApiError, match=r"^GET /health: ClientConnectorError: ") as caught:
+            await api.status(free_port(), "/health", timeout_s=5)
+        assert caught.value.status is None
 
 
 _RESPONSE_PARTS = st.sampled_from(
     [
         b"HTTP/1.1 200 OK\r\n",
+        b"HTTP/1.1 503 Service Unavailable\r\n",
         b"HTTP/1.1 ",
         b"Content-Length: 5\r\n",
         b"Content-Length: -3\r\n",
         b"Content-Length: x\r\n",
         b"Transfer-Encoding: chunked\r\n",
+        b"Content-Encoding: gzip\r\n",
         b"\r\n",
         b"5\r\nhello\r\n",
         b"zz\r\n",
         b"0\r\n\r\n",
         b"hello",
+        b'{"a": 1}',
         b"\xff\xfe",
     ]
 )
@@ -169,12 +235,14 @@ _RESPONSE_PARTS = st.sampled_from(
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.one_of(_RESPONSE_PARTS, st.binary(max_size=40)), max_size=12))
-def test_any_response_bytes_give_a_response_or_an_http_error(parts: list[bytes]) -> None:
+def test_any_response_bytes_give_a_reply_or_a_server_api_error(parts: list[bytes]) -> None:
     async def exchange() -> None:
-        async with http_server(_respond(b"".join(parts))) as port:
-            with contextlib.suppress(HttpError):
-                response = await http_request(port, "GET", "/", timeout_s=2, max_bytes=4096)
-                assert len(response.body) <= 4096
+        async with server_api() as api, http_server(_respond(b"".join(parts))) as port:
+            with contextlib.suppress(ServerApiError):
+                assert 100 <= await api.status(port, "/health", timeout_s=2) <= 999
+            with contextlib.suppress(ServerApiError):
+                reply = await api.json(port, "GET", "/props", None, timeout_s=2, max_bytes=4096)
+                assert len(json.dumps(reply)) <= 4 * 4096  # parsed from at most 4096 bytes
 
     asyncio.run(exchange())
 
