@@ -1,0 +1,125 @@
+"""What the serving benchmarks share: a `mesh-actor run` node process, a model placed on it, a bus client, and
+the provenance block (binary and model digests, hardware).
+
+The model is a sparse GGUF of a realistic shape (zeros, so no disk, but every matmul of a real model of that
+size): time to first token then costs what it costs on a real model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from actors.runner.engine import find_llama_server
+from runtime.bus import Bus
+from runtime.config import NatsOptions
+from tests.tiny_models import sparse_files, write_llama
+
+#: A 0.5B-parameter llama shape (Qwen2-0.5B's widths, a 32k vocabulary), f16.
+SHAPE_0_5B: dict[str, Any] = {
+    "n_layer": 24, "n_embd": 896, "n_head": 14, "n_head_kv": 2, "n_ff": 4864, "n_vocab": 32000, "dtype": "f16",
+}  # fmt: skip
+
+
+def write_model(path: Path, shape: dict[str, Any] = SHAPE_0_5B) -> Path:
+    if not path.exists():
+        with sparse_files():
+            write_llama(path, **shape)
+    return path
+
+
+def _command() -> list[str]:
+    return [sys.executable, "-m", "runtime.cli"]
+
+
+async def cli(*args: str, timeout: float = 600) -> Any:
+    """The command's JSON output (run it with `--json`)."""
+    process = await asyncio.create_subprocess_exec(*_command(), *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    async with asyncio.timeout(timeout):
+        out, err = await process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"mesh-actor {' '.join(args[:2])} failed ({process.returncode}): {err.decode()[-2000:]}")
+    return json.loads(out)
+
+
+@contextlib.asynccontextmanager
+async def node(data_dir: Path, *flags: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    process = await asyncio.create_subprocess_exec(
+        *_command(), "run", "--data-dir", str(data_dir), "--node-id", "bench", "--nats-port", "0",
+        "--telemetry-interval", "0.5", *flags,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        async with asyncio.timeout(60):
+            line = (await process.stdout.readline()).decode()
+        if "running" not in line:
+            raise RuntimeError(f"the node did not start: {line!r}")
+        yield process
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(60):
+                    await process.wait()
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+async def start_model(data_dir: Path, model: Path, ctx: int) -> dict[str, Any]:
+    """Places and starts `model`; returns its instance record once ready."""
+    decision = await cli("place", str(model), "-c", str(ctx), "--start", "--json", "--data-dir", str(data_dir))
+    instance_id = decision["instance"]["instance_id"]
+    async with asyncio.timeout(300):
+        while True:
+            status = await cli("status", "--json", "--data-dir", str(data_dir))
+            for instance in status["instances"]:
+                if instance["id"] == instance_id and instance["state"] == "ready":
+                    return dict(instance)
+            await asyncio.sleep(0.3)
+
+
+async def connect(data_dir: Path) -> Bus:
+    env = await cli("nats-env", "--json", "--data-dir", str(data_dir))
+    options = NatsOptions(urls=(env["url"],), user=env["user"], password=env["password"])
+    return await Bus.connect(options, name="benchmark")
+
+
+def file_digest(path: Path) -> str:
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    hasher.update_mmap(str(path))
+    return str(hasher.hexdigest())
+
+
+def _cpu() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def print_provenance(model: Path) -> None:
+    engine = find_llama_server(os.environ.get("MESH_ACTOR_LLAMA_SERVER"))
+    version = subprocess.run([str(engine), "--version"], capture_output=True, text=True, timeout=30, check=False)
+    lines = [x for x in (version.stdout + version.stderr).splitlines() if x.startswith("version")]
+    print("provenance")
+    print(f"  cpu           {_cpu()} ({os.cpu_count()} cpus)")
+    print(f"  platform      {platform.platform()}")
+    print(f"  llama-server  {lines[0] if lines else 'unknown'}; blake3 {file_digest(engine)[:16]}")
+    size = model.stat().st_size
+    print(f"  model         {model.name}: {size / 2**30:.2f} GiB sparse, blake3 {file_digest(model)[:16]}")
+    print(f"  time          {time.strftime('%Y-%m-%d %H:%M:%S')}")
