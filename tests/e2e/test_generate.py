@@ -296,3 +296,38 @@ async def wait_ready(data_dir: Path, instance_id: str) -> None:
                 return
             assert states in ([], ["starting"]), states
             await asyncio.sleep(0.2)
+
+
+async def test_routing_prefers_the_node_whose_store_holds_the_prefix(tmp_path: Path, models: dict[str, Path]) -> None:
+    first, second = tmp_path / "a", tmp_path / "b"
+    model = models["dense"]
+    async with node(first, "node-a", *QUIET):
+        env = await nats_env(first)
+        async with node(second, "node-b", *QUIET, env=env):
+            await wait_nodes(first, "node-a", "node-b")
+
+            async def start_on(node_id: str) -> str:
+                code, out, err = await cli(
+                    "place", str(model), "-c", "2048", "--node", node_id, "--start", "--json", env=env
+                )
+                assert code == 0, err + out
+                instance_id = str(json.loads(out)["instance"]["instance_id"])
+                await wait_ready(first, instance_id)
+                return instance_id
+
+            on_a = await start_on("node-a")
+            assert (await gen(first, model.name, PROMPT, 4))["node"] == "node-a"
+            await wait_captured(first, len(PROMPT) - 1)
+            code, _, err = await cli("stop", on_a, "--data-dir", str(first))
+            assert code == 0, err
+            await start_on("node-b")  # nothing resident anywhere now; node-a's store holds the prefix
+            await start_on("node-a")
+            await asyncio.sleep(0.5)  # both runners' serving reports reach the router
+            routed = await gen(first, model.name, PROMPT, 4)
+            assert routed["node"] == "node-a" and routed["source"] == "l3_local", routed
+            assert routed["tokens_evaluated"] == 1
+            code, out, err = await cli("events", "--json", "--subject", "router.generate_routed", env=env)
+            assert code == 0, err
+            last = json.loads(out.splitlines()[-1])["event"]
+            credits = {c["node"]: (c["source"], c["held_tokens"]) for c in last["candidates"]}
+            assert credits == {"node-a": ("l3_local", len(PROMPT) - 1), "node-b": ("l3_peer", len(PROMPT) - 1)}
