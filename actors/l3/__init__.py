@@ -3,6 +3,10 @@
 Pure cores (no I/O, no clock): `identity` (which states are interchangeable), `layout` (digests, segment
 plan, manifest format, where things live), `commit` (the rules a manifest must satisfy before it exists),
 `budget` (which entries and segments one eviction pass removes), `prefix` (the longest stored prefix of a
-prompt, by hashing the prompt's own tokens at the recorded lengths). The shell `store` moves the bytes with
-blocking file I/O and is meant to run in a worker thread; the actor that wires it to the bus comes later.
+prompt, by hashing the prompt's own tokens at the recorded lengths), `catalog` (what a node holds and what
+its peers publish). Blocking shells, meant for worker threads: `files` (durable-file primitives), `store`
+(ingest, assemble and verify, reconcile, budget), `store_fetch` (the store's side of peer fetch: serving
+chunks, committing a fetched entry). The actor on the bus: `actor` (`L3Actor`: lifecycle, capture,
+materialize, inventory), with `keeper` (the one writer of the store and its catalog), `peer` (fetching an
+entry from a peer) and `serve` (the endpoints for peers and `mesh-actor l3`). `api` is what the runner sees.
 """

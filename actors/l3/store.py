@@ -1,10 +1,13 @@
-"""The L3 store on disk: ingest a saved slot file as segments plus a manifest, assemble it back, reconcile.
+"""The L3 store on disk: ingest a saved slot file as segments plus a manifest, assemble and verify it back,
+reconcile at startup, enforce the budget.
 
 Blocking file I/O only: call every method from a worker thread (`asyncio.to_thread`), never on the event
 loop. The decisions are the pure cores' (`layout`, `commit`, `budget`); this shell moves bytes and says what
-it saw. One `Store` per directory, and `reconcile` and `enforce_budget` only while nothing ingests (the
-actor serialises them): they delete segments no manifest names, which includes those of an ingest still
-running. While a manifest that cannot be parsed sits in the store, neither deletes any segment.
+it saw, through the durable-file primitives of `files`. The store's side of peer fetch (serving chunks,
+committing an entry received from a peer) is `store_fetch`. One `Store` per directory, and `reconcile` and
+`enforce_budget` only while nothing ingests or commits a fetch (the actor serialises them): they delete
+segments no manifest names, which includes those of an ingest still running. While a manifest that cannot
+be parsed sits in the store, neither deletes any segment.
 
 On disk, under the store root::
 
@@ -38,20 +41,34 @@ import errno
 import os
 import secrets
 import stat
-import threading
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Final, NoReturn
 
-import blake3
 import msgspec
 import structlog
 
 from actors.l3 import layout
 from actors.l3.budget import Eviction, StoredEntry, plan_eviction
 from actors.l3.commit import Refusal, Rule, check_manifest, check_present, validate
+from actors.l3.files import (
+    COPY_BUFFER_BYTES,
+    OPEN_CREATE,
+    OPEN_CREATE_RW,
+    OPEN_READ,
+    ReadFailed,
+    copy_range,
+    fsync_dir,
+    hash_fd,
+    intact,
+    make_dir,
+    read_small,
+    thread_buffer,
+    unlink_quietly,
+    write_atomic,
+)
 from actors.l3.layout import Manifest, SegmentRef
 from runtime.model_files import ModelFileError, open_regular
 
@@ -61,7 +78,6 @@ __all__ = [
     "Inventory",
     "InventoryEntry",
     "QuarantinedManifest",
-    "SegmentReceiver",
     "Store",
     "StoreError",
     "UnknownEntry",
@@ -73,18 +89,11 @@ log = structlog.get_logger(__name__)
 #: lets a test stop a process at exact points, and the actor report progress.
 Checkpoint = Callable[[str, int], None]
 
-_OPEN_READ: Final = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-_OPEN_CREATE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-_OPEN_CREATE_RW: Final = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 #: Segments copied but not yet hashed and durable, at most: the page cache holds them, not this process.
 _AHEAD: Final = 6
 #: Threads that hash, fsync and rename copied segments (fsyncs overlap: the journal commits them together).
 _HELPERS: Final = 4
-#: Bytes move through one buffer of this size. Large writes also leave the page cache in large folios, which
-#: hash back ~1.4x faster than pages written by copy_file_range (benchmarks/RESULTS.md, L3 store).
-_COPY_BUFFER_BYTES: Final = 4 * 1024 * 1024
 _TRANSIENT_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
-_buffers = threading.local()
 
 
 class StoreError(Exception):
@@ -143,7 +152,7 @@ class Store:
         self.segment_bytes = layout.check_segment_bytes(segment_bytes)
         self._checkpoint = checkpoint
         for name in (layout.SEGMENTS_DIR, layout.MANIFESTS_DIR, layout.QUARANTINE_DIR):
-            self._make_dir(root / name)
+            make_dir(root / name)
 
     # ---- paths: every name is a checked digest or a fixed word ----
 
@@ -180,15 +189,15 @@ class Store:
                         observed.append(pending.popleft().result())
                         self._step("segment", observed[-1].index)
 
-                buffer = memoryview(bytearray(_COPY_BUFFER_BYTES))
+                buffer = memoryview(bytearray(COPY_BUFFER_BYTES))
                 for index, offset, length in plan:
                     tmp = self.root / layout.SEGMENTS_DIR / layout.temp_name(str(index), nonce)
-                    out = os.open(tmp, _OPEN_CREATE_RW, 0o644)
+                    out = os.open(tmp, OPEN_CREATE_RW, 0o644)
                     try:
-                        copied = _copy_range(fd, out, offset, length, 0, buffer)
+                        copied = copy_range(fd, out, offset, length, 0, buffer)
                     except BaseException:
                         os.close(out)
-                        _unlink_quietly(tmp)
+                        unlink_quietly(tmp)
                         raise
                     pending.append(
                         helpers.submit(self._settle_segment, out, tmp, SegmentRef(index, offset, copied, ""))
@@ -206,7 +215,7 @@ class Store:
             observed.append(SegmentRef(len(plan), key.size, max(after.st_size - key.size, 1), ""))
         dirs = {self.root / layout.SEGMENTS_DIR} | {self.segment_file(r.digest).parent for r in observed if r.digest}
         for d in sorted(dirs):  # deduplicated segments' too: an earlier rename may not be durable yet
-            _fsync_dir(d)
+            fsync_dir(d)
         self._step("segments_durable", len(observed))
         named = tuple(SegmentRef(r.index, r.offset, plan[r.index][2], r.digest) for r in observed[: len(plan)])
         manifest = Manifest(
@@ -221,7 +230,7 @@ class Store:
         refusal = validate(manifest, observed, layout.payload_root(observed))
         if refusal is not None:
             raise CommitRefused(refusal)
-        self._write_atomic(self.manifest_file(entry), layout.encode_manifest(manifest))
+        write_atomic(self.manifest_file(entry), layout.encode_manifest(manifest))
         self._step("manifest", 0)
         log.debug("l3_ingested", entry=entry, n_tokens=len(token_ids), bytes=key.size, segments=len(named))
         return manifest
@@ -234,17 +243,17 @@ class Store:
         """(helper thread) Hashes the stored temporary file, then makes it durable under its digest, or
         drops it when an intact copy is there already. Closes `fd`."""
         try:
-            digest, _ = _hash_fd(fd, seen.length, _thread_buffer())
+            digest, _ = hash_fd(fd, seen.length, thread_buffer())
             final = self.segment_file(digest)
-            if _intact(final, digest, seen.length):
-                _unlink_quietly(tmp)
+            if intact(final, digest, seen.length):
+                unlink_quietly(tmp)
             else:
                 os.fsync(fd)
                 if not final.parent.is_dir():
-                    self._make_dir(final.parent)
+                    make_dir(final.parent)
                 os.replace(tmp, final)
         except BaseException:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             raise
         finally:
             os.close(fd)
@@ -255,7 +264,7 @@ class Store:
     def load_manifest(self, entry: str) -> Manifest:
         path = self.manifest_file(entry)
         try:
-            manifest = layout.decode_manifest(_read_small(path, layout.MAX_MANIFEST_BYTES))
+            manifest = layout.decode_manifest(read_small(path, layout.MAX_MANIFEST_BYTES))
         except FileNotFoundError as exc:
             raise UnknownEntry(f"no entry {entry}") from exc
         except (OSError, msgspec.MsgspecError) as exc:
@@ -269,7 +278,7 @@ class Store:
         if refusal is not None:
             raise CommitRefused(refusal)
         tmp = out_path.with_name(layout.temp_name(out_path.name, secrets.token_hex(8)))
-        out = os.open(tmp, _OPEN_CREATE, 0o600)
+        out = os.open(tmp, OPEN_CREATE, 0o600)
         try:
             try:
                 refusal = self._read_back(manifest, out)
@@ -279,7 +288,7 @@ class Store:
                 self._corrupt(manifest, refusal)
             os.replace(tmp, out_path)
         except BaseException:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             raise
 
     def verify(self, manifest: Manifest) -> None:
@@ -294,10 +303,10 @@ class Store:
         (when given), then checks the payload digest recomputed from what was hashed. A segment that cannot be
         read (missing, resized, a read error) is a refusal; an error writing `out` is raised."""
         seen: list[SegmentRef] = []
-        buffer = _thread_buffer()
+        buffer = thread_buffer()
         for seg in manifest.segments:
             try:
-                fd = os.open(self.segment_file(seg.digest), _OPEN_READ)
+                fd = os.open(self.segment_file(seg.digest), OPEN_READ)
             except FileNotFoundError:
                 return Refusal(rule=Rule.SEGMENT_MISSING, detail="segment is not stored", index=seg.index)
             except OSError as exc:
@@ -309,8 +318,8 @@ class Store:
                     return Refusal(rule=Rule.SEGMENT_SIZE, detail=detail, index=seg.index)
                 os.set_blocking(fd, True)
                 try:
-                    digest, got = _hash_fd(fd, seg.length, buffer, out, seg.offset)
-                except _ReadFailed as failed:
+                    digest, got = hash_fd(fd, seg.length, buffer, out, seg.offset)
+                except ReadFailed as failed:
                     return _unreadable(seg, failed.error)
             finally:
                 os.close(fd)
@@ -338,83 +347,6 @@ class Store:
             self.quarantine(entry, refusal.rule.value)
         raise CorruptEntry(entry, refusal)
 
-    # ---- peer fetch: serving chunks, receiving segments, committing a fetched entry ----
-
-    def manifest_bytes(self, entry: str) -> bytes:
-        """The stored manifest of `entry` as it is on disk (what a peer fetches and checks itself)."""
-        try:
-            return _read_small(self.manifest_file(entry), layout.MAX_MANIFEST_BYTES)
-        except FileNotFoundError as exc:
-            raise UnknownEntry(f"no entry {entry}") from exc
-
-    def read_chunk(self, digest: str, offset: int, length: int) -> tuple[bytes, int]:
-        """Up to `length` bytes of the stored segment `digest` from `offset`, and the segment's size.
-        `UnknownEntry` when it is not stored; the read is bounded by the caller's `length`."""
-        if offset < 0 or length < 0:
-            raise StoreError("offset and length must not be negative")
-        try:
-            fd = os.open(self.segment_file(digest), _OPEN_READ)
-        except FileNotFoundError as exc:
-            raise UnknownEntry(f"no segment {digest}") from exc
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise StoreError(f"segment {digest[:16]}… is not a regular file")
-            os.set_blocking(fd, True)
-            want = max(0, min(length, info.st_size - offset))
-            buffer = bytearray(want)
-            got = _pread_full(fd, memoryview(buffer), offset)
-            return (bytes(buffer) if got == want else bytes(buffer[:got])), info.st_size
-        finally:
-            os.close(fd)
-
-    def has_segment(self, digest: str, length: int) -> bool:
-        """Whether a segment of that name and size is stored (its content is re-hashed at commit and restore)."""
-        try:
-            info = os.stat(self.segment_file(digest), follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        return stat.S_ISREG(info.st_mode) and info.st_size == length
-
-    def receive_segment(self, digest: str, length: int) -> SegmentReceiver:
-        """A temporary file in `segments/` for one segment arriving from a peer (see `SegmentReceiver`)."""
-        return SegmentReceiver(self, layout.check_digest(digest, "segment digest"), length)
-
-    def commit_fetched(self, manifest: Manifest, received: Mapping[str, SegmentReceiver]) -> None:
-        """Makes a fetched entry loadable: `received` (digest -> a finished receiver) holds the segments that
-        came from the peer, hashed as they arrived; every other segment the manifest names must be stored here
-        and is re-hashed now. Then the same commit check as an ingest (`commit.validate`), and the manifest is
-        written last. Call it where ingest is called (never beside `reconcile` or `enforce_budget`).
-        `CommitRefused` leaves nothing loadable (the received temporary files are the caller's to abort)."""
-        refusal = check_manifest(manifest)
-        if refusal is not None:
-            raise CommitRefused(refusal)
-        observed: list[SegmentRef] = []
-        for seg in manifest.segments:
-            got = received.get(seg.digest)
-            if got is not None:
-                observed.append(SegmentRef(seg.index, seg.offset, got.received, got.observed))
-            elif _intact(self.segment_file(seg.digest), seg.digest, seg.length):
-                observed.append(seg)
-            else:
-                raise CommitRefused(Refusal(rule=Rule.SEGMENT_MISSING, detail="not stored here", index=seg.index))
-        refusal = validate(manifest, observed, layout.payload_root(observed))
-        if refusal is not None:
-            raise CommitRefused(refusal)
-        dirs = {self.root / layout.SEGMENTS_DIR}
-        for digest, receiver in received.items():
-            final = self.segment_file(digest)
-            if not final.parent.is_dir():
-                self._make_dir(final.parent)
-            os.replace(receiver.path, final)
-            receiver.landed = True
-            dirs.add(final.parent)
-        for d in sorted(dirs):
-            _fsync_dir(d)
-        entry = layout.entry_id(manifest.identity, manifest.tokens)
-        self._write_atomic(self.manifest_file(entry), layout.encode_manifest(manifest))
-        log.debug("l3_fetched_committed", entry=entry, received=len(received), segments=len(manifest.segments))
-
     # ---- quarantine, removal ----
 
     def quarantine(self, entry: str, reason: str) -> None:
@@ -429,21 +361,21 @@ class Store:
             copy += 1
         target = layout.quarantine_path(name, copy)
         os.replace(src, self._at(target))
-        _fsync_dir(self.root / layout.QUARANTINE_DIR)
-        _fsync_dir(self.root / layout.MANIFESTS_DIR)
+        fsync_dir(self.root / layout.QUARANTINE_DIR)
+        fsync_dir(self.root / layout.MANIFESTS_DIR)
         log.warning("l3_quarantined", manifest=name, reason=reason)
         return target[-1]
 
     def remove_entries(self, entries: Iterable[str]) -> None:
         """Deletes manifests (an eviction's `evict`); their segments stay until `remove_segments`."""
         for entry in entries:
-            _unlink_quietly(self.manifest_file(entry))
-        _fsync_dir(self.root / layout.MANIFESTS_DIR)
+            unlink_quietly(self.manifest_file(entry))
+        fsync_dir(self.root / layout.MANIFESTS_DIR)
 
     def remove_segments(self, digests: Iterable[str]) -> None:
         """Deletes segments (an eviction's `free`, after `remove_entries`)."""
         for digest in digests:
-            _unlink_quietly(self.segment_file(digest))
+            unlink_quietly(self.segment_file(digest))
 
     # ---- budget ----
 
@@ -472,7 +404,7 @@ class Store:
                 ):
                     continue
                 try:
-                    manifest = layout.decode_manifest(_read_small(Path(item.path), layout.MAX_MANIFEST_BYTES))
+                    manifest = layout.decode_manifest(read_small(Path(item.path), layout.MAX_MANIFEST_BYTES))
                 except (OSError, msgspec.MsgspecError):
                     unparseable.append(f"{folder}/{item.name}")
                     continue
@@ -519,7 +451,7 @@ class Store:
         seg_root = self.root / layout.SEGMENTS_DIR
         for sub in sorted(os.scandir(seg_root), key=lambda e: e.name):
             if layout.is_temp_name(sub.name) and sub.is_file(follow_symlinks=False):  # a segment being copied
-                _unlink_quietly(Path(sub.path))
+                unlink_quietly(Path(sub.path))
                 removed_temp += 1
                 continue
             if not (sub.is_dir(follow_symlinks=False) and layout.is_fanout_name(sub.name)):
@@ -527,7 +459,7 @@ class Store:
                 continue
             for item in os.scandir(sub.path):
                 if layout.is_temp_name(item.name):
-                    _unlink_quietly(Path(item.path))
+                    unlink_quietly(Path(item.path))
                     removed_temp += 1
                 elif layout.is_digest(item.name) and item.name[:2] == sub.name and item.is_file(follow_symlinks=False):
                     sizes[item.name] = item.stat(follow_symlinks=False).st_size
@@ -539,7 +471,7 @@ class Store:
         entries: list[InventoryEntry] = []
         for item in sorted(os.scandir(self.root / layout.MANIFESTS_DIR), key=lambda e: e.name):
             if layout.is_temp_name(item.name):
-                _unlink_quietly(Path(item.path))
+                unlink_quietly(Path(item.path))
                 removed_temp += 1
                 continue
             if not layout.is_manifest_name(item.name):
@@ -566,13 +498,13 @@ class Store:
         moved = {q.name for q in quarantined}  # their segments are in `referenced` already
         for item in sorted(os.scandir(self.root / layout.QUARANTINE_DIR), key=lambda e: e.name):
             if layout.is_temp_name(item.name):
-                _unlink_quietly(Path(item.path))
+                unlink_quietly(Path(item.path))
                 removed_temp += 1
                 continue
             if item.name in moved:
                 continue
             try:
-                held = layout.decode_manifest(_read_small(Path(item.path), layout.MAX_MANIFEST_BYTES))
+                held = layout.decode_manifest(read_small(Path(item.path), layout.MAX_MANIFEST_BYTES))
                 referenced.update(s.digest for s in held.segments)
                 readable = True
             except (OSError, msgspec.MsgspecError):
@@ -583,11 +515,11 @@ class Store:
         removed_orphans = 0
         if not gc_suspended:
             for digest in sorted(set(sizes) - referenced):
-                _unlink_quietly(self.segment_file(digest))
+                unlink_quietly(self.segment_file(digest))
                 del sizes[digest]
                 removed_orphans += 1
         for d in (seg_root, self.root / layout.MANIFESTS_DIR, self.root / layout.QUARANTINE_DIR):
-            _fsync_dir(d)
+            fsync_dir(d)
         inventory = Inventory(
             entries=tuple(entries),
             tokens=sum(e.n_tokens for e in entries),
@@ -615,7 +547,7 @@ class Store:
     ) -> tuple[Manifest | None, str | None]:
         """(the manifest if it parses, why it must be quarantined or None)."""
         try:
-            manifest = layout.decode_manifest(_read_small(path, layout.MAX_MANIFEST_BYTES))
+            manifest = layout.decode_manifest(read_small(path, layout.MAX_MANIFEST_BYTES))
         except (OSError, msgspec.MsgspecError) as exc:
             return None, f"unreadable: {exc}"[:200]
         refusal = check_present(manifest, sizes)
@@ -627,201 +559,8 @@ class Store:
             return manifest, f"{refusal.rule.value}: {refusal.detail}"[:200]
         return manifest, None
 
-    # ---- files ----
-
-    def _write_atomic(self, final: Path, data: bytes | memoryview, *, fsync_dir: bool = True) -> None:
-        tmp = final.with_name(layout.temp_name(final.name, secrets.token_hex(8)))
-        fd = os.open(tmp, _OPEN_CREATE, 0o644)
-        try:
-            _write_all(lambda b: os.write(fd, b), memoryview(data))
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            _unlink_quietly(tmp)
-            raise
-        os.close(fd)
-        os.replace(tmp, final)
-        if fsync_dir:
-            _fsync_dir(final.parent)
-
-    def _make_dir(self, path: Path) -> None:
-        try:
-            os.mkdir(path, 0o755)
-        except FileExistsError:
-            return
-        except FileNotFoundError:
-            self._make_dir(path.parent)
-            os.mkdir(path, 0o755)
-        _fsync_dir(path.parent)
-
-
-def _copy_range(src: int, dst: int, src_offset: int, length: int, dst_offset: int, buffer: memoryview) -> int:
-    """Copies `length` bytes between open files through `buffer`; fewer only at the source's end of file."""
-    done = 0
-    while done < length:
-        got = os.preadv(src, [buffer[: min(len(buffer), length - done)]], src_offset + done)
-        if got == 0:
-            break
-        written = 0
-        while written < got:
-            written += os.pwritev(dst, [buffer[written:got]], dst_offset + done + written)
-        done += got
-    return done
-
-
-class _ReadFailed(Exception):
-    def __init__(self, error: OSError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def _thread_buffer() -> memoryview:
-    """This thread's copy/hash buffer (helper threads each have one; they live as long as one ingest)."""
-    buffer: memoryview | None = getattr(_buffers, "buffer", None)
-    if buffer is None:
-        buffer = _buffers.buffer = memoryview(bytearray(_COPY_BUFFER_BYTES))
-    return buffer
-
-
-def _hash_fd(fd: int, length: int, buffer: memoryview, out: int | None = None, out_offset: int = 0) -> tuple[str, int]:
-    """blake3 of the first `length` bytes of an open file and how many there were, read through `buffer`
-    (read(2), not a mapping: a bad sector or a truncated file is an error here, never a SIGBUS), each chunk
-    written to `out` after it is hashed when given. Read errors raise `_ReadFailed`; write errors OSError."""
-    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    done = 0
-    while done < length:
-        try:
-            got = os.preadv(fd, [buffer[: min(len(buffer), length - done)]], done)
-        except OSError as exc:
-            raise _ReadFailed(exc) from exc
-        if got == 0:
-            break
-        chunk = buffer[:got]
-        hasher.update(chunk)
-        if out is not None:
-            written = 0
-            while written < got:
-                written += os.pwritev(out, [chunk[written:]], out_offset + done + written)
-        done += got
-    return str(hasher.hexdigest()), done
-
 
 def _unreadable(seg: SegmentRef, exc: OSError) -> Refusal:
     if exc.errno in _TRANSIENT_ERRNOS:  # not the segment's fault: let the caller retry
         raise exc
     return Refusal(rule=Rule.SEGMENT_UNREADABLE, detail=f"cannot read it: {exc.strerror or exc}", index=seg.index)
-
-
-def _intact(path: Path, digest: str, length: int) -> bool:
-    """Whether `path` is a regular file of `length` bytes that hashes to `digest`."""
-    try:
-        fd = os.open(path, _OPEN_READ)
-    except FileNotFoundError:
-        return False
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size != length:
-            return False
-        if _hash_fd(fd, length, _thread_buffer())[0] == digest:
-            return True
-    finally:
-        os.close(fd)
-    log.warning("l3_segment_damaged_replaced", digest=digest)
-    return False
-
-
-def _pread_full(fd: int, view: memoryview, offset: int) -> int:
-    """Reads into all of `view` from `offset`, fewer bytes only at end of file."""
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
-
-
-def _write_all(write: Callable[[memoryview], int], data: memoryview) -> None:
-    done = 0
-    while done < len(data):
-        done += write(data[done:])
-
-
-def _read_small(path: Path, ceiling: int) -> bytes:
-    fd = os.open(path, _OPEN_READ)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        if info.st_size > ceiling:
-            raise OSError(errno.EFBIG, f"{info.st_size} bytes, more than {ceiling}")
-        os.set_blocking(fd, True)
-        buffer = bytearray(info.st_size)
-        got = _pread_full(fd, memoryview(buffer), 0)
-        return bytes(buffer[:got])
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-class SegmentReceiver:
-    """One segment arriving from a peer, in order: each chunk is hashed and written to a temporary file in
-    `segments/` (which `reconcile` removes if we die), `finish` fsyncs it and checks its blake3 against the
-    name it was asked for. It lands under its digest only in `Store.commit_fetched`, with the manifest, so
-    nothing fetched is loadable or even named before every byte was verified. Blocking: worker threads."""
-
-    def __init__(self, store: Store, digest: str, length: int) -> None:
-        if not 0 < length <= layout.MAX_SEGMENT_BYTES:
-            raise StoreError(f"segment length {length} is outside (0, {layout.MAX_SEGMENT_BYTES}]")
-        self.digest = digest
-        self.length = length
-        self.path = store.root / layout.SEGMENTS_DIR / layout.temp_name(f"fetch-{digest[:16]}", secrets.token_hex(8))
-        self.received = 0
-        self.observed = ""
-        self.landed = False
-        self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        self._fd: int | None = os.open(self.path, _OPEN_CREATE, 0o644)
-
-    def write(self, data: bytes | memoryview) -> None:
-        """The next chunk, in order; more bytes than the segment holds is an error (nothing is written)."""
-        if self._fd is None:
-            raise StoreError("the segment receiver is closed")
-        if self.received + len(data) > self.length:
-            raise StoreError(f"segment {self.digest[:16]}… is {self.length} bytes; the peer sent more")
-        self._hasher.update(data)
-        view = memoryview(data)
-        done = 0
-        while done < len(view):
-            done += os.pwrite(self._fd, view[done:], self.received + done)
-        self.received += len(view)
-
-    def finish(self) -> None:
-        """fsyncs and closes; `StoreError` when the bytes received are not the segment asked for."""
-        if self._fd is None:
-            raise StoreError("the segment receiver is closed")
-        self.observed = str(self._hasher.hexdigest())
-        os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = None
-        if self.received != self.length or self.observed != self.digest:
-            raise StoreError(f"segment {self.digest[:16]}… from the peer does not hash to its name")
-
-    def abort(self) -> None:
-        """Closes and removes the temporary file unless it landed."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        if not self.landed:
-            _unlink_quietly(self.path)

@@ -19,9 +19,9 @@ import pytest
 from actors.l3 import layout
 from actors.l3.budget import StoredEntry, plan_eviction
 from actors.l3.commit import Rule
+from actors.l3.files import COPY_BUFFER_BYTES as _COPY_BUFFER_BYTES
 from actors.l3.layout import DigestError, Manifest, SegmentRef
 from actors.l3.store import (
-    _COPY_BUFFER_BYTES,
     _HELPERS,
     CommitRefused,
     CorruptEntry,

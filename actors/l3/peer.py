@@ -1,0 +1,206 @@
+"""Peer fetch, the fetching side: bringing an entry another node holds into this node's store.
+
+The manifest first (chunk after chunk: it is small), judged by the same rules as our own (`commit`) and
+filed under the entry asked for; then every segment this store lacks, `fetch_window` chunk requests in
+flight per segment, each chunk checked (no error, the offset asked for, a total that stays what it was and
+under its ceiling, no bytes past it) and hashed as it arrives (`store_fetch.SegmentReceiver`); last the
+commit with the manifest (`store_fetch.commit_fetched`) under the keeper's lock, then one eviction pass.
+So a second fetch of the same entry moves nothing, a failure leaves nothing loadable, and a stalled peer
+delays only the fetch from it: every chunk request has a deadline (`chunk_timeout_s`). The serving side is
+`serve`; the wire format is messages/l3.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Final
+
+import msgspec
+import nats.errors
+from nats.aio.msg import Msg
+
+from actors.l3 import layout, store_fetch
+from actors.l3.api import L3Hit, L3Unavailable
+from actors.l3.commit import check_manifest
+from actors.l3.keeper import StoreKeeper
+from actors.l3.layout import Manifest, SegmentRef
+from actors.l3.store import CommitRefused, Store
+from actors.l3.store_fetch import SegmentReceiver
+from messages.errors import ERROR_HEADER, MESH_ERROR_HEADER
+from messages.events import L3Fetched
+from messages.l3 import CHUNK_OFFSET_HEADER, CHUNK_TOTAL_HEADER, ManifestRequest, SegmentRequest
+from runtime.actor import ActorContext
+from runtime.bus import BusError, encode, parse_reply
+
+__all__ = ["PeerFetch", "chunk_bytes"]
+
+#: Room left in a chunk reply for its headers (ours and the server's).
+_HEADER_ROOM: Final = 4096
+
+
+def chunk_bytes(max_payload: int) -> int:
+    """The most bytes one chunk reply carries on a bus with this `max_payload` (both sides use it)."""
+    return max(layout.MIN_SEGMENT_BYTES, max_payload - _HEADER_ROOM)
+
+
+class PeerFetch:
+    """Fetches entries from peers into the keeper's store (one `fetch` per fill; any number at once)."""
+
+    def __init__(self, keeper: StoreKeeper, *, chunk_timeout_s: float, window: int, clock: Callable[[], float]) -> None:
+        self._keeper = keeper
+        self._chunk_timeout_s = chunk_timeout_s
+        self._window = window
+        self._clock = clock
+
+    async def fetch(self, ctx: ActorContext, store: Store, hit: L3Hit) -> None:
+        """Brings `hit` from its peer into this store: the manifest, then every segment not held here,
+        each verified as it arrives; committed with the manifest last. Leaves nothing loadable on failure."""
+        keeper = self._keeper
+        if hit.bytes > keeper.budget_bytes:
+            raise L3Unavailable(f"entry of {hit.bytes} bytes does not fit this node's L3 budget")
+        started = time.monotonic()
+        peer = hit.node
+        receivers: dict[str, SegmentReceiver] = {}
+        keeper.fetching += 1
+        try:
+            raw = await self._fetch_chunks(
+                ctx,
+                ctx.subjects.l3(peer, "manifest"),
+                lambda offset: ManifestRequest(entry=hit.entry, offset=offset),
+                layout.MAX_MANIFEST_BYTES,
+            )
+            manifest = _peer_manifest(raw, hit.entry)
+            wanted: dict[str, SegmentRef] = {}
+            for seg in manifest.segments:
+                if seg.digest not in wanted and not await keeper.blocking(
+                    store_fetch.has_segment, store, seg.digest, seg.length
+                ):
+                    wanted[seg.digest] = seg
+            for digest, seg in wanted.items():
+                receiver = await keeper.blocking(store_fetch.receive_segment, store, digest, seg.length)
+                receivers[digest] = receiver
+                await self._fetch_segment(ctx, peer, seg, receiver)
+                await keeper.blocking(receiver.finish)
+            keeper.catalog.pin(hit.entry)
+            try:
+                async with keeper.mutate:
+                    await keeper.blocking(store_fetch.commit_fetched, store, manifest, receivers)
+                    keeper.catalog.add(
+                        hit.entry,
+                        identity=manifest.identity,
+                        n_tokens=manifest.n_tokens,
+                        bytes=manifest.total_bytes,
+                        last_use=self._clock(),
+                    )
+                    await keeper.enforce(ctx, store)
+            finally:
+                keeper.catalog.unpin(hit.entry)
+        except CommitRefused as exc:
+            raise L3Unavailable(f"the entry from {peer} was refused: {exc}") from exc
+        finally:
+            for receiver in receivers.values():
+                await keeper.blocking(receiver.abort)
+            keeper.fetching -= 1
+        moved = sum(r.received for r in receivers.values())
+        fetch_ms = round((time.monotonic() - started) * 1000, 3)
+        ctx.emit(
+            L3Fetched, entry=hit.entry, peer=peer, bytes=manifest.total_bytes, moved_bytes=moved, fetch_ms=fetch_ms
+        )
+        ctx.log.info("l3_fetched", entry=hit.entry, peer=peer, bytes=manifest.total_bytes, moved_bytes=moved)
+
+    async def _request_chunk(self, ctx: ActorContext, subject: str, request: Any) -> Msg | BaseException:
+        try:
+            return await ctx.bus.request_raw(subject, encode(request), timeout=self._chunk_timeout_s)
+        except (BusError, nats.errors.Error) as exc:
+            return exc
+
+    async def _fetch_chunks(self, ctx: ActorContext, subject: str, make: Callable[[int], Any], ceiling: int) -> bytes:
+        """A whole object fetched chunk after chunk (a manifest: small, so one request at a time)."""
+        parts: list[bytes] = []
+        offset, total = 0, None
+        while total is None or offset < total:
+            reply = await self._request_chunk(ctx, subject, make(offset))
+            data, total = _chunk(subject, reply, offset, total, ceiling)
+            parts.append(data)
+            offset += len(data)
+        return b"".join(parts)
+
+    async def _fetch_segment(self, ctx: ActorContext, peer: str, seg: SegmentRef, receiver: SegmentReceiver) -> None:
+        """One segment, `fetch_window` chunk requests in flight, written and hashed in order."""
+        subject = ctx.subjects.l3(peer, "segment")
+        chunk = chunk_bytes(ctx.bus.max_payload)
+        offsets = iter(range(0, seg.length, chunk))
+
+        def request(offset: int) -> SegmentRequest:
+            return SegmentRequest(digest=seg.digest, offset=offset, length=min(chunk, seg.length - offset))
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                pending: deque[tuple[int, asyncio.Task[Msg | BaseException]]] = deque()
+
+                def ask(offset: int) -> None:
+                    pending.append((offset, tg.create_task(self._request_chunk(ctx, subject, request(offset)))))
+
+                for offset in itertools.islice(offsets, self._window):
+                    ask(offset)
+                while pending:
+                    offset, task = pending.popleft()
+                    data, _ = _chunk(subject, await task, offset, seg.length, seg.length)
+                    if len(data) != min(chunk, seg.length - offset):
+                        raise L3Unavailable(f"{subject}: short chunk at {offset}")
+                    await self._keeper.blocking(receiver.write, data)
+                    following = next(offsets, None)
+                    if following is not None:
+                        ask(following)
+        except BaseExceptionGroup as group:
+            raise _first(group) from None
+
+
+def _first(group: BaseExceptionGroup[Any]) -> BaseException:
+    """The first error inside (nested) exception groups."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _chunk(subject: str, reply: Msg | BaseException, offset: int, total: int | None, ceiling: int) -> tuple[bytes, int]:
+    """The data of one chunk reply and the object's total size, checked: no error, the offset asked for,
+    a total that stays what it was and under `ceiling`, no bytes past the total."""
+    if isinstance(reply, BaseException):
+        raise L3Unavailable(f"{subject}: {reply}")
+    headers = reply.headers or {}
+    if ERROR_HEADER in headers or MESH_ERROR_HEADER in headers:
+        try:
+            parse_reply(subject, reply, bytes)
+        except BusError as exc:
+            raise L3Unavailable(str(exc)) from exc
+    try:
+        got_offset = int(headers[CHUNK_OFFSET_HEADER])
+        got_total = int(headers[CHUNK_TOTAL_HEADER])
+    except (KeyError, ValueError) as exc:
+        raise L3Unavailable(f"{subject}: a chunk reply without its {CHUNK_OFFSET_HEADER}/{CHUNK_TOTAL_HEADER}") from exc
+    if got_offset != offset or (total is not None and got_total != total) or not 0 < got_total <= ceiling:
+        raise L3Unavailable(f"{subject}: chunk at {got_offset} of {got_total}, expected {offset} of {total}")
+    data = reply.data
+    if not data or offset + len(data) > got_total:
+        raise L3Unavailable(f"{subject}: a chunk of {len(data)} bytes at {offset} does not fit {got_total}")
+    return data, got_total
+
+
+def _peer_manifest(raw: bytes, entry: str) -> Manifest:
+    """A manifest a peer sent, judged by the same rules as our own: format, tiling, and filed under its name."""
+    try:
+        manifest = layout.decode_manifest(raw)
+    except msgspec.MsgspecError as exc:
+        raise L3Unavailable(f"the peer's manifest does not parse: {exc}") from exc
+    refusal = check_manifest(manifest)
+    if refusal is not None:
+        raise L3Unavailable(f"the peer's manifest is refused ({refusal.rule.value}): {refusal.detail}")
+    if layout.entry_id(manifest.identity, manifest.tokens) != entry:
+        raise L3Unavailable("the peer's manifest belongs to another entry")
+    return manifest
