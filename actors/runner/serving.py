@@ -37,32 +37,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-import nats.errors
-
 from actors.l3.api import L3Access, L3Hit, L3Unavailable
 from actors.l3.identity import DraftSettings, Platform, StateInputs, exact_state_identity
 from actors.router.prefixes import resident_prefixes
 from actors.runner.server_api import ServerApi, ServerApiError, sampling_body
 from actors.runner.slots import Grant, SlotTable
+from actors.runner.stream import ChunkStream, ClientGone
 from messages.errors import BAD_REQUEST, NOT_FOUND, TIMEOUT, UNAVAILABLE
 from messages.generate import (
-    STREAM_PING_HEADER,
-    STREAM_PING_S,
-    GenerateChunk,
     GenerateResult,
     InstanceLoad,
     RunnerGenerate,
     ServingReport,
     StopReason,
-    StreamPing,
 )
 from messages.l3 import PrefixSource
 from messages.placement import Reservation
 from runtime.actor import RequestError
-from runtime.bus import Bus, encode
+from runtime.bus import Bus
 from runtime.logging import get_logger
 
-__all__ = ["PAYLOAD_KIND", "ClientGone", "Serving", "ServingLimits", "state_identity"]
+__all__ = ["PAYLOAD_KIND", "Serving", "ServingLimits", "state_identity"]
 
 PAYLOAD_KIND: Final = "llama_slot"
 _log = get_logger(component="serving")
@@ -78,10 +73,6 @@ class ServingLimits:
     report_interval_s: float = 2.0
     report_ttl_s: float = 10.0
     stream_silence_s: float = 5.0  # a streaming client that answers no ping this long is gone
-
-
-class ClientGone(Exception):
-    """The streaming client stopped listening."""
 
 
 def state_identity(
@@ -132,45 +123,6 @@ class _Instance:
             if not waiter.done():
                 waiter.set_result(None)
         self.wakeups.clear()
-
-
-class _Stream:
-    """Chunks to a client's subject, in order, with a liveness check."""
-
-    def __init__(self, bus: Bus, subject: str, request_id: str, silence_s: float) -> None:
-        self._bus = bus
-        self.subject = subject
-        self.request_id = request_id
-        self.seq = 0
-        self._silence_s = silence_s
-
-    async def send(self, text: str, tokens: list[int]) -> None:
-        chunk = GenerateChunk(request_id=self.request_id, seq=self.seq, text=text, tokens=tokens)
-        self.seq += 1
-        try:
-            await self._bus.nc.publish(self.subject, encode(chunk))
-        except nats.errors.Error as exc:  # a subject the server refuses, a connection gone: nobody can listen
-            raise ClientGone(f"cannot publish to the stream subject: {exc!r}") from exc
-
-    async def watch(self) -> None:
-        """Returns never; raises `ClientGone` once nobody listens on the subject (or answers for too long)."""
-        loop = asyncio.get_running_loop()
-        answered = loop.time()
-        while True:
-            await asyncio.sleep(STREAM_PING_S)
-            ping = encode(StreamPing(request_id=self.request_id, seq=self.seq))
-            try:
-                await self._bus.nc.request(
-                    self.subject, ping, timeout=STREAM_PING_S * 2, headers={STREAM_PING_HEADER: "1"}
-                )
-                answered = loop.time()
-            except nats.errors.NoRespondersError as exc:
-                raise ClientGone("no subscriber on the stream subject") from exc
-            except nats.errors.TimeoutError as exc:
-                if loop.time() - answered > self._silence_s:
-                    raise ClientGone(f"the client answered no ping for {self._silence_s:g}s") from exc
-            except nats.errors.Error as exc:
-                raise ClientGone(f"cannot ping the stream subject: {exc!r}") from exc
 
 
 class Serving:
@@ -365,7 +317,7 @@ class Serving:
             **sampling_body(request.sampling, request.sampling.stop),
         }
         stream = (
-            _Stream(self._bus, request.stream, order.request_id, self.limits.stream_silence_s)
+            ChunkStream(self._bus, request.stream, order.request_id, self.limits.stream_silence_s)
             if request.stream
             else None
         )

@@ -1,0 +1,60 @@
+"""A generation's chunks to the client's stream subject (runner shell): in order, with a liveness check.
+
+Chunks are `GenerateChunk`s with `seq` 0, 1, 2, …; every `STREAM_PING_S` a `StreamPing` goes to the same subject
+as a request (header `STREAM_PING_HEADER`). No responders (the client unsubscribed), no answer for
+`silence_s`, or a subject the server refuses ends the stream with `ClientGone`: the generation stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.errors
+
+from messages.generate import STREAM_PING_HEADER, STREAM_PING_S, GenerateChunk, StreamPing
+from runtime.bus import Bus, encode
+
+__all__ = ["ChunkStream", "ClientGone"]
+
+
+class ClientGone(Exception):
+    """The streaming client stopped listening."""
+
+
+class ChunkStream:
+    """Chunks to a client's subject, in order, with a liveness check."""
+
+    def __init__(self, bus: Bus, subject: str, request_id: str, silence_s: float) -> None:
+        self._bus = bus
+        self.subject = subject
+        self.request_id = request_id
+        self.seq = 0
+        self._silence_s = silence_s
+
+    async def send(self, text: str, tokens: list[int]) -> None:
+        chunk = GenerateChunk(request_id=self.request_id, seq=self.seq, text=text, tokens=tokens)
+        self.seq += 1
+        try:
+            await self._bus.nc.publish(self.subject, encode(chunk))
+        except nats.errors.Error as exc:  # a subject the server refuses, a connection gone: nobody can listen
+            raise ClientGone(f"cannot publish to the stream subject: {exc!r}") from exc
+
+    async def watch(self) -> None:
+        """Returns never; raises `ClientGone` once nobody listens on the subject (or answers for too long)."""
+        loop = asyncio.get_running_loop()
+        answered = loop.time()
+        while True:
+            await asyncio.sleep(STREAM_PING_S)
+            ping = encode(StreamPing(request_id=self.request_id, seq=self.seq))
+            try:
+                await self._bus.nc.request(
+                    self.subject, ping, timeout=STREAM_PING_S * 2, headers={STREAM_PING_HEADER: "1"}
+                )
+                answered = loop.time()
+            except nats.errors.NoRespondersError as exc:
+                raise ClientGone("no subscriber on the stream subject") from exc
+            except nats.errors.TimeoutError as exc:
+                if loop.time() - answered > self._silence_s:
+                    raise ClientGone(f"the client answered no ping for {self._silence_s:g}s") from exc
+            except nats.errors.Error as exc:
+                raise ClientGone(f"cannot ping the stream subject: {exc!r}") from exc
