@@ -273,6 +273,33 @@ class L3Fetched(Event, frozen=True, kw_only=True, tag="l3_fetched"):
     fetch_ms: float
 
 
+class HandoffCommitted(Event, frozen=True, kw_only=True, tag="handoff_committed"):
+    """A handoff session was verified (every segment, the tiling, the counts, the payload digest) and restored."""
+
+    session: str
+    sender_node: str
+    identity: str
+    n_tokens: int
+    bytes: int
+    segments: int
+    payload_digest: str
+    restored: str | None  # what the restore hook reported (e.g. an L3 entry id)
+    transfer_ms: float  # open to commit
+    restore_ms: float
+
+
+class HandoffAborted(Event, frozen=True, kw_only=True, tag="handoff_aborted"):
+    """A handoff session ended without a restore (refused, stalled, or given up by either side); its staging
+    was freed."""
+
+    session: str
+    peer: str  # the other node
+    role: str  # sender or receiver: which side recorded it
+    reason: str
+    detail: str
+    bytes: int  # payload bytes received (receiver) or sent (sender) before the abort
+
+
 AnyEvent = (
     ActorStarted
     | ActorCrashed
@@ -301,4 +328,6 @@ AnyEvent = (
     | L3Evicted
     | L3Quarantined
     | L3Fetched
+    | HandoffCommitted
+    | HandoffAborted
 )

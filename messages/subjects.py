@@ -94,6 +94,20 @@ class Subjects:
     def l3(self, node: str, verb: str) -> str:
         return f"{self.prefix}.l3.{node}.{verb}"
 
+    def handoff(self, node: str, verb: str) -> str:
+        """`<prefix>.handoff.<node>.<verb>`: the receiving node's handoff actor (`open`)."""
+        return f"{self.prefix}.handoff.{node}.{verb}"
+
+    def handoff_session(self, node: str, session: str, verb: str | None = None) -> str:
+        """A handoff session's subject on its receiving node; with `verb` (`data`, `commit`, `abort`) one of its
+        messages."""
+        base = f"{self.prefix}.handoff.{node}.{session}"
+        return base if verb is None else f"{base}.{verb}"
+
+    def handoff_sessions(self, node: str) -> str:
+        """Every session message of a node's handoff actor (one subscription keeps a session's order)."""
+        return f"{self.prefix}.handoff.{node}.*.*"
+
     def event(self, actor: str, kind: str) -> str:
         return f"{self.prefix}.events.{actor}.{kind}"
 

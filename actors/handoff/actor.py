@@ -1,0 +1,770 @@
+"""Handoff actor (shell): streams saved slot states to a peer node and receives them, with credits.
+
+The decisions are the pure cores': `receiver.Receiver` (what a receiving session accepts, when it grants
+credit, whether a commit holds) and `sender.Sender` (what may be published, when to commit, when to give up).
+This module only moves bytes and enforces the deadlines the cores name.
+
+* Receiving: `mesh.handoff.<node>.open` (a micro endpoint) admits a session (`receiver.admit`: at most
+  `max_sessions`, staging reserved for each session's `max_bytes`) and answers with its subject and first
+  credit. Every session message (`<session>.data` chunks, `.commit`, `.abort`) comes through one subscription
+  on `mesh.handoff.<node>.*.*`, so a session's messages are judged in the order its sender published them;
+  that task only feeds the core and queues bytes, never waits on disk. Each session has one task that stages
+  its chunks (pwrite into `<data_dir>/handoff/<session>.part` and blake3, in a worker thread), feeds `Tick`
+  when the core's deadline passes, runs the restore, and frees the staging file whatever happens. The
+  subscription's pending limits are sized for every session's full window, and no session may publish past
+  its window, so the server never drops a chunk as a slow consumer.
+* Restoring: only after the commit held, the shell calls the `restore` hook with a `CommittedHandoff` (the
+  verified staging file and what it holds); the file is removed when the hook returns, so the hook links or
+  copies what it keeps (`restore.into_l3` hands it to the node's L3 store and to an `on_committed` hook).
+* Sending: `send(peer, source, …)` (in-process, e.g. from the runner) opens a session on the peer, publishes
+  each segment's chunks only within credit, commits and returns a `HandoffReport`, or raises `HandoffFailed`
+  with the core's reason. A source is a finished file (its layout hashed first and announced at open) or an
+  async iterator of segment bytes (e.g. produced while a prefill still runs: hashed one by one as they come).
+
+Staging is emptied at start. Events: `handoff_committed` (receiver), `handoff_aborted` (either side).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import blake3
+import msgspec
+import nats.errors
+from nats.aio.msg import Msg
+
+from actors.handoff import receiver as rx
+from actors.handoff import sender as tx
+from actors.l3 import layout
+from actors.l3.layout import SegmentRef
+from messages.errors import BUSY, NOT_FOUND, ErrorReply
+from messages.events import HandoffAborted, HandoffCommitted
+from messages.handoff import (
+    CreditGrant,
+    HandoffAbort,
+    HandoffCommit,
+    HandoffControl,
+    HandoffOpen,
+    HandoffOpened,
+    HandoffResult,
+    SegmentSpec,
+    SessionAborted,
+)
+from messages.subjects import check_token
+from runtime.actor import Actor, ActorContext, RequestError
+from runtime.bus import (
+    BadMessage,
+    BusError,
+    NoResponders,
+    RemoteError,
+    RequestTimeout,
+    decode_checked,
+    encode,
+    error_headers,
+    parse_reply,
+)
+from runtime.logging import get_logger
+
+__all__ = [
+    "STAGING_DIR",
+    "CommittedHandoff",
+    "HandoffActor",
+    "HandoffFailed",
+    "HandoffLimits",
+    "HandoffReport",
+    "Restore",
+    "chunk_bytes",
+]
+
+STAGING_DIR: Final = "handoff"
+_PART_SUFFIX: Final = ".part"
+#: Room left in a data message for its headers (ours and the server's).
+_HEADER_ROOM: Final = 4096
+_OPEN_FLAGS: Final = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+def chunk_bytes(max_payload: int) -> int:
+    """The most payload bytes one data message carries on a bus with this `max_payload`."""
+    return max(layout.MIN_SEGMENT_BYTES, max_payload - _HEADER_ROOM)
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffLimits:
+    window_bytes: int = 64 << 20  # credit each receiving session grants ahead of what it staged
+    idle_timeout_s: float = 10.0  # a receiving session with no progress for this long is aborted
+    deadline_s: float = 900.0  # no session lives longer (either side)
+    restore_timeout_s: float = 120.0
+    max_sessions: int = 4  # receiving sessions at once; more opens are answered `busy`
+    max_session_bytes: int = 64 << 30
+    max_staging_bytes: int = 128 << 30  # what open sessions may reserve in all (their `max_bytes`)
+    open_timeout_s: float = 10.0
+    commit_timeout_s: float = 180.0  # the sender waits this long for the result (the receiver's restore included)
+    segment_bytes: int = layout.DEFAULT_SEGMENT_BYTES  # how the sender cuts a file
+
+
+@dataclass(frozen=True, slots=True)
+class CommittedHandoff:
+    """A verified payload, handed to the restore hook. `path` is removed when the hook returns."""
+
+    session: str
+    sender_node: str
+    identity: str
+    n_tokens: int
+    tokens: tuple[int, ...]
+    continuation_token: int | None
+    payload_kind: str
+    total_bytes: int
+    payload_digest: str
+    segments: tuple[SegmentRef, ...]
+    path: Path
+
+
+#: Restores a committed payload (into llama-server, into L3); returns what it restored into, for the result.
+Restore = Callable[[CommittedHandoff], Awaitable[str | None]]
+
+
+async def _keep_nothing(state: CommittedHandoff) -> str | None:
+    return None
+
+
+class HandoffFailed(Exception):
+    """A send did not commit: `reason` is the sender core's (`sender.Reason`) and `detail` says why."""
+
+    def __init__(self, reason: str, detail: str, *, session: str = "") -> None:
+        super().__init__(f"handoff {reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+        self.session = session
+
+
+class HandoffReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What a send moved, and how long it took."""
+
+    session: str
+    peer: str
+    bytes: int
+    segments: int
+    payload_digest: str
+    transfer_ms: float  # open to result, the receiver's restore included
+    restored: str | None
+    restore_ms: float
+
+
+# ---- receiving ---------------------------------------------------------------------------------------------
+
+
+class _Stop:
+    """Ends a session task (after an abort or the answer)."""
+
+
+class _RestoreNow:
+    def __init__(self, action: rx.Restore) -> None:
+        self.action = action
+
+
+_Item = tuple[rx.Stage, bytes] | _RestoreNow | _Stop
+
+
+class _Session:
+    def __init__(self, core: rx.Receiver, path: Path, fd: int) -> None:
+        self.core = core
+        self.path = path
+        self.fd: int | None = fd
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self.hasher: Any = None
+        self.commit_reply: str | None = None
+        self.outcome_sent = False
+
+
+class HandoffActor(Actor):
+    name = "handoff"
+    description = "KV handoff: saved slot states streamed between nodes with credits, verified before restore"
+
+    def __init__(
+        self,
+        node_id: str,
+        data_dir: Path,
+        *,
+        restore: Restore | None = None,
+        limits: HandoffLimits | None = None,
+    ) -> None:
+        self.node_id = check_token(node_id, "node id")
+        self.staging = data_dir / STAGING_DIR
+        self.limits = limits or HandoffLimits()
+        self._restore = restore or _keep_nothing
+        self._ctx: ActorContext | None = None
+        self._sessions: dict[str, _Session] = {}
+        self._rx_limits: rx.ReceiverLimits | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._ctx is not None
+
+    @property
+    def sessions(self) -> int:
+        """Receiving sessions open now."""
+        return len(self._sessions)
+
+    async def run(self, ctx: ActorContext) -> None:
+        self._ctx = None
+        self._sessions.clear()
+        await asyncio.to_thread(_fresh_dir, self.staging)
+        lim = self.limits
+        chunk = chunk_bytes(ctx.bus.max_payload)
+        self._rx_limits = rx.ReceiverLimits(
+            chunk_bytes=chunk,
+            window_bytes=max(lim.window_bytes, 2 * chunk),
+            idle_timeout_s=lim.idle_timeout_s,
+            deadline_s=lim.deadline_s,
+            restore_timeout_s=lim.restore_timeout_s,
+            max_session_bytes=lim.max_session_bytes,
+            max_sessions=lim.max_sessions,
+            max_staging_bytes=lim.max_staging_bytes,
+        )
+        window = self._rx_limits.window_bytes
+        # Every session's full window may sit in the client's pending buffer (chunks, plus their commits and
+        # aborts): sized so the server never has a reason to drop us as a slow consumer.
+        sub = await ctx.bus.nc.subscribe(
+            ctx.subjects.handoff_sessions(self.node_id),
+            pending_msgs_limit=lim.max_sessions * (window // chunk + 64) + 1024,
+            pending_bytes_limit=lim.max_sessions * (window + (1 << 20)) + (16 << 20),
+        )
+        ctx.spawn(self._dispatch(ctx, sub), "sessions")
+        await ctx.add_endpoint("open", ctx.subjects.handoff(self.node_id, "open"), HandoffOpen, self._on_open)
+        self._ctx = ctx
+        ctx.log.info("handoff_started", window_bytes=window, chunk_bytes=chunk, max_sessions=lim.max_sessions)
+
+    # -- open --
+
+    async def _on_open(self, request: HandoffOpen) -> HandoffOpened:
+        ctx, limits = self._ctx, self._rx_limits
+        if ctx is None or limits is None:
+            raise RequestError(BUSY, "the handoff actor is starting; retry")
+        reserved = sum(s.core.open.max_bytes for s in self._sessions.values())
+        refusal = rx.admit(request, limits, sessions=len(self._sessions), reserved_bytes=reserved)
+        if refusal is not None:
+            code = BUSY if refusal.reason is rx.Reason.BUSY else refusal.reason.value
+            raise RequestError(code, refusal.detail, {"reason": refusal.reason.value})
+        session = secrets.token_hex(16)
+        path = self.staging / f"{session}{_PART_SUFFIX}"
+        fd = await asyncio.to_thread(os.open, path, _OPEN_FLAGS, 0o600)
+        now = asyncio.get_running_loop().time()
+        state = _Session(rx.Receiver(session, request, limits, now), path, fd)
+        self._sessions[session] = state
+        ctx.spawn(self._run_session(ctx, state), f"session:{session[:12]}")
+        return HandoffOpened(
+            session=session,
+            subject=ctx.subjects.handoff_session(self.node_id, session),
+            chunk_bytes=limits.chunk_bytes,
+            credit=state.core.granted,
+            idle_timeout_s=limits.idle_timeout_s,
+            deadline_s=limits.deadline_s,
+        )
+
+    # -- the session messages, in order --
+
+    async def _dispatch(self, ctx: ActorContext, sub: Any) -> None:
+        try:
+            async for msg in sub.messages:
+                try:
+                    await self._on_session_message(ctx, msg)
+                except Exception as exc:  # one message's failure is that message's, never the actor's
+                    ctx.log.exception("handoff_message_failed", subject=msg.subject, error=repr(exc))
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+    async def _on_session_message(self, ctx: ActorContext, msg: Msg) -> None:
+        parts = msg.subject.split(".")
+        session_id, verb = parts[-2], parts[-1]
+        session = self._sessions.get(session_id)
+        now = asyncio.get_running_loop().time()
+        if verb == "data":
+            if session is not None:
+                self._perform(
+                    ctx, session, session.core.handle(rx.ChunkArrived(msg.headers or {}, len(msg.data), now)), msg.data
+                )
+            return
+        if verb == "commit":
+            try:
+                commit = decode_checked(msg.data, HandoffCommit, f"message on {msg.subject!r}")
+            except BadMessage as exc:
+                await _reply_error(ctx, msg, exc.to_reply())
+                return
+            if commit.session != session_id:
+                reply = BadMessage("commit", "session differs from the subject's", "$.session").to_reply()
+                await _reply_error(ctx, msg, reply)
+                return
+            if session is None or session.commit_reply is not None:
+                await _reply_error(ctx, msg, ErrorReply(code=NOT_FOUND, message=f"no open session {session_id}"))
+                return
+            session.commit_reply = msg.reply or None
+            self._perform(ctx, session, session.core.handle(rx.CommitArrived(commit, now)))
+            return
+        if verb == "abort":
+            try:
+                abort = decode_checked(msg.data, HandoffAbort, f"message on {msg.subject!r}")
+            except BadMessage as exc:
+                await _reply_error(ctx, msg, exc.to_reply())
+                return
+            if session is not None and abort.session == session_id:
+                self._perform(ctx, session, session.core.handle(rx.SenderAborted(abort.reason, abort.detail, now)))
+            return
+        await _reply_error(ctx, msg, BadMessage(msg.subject, f"unknown verb {verb[:32]!r}").to_reply())
+
+    def _perform(self, ctx: ActorContext, session: _Session, actions: Sequence[rx.Action], data: bytes = b"") -> None:
+        """Carries out the core's actions; never waits (publishes are buffered by the client)."""
+        core = session.core
+        for action in actions:
+            if isinstance(action, rx.Stage):
+                session.queue.put_nowait((action, data))
+            elif isinstance(action, rx.Grant):
+                self._publish(ctx, core.open.credit_subject, CreditGrant(session=core.session, limit=action.limit))
+            elif isinstance(action, rx.Restore):
+                session.queue.put_nowait(_RestoreNow(action))
+            elif isinstance(action, rx.Answer):
+                if session.commit_reply is not None:
+                    self._publish(ctx, session.commit_reply, action.result)
+                session.queue.put_nowait(_Stop())
+            elif isinstance(action, rx.Abort):
+                if action.notify_sender:
+                    aborted = SessionAborted(session=core.session, reason=action.reason.value, detail=action.detail)
+                    self._publish(ctx, core.open.credit_subject, aborted)
+                session.queue.put_nowait(_Stop())
+
+    def _publish(self, ctx: ActorContext, subject: str, message: Any) -> None:
+        ctx.spawn(_publish_quietly(ctx, subject, encode(message)), "publish")
+
+    async def _run_session(self, ctx: ActorContext, session: _Session) -> None:
+        """Stages the session's chunks, enforces its deadline, restores it; frees its staging at the end."""
+        core = session.core
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                deadline = core.next_deadline
+                if deadline is None and session.queue.empty():
+                    break
+                try:
+                    async with asyncio.timeout_at(deadline if deadline is not None else loop.time() + 1.0):
+                        item = await session.queue.get()
+                except TimeoutError:
+                    self._perform(ctx, session, core.handle(rx.Tick(loop.time())))
+                    continue
+                if isinstance(item, _Stop):
+                    if core.next_deadline is None:
+                        break
+                    continue
+                try:
+                    if isinstance(item, _RestoreNow):
+                        await self._restore_one(ctx, session, item.action)
+                    else:
+                        await self._stage(ctx, session, *item)
+                except OSError as exc:
+                    failed = rx.Failed(rx.Reason.STAGING_FAILED, str(exc), loop.time())
+                    self._perform(ctx, session, core.handle(failed))
+                if (deadline := core.next_deadline) is not None and loop.time() >= deadline:
+                    self._perform(ctx, session, core.handle(rx.Tick(loop.time())))
+        except asyncio.CancelledError:
+            core.handle(rx.Failed(rx.Reason.SHUTDOWN, "the handoff actor stopped", loop.time()))
+            raise
+        finally:
+            self._sessions.pop(core.session, None)
+            _free(session)
+            self._record(ctx, session, loop.time())
+
+    async def _stage(self, ctx: ActorContext, session: _Session, stage: rx.Stage, data: bytes) -> None:
+        core = session.core
+        if core.state is rx.State.ABORTED or session.fd is None:
+            return
+        if stage.first:
+            session.hasher = blake3.blake3()
+        digest = await asyncio.to_thread(_write_and_hash, session.fd, session.hasher, data, stage)
+        staged = rx.ChunkStaged(stage.index, stage.chunk, stage.size, digest, asyncio.get_running_loop().time())
+        self._perform(ctx, session, core.handle(staged))
+
+    async def _restore_one(self, ctx: ActorContext, session: _Session, action: rx.Restore) -> None:
+        core, open_ = session.core, session.core.open
+        loop = asyncio.get_running_loop()
+        if session.fd is not None:
+            os.close(session.fd)
+            session.fd = None
+        state = CommittedHandoff(
+            session=core.session,
+            sender_node=open_.sender_node,
+            identity=open_.identity,
+            n_tokens=open_.n_tokens,
+            tokens=open_.tokens,
+            continuation_token=open_.continuation_token,
+            payload_kind=open_.payload_kind,
+            total_bytes=action.total_bytes,
+            payload_digest=action.payload_digest,
+            segments=action.segments,
+            path=session.path,
+        )
+        started = loop.time()
+        deadline = core.next_deadline
+        try:
+            async with asyncio.timeout_at(deadline):
+                restored = await self._restore(state)
+        except TimeoutError:
+            self._perform(ctx, session, core.handle(rx.Tick(loop.time())))
+            return
+        except Exception as exc:  # the hook's failure is this session's, never the actor's
+            ctx.log.warning("handoff_restore_failed", session=core.session, error=repr(exc))
+            self._perform(ctx, session, core.handle(rx.RestoreFailed(repr(exc)[:1024], loop.time())))
+            return
+        elapsed = round((loop.time() - started) * 1000, 3)
+        self._perform(ctx, session, core.handle(rx.Restored(restored, elapsed, loop.time())))
+
+    def _record(self, ctx: ActorContext, session: _Session, now: float) -> None:
+        core = session.core
+        open_ = core.open
+        if core.state is rx.State.DONE and core.restored is not None:
+            ctx.emit(
+                HandoffCommitted,
+                session=core.session,
+                sender_node=open_.sender_node,
+                identity=open_.identity,
+                n_tokens=open_.n_tokens,
+                bytes=core.received,
+                segments=len(core.progress.observed),
+                payload_digest=layout.payload_root(tuple(core.progress.observed)),
+                restored=core.restored.restored,
+                transfer_ms=round((now - core.opened_at) * 1000, 3),
+                restore_ms=core.restored.restore_ms,
+            )
+            ctx.log.info("handoff_committed", session=core.session, bytes=core.received, peer=open_.sender_node)
+            return
+        reason = core.reason.value if core.reason else rx.Reason.SHUTDOWN.value
+        ctx.emit(
+            HandoffAborted,
+            session=core.session,
+            peer=open_.sender_node,
+            role="receiver",
+            reason=reason,
+            detail=core.detail[:1024],
+            bytes=core.received,
+        )
+        ctx.log.info("handoff_aborted", session=core.session, reason=reason, detail=core.detail, role="receiver")
+
+    # ---- sending ---------------------------------------------------------------------------------------------
+
+    async def send(
+        self,
+        peer: str,
+        source: Path | AsyncIterable[bytes],
+        *,
+        identity: str,
+        n_tokens: int,
+        tokens: Sequence[int] = (),
+        continuation_token: int | None = None,
+        payload_kind: str = "llama_slot",
+        max_bytes: int | None = None,
+    ) -> HandoffReport:
+        """Streams `source` to `peer`'s handoff actor and waits for its result (restore included).
+
+        `source`: a finished file (cut into `segment_bytes` segments, its layout hashed and announced at open),
+        or an async iterator of segment bytes (each at most `layout.MAX_SEGMENT_BYTES`; then `max_bytes`, the
+        most it can add up to, is required). Raises `HandoffFailed` (reason and detail) if it did not commit."""
+        ctx = self._ctx
+        if ctx is None:
+            raise HandoffFailed(tx.Reason.CANCELLED.value, "the handoff actor is not running")
+        check_token(peer, "peer node")
+        segments: AsyncIterator[tuple[bytes, str | None]]
+        specs: tuple[SegmentSpec, ...] = ()
+        total: int | None = None
+        if isinstance(source, Path):
+            try:
+                refs = await asyncio.to_thread(_hash_file, source, self.limits.segment_bytes)
+            except OSError as exc:
+                raise HandoffFailed(tx.Reason.SOURCE_FAILED.value, f"cannot read {source}: {exc}") from exc
+            specs = tuple(SegmentSpec(index=r.index, offset=r.offset, length=r.length, digest=r.digest) for r in refs)
+            total = sum(r.length for r in refs)
+            max_bytes = total
+            segments = _file_segments(source, refs)
+        else:
+            if max_bytes is None:
+                raise ValueError("a streamed source needs max_bytes")
+            segments = _hashed(source)
+        inbox = ctx.bus.nc.new_inbox()
+        open_ = HandoffOpen(
+            sender_node=self.node_id,
+            identity=identity,
+            n_tokens=n_tokens,
+            tokens=tuple(tokens),
+            continuation_token=continuation_token,
+            payload_kind=payload_kind,
+            total_bytes=total,
+            max_bytes=max_bytes,
+            segments=specs,
+            payload_digest=layout.payload_root([SegmentRef(s.index, s.offset, s.length, s.digest) for s in specs])
+            if specs
+            else None,
+            credit_subject=inbox,
+        )
+        return await _Send(ctx, self.limits, peer, open_, inbox).run(segments)
+
+
+class _Send:
+    """One sending session: the core, the credit subscription, the publishing loop."""
+
+    def __init__(self, ctx: ActorContext, limits: HandoffLimits, peer: str, open_: HandoffOpen, inbox: str) -> None:
+        self.ctx = ctx
+        self.peer = peer
+        self.inbox = inbox
+        self.loop = asyncio.get_running_loop()
+        self.core = tx.Sender(
+            open_,
+            tx.SenderLimits(
+                open_timeout_s=limits.open_timeout_s,
+                commit_timeout_s=limits.commit_timeout_s,
+                deadline_s=limits.deadline_s,
+            ),
+            self.loop.time(),
+        )
+        self.credit = asyncio.Event()
+        self.log = get_logger(actor="handoff", node=ctx.node_id, peer=peer)
+
+    async def _on_control(self, msg: Msg) -> None:
+        try:
+            control: CreditGrant | SessionAborted = decode_checked(
+                msg.data,
+                HandoffControl,  # type: ignore[arg-type]
+                "handoff control",
+            )
+        except BadMessage as exc:
+            self.log.warning("handoff_bad_control", error=str(exc))
+            return
+        if control.session != self.core.session:
+            return
+        now = self.loop.time()
+        if isinstance(control, CreditGrant):
+            self._act(self.core.handle(tx.Credit(control.limit, now)))
+        else:
+            self._act(self.core.handle(tx.ReceiverAborted(control.reason, control.detail, now)))
+        self.credit.set()
+
+    def _act(self, actions: Sequence[tx.Action]) -> None:
+        for action in actions:
+            if isinstance(action, tx.Abort) and action.notify_receiver and self.core.reply is not None:
+                abort = HandoffAbort(session=self.core.session, reason=action.reason.value, detail=action.detail[:1024])
+                subject = self.core.reply.subject + ".abort"
+                self.ctx.spawn(_publish_quietly(self.ctx, subject, encode(abort)), "abort")
+
+    def _failed(self) -> HandoffFailed:
+        core = self.core
+        reason = core.reason.value if core.reason else tx.Reason.UNEXPECTED.value
+        self.ctx.emit(
+            HandoffAborted,
+            session=core.session,
+            peer=self.peer,
+            role="sender",
+            reason=reason,
+            detail=core.detail[:1024],
+            bytes=core.sent,
+        )
+        self.log.info("handoff_aborted", session=core.session, reason=reason, detail=core.detail, role="sender")
+        return HandoffFailed(reason, core.detail, session=core.session)
+
+    def _check(self) -> None:
+        if self.core.state is tx.State.ABORTED:
+            raise self._failed()
+
+    async def run(self, segments: AsyncIterator[tuple[bytes, str | None]]) -> HandoffReport:
+        nc = self.ctx.bus.nc
+        sub = await nc.subscribe(self.inbox, cb=self._on_control)
+        try:
+            try:
+                return await self._run(segments)
+            except asyncio.CancelledError:
+                self._act(self.core.handle(tx.Failed(tx.Reason.CANCELLED, "the caller gave up", self.loop.time())))
+                raise
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await segments.aclose()  # type: ignore[attr-defined]
+
+    def _remaining(self) -> float:
+        deadline = self.core.next_deadline
+        return max(0.001, (deadline if deadline is not None else self.loop.time()) - self.loop.time())
+
+    async def _run(self, segments: AsyncIterator[tuple[bytes, str | None]]) -> HandoffReport:
+        core, ctx = self.core, self.ctx
+        started = self.loop.time()
+        subject = ctx.subjects.handoff(self.peer, "open")
+        try:
+            opened = await ctx.bus.request(subject, core.open, HandoffOpened, timeout=self._remaining())
+        except RemoteError as exc:
+            self._act(core.handle(tx.OpenRefused(exc.code, exc.reply.message, self.loop.time())))
+        except RequestTimeout:
+            detail = f"no answer to the open within {core.limits.open_timeout_s:g}s"
+            self._act(core.handle(tx.Failed(tx.Reason.OPEN_TIMEOUT, detail, self.loop.time())))
+        except (NoResponders, BusError, nats.errors.Error) as exc:
+            self._act(core.handle(tx.OpenRefused("unreachable", str(exc), self.loop.time())))
+        else:
+            self._act(core.handle(tx.Opened(opened, self.loop.time())))
+        self._check()
+        assert core.reply is not None
+        data_subject = core.reply.subject + ".data"
+        while True:
+            try:
+                async with asyncio.timeout(self._remaining()):
+                    item = await anext(segments, None)
+            except TimeoutError:
+                self._act(core.handle(tx.Tick(self.loop.time())))
+                self._check()
+                continue
+            except Exception as exc:  # the source's failure (a prefill that died): the session's, reported
+                self._act(core.handle(tx.Failed(tx.Reason.SOURCE_FAILED, repr(exc)[:512], self.loop.time())))
+                self._check()
+                raise  # unreachable: _check raised
+            if item is None:
+                break
+            data, digest = item
+            if digest is None:
+                digest = await asyncio.to_thread(_blake3, data)
+            self._act(core.handle(tx.SegmentReady(len(data), digest, self.loop.time())))
+            self._check()
+            await self._publish_segment(data_subject, memoryview(data))
+        self._act(core.handle(tx.EndOfPayload(self.loop.time())))
+        self._check()
+        commit = HandoffCommit(
+            session=core.session,
+            n_segments=len(core.segments),
+            total_bytes=core.produced,
+            n_tokens=core.open.n_tokens,
+            payload_digest=layout.payload_root(core.segments),
+        )
+        try:
+            reply = await ctx.bus.request_raw(core.reply.subject + ".commit", encode(commit), timeout=self._remaining())
+            result = parse_reply(core.reply.subject, reply, HandoffResult)
+        except RequestTimeout:
+            detail = f"no result within {core.limits.commit_timeout_s:g}s"
+            self._act(core.handle(tx.Failed(tx.Reason.COMMIT_TIMEOUT, detail, self.loop.time())))
+        except (BusError, nats.errors.Error) as exc:
+            self._act(core.handle(tx.Failed(tx.Reason.BUS_ERROR, str(exc), self.loop.time())))
+        else:
+            self._act(core.handle(tx.ResultArrived(result, self.loop.time())))
+        self._check()
+        final = core.result
+        assert final is not None
+        result = final
+        report = HandoffReport(
+            session=core.session,
+            peer=self.peer,
+            bytes=result.bytes,
+            segments=result.segments,
+            payload_digest=result.payload_digest or "",
+            transfer_ms=round((self.loop.time() - started) * 1000, 3),
+            restored=result.restored,
+            restore_ms=result.restore_ms,
+        )
+        self.log.info("handoff_sent", session=core.session, bytes=report.bytes, transfer_ms=report.transfer_ms)
+        return report
+
+    async def _publish_segment(self, subject: str, data: memoryview) -> None:
+        core, nc = self.core, self.ctx.bus.nc
+        assert core.reply is not None
+        session = core.session
+        while True:
+            for chunk in core.sendable():
+                part = data[chunk.chunk : chunk.chunk + chunk.size]
+                await nc.publish(subject, bytes(part), headers=tx.chunk_headers(session, chunk.segment, chunk.chunk))
+            if not core.pending:
+                return
+            self.credit.clear()
+            if core.blocked:
+                try:
+                    async with asyncio.timeout(self._remaining()):
+                        await self.credit.wait()
+                except TimeoutError:
+                    self._act(core.handle(tx.Tick(self.loop.time())))
+            self._check()
+
+
+# ---- helpers -----------------------------------------------------------------------------------------------
+
+
+async def _publish_quietly(ctx: ActorContext, subject: str, payload: bytes) -> None:
+    with contextlib.suppress(nats.errors.Error):
+        await ctx.bus.nc.publish(subject, payload)
+
+
+async def _reply_error(ctx: ActorContext, msg: Msg, reply: ErrorReply) -> None:
+    if msg.reply:
+        with contextlib.suppress(nats.errors.Error):
+            await ctx.bus.nc.publish(msg.reply, encode(reply), headers=error_headers(reply))
+
+
+def _fresh_dir(path: Path) -> None:  # worker thread
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+def _free(session: _Session) -> None:
+    if session.fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(session.fd)
+        session.fd = None
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(session.path)
+
+
+def _write_and_hash(fd: int, hasher: Any, data: bytes, stage: rx.Stage) -> str | None:  # worker thread
+    view = memoryview(data)
+    written = 0
+    while written < len(view):
+        written += os.pwrite(fd, view[written:], stage.payload_offset + written)
+    hasher.update(data)
+    return str(hasher.hexdigest()) if stage.last else None
+
+
+def _blake3(data: bytes) -> str:  # worker thread
+    return str(blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest())
+
+
+def _hash_file(path: Path, segment_bytes: int) -> list[SegmentRef]:  # worker thread
+    size = path.stat().st_size
+    refs: list[SegmentRef] = []
+    with path.open("rb") as f:
+        for index, offset, length in layout.plan_segments(size, segment_bytes):
+            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+            left = length
+            while left:
+                block = f.read(min(left, 4 << 20))
+                if not block:
+                    raise OSError(f"{path} shrank while it was hashed")
+                hasher.update(block)
+                left -= len(block)
+            refs.append(SegmentRef(index, offset, length, str(hasher.hexdigest())))
+    return refs
+
+
+def _read_range(path: Path, offset: int, length: int) -> bytes:  # worker thread
+    with path.open("rb") as f:
+        f.seek(offset)
+        data = f.read(length)
+    if len(data) != length:
+        raise OSError(f"{path} shrank while it was sent")
+    return data
+
+
+async def _file_segments(path: Path, refs: Sequence[SegmentRef]) -> AsyncIterator[tuple[bytes, str | None]]:
+    """The file's segments with the digests of its layout. Not hashed again: a file that changed since is
+    caught by the receiver, which hashes every segment it gets (`digest_mismatch`)."""
+    for ref in refs:
+        yield await asyncio.to_thread(_read_range, path, ref.offset, ref.length), ref.digest
+
+
+async def _hashed(source: AsyncIterable[bytes]) -> AsyncIterator[tuple[bytes, str | None]]:
+    async for data in source:
+        yield bytes(data), None
