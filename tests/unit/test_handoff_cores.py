@@ -4,10 +4,10 @@ transfer, and every fault the receiver must refuse by name with nothing restored
 from __future__ import annotations
 
 import random
-from msgspec.structs import replace
 
 import blake3
 import pytest
+from msgspec.structs import replace
 
 from actors.handoff import receiver as rx
 from actors.handoff import sender as tx
@@ -242,7 +242,9 @@ def test_sender_never_publishes_past_its_credit_and_commits_the_root_of_what_it_
     segs = _segments([3500, 1800])
     open_ = _open(segs, announce=False)
     sender = tx.Sender(open_, tx.SenderLimits(), now=0.0)
-    reply = HandoffOpened(session="s" * 32, subject="x", chunk_bytes=CHUNK, credit=2 * CHUNK, idle_timeout_s=5, deadline_s=9)
+    reply = HandoffOpened(
+        session="s" * 32, subject="x", chunk_bytes=CHUNK, credit=2 * CHUNK, idle_timeout_s=5, deadline_s=9
+    )
     sender.handle(tx.Opened(reply, 0.0))
     receiver = rx.Receiver("s" * 32, open_, LIMITS, now=0.0)
     hasher = blake3.blake3()
@@ -256,7 +258,9 @@ def test_sender_never_publishes_past_its_credit_and_commits_the_root_of_what_it_
             for c in sendable:
                 published += c.size
                 assert published <= sender.limit
-                for a in receiver.handle(rx.ChunkArrived(tx.chunk_headers(reply.session, c.segment, c.chunk), c.size, 0)):
+                for a in receiver.handle(
+                    rx.ChunkArrived(tx.chunk_headers(reply.session, c.segment, c.chunk), c.size, 0)
+                ):
                     assert isinstance(a, rx.Stage)
                     part = data[c.chunk : c.chunk + c.size]
                     hasher = blake3.blake3() if a.first else hasher
@@ -274,7 +278,9 @@ def test_sender_never_publishes_past_its_credit_and_commits_the_root_of_what_it_
 def test_sender_gives_up_when_no_credit_comes() -> None:
     segs = _segments([5000])
     sender = tx.Sender(_open(segs, announce=False), tx.SenderLimits(), now=0.0)
-    reply = HandoffOpened(session="s" * 32, subject="x", chunk_bytes=CHUNK, credit=CHUNK, idle_timeout_s=2, deadline_s=9)
+    reply = HandoffOpened(
+        session="s" * 32, subject="x", chunk_bytes=CHUNK, credit=CHUNK, idle_timeout_s=2, deadline_s=9
+    )
     sender.handle(tx.Opened(reply, 0.0))
     sender.handle(tx.SegmentReady(5000, blake3.blake3(segs[0]).hexdigest(), 0.0))
     assert len(sender.sendable()) == 1 and sender.blocked

@@ -1,0 +1,301 @@
+"""Two handoff actors on a real nats-server: a multi-segment transfer committed byte for byte, streamed and
+from a file; the fault matrix (driven by hand through the bus), each aborting cleanly with nothing restored and
+the staging freed; malformed messages answered with structured errors while the actor keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import random
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import blake3
+import msgspec
+import pytest
+
+from actors.handoff import sender as tx
+from actors.handoff.actor import CommittedHandoff, HandoffActor, HandoffFailed, HandoffLimits
+from actors.l3 import layout
+from actors.l3.layout import SegmentRef
+from messages.errors import BAD_REQUEST, NOT_FOUND
+from messages.handoff import (
+    CreditGrant,
+    HandoffCommit,
+    HandoffControl,
+    HandoffOpen,
+    HandoffOpened,
+    HandoffResult,
+    SessionAborted,
+)
+from messages.subjects import Subjects
+from runtime.bus import Bus, RemoteError, encode, parse_reply
+from tests.conftest import JournalReader, NatsServer, of_type, supervised
+
+S = Subjects()
+IDENTITY = "1d" * 32
+FAST = HandoffLimits(
+    idle_timeout_s=0.6, window_bytes=4 << 20, open_timeout_s=5, commit_timeout_s=10, segment_bytes=1 << 20
+)
+
+
+class Restores:
+    """The restore hook of the receiving node: what it was given, and the bytes it saw."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[CommittedHandoff, bytes]] = []
+
+    async def __call__(self, state: CommittedHandoff) -> str | None:
+        self.calls.append((state, state.path.read_bytes()))
+        return "restored-into-test"
+
+
+async def _until(check: Callable[[], Any], timeout: float = 10.0) -> Any:
+    async with asyncio.timeout(timeout):
+        while not (value := check()):
+            await asyncio.sleep(0.02)
+        return value
+
+
+@contextlib.asynccontextmanager
+async def two_nodes(
+    bus: Bus, tmp_path: Path, **limits: Any
+) -> AsyncIterator[tuple[HandoffActor, HandoffActor, Restores]]:
+    restores = Restores()
+    lim = dataclasses.replace(FAST, **limits) if limits else FAST
+    a = HandoffActor("node-a", tmp_path / "a", limits=lim)
+    b = HandoffActor("node-b", tmp_path / "b", limits=lim, restore=restores)
+    async with supervised(bus, [a, b]):
+        await _until(lambda: a.running and b.running)
+        yield a, b, restores
+
+
+def _staging_empty(actor: HandoffActor) -> bool:
+    return actor.sessions == 0 and not any(actor.staging.iterdir())
+
+
+async def test_multi_segment_payload_is_committed_byte_for_byte(
+    bus: Bus, journal_reader: JournalReader, tmp_path: Path
+) -> None:
+    data = random.Random(1).randbytes(5 * (1 << 20) + 12345)  # 6 segments of 1 MiB, each several chunks
+    source = tmp_path / "slot.bin"
+    source.write_bytes(data)
+    async with two_nodes(bus, tmp_path) as (a, b, restores):
+        report = await a.send("node-b", source, identity=IDENTITY, n_tokens=3, tokens=(1, 2, 3), continuation_token=4)
+        assert (report.bytes, report.segments, report.restored) == (len(data), 6, "restored-into-test")
+        [(state, seen)] = restores.calls
+        assert seen == data and state.tokens == (1, 2, 3) and state.continuation_token == 4
+        assert state.payload_digest == report.payload_digest == layout.payload_root(state.segments)
+        [event] = await journal_reader.wait_for(of_type("handoff_committed"))
+        assert (event["bytes"], event["segments"], event["sender_node"]) == (len(data), 6, "node-a")
+        await _until(lambda: _staging_empty(b))
+
+        async def produced() -> AsyncIterator[bytes]:  # segments handed over while a prefill still runs
+            for i in range(0, len(data), 3 << 20):
+                await asyncio.sleep(0.01)
+                yield data[i : i + (3 << 20)]
+
+        report = await a.send("node-b", produced(), identity=IDENTITY, n_tokens=3, max_bytes=len(data) + 100)
+        assert restores.calls[-1][1] == data and report.segments == 2
+        await _until(lambda: _staging_empty(b))
+
+
+class HandSender:
+    """A sender driven by hand through the bus, for fault injection (no mock of NATS)."""
+
+    def __init__(self, bus: Bus, segments: list[bytes], *, announce: bool = False) -> None:
+        self.bus = bus
+        self.segments = segments
+        self.refs: list[SegmentRef] = []
+        offset = 0
+        for i, seg in enumerate(segments):
+            self.refs.append(SegmentRef(i, offset, len(seg), blake3.blake3(seg).hexdigest()))
+            offset += len(seg)
+        self.total = offset
+        self.announce = announce
+        self.controls: list[CreditGrant | SessionAborted] = []
+        self.opened: HandoffOpened | None = None
+
+    async def open(self) -> HandoffOpened:
+        inbox = self.bus.nc.new_inbox()
+
+        async def on_control(msg: Any) -> None:
+            self.controls.append(msgspec.json.decode(msg.data, type=HandoffControl))  # type: ignore[arg-type]
+
+        await self.bus.nc.subscribe(inbox, cb=on_control)
+        request = HandoffOpen(
+            sender_node="hand",
+            identity=IDENTITY,
+            n_tokens=2,
+            tokens=(5, 6),
+            max_bytes=self.total,
+            total_bytes=self.total if self.announce else None,
+            credit_subject=inbox,
+        )
+        self.opened = await self.bus.request(S.handoff("node-b", "open"), request, HandoffOpened, timeout=5)
+        return self.opened
+
+    async def chunk(self, ref: SegmentRef, data: bytes, chunk: int = 0, **headers: str) -> None:
+        assert self.opened is not None
+        h = tx.chunk_headers(self.opened.session, ref, chunk)
+        h.update(headers)
+        await self.bus.nc.publish(self.opened.subject + ".data", data, headers=h)
+
+    async def segment(self, i: int, data: bytes | None = None, ref: SegmentRef | None = None) -> None:
+        assert self.opened is not None
+        data = self.segments[i] if data is None else data
+        step = self.opened.chunk_bytes
+        for c in range(0, len(data), step):
+            await self.chunk(ref or self.refs[i], data[c : c + step], c)
+
+    async def commit(self, **changes: Any) -> HandoffResult:
+        assert self.opened is not None
+        commit = HandoffCommit(
+            session=self.opened.session,
+            n_segments=len(self.refs),
+            total_bytes=self.total,
+            n_tokens=2,
+            payload_digest=layout.payload_root(self.refs),
+        )
+        commit = msgspec.structs.replace(commit, **changes)
+        msg = await self.bus.request_raw(self.opened.subject + ".commit", encode(commit), timeout=10)
+        return parse_reply("commit", msg, HandoffResult)
+
+
+def _segments() -> list[bytes]:
+    rng = random.Random(7)
+    return [rng.randbytes(n) for n in (200_000, 1_500_000, 90_000)]  # the middle one is two chunks
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [
+        ("drop", "segment_count"),
+        ("duplicate", "duplicate"),
+        ("reorder", "out_of_order"),
+        ("corrupt", "digest_mismatch"),
+        ("gap", "gap"),
+        ("stall", "stalled"),
+        ("sender_death", "stalled"),
+        ("digest_lie", "payload_digest"),
+        ("tiling_lie", "total"),
+    ],
+)
+async def test_fault_aborts_cleanly_with_nothing_restored(
+    bus: Bus, nats_server: NatsServer, journal_reader: JournalReader, tmp_path: Path, fault: str, reason: str
+) -> None:
+    segs = _segments()
+    async with two_nodes(bus, tmp_path) as (_, b, restores):
+        own = await Bus.connect(nats_server.options, name="hand sender") if fault == "sender_death" else bus
+        hand = HandSender(own, segs)
+        await hand.open()
+        r = hand.refs
+        result: HandoffResult | None = None
+        if fault == "drop":
+            await hand.segment(0)
+            await hand.segment(1)
+            result = await hand.commit()
+        elif fault == "duplicate":
+            await hand.segment(0)
+            await hand.segment(0)
+        elif fault == "reorder":
+            await hand.segment(1)
+            await hand.segment(0)
+        elif fault == "corrupt":
+            bad = bytearray(segs[1])
+            bad[1_200_000] ^= 0xFF
+            await hand.segment(0)
+            await hand.segment(1, data=bytes(bad))
+        elif fault == "gap":
+            await hand.segment(0)
+            await hand.segment(1, ref=SegmentRef(1, r[1].offset + 10, r[1].length, r[1].digest))
+        elif fault == "stall":
+            await hand.segment(0)
+            await hand.chunk(r[1], segs[1][:1000])
+        elif fault == "sender_death":
+            await hand.segment(0)
+            await own.close()
+        elif fault in ("digest_lie", "tiling_lie"):
+            for i in range(3):
+                await hand.segment(i)
+            lie = {"payload_digest": "cd" * 32} if fault == "digest_lie" else {"total_bytes": hand.total + 1}
+            result = await hand.commit(**lie)
+        if result is not None:
+            assert not result.committed and result.reason == reason
+        [event] = await journal_reader.wait_for(of_type("handoff_aborted", role="receiver"), timeout=10)
+        assert (event["reason"], event["role"]) == (reason, "receiver")
+        await _until(lambda: _staging_empty(b))
+        assert restores.calls == []
+        if fault not in ("sender_death",):
+            await _until(lambda: any(isinstance(c, SessionAborted) and c.reason == reason for c in hand.controls))
+        # the actor keeps serving: a clean transfer right after
+        again = HandSender(bus, segs)
+        await again.open()
+        for i in range(3):
+            await again.segment(i)
+        assert (await again.commit()).committed
+        assert restores.calls[0][1] == b"".join(segs)
+
+
+async def test_receiver_death_fails_the_send_and_frees_its_staging(
+    bus: Bus, journal_reader: JournalReader, tmp_path: Path
+) -> None:
+    a = HandoffActor("node-a", tmp_path / "a", limits=FAST)
+    b = HandoffActor("node-b", tmp_path / "b", limits=dataclasses.replace(FAST, window_bytes=2 << 20))
+    data = random.Random(3).randbytes(8 << 20)
+
+    async def slow() -> AsyncIterator[bytes]:
+        for i in range(0, len(data), 1 << 20):
+            yield data[i : i + (1 << 20)]
+            await asyncio.sleep(0.05)
+
+    async with supervised(bus, [a]):
+        await _until(lambda: a.running)
+        receiver = supervised(bus, [b], node_id="node-b")
+        await receiver.__aenter__()
+        await _until(lambda: b.running)
+        send = asyncio.create_task(a.send("node-b", slow(), identity=IDENTITY, n_tokens=1, max_bytes=len(data)))
+        await _until(lambda: b.sessions == 1)
+        await receiver.__aexit__(None, None, None)  # the receiving node goes away mid-transfer
+        with pytest.raises(HandoffFailed) as failed:
+            await asyncio.wait_for(send, 10)
+        assert failed.value.reason == tx.Reason.RECEIVER_STALLED.value
+        assert not any(b.staging.iterdir())
+        [event] = await journal_reader.wait_for(of_type("handoff_aborted", node="test-node", role="sender"))
+        assert event["reason"] == "receiver_stalled"
+
+
+async def test_malformed_messages_get_structured_errors_and_the_actor_keeps_serving(bus: Bus, tmp_path: Path) -> None:
+    async with two_nodes(bus, tmp_path) as (a, b, restores):
+        open_subject = S.handoff("node-b", "open")
+        with pytest.raises(RemoteError) as bad:
+            await bus.request(open_subject, {"sender_node": "x", "identity": "nope"}, HandoffOpened, timeout=5)
+        assert bad.value.code == BAD_REQUEST and bad.value.reply.details["path"] == "$.identity"
+        with pytest.raises(RemoteError) as bad:
+            await bus.request(open_subject, {"max_bytes": -1}, HandoffOpened, timeout=5)
+        assert bad.value.code == BAD_REQUEST and "path" in bad.value.reply.details
+        msg = await bus.request_raw(open_subject, b"{not json", timeout=5)
+        with pytest.raises(RemoteError) as bad:
+            parse_reply(open_subject, msg, HandoffOpened)
+        assert bad.value.code == BAD_REQUEST
+        hand = HandSender(bus, _segments())
+        opened = await hand.open()
+        msg = await bus.request_raw(opened.subject + ".commit", b'{"session": 5}', timeout=5)
+        with pytest.raises(RemoteError) as bad:
+            parse_reply("commit", msg, HandoffResult)
+        assert bad.value.code == BAD_REQUEST and bad.value.reply.details["path"] == "$.session"
+        stranger = S.handoff_session("node-b", "ab" * 16, "commit")
+        commit = HandoffCommit(session="ab" * 16, n_segments=0, total_bytes=0, n_tokens=0, payload_digest="cd" * 32)
+        with pytest.raises(RemoteError) as bad:
+            parse_reply("commit", await bus.request_raw(stranger, encode(commit), timeout=5), HandoffResult)
+        assert bad.value.code == NOT_FOUND
+        await bus.nc.publish(opened.subject + ".data", b"x", headers={"Handoff-Session": "junk"})  # bad headers
+        await _until(lambda: any(isinstance(c, SessionAborted) and c.reason == "bad_chunk" for c in hand.controls))
+        await _until(lambda: _staging_empty(b))
+        data = random.Random(9).randbytes(300_000)
+        source = tmp_path / "ok.bin"
+        source.write_bytes(data)
+        report = await a.send("node-b", source, identity=IDENTITY, n_tokens=1)
+        assert report.bytes == len(data) and restores.calls[-1][1] == data
