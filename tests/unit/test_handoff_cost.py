@@ -1,0 +1,105 @@
+"""The phase placement cost model: break-even at an exact integer crossover, no break-even, equal nodes, the
+recurrent floor of hybrid models, and the smoothing of measured rates (hypothesis)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from actors.handoff.cost import (
+    Estimate,
+    Rates,
+    StateSize,
+    breakeven,
+    decide,
+    observe,
+    remote_wins,
+)
+
+rates_st = st.floats(min_value=1.0, max_value=1e6, allow_nan=False, allow_infinity=False)
+link_st = st.floats(min_value=1e3, max_value=1e11, allow_nan=False, allow_infinity=False)
+bytes_st = st.floats(min_value=0.0, max_value=1e7, allow_nan=False, allow_infinity=False)
+
+
+@given(
+    n0=st.integers(min_value=1, max_value=1_000_000),
+    i=st.integers(min_value=0, max_value=10),
+    gap=st.integers(min_value=1, max_value=10),
+    k=st.integers(min_value=0, max_value=30),
+)
+def test_an_exact_integer_crossover_breaks_even_one_token_later(n0: int, i: int, gap: int, k: int) -> None:
+    # dyadic rates, so the crossover n0 is exact in binary floating point: slope = 2^-i - 2^-(i+gap)
+    local, remote, link = 2.0**i, 2.0 ** (i + gap), 2.0**k
+    slope = 2.0**-i - 2.0 ** -(i + gap)
+    size = StateSize(bytes_per_token=0.0, floor_bytes=n0 * slope * link)
+    rates = Rates(local_tokens_per_s=local, remote_tokens_per_s=remote, link_bytes_per_s=link)
+    assert breakeven(size, rates) == n0 + 1
+    assert not remote_wins(n0, size, rates)  # a tie is not a win
+    assert remote_wins(n0 + 1, size, rates)
+
+
+@given(local=rates_st, remote=rates_st, link=link_st, per_token=bytes_st, floor=bytes_st, overlap=st.floats(0, 1))
+def test_breakeven_is_the_first_strict_win_or_none_when_there_is_none(
+    local: float, remote: float, link: float, per_token: float, floor: float, overlap: float
+) -> None:
+    size = StateSize(bytes_per_token=per_token, floor_bytes=floor)
+    rates = Rates(local_tokens_per_s=local, remote_tokens_per_s=remote, link_bytes_per_s=link, overlap=overlap)
+    first = breakeven(size, rates)
+    if first is None:
+        assert not any(remote_wins(n, size, rates) for n in (1, 2, 1000, 10**6, 10**12))
+    else:
+        assert remote_wins(first, size, rates) and remote_wins(first * 2 + 7, size, rates)
+        assert first == 1 or not remote_wins(first - 1, size, rates)
+        assert decide(first, size, rates).path == "disaggregated"
+
+
+@given(
+    rate=rates_st, link=link_st, per_token=bytes_st, floor=bytes_st, overlap=st.floats(0, 1), n=st.integers(1, 10**7)
+)
+def test_equal_nodes_never_disaggregate(
+    rate: float, link: float, per_token: float, floor: float, overlap: float, n: int
+) -> None:
+    size = StateSize(bytes_per_token=per_token, floor_bytes=floor)
+    rates = Rates(local_tokens_per_s=rate, remote_tokens_per_s=rate, link_bytes_per_s=link, overlap=overlap)
+    assert breakeven(size, rates) is None
+    assert decide(n, size, rates).path == "local"
+
+
+@given(local=rates_st, speedup=st.floats(1.01, 100), link=link_st, per_token=bytes_st, floor=st.floats(1.0, 1e10))
+def test_the_recurrent_floor_of_hybrid_models_only_moves_break_even_later(
+    local: float, speedup: float, link: float, per_token: float, floor: float
+) -> None:
+    rates = Rates(local_tokens_per_s=local, remote_tokens_per_s=local * speedup, link_bytes_per_s=link)
+    dense = breakeven(StateSize(bytes_per_token=per_token), rates)
+    hybrid = breakeven(StateSize(bytes_per_token=per_token, floor_bytes=floor), rates)
+    assert (dense is None) == (hybrid is None)
+    if dense is not None and hybrid is not None:
+        assert hybrid >= dense
+    # a pure recurrent model moves only its floor: break-even just past floor/link over the time saved per token
+    recurrent = breakeven(StateSize(bytes_per_token=0.0, floor_bytes=floor), rates)
+    saved = 1 / rates.local_tokens_per_s - 1 / rates.remote_tokens_per_s
+    assert recurrent is not None and recurrent == pytest.approx(floor / link / saved, rel=1e-6, abs=1.0)
+
+
+def test_no_breakeven_when_the_link_is_slower_than_what_a_token_saves() -> None:
+    size = StateSize(bytes_per_token=32768.0, floor_bytes=52_690_944.0)
+    rates = Rates(local_tokens_per_s=1000, remote_tokens_per_s=2000, link_bytes_per_s=1e6)
+    assert breakeven(size, rates) is None and decide(10**6, size, rates).path == "local"
+    fast = Rates(local_tokens_per_s=1000, remote_tokens_per_s=2000, link_bytes_per_s=1e9, overlap=0.5)
+    first = breakeven(size, fast)
+    assert first is not None and decide(first - 1, size, fast).path == "local"
+
+
+@given(samples=st.lists(st.floats(1e-3, 1e9), min_size=1, max_size=50), alpha=st.floats(0.01, 1.0))
+def test_smoothed_rates_stay_within_what_was_observed(samples: list[float], alpha: float) -> None:
+    estimate: Estimate | None = None
+    for sample in samples:
+        estimate = observe(estimate, sample, alpha=alpha)
+        estimate = observe(estimate, math.nan, alpha=alpha)  # ignored
+        estimate = observe(estimate, 0.0, alpha=alpha)  # ignored
+    assert estimate is not None and estimate.samples == len(samples)
+    assert min(samples) * (1 - 1e-9) <= estimate.value <= max(samples) * (1 + 1e-9)
+    assert observe(None, 5.0).value == 5.0
