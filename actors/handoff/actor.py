@@ -45,7 +45,7 @@ from actors.handoff import receiver as rx
 from actors.handoff import sender as tx
 from actors.l3 import layout
 from actors.l3.layout import SegmentRef
-from messages.errors import BUSY, NOT_FOUND, ErrorReply
+from messages.errors import BAD_REQUEST, BUSY, NOT_FOUND, ErrorReply
 from messages.events import HandoffAborted, HandoffCommitted
 from messages.handoff import (
     CreditGrant,
@@ -251,7 +251,7 @@ class HandoffActor(Actor):
         reserved = sum(s.core.open.max_bytes for s in self._sessions.values())
         refusal = rx.admit(request, limits, sessions=len(self._sessions), reserved_bytes=reserved)
         if refusal is not None:
-            code = BUSY if refusal.reason is rx.Reason.BUSY else refusal.reason.value
+            code = BUSY if refusal.reason is rx.Reason.BUSY else BAD_REQUEST
             raise RequestError(code, refusal.detail, {"reason": refusal.reason.value})
         session = secrets.token_hex(16)
         path = self.staging / f"{session}{_PART_SUFFIX}"

@@ -101,10 +101,10 @@ class Reason(enum.Enum):
     UNEXPECTED = "unexpected"  # a message this state does not take (a chunk after the commit, a second commit)
     STALLED = "stalled"  # no progress within the idle timeout (the sender stopped or vanished)
     EXPIRED = "expired"  # the session outlived its overall deadline
-    SENDER_ABORTED = "sender_aborted"
+    SENDER_ABORTED = "sender_aborted"  # the sender gave the session up (`HandoffAbort`)
     STAGING_FAILED = "staging_failed"  # the shell could not write the staging file
-    RESTORE_FAILED = "restore_failed"
-    RESTORE_TIMEOUT = "restore_timeout"
+    RESTORE_FAILED = "restore_failed"  # the restore hook raised: nothing is loadable from this session
+    RESTORE_TIMEOUT = "restore_timeout"  # the restore hook did not finish within the restore timeout
     SHUTDOWN = "shutdown"  # the receiving actor is stopping
 
 

@@ -74,17 +74,17 @@ class State(enum.Enum):
 
 class Reason(enum.Enum):
     OPEN_REFUSED = "open_refused"  # the receiver refused the open (busy, too large, a bad layout, …)
-    OPEN_TIMEOUT = "open_timeout"
+    OPEN_TIMEOUT = "open_timeout"  # no answer to the open in time
     RECEIVER_STALLED = "receiver_stalled"  # no credit within the idle timeout while chunks waited for it
-    RECEIVER_ABORTED = "receiver_aborted"
+    RECEIVER_ABORTED = "receiver_aborted"  # the receiver gave the session up (`SessionAborted`, with its reason)
     COMMIT_REFUSED = "commit_refused"  # the receiver answered the commit with a refusal
-    COMMIT_TIMEOUT = "commit_timeout"
-    EXPIRED = "expired"
+    COMMIT_TIMEOUT = "commit_timeout"  # no result within the commit timeout (restore included)
+    EXPIRED = "expired"  # the send outlived its overall deadline
     TOO_LARGE = "too_large"  # the source produced more than the open's max_bytes
     SOURCE_FAILED = "source_failed"  # reading or producing the payload failed
-    BUS_ERROR = "bus_error"
-    UNEXPECTED = "unexpected"
-    CANCELLED = "cancelled"
+    BUS_ERROR = "bus_error"  # the commit request failed on the bus (no responders, connection closed)
+    UNEXPECTED = "unexpected"  # a message or call this state does not take (a bug on one side)
+    CANCELLED = "cancelled"  # the caller gave up, or the handoff actor is not running
 
 
 @dataclass(frozen=True, slots=True)
