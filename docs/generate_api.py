@@ -28,6 +28,9 @@ from typing import Any
 
 import msgspec
 
+from actors.handoff import receiver as handoff_receiver
+from actors.handoff import sender as handoff_sender
+from actors.handoff.actor import HandoffActor, HandoffLimits
 from actors.l3.actor import L3Actor, L3Limits
 from actors.placement import decision_records
 from actors.placement.actor import QUEUE_GROUP, RUNNER_EVENTS_CONSUMER, PlacementActor, ledger_key
@@ -38,6 +41,7 @@ from actors.runner.actor import RunnerActor, RunnerLimits
 from actors.telemetry.actor import TelemetryActor
 from messages import errors
 from messages import events as ev
+from messages import handoff as handoff_messages
 from messages import l3 as l3_messages
 from messages import placement as placement_messages
 from messages.errors import ErrorReply
@@ -68,8 +72,9 @@ COMMAND = "python -m docs.generate_api"
 S = Subjects(DEFAULT_PREFIX)
 TELEMETRY, PLACEMENT, RUNNER, L3 = TelemetryActor.name, PlacementActor.name, RunnerActor.name, L3Actor.name
 ROUTER = RouterActor.name
+HANDOFF = HandoffActor.name
 NODE = "node"  # the pseudo-actor of `mesh-actor run` itself (runtime/launcher.py)
-SUPERVISED = (TELEMETRY, PLACEMENT, RUNNER, L3, ROUTER)
+SUPERVISED = (TELEMETRY, PLACEMENT, RUNNER, L3, ROUTER, HANDOFF)
 
 #: Who publishes each event, and when. Every member of `AnyEvent` must be here (checked at render time).
 EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
@@ -131,6 +136,15 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
         "are kept",
     ),
     ev.L3Fetched: ((L3,), "an entry was fetched from a peer and committed; `moved_bytes`: the segments it lacked"),
+    ev.HandoffCommitted: (
+        (HANDOFF,),
+        "the receiving side verified a handoff (every segment, tiling, counts, payload digest) and restored it",
+    ),
+    ev.HandoffAborted: (
+        (HANDOFF,),
+        "a handoff session ended without a restore; `role` says which side recorded it, `reason` is one of the "
+        "[handoff reasons](#handoff-refusal-reasons); the receiver's staging is freed",
+    ),
     ev.EventTooLarge: (
         (*SUPERVISED, NODE),
         "recorded by the journal in place of an event that could never be stored (over its size limit)",
@@ -141,6 +155,7 @@ _inbox = inspect.signature(ActorContext.add_endpoint).parameters["inbox"].defaul
 _deadline = inspect.signature(Supervisor.__init__).parameters["request_deadline_s"].default
 _limits = RunnerLimits()
 _l3_limits = L3Limits()
+_handoff_limits = HandoffLimits()
 
 #: What each stable error code means. Every code constant must be here (checked at render time).
 ERROR_CODES: dict[str, str] = {
@@ -358,6 +373,15 @@ def _error_codes() -> list[tuple[str, str, str]]:
     return rows
 
 
+def _handoff_reasons() -> list[tuple[str, str, str]]:
+    """(reason, side, meaning) for every handoff reason, from the comments beside the enum members."""
+    rows: list[tuple[str, str, str]] = []
+    for module, side in ((handoff_receiver, "receiver"), (handoff_sender, "sender")):
+        comments = dict(re.findall(r'^\s+[A-Z_]+ = "(\w+)"\s*#\s*(.*)$', inspect.getsource(module.Reason), re.M))
+        rows += [(r.value, side, comments.get(r.value, "")) for r in module.Reason]
+    return rows
+
+
 def _reject_reasons() -> list[tuple[str, str]]:
     source = inspect.getsource(placement_messages)
     comments = dict(re.findall(r'^\s+"(\w+)",\s*#\s*(.*)$', source, flags=re.MULTILINE))
@@ -443,6 +467,29 @@ def render() -> str:
             f"{_link('EntryStat')} / {_link('VerifyReply')} | the L3 actor of that node (`mesh-actor l3`) |",
             f"| `{S.l3(node, 'gc')}` / `{S.l3(node, 'evict')}` | req/reply | {_link('GcRequest')} → {_link('GcReply')}"
             f" / {_link('EvictRequest')} → {_link('EvictReply')} | the L3 actor of that node (`mesh-actor l3`) |",
+            f"| `{S.handoff(node, 'open')}` | req/reply | {_link('HandoffOpen')} → {_link('HandoffOpened')} "
+            "(a refusal: `busy`, or `bad_request` with `details.reason`) | the handoff actor of that node (the "
+            "receiver) |",
+            f"| `{S.handoff_session(node, '<session>', 'data')}` | pub | raw bytes: one chunk of a segment (at most "
+            "`chunk_bytes`), headers "
+            + ", ".join(
+                f"`{h}`"
+                for h in (
+                    handoff_messages.SESSION_HEADER,
+                    handoff_messages.INDEX_HEADER,
+                    handoff_messages.OFFSET_HEADER,
+                    handoff_messages.LENGTH_HEADER,
+                    handoff_messages.DIGEST_HEADER,
+                    handoff_messages.CHUNK_HEADER,
+                )
+            )
+            + "; only within the credit granted | the sender, to the receiving handoff actor |",
+            f"| `{S.handoff_session(node, '<session>', 'commit')}` | req/reply | {_link('HandoffCommit')} → "
+            f"{_link('HandoffResult')} | the receiving handoff actor |",
+            f"| `{S.handoff_session(node, '<session>', 'abort')}` | pub | {_link('HandoffAbort')} | the sender, to the "
+            "receiving handoff actor |",
+            "| `HandoffOpen.credit_subject` (the sender's inbox) | pub | "
+            f"{_link('CreditGrant')} or {_link('SessionAborted')} (tag `type`) | the receiving handoff actor |",
             f"| `{S.event('<actor>', '<type>')}` | JetStream, stream `{S.events_stream}` | one [event](#events) | "
             "every actor |",
             "| `$KV.<bucket>.<key>` | KV bucket | see [KV buckets](#kv-buckets) | |",
@@ -457,6 +504,17 @@ def render() -> str:
             "A start names a reservation made by placement; the runner reads the stamp from the reservations "
             "bucket, never from the caller. `RunnerAck.state` is where the instance stands when the reply is sent; "
             f"follow it in the instances bucket or the `{S.events_of(RUNNER)}` events.",
+            "",
+            "### Handoff refusal reasons",
+            "",
+            f"A handoff session is refused or aborted with one of these names (`HandoffResult.reason`, "
+            f"`SessionAborted.reason`, `handoff_aborted` events). The receiver's credit window is "
+            f"{_handoff_limits.window_bytes >> 20} MiB ahead of what it staged, its idle timeout "
+            f"{_handoff_limits.idle_timeout_s:g} s, at most {_handoff_limits.max_sessions} sessions at once.",
+            "",
+            "| reason | side | meaning |",
+            "|---|---|---|",
+            *(f"| `{r}` | {side} | {_cell(m)} |" for r, side, m in _handoff_reasons()),
             "",
             "### Placement refusal reasons",
             "",
@@ -683,6 +741,13 @@ def render() -> str:
         l3_messages.GcReply,
         l3_messages.EvictRequest,
         l3_messages.EvictReply,
+        handoff_messages.HandoffOpen,
+        handoff_messages.HandoffOpened,
+        handoff_messages.CreditGrant,
+        handoff_messages.SessionAborted,
+        handoff_messages.HandoffCommit,
+        handoff_messages.HandoffAbort,
+        handoff_messages.HandoffResult,
         ErrorReply,
         *event_types,
     ]

@@ -21,6 +21,8 @@ import msgspec
 import nats.errors
 import nats.js.errors
 
+from actors.handoff.actor import HandoffActor
+from actors.handoff.restore import into_l3
 from actors.l3.actor import L3Actor
 from actors.placement.actor import PlacementActor
 from actors.router.actor import RouterActor
@@ -220,6 +222,7 @@ async def run_node(
                 ),
                 l3,
                 RouterActor(),
+                HandoffActor(config.node_id, config.data_dir, restore=into_l3(l3)),
             ]
             supervisor = Supervisor(bus=bus, journal=journal, subjects=config.subjects, node_id=config.node_id)
             url = ",".join(options.urls)
