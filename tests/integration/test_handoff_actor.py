@@ -122,7 +122,7 @@ class HandSender:
         inbox = self.bus.nc.new_inbox()
 
         async def on_control(msg: Any) -> None:
-            self.controls.append(msgspec.json.decode(msg.data, type=HandoffControl))  # type: ignore[arg-type]
+            self.controls.append(msgspec.json.decode(msg.data, type=HandoffControl))
 
         await self.bus.nc.subscribe(inbox, cb=on_control)
         request = HandoffOpen(

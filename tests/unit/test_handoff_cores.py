@@ -212,6 +212,7 @@ def test_stalled_sender_is_aborted_at_the_deadline_the_core_names() -> None:
     wire = Wire(_open(segs), segs)
     wire.segment(0)
     deadline = wire.core.next_deadline
+    assert deadline is not None
     assert deadline == pytest.approx(wire.now + LIMITS.idle_timeout_s)
     assert wire.core.handle(rx.Tick(deadline - 0.001)) == []
     [abort] = wire.core.handle(rx.Tick(deadline))
