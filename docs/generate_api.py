@@ -490,8 +490,8 @@ def render() -> str:
             "receiving handoff actor |",
             "| `HandoffOpen.credit_subject` (the sender's inbox) | pub | "
             f"{_link('CreditGrant')} or {_link('SessionAborted')} (tag `type`) | the receiving handoff actor |",
-            f"| `{S.event('<actor>', '<type>')}` | JetStream, stream `{S.events_stream}` | one [event](#events) | "
-            "every actor |",
+            f"| `{S.event('<actor>', '<type>', '<node>')}` | JetStream, stream `{S.events_stream}` | one "
+            "[event](#events) | every actor; `<node>`: the publishing node (nats-server holds each to its own) |",
             "| `$KV.<bucket>.<key>` | KV bucket | see [KV buckets](#kv-buckets) | |",
             "| `$SRV.PING`, `$SRV.INFO`, `$SRV.STATS` | req/reply (NATS micro) | service discovery | every actor, as "
             f"service `mesh-<actor>` (`mesh-{TELEMETRY}`, `mesh-{PLACEMENT}`, `mesh-{RUNNER}`) with metadata "
@@ -568,7 +568,7 @@ def render() -> str:
         (
             S.instances_bucket,
             buckets.INSTANCES,
-            "`<instance id>`",
+            f"`{S.instance_key('<node id>', '<instance id>')}`",
             "InstanceStatus",
             f"per key: {_limits.status_ttl_s:g} s while the instance lives (refreshed), "
             f"{_limits.final_ttl_s:g} s once it ended",
@@ -610,7 +610,8 @@ def render() -> str:
             f"(default {max_gib:g} GiB, `journal_max_bytes`). Each event's `id` is its `Nats-Msg-Id`, so a "
             "retried publish is stored once. Every event has the envelope fields `type`, `id`, `time` (unix "
             "seconds), `node` and `actor`, and is published on "
-            f"`{S.event('<actor>', '<type>')}`. Readers should show a `type` they do not know as plain JSON "
+            f"`{S.event('<actor>', '<type>', '<node>')}`, where `<node>` is the node that published it (its "
+            "credentials allow no other). Readers should show a `type` they do not know as plain JSON "
             "(a newer producer).",
             "",
             f"Placement follows `{S.events_of(RUNNER)}` through the durable pull consumer "
@@ -626,9 +627,9 @@ def render() -> str:
         actors, when = EVENTS[event_type]
         tag = str(event_type.__struct_config__.tag)
         if len(actors) == 1:
-            subject = f"`{S.event(actors[0], tag)}`"
+            subject = f"`{S.event(actors[0], tag, '<node>')}`"
         else:
-            subject = f"`{S.event('<actor>', tag)}`, `<actor>`: " + ", ".join(f"`{a}`" for a in actors)
+            subject = f"`{S.event('<actor>', tag, '<node>')}`, `<actor>`: " + ", ".join(f"`{a}`" for a in actors)
         add([f"| `{tag}` | {subject} | {_link(event_type.__name__)} | {_cell(when)} |"])
 
     bad = _bad_request_example()

@@ -91,6 +91,22 @@ class Tokens(msgspec.Struct, frozen=True, kw_only=True):
     tokens: list[int]
 
 
+class ChatTurn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
+
+
+class ApplyTemplate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`mesh.runner.<node>.template`: a chat rendered to a prompt by the instance's own chat template."""
+
+    instance_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    messages: Annotated[list[ChatTurn], msgspec.Meta(min_length=1, max_length=4096)]
+
+
+class Prompt(msgspec.Struct, frozen=True, kw_only=True):
+    prompt: str
+
+
 class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     seq: int
@@ -121,6 +137,7 @@ class GenerateResult(msgspec.Struct, frozen=True, kw_only=True):
     # False when a streamed reply could not list every generated token id (llama-server's stream leaves out
     # the ids of tokens whose bytes it held back as incomplete UTF-8); `text` is complete either way
     tokens_exact: bool = True
+    tokens_generated: int = 0  # how many tokens were generated (llama-server's count; `tokens` may list fewer)
     decision_id: str = ""
     capture: str = ""  # what happens to the state: "queued", or why not ("off", "short", "no_l3", …)
 

@@ -108,8 +108,18 @@ class Subjects:
         """Every session message of a node's handoff actor (one subscription keeps a session's order)."""
         return f"{self.prefix}.handoff.{node}.*.*"
 
-    def event(self, actor: str, kind: str) -> str:
-        return f"{self.prefix}.events.{actor}.{kind}"
+    def instance_key(self, node: str, instance_id: str) -> str:
+        """An instance's key in the instances bucket: the node id first, so nats-server can scope a node's
+        writes to its own records (`$KV.<bucket>.<node>.>`)."""
+        return f"{node}.{instance_id}"
+
+    def event(self, actor: str, kind: str, node: str) -> str:
+        """Where `node` publishes its `actor`'s events of type `kind`. The publishing node is the last token,
+        so nats-server can confine each node to its own events (`events_from`)."""
+        return f"{self.prefix}.events.{actor}.{kind}.{node}"
+
+    def events_from(self, node: str) -> str:
+        return f"{self.prefix}.events.*.*.{node}"
 
     def events_of(self, actor: str) -> str:
         return f"{self.prefix}.events.{actor}.>"

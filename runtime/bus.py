@@ -35,8 +35,11 @@ from messages.errors import (
     UNAVAILABLE,
     ErrorReply,
 )
+from messages.subjects import check_token
 from runtime.config import NatsOptions
+from runtime.creds import CredentialsError, with_creds_file
 from runtime.logging import get_logger
+from runtime.roles import inbox_prefix
 
 T = TypeVar("T")
 
@@ -145,6 +148,14 @@ def error_headers(reply: ErrorReply) -> dict[str, str]:
     return {ERROR_HEADER: reply.message[:256], ERROR_CODE_HEADER: numeric, MESH_ERROR_HEADER: reply.code}
 
 
+def _is_token(text: str) -> bool:
+    try:
+        check_token(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _tls_context(options: NatsOptions) -> ssl.SSLContext | None:
     if not (options.tls_ca or options.tls_cert):
         return None
@@ -191,6 +202,10 @@ class Bus:
             if nc.is_connected:  # while connecting, the failure is reported once, by ConnectFailed
                 log.warning("nats_error", error=text)
 
+        try:
+            options = with_creds_file(options)  # our JSON credentials file: user, password, TLS CA, URLs
+        except CredentialsError as exc:
+            raise ConnectFailed(str(exc)) from exc
         kwargs: dict[str, Any] = {}
         if options.creds_file:
             kwargs["user_credentials"] = options.creds_file
@@ -199,6 +214,8 @@ class Bus:
         if options.user:
             kwargs["user"] = options.user
             kwargs["password"] = options.password or ""
+            if _is_token(options.user):  # replies on the user's own inbox, the only one its role may read
+                kwargs["inbox_prefix"] = inbox_prefix(options.user)
         try:
             tls = _tls_context(options)
         except (OSError, ssl.SSLError) as exc:

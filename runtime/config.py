@@ -52,6 +52,7 @@ class NodeConfig:
     prefix: str = DEFAULT_PREFIX
     nats: NatsOptions = field(default_factory=NatsOptions)
     nats_port: int = 4222  # preferred port of the embedded server; a free one is used if taken
+    nats_host: str = "127.0.0.1"  # where the embedded server listens; beyond loopback it requires TLS
     memory_limit_bytes: int | None = None
     telemetry_interval_s: float = 5.0
     telemetry_ttl_s: float = 15.0
@@ -101,6 +102,18 @@ def _budget(text: Any) -> int:
     return 0 if str(text).strip() in ("0", "0B", "0b") else parse_size(str(text))
 
 
+def _listen(text: Any) -> tuple[str, int | None]:
+    """`HOST:PORT` or `HOST` (the port then comes from --nats-port) where the embedded server listens."""
+    value = str(text).strip()
+    host, colon, port = value.rpartition(":")
+    if not colon or "]" in port:  # no port (an IPv6 address in brackets has colons of its own)
+        host, port = value, ""
+    host = host.strip("[]")
+    if not host:
+        raise ValueError(f"{value!r} names no host (e.g. 0.0.0.0:4222)")
+    return host, _port(port) if port else None
+
+
 def _urls(text: Any) -> tuple[str, ...]:
     items = text if isinstance(text, list | tuple) else str(text).split(",")
     urls = tuple(str(u).strip() for u in items if str(u).strip())
@@ -136,6 +149,7 @@ _OPTIONS: dict[str, Callable[[Any], Any]] = {
     "node_id": _node_id,
     "prefix": _prefix,
     "nats_port": _port,
+    "nats_listen": _listen,
     "memory_limit": _size,
     "telemetry_interval": _positive_float,
     "telemetry_ttl": _positive_float,
@@ -238,6 +252,7 @@ def load_config(
         tls_cert=values.get("nats_tls_cert"),
         tls_key=values.get("nats_tls_key"),
     )
+    listen_host, listen_port = values.get("nats_listen", ("127.0.0.1", None))
     interval = values.get("telemetry_interval", 5.0)
     ttl = values.get("telemetry_ttl", max(15.0, 3 * interval))
     if ttl <= interval:
@@ -247,7 +262,8 @@ def load_config(
         node_id=values.get("node_id") or _node_id(_default_node_id()),
         prefix=values.get("prefix", DEFAULT_PREFIX),
         nats=nats,
-        nats_port=values.get("nats_port", 4222),
+        nats_port=listen_port if listen_port is not None else values.get("nats_port", 4222),
+        nats_host=listen_host,
         memory_limit_bytes=values.get("memory_limit"),
         telemetry_interval_s=interval,
         telemetry_ttl_s=ttl,

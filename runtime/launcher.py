@@ -34,8 +34,9 @@ from messages.events import NodeStarted, NodeStopped
 from messages.settings import ServingSettings
 from messages.telemetry import LlamaServerInfo
 from runtime.actor import Actor, ActorGaveUpError, Supervisor
-from runtime.bus import Bus
-from runtime.config import ConfigError, NodeConfig
+from runtime.bus import Bus, ConnectFailed
+from runtime.config import ConfigError, NatsOptions, NodeConfig
+from runtime.creds import CredentialsError, with_creds_file
 from runtime.embedded import EmbeddedNats
 from runtime.journal import Journal, ensure_events_stream
 from runtime.logging import get_logger
@@ -167,24 +168,33 @@ async def run_node(
         async with contextlib.AsyncExitStack() as stack:
             if handle_signals:
                 stack.enter_context(_signals(loop, stop, serving.reload))
-            embedded = not config.nats.urls
+            try:
+                options = with_creds_file(config.nats)  # a credentials file may name the URLs
+            except CredentialsError as exc:
+                raise ConnectFailed(str(exc)) from exc
+            embedded = not options.urls
+            admin = options
             if embedded:
-                server = EmbeddedNats(config.data_dir, preferred_port=config.nats_port)
-                options = (await _unless_stopped(server.start(), stop)).options()
+                server = EmbeddedNats(
+                    config.data_dir,
+                    preferred_port=config.nats_port,
+                    host=config.nats_host,
+                    prefix=config.prefix,
+                    node_id=config.node_id,
+                )
+                admin = (await _unless_stopped(server.start(), stop)).options()
                 stack.push_async_callback(server.stop)
-            else:
-                options = config.nats
+                assert server.node_credentials is not None
+                options = server.node_credentials.options()  # the actors hold the rights of node:<id> only
             bus = await _unless_stopped(
                 Bus.connect(options, name=f"mesh-actor node {config.node_id}", deadline_s=30.0), stop
             )
             stack.push_async_callback(bus.close)
             try:
-                await _unless_stopped(
-                    ensure_events_stream(
-                        bus, config.subjects, max_age_s=config.journal_max_age_s, max_bytes=config.journal_max_bytes
-                    ),
-                    stop,
-                )
+                # The journal's limits are an admin's to change: the embedded server's owner sets them with
+                # its admin user; a node on an external NATS creates the stream if it is missing (its role
+                # may), and only warns when its limits differ.
+                await _unless_stopped(_ensure_journal(config, bus if admin is options else None, admin), stop)
             except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError, TimeoutError) as exc:
                 raise JetStreamUnavailable(
                     f"JetStream is not available on NATS at {','.join(options.urls)}; mesh-actor needs it "
@@ -237,6 +247,21 @@ async def run_node(
             return await _serve(config, journal, supervisor, actors, stop, announce, url, embedded)
     finally:
         lock.close()
+
+
+async def _ensure_journal(config: NodeConfig, bus: Bus | None, admin: NatsOptions) -> None:
+    if bus is not None:
+        await ensure_events_stream(
+            bus, config.subjects, max_age_s=config.journal_max_age_s, max_bytes=config.journal_max_bytes
+        )
+        return
+    setup = await Bus.connect(admin, name=f"mesh-actor node {config.node_id} setup", deadline_s=30.0)
+    try:
+        await ensure_events_stream(
+            setup, config.subjects, max_age_s=config.journal_max_age_s, max_bytes=config.journal_max_bytes
+        )
+    finally:
+        await setup.close()
 
 
 async def _serve(

@@ -218,15 +218,18 @@ class PlacementActor(Actor):
     async def _watch_instances(self, ctx: ActorContext) -> None:
         """The runners' instance records: what the reconcile compares the ledgers with."""
         async for entry in buckets.watch(self._instances, self._records_ready):
+            instance_id = entry.key.rsplit(".", 1)[-1]  # keys are <node>.<instance id>
             if buckets.removed(entry):
-                self._reconciler.saw_record(entry.key, None)  # expired: its runner stopped refreshing it
+                self._reconciler.saw_record(instance_id, None)  # expired: its runner stopped refreshing it
                 continue
             try:
-                record = buckets.decode_keyed(entry, InstanceStatus, lambda r: r.id, "instance record")
+                record = buckets.decode_keyed(
+                    entry, InstanceStatus, lambda r: ctx.subjects.instance_key(r.node, r.id), "instance record"
+                )
             except BadMessage as exc:
                 ctx.log.warning("bad_instance_record", key=entry.key, error=str(exc))
                 continue
-            self._reconciler.saw_record(entry.key, record)
+            self._reconciler.saw_record(instance_id, record)
 
     def _decode_ledger(self, node: str, value: bytes | None, revision: int) -> tuple[NodeLedger | None, int]:
         """A ledger and its revision; revision -1 marks one that does not decode (nothing is booked there)."""
@@ -430,7 +433,13 @@ class PlacementActor(Actor):
                 try:
                     kind = _EVENT_TYPE.decode(msg.data).type
                     if kind == "instance_ready" or kind in _RELEASING:
-                        await self._apply_runner_event(ctx, _RUNNER_OUTCOME.decode(msg.data))
+                        event = _RUNNER_OUTCOME.decode(msg.data)
+                        # nats-server lets a node publish only events ending in its own id: one that names
+                        # another node is a forgery and changes nothing.
+                        if msg.subject.rsplit(".", 1)[-1] != event.node:
+                            ctx.log.warning("runner_event_not_from_its_node", subject=msg.subject, node=event.node)
+                        else:
+                            await self._apply_runner_event(ctx, event)
                 except msgspec.MsgspecError as exc:
                     # Malformed or from a peer that lies: it changes nothing, and is not retried forever.
                     ctx.log.warning("bad_runner_event", subject=msg.subject, error=str(exc))

@@ -110,19 +110,22 @@ class RouterActor(Actor):
 
     async def _watch_instances(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
         async for entry in buckets.watch(kv, ready):
+            instance_id = entry.key.rsplit(".", 1)[-1]  # keys are <node>.<instance id>
             if buckets.removed(entry):
-                self._instances.pop(entry.key, None)
+                self._instances.pop(instance_id, None)
                 continue
             try:
-                status = buckets.decode_keyed(entry, InstanceStatus, lambda s: s.id, "instance")
+                status = buckets.decode_keyed(
+                    entry, InstanceStatus, lambda s: ctx.subjects.instance_key(s.node, s.id), "instance"
+                )
             except BadMessage as exc:
                 ctx.log.warning("bad_instance_record", key=entry.key, error=str(exc))
-                self._instances.pop(entry.key, None)
+                self._instances.pop(instance_id, None)
                 continue
             if status.state == "ready" and status.port is not None:
-                self._instances[entry.key] = status
+                self._instances[instance_id] = status
             else:
-                self._instances.pop(entry.key, None)
+                self._instances.pop(instance_id, None)
 
     async def _watch_inventories(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
         async for entry in buckets.watch(kv, ready):

@@ -1,9 +1,10 @@
 """Instance records (runner shell): each instance's `InstanceStatus` in the instances bucket, with a TTL.
 
-Key = instance id. A record is rewritten on every change and refreshed while its driver lives, with a
-per-key TTL (`status_ttl_s`, 30 s) so the records of a runner that died disappear by themselves; a final
-one (stopped, failed, rejected) is kept `final_ttl_s` (600 s). Placement's reconcile loop reads them to
-release memory without depending on the journal, so a final record is written only once the server is gone.
+Key = `<node>.<instance id>` (nats-server lets a node write only its own keys). A record is rewritten on every
+change and refreshed while its driver lives, with a per-key TTL (`status_ttl_s`, 30 s) so the records of a
+runner that died disappear by themselves; a final one (stopped, failed, rejected) is kept `final_ttl_s`
+(600 s). Placement's reconcile loop reads them to release memory without depending on the journal, so a
+final record is written only once the server is gone.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ async def write_status(
     ttl = final_ttl_s if status.state in FINAL_STATES else live_ttl_s
     try:
         await ctx.bus.js.publish(
-            f"$KV.{ctx.subjects.instances_bucket}.{status.id}",
+            f"$KV.{ctx.subjects.instances_bucket}.{ctx.subjects.instance_key(status.node, status.id)}",
             encode(status),
             timeout=timeout_s,
             headers={TTL_HEADER: f"{max(1, round(ttl))}s"},

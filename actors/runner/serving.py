@@ -208,6 +208,22 @@ class Serving:
         except ServerApiError as exc:
             raise RequestError(UNAVAILABLE, f"instance {instance_id}: {exc}") from exc
 
+    async def apply_template(self, instance_id: str, messages: list[dict[str, str]]) -> str:
+        """The chat as the instance's own chat template renders it (llama-server's `/apply-template`)."""
+        instance = self._instance(instance_id)
+        try:
+            reply = await self._api.json(
+                instance.port, "POST", "/apply-template", {"messages": messages},
+                timeout_s=self.limits.tokenize_timeout_s,
+            )  # fmt: skip
+        except ServerApiError as exc:
+            code = BAD_REQUEST if exc.status == 400 else UNAVAILABLE
+            raise RequestError(code, f"instance {instance_id}: {exc}") from exc
+        prompt = reply.get("prompt") if isinstance(reply, dict) else None
+        if not isinstance(prompt, str):
+            raise RequestError(UNAVAILABLE, f"instance {instance_id}: /apply-template gave no prompt")
+        return prompt
+
     def _instance(self, instance_id: str) -> _Instance:
         instance = self._instances.get(instance_id)
         if instance is None:
@@ -396,6 +412,7 @@ class Serving:
             slot=slot,
             stop_reason=stop,
             tokens_exact=exact,
+            tokens_generated=int(final.get("tokens_predicted", len(generated)) or len(generated)),
             decision_id=order.route.decision_id if order.route else "",
             capture=capture,
         )

@@ -23,6 +23,7 @@ from runtime.config import (
     load_config,
     read_password_file,
 )
+from runtime.creds import CredentialsError, with_creds_file
 from runtime.embedded import EmbeddedNatsError, read_credentials
 
 EXIT_OK = 0
@@ -110,17 +111,23 @@ def client_options(args: argparse.Namespace) -> NatsOptions:
         urls += [u.strip() for u in item.split(",") if u.strip()]
     if not urls and os.environ.get("MESH_ACTOR_NATS"):
         urls = [u.strip() for u in os.environ["MESH_ACTOR_NATS"].split(",") if u.strip()]
-    if urls:
-        return NatsOptions(
-            urls=tuple(urls),
-            user=_flag_or_env(args, "nats_user"),
-            password=_client_password(args),
-            token=_flag_or_env(args, "nats_token"),
-            creds_file=_flag_or_env(args, "nats_creds"),
-            tls_ca=_flag_or_env(args, "nats_tls_ca"),
-            tls_cert=_flag_or_env(args, "nats_tls_cert"),
-            tls_key=_flag_or_env(args, "nats_tls_key"),
-        )
+    creds_file = _flag_or_env(args, "nats_creds")
+    if urls or creds_file:
+        try:  # our JSON credentials file (`mesh-actor creds issue`) names its URLs, user and CA
+            return _with_creds(
+                NatsOptions(
+                    urls=tuple(urls),
+                    user=_flag_or_env(args, "nats_user"),
+                    password=_client_password(args),
+                    token=_flag_or_env(args, "nats_token"),
+                    creds_file=creds_file,
+                    tls_ca=_flag_or_env(args, "nats_tls_ca"),
+                    tls_cert=_flag_or_env(args, "nats_tls_cert"),
+                    tls_key=_flag_or_env(args, "nats_tls_key"),
+                )
+            )
+        except CredentialsError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from exc
     configured = node_config(args)
     if configured is not None and configured.nats.urls:  # the node of this data dir uses an external NATS
         return configured.nats
@@ -135,6 +142,13 @@ def client_options(args: argparse.Namespace) -> NatsOptions:
             "(or pass --data-dir of a running node, or --nats URL)"
         )
     return creds.options()
+
+
+def _with_creds(options: NatsOptions) -> NatsOptions:
+    resolved = with_creds_file(options)
+    if not resolved.urls:
+        raise CliError(f"{options.creds_file} names no URL: pass --nats URL too", EXIT_USAGE)
+    return resolved
 
 
 def node_config(args: argparse.Namespace) -> NodeConfig | None:

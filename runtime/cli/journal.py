@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     events.add_argument(
         "--subject",
         metavar="PATTERN",
-        help="subject filter, e.g. 'telemetry.>' (relative to <prefix>.events.) or a full subject",
+        help="subject filter, e.g. 'runner.>' or 'placement.placement_decided' (relative to <prefix>.events.; "
+        "events are <actor>.<type>.<node>) or a full subject",
     )
     events.add_argument("--since", metavar="SEQ|TIME", help="a stream sequence, an ISO time, or an age like 10m")
     events.set_defaults(func=cmd_events)
@@ -58,7 +59,11 @@ def _filter(subjects: Subjects, pattern: str | None) -> str:
     if not pattern:
         return subjects.events_all
     root = f"{subjects.prefix}.events"
-    return pattern if pattern == root or pattern.startswith(root + ".") else f"{root}.{pattern}"
+    full = pattern if pattern == root or pattern.startswith(root + ".") else f"{root}.{pattern}"
+    tokens = full.removeprefix(root + ".").split(".")
+    if len(tokens) == 2 and tokens[-1] != ">":  # <actor>.<type>: from any node (the subject's last token)
+        full += ".*"
+    return full
 
 
 def _render(seq: int, subject: str, stamp: datetime, data: bytes) -> dict[str, Any]:

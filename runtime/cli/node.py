@@ -16,6 +16,7 @@ from messages.placement import NodeLedger, Reservation
 from messages.runner import InstanceStatus
 from messages.settings import CacheType, ServingSettings
 from messages.subjects import Subjects
+from messages.subjects import check_token as _check_token
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.bus import BusError
@@ -36,6 +37,7 @@ from runtime.config import ConfigError, load_config
 from runtime.embedded import EmbeddedNatsError
 from runtime.launcher import DataDirBusy, JetStreamUnavailable, StartupInterrupted, run_node
 from runtime.logging import configure_logging
+from runtime.roles import Role, inbox_prefix, permissions
 from runtime.sizes import format_size
 
 CACHE_TYPES = get_args(CacheType)
@@ -87,6 +89,11 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     run.add_argument("--node-id", help="this node's id (default: the host name)")
     run.add_argument("--memory-limit", metavar="SIZE", help="cap on what each device advertises as usable")
     run.add_argument("--nats-port", type=int, help="preferred port of the embedded server (default 4222)")
+    run.add_argument(
+        "--nats-listen",
+        metavar="HOST[:PORT]",
+        help="where the embedded server listens (default loopback); beyond loopback it requires TLS and credentials",
+    )
     run.add_argument("--telemetry-interval", type=float, metavar="S", help="seconds between reports (default 5)")
     run.add_argument("--telemetry-ttl", type=float, metavar="S", help="seconds a report stays valid (default 15)")
     run.add_argument("--llama-server", metavar="PATH", help="llama-server binary (default: the llama extra's)")
@@ -115,6 +122,10 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
     env = sub.add_parser("nats-env", help="how any NATS client connects to this mesh")
     add_client_options(env)
+    env.add_argument("--creds", dest="nats_creds", metavar="FILE", help="a file from `mesh-actor creds issue`")
+    env.add_argument(
+        "--role", metavar="ROLE", help="say how a client of ROLE (client, node:<id>, admin) connects, and its rights"
+    )
     env.set_defaults(func=cmd_nats_env)
 
 
@@ -124,6 +135,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "node_id": args.node_id,
         "memory_limit": args.memory_limit,
         "nats_port": args.nats_port,
+        "nats_listen": args.nats_listen,
         "telemetry_interval": args.telemetry_interval,
         "telemetry_ttl": args.telemetry_ttl,
         "llama_server": args.llama_server,
@@ -257,6 +269,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_nats_env(args: argparse.Namespace) -> int:
+    if args.role:
+        return _role_env(args)
     options = client_options(args)
     url = ",".join(options.urls)
     record: dict[str, str] = {"url": url}
@@ -266,11 +280,58 @@ def cmd_nats_env(args: argparse.Namespace) -> int:
         record["token"] = options.token
     elif options.user:
         record.update(user=options.user, password=options.password or "")
+        if check_user(options.user):  # a user of a role reads replies only there (runtime/roles.py)
+            record["inbox_prefix"] = inbox_prefix(options.user)
+    if options.tls_ca:
+        record["tls_ca"] = options.tls_ca
     if args.json:
         emit_json(record)
         return 0
     names = {"url": "NATS_URL", "user": "NATS_USER", "password": "NATS_PASSWORD", "token": "NATS_TOKEN"}
-    names["creds"] = "NATS_CREDS"
+    names.update(creds="NATS_CREDS", tls_ca="NATS_CA", inbox_prefix="NATS_INBOX_PREFIX")
     for key, value in record.items():
         print(f"{names[key]}={value}")
+    return 0
+
+
+def check_user(user: str) -> bool:
+    try:
+        _check_token(user)
+    except ValueError:
+        return False
+    return True
+
+
+def _role_env(args: argparse.Namespace) -> int:
+    """How a client of a role connects: the credentials to ask for, its inbox, what nats-server lets it do."""
+    try:
+        role = Role.parse(args.role)
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from exc
+    subjects = Subjects(prefix(args))
+    user = f"node-{role.node}" if role.node else f"{role.kind}-USER"
+    node_flag = f" --node {role.node}" if role.node else ""
+    issue = f"mesh-actor creds issue --role {role.kind}{node_flag} --out FILE"
+    rights = permissions(subjects, role, user)
+    record: dict[str, Any] = {
+        "role": str(role),
+        "issue": issue,
+        "connect": "mesh-actor nats-env --creds FILE (or --nats-creds FILE on any command)",
+        "inbox_prefix": inbox_prefix(user),
+        "permissions": rights if rights is not None else "all",
+    }
+    if args.json:
+        emit_json(record)
+        return 0
+    print(f"role {role}: issue credentials with `{issue}` (on the node running the embedded server)")
+    print(f"connect: {record['connect']}; replies arrive on {record['inbox_prefix']}.> (its inbox prefix)")
+    if rights is None:
+        print("rights: every subject and JetStream call")
+        return 0
+    for what, key in (("may publish / request", "publish"), ("may subscribe / serve", "subscribe")):
+        print(f"{what}:")
+        for subject in rights[key]["allow"]:
+            print(f"  {subject}")
+    if rights.get("allow_responses"):
+        print("and may answer requests it received")
     return 0

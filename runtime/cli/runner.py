@@ -21,7 +21,7 @@ from actors.telemetry.probes import Nvml
 from messages.runner import InstanceStatus, RunnerAck, StopInstance
 from messages.subjects import Subjects
 from runtime import buckets
-from runtime.bus import BadMessage, Bus, BusError, RemoteError, decode_checked
+from runtime.bus import Bus, BusError, RemoteError
 from runtime.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -63,17 +63,14 @@ async def fetch_instances(bus: Bus, subjects: Subjects) -> list[InstanceStatus]:
 
 
 async def _find_instance(bus: Bus, subjects: Subjects, instance_id: str) -> InstanceStatus | None:
-    try:
-        kv = await bus.js.key_value(subjects.instances_bucket)
-        entry = await kv.get(instance_id)
-    except (nats.js.errors.BucketNotFoundError, nats.js.errors.KeyNotFoundError):
+    # Keys are <node>.<instance id>: the record is found by its id among every node's.
+    records, warnings = await buckets.read_all(bus, subjects.instances_bucket, InstanceStatus)
+    found = [record for key, record in records if key.rsplit(".", 1)[-1] == instance_id]
+    if not found:
+        if warnings:
+            raise CliError("; ".join(warnings))
         return None
-    if not entry.value:
-        return None
-    try:
-        return decode_checked(entry.value, InstanceStatus, f"instance record {instance_id}")
-    except BadMessage as exc:
-        raise CliError(str(exc)) from exc
+    return found[0]
 
 
 async def cmd_stop(args: argparse.Namespace) -> int:

@@ -167,7 +167,7 @@ async def _start(bus: Bus, rid: str) -> RunnerAck:
 
 async def _status(bus: Bus, instance_id: str) -> InstanceStatus:
     kv = await buckets.instances(bus, SUBJECTS)
-    entry = await kv.get(instance_id)
+    entry = await kv.get(SUBJECTS.instance_key(NODE, instance_id))
     assert entry.value
     return decode(entry.value, InstanceStatus)
 

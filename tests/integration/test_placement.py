@@ -464,7 +464,7 @@ async def test_lying_telemetry_and_malformed_runner_events_change_nothing(
         b"not json at all",
     )
     for payload in bogus:
-        await bus.js.publish(SUBJECTS.event("runner", "instance_ready"), payload)
+        await bus.js.publish(SUBJECTS.event("runner", "instance_ready", "honest"), payload)
     runner_journal = Journal(bus, SUBJECTS, "honest")
     task = asyncio.create_task(runner_journal.run())
     try:

@@ -76,7 +76,9 @@ async def put_record(
     )
     await buckets.instances(bus, SUBJECTS)
     await bus.js.publish(
-        f"$KV.{SUBJECTS.instances_bucket}.{instance_id}", encode(record), headers={"Nats-TTL": f"{ttl_s}s"}
+        f"$KV.{SUBJECTS.instances_bucket}.{SUBJECTS.instance_key('a', instance_id)}",
+        encode(record),
+        headers={"Nats-TTL": f"{ttl_s}s"},
     )
 
 

@@ -37,5 +37,5 @@ def test_every_event_type_is_listed_with_its_subject() -> None:
         tag = str(event_type.__struct_config__.tag)
         actors, _ = generate_api.EVENTS[event_type]
         actor = actors[0] if len(actors) == 1 else "<actor>"
-        assert f"| `{tag}` | `{subjects.event(actor, tag)}`" in text
+        assert f"| `{tag}` | `{subjects.event(actor, tag, '<node>')}`" in text
         assert f"### {event_type.__name__}\n" in text

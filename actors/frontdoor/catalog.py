@@ -1,0 +1,78 @@
+"""The model catalog: `models.toml` in the data dir (front-door core, pure).
+
+```toml
+[models.qwen-0_5b]
+path = "qwen2.5-0.5b-instruct-q4_k_m.gguf"   # a file (relative: in the models dir) or a registry entry name
+ctx = 8192                                  # -c for its instances (default: 4096)
+parallel = 4                                # slots it needs (the node must advertise that many)
+pinned = true                               # never stopped to make room
+priority = 10                               # higher stays longer when memory is short
+idle_ttl_s = 600                            # stopped after this long without a request
+max_queue = 32                              # requests waiting for an instance (beyond: 429)
+```
+
+Names are what `/v1/models` lists and what requests name (`model`); each is one subject-safe token. Every
+value is validated here; an error names the model and the field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from typing import Annotated, Final
+
+import msgspec
+
+from messages.subjects import check_token
+
+__all__ = ["CATALOG_FILE", "Catalog", "CatalogError", "CatalogModel", "parse_catalog"]
+
+CATALOG_FILE: Final = "models.toml"
+
+
+class CatalogError(ValueError):
+    """The catalog cannot be used; the message names the file, the model and the field."""
+
+
+class CatalogModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    registry: bool = False  # `path` names a signed registry entry instead of a file
+    ctx: Annotated[int, msgspec.Meta(ge=16, le=1 << 24)] = 4096
+    parallel: Annotated[int, msgspec.Meta(ge=1, le=1024)] | None = None
+    pinned: bool = False
+    priority: int = 0
+    idle_ttl_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    max_queue: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 64
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 600.0  # a request's whole life, load included
+
+
+class Catalog(msgspec.Struct, frozen=True, kw_only=True):
+    models: dict[str, CatalogModel]
+
+    def get(self, name: str) -> CatalogModel | None:
+        return self.models.get(name)
+
+
+def parse_catalog(text: str, source: str = CATALOG_FILE) -> Catalog:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise CatalogError(f"{source}: not TOML: {exc}") from exc
+    unknown = sorted(set(data) - {"models"})
+    if unknown:
+        raise CatalogError(f"{source}: unknown table or key {unknown[0]!r} (only [models.NAME] tables)")
+    tables = data.get("models", {})
+    if not isinstance(tables, dict):
+        raise CatalogError(f"{source}: `models` must be a table of [models.NAME] tables")
+    models = {}
+    for name, table in tables.items():
+        try:
+            check_token(name, "model name")
+        except ValueError as exc:
+            raise CatalogError(f"{source}: {exc}") from exc
+        if not isinstance(table, dict):
+            raise CatalogError(f"{source}: [models.{name}] must be a table")
+        try:
+            models[name] = msgspec.convert(table, CatalogModel)
+        except msgspec.ValidationError as exc:
+            raise CatalogError(f"{source}: [models.{name}]: {exc}") from exc
+    return Catalog(models=models)

@@ -1,0 +1,200 @@
+"""The OpenAI-compatible front door, driven by the official `openai` client against `mesh-actor run --http`.
+
+Real nats-server (embedded), real llama-servers on generated tiny models. Models come from `models.toml` and
+load on demand; a node whose memory fits one model at a time swaps them without losing a request; a model
+that can never fit is refused at once with need and have; pinned models stay; idle ones stop; a model loaded
+again resumes from L3; bad requests get OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from actors.placement.geometry import geometry_from_header
+from actors.placement.gguf_header import read_header
+from actors.placement.memory import estimate
+from messages.settings import ServingSettings
+from runtime.children import free_port
+from tests.e2e.test_mesh import cli, node, wait_nodes
+from tests.llama_harness import require_server
+from tests.tiny_models import write_llama
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+QUIET = ("--cache-ram", "0", "--ctx-checkpoints", "0", "--parallel", "2")
+KEY = "test-key-123"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    require_server()
+    root = tmp_path_factory.mktemp("frontdoor-models")
+    return {
+        "alpha": write_llama(root / "alpha.gguf"),
+        "beta": write_llama(root / "beta.gguf", n_layer=3),
+        "huge": write_llama(root / "huge.gguf", n_layer=8, n_embd=1024, n_head=8, n_head_kv=8, n_ff=4096),
+    }
+
+
+def need(model: Path, ctx: int = 2048) -> int:
+    settings = ServingSettings(slots=2, cache_ram_mib=0, ctx_checkpoints=0, swa_full=True)
+    return estimate(geometry_from_header(read_header(model)), settings, ctx).total_bytes
+
+
+def write_catalog(data_dir: Path, entries: dict[str, dict[str, Any]]) -> None:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for name, fields in entries.items():
+        lines.append(f"[models.{name}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in fields.items()]
+    (data_dir / "models.toml").write_text("\n".join(lines) + "\n")
+
+
+def client(port: int, key: str = KEY) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+async def instances(data_dir: Path) -> list[dict[str, Any]]:
+    code, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
+    assert code == 0
+    return [i for i in json.loads(out)["instances"] if i["state"] in ("starting", "ready")]
+
+
+async def test_completions_and_chat_whole_and_streamed_with_usage(tmp_path: Path, models: dict[str, Path]) -> None:
+    data_dir = tmp_path / "node"
+    write_catalog(data_dir, {"alpha": {"path": str(models["alpha"]), "ctx": 2048}})
+    port = free_port()
+    async with node(data_dir, "door", *QUIET, "--http", str(port), "--api-key", KEY):
+        await wait_nodes(data_dir, "door")
+        api = client(port)
+        assert [m.id for m in (await api.models.list()).data] == ["alpha"]
+        done = await api.completions.create(model="alpha", prompt="Hello there", max_tokens=8, temperature=0)
+        assert done.choices[0].finish_reason == "length" and done.usage is not None
+        assert done.usage.completion_tokens == 8 and done.usage.prompt_tokens > 0
+        chat = await api.chat.completions.create(
+            model="alpha", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+        )
+        assert chat.choices[0].message.role == "assistant" and chat.usage is not None
+        assert chat.usage.completion_tokens == 6
+        stream = await api.chat.completions.create(
+            model="alpha", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = [c async for c in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == chat.choices[0].message.content  # greedy: the same text, streamed
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+        assert chunks[-1].usage.prompt_tokens_details is not None
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same chat again: its prefix reused
+        pieces = [c async for c in await api.completions.create(model="alpha", prompt="Hello there", max_tokens=8,
+                                                                temperature=0, stream=True)]  # fmt: skip
+        assert "".join(p.choices[0].text for p in pieces if p.choices) == done.choices[0].text
+
+
+async def test_bad_requests_get_openai_errors(tmp_path: Path, models: dict[str, Path]) -> None:
+    data_dir = tmp_path / "node"
+    write_catalog(data_dir, {"alpha": {"path": str(models["alpha"]), "ctx": 2048}})
+    port = free_port()
+    async with node(data_dir, "strict", *QUIET, "--http", str(port), "--api-key", KEY):
+        await wait_nodes(data_dir, "strict")
+        with pytest.raises(openai.AuthenticationError) as unauthorized:
+            await client(port, "wrong").models.list()
+        assert unauthorized.value.status_code == 401
+        api = client(port)
+        with pytest.raises(openai.NotFoundError) as missing:
+            await api.completions.create(model="nope", prompt="x")
+        assert missing.value.code == "model_not_found"
+        with pytest.raises(openai.BadRequestError) as many:
+            await api.completions.create(model="alpha", prompt="x", n=2)
+        assert many.value.param == "n"
+        async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as raw:
+            headers = {"Authorization": f"Bearer {KEY}"}
+            for body, status in (
+                (b"not json", 400),
+                (b'{"model": "alpha"}', 400),  # no prompt
+                (b'{"model": "alpha", "prompt": "x", "max_tokens": -1}', 400),
+                (b'{"model": "alpha", "messages": [{"role": "robot", "content": "x"}]}', 400),
+                (b'{"model": "alpha", "prompt": "' + b"x" * (9 << 20) + b'"}', 413),
+            ):
+                path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+                async with raw.post(path, data=body, headers=headers) as reply:
+                    error = await reply.json()
+                    assert reply.status == status, (body[:60], error)
+                assert set(error["error"]) >= {"message", "type", "param", "code"}
+        assert (await api.completions.create(model="alpha", prompt="still fine", max_tokens=2)).choices
+
+
+async def test_two_models_take_turns_in_memory_for_one_and_no_request_is_lost(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    data_dir = tmp_path / "node"
+    write_catalog(
+        data_dir,
+        {
+            "alpha": {"path": str(models["alpha"]), "ctx": 2048},
+            "beta": {"path": str(models["beta"]), "ctx": 2048},
+            "huge": {"path": str(models["huge"]), "ctx": 2048},
+        },
+    )
+    limit = max(need(models["alpha"]), need(models["beta"])) * 3 // 2  # one at a time
+    assert need(models["alpha"]) + need(models["beta"]) > limit and need(models["huge"]) > limit
+    port = free_port()
+    async with node(data_dir, "swap", *QUIET, "--memory-limit", str(limit), "--http", str(port), "--api-key", KEY):
+        await wait_nodes(data_dir, "swap")
+        api = client(port)
+        with pytest.raises(openai.APIStatusError) as never:
+            await api.completions.create(model="huge", prompt="x", max_tokens=2)
+        assert never.value.status_code == 507
+        error = never.value.body
+        assert isinstance(error, dict) and error["need_bytes"] and error["have_bytes"], error
+
+        async def one(i: int) -> str:
+            name = ("alpha", "beta")[i % 2]
+            stream = await api.completions.create(model=name, prompt=f"request {i}", max_tokens=4, stream=True)
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(16))), 240)
+        assert len(results) == 16  # every request answered
+        _, out, _ = await cli("events", "--json", "--subject", "runner.instance_starting", "--data-dir", str(data_dir))
+        starts = [line for line in out.splitlines() if line.strip()]
+        assert 2 <= len(starts) <= 6, len(starts)  # requests grouped per model: a handful of swaps, not 16
+        assert len(await instances(data_dir)) == 1  # never both at once
+
+
+async def test_pinned_stays_idle_stops_and_a_model_loaded_again_resumes_from_l3(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    data_dir = tmp_path / "node"
+    write_catalog(
+        data_dir,
+        {
+            "alpha": {"path": str(models["alpha"]), "ctx": 2048, "idle_ttl_s": 2},
+            "beta": {"path": str(models["beta"]), "ctx": 2048, "pinned": True},
+        },
+    )
+    port = free_port()
+    async with node(data_dir, "ttl", *QUIET, "--http", str(port), "--api-key", KEY):
+        await wait_nodes(data_dir, "ttl")
+        api = client(port)
+        prompt = [1 + (i * 7) % 250 for i in range(300)]
+        await api.completions.create(model="beta", prompt="pinned", max_tokens=2)
+        first = await api.completions.create(model="alpha", prompt=prompt, max_tokens=4, temperature=0)
+        assert first.usage is not None and first.usage.prompt_tokens_details is not None
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        async with asyncio.timeout(30):  # alpha idles out; beta, pinned, stays
+            while True:
+                running = await instances(data_dir)
+                if [Path(i["model_path"]).stem for i in running] == ["beta"]:
+                    break
+                await asyncio.sleep(0.5)
+        again = await api.completions.create(model="alpha", prompt=prompt, max_tokens=4, temperature=0)
+        assert again.choices[0].text == first.choices[0].text
+        assert again.usage is not None and again.usage.prompt_tokens_details is not None
+        assert again.usage.prompt_tokens_details.cached_tokens == len(prompt) - 1  # restored from L3

@@ -1,0 +1,337 @@
+"""Roles enforced by a real nats-server: each refusal is the server's, and normal operation needs no more.
+
+An embedded server (as `mesh-actor run` starts it) with users issued through the users file and a reload;
+every refusal is proven by the server's own permissions-violation error reaching the client, and by the
+state it would have changed being unchanged. A `mesh-actor run` node works on its `node:<id>` user, a
+client with `client` credentials runs the read and request commands, and the server logs no violation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import ssl
+import stat
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+import pytest
+from nats.aio.client import Client
+
+from messages.subjects import Subjects
+from runtime import embedded, tls
+from runtime.bus import Bus, ConnectFailed
+from runtime.config import NatsOptions
+from runtime.creds import CredsFile, issue, read_creds_file
+from runtime.embedded import Credentials, EmbeddedNats
+from runtime.journal import ensure_events_stream
+from runtime.roles import Role, inbox_prefix
+from tests.conftest import mesh_actor_command
+from tests.tiny_models import write_llama
+
+S = Subjects()
+
+
+class Session:
+    """A raw client of one user that records the server's errors (permission violations arrive there)."""
+
+    def __init__(self, nc: Client, errors: list[str]) -> None:
+        self.nc = nc
+        self.errors = errors
+
+    async def refused(self, subject: str, what: str = "publish to", timeout: float = 5.0) -> None:
+        async with asyncio.timeout(timeout):
+            # nats-py reports the server's -ERR in lower case
+            while not any(f'permissions violation for {what} "{subject.lower()}"' in e.lower() for e in self.errors):
+                await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def session(creds: Credentials) -> AsyncIterator[Session]:
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    nc = await nats.connect(
+        creds.url,
+        user=creds.user,
+        password=creds.password,
+        inbox_prefix=inbox_prefix(creds.user),
+        tls=ssl.create_default_context(cafile=creds.tls_ca) if creds.tls_ca else None,
+        error_cb=on_error,
+        allow_reconnect=False,
+        connect_timeout=5,
+    )
+    try:
+        yield Session(nc, errors)
+    finally:
+        await nc.close()
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[EmbeddedNats]:
+    nats_server = EmbeddedNats(tmp_path / "node", preferred_port=0, node_id="n1")
+    await nats_server.start()
+    try:
+        yield nats_server
+    finally:
+        await nats_server.stop()
+
+
+def issued(server: EmbeddedNats, role: Role) -> Credentials:
+    user = issue(server.data_dir, role)
+    assert embedded.reload(server.data_dir) == server.pid
+    assert server.credentials is not None
+    return Credentials(server.credentials.url, user.user, user.password, server.credentials.tls_ca)
+
+
+async def admin_bus(server: EmbeddedNats) -> Bus:
+    assert server.credentials is not None
+    bus = await Bus.connect(server.credentials.options(), name="admin")
+    await ensure_events_stream(bus, S, max_age_s=3600, max_bytes=64 << 20)
+    return bus
+
+
+@contextlib.asynccontextmanager
+async def connect_when_loaded(creds: Credentials) -> AsyncIterator[Session]:
+    """The reload is asynchronous in the server: a new user may be refused for a moment."""
+    async with asyncio.timeout(10):
+        while True:
+            try:
+                connected = session(creds)
+                joined = await connected.__aenter__()
+                break
+            except (nats.errors.Error, OSError):
+                await asyncio.sleep(0.05)
+    try:
+        yield joined
+    finally:
+        await connected.__aexit__(None, None, None)
+
+
+async def test_a_client_cannot_write_a_ledger_delete_the_journal_or_serve_a_runner(server: EmbeddedNats) -> None:
+    bus = await admin_bus(server)
+    async with connect_when_loaded(issued(server, Role("client"))) as client:
+        kv = await bus.js.create_key_value(bucket=S.reservations_bucket)
+        ledger = f"$KV.{S.reservations_bucket}.node.n1"
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.Error)):
+            await client.nc.jetstream().publish(ledger, b'{"node_id": "n1", "reservations": []}', timeout=1)
+        await client.refused(ledger)
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await kv.get("node.n1")
+
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.Error)):
+            await client.nc.jetstream().delete_stream(S.events_stream)
+        await client.refused(f"$JS.API.STREAM.DELETE.{S.events_stream}")
+        assert (await bus.js.stream_info(S.events_stream)).config.name == S.events_stream
+
+        await client.nc.subscribe(S.runner("n1", "start"))
+        await client.refused(S.runner("n1", "start"), "subscription to")
+        with pytest.raises(nats.errors.NoRespondersError):
+            await bus.nc.request(S.runner("n1", "start"), b"{}", timeout=2)
+
+        await client.nc.subscribe("_INBOX.>")  # another user's replies
+        await client.refused("_INBOX.>", "subscription to")
+    await bus.close()
+
+
+async def test_a_node_cannot_publish_another_nodes_telemetry_events_or_keys(server: EmbeddedNats) -> None:
+    bus = await admin_bus(server)
+    seen = await bus.nc.subscribe(f"{S.prefix}.>")
+    stored = await bus.js.subscribe(S.events_all, stream=S.events_stream, ordered_consumer=True)
+    async with connect_when_loaded(issued(server, Role("node", "n2"))) as n2:
+        for subject in (
+            S.telemetry("n1"),
+            S.event("runner", "instance_stopped", "n1"),
+            f"$KV.{S.nodes_bucket}.n1",
+            f"$KV.{S.instances_bucket}.{S.instance_key('n1', 'abc')}",
+            f"$KV.{S.l3_bucket}.n1",
+            f"$KV.{S.registry_bucket}.model",
+        ):
+            await n2.nc.publish(subject, b"{}")
+            await n2.refused(subject)
+        # Its own subjects pass: the first message through is its own, and the journal stores its event.
+        await n2.nc.publish(S.telemetry("n2"), b"{}")
+        msg = await seen.next_msg(timeout=5)
+        assert msg.subject == S.telemetry("n2")
+        ack = await n2.nc.jetstream().publish(S.event("runner", "instance_stopped", "n2"), b"{}", timeout=5)
+        assert ack.stream == S.events_stream
+        event = await stored.next_msg(timeout=5)
+        assert event.subject == S.event("runner", "instance_stopped", "n2")
+        with pytest.raises(nats.errors.TimeoutError):
+            await stored.next_msg(timeout=0.3)  # nothing of n1's was stored
+        # It may book on any node (placement runs on every node): the remaining trust between nodes.
+        kv = await bus.js.create_key_value(bucket=S.reservations_bucket)
+        await n2.nc.jetstream().publish(f"$KV.{S.reservations_bucket}.node.n1", b"{}", timeout=5)
+        assert (await kv.get("node.n1")).value == b"{}"
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.Error)):
+            await n2.nc.jetstream().delete_stream(S.events_stream)
+        await n2.refused(f"$JS.API.STREAM.DELETE.{S.events_stream}")
+    await bus.close()
+
+
+async def test_issuing_a_user_reloads_the_server_without_dropping_connections(server: EmbeddedNats) -> None:
+    disconnected = asyncio.Event()
+
+    async def on_disconnect() -> None:
+        disconnected.set()
+
+    assert server.credentials is not None
+    before = await nats.connect(
+        server.credentials.url,
+        user=server.credentials.user,
+        password=server.credentials.password,
+        disconnected_cb=on_disconnect,
+    )
+    try:
+        creds = issued(server, Role("client"))
+        async with connect_when_loaded(creds) as joined:
+            assert joined.nc.is_connected
+        await before.flush(timeout=5)
+        assert before.is_connected and not disconnected.is_set()
+        users = json.loads((server.data_dir / "users.json").read_text())["users"]
+        assert {u["role"] for u in users} == {"node:n1", "client"}
+        assert stat.S_IMODE((server.data_dir / "users.json").stat().st_mode) == 0o600
+    finally:
+        await before.close()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0"])
+async def test_a_server_beyond_loopback_requires_tls_and_clients_verify_it(tmp_path: Path, host: str) -> None:
+    async with EmbeddedNats(tmp_path / "node", preferred_port=0, host=host, node_id="n1") as tls_server:
+        creds = tls_server.credentials
+        assert creds is not None and creds.tls_ca and creds.url.startswith("tls://")
+        config = json.loads((tls_server.data_dir / "nats-server.conf").read_text())
+        assert config["listen"].startswith(f"{host}:") and "cert_file" in config["tls"]
+        bus = await Bus.connect(creds.options(), name="tls")  # verifies the server against the data dir's CA
+        await bus.close()
+        port = creds.url.rsplit(":", 1)[1]
+        plain = NatsOptions(urls=(f"nats://127.0.0.1:{port}",), user=creds.user, password=creds.password)
+        with pytest.raises(ConnectFailed):
+            await Bus.connect(plain, name="plain", deadline_s=3)
+        unverified = NatsOptions(urls=(creds.url,), user=creds.user, password=creds.password, tls_ca=os.devnull)
+        with pytest.raises(ConnectFailed):
+            await Bus.connect(unverified, name="unverified", deadline_s=3)
+        for address in _non_loopback_addresses():  # the address other machines dial, where there is one
+            remote = NatsOptions(
+                urls=(f"tls://{address}:{port}",), user=creds.user, password=creds.password, tls_ca=creds.tls_ca
+            )
+            bus = await Bus.connect(remote, name="remote")
+            await bus.close()
+
+
+def _non_loopback_addresses() -> list[str]:
+    return [a for a in tls.primary_address() if not a.startswith("127.")]
+
+
+# --- the commands, on a node of its own role ---------------------------------------------------------------
+
+
+errors: list[str] = []
+
+
+async def cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        *mesh_actor_command(), *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        async with asyncio.timeout(timeout):
+            out, err = await process.communicate()
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise
+    assert process.returncode is not None
+    errors.append(err.decode())
+    return process.returncode, out.decode(), err.decode()
+
+
+@contextlib.asynccontextmanager
+async def node(data_dir: Path, node_id: str, *args: str) -> AsyncIterator[Any]:
+    process = await asyncio.create_subprocess_exec(
+        *mesh_actor_command(),
+        "run",
+        "--data-dir",
+        str(data_dir),
+        "--node-id",
+        node_id,
+        "--nats-port",
+        "0",
+        "--telemetry-interval",
+        "0.5",
+        *args,
+        stdout=subprocess.PIPE,
+        stderr=(data_dir.parent / f"{node_id}.stderr").open("wb"),
+    )
+    try:
+        assert process.stdout is not None
+        async with asyncio.timeout(30):
+            line = (await process.stdout.readline()).decode()
+        assert "running" in line, line
+        yield process
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(30):
+                    await process.wait()
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+async def test_a_node_and_a_client_work_with_their_roles_rights_only(tmp_path: Path) -> None:
+    model = write_llama(tmp_path / "dense.gguf")
+    data_dir = tmp_path / "node"
+    async with node(data_dir, "n1"):
+        creds_path = tmp_path / "client.json"
+        code, _, err = await cli(
+            "creds", "issue", "--role", "client", "--data-dir", str(data_dir), "--out", str(creds_path)
+        )
+        assert code == 0, err
+        assert stat.S_IMODE(creds_path.stat().st_mode) == 0o600
+        creds = read_creds_file(creds_path)
+        assert isinstance(creds, CredsFile) and creds.role == "client"
+
+        code, out, err = await cli("nats-env", "--creds", str(creds_path), "--json")
+        assert code == 0, err
+        env = json.loads(out)
+        assert {"url", "user", "password"} <= set(env) and env["user"] == creds.user
+
+        as_client = ("--nats-creds", str(creds_path), "--data-dir", str(tmp_path / "elsewhere"))
+        async with asyncio.timeout(30):
+            while True:
+                code, out, err = await cli("status", "--json", *as_client)
+                assert code == 0, err
+                if [n["node_id"] for n in json.loads(out)["nodes"]] == ["n1"]:
+                    break
+                await asyncio.sleep(0.2)
+        code, out, err = await cli("place", str(model), "-c", "512", "--fit", "--json", *as_client)
+        assert code in (0, 3), err  # a decision, admitted or refused: the request got through
+        assert "admitted" in json.loads(out)
+        code, out, err = await cli("place", str(model), "-c", "512", "--json", *as_client)
+        assert code in (0, 3), err
+        code, out, err = await cli("events", "--json", "--subject", "node.node_started", *as_client)
+        assert code == 0 and json.loads(out)["event"]["node"] == "n1", err
+        code, out, err = await cli("events", "--json", *as_client)
+        assert code == 0, err
+        subjects = [json.loads(line)["subject"] for line in out.splitlines()]
+        assert S.event("node", "node_started", "n1") in subjects
+        assert all(s.endswith(".n1") for s in subjects)
+        code, out, err = await cli("generate", str(model), "hello", "--json", *as_client)
+        assert "no_instance" in out + err, out + err
+
+        code, _, err = await cli("creds", "issue", "--role", "node", "--data-dir", str(data_dir))
+        assert code == 2 and "--node" in err
+    # Neither the node nor the client needed a right it lacks: the server refused nothing of theirs.
+    assert "permissions violation" not in (tmp_path / "n1.stderr").read_text().lower()
+    assert not [e for e in errors if "permissions violation" in e.lower()], errors
