@@ -92,7 +92,7 @@ async def test_completions_and_chat_whole_and_streamed_with_usage(tmp_path: Path
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
         assert chunks[-1].usage.prompt_tokens_details is not None
-        assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same chat again: its prefix reused
+        assert (chunks[-1].usage.prompt_tokens_details.cached_tokens or 0) > 0  # the same chat again: prefix reused
         pieces = [c async for c in await api.completions.create(model="alpha", prompt="Hello there", max_tokens=8,
                                                                 temperature=0, stream=True)]  # fmt: skip
         assert "".join(p.choices[0].text for p in pieces if p.choices) == done.choices[0].text
