@@ -98,7 +98,10 @@ def chunk_bytes(max_payload: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class HandoffLimits:
-    window_bytes: int = 64 << 20  # credit each receiving session grants ahead of what it staged
+    # Credit each receiving session grants ahead of what it staged. Every session's window together must stay
+    # under the server's per-connection buffer for a consumer (nats-server's max_pending, 64 MiB by default),
+    # or the server itself drops chunks to a receiver that falls behind: 4 sessions x 8 MiB leaves room.
+    window_bytes: int = 8 << 20
     idle_timeout_s: float = 10.0  # a receiving session with no progress for this long is aborted
     deadline_s: float = 900.0  # no session lives longer (either side)
     restore_timeout_s: float = 120.0
@@ -584,6 +587,8 @@ class _Send:
         try:
             try:
                 return await self._run(segments)
+            except BaseExceptionGroup as group:  # from the prefetch task group: the first error is the one
+                raise _first(group) from None
             except asyncio.CancelledError:
                 self._act(self.core.handle(tx.Failed(tx.Reason.CANCELLED, "the caller gave up", self.loop.time())))
                 raise
@@ -615,26 +620,14 @@ class _Send:
         self._check()
         assert core.reply is not None
         data_subject = core.reply.subject + ".data"
-        while True:
+        ready: asyncio.Queue[tuple[bytes, str] | BaseException | None] = asyncio.Queue(maxsize=1)
+        async with asyncio.TaskGroup() as tg:
+            # The next segment is read (or produced) and hashed while this one is published.
+            producer = tg.create_task(_prefetch(segments, ready), name="handoff:prefetch")
             try:
-                async with asyncio.timeout(self._remaining()):
-                    item = await anext(segments, None)
-            except TimeoutError:
-                self._act(core.handle(tx.Tick(self.loop.time())))
-                self._check()
-                continue
-            except Exception as exc:  # the source's failure (a prefill that died): the session's, reported
-                self._act(core.handle(tx.Failed(tx.Reason.SOURCE_FAILED, repr(exc)[:512], self.loop.time())))
-                self._check()
-                raise  # unreachable: _check raised
-            if item is None:
-                break
-            data, digest = item
-            if digest is None:
-                digest = await asyncio.to_thread(_blake3, data)
-            self._act(core.handle(tx.SegmentReady(len(data), digest, self.loop.time())))
-            self._check()
-            await self._publish_segment(data_subject, memoryview(data))
+                await self._publish_all(data_subject, ready)
+            finally:
+                producer.cancel()
         self._act(core.handle(tx.EndOfPayload(self.loop.time())))
         self._check()
         commit = HandoffCommit(
@@ -671,14 +664,35 @@ class _Send:
         self.log.info("handoff_sent", session=core.session, bytes=report.bytes, transfer_ms=report.transfer_ms)
         return report
 
+    async def _publish_all(self, subject: str, ready: asyncio.Queue[tuple[bytes, str] | BaseException | None]) -> None:
+        core = self.core
+        while True:
+            try:
+                async with asyncio.timeout(self._remaining()):
+                    item = await ready.get()
+            except TimeoutError:
+                self._act(core.handle(tx.Tick(self.loop.time())))
+                self._check()
+                continue
+            if isinstance(item, BaseException):  # the source's failure (a prefill that died): the session's
+                self._act(core.handle(tx.Failed(tx.Reason.SOURCE_FAILED, repr(item)[:512], self.loop.time())))
+                self._check()
+            if item is None or isinstance(item, BaseException):
+                return
+            data, digest = item
+            self._act(core.handle(tx.SegmentReady(len(data), digest, self.loop.time())))
+            self._check()
+            await self._publish_segment(subject, memoryview(data))
+
     async def _publish_segment(self, subject: str, data: memoryview) -> None:
         core, nc = self.core, self.ctx.bus.nc
         assert core.reply is not None
         session = core.session
         while True:
             for chunk in core.sendable():
-                part = data[chunk.chunk : chunk.chunk + chunk.size]
-                await nc.publish(subject, bytes(part), headers=tx.chunk_headers(session, chunk.segment, chunk.chunk))
+                # A memoryview slice: the client joins it into its write buffer without another copy.
+                part: Any = data[chunk.chunk : chunk.chunk + chunk.size]
+                await nc.publish(subject, part, headers=tx.chunk_headers(session, chunk.segment, chunk.chunk))
             if not core.pending:
                 return
             self.credit.clear()
@@ -692,6 +706,13 @@ class _Send:
 
 
 # ---- helpers -----------------------------------------------------------------------------------------------
+
+
+def _first(group: BaseExceptionGroup[Any]) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
 
 
 async def _publish_quietly(ctx: ActorContext, subject: str, payload: bytes) -> None:
@@ -763,6 +784,21 @@ async def _file_segments(path: Path, refs: Sequence[SegmentRef]) -> AsyncIterato
     caught by the receiver, which hashes every segment it gets (`digest_mismatch`)."""
     for ref in refs:
         yield await asyncio.to_thread(_read_range, path, ref.offset, ref.length), ref.digest
+
+
+async def _prefetch(
+    segments: AsyncIterator[tuple[bytes, str | None]], ready: asyncio.Queue[tuple[bytes, str] | BaseException | None]
+) -> None:
+    """Feeds `ready` with each segment and its blake3 (hashed here when the source did not know it), then None;
+    a failure of the source is put in the queue, for the sender core to judge."""
+    try:
+        async for data, digest in segments:
+            known = digest if digest is not None else await asyncio.to_thread(_blake3, data)
+            await ready.put((data, known))
+    except Exception as exc:
+        await ready.put(exc)
+        return
+    await ready.put(None)
 
 
 async def _hashed(source: AsyncIterable[bytes]) -> AsyncIterator[tuple[bytes, str | None]]:

@@ -111,7 +111,7 @@ class Reason(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class ReceiverLimits:
     chunk_bytes: int  # the most payload bytes one data message may carry
-    window_bytes: int = 64 << 20  # credit ahead of what is staged
+    window_bytes: int = 8 << 20  # credit ahead of what is staged
     idle_timeout_s: float = 10.0
     deadline_s: float = 600.0
     restore_timeout_s: float = 120.0

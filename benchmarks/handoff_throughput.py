@@ -1,0 +1,279 @@
+"""Benchmark: a KV handoff over NATS with credits vs a loopback TCP copy and vs a NATS blast without flow control.
+
+Two handoff actors on one embedded nats-server, each on its own connection (as two nodes would be). Node A sends
+`--size-mib` of random bytes to node B, which stages every chunk (pwrite), hashes every segment, judges the
+commit (tiling, counts, payload digest) and restores: here the restore hook fsyncs the staged file, so the
+result is as durable as the baseline's. Two sources: a finished file (its layout hashed first and announced at
+open) and the same bytes streamed as segments (hashed one by one as they are sent, as while a prefill runs).
+
+Baselines, same run, same file:
+* loopback TCP: the file sent over a socket (`socket.sendfile`) into a file, fsynced;
+* a raw NATS blast: the same bytes published in `max_payload` chunks as fast as the client can, with no credit,
+  to a subscriber with the client's default pending limits that does the receiver's work (write and hash).
+  The server drops what the subscriber cannot keep up with (slow consumer): the benchmark reports how much
+  arrived.
+
+Ratio = baseline time / handoff time (the issue's target: >= 0.6). Run from the repository root:
+
+    python -m benchmarks.handoff_throughput [--size-mib 1024] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import blake3
+import nats
+import nats.errors
+import structlog
+
+from actors.handoff.actor import CommittedHandoff, HandoffActor, HandoffLimits, chunk_bytes
+from benchmarks.environment import print_environment
+from messages.subjects import Subjects
+from runtime.actor import Supervisor
+from runtime.bus import Bus
+from runtime.embedded import EmbeddedNats
+from runtime.journal import Journal, ensure_events_stream
+
+MIB = 1024 * 1024
+IDENTITY = "1d" * 32
+SEGMENT = 32 * MIB
+
+
+def _write_random(path: Path, size: int) -> None:
+    rng = random.Random(1)
+    with path.open("wb") as f:
+        left = size
+        while left:
+            n = min(left, 8 * MIB)
+            f.write(rng.randbytes(n))
+            left -= n
+
+
+def _tcp_copy(source: Path, dest: Path) -> float:
+    """Seconds to send `source` over loopback TCP into `dest`, fsynced."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn, source.open("rb") as f:
+            conn.sendfile(f)
+
+    started = time.perf_counter()
+    sender = threading.Thread(target=serve)
+    sender.start()
+    buffer = memoryview(bytearray(4 * MIB))
+    with socket.create_connection(("127.0.0.1", port)) as conn, dest.open("wb") as out:
+        while True:
+            n = conn.recv_into(buffer)
+            if n == 0:
+                break
+            out.write(buffer[:n])
+        out.flush()
+        os.fsync(out.fileno())
+    sender.join()
+    listener.close()
+    return time.perf_counter() - started
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+async def _durable(state: CommittedHandoff) -> str | None:
+    await asyncio.to_thread(_fsync, state.path)
+    return None
+
+
+@contextlib.asynccontextmanager
+async def _node(bus: Bus, actor: HandoffActor) -> AsyncIterator[HandoffActor]:
+    subjects = Subjects()
+    journal = Journal(bus, subjects, actor.node_id)
+    supervisor = Supervisor(bus=bus, journal=journal, subjects=subjects, node_id=actor.node_id)
+    journal_task = asyncio.create_task(journal.run())
+    task = asyncio.create_task(supervisor.run([actor]))
+    try:
+        async with asyncio.timeout(60):
+            while True:  # polled: the actor has no "started" event of its own
+                if actor.running:
+                    break
+                await asyncio.sleep(0.02)
+        yield actor
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        await journal.flush(5)
+        journal_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await journal_task
+
+
+def _read(path: Path, offset: int, length: int) -> bytes:
+    with path.open("rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
+async def _segments_of(path: Path, size: int) -> AsyncIterator[bytes]:
+    for offset in range(0, size, SEGMENT):
+        yield await asyncio.to_thread(_read, path, offset, min(SEGMENT, size - offset))
+
+
+async def _blast(options: Any, source: Path, size: int, dest: Path) -> tuple[float, int, int, int]:
+    """(seconds until the last message arrived or the flow went quiet, messages sent, received, slow-consumer
+    errors): the bytes published with no flow control to a subscriber doing the receiver's work."""
+    errors: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+
+    kwargs: dict[str, Any] = {"error_cb": on_error}
+    if options.user:
+        kwargs.update(user=options.user, password=options.password or "")
+    if options.token:
+        kwargs["token"] = options.token
+    publisher = await nats.connect(list(options.urls), **kwargs)
+    consumer = await nats.connect(list(options.urls), **kwargs)
+    step = chunk_bytes(publisher.max_payload)
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    hasher = blake3.blake3()
+    received = 0
+    last = time.perf_counter()
+    done = asyncio.Event()
+    total = (size + step - 1) // step
+    work: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
+
+    async def on_msg(msg: Any) -> None:
+        nonlocal received, last
+        received += 1
+        last = time.perf_counter()
+        work.put_nowait((int(msg.headers["Offset"]), msg.data))
+        if received == total:
+            done.set()
+
+    async def writer() -> None:
+        while True:
+            offset, data = await work.get()
+            await asyncio.to_thread(_write_hash, fd, hasher, data, offset)
+            work.task_done()
+
+    sub = await consumer.subscribe("bench.blast", cb=on_msg)  # the client's default pending limits
+    await consumer.flush()
+    write_task = asyncio.create_task(writer())
+    started = time.perf_counter()
+    sent = 0
+    try:
+        with source.open("rb") as f:
+            for offset in range(0, size, step):
+                data = f.read(step)
+                await publisher.publish("bench.blast", data, headers={"Offset": str(offset)})
+                sent += 1
+        await publisher.flush(timeout=60)
+        while not done.is_set() and time.perf_counter() - last < 2.0:  # quiet for 2 s: the rest was dropped
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await done.wait()
+        elapsed = last - started
+        async with asyncio.timeout(60):
+            await work.join()
+    finally:
+        write_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await write_task
+        os.close(fd)
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+        await publisher.close()
+        await consumer.close()
+    slow = sum(1 for e in errors if isinstance(e, nats.errors.SlowConsumerError))
+    return elapsed, sent, received, slow
+
+
+def _write_hash(fd: int, hasher: Any, data: bytes, offset: int) -> None:
+    os.pwrite(fd, data, offset)
+    hasher.update(data)
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    print_environment()
+    size = args.size_mib * MIB
+    base = Path(args.dir) if args.dir else None
+    limits = HandoffLimits(segment_bytes=SEGMENT, idle_timeout_s=30.0)
+    with tempfile.TemporaryDirectory(dir=base, prefix="handoff-bench-") as tmp:
+        root = Path(tmp)
+        source = root / "slot.bin"
+        await asyncio.to_thread(_write_random, source, size)
+        server = EmbeddedNats(root / "nats", preferred_port=0)
+        creds = await server.start()
+        options = creds.options()
+        bus_a = await Bus.connect(options, name="bench a")
+        bus_b = await Bus.connect(options, name="bench b")
+        try:
+            await ensure_events_stream(bus_a, Subjects(), max_age_s=3600, max_bytes=64 << 20)
+            print(f"  max_payload      {bus_a.max_payload} bytes; chunk {chunk_bytes(bus_a.max_payload)} bytes")
+            print(f"  payload          {args.size_mib} MiB of random bytes, segments of {SEGMENT // MIB} MiB")
+            print(f"  credit window    {limits.window_bytes // MIB} MiB")
+            tcp = await asyncio.to_thread(_tcp_copy, source, root / "tcp.bin")
+            (root / "tcp.bin").unlink()
+            a = HandoffActor("bench-a", root / "a", limits=limits)
+            b = HandoffActor("bench-b", root / "b", limits=limits, restore=_durable)
+            async with _node(bus_a, a), _node(bus_b, b):
+                started = time.perf_counter()
+                report = await a.send("bench-b", source, identity=IDENTITY, n_tokens=1)
+                from_file = time.perf_counter() - started
+                assert report.bytes == size
+                started = time.perf_counter()
+                report = await a.send(
+                    "bench-b", _segments_of(source, size), identity=IDENTITY, n_tokens=1, max_bytes=size
+                )
+                streamed = time.perf_counter() - started
+                assert report.bytes == size
+            blast_s, sent, received, slow = await _blast(options, source, size, root / "blast.bin")
+        finally:
+            await bus_a.close()
+            await bus_b.close()
+            await server.stop()
+
+    def rate(seconds: float) -> str:
+        return f"{size / MIB / seconds:8.0f} MiB/s"
+
+    print("results (one round)")
+    print(f"  loopback TCP copy + fsync              {tcp:7.3f} s  {rate(tcp)}")
+    print(f"  handoff, file (layout hashed first)    {from_file:7.3f} s  {rate(from_file)}")
+    print(f"  handoff, streamed segments             {streamed:7.3f} s  {rate(streamed)}")
+    print(f"  NATS blast, no flow control            {blast_s:7.3f} s  (until the last message arrived)")
+    lost = sent - received
+    print(f"    messages sent {sent}, received {received}, dropped {lost} ({100 * lost / max(sent, 1):.1f}%),")
+    print(f"    slow-consumer errors reported {slow}")
+    print(f"  ratio handoff (file) / TCP             {tcp / from_file:7.2f}x  (target >= 0.6x)")
+    print(f"  ratio handoff (streamed) / TCP         {tcp / streamed:7.2f}x  (target >= 0.6x)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--dir", help="where the temporary files go (default: the system temp dir)")
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
