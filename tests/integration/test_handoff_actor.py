@@ -18,7 +18,9 @@ import pytest
 
 from actors.handoff import sender as tx
 from actors.handoff.actor import CommittedHandoff, HandoffActor, HandoffFailed, HandoffLimits
+from actors.handoff.restore import into_l3
 from actors.l3 import layout
+from actors.l3.actor import L3Actor
 from actors.l3.layout import SegmentRef
 from messages.errors import BAD_REQUEST, NOT_FOUND
 from messages.handoff import (
@@ -299,3 +301,61 @@ async def test_malformed_messages_get_structured_errors_and_the_actor_keeps_serv
         source.write_bytes(data)
         report = await a.send("node-b", source, identity=IDENTITY, n_tokens=1)
         assert report.bytes == len(data) and restores.calls[-1][1] == data
+
+
+async def test_concurrent_sessions_all_commit_and_opens_past_the_bound_are_refused_busy(
+    bus: Bus, tmp_path: Path
+) -> None:
+    rng = random.Random(11)
+    payloads = [rng.randbytes(3 * (1 << 20) + i) for i in range(3)]
+
+    async def stream(data: bytes) -> AsyncIterator[bytes]:
+        for i in range(0, len(data), 1 << 20):
+            yield data[i : i + (1 << 20)]
+
+    async with two_nodes(bus, tmp_path, max_sessions=3) as (a, b, restores):
+        reports = await asyncio.gather(
+            *(
+                a.send("node-b", stream(p), identity=IDENTITY, n_tokens=i, max_bytes=len(p))
+                for i, p in enumerate(payloads)
+            )
+        )
+        assert sorted(r.bytes for r in reports) == sorted(len(p) for p in payloads)
+        assert sorted(seen for _, seen in restores.calls) == sorted(payloads)
+        await _until(lambda: _staging_empty(b))
+        held = [HandSender(bus, _segments()) for _ in range(3)]
+        for hand in held:
+            await hand.open()
+        with pytest.raises(HandoffFailed) as refused:
+            await a.send("node-b", stream(payloads[0]), identity=IDENTITY, n_tokens=1, max_bytes=len(payloads[0]))
+        assert refused.value.reason == "open_refused" and "busy" in refused.value.detail
+
+
+async def test_committed_handoff_lands_in_the_receivers_l3_store_and_its_hook(
+    bus: Bus, journal_reader: JournalReader, tmp_path: Path
+) -> None:
+    seen: list[bytes] = []
+
+    async def on_committed(state: CommittedHandoff) -> str | None:
+        seen.append(state.path.read_bytes())  # valid while the hook runs (the runner restores from it)
+        return None
+
+    l3 = L3Actor("node-b", tmp_path / "b", budget_bytes=64 << 20, segment_bytes=layout.MIN_SEGMENT_BYTES)
+    a = HandoffActor("node-a", tmp_path / "a", limits=FAST)
+    b = HandoffActor("node-b", tmp_path / "b", limits=FAST, restore=into_l3(l3, on_committed=on_committed))
+    data = random.Random(5).randbytes(2 * (1 << 20) + 3)
+    source = tmp_path / "slot.bin"
+    source.write_bytes(data)
+    tokens = (7, 8, 9, 10)
+    async with supervised(bus, [a, b, l3]):
+        await _until(lambda: a.running and b.running and l3.running)
+        report = await a.send("node-b", source, identity=IDENTITY, n_tokens=len(tokens), tokens=tokens)
+        assert seen == [data] and report.restored == layout.entry_id(IDENTITY, tokens)
+        [captured] = await journal_reader.wait_for(of_type("l3_captured"))
+        assert (captured["entry"], captured["bytes"]) == (report.restored, len(data))
+        hit = await l3.lookup(IDENTITY, [*tokens, 11], max_tokens=4)
+        assert hit is not None and hit.source == "l3_local"
+        dest = tmp_path / "restored.bin"
+        await l3.materialize(hit, dest, deadline_s=10)
+        assert dest.read_bytes() == data
+        await _until(lambda: _staging_empty(b))
