@@ -16,7 +16,6 @@ from messages.placement import NodeLedger, Reservation
 from messages.runner import InstanceStatus
 from messages.settings import CacheType, ServingSettings
 from messages.subjects import Subjects
-from messages.subjects import check_token as _check_token
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.bus import BusError
@@ -280,26 +279,16 @@ def cmd_nats_env(args: argparse.Namespace) -> int:
         record["token"] = options.token
     elif options.user:
         record.update(user=options.user, password=options.password or "")
-        if check_user(options.user):  # a user of a role reads replies only there (runtime/roles.py)
-            record["inbox_prefix"] = inbox_prefix(options.user)
     if options.tls_ca:
         record["tls_ca"] = options.tls_ca
     if args.json:
         emit_json(record)
         return 0
     names = {"url": "NATS_URL", "user": "NATS_USER", "password": "NATS_PASSWORD", "token": "NATS_TOKEN"}
-    names.update(creds="NATS_CREDS", tls_ca="NATS_CA", inbox_prefix="NATS_INBOX_PREFIX")
+    names.update(creds="NATS_CREDS", tls_ca="NATS_CA")
     for key, value in record.items():
         print(f"{names[key]}={value}")
     return 0
-
-
-def check_user(user: str) -> bool:
-    try:
-        _check_token(user)
-    except ValueError:
-        return False
-    return True
 
 
 def _role_env(args: argparse.Namespace) -> int:
