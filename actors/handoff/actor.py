@@ -64,6 +64,7 @@ from runtime.bus import (
     BadMessage,
     BusError,
     NoResponders,
+    PayloadTooLarge,
     RemoteError,
     RequestTimeout,
     decode_checked,
@@ -613,6 +614,8 @@ class _Send:
         except RequestTimeout:
             detail = f"no answer to the open within {core.limits.open_timeout_s:g}s"
             self._act(core.handle(tx.Failed(tx.Reason.OPEN_TIMEOUT, detail, self.loop.time())))
+        except PayloadTooLarge as exc:  # the open (its token list) does not fit the bus's max_payload
+            self._act(core.handle(tx.Failed(tx.Reason.TOO_LARGE, str(exc), self.loop.time())))
         except (NoResponders, BusError, nats.errors.Error) as exc:
             self._act(core.handle(tx.OpenRefused("unreachable", str(exc), self.loop.time())))
         else:
