@@ -31,6 +31,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import threading
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,7 +186,9 @@ class _Session:
         self.queue: asyncio.Queue[_Item] = asyncio.Queue()
         self.hasher: Any = None
         self.commit_reply: str | None = None
-        self.outcome_sent = False
+        # Held by the worker thread while it writes: the fd is closed only between writes (a write still running
+        # when the session is cancelled must not land in a reused descriptor).
+        self.writing = threading.Lock()
 
 
 class HandoffActor(Actor):
@@ -307,8 +310,12 @@ class HandoffActor(Actor):
                 reply = BadMessage("commit", "session differs from the subject's", "$.session").to_reply()
                 await _reply_error(ctx, msg, reply)
                 return
-            if session is None or session.commit_reply is not None:
+            if session is None:
                 await _reply_error(ctx, msg, ErrorReply(code=NOT_FOUND, message=f"no open session {session_id}"))
+                return
+            if session.commit_reply is not None:
+                reply = BadMessage("commit", "this session's commit was already received").to_reply()
+                await _reply_error(ctx, msg, reply)
                 return
             session.commit_reply = msg.reply or None
             self._perform(ctx, session, session.core.handle(rx.CommitArrived(commit, now)))
@@ -374,6 +381,9 @@ class HandoffActor(Actor):
                 except OSError as exc:
                     failed = rx.Failed(rx.Reason.STAGING_FAILED, str(exc), loop.time())
                     self._perform(ctx, session, core.handle(failed))
+                except Exception as exc:  # a bug met by one session: that session fails, the actor keeps serving
+                    ctx.log.exception("handoff_session_failed", session=core.session, error=repr(exc))
+                    self._perform(ctx, session, core.handle(rx.Failed(rx.Reason.INTERNAL, repr(exc), loop.time())))
                 if (deadline := core.next_deadline) is not None and loop.time() >= deadline:
                     self._perform(ctx, session, core.handle(rx.Tick(loop.time())))
         except asyncio.CancelledError:
@@ -390,16 +400,14 @@ class HandoffActor(Actor):
             return
         if stage.first:
             session.hasher = blake3.blake3()
-        digest = await asyncio.to_thread(_write_and_hash, session.fd, session.hasher, data, stage)
+        digest = await asyncio.to_thread(_write_and_hash, session, data, stage)
         staged = rx.ChunkStaged(stage.index, stage.chunk, stage.size, digest, asyncio.get_running_loop().time())
         self._perform(ctx, session, core.handle(staged))
 
     async def _restore_one(self, ctx: ActorContext, session: _Session, action: rx.Restore) -> None:
         core, open_ = session.core, session.core.open
         loop = asyncio.get_running_loop()
-        if session.fd is not None:
-            os.close(session.fd)
-            session.fd = None
+        _close(session)  # the staged file stays: the hook reads it by path
         state = CommittedHandoff(
             session=core.session,
             sender_node=open_.sender_node,
@@ -734,22 +742,30 @@ def _fresh_dir(path: Path) -> None:  # worker thread
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
+def _close(session: _Session) -> None:
+    with session.writing:  # at most one chunk's write (milliseconds) to wait for
+        if session.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(session.fd)
+            session.fd = None
+
+
 def _free(session: _Session) -> None:
-    if session.fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(session.fd)
-        session.fd = None
+    _close(session)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(session.path)
 
 
-def _write_and_hash(fd: int, hasher: Any, data: bytes, stage: rx.Stage) -> str | None:  # worker thread
-    view = memoryview(data)
-    written = 0
-    while written < len(view):
-        written += os.pwrite(fd, view[written:], stage.payload_offset + written)
-    hasher.update(data)
-    return str(hasher.hexdigest()) if stage.last else None
+def _write_and_hash(session: _Session, data: bytes, stage: rx.Stage) -> str | None:  # worker thread
+    with session.writing:
+        if session.fd is None:
+            raise OSError("the staging file is closed")
+        view = memoryview(data)
+        written = 0
+        while written < len(view):
+            written += os.pwrite(session.fd, view[written:], stage.payload_offset + written)
+    session.hasher.update(data)
+    return str(session.hasher.hexdigest()) if stage.last else None
 
 
 def _blake3(data: bytes) -> str:  # worker thread

@@ -106,6 +106,7 @@ class Reason(enum.Enum):
     RESTORE_FAILED = "restore_failed"  # the restore hook raised: nothing is loadable from this session
     RESTORE_TIMEOUT = "restore_timeout"  # the restore hook did not finish within the restore timeout
     SHUTDOWN = "shutdown"  # the receiving actor is stopping
+    INTERNAL = "internal"  # a bug in the receiving shell met by this session (logged); the actor keeps serving
 
 
 @dataclass(frozen=True, slots=True)
