@@ -7,6 +7,8 @@ import random
 
 import blake3
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from msgspec.structs import replace
 
 from actors.handoff import receiver as rx
@@ -287,3 +289,29 @@ def test_sender_gives_up_when_no_credit_comes() -> None:
     assert len(sender.sendable()) == 1 and sender.blocked
     [abort] = sender.handle(tx.Tick(2.0))
     assert isinstance(abort, tx.Abort) and abort.reason is tx.Reason.RECEIVER_STALLED and abort.notify_receiver
+
+
+_HEADER_NAMES = [
+    "Handoff-Session",
+    "Handoff-Index",
+    "Handoff-Offset",
+    "Handoff-Length",
+    "Handoff-Digest",
+    "Handoff-Chunk",
+]
+
+
+@given(
+    headers=st.dictionaries(
+        st.sampled_from(_HEADER_NAMES),
+        st.one_of(st.text(max_size=80), st.integers(-5, 1 << 50).map(str), st.just("ab" * 32)),
+    ),
+    size=st.integers(-1, 3 * CHUNK),
+)
+def test_any_chunk_headers_are_judged_never_raise(headers: dict[str, str], size: int) -> None:
+    segs = _segments(SIZES)
+    core = rx.Receiver("s" * 32, _open(segs, announce=False), LIMITS, now=0.0)
+    actions = core.handle(rx.ChunkArrived(headers, size, 0.0))
+    assert len(actions) == 1 and isinstance(actions[0], (rx.Stage, rx.Abort))
+    if isinstance(actions[0], rx.Abort):
+        assert core.state is rx.State.ABORTED and not any(isinstance(a, rx.Restore) for a in actions)
