@@ -335,3 +335,32 @@ async def test_a_node_and_a_client_work_with_their_roles_rights_only(tmp_path: P
     # Neither the node nor the client needed a right it lacks: the server refused nothing of theirs.
     assert "permissions violation" not in (tmp_path / "n1.stderr").read_text().lower()
     assert not [e for e in errors if "permissions violation" in e.lower()], errors
+
+
+async def test_a_node_listening_beyond_loopback_serves_its_clients_over_verified_tls(tmp_path: Path) -> None:
+    data_dir = tmp_path / "node"
+    async with node(data_dir, "n1", "--nats-listen", "0.0.0.0:0"):
+        admin = json.loads((data_dir / "nats.json").read_text())
+        assert admin["url"].startswith("tls://") and admin["tls_ca"] == str(data_dir / "tls" / "ca.pem")
+        creds_path = tmp_path / "client.json"
+        code, _, err = await cli(
+            "creds", "issue", "--role", "client", "--data-dir", str(data_dir), "--out", str(creds_path)
+        )
+        assert code == 0, err
+        port = admin["url"].rsplit(":", 1)[1]
+        url = f"tls://{(tls.primary_address() or ['127.0.0.1'])[0]}:{port}"  # as another machine dials it
+        code, out, err = await cli("creds", "issue", "--role", "client", "--data-dir", str(data_dir), "--url", url)
+        assert code == 0, err
+        remote = tmp_path / "remote.json"
+        remote.write_text(out)
+        for path in (creds_path, remote):
+            async with asyncio.timeout(30):
+                while True:
+                    code, out, err = await cli(
+                        "status", "--json", "--nats-creds", str(path), "--data-dir", str(tmp_path)
+                    )
+                    assert code == 0, err
+                    if [n["node_id"] for n in json.loads(out)["nodes"]] == ["n1"]:
+                        break
+                    await asyncio.sleep(0.2)
+    assert "permissions violation" not in (tmp_path / "n1.stderr").read_text().lower()
