@@ -15,7 +15,7 @@ Baselines, same run, same file:
 
 Ratio = baseline time / handoff time (the issue's target: >= 0.6). Run from the repository root:
 
-    python -m benchmarks.handoff_throughput [--size-mib 1024] [--dir DIR]
+    python -m benchmarks.handoff_throughput [--size-mib 1024] [--window-mib 8] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ async def main_async(args: argparse.Namespace) -> None:
     print_environment()
     size = args.size_mib * MIB
     base = Path(args.dir) if args.dir else None
-    limits = HandoffLimits(segment_bytes=SEGMENT, idle_timeout_s=30.0)
+    limits = HandoffLimits(segment_bytes=SEGMENT, idle_timeout_s=30.0, window_bytes=args.window_mib * MIB)
     with tempfile.TemporaryDirectory(dir=base, prefix="handoff-bench-") as tmp:
         root = Path(tmp)
         source = root / "slot.bin"
@@ -271,6 +271,7 @@ async def main_async(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--window-mib", type=int, default=HandoffLimits().window_bytes // MIB, help="credit window")
     parser.add_argument("--dir", help="where the temporary files go (default: the system temp dir)")
     asyncio.run(main_async(parser.parse_args()))
 

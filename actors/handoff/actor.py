@@ -90,6 +90,8 @@ STAGING_DIR: Final = "handoff"
 _PART_SUFFIX: Final = ".part"
 #: Room left in a data message for its headers (ours and the server's).
 _HEADER_ROOM: Final = 4096
+#: Chunks staged by one worker-thread call, at most (fewer hops between the loop and the thread).
+_BATCH_BYTES: Final = 8 << 20
 _OPEN_FLAGS: Final = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
@@ -189,6 +191,7 @@ class _Session:
         # Held by the worker thread while it writes: the fd is closed only between writes (a write still running
         # when the session is cancelled must not land in a reused descriptor).
         self.writing = threading.Lock()
+        self.held: _Item | None = None  # an item taken off the queue while batching, handled next
 
 
 class HandoffActor(Actor):
@@ -361,14 +364,17 @@ class HandoffActor(Actor):
         try:
             while True:
                 deadline = core.next_deadline
-                if deadline is None and session.queue.empty():
+                if deadline is None and session.queue.empty() and session.held is None:
                     break
-                try:
-                    async with asyncio.timeout_at(deadline if deadline is not None else loop.time() + 1.0):
-                        item = await session.queue.get()
-                except TimeoutError:
-                    self._perform(ctx, session, core.handle(rx.Tick(loop.time())))
-                    continue
+                if session.held is not None:
+                    item, session.held = session.held, None
+                else:
+                    try:
+                        async with asyncio.timeout_at(deadline if deadline is not None else loop.time() + 1.0):
+                            item = await session.queue.get()
+                    except TimeoutError:
+                        self._perform(ctx, session, core.handle(rx.Tick(loop.time())))
+                        continue
                 if isinstance(item, _Stop):
                     if core.next_deadline is None:
                         break
@@ -377,7 +383,7 @@ class HandoffActor(Actor):
                     if isinstance(item, _RestoreNow):
                         await self._restore_one(ctx, session, item.action)
                     else:
-                        await self._stage(ctx, session, *item)
+                        await self._stage(ctx, session, self._batch(session, item))
                 except OSError as exc:
                     failed = rx.Failed(rx.Reason.STAGING_FAILED, str(exc), loop.time())
                     self._perform(ctx, session, core.handle(failed))
@@ -394,15 +400,27 @@ class HandoffActor(Actor):
             _free(session)
             self._record(ctx, session, loop.time())
 
-    async def _stage(self, ctx: ActorContext, session: _Session, stage: rx.Stage, data: bytes) -> None:
+    @staticmethod
+    def _batch(session: _Session, first: tuple[rx.Stage, bytes]) -> list[tuple[rx.Stage, bytes]]:
+        """`first` and the chunks queued behind it (up to `_BATCH_BYTES`): one worker-thread call for all."""
+        batch, size = [first], first[0].size
+        while size < _BATCH_BYTES and not session.queue.empty():
+            item = session.queue.get_nowait()
+            if not isinstance(item, tuple):
+                session.held = item  # handled next, after this batch
+                break
+            batch.append(item)
+            size += item[0].size
+        return batch
+
+    async def _stage(self, ctx: ActorContext, session: _Session, batch: list[tuple[rx.Stage, bytes]]) -> None:
         core = session.core
         if core.state is rx.State.ABORTED or session.fd is None:
             return
-        if stage.first:
-            session.hasher = blake3.blake3()
-        digest = await asyncio.to_thread(_write_and_hash, session, data, stage)
-        staged = rx.ChunkStaged(stage.index, stage.chunk, stage.size, digest, asyncio.get_running_loop().time())
-        self._perform(ctx, session, core.handle(staged))
+        digests = await asyncio.to_thread(_write_and_hash, session, batch)
+        now = asyncio.get_running_loop().time()
+        for (stage, _), digest in zip(batch, digests, strict=True):
+            self._perform(ctx, session, core.handle(rx.ChunkStaged(stage.index, stage.chunk, stage.size, digest, now)))
 
     async def _restore_one(self, ctx: ActorContext, session: _Session, action: rx.Restore) -> None:
         core, open_ = session.core, session.core.open
@@ -756,16 +774,22 @@ def _free(session: _Session) -> None:
         os.unlink(session.path)
 
 
-def _write_and_hash(session: _Session, data: bytes, stage: rx.Stage) -> str | None:  # worker thread
-    with session.writing:
-        if session.fd is None:
-            raise OSError("the staging file is closed")
-        view = memoryview(data)
-        written = 0
-        while written < len(view):
-            written += os.pwrite(session.fd, view[written:], stage.payload_offset + written)
-    session.hasher.update(data)
-    return str(session.hasher.hexdigest()) if stage.last else None
+def _write_and_hash(session: _Session, batch: list[tuple[rx.Stage, bytes]]) -> list[str | None]:  # worker thread
+    """Writes each chunk at its place and hashes it into its segment; a segment's blake3 where one ends."""
+    digests: list[str | None] = []
+    for stage, data in batch:
+        with session.writing:
+            if session.fd is None:
+                raise OSError("the staging file is closed")
+            view = memoryview(data)
+            written = 0
+            while written < len(view):
+                written += os.pwrite(session.fd, view[written:], stage.payload_offset + written)
+        if stage.first:
+            session.hasher = blake3.blake3()
+        session.hasher.update(data)
+        digests.append(str(session.hasher.hexdigest()) if stage.last else None)
+    return digests
 
 
 def _blake3(data: bytes) -> str:  # worker thread
