@@ -10,12 +10,13 @@ is the server's (`Permissions Violation`) and no actor is a security boundary.
 - `node:<id>` publishes only its own telemetry, serving reports, events (`<prefix>.events.*.*.<id>`) and
   bucket keys (`MESH_NODES.<id>`, `MESH_L3.<id>`, `MESH_INSTANCES.<id>.>`), serves its own runner, L3 and
   handoff subjects and the queue groups every node serves (placement, generate), and requests other nodes'
-  runner `generate`/`tokenize`, L3 peer fetch and handoff subjects. Placement runs on every node and books
-  memory on any node by compare-and-set, so a node may write every reservation ledger: that is the trust
-  that remains between nodes. It may create the mesh's streams and buckets (an idempotent create cannot alter
+  runner `generate`/`tokenize`/`template`/`start`/`stop` (router and front door), L3 peer fetch and handoff
+  subjects. Placement runs on every node and books memory on any node by compare-and-set, so a node may
+  write every reservation ledger (and start or stop instances anywhere): that is the trust that remains
+  between nodes. It may create the mesh's streams and buckets (an idempotent create cannot alter
   an existing one) but not update, delete or purge them (the decisions object store excepted: replacing an
   object purges its old chunks).
-- `admin` may do everything (stream and bucket management, registry writes, runner start/stop, L3 admin).
+- `admin` may do everything (stream and bucket management, registry writes, L3 admin).
 
 Every user receives its replies on its own inbox prefix `_INBOX.<user>` (the bus sets it from the user
 name), so no client can read another's replies.
@@ -133,6 +134,9 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
         f"$O.{streams['decisions'].removeprefix('OBJ_')}.>",  # placement's decision records
         f"{p}.runner.*.generate",  # the router forwards to the chosen runner
         f"{p}.runner.*.tokenize",
+        f"{p}.runner.*.template",  # the front door renders chats with the model's template
+        f"{p}.runner.*.start",  # the front door starts models on demand, and makes room, on any node
+        f"{p}.runner.*.stop",
         f"{p}.l3.*.manifests",  # peer fetch
         f"{p}.l3.*.manifest",
         f"{p}.l3.*.segment",

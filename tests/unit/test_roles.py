@@ -65,6 +65,7 @@ def test_a_node_publishes_only_its_own_telemetry_events_and_keys() -> None:
         f"$KV.{S.instances_bucket}.{S.instance_key('n1', 'abc')}",
         f"$KV.{S.reservations_bucket}.node.n2",  # placement books on every node
         S.runner("n2", "generate"),
+        S.runner("n2", "start"),  # the front door starts models on demand on any node
         S.l3("n2", "segment"),
         S.handoff("n2", "open"),
     )
@@ -78,7 +79,6 @@ def test_a_node_publishes_only_its_own_telemetry_events_and_keys() -> None:
         f"$KV.{S.l3_bucket}.n2",
         f"$KV.{S.instances_bucket}.{S.instance_key('n2', 'abc')}",
         f"$KV.{S.registry_bucket}.model",
-        S.runner("n2", "start"),
         S.l3("n2", "evict"),
         "$JS.API.STREAM.DELETE.LAB_A_EVENTS",
         "$JS.API.STREAM.UPDATE.LAB_A_EVENTS",
