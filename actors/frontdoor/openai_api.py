@@ -5,8 +5,9 @@ Rules this module keeps:
 * Requests are decoded leniently where OpenAI clients send fields we do not use (`user`, `logprobs: null`,
   `stream_options`, …: ignored), strictly where a value changes the answer: `n` other than 1, a prompt that
   is neither text nor token ids, a negative `max_tokens`, an unknown `role`: each is a 400 naming the field.
-* Sampling follows OpenAI's defaults where they differ from llama-server's (`temperature` 1, `top_p` 1,
-  `max_tokens` 16 for completions); `seed` and `stop` pass through.
+* Sampling not given is llama-server's default, as its own OpenAI endpoints apply it (temperature 0.8,
+  top_k 40, top_p 0.95, min_p 0.05), so a client sees the same behaviour through the front door as from the
+  server directly; `max_tokens` is 16 for completions, as in OpenAI's API; `seed` and `stop` pass through.
 * `finish_reason`: `stop` for an end-of-sequence token or a stop word, `length` for the token limit.
 * `usage` counts prompt and completion tokens, and `prompt_tokens_details.cached_tokens`: the prompt tokens
   not evaluated (restored from L3 or resident in the slot).
@@ -134,11 +135,10 @@ def to_generate(
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     if len(stop) > 16:
         raise ApiError(400, "at most 16 stop sequences", param="stop")
+    defaults = Sampling()  # llama-server's own, as its /v1 endpoints apply them
     sampling = Sampling(
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=0,
-        min_p=0.0,
+        temperature=defaults.temperature if request.temperature is None else request.temperature,
+        top_p=defaults.top_p if request.top_p is None else request.top_p,
         seed=request.seed,
         stop=tuple(stop),
     )

@@ -64,7 +64,7 @@ def test_requests_decode_leniently_but_refuse_what_changes_the_answer_with_the_f
 def test_openai_defaults_and_stop_words_map_onto_a_generation() -> None:
     chat = oa.decode(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": "END"}', oa.ChatRequest)
     order = oa.to_generate(chat, "prompt", timeout_s=60, request_id="r")
-    assert order.sampling.temperature == 1.0 and order.sampling.top_p == 1.0 and order.sampling.stop == ("END",)
+    assert order.sampling.temperature == 0.8 and order.sampling.top_k == 40 and order.sampling.stop == ("END",)
     parts = (
         b'{"model": "m", "messages": [{"role": "user", "content": '
         b'[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}'
