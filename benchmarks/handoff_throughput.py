@@ -1,6 +1,6 @@
 """Benchmark: a KV handoff over NATS with credits vs a loopback TCP copy and vs a NATS blast without flow control.
 
-Two handoff actors on one embedded nats-server, each on its own connection (as two nodes would be). Node A sends
+Two handoff actors on one embedded nats-server, each in its own process (as two nodes would be). Node A sends
 `--size-mib` of random bytes to node B, which stages every chunk (pwrite), hashes every segment, judges the
 commit (tiling, counts, payload digest) and restores: here the restore hook fsyncs the staged file, so the
 result is as durable as the baseline's. Two sources: a finished file (its layout hashed first and announced at
@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import random
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -44,6 +46,7 @@ from benchmarks.environment import print_environment
 from messages.subjects import Subjects
 from runtime.actor import Supervisor
 from runtime.bus import Bus
+from runtime.config import NatsOptions
 from runtime.embedded import EmbeddedNats
 from runtime.journal import Journal, ensure_events_stream
 
@@ -212,6 +215,50 @@ def _write_hash(fd: int, hasher: Any, data: bytes, offset: int) -> None:
     hasher.update(data)
 
 
+async def _sender(spec: dict[str, Any]) -> None:
+    """The sending node, in its own process: both sends, their times as one JSON line on stdout."""
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    options = NatsOptions(urls=tuple(spec["urls"]), user=spec["user"], password=spec["password"], token=spec["token"])
+    limits = HandoffLimits(segment_bytes=SEGMENT, idle_timeout_s=30.0, window_bytes=spec["window"])
+    source, size = Path(spec["source"]), int(spec["size"])
+    bus = await Bus.connect(options, name="bench a")
+    try:
+        async with _node(bus, HandoffActor("bench-a", Path(spec["root"]) / "a", limits=limits)) as a:
+            started = time.perf_counter()
+            report = await a.send("bench-b", source, identity=IDENTITY, n_tokens=1)
+            from_file = time.perf_counter() - started
+            assert report.bytes == size
+            started = time.perf_counter()
+            report = await a.send("bench-b", _segments_of(source, size), identity=IDENTITY, n_tokens=1, max_bytes=size)
+            streamed = time.perf_counter() - started
+            assert report.bytes == size
+    finally:
+        await bus.close()
+    print(json.dumps({"file": from_file, "streamed": streamed}))
+
+
+async def _run_sender(spec: dict[str, Any]) -> dict[str, float]:
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "benchmarks.handoff_throughput",
+        "--as-sender",
+        json.dumps(spec),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with asyncio.timeout(600):
+            out, _ = await child.communicate()
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+    if child.returncode != 0:
+        raise RuntimeError(f"the sending process failed (exit {child.returncode})")
+    result: dict[str, float] = json.loads(out.decode().strip().splitlines()[-1])
+    return result
+
+
 async def main_async(args: argparse.Namespace) -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     print_environment()
@@ -225,31 +272,30 @@ async def main_async(args: argparse.Namespace) -> None:
         server = EmbeddedNats(root / "nats", preferred_port=0)
         creds = await server.start()
         options = creds.options()
-        bus_a = await Bus.connect(options, name="bench a")
         bus_b = await Bus.connect(options, name="bench b")
         try:
-            await ensure_events_stream(bus_a, Subjects(), max_age_s=3600, max_bytes=64 << 20)
-            print(f"  max_payload      {bus_a.max_payload} bytes; chunk {chunk_bytes(bus_a.max_payload)} bytes")
+            await ensure_events_stream(bus_b, Subjects(), max_age_s=3600, max_bytes=64 << 20)
+            print(f"  max_payload      {bus_b.max_payload} bytes; chunk {chunk_bytes(bus_b.max_payload)} bytes")
             print(f"  payload          {args.size_mib} MiB of random bytes, segments of {SEGMENT // MIB} MiB")
             print(f"  credit window    {limits.window_bytes // MIB} MiB")
             tcp = await asyncio.to_thread(_tcp_copy, source, root / "tcp.bin")
             (root / "tcp.bin").unlink()
-            a = HandoffActor("bench-a", root / "a", limits=limits)
             b = HandoffActor("bench-b", root / "b", limits=limits, restore=_durable)
-            async with _node(bus_a, a), _node(bus_b, b):
-                started = time.perf_counter()
-                report = await a.send("bench-b", source, identity=IDENTITY, n_tokens=1)
-                from_file = time.perf_counter() - started
-                assert report.bytes == size
-                started = time.perf_counter()
-                report = await a.send(
-                    "bench-b", _segments_of(source, size), identity=IDENTITY, n_tokens=1, max_bytes=size
-                )
-                streamed = time.perf_counter() - started
-                assert report.bytes == size
+            async with _node(bus_b, b):
+                spec = {
+                    "urls": list(options.urls),
+                    "user": options.user,
+                    "password": options.password,
+                    "token": options.token,
+                    "window": limits.window_bytes,
+                    "source": str(source),
+                    "root": str(root),
+                    "size": size,
+                }
+                times = await _run_sender(spec)
+                from_file, streamed = times["file"], times["streamed"]
             blast_s, sent, received, slow = await _blast(options, source, size, root / "blast.bin")
         finally:
-            await bus_a.close()
             await bus_b.close()
             await server.stop()
 
@@ -272,8 +318,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--window-mib", type=int, default=HandoffLimits().window_bytes // MIB, help="credit window")
+    parser.add_argument("--as-sender", help=argparse.SUPPRESS)  # the sending node's process
     parser.add_argument("--dir", help="where the temporary files go (default: the system temp dir)")
-    asyncio.run(main_async(parser.parse_args()))
+    args = parser.parse_args()
+    if args.as_sender:
+        asyncio.run(_sender(json.loads(args.as_sender)))
+    else:
+        asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
