@@ -11,7 +11,9 @@ Baselines, same run, same file:
 * a raw NATS blast: the same bytes published in `max_payload` chunks as fast as the client can, with no credit,
   to a subscriber with the client's default pending limits that does the receiver's work (write and hash).
   The server drops what the subscriber cannot keep up with (slow consumer): the benchmark reports how much
-  arrived.
+  arrived;
+* the NATS client's own ceiling: the same chunks published to a subject nobody listens on (what nats-py can
+  hand to the server at all, on this machine, now).
 
 Ratio = baseline time / handoff time (the issue's target: >= 0.6). Run from the repository root:
 
@@ -210,6 +212,29 @@ async def _blast(options: Any, source: Path, size: int, dest: Path) -> tuple[flo
     return elapsed, sent, received, slow
 
 
+async def _publish_ceiling(options: Any, source: Path, size: int) -> float:
+    """Seconds to publish the file in chunks to a subject with no subscriber (the client's ceiling)."""
+    kwargs: dict[str, Any] = {}
+    if options.user:
+        kwargs.update(user=options.user, password=options.password or "")
+    if options.token:
+        kwargs["token"] = options.token
+    publisher = await nats.connect(list(options.urls), **kwargs)
+    try:
+        step = chunk_bytes(publisher.max_payload)
+        chunks = []
+        with source.open("rb") as f:
+            for _ in range(0, min(size, 256 * MIB), step):  # a quarter GiB is enough for a rate
+                chunks.append(f.read(step))
+        started = time.perf_counter()
+        for chunk in chunks:
+            await publisher.publish("bench.nobody", chunk, headers={"Offset": "0"})
+        await publisher.flush(timeout=60)
+        return (time.perf_counter() - started) * size / sum(len(c) for c in chunks)
+    finally:
+        await publisher.close()
+
+
 def _write_hash(fd: int, hasher: Any, data: bytes, offset: int) -> None:
     os.pwrite(fd, data, offset)
     hasher.update(data)
@@ -295,6 +320,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 times = await _run_sender(spec)
                 from_file, streamed = times["file"], times["streamed"]
             blast_s, sent, received, slow = await _blast(options, source, size, root / "blast.bin")
+            ceiling = await _publish_ceiling(options, source, size)
         finally:
             await bus_b.close()
             await server.stop()
@@ -306,12 +332,14 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"  loopback TCP copy + fsync              {tcp:7.3f} s  {rate(tcp)}")
     print(f"  handoff, file (layout hashed first)    {from_file:7.3f} s  {rate(from_file)}")
     print(f"  handoff, streamed segments             {streamed:7.3f} s  {rate(streamed)}")
+    print(f"  NATS client publish ceiling            {ceiling:7.3f} s  {rate(ceiling)}  (no subscriber)")
     print(f"  NATS blast, no flow control            {blast_s:7.3f} s  (until the last message arrived)")
     lost = sent - received
     print(f"    messages sent {sent}, received {received}, dropped {lost} ({100 * lost / max(sent, 1):.1f}%),")
     print(f"    slow-consumer errors reported {slow}")
     print(f"  ratio handoff (file) / TCP             {tcp / from_file:7.2f}x  (target >= 0.6x)")
     print(f"  ratio handoff (streamed) / TCP         {tcp / streamed:7.2f}x  (target >= 0.6x)")
+    print(f"  ratio handoff (file) / publish ceiling {ceiling / from_file:7.2f}x")
 
 
 def main() -> None:
