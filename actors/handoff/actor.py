@@ -90,6 +90,7 @@ STAGING_DIR: Final = "handoff"
 _PART_SUFFIX: Final = ".part"
 #: Room left in a data message for its headers (ours and the server's).
 _HEADER_ROOM: Final = 4096
+_SOURCE_POLL_S: Final = 0.25
 #: Chunks staged by one worker-thread call, at most (fewer hops between the loop and the thread).
 _BATCH_BYTES: Final = 8 << 20
 _OPEN_FLAGS: Final = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -697,7 +698,9 @@ class _Send:
         core = self.core
         while True:
             try:
-                async with asyncio.timeout(self._remaining()):
+                # Sliced, so an abort by the receiver (which arrives on the credit subscription) ends the send
+                # while the source is still producing the next segment.
+                async with asyncio.timeout(min(self._remaining(), _SOURCE_POLL_S)):
                     item = await ready.get()
             except TimeoutError:
                 self._act(core.handle(tx.Tick(self.loop.time())))

@@ -363,3 +363,22 @@ async def test_committed_handoff_lands_in_the_receivers_l3_store_and_its_hook(
         await l3.materialize(hit, dest, deadline_s=10)
         assert dest.read_bytes() == data
         await _until(lambda: _staging_empty(b))
+
+
+async def test_a_source_that_stops_producing_is_aborted_by_the_receiver_and_the_send_fails_promptly(
+    bus: Bus, tmp_path: Path
+) -> None:
+    hung = asyncio.Event()
+
+    async def prefill_that_hangs() -> AsyncIterator[bytes]:
+        yield random.Random(2).randbytes(300_000)
+        await hung.wait()  # the prefill never produces the next segment
+        yield b""
+
+    async with two_nodes(bus, tmp_path) as (a, b, restores):
+        async with asyncio.timeout(5):  # the receiver's idle timeout (0.6 s), not the send's overall deadline
+            with pytest.raises(HandoffFailed) as failed:
+                await a.send("node-b", prefill_that_hangs(), identity=IDENTITY, n_tokens=1, max_bytes=1 << 20)
+        assert failed.value.reason == "receiver_aborted" and "stalled" in failed.value.detail
+        await _until(lambda: _staging_empty(b))
+        assert restores.calls == []
