@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
+from messages.memory import MemoryBreakdown
+
 __all__ = [
     "Decision",
     "Estimate",
@@ -52,6 +54,19 @@ class StateSize:
 
     def at(self, n_tokens: int) -> float:
         return self.floor_bytes + self.bytes_per_token * n_tokens
+
+    @classmethod
+    def of_slot(cls, breakdown: MemoryBreakdown) -> StateSize:
+        """What one slot's saved state holds, from the memory model's breakdown: KV per token of every
+        full-attention layer (and of the sliding-window layers, whose cells a `--swa-full` cache keeps per
+        token), plus one sequence's recurrent state (one cell, no rollback rows) as the floor."""
+        shape = breakdown.context
+        full = breakdown.kv_bytes - breakdown.kv_swa_bytes
+        per_token = full / shape.n_ctx if shape.n_ctx else 0.0
+        if breakdown.kv_swa_bytes and shape.swa_cells:
+            per_token += breakdown.kv_swa_bytes / (shape.swa_cells * max(1, shape.n_stream))
+        rows = max(1, shape.n_seq_max) * (1 + shape.n_rs_seq)
+        return cls(bytes_per_token=per_token, floor_bytes=breakdown.recurrent_bytes / rows)
 
 
 @dataclass(frozen=True, slots=True)
