@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from actors.frontdoor.actor import FrontDoorActor
 from actors.handoff import receiver as handoff_receiver
 from actors.handoff import sender as handoff_sender
 from actors.handoff.actor import HandoffActor, HandoffLimits
@@ -45,11 +46,14 @@ from messages import handoff as handoff_messages
 from messages import l3 as l3_messages
 from messages import placement as placement_messages
 from messages.errors import ErrorReply
+from messages.frontdoor import FrontDoorReport
 from messages.generate import (
     STREAM_PING_HEADER,
+    ApplyTemplate,
     GenerateChunk,
     GenerateRequest,
     GenerateResult,
+    Prompt,
     RunnerGenerate,
     ServingReport,
     StreamPing,
@@ -71,10 +75,10 @@ COMMAND = "python -m docs.generate_api"
 
 S = Subjects(DEFAULT_PREFIX)
 TELEMETRY, PLACEMENT, RUNNER, L3 = TelemetryActor.name, PlacementActor.name, RunnerActor.name, L3Actor.name
-ROUTER = RouterActor.name
+ROUTER, FRONTDOOR = RouterActor.name, FrontDoorActor.name
 HANDOFF = HandoffActor.name
 NODE = "node"  # the pseudo-actor of `mesh-actor run` itself (runtime/launcher.py)
-SUPERVISED = (TELEMETRY, PLACEMENT, RUNNER, L3, ROUTER, HANDOFF)
+SUPERVISED = (TELEMETRY, PLACEMENT, RUNNER, L3, ROUTER, HANDOFF, FRONTDOOR)  # the front door only with --http
 
 #: Who publishes each event, and when. Every member of `AnyEvent` must be here (checked at render time).
 EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
@@ -449,6 +453,8 @@ def render() -> str:
             "(every node; one answers) |",
             f"| `{S.runner(node, 'generate')}` | req/reply | {_link('RunnerGenerate')} → {_link('GenerateResult')} "
             "| the runner of that node (sent by routers) |",
+            f"| `{S.runner(node, 'template')}` | req/reply | {_link('ApplyTemplate')} → {_link('Prompt')}: a chat "
+            "rendered by the model's own chat template | the runner of that node (the front door asks) |",
             f"| `{S.runner(node, 'tokenize')}` | req/reply | {_link('Tokenize')} → {_link('Tokens')} | the runner "
             "of that node |",
             f"| `{S.serving(node)}` | pub | {_link('ServingReport')} (slots, busy, queued, resident prefixes) | the "
@@ -584,6 +590,15 @@ def render() -> str:
             "soon after every change)",
             "the L3 actor",
             "router (prefix credit), other nodes' L3 actors (peer hits), `mesh-actor l3 ls`, `mesh-actor status`",
+        ),
+        (
+            S.frontdoors_bucket,
+            buckets.FRONTDOORS,
+            "`<node id>`",
+            "FrontDoorReport",
+            "per key: 30 s (rewritten within a second of a change, and every 10 s)",
+            "the front door (`mesh-actor run --http`)",
+            "`mesh-actor models`, `mesh-actor status`",
         ),
     ]
     for name, spec, key, value, key_ttl, writer, reader in rows:
@@ -729,7 +744,10 @@ def render() -> str:
         RunnerGenerate,
         Tokenize,
         Tokens,
+        ApplyTemplate,
+        Prompt,
         ServingReport,
+        FrontDoorReport,
         l3_messages.L3Inventory,
         l3_messages.ManifestsRequest,
         l3_messages.ManifestList,

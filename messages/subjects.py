@@ -62,6 +62,10 @@ class Subjects:
     def l3_bucket(self) -> str:
         return f"{self._upper}_L3"
 
+    @property
+    def frontdoors_bucket(self) -> str:
+        return f"{self._upper}_FRONTDOORS"
+
     def telemetry(self, node: str) -> str:
         return f"{self.prefix}.telemetry.{node}"
 

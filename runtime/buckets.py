@@ -33,6 +33,7 @@ NODES = BucketSpec("mesh-actor: last telemetry of each live node (per-key TTL)",
 RESERVATIONS = BucketSpec("mesh-actor: memory held per node (compare-and-set ledgers)")
 REGISTRY = BucketSpec("mesh-actor: signed model registry entries")
 INSTANCES = BucketSpec("mesh-actor: llama-server instances (per-key TTL)", marker_ttl_s=60.0)
+FRONTDOORS = BucketSpec("mesh-actor: each front door's models and queues (per-key TTL)", marker_ttl_s=60.0)
 L3 = BucketSpec("mesh-actor: each live node's L3 inventory (per-key TTL)", marker_ttl_s=60.0)
 
 
@@ -63,6 +64,10 @@ async def registry(bus: Bus, subjects: Subjects) -> KeyValue:
 
 async def instances(bus: Bus, subjects: Subjects) -> KeyValue:
     return await open_bucket(bus, subjects.instances_bucket, INSTANCES)
+
+
+async def frontdoors(bus: Bus, subjects: Subjects) -> KeyValue:
+    return await open_bucket(bus, subjects.frontdoors_bucket, FRONTDOORS)
 
 
 async def l3(bus: Bus, subjects: Subjects) -> KeyValue:

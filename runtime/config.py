@@ -64,6 +64,8 @@ class NodeConfig:
     journal_max_bytes: int = 1 << 30
     log_level: str = "info"
     l3_budget_bytes: int | None = None  # None: a capped share of the disk (actors/l3/budget.py); 0: no capture
+    http: tuple[str, int] | None = None  # the OpenAI-compatible front door's address (None: no front door)
+    api_key: str | None = None  # the bearer key the front door requires (required beyond loopback)
 
     @property
     def subjects(self) -> Subjects:
@@ -100,6 +102,24 @@ def _budget(text: Any) -> int:
     if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
         return text
     return 0 if str(text).strip() in ("0", "0B", "0b") else parse_size(str(text))
+
+
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _http(text: Any) -> tuple[str, int]:
+    """`HOST:PORT`, or a bare `PORT` (loopback)."""
+    value = str(text).strip()
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    number = int(port)
+    if not 0 <= number < 65536:
+        raise ValueError(f"{value!r}: the port must be 0-65535")
+    return host, number
+
+
+def is_loopback(host: str) -> bool:
+    return host in _LOOPBACK_HOSTS or host.startswith("127.")
 
 
 def _listen(text: Any) -> tuple[str, int | None]:
@@ -160,6 +180,8 @@ _OPTIONS: dict[str, Callable[[Any], Any]] = {
     "journal_max_bytes": _size,
     "log_level": _level,
     "l3_budget": _budget,
+    "http": _http,
+    "api_key": str,
     "nats": _urls,
     "nats_user": str,
     "nats_password": str,
@@ -275,7 +297,19 @@ def load_config(
         journal_max_bytes=values.get("journal_max_bytes", 1 << 30),
         log_level=values.get("log_level", "info"),
         l3_budget_bytes=values.get("l3_budget"),
+        http=values.get("http"),
+        api_key=_api_key(values),
     )
+
+
+def _api_key(values: Mapping[str, Any]) -> str | None:
+    key: str | None = values.get("api_key")
+    http = values.get("http")
+    if http is not None and not is_loopback(http[0]) and not key:
+        raise ConfigError(
+            f"the front door listens on {http[0]}, beyond loopback: set an API key (--api-key or MESH_ACTOR_API_KEY)"
+        )
+    return key
 
 
 def _default_node_id() -> str:

@@ -21,6 +21,8 @@ import msgspec
 import nats.errors
 import nats.js.errors
 
+from actors.frontdoor.actor import FrontDoorActor
+from actors.frontdoor.catalog import CATALOG_FILE, Catalog, CatalogError, parse_catalog
 from actors.handoff.actor import HandoffActor
 from actors.handoff.restore import into_l3
 from actors.l3.actor import L3Actor
@@ -148,6 +150,21 @@ class ServingSettingsHolder:
         self.settings = new
 
 
+def load_catalog(data_dir: Path) -> Catalog:
+    """The front door's model catalog (`models.toml` in the data dir; none: an empty catalog)."""
+    path = data_dir / CATALOG_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return Catalog(models={})
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    try:
+        return parse_catalog(text, str(path))
+    except CatalogError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 async def run_node(
     config: NodeConfig,
     *,
@@ -234,6 +251,10 @@ async def run_node(
                 RouterActor(),
                 HandoffActor(config.node_id, config.data_dir, restore=into_l3(l3)),
             ]
+            if config.http is not None:
+                catalog = load_catalog(config.data_dir)
+                host, port = config.http
+                actors.append(FrontDoorActor(host, port, catalog, models_dir=models_dir, api_key=config.api_key))
             supervisor = Supervisor(bus=bus, journal=journal, subjects=config.subjects, node_id=config.node_id)
             url = ",".join(options.urls)
             journal.emit(

@@ -76,6 +76,7 @@ def _streams(subjects: Subjects) -> dict[str, str]:
         "registry": f"KV_{subjects.registry_bucket}",
         "instances": f"KV_{subjects.instances_bucket}",
         "l3": f"KV_{subjects.l3_bucket}",
+        "frontdoors": f"KV_{subjects.frontdoors_bucket}",
         "decisions": f"OBJ_{decisions}",
     }
 
@@ -121,6 +122,7 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
         subjects.events_from(node),
         f"$KV.{subjects.nodes_bucket}.{node}",
         f"$KV.{subjects.l3_bucket}.{node}",
+        f"$KV.{subjects.frontdoors_bucket}.{node}",
         f"$KV.{subjects.instances_bucket}.{subjects.instance_key(node, '>')}",
         f"{p}.runner.{node}.>",
         f"{p}.l3.{node}.>",

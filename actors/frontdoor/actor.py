@@ -36,7 +36,9 @@ from nats.js.kv import KeyValue
 from actors.frontdoor import openai_api as oa
 from actors.frontdoor.catalog import Catalog, CatalogModel
 from actors.frontdoor.lifecycle import NeverFits, Running, Stop, Wait, idle_expired, plan_room
+from actors.runner.records import TTL_HEADER
 from messages.errors import BAD_REQUEST, NO_INSTANCE, TIMEOUT
+from messages.frontdoor import FrontDoorModel, FrontDoorReport, ModelState
 from messages.generate import ApplyTemplate, ChatTurn, GenerateChunk, GenerateResult, Prompt
 from messages.placement import ModelRef, NodeLedger, PlacementDecision, PlacementRequest, PreferredSettings
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
@@ -116,6 +118,8 @@ class FrontDoorActor(Actor):
             self._on_listening(self.bound_port)
         ctx.spawn(self._serve_until_stopped(runner), "http")
         ctx.spawn(self._stop_idle(ctx), "idle")
+        self._reports = await buckets.frontdoors(ctx.bus, ctx.subjects)
+        ctx.spawn(self._publish_reports(ctx), "reports")
 
     async def _serve_until_stopped(self, runner: web.AppRunner) -> None:
         try:
@@ -473,6 +477,46 @@ class FrontDoorActor(Actor):
                 )
             )
         return running
+
+    def report(self, node_id: str) -> FrontDoorReport:
+        models = []
+        for name, m in sorted(self._models.items()):
+            path = self._path_of(m.entry)
+            ready = [s for s in self._instances.values() if s.state == "ready" and _same_model(s, m.entry, path)]
+            held = sum(s.observed_memory.total_bytes if s.observed_memory else s.predicted_memory.total_bytes
+                       for s in ready)  # fmt: skip
+            state: ModelState = "ready" if ready else "starting" if m.starting and not m.starting.done() else "stopped"
+            models.append(
+                FrontDoorModel(
+                    name=name, path=m.entry.path, state=state, instances=tuple(sorted(s.id for s in ready)),
+                    held_bytes=held, queued=m.waiting, active=m.active, pinned=m.entry.pinned,
+                    priority=m.entry.priority, idle_ttl_s=m.entry.idle_ttl_s,
+                )
+            )  # fmt: skip
+        return FrontDoorReport(
+            node_id=node_id,
+            address=f"http://{self.host}:{self.bound_port}",
+            auth=self.api_key is not None,
+            models=tuple(models),
+            sent_at=time.time(),
+        )
+
+    async def _publish_reports(self, ctx: ActorContext) -> None:
+        """This front door's report under the node's key: within a second of a change, and every 10 s."""
+        last = b""
+        since = -1e9
+        while True:
+            report = self.report(ctx.node_id)
+            unchanged = msgspec.json.encode(msgspec.structs.replace(report, sent_at=0.0))
+            now = self._clock()
+            if unchanged != last or now - since > 10:
+                with contextlib.suppress(Exception):  # NATS away: the next pass writes it
+                    await ctx.bus.js.publish(
+                        f"$KV.{ctx.subjects.frontdoors_bucket}.{ctx.node_id}", msgspec.json.encode(report),
+                        timeout=5, headers={TTL_HEADER: "30s"},
+                    )  # fmt: skip
+                    last, since = unchanged, now
+            await asyncio.sleep(1.0)
 
     async def _stop_idle(self, ctx: ActorContext) -> None:
         while True:

@@ -67,7 +67,7 @@ from actors.runner.server_api import ServerApi
 from actors.runner.serving import Serving, ServingLimits, state_identity
 from messages.errors import NOT_FOUND, UNAVAILABLE
 from messages.events import DriftRejected, InstanceRefused
-from messages.generate import GenerateResult, RunnerGenerate, Tokenize, Tokens
+from messages.generate import ApplyTemplate, GenerateResult, Prompt, RunnerGenerate, Tokenize, Tokens
 from messages.memory import MemoryBreakdown
 from messages.placement import NodeLedger, Reservation
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
@@ -171,11 +171,20 @@ class RunnerActor(Actor):
         await ctx.add_endpoint("start", ctx.subjects.runner(self.node_id, "start"), StartInstance, start)
         await ctx.add_endpoint("stop", ctx.subjects.runner(self.node_id, "stop"), StopInstance, stop)
 
+        # Each request first brings serving's view up to date: an instance record can say `ready` (and a router
+        # send a request) before the next pass of the serving loop.
         async def generate(order: RunnerGenerate) -> GenerateResult:
+            self._sync_serving(serving)
             return await serving.generate(order)
 
         async def tokenize(request: Tokenize) -> Tokens:
+            self._sync_serving(serving)
             return Tokens(tokens=await serving.tokenize(request.instance_id, request.text))
+
+        async def template(request: ApplyTemplate) -> Prompt:
+            self._sync_serving(serving)
+            turns = [{"role": m.role, "content": m.content} for m in request.messages]
+            return Prompt(prompt=await serving.apply_template(request.instance_id, turns))
 
         limits = self.serving_limits
         await ctx.add_endpoint(
@@ -188,6 +197,9 @@ class RunnerActor(Actor):
             deadline_s=3600.0 + 60.0,  # each generation keeps its own `timeout_s` (at most an hour)
         )
         await ctx.add_endpoint("tokenize", ctx.subjects.runner(self.node_id, "tokenize"), Tokenize, tokenize, workers=8)
+        await ctx.add_endpoint(
+            "template", ctx.subjects.runner(self.node_id, "template"), ApplyTemplate, template, workers=8
+        )
 
     async def _serve(self, ctx: ActorContext, serving: Serving, session: aiohttp.ClientSession) -> None:
         """Keeps serving's view of the ready instances current and publishes the node's serving report on
@@ -196,18 +208,7 @@ class RunnerActor(Actor):
         last = -1e9
         try:
             while True:
-                ready: dict[str, tuple[int, int, Path, object, bool]] = {}
-                for driver in self._drivers.values():
-                    if driver.state == "ready" and driver.port is not None:
-                        generation = (driver.port, driver.machine.restarts)
-                        slots = driver.reservation.stamp.settings.slots
-                        rollback = driver.predicted.recurrent_bytes == 0  # a recurrent state cannot be rewound
-                        ready[driver.id] = (driver.port, slots, driver.directory / "slots", generation, rollback)
-                        if serving.identity_of(driver.id) is None:
-                            identity = self._identity(driver)
-                            if identity is not None:
-                                serving.set_identity(driver.id, identity)
-                serving.sync(ready)
+                self._sync_serving(serving)
                 now = loop.time()
                 if serving.changed.is_set() or now - last >= self.serving_limits.report_interval_s:
                     serving.changed.clear()
@@ -219,6 +220,21 @@ class RunnerActor(Actor):
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(5):
                     await session.close()
+
+    def _sync_serving(self, serving: Serving) -> None:
+        ready: dict[str, tuple[int, int, Path, object, bool]] = {}
+        for driver in self._drivers.values():
+            if driver.state == "ready" and driver.port is not None:
+                generation = (driver.port, driver.machine.restarts)
+                slots = driver.reservation.stamp.settings.slots
+                rollback = driver.predicted.recurrent_bytes == 0  # a recurrent state cannot be rewound
+                ready[driver.id] = (driver.port, slots, driver.directory / "slots", generation, rollback)
+        serving.sync(ready)
+        for iid in ready:
+            if serving.identity_of(iid) is None:
+                identity = self._identity(self._drivers[iid])
+                if identity is not None:
+                    serving.set_identity(iid, identity)
 
     def _identity(self, driver: InstanceDriver) -> str | None:
         """The instance's exact-state identity once its model file's digest is known (hashed in a worker
@@ -313,6 +329,7 @@ class RunnerActor(Actor):
             signal_filter=self._signal_filter,
         )
         self._drivers[instance_id] = driver
+        self._identity(driver)  # the model file's digest, hashed while the server loads
         ctx.spawn(self._supervise(ctx, driver), f"instance:{instance_id}")
         with contextlib.suppress(TimeoutError):  # spawning takes milliseconds; the ack says where it stands
             async with asyncio.timeout(self.limits.spawn_ack_s):

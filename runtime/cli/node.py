@@ -12,6 +12,7 @@ from typing import Any, get_args
 import msgspec
 
 from actors.placement.registry import RegistryUntrusted, check_public_key
+from messages.frontdoor import FrontDoorReport
 from messages.placement import NodeLedger, Reservation
 from messages.runner import InstanceStatus
 from messages.settings import CacheType, ServingSettings
@@ -31,10 +32,11 @@ from runtime.cli.common import (
     prefix,
 )
 from runtime.cli.l3 import fetch_l3_totals
+from runtime.cli.models import fetch_frontdoors
 from runtime.cli.runner import fetch_instances
 from runtime.config import ConfigError, load_config
 from runtime.embedded import EmbeddedNatsError
-from runtime.launcher import DataDirBusy, JetStreamUnavailable, StartupInterrupted, run_node
+from runtime.launcher import DataDirBusy, JetStreamUnavailable, StartupInterrupted, load_catalog, run_node
 from runtime.logging import configure_logging
 from runtime.roles import Role, inbox_prefix, permissions
 from runtime.sizes import format_size
@@ -105,6 +107,10 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         metavar="SIZE",
         help="disk the L3 store of saved slot states may use (0: no capture; default: a capped share of the disk)",
     )
+    run.add_argument(
+        "--http", metavar="[HOST:]PORT", help="serve the OpenAI-compatible front door there (HOST default: loopback)"
+    )
+    run.add_argument("--api-key", metavar="KEY", help="bearer key the front door requires (needed beyond loopback)")
     run.add_argument("--json", action="store_true", help="print the ready line as one JSON object")
     run.add_argument(
         "--registry-key",
@@ -142,6 +148,8 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "registry_keys": ",".join(args.registry_key) if args.registry_key else None,
         "log_level": args.log_level,
         "l3_budget": args.l3_budget,
+        "http": args.http,
+        "api_key": args.api_key,
         "prefix": args.prefix,
         "nats": ",".join(args.nats) if args.nats else None,
         "nats_user": args.nats_user,
@@ -157,6 +165,8 @@ async def cmd_run(args: argparse.Namespace) -> int:
         config = load_config(flags, os.environ, serving)
         for key in config.registry_keys:
             check_public_key(key)
+        if config.http is not None:
+            load_catalog(config.data_dir)  # a bad models.toml stops the node here, with exit code 2
     except (ConfigError, RegistryUntrusted) as exc:
         raise CliError(str(exc), EXIT_USAGE) from exc
     configure_logging(config.log_level)
@@ -179,13 +189,15 @@ async def cmd_run(args: argparse.Namespace) -> int:
 
 
 async def fetch_status(args: argparse.Namespace) -> tuple[list[NodeResources], list[InstanceStatus], list[Reservation]]:
-    nodes, instances, reservations, _ = await _fetch_status(args)
+    nodes, instances, reservations, _, _ = await _fetch_status(args)
     return nodes, instances, reservations
 
 
 async def _fetch_status(
     args: argparse.Namespace,
-) -> tuple[list[NodeResources], list[InstanceStatus], list[Reservation], dict[str, dict[str, int]]]:
+) -> tuple[
+    list[NodeResources], list[InstanceStatus], list[Reservation], dict[str, dict[str, int]], list[FrontDoorReport]
+]:
     subjects = Subjects(prefix(args))
     bus = await connect(args, "status")
     try:
@@ -193,17 +205,18 @@ async def _fetch_status(
         ledgers, more = await buckets.read_all(bus, subjects.reservations_bucket, NodeLedger)
         instances = await fetch_instances(bus, subjects)
         l3 = await fetch_l3_totals(bus, subjects)
+        doors = await fetch_frontdoors(bus, subjects)
     finally:
         await bus.close()
     for warning in warnings + more:
         print(f"mesh-actor: warning: skipping {warning}", file=sys.stderr)
     reservations = [r for _, ledger in ledgers for r in ledger.reservations]
-    return [node for _, node in nodes], instances, reservations, l3
+    return [node for _, node in nodes], instances, reservations, l3, doors
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
     async with asyncio.timeout(30):
-        nodes, instances, reservations, l3 = await _fetch_status(args)
+        nodes, instances, reservations, l3, doors = await _fetch_status(args)
     now = time.time()
     if args.json:
         emit_json(
@@ -218,6 +231,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 ],
                 "instances": [msgspec.to_builtins(i) for i in instances],
                 "reservations": [msgspec.to_builtins(r) for r in reservations],
+                "frontdoors": [msgspec.to_builtins(d) for d in doors],
             }
         )
         return 0
@@ -264,6 +278,12 @@ async def cmd_status(args: argparse.Namespace) -> int:
     for r in reservations:
         expires = f"in {max(0.0, r.expires_at - now):.0f}s" if r.expires_at is not None else "-"
         print(f"{r.reservation_id:<18} {r.node_id:<14} {r.state:<10} {format_size(sum(r.held.values())):>11} {expires}")
+    if doors:
+        print(f"\n{'FRONT DOOR':<18} {'NODE':<14} {'MODELS':>6} {'READY':>5} {'QUEUED':>6} ADDRESS")
+    for d in doors:
+        ready = sum(m.state == "ready" for m in d.models)
+        queued = sum(m.queued for m in d.models)
+        print(f"{'openai':<18} {d.node_id:<14} {len(d.models):>6} {ready:>5} {queued:>6} {d.address}/v1")
     return 0
 
 

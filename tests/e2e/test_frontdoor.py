@@ -93,6 +93,17 @@ async def test_completions_and_chat_whole_and_streamed_with_usage(tmp_path: Path
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
         assert chunks[-1].usage.prompt_tokens_details is not None
         assert (chunks[-1].usage.prompt_tokens_details.cached_tokens or 0) > 0  # the same chat again: prefix reused
+        async with asyncio.timeout(10):  # the front door's report: the model, ready, with its memory
+            while True:
+                code, out, err = await cli("models", "--json", "--data-dir", str(data_dir))
+                assert code == 0, err
+                (door,) = json.loads(out)
+                (entry,) = door["models"]
+                if entry["state"] == "ready":
+                    break
+                await asyncio.sleep(0.3)
+        assert entry["name"] == "alpha" and entry["held_bytes"] > 0 and entry["queued"] == 0
+        assert door["address"] == f"http://127.0.0.1:{port}" and door["auth"] is True
         pieces = [c async for c in await api.completions.create(model="alpha", prompt="Hello there", max_tokens=8,
                                                                 temperature=0, stream=True)]  # fmt: skip
         assert "".join(p.choices[0].text for p in pieces if p.choices) == done.choices[0].text
