@@ -61,6 +61,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 300.0  # the whole generation, routing included
     request_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
     capture: bool = True  # False: do not store this request's states in L3
+    # Prefill the prompt on this node, hand its state off, and decode on the routed instance (operators, tests)
+    prefill_node: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
 
 
 class RouteChoice(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,6 +82,26 @@ class RunnerGenerate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     tokens: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)] | None = None  # tokenized already
     route: RouteChoice | None = None
     routed_ms: float = 0.0  # the router's time before forwarding (counted in the time to first token)
+
+
+class Prefill(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`mesh.runner.<node>.prefill`: compute `tokens` on an instance of `identity` here and hand the state off to
+    `target_node` (its L3 store holds it when this answers)."""
+
+    identity: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+    tokens: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+    target_node: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    request_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
+    node: str
+    instance: str
+    n_tokens: int  # the tokens the handed-off state holds
+    tokens_evaluated: int  # the prefill's prompt_n
+    bytes: int
+    prefill_ms: float
+    handoff_ms: float
 
 
 class Tokenize(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -138,6 +160,10 @@ class GenerateResult(msgspec.Struct, frozen=True, kw_only=True):
     # the ids of tokens whose bytes it held back as incomplete UTF-8); `text` is complete either way
     tokens_exact: bool = True
     tokens_generated: int = 0  # how many tokens were generated (llama-server's count; `tokens` may list fewer)
+    path: Literal["local", "disaggregated"] = "local"  # disaggregated: prefilled on `prefill_node`, handed off
+    prefill_node: str | None = None
+    handoff_bytes: int = 0
+    handoff_ms: float = 0.0
     decision_id: str = ""
     capture: str = ""  # what happens to the state: "queued", or why not ("off", "short", "no_l3", …)
 

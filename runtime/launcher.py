@@ -234,6 +234,7 @@ async def run_node(
             models_dir = config.models_dir or config.data_dir / "models"
             digests = FileDigests()  # one per node: placement and the runner hash each file version once
             l3 = L3Actor(config.node_id, config.data_dir, budget_bytes=config.l3_budget_bytes)
+            handoff = HandoffActor(config.node_id, config.data_dir, restore=into_l3(l3))
             actors: list[Actor] = [
                 TelemetryActor(facts, settings_source=serving.get, interval_s=config.telemetry_interval_s),
                 PlacementActor(trusted_registry_keys=config.registry_keys, models_dir=models_dir, digests=digests),
@@ -246,10 +247,11 @@ async def run_node(
                     models_dir=models_dir,
                     digests=digests,
                     l3=l3,
+                    handoff=handoff,
                 ),
                 l3,
                 RouterActor(),
-                HandoffActor(config.node_id, config.data_dir, restore=into_l3(l3)),
+                handoff,
             ]
             if config.http is not None:
                 catalog = load_catalog(config.data_dir)

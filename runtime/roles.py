@@ -137,6 +137,7 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
         f"{p}.runner.*.generate",  # the router forwards to the chosen runner
         f"{p}.runner.*.tokenize",
         f"{p}.runner.*.template",  # the front door renders chats with the model's template
+        f"{p}.runner.*.prefill",  # a decoding node asks another to prefill and hand the state off
         f"{p}.runner.*.start",  # the front door starts models on demand, and makes room, on any node
         f"{p}.runner.*.stop",
         f"{p}.l3.*.manifests",  # peer fetch

@@ -208,6 +208,9 @@ class RouterActor(Actor):
         started = time.perf_counter()
         request_id = request.request_id or uuid.uuid4().hex
         matching = await self._matching(request.model)
+        if request.prefill_node is not None and any(s.node != request.prefill_node for s in matching):
+            # a forced disaggregated generation decodes elsewhere than where it prefills
+            matching = [s for s in matching if s.node != request.prefill_node]
         tokens = request.prompt if isinstance(request.prompt, list) else None
         tokenized_by: str | None = None  # the model file whose tokenizer made `tokens` from the text
         if isinstance(request.prompt, str) and len(matching) > 1:

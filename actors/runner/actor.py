@@ -36,6 +36,7 @@ import aiohttp
 import msgspec
 import nats.errors
 
+from actors.handoff.actor import HandoffActor
 from actors.l3.api import L3Access
 from actors.placement.memory import MemoryModelError, cache_allocations, estimate
 from actors.runner import lifecycle as lc
@@ -67,7 +68,16 @@ from actors.runner.server_api import ServerApi
 from actors.runner.serving import Serving, ServingLimits, state_identity
 from messages.errors import NOT_FOUND, UNAVAILABLE
 from messages.events import DriftRejected, InstanceRefused
-from messages.generate import ApplyTemplate, GenerateResult, Prompt, RunnerGenerate, Tokenize, Tokens
+from messages.generate import (
+    ApplyTemplate,
+    GenerateResult,
+    Prefill,
+    PrefillResult,
+    Prompt,
+    RunnerGenerate,
+    Tokenize,
+    Tokens,
+)
 from messages.memory import MemoryBreakdown
 from messages.placement import NodeLedger, Reservation
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
@@ -120,6 +130,7 @@ class RunnerActor(Actor):
         signal_filter: SignalFilter | None = None,
         l3: L3Access | None = None,
         serving_limits: ServingLimits | None = None,
+        handoff: HandoffActor | None = None,
     ) -> None:
         """`settings_source` gives the node's serving settings now (None: none advertised); `engine_version`
         is its llama-server's `--version` as telemetry advertises it. `rewrite_command`, `driver_fault` and
@@ -145,6 +156,7 @@ class RunnerActor(Actor):
         self._drivers: dict[str, InstanceDriver] = {}
         self._finished: OrderedDict[str, InstanceStatus] = OrderedDict()
         self.l3 = l3
+        self.handoff = handoff  # sends prefilled states to the decoding node (`mesh.runner.<node>.prefill`)
         self.serving_limits = serving_limits or ServingLimits()
         self._identities: dict[str, asyncio.Future[str]] = {}  # model path -> its digest, computing or done
 
@@ -159,7 +171,10 @@ class RunnerActor(Actor):
         # before the start endpoint: every driver of this incarnation talks to its server through this session
         session = ServerApi.session()
         api = ServerApi(session)
-        serving = Serving(self.node_id, ctx.bus, api, self.l3, ctx.spawn, self.serving_limits)
+        serving = Serving(
+            self.node_id, ctx.bus, api, self.l3, ctx.spawn, self.serving_limits,
+            handoff=self.handoff, subjects=ctx.subjects,
+        )  # fmt: skip
         ctx.spawn(self._serve(ctx, serving, session), "serving")
 
         async def start(request: StartInstance) -> RunnerAck:
@@ -181,6 +196,10 @@ class RunnerActor(Actor):
             self._sync_serving(serving)
             return Tokens(tokens=await serving.tokenize(request.instance_id, request.text))
 
+        async def prefill(order: Prefill) -> PrefillResult:
+            self._sync_serving(serving)
+            return await serving.prefill(order)
+
         async def template(request: ApplyTemplate) -> Prompt:
             self._sync_serving(serving)
             turns = [{"role": m.role, "content": m.content} for m in request.messages]
@@ -200,6 +219,10 @@ class RunnerActor(Actor):
         await ctx.add_endpoint(
             "template", ctx.subjects.runner(self.node_id, "template"), ApplyTemplate, template, workers=8
         )
+        await ctx.add_endpoint(
+            "prefill", ctx.subjects.runner(self.node_id, "prefill"), Prefill, prefill, workers=8,
+            deadline_s=3600.0 + 60.0,
+        )  # fmt: skip
 
     async def _serve(self, ctx: ActorContext, serving: Serving, session: aiohttp.ClientSession) -> None:
         """Keeps serving's view of the ready instances current and publishes the node's serving report on

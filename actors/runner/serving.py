@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from actors.handoff.actor import HandoffActor, HandoffFailed
 from actors.l3.api import L3Access, L3Hit, L3Unavailable
 from actors.l3.identity import DraftSettings, Platform, StateInputs, exact_state_identity
 from actors.router.prefixes import resident_prefixes
@@ -47,14 +48,17 @@ from messages.errors import BAD_REQUEST, NOT_FOUND, TIMEOUT, UNAVAILABLE
 from messages.generate import (
     GenerateResult,
     InstanceLoad,
+    Prefill,
+    PrefillResult,
     RunnerGenerate,
     ServingReport,
     StopReason,
 )
 from messages.l3 import PrefixSource
 from messages.placement import Reservation
+from messages.subjects import Subjects
 from runtime.actor import RequestError
-from runtime.bus import Bus
+from runtime.bus import Bus, BusError, RemoteError
 from runtime.logging import get_logger
 
 __all__ = ["PAYLOAD_KIND", "Serving", "ServingLimits", "state_identity"]
@@ -136,11 +140,15 @@ class Serving:
         l3: L3Access | None,
         spawn: Callable[[Any, str], asyncio.Task[None]],
         limits: ServingLimits = ServingLimits(),
+        handoff: HandoffActor | None = None,
+        subjects: Subjects | None = None,
     ) -> None:
         self.node_id = node_id
         self._bus = bus
         self._api = api
         self._l3 = l3
+        self._handoff = handoff
+        self._subjects = subjects or Subjects()
         self._spawn = spawn
         self.limits = limits
         self._instances: dict[str, _Instance] = {}
@@ -311,13 +319,18 @@ class Serving:
         restored = 0
         identity = instance.identity
         capture_on = request.capture and self._l3 is not None and identity is not None
+        remote: PrefillResult | None = None
+        if request.prefill_node not in (None, self.node_id) and held < len(tokens) - 1:
+            remote = await self._remote_prefill(instance, order, tokens[:-1])  # lands in this node's L3
         if self._l3 is not None and identity is not None and held < len(tokens) - 1:
             hit = await self._l3.lookup(identity, tokens, max_tokens=len(tokens) - 1)
             if hit is not None and hit.n_tokens > held and await self._restore(instance, slot, hit):
                 restored = held = hit.n_tokens
                 source = hit.source
                 instance.table.update(slot, tokens[:held])
-        evaluated = 0
+        evaluated = remote.tokens_evaluated if remote is not None else 0
+        if remote is not None and restored < remote.n_tokens:
+            raise RequestError(UNAVAILABLE, f"the state prefilled on {remote.node} could not be restored here")
         capture = "off" if not request.capture else "no_l3" if self._l3 is None else "no_identity"
         if capture_on:
             capture = "short" if len(tokens) - 1 < self.limits.capture_min_tokens else "held"
@@ -413,10 +426,76 @@ class Serving:
             stop_reason=stop,
             tokens_exact=exact,
             tokens_generated=int(final.get("tokens_predicted", len(generated)) or len(generated)),
+            path="disaggregated" if remote is not None else "local",
+            prefill_node=remote.node if remote is not None else None,
+            handoff_bytes=remote.bytes if remote is not None else 0,
+            handoff_ms=remote.handoff_ms if remote is not None else 0.0,
             decision_id=order.route.decision_id if order.route else "",
             capture=capture,
         )
         return result, after, save
+
+    async def _remote_prefill(self, instance: _Instance, order: RunnerGenerate, prefix: list[int]) -> PrefillResult:
+        """Asks the prefill node to compute `prefix` and hand its state to this node's L3."""
+        node = order.request.prefill_node
+        assert node is not None
+        if instance.identity is None or self._l3 is None:
+            raise RequestError(UNAVAILABLE, f"instance {instance.id} has no L3 identity yet: no handoff into it")
+        ask = Prefill(identity=instance.identity, tokens=prefix, target_node=self.node_id, request_id=order.request_id)
+        try:
+            return await self._bus.request(
+                self._subjects.runner(node, "prefill"), ask, PrefillResult, timeout=order.request.timeout_s
+            )
+        except RemoteError as exc:
+            raise RequestError(exc.reply.code, f"prefill on {node}: {exc.reply.message}", exc.reply.details) from exc
+        except BusError as exc:
+            raise RequestError(UNAVAILABLE, f"prefill on {node}: {exc}") from exc
+
+    async def prefill(self, order: Prefill) -> PrefillResult:
+        """Computes `order.tokens` on a ready instance of its identity and hands the state off to its target."""
+        started = time.perf_counter()
+        if self._handoff is None:
+            raise RequestError(UNAVAILABLE, f"node {self.node_id} has no handoff actor")
+        instance = next((i for i in self._instances.values() if i.identity == order.identity), None)
+        if instance is None:
+            raise RequestError(NOT_FOUND, f"no ready instance of identity {order.identity[:16]}… on {self.node_id}")
+        grant = await self._acquire(instance, order.tokens)
+        held: list[int] | None = None
+        try:
+            body = {"prompt": order.tokens, "n_predict": 0, "id_slot": grant.slot, "cache_prompt": True}
+            try:
+                final = await self._api.json(instance.port, "POST", "/completion", body, timeout_s=3600)
+            except ServerApiError as exc:
+                raise RequestError(UNAVAILABLE, f"instance {instance.id}: {exc}") from exc
+            evaluated = int((final.get("timings") or {}).get("prompt_n", 0) or 0)
+            prefilled = time.perf_counter()
+            name = f"handoff-{order.request_id}-{uuid.uuid4().hex[:8]}.bin"
+            path = instance.slot_dir / name
+            try:
+                reply = await self._api.slot_action(
+                    instance.port, grant.slot, "save", name, timeout_s=self.limits.slot_file_timeout_s
+                )
+                n_saved = int(reply.get("n_saved", -1))
+                if not 0 < n_saved <= len(order.tokens):
+                    raise RequestError(UNAVAILABLE, f"the saved state holds {n_saved} tokens, not a prefix")
+                report = await self._handoff.send(
+                    order.target_node, path, identity=order.identity, n_tokens=n_saved,
+                    tokens=order.tokens[:n_saved], payload_kind=PAYLOAD_KIND,
+                )  # fmt: skip
+            except HandoffFailed as exc:
+                raise RequestError(UNAVAILABLE, f"handoff to {order.target_node}: {exc}") from exc
+            except ServerApiError as exc:
+                raise RequestError(UNAVAILABLE, f"instance {instance.id}: {exc}") from exc
+            finally:
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(path.unlink, missing_ok=True)
+            held = order.tokens[:n_saved]
+            return PrefillResult(
+                node=self.node_id, instance=instance.id, n_tokens=n_saved, tokens_evaluated=evaluated,
+                bytes=report.bytes, prefill_ms=(prefilled - started) * 1000, handoff_ms=report.transfer_ms,
+            )  # fmt: skip
+        finally:
+            self._release(instance, grant.slot, held)
 
     async def _restore(self, instance: _Instance, slot: int, hit: L3Hit) -> bool:
         assert self._l3 is not None

@@ -36,6 +36,9 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at TEXT (repeatable)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="the whole generation (300 s)")
     p.add_argument("--no-capture", action="store_true", help="do not keep this prompt's state in L3")
+    p.add_argument(
+        "--prefill-node", metavar="NODE", help="prefill on NODE, hand the state off, decode on the routed instance"
+    )
     add_client_options(p)
     p.set_defaults(func=cmd_generate)
 
@@ -53,6 +56,7 @@ def _request(args: argparse.Namespace) -> GenerateRequest:
         "n_predict": args.n_predict,
         "timeout_s": args.timeout,
         "capture": not args.no_capture,
+        "prefill_node": args.prefill_node,
         "sampling": {
             "temperature": args.temperature,
             "top_k": args.top_k,
@@ -95,7 +99,13 @@ async def cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"[{result.node}/{result.instance} slot {result.slot}: {result.prompt_tokens} prompt tokens, "
         f"{result.tokens_restored} restored ({result.source}), {result.tokens_evaluated} evaluated, "
-        f"{len(result.tokens)} generated, first token {result.ttft_ms:.0f} ms, total {result.total_ms:.0f} ms]",
+        f"{len(result.tokens)} generated, first token {result.ttft_ms:.0f} ms, total {result.total_ms:.0f} ms"
+        + (
+            f"; prefilled on {result.prefill_node}, {result.handoff_bytes} bytes handed off in "
+            f"{result.handoff_ms:.0f} ms]"
+            if result.path == "disaggregated"
+            else "]"
+        ),
         file=sys.stderr,
     )
     return EXIT_OK

@@ -23,7 +23,7 @@ from runtime.bus import Bus
 from runtime.config import NatsOptions
 from runtime.generate_client import generate
 from tests.e2e.test_mesh import cli, nats_env, node, wait_nodes
-from tests.llama_harness import require_server
+from tests.llama_harness import call_server, require_server
 from tests.tiny_models import write_gemma3, write_llama, write_qwen35
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -331,3 +331,33 @@ async def test_routing_prefers_the_node_whose_store_holds_the_prefix(tmp_path: P
             last = json.loads(out.splitlines()[-1])["event"]
             credits = {c["node"]: (c["source"], c["held_tokens"]) for c in last["candidates"]}
             assert credits == {"node-a": ("l3_local", len(PROMPT) - 1), "node-b": ("l3_peer", len(PROMPT) - 1)}
+
+
+@pytest.mark.parametrize("kind", ["dense", "swa", "hybrid"])
+async def test_prefill_on_one_node_and_decode_on_another_gives_the_local_output(
+    tmp_path: Path, models: dict[str, Path], kind: str
+) -> None:
+    first, second = tmp_path / "a", tmp_path / "b"
+    model = models[kind]
+    async with node(first, "node-a", *QUIET):
+        env = await nats_env(first)
+        async with node(second, "node-b", *QUIET, env=env):
+            await wait_nodes(first, "node-a", "node-b")
+            for node_id in ("node-a", "node-b"):
+                code, out, err = await cli(
+                    "place", str(model), "-c", "2048", "--node", node_id, "--start", "--json", env=env
+                )
+                assert code == 0, err + out
+                await wait_ready(first, json.loads(out)["instance"]["instance_id"])
+            other = [3 + (i * 11) % 240 for i in range(300)]
+            split = await gen(first, model.name, other, 32, "--no-capture", "--prefill-node", "node-b")
+            assert split["path"] == "disaggregated" and split["prefill_node"] == "node-b", split
+            assert split["node"] == "node-a" and split["handoff_bytes"] > 0 and split["handoff_ms"] > 0
+            assert split["tokens_restored"] == len(other) - 1
+            assert split["tokens_evaluated"] == len(other)  # all but one on node-b, the last one here
+            # The reference: node-a's own llama-server computing the whole prompt itself, nothing reused.
+            _, out, _ = await cli("status", "--json", "--data-dir", str(first))
+            (port,) = [i["port"] for i in json.loads(out)["instances"] if i["node"] == "node-a"]
+            body = {"prompt": other, "n_predict": 32, "temperature": 0, "cache_prompt": False, "return_tokens": True}
+            reply = await call_server(port, "POST", "/completion", body, timeout_s=60)
+            assert split["tokens"] == json.loads(reply.body)["tokens"]  # 32 greedy tokens, token for token
