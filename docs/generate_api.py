@@ -53,6 +53,8 @@ from messages.generate import (
     GenerateChunk,
     GenerateRequest,
     GenerateResult,
+    Prefill,
+    PrefillResult,
     Prompt,
     RunnerGenerate,
     ServingReport,
@@ -453,6 +455,9 @@ def render() -> str:
             "(every node; one answers) |",
             f"| `{S.runner(node, 'generate')}` | req/reply | {_link('RunnerGenerate')} → {_link('GenerateResult')} "
             "| the runner of that node (sent by routers) |",
+            f"| `{S.runner(node, 'prefill')}` | req/reply | {_link('Prefill')} → {_link('PrefillResult')}: the "
+            "prompt computed here and its state handed off to the decoding node's L3 | the runner of that node (a "
+            "decoding runner asks, for `prefill_node`) |",
             f"| `{S.runner(node, 'template')}` | req/reply | {_link('ApplyTemplate')} → {_link('Prompt')}: a chat "
             "rendered by the model's own chat template | the runner of that node (the front door asks) |",
             f"| `{S.runner(node, 'tokenize')}` | req/reply | {_link('Tokenize')} → {_link('Tokens')} | the runner "
@@ -746,6 +751,8 @@ def render() -> str:
         Tokens,
         ApplyTemplate,
         Prompt,
+        Prefill,
+        PrefillResult,
         ServingReport,
         FrontDoorReport,
         l3_messages.L3Inventory,
