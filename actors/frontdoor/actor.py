@@ -36,12 +36,14 @@ from nats.js.kv import KeyValue
 from actors.frontdoor import openai_api as oa
 from actors.frontdoor.catalog import Catalog, CatalogModel
 from actors.frontdoor.lifecycle import NeverFits, Running, Stop, Wait, idle_expired, plan_room
+from actors.placement.ledger import device_sizes
 from actors.runner.records import TTL_HEADER
 from messages.errors import BAD_REQUEST, NO_INSTANCE, TIMEOUT
 from messages.frontdoor import FrontDoorModel, FrontDoorReport, ModelState
 from messages.generate import ApplyTemplate, ChatTurn, GenerateChunk, GenerateResult, Prompt
 from messages.placement import ModelRef, NodeLedger, PlacementDecision, PlacementRequest, PreferredSettings
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
+from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext
 from runtime.bus import BadMessage, BusError, RemoteError
@@ -399,7 +401,8 @@ class FrontDoorActor(Actor):
                 raise oa.ApiError(503, f"{model.name!r} cannot be placed: {decision.reason}: {decision.message}",
                                   "server_error", code=str(decision.reason))  # fmt: skip
             running = await self._running()
-            plan = plan_room(shortfalls, running, now=self._clock(), min_idle_s=self._min_idle_s)
+            sizes = await self._sizes()
+            plan = plan_room(shortfalls, running, now=self._clock(), min_idle_s=self._min_idle_s, sizes=sizes)
             ctx.log.info(
                 "frontdoor_room", model=model.name, plan=msgspec.to_builtins(plan),
                 shortfalls=msgspec.to_builtins(shortfalls), running=msgspec.to_builtins(running),
@@ -441,6 +444,11 @@ class FrontDoorActor(Actor):
                 timeout=35,
             )  # fmt: skip
 
+    async def _sizes(self) -> dict[str, dict[str, int]]:
+        """Each live node's device sizes, capped by its memory limit (from its telemetry)."""
+        nodes, _ = await buckets.read_all(self._ctx.bus, self._ctx.subjects.nodes_bucket, NodeResources)
+        return {n.node_id: {d: size for d, (size, _) in device_sizes(n).items()} for _, n in nodes}
+
     async def _running(self) -> list[Running]:
         """Every live instance with what its reservation holds, and what this front door knows of its use."""
         held: dict[str, dict[str, int]] = {}
@@ -459,8 +467,8 @@ class FrontDoorActor(Actor):
                         )
                     )  # fmt: skip
         for status in self._instances.values():
-            if status.state in ("stopped", "failed", "rejected"):
-                continue
+            if status.state in ("stopped", "failed", "rejected") and status.id not in held:
+                continue  # ended, and its memory released
             model = next((m for m in self._models.values() if _same_model(status, m.entry, self._path_of(m.entry))),
                          None)  # fmt: skip
             running.append(

@@ -10,9 +10,11 @@ Rules this module keeps:
   just loaded are served first). Among the rest, the lowest priority goes first, then the least recently used,
   then the lowest instance id.
 * The node whose shortfall is covered by the fewest stops wins (then the fewest bytes stopped, then the node id).
-* When no node can be made to fit even with every unpinned instance stopped (the busy ones included: they
-  finish some time), the model never fits: refused at once with need and have. When it could fit once busy
-  instances finish, the answer is to wait.
+* When no node could ever hold the model (its need exceeds a device's size less what pinned instances and
+  reservations that are not ours hold), it never fits: refused at once with need and have. Anything else that
+  cannot be covered now (busy instances, a view that lags a stop) is a wait: placement is asked again. The
+  sizes come from the nodes' telemetry, so a placement decision made on a ledger a moment older than ours can
+  never turn into a false "never fits".
 * Idle: an unpinned instance of a model with an `idle_ttl_s`, not in use, unused for longer than that, stops.
 * No clock and no I/O: `now` is passed in.
 """
@@ -73,8 +75,10 @@ def plan_room(
     *,
     now: float,
     min_idle_s: float = 1.0,
+    sizes: Mapping[str, Mapping[str, int]] | None = None,
 ) -> Stop | Wait | NeverFits:
-    """What to do for a model placement refused on the nodes of `shortfalls` for want of memory."""
+    """What to do for a model placement refused on the nodes of `shortfalls` for want of memory. `sizes`: each
+    node's device sizes (capped by its memory limit); without them, "never" is judged from `shortfalls`."""
     by_node: dict[str, list[Running]] = {}
     for r in running:
         by_node.setdefault(r.node, []).append(r)
@@ -89,15 +93,23 @@ def plan_room(
         everything: dict[str, int] = {}
         for r in unpinned:
             everything = _add(everything, r.held)
-        if not _covered(short, everything):
-            missing = sum(max(0, s.need_bytes - s.have_bytes - everything.get(s.device, 0)) for s in short)
-            fits = NeverFits(
-                need={s.device: s.need_bytes for s in short},
-                have={s.device: s.have_bytes + everything.get(s.device, 0) for s in short},
-                node=node,
-            )
+        node_sizes = sizes.get(node) if sizes is not None else None
+        if node_sizes is not None:
+            kept: dict[str, int] = {}
+            for r in here:
+                if r.pinned:
+                    kept = _add(kept, r.held)
+            ever = {s.device: max(0, node_sizes.get(s.device, 0) - kept.get(s.device, 0)) for s in short}
+        else:
+            ever = {s.device: s.have_bytes + everything.get(s.device, 0) for s in short}
+        if any(s.need_bytes > ever[s.device] for s in short):
+            missing = sum(max(0, s.need_bytes - ever[s.device]) for s in short)
+            fits = NeverFits(need={s.device: s.need_bytes for s in short}, have=ever, node=node)
             if closest is None or missing < closest[0]:
                 closest = (missing, fits)
+            continue
+        if not _covered(short, everything):
+            could_later = True  # our view lags (a stop not yet released everywhere): ask placement again
             continue
         free_now = sorted(
             (r for r in unpinned if not r.in_use and now - r.last_used >= min_idle_s),

@@ -206,7 +206,7 @@ async def test_streamed_chunks_arrive_in_order_and_a_client_that_goes_away_frees
             result = await generate(bus, subjects, request, keep)
             assert [c.seq for c in chunks] == list(range(len(chunks))) and chunks
             assert "".join(c.text for c in chunks) == result.text
-            assert result.stop_reason == "limit"
+            assert result.stop_reason in ("limit", "eos")  # random weights may well sample the end of text
 
             # A long generation, abandoned after a few chunks: the runner's next ping finds nobody listening.
             seen = asyncio.Event()

@@ -133,3 +133,10 @@ def test_idle_instances_stop_after_their_ttl_unless_pinned_or_in_use() -> None:
         _run("forever", 1, last_used=0.0),
     ]
     assert idle_expired(running, now=100.0) == ["idle"]
+
+
+def test_with_device_sizes_a_lagging_view_is_a_wait_and_never_fits_only_beyond_the_size() -> None:
+    stale = _short(5, 3)  # placement still counts an instance our view already saw stop
+    assert isinstance(plan_room(stale, [], now=100.0, sizes={"n": {"CPU": 8 * MIB}}), Wait)
+    never = plan_room(stale, [_run("p", 4, pinned=True)], now=100.0, sizes={"n": {"CPU": 8 * MIB}})
+    assert isinstance(never, NeverFits) and never.have == {"CPU": 4 * MIB}  # the size less what is pinned
