@@ -188,6 +188,8 @@ class InstanceCrashed(InstanceEvent, frozen=True, kw_only=True, tag="instance_cr
     restart_in_s: float | None  # None: the restart limit is reached (an instance_failed follows)
     reason: str = ""  # e.g. "llama-server exited with code -9", "stopped answering /health: …"
     log_tail: str
+    # its log ends in an allocation failure, or it was SIGKILLed (what the kernel's OOM killer sends)
+    out_of_memory: bool = False
 
 
 class InstanceRestarted(InstanceEvent, frozen=True, kw_only=True, tag="instance_restarted"):

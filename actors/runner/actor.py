@@ -173,8 +173,9 @@ class RunnerActor(Actor):
         api = ServerApi(session)
         serving = Serving(
             self.node_id, ctx.bus, api, self.l3, ctx.spawn, self.serving_limits,
-            handoff=self.handoff, subjects=ctx.subjects,
+            handoff=self.handoff, subjects=ctx.subjects, on_outcome=self._completion_outcome,
         )  # fmt: skip
+        self._serving = serving
         ctx.spawn(self._serve(ctx, serving, session), "serving")
 
         async def start(request: StartInstance) -> RunnerAck:
@@ -243,6 +244,11 @@ class RunnerActor(Actor):
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(5):
                     await session.close()
+
+    def _completion_outcome(self, instance_id: str, ok: bool, why: str) -> None:
+        driver = self._drivers.get(instance_id)
+        if driver is not None:
+            driver.note_completion(ok, why)
 
     def _sync_serving(self, serving: Serving) -> None:
         ready: dict[str, tuple[int, int, Path, object, bool]] = {}
@@ -352,6 +358,8 @@ class RunnerActor(Actor):
             signal_filter=self._signal_filter,
         )
         self._drivers[instance_id] = driver
+        serving = self._serving
+        driver.busy = lambda: serving.busy(instance_id)  # no probe behind a running generation
         self._identity(driver)  # the model file's digest, hashed while the server loads
         ctx.spawn(self._supervise(ctx, driver), f"instance:{instance_id}")
         with contextlib.suppress(TimeoutError):  # spawning takes milliseconds; the ack says where it stands

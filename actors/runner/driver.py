@@ -17,6 +17,7 @@ memory stays held.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shlex
 import signal
@@ -30,6 +31,7 @@ from actors.runner.admission import describe_drift
 from actors.runner.allocation_log import parse_allocation_log
 from actors.runner.command import build_command, server_environment
 from actors.runner.drift import ServerReport, server_drift
+from actors.runner.health import InferenceHealth, out_of_memory
 from actors.runner.limits import RunnerLimits
 from actors.runner.observed import observed_memory
 from actors.runner.process import MIB, ServerLog, ServerProcess
@@ -116,6 +118,9 @@ class InstanceDriver:
         self._pollers: list[asyncio.Task[None]] = []  # health/verify of this generation
         self._helpers: list[asyncio.Task[None]] = []  # log pumps and exit watchers
         self._stuck = ""  # set while the driver's own reap finds the server stuck
+        self.health = InferenceHealth(failures=limits.timings.liveness_failures)
+        self.busy: Callable[[], bool] = lambda: False  # whether a generation runs on it (set by the runner)
+        self._generation = -1
         self._bound = ctx.log.bind(instance_id=instance_id, reservation_id=reservation.reservation_id)
 
     # --- what others read --------------------------------------------------------------------------------
@@ -265,14 +270,48 @@ class InstanceDriver:
                 pass  # not listening yet (503 while loading is a status, not an error)
             await asyncio.sleep(self.limits.health_interval_s)
 
+    def note_completion(self, ok: bool, why: str = "") -> None:
+        """A real completion's outcome (from serving): evidence for health by inference."""
+        loop = asyncio.get_running_loop()
+        if ok:
+            self.health.success(loop.time())
+        elif self.health.failure(loop.time(), why):
+            reason = f"{self.health.consecutive_failures} completions failed in a row: {why}"
+            with contextlib.suppress(asyncio.QueueFull):
+                self.events.put_nowait(lc.Unresponsive(self._generation, reason))
+
+    async def _probe(self, port: int) -> str | None:
+        """One tiny real completion; None when it worked, else why not."""
+        body = {"prompt": "ok", "n_predict": 1, "cache_prompt": False, "temperature": 0}
+        try:
+            reply = await self._api.json(port, "POST", "/completion", body, timeout_s=self.limits.probe_timeout_s)
+        except ServerApiError as exc:
+            return str(exc)
+        if not isinstance(reply, dict) or "content" not in reply:
+            return "POST /completion: no content in the reply"
+        return None
+
     async def _liveness(self, generation: int) -> None:
-        """While ready: a server that keeps failing /health (hung, deadlocked) is reported unresponsive."""
+        """While ready: a server that keeps failing /health (hung, deadlocked) or whose completions fail (health
+        by inference: real completions, and a probe when none succeeded lately) is reported unresponsive."""
         t = self.limits.timings
         port = self.port
         assert port is not None
+        loop = asyncio.get_running_loop()
+        self._generation = generation
+        self.health.started(loop.time())
+        self.health.probe_interval_s = self.limits.probe_interval_s
         failures = 0
         while True:
-            await asyncio.sleep(t.liveness_interval_s)
+            await asyncio.sleep(min(t.liveness_interval_s, self.limits.probe_interval_s))
+            if self.health.should_probe(loop.time(), busy=self.busy()):
+                why = await self._probe(port)
+                if why is None:
+                    self.health.success(loop.time())
+                elif self.health.failure(loop.time(), why):
+                    reason = f"{self.health.consecutive_failures} completions failed in a row: {why}"
+                    await self.events.put(lc.Unresponsive(generation, reason))
+                    return
             try:
                 status = await self._api.status(port, "/health", timeout_s=self.limits.http_timeout_s)
                 detail = f"HTTP {status}"
@@ -415,6 +454,7 @@ class InstanceDriver:
                 restart_in_s=action.restart_in_s,
                 reason=action.reason,
                 log_tail=self.log.tail(),
+                out_of_memory=out_of_memory(action.exit_code, self.log.tail()),
             )
         elif isinstance(action, lc.ReportStopped):
             self.ctx.emit(InstanceStopped, **ids, reason=action.reason)

@@ -21,6 +21,8 @@ class RunnerLimits:
     final_ttl_s: float = 600.0  # how long a stopped/failed/rejected instance stays visible
     max_instances: int = 64
     http_timeout_s: float = 5.0  # one /health, /props or /slots exchange
+    probe_interval_s: float = 30.0  # a ready, idle server with no successful completion this long is probed
+    probe_timeout_s: float = 30.0  # a probe (one token, nothing cached) must answer within this
     health_interval_s: float = 0.1
     log_max_bytes: int = 16 << 20  # per instance; one rotated file is kept besides
     kept_instance_dirs: int = 32  # directories (logs, slot files) of ended instances kept for post-mortems

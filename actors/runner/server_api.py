@@ -106,6 +106,8 @@ class ServerApi:
             raise ServerApiError(f"{what}: no answer within {timeout_s:g}s") from exc
         except aiohttp.ClientError as exc:
             raise ServerApiError(f"{what}: {_failure(exc)}") from exc
+        except RuntimeError as exc:  # "Session is closed": the runner's incarnation is ending under this call
+            raise ServerApiError(f"{what}: {exc}") from exc
 
     async def tokenize(self, port: int, text: str, *, timeout_s: float) -> list[int]:
         reply = await self.json(port, "POST", "/tokenize", {"content": text, "add_special": True}, timeout_s=timeout_s)
@@ -141,6 +143,8 @@ class ServerApi:
             raise ServerApiError(f"POST /completion: the server sent nothing for {idle_timeout_s:g}s") from exc
         except aiohttp.ClientError as exc:
             raise ServerApiError(f"POST /completion: {_failure(exc)}") from exc
+        except RuntimeError as exc:  # the session closed: the runner's incarnation is ending
+            raise ServerApiError(f"POST /completion: {exc}") from exc
 
 
 async def _read_bounded(response: aiohttp.ClientResponse, what: str, max_bytes: int) -> bytes:

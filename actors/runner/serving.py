@@ -142,6 +142,7 @@ class Serving:
         limits: ServingLimits = ServingLimits(),
         handoff: HandoffActor | None = None,
         subjects: Subjects | None = None,
+        on_outcome: Callable[[str, bool, str], None] | None = None,
     ) -> None:
         self.node_id = node_id
         self._bus = bus
@@ -149,6 +150,7 @@ class Serving:
         self._l3 = l3
         self._handoff = handoff
         self._subjects = subjects or Subjects()
+        self._outcome = on_outcome or (lambda instance_id, ok, why: None)  # health by inference
         self._spawn = spawn
         self.limits = limits
         self._instances: dict[str, _Instance] = {}
@@ -231,6 +233,11 @@ class Serving:
         if not isinstance(prompt, str):
             raise RequestError(UNAVAILABLE, f"instance {instance_id}: /apply-template gave no prompt")
         return prompt
+
+    def busy(self, instance_id: str) -> bool:
+        """Whether a generation runs on the instance or waits for one of its slots."""
+        instance = self._instances.get(instance_id)
+        return instance is not None and (instance.table.busy > 0 or instance.table.queued > 0)
 
     def _instance(self, instance_id: str) -> _Instance:
         instance = self._instances.get(instance_id)
@@ -392,8 +399,11 @@ class Serving:
         except* ServerApiError as group:
             error = group.exceptions[0]
             status = getattr(error, "status", None)
+            if status is None or status >= 500:  # the server failed (not the request): evidence against it
+                self._outcome(instance.id, False, str(error))
             code = BAD_REQUEST if status == 400 else UNAVAILABLE
             raise RequestError(code, f"instance {instance.id}: {error}") from error
+        self._outcome(instance.id, True, "")
         exact = int(final.get("tokens_predicted", len(generated)) or 0) == len(generated)
         timings = final.get("timings") or {}
         if stream is None and timings:  # the server's own clock: prompt time, then the first token

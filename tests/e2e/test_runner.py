@@ -34,6 +34,7 @@ from actors.placement.memory import estimate
 from actors.runner.actor import RunnerActor, RunnerLimits
 from actors.runner.driver import DriverFault, SignalFilter
 from actors.runner.lifecycle import Event, Timings, Verified
+from messages.generate import GenerateRequest, GenerateResult, RunnerGenerate
 from messages.memory import MemoryBreakdown
 from messages.placement import NodeLedger, Reservation, Stamp
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
@@ -683,3 +684,42 @@ async def test_killing_the_runner_process_leaves_no_llama_server(
             await host.wait()
         for leftover in _servers_with(str(model)):  # never leave one behind, even when the test fails
             os.kill(leftover, signal.SIGKILL)
+
+
+async def test_a_ready_idle_server_is_probed_with_real_completions_and_a_busy_one_is_left_alone(
+    bus: Bus, journal_reader: JournalReader, models: dict[str, Path], binary: str, tmp_path: Path
+) -> None:
+    settings = _settings(slots=1)
+    # Slow enough (about 100 tokens/s here) that probes fall due during one generation; a large vocabulary keeps
+    # random weights from sampling the end of text early.
+    slow = tiny_models.write_llama(tmp_path / "slow.gguf", n_layer=12, n_embd=512, n_head=8, n_head_kv=4, n_ff=2048,
+                                   n_vocab=32000)  # fmt: skip
+    await _put_ledger(bus, _reservation("r-probe", slow, settings, 4096))
+    await _put_telemetry(bus)
+    probing = dataclasses.replace(
+        FAST,
+        probe_interval_s=0.3,
+        probe_timeout_s=0.5,  # a probe queued behind a long generation would fail: none may be sent then
+        timings=dataclasses.replace(FAST.timings, liveness_interval_s=0.1, liveness_failures=2),
+    )
+    async with runner(bus, tmp_path / "data", binary, Node(settings), limits=probing):
+        iid = (await _start(bus, "r-probe")).instance_id
+        await journal_reader.wait_for(of_type("instance_ready", instance_id=iid), timeout=60)
+        log = tmp_path / "data" / "runner" / iid / "llama-server.log"
+
+        def launched() -> int:
+            return log.read_text(errors="replace").count("launch_slot_")
+
+        before = launched()
+        await asyncio.sleep(1.5)
+        assert launched() >= before + 2  # idle: probes ran (a real one-token completion each)
+        # Busy: a long generation through the runner on the one slot; no probe may queue behind it.
+        order = RunnerGenerate(
+            request=GenerateRequest(model=iid, prompt="go on", n_predict=300, capture=False, timeout_s=120),
+            request_id="long-one",
+            instance_id=iid,
+        )
+        result = await bus.request(SUBJECTS.runner(NODE, "generate"), order, GenerateResult, timeout=150)
+        assert result.tokens_generated > 100 and result.total_ms > 1000, result  # long enough for probes to fall due
+        assert (await _status(bus, iid)).restarts == 0
+        assert not [e for e in journal_reader.events if e.get("type") == "instance_crashed"]
