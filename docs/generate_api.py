@@ -129,6 +129,11 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
         "every `generate` request: the candidates with their load and held prefix, the weights, the choice "
         "(`chosen` null: no ready instance, answered `no_instance`); `mesh-actor replay` re-decides it",
     ),
+    ev.ModelLoading: ((FRONTDOOR,), "a request found no ready instance of a catalog model: one is placed and started"),
+    ev.ModelLoaded: ((FRONTDOOR,), "the instance started for a catalog model is ready (`load_ms` from the request)"),
+    ev.RoomMade: ((FRONTDOOR,), "instances stopped so that a model fits, with the bytes each stop frees"),
+    ev.ModelRefused: ((FRONTDOOR,), "a model that never fits (HTTP 507: need and have), or could not be placed"),
+    ev.IdleStopped: ((FRONTDOOR,), "an instance of a catalog model stopped after its `idle_ttl_s`"),
     ev.L3Captured: ((L3,), "a saved slot state was ingested and committed (after its eviction pass)"),
     ev.L3CaptureDropped: (
         (L3,),

@@ -227,6 +227,47 @@ class GenerateRouted(Event, frozen=True, kw_only=True, tag="generate_routed"):
     router_version: str
 
 
+# ---- the front door (models on demand) ----
+
+
+class ModelLoading(Event, frozen=True, kw_only=True, tag="model_loading"):
+    """A request found no ready instance of a catalog model: one is being placed and started for it."""
+
+    model: str
+    waiting: int  # requests waiting for it
+
+
+class ModelLoaded(Event, frozen=True, kw_only=True, tag="model_loaded"):
+    model: str
+    instance_id: str
+    instance_node: str
+    load_ms: float
+
+
+class RoomMade(Event, frozen=True, kw_only=True, tag="room_made"):
+    """Instances stopped so that a model fits (least recently used, lowest priority, never pinned or in use)."""
+
+    model: str
+    stopped_on: str  # the node where room was made
+    stopped: tuple[str, ...]
+    frees: dict[str, int]
+
+
+class ModelRefused(Event, frozen=True, kw_only=True, tag="model_refused"):
+    """A model that can never fit (HTTP 507), or that could not be placed."""
+
+    model: str
+    reason: str
+    need_bytes: dict[str, int] = msgspec.field(default_factory=dict)
+    have_bytes: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class IdleStopped(Event, frozen=True, kw_only=True, tag="idle_stopped"):
+    model: str | None
+    instance_id: str
+    idle_s: float
+
+
 # ---- L3 (the node's store of saved slot states; owned by the L3 actor) ----
 
 
@@ -325,6 +366,11 @@ AnyEvent = (
     | InstanceFailed
     | InstanceStuck
     | GenerateRouted
+    | ModelLoading
+    | ModelLoaded
+    | RoomMade
+    | ModelRefused
+    | IdleStopped
     | L3Captured
     | L3CaptureDropped
     | L3Evicted

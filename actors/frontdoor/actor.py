@@ -39,6 +39,7 @@ from actors.frontdoor.lifecycle import NeverFits, Running, Stop, Wait, idle_expi
 from actors.placement.ledger import device_sizes
 from actors.runner.records import TTL_HEADER
 from messages.errors import BAD_REQUEST, NO_INSTANCE, TIMEOUT
+from messages.events import IdleStopped, ModelLoaded, ModelLoading, ModelRefused, RoomMade
 from messages.frontdoor import FrontDoorModel, FrontDoorReport, ModelState
 from messages.generate import ApplyTemplate, ChatTurn, GenerateChunk, GenerateResult, Prompt
 from messages.placement import ModelRef, NodeLedger, PlacementDecision, PlacementRequest, PreferredSettings
@@ -352,6 +353,7 @@ class FrontDoorActor(Actor):
                 if ready is not None:
                     return ready
                 if model.starting is None or model.starting.done():
+                    self._ctx.emit(ModelLoading, model=model.name, waiting=model.waiting)
                     model.starting = asyncio.get_running_loop().create_task(self._start(model, deadline))
                     self._starts.add(model.starting)
                     model.starting.add_done_callback(self._starts.discard)
@@ -373,6 +375,7 @@ class FrontDoorActor(Actor):
         settings = PreferredSettings(slots=entry.parallel) if entry.parallel else None
         placement = PlacementRequest(model=ref, ctx=entry.ctx, settings=settings, request_id=f"frontdoor-{model.name}")
         loop = asyncio.get_running_loop()
+        began = loop.time()
         while loop.time() < deadline:
             try:
                 decision = await ctx.bus.request(
@@ -391,13 +394,17 @@ class FrontDoorActor(Actor):
                     )
                 except (RemoteError, BusError) as exc:
                     raise oa.ApiError(503, f"the start on {node} failed: {exc}", "server_error") from exc
-                return await self._until_ready(ack.instance_id, deadline)
+                ready = await self._until_ready(ack.instance_id, deadline)
+                load_ms = (loop.time() - began) * 1000
+                ctx.emit(ModelLoaded, model=model.name, instance_id=ready.id, instance_node=ready.node, load_ms=load_ms)
+                return ready
             shortfalls = {
                 r.node_id: r.shortfalls
                 for r in decision.rejections
                 if r.reason == "insufficient_memory" and r.shortfalls
             }
             if not shortfalls:
+                ctx.emit(ModelRefused, model=model.name, reason=f"{decision.reason}: {decision.message}")
                 raise oa.ApiError(503, f"{model.name!r} cannot be placed: {decision.reason}: {decision.message}",
                                   "server_error", code=str(decision.reason))  # fmt: skip
             running = await self._running()
@@ -408,6 +415,9 @@ class FrontDoorActor(Actor):
                 shortfalls=msgspec.to_builtins(shortfalls), running=msgspec.to_builtins(running),
             )  # fmt: skip
             if isinstance(plan, NeverFits):
+                ctx.emit(
+                    ModelRefused, model=model.name, reason="never_fits", need_bytes=plan.need, have_bytes=plan.have
+                )
                 raise oa.ApiError(
                     507, f"{model.name!r} never fits: it needs {plan.need} bytes and at most {plan.have} can be "
                     f"freed on {plan.node}", "insufficient_memory", code="insufficient_memory",
@@ -416,6 +426,7 @@ class FrontDoorActor(Actor):
             if isinstance(plan, Stop):
                 ctx.log.info("frontdoor_making_room", model=model.name, node=plan.node, stopping=plan.instances)
                 await asyncio.gather(*(self._stop_instance(i) for i in plan.instances))
+                ctx.emit(RoomMade, model=model.name, stopped_on=plan.node, stopped=plan.instances, frees=plan.frees)
             elif isinstance(plan, Wait):
                 await asyncio.sleep(0.2)
         raise oa.ApiError(504, f"{model.name!r} did not load in {entry.timeout_s:g}s", "server_error", code="timeout")
@@ -534,9 +545,13 @@ class FrontDoorActor(Actor):
             except (BusError, Exception) as exc:  # a bucket read failing skips one pass
                 ctx.log.warning("frontdoor_idle_check_failed", error=repr(exc))
                 continue
-            for instance_id in idle_expired(running, now=self._clock()):
+            now = self._clock()
+            by_id = {r.instance_id: r for r in running}
+            for instance_id in idle_expired(running, now=now):
+                idle = by_id[instance_id]
                 ctx.log.info("frontdoor_idle_stop", instance_id=instance_id)
                 await self._stop_instance(instance_id)
+                ctx.emit(IdleStopped, model=idle.model, instance_id=instance_id, idle_s=now - idle.last_used)
 
 
 def _same_model(status: InstanceStatus, entry: CatalogModel, path: str | None) -> bool:

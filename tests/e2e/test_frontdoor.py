@@ -177,6 +177,12 @@ async def test_two_models_take_turns_in_memory_for_one_and_no_request_is_lost(
         starts = [line for line in out.splitlines() if line.strip()]
         assert 2 <= len(starts) <= 6, len(starts)  # requests grouped per model: a handful of swaps, not 16
         assert len(await instances(data_dir)) == 1  # never both at once
+        _, out, _ = await cli("events", "--json", "--subject", "frontdoor.room_made", "--data-dir", str(data_dir))
+        made = [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+        assert made and all(m["stopped"] and m["frees"]["CPU"] > 0 for m in made)  # each swap journaled
+        _, out, _ = await cli("events", "--json", "--subject", "frontdoor.model_refused", "--data-dir", str(data_dir))
+        (refused,) = [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+        assert refused["model"] == "huge" and refused["reason"] == "never_fits" and refused["need_bytes"]["CPU"] > 0
 
 
 async def test_pinned_stays_idle_stops_and_a_model_loaded_again_resumes_from_l3(
