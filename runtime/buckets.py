@@ -2,13 +2,16 @@
 
 Creating a bucket is idempotent and race-safe: if another process created it first (with the same
 definition), the existing one is used. Buckets are never deleted or recreated.
+
+In a NATS cluster, buckets and streams are created with `min(3, servers)` replicas (`create_replicated`);
+on a standalone server, with one, as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -18,6 +21,7 @@ from nats.js.kv import KeyValue
 
 from messages.subjects import Subjects
 from runtime.bus import BadMessage, Bus, decode_checked
+from runtime.logging import get_logger
 
 T = TypeVar("T")
 
@@ -37,15 +41,63 @@ FRONTDOORS = BucketSpec("mesh-actor: each front door's models and queues (per-ke
 L3 = BucketSpec("mesh-actor: each live node's L3 inventory (per-key TTL)", marker_ttl_s=60.0)
 
 
+MAX_REPLICAS = 3
+# JetStream's answers to too many replicas: insufficient resources (fewer servers up), and "replicas > 1
+# not supported in non-clustered mode".
+_TOO_MANY_REPLICAS = (10023, 10074)
+
+
+def cluster_size(bus: Bus) -> int:
+    """How many servers the NATS cluster the bus is on has, as far as the client knows: 1 on a standalone
+    server; in a cluster, the servers of its pool (the one it connected to and the peers' client URLs that
+    the servers announce in their INFO, `connect_urls`)."""
+    if not bus.nc._server_info.get("cluster"):  # nats-py keeps the first INFO there; no public accessor
+        return 1
+    return max(1, len({url.netloc for url in bus.nc.servers}))
+
+
+async def create_replicated(bus: Bus, what: str, create: Callable[[int], Awaitable[T]]) -> T:
+    """`create(replicas)` with `min(3, cluster_size)` replicas, fewer when JetStream says it cannot place
+    that many (a peer is down, or a server announces several URLs); a warning says when fewer than 3."""
+    servers = cluster_size(bus)
+    replicas = min(MAX_REPLICAS, servers)
+    while True:
+        try:
+            result = await create(replicas)
+            break
+        except nats.js.errors.APIError as exc:
+            if replicas > 1 and exc.err_code in _TOO_MANY_REPLICAS:
+                replicas -= 1
+                continue
+            raise
+    if servers > 1 and replicas < MAX_REPLICAS:
+        get_logger(component="buckets").warning(
+            "not_replicated",
+            what=what,
+            replicas=replicas,
+            servers=servers,
+            hint="a cluster of at least 3 servers keeps 3 copies; this one survives fewer failures",
+        )
+    return result
+
+
 async def open_bucket(bus: Bus, name: str, spec: BucketSpec) -> KeyValue:
     try:
         return await bus.js.key_value(name)
     except nats.js.errors.BucketNotFoundError:
         pass
-    try:
+
+    async def create(replicas: int) -> KeyValue:
         return await bus.js.create_key_value(
-            bucket=name, history=spec.history, description=spec.description, limit_marker_ttl=spec.marker_ttl_s
+            bucket=name,
+            history=spec.history,
+            description=spec.description,
+            limit_marker_ttl=spec.marker_ttl_s,
+            replicas=replicas,
         )
+
+    try:
+        return await create_replicated(bus, f"bucket {name}", create)
     except nats.js.errors.BadRequestError:
         return await bus.js.key_value(name)  # created by another node at the same moment
 

@@ -66,6 +66,9 @@ class NodeConfig:
     l3_budget_bytes: int | None = None  # None: a capped share of the disk (actors/l3/budget.py); 0: no capture
     http: tuple[str, int] | None = None  # the OpenAI-compatible front door's address (None: no front door)
     api_key: str | None = None  # the bearer key the front door requires (required beyond loopback)
+    cluster_listen: tuple[str, int] | None = None  # the embedded server's route listener (None: no cluster)
+    cluster_routes: tuple[str, ...] = ()  # HOST:PORT of other servers' route listeners (--join)
+    cluster_secret: str | None = None  # the route password every server of the cluster shares
 
     @property
     def subjects(self) -> Subjects:
@@ -134,6 +137,29 @@ def _listen(text: Any) -> tuple[str, int | None]:
     return host, _port(port) if port else None
 
 
+def _address(text: Any) -> tuple[str, int]:
+    """`HOST:PORT` (both required)."""
+    value = str(text).strip().removeprefix("nats://")
+    host, colon, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not colon or not host or not port:
+        raise ValueError(f"{value!r} is not HOST:PORT")
+    number = _port(port)
+    if number == 0:
+        raise ValueError(f"{value!r}: the port must not be 0")
+    return host, number
+
+
+def _routes(text: Any) -> tuple[str, ...]:
+    items = text if isinstance(text, list | tuple) else str(text).split(",")
+    routes = []
+    for item in items:
+        if str(item).strip():
+            host, port = _address(item)
+            routes.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    return tuple(dict.fromkeys(routes))
+
+
 def _urls(text: Any) -> tuple[str, ...]:
     items = text if isinstance(text, list | tuple) else str(text).split(",")
     urls = tuple(str(u).strip() for u in items if str(u).strip())
@@ -182,6 +208,10 @@ _OPTIONS: dict[str, Callable[[Any], Any]] = {
     "l3_budget": _budget,
     "http": _http,
     "api_key": str,
+    "cluster_listen": _address,
+    "join": _routes,
+    "cluster_secret": str,
+    "cluster_secret_file": str,
     "nats": _urls,
     "nats_user": str,
     "nats_password": str,
@@ -237,6 +267,42 @@ def _password(values: Mapping[str, Any]) -> str | None:
     return read_password_file(str(path))
 
 
+def _cluster_secret(values: Mapping[str, Any]) -> str | None:
+    secret, path = values.get("cluster_secret"), values.get("cluster_secret_file")
+    if path is not None:
+        if secret is not None:
+            raise ConfigError("give the cluster secret once: --cluster-secret-file or MESH_ACTOR_CLUSTER_SECRET")
+        try:
+            text = Path(str(path)).read_text(encoding="utf-8")
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read the cluster secret file {path}: {exc}") from exc
+        secret = text.splitlines()[0].strip() if text.strip() else ""
+    if secret is None:
+        return None
+    secret = str(secret)
+    if len(secret) < 16:
+        raise ConfigError("the cluster secret must be at least 16 characters (e.g. `openssl rand -hex 24`)")
+    return secret
+
+
+def _cluster(values: Mapping[str, Any]) -> tuple[tuple[str, int] | None, tuple[str, ...], str | None]:
+    listen: tuple[str, int] | None = values.get("cluster_listen")
+    routes: tuple[str, ...] = values.get("join", ())
+    secret = _cluster_secret(values)
+    if listen is None:
+        if routes:
+            raise ConfigError("--join needs --cluster-listen HOST:PORT (where this node's server takes routes)")
+        return None, (), None
+    if values.get("nats"):
+        raise ConfigError("--cluster-listen clusters the embedded NATS server: it cannot be given with --nats")
+    if secret is None and not is_loopback(listen[0]):
+        raise ConfigError(
+            f"the cluster listens on {listen[0]}, beyond loopback: give the route secret every node shares "
+            "(--cluster-secret-file FILE or MESH_ACTOR_CLUSTER_SECRET)"
+        )
+    return listen, routes, secret
+
+
 def load_config(
     flags: Mapping[str, Any],
     env: Mapping[str, str] | None = None,
@@ -275,6 +341,7 @@ def load_config(
         tls_key=values.get("nats_tls_key"),
     )
     listen_host, listen_port = values.get("nats_listen", ("127.0.0.1", None))
+    cluster_listen, cluster_routes, cluster_secret = _cluster(values)
     interval = values.get("telemetry_interval", 5.0)
     ttl = values.get("telemetry_ttl", max(15.0, 3 * interval))
     if ttl <= interval:
@@ -299,6 +366,9 @@ def load_config(
         l3_budget_bytes=values.get("l3_budget"),
         http=values.get("http"),
         api_key=_api_key(values),
+        cluster_listen=cluster_listen,
+        cluster_routes=cluster_routes,
+        cluster_secret=cluster_secret,
     )
 
 

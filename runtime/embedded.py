@@ -9,6 +9,12 @@ loopback requires TLS (a CA and server certificate generated in the data dir, `r
 credentials. `reload` rewrites the config and signals the running server (SIGHUP), which applies new users
 without dropping a connection. It cannot outlive us: it gets SIGTERM when the process that started it dies
 (Linux parent-death signal), and `stop` terminates it, then kills it after a deadline.
+
+With a `ClusterSpec` (`mesh-actor run --cluster-listen HOST:PORT --join HOST:PORT …`) the server also joins a
+NATS cluster: a `cluster` block (name from the mesh prefix, route listener, the joins as routes, route
+authorization by a secret every node shares) and `server_name` = the node id, which clustered JetStream
+requires to be unique. Users stay per server: each node's server knows its own admin, node and issued users,
+all in the one default account, so subjects route across the cluster whichever server a client is on.
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ import ssl
 import subprocess
 import sys
 import sysconfig
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
 import nats
+import nats.aio.client
 import nats.errors
 
 from messages.subjects import Subjects
@@ -59,6 +67,61 @@ class Credentials:
         return NatsOptions(urls=(self.url,), user=self.user, password=self.password, tls_ca=self.tls_ca)
 
 
+ROUTE_USER = "route"
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """How the embedded server joins a NATS cluster: its route listener, the routes it dials
+    (`HOST:PORT`, its own may be among them), the route secret every server of the cluster shares (None:
+    routes without authorization, allowed on loopback only), and its unique server name (the node id)."""
+
+    name: str
+    host: str
+    port: int
+    routes: tuple[str, ...]
+    secret: str | None
+    server_name: str
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "host": self.host,
+            "port": self.port,
+            "routes": list(self.routes),
+            "secret": self.secret,
+            "server_name": self.server_name,
+        }
+
+    @staticmethod
+    def from_json(raw: dict[str, object]) -> ClusterSpec:
+        routes = raw["routes"]
+        secret = raw.get("secret")
+        return ClusterSpec(
+            name=str(raw["name"]),
+            host=str(raw["host"]),
+            port=int(str(raw["port"])),
+            routes=tuple(str(r) for r in routes) if isinstance(routes, list) else (),
+            secret=None if secret is None else str(secret),
+            server_name=str(raw["server_name"]),
+        )
+
+    def expected_servers(self) -> int:
+        """The servers of the cluster as declared: this one and every route that is not itself."""
+        own = {f"{self.host}:{self.port}", f"127.0.0.1:{self.port}", f"localhost:{self.port}"}
+        return 1 + len({r for r in self.routes if r not in own})
+
+    def block(self) -> dict[str, object]:
+        """nats-server's `cluster { ... }` block."""
+        auth = ""
+        block: dict[str, object] = {"name": self.name, "listen": f"{self.host}:{self.port}"}
+        if self.secret is not None:
+            block["authorization"] = {"user": ROUTE_USER, "password": self.secret, "timeout": 5}
+            auth = f"{ROUTE_USER}:{urllib.parse.quote(self.secret, safe='')}@"
+        block["routes"] = [f"nats://{auth}{route}" for route in self.routes]
+        return block
+
+
 @dataclass(frozen=True, slots=True)
 class ServerRecord:
     """What the running embedded server was started with (kept in `nats.json` beside the admin
@@ -68,6 +131,7 @@ class ServerRecord:
     port: int
     prefix: str
     tls: bool
+    cluster: ClusterSpec | None = None
 
 
 def find_nats_server() -> str:
@@ -113,7 +177,14 @@ def read_server_record(data_dir: Path) -> ServerRecord | None:
     try:
         raw = json.loads(path.read_text())
         server = raw["server"]
-        return ServerRecord(str(server["host"]), int(server["port"]), str(server["prefix"]), bool(server["tls"]))
+        cluster = server.get("cluster")
+        return ServerRecord(
+            str(server["host"]),
+            int(server["port"]),
+            str(server["prefix"]),
+            bool(server["tls"]),
+            ClusterSpec.from_json(cluster) if isinstance(cluster, dict) else None,
+        )
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -149,6 +220,9 @@ def server_config(data_dir: Path, server: ServerRecord, admin: Credentials) -> d
             key=data_dir / tls.TLS_DIR / "server-key.pem",
         )
         config["tls"] = {"cert_file": str(files.cert), "key_file": str(files.key), "timeout": 5}
+    if server.cluster is not None:
+        config["server_name"] = server.cluster.server_name  # unique per cluster: clustered JetStream needs it
+        config["cluster"] = server.cluster.block()
     return config
 
 
@@ -204,6 +278,7 @@ class EmbeddedNats:
         host: str = "127.0.0.1",
         prefix: str = "mesh",
         node_id: str | None = None,
+        cluster: ClusterSpec | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.preferred_port = preferred_port
@@ -211,6 +286,7 @@ class EmbeddedNats:
         self.host = host
         self.prefix = prefix
         self.node_id = node_id
+        self.cluster = cluster
         self.credentials: Credentials | None = None
         self.node_credentials: Credentials | None = None
         self._process: asyncio.subprocess.Process | None = None
@@ -245,7 +321,7 @@ class EmbeddedNats:
         port = self.preferred_port if self.preferred_port and port_free(self.preferred_port) else free_port()
         ca = str(tls.ensure_certificates(self.data_dir, tls.local_names(self.host)).ca) if self.tls else None
         creds = self._credentials_for(port, ca)
-        server = ServerRecord(self.host, port, self.prefix, self.tls)
+        server = ServerRecord(self.host, port, self.prefix, self.tls, self.cluster)
         node_user = None
         if self.node_id is not None:
             try:
@@ -272,17 +348,26 @@ class EmbeddedNats:
         if ca:
             record["tls_ca"] = ca
         record["server"] = {"host": server.host, "port": server.port, "prefix": server.prefix, "tls": server.tls}
+        if server.cluster is not None:
+            record["server"]["cluster"] = server.cluster.to_json()  # type: ignore[index]
         write_private(self.data_dir / CREDENTIALS_FILE, json.dumps(record))
         self.credentials = creds
         if node_user is not None:
             self.node_credentials = Credentials(creds.url, node_user.user, node_user.password, ca)
-        self._log.info("embedded_nats_ready", url=creds.url, pid=self._process.pid, tls=self.tls)
+        self._log.info(
+            "embedded_nats_ready",
+            url=creds.url,
+            pid=self._process.pid,
+            tls=self.tls,
+            cluster=self.cluster and f"{self.cluster.host}:{self.cluster.port}",
+        )
         return creds
 
     async def _wait_ready(self, creds: Credentials) -> None:
         assert self._process is not None
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.ready_timeout_s
+        started = loop.time()
+        deadline = started + self.ready_timeout_s
         last_error = "no answer"
         while loop.time() < deadline:
             if self._process.returncode is not None:
@@ -306,7 +391,15 @@ class EmbeddedNats:
                 continue
             try:
                 await nc.jetstream().account_info()
+                if self.cluster is not None and not self._peers_known(nc, loop.time() - started):
+                    last_error = f"cluster: {len(nc.servers)} of {self.cluster.expected_servers()} servers known"
+                    await asyncio.sleep(0.2)
+                    continue
             except (nats.errors.Error, TimeoutError) as exc:
+                if self.cluster is not None:  # clustered JetStream waits for a quorum of its peers
+                    last_error = f"JetStream not ready in the cluster yet ({type(exc).__name__}: {exc})"
+                    await asyncio.sleep(0.2)
+                    continue
                 raise EmbeddedNatsError(
                     f"the embedded nats-server runs without JetStream ({exc}); refusing to start without it"
                 ) from exc
@@ -314,6 +407,14 @@ class EmbeddedNats:
                 await nc.close()
             return
         raise EmbeddedNatsError(f"nats-server not ready within {self.ready_timeout_s:g}s: {last_error}")
+
+    def _peers_known(self, nc: nats.aio.client.Client, waited_s: float) -> bool:
+        """Whether the server announces (in its INFO) as many servers as the streams will be replicated on,
+        so they are created with their full replica count; after a grace period, whatever it knows will do
+        (a peer may be down: the streams then get fewer replicas, with a warning)."""
+        assert self.cluster is not None
+        wanted = min(3, self.cluster.expected_servers())
+        return len({u.netloc for u in nc.servers}) >= wanted or waited_s > 10.0
 
     def _output_tail(self) -> str:
         tails = []

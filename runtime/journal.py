@@ -32,6 +32,7 @@ from nats.js.errors import NotFoundError
 
 from messages.events import Event, EventTooLarge, event_type
 from messages.subjects import Subjects
+from runtime.buckets import create_replicated
 from runtime.bus import Bus, encode
 from runtime.logging import get_logger
 
@@ -57,13 +58,19 @@ async def ensure_events_stream(bus: Bus, subjects: Subjects, *, max_age_s: float
     try:
         info = await bus.js.stream_info(name)
     except NotFoundError:
-        try:
+
+        async def create(replicas: int) -> None:
+            wanted.num_replicas = replicas
             await bus.js.add_stream(wanted)
+
+        try:
+            await create_replicated(bus, "journal (events stream)", create)
             return
         except nats.js.errors.BadRequestError:
             info = await bus.js.stream_info(name)  # another node created it at the same moment
     current = info.config
     if (current.max_age, current.max_bytes) != (max_age_s, max_bytes):
+        wanted.num_replicas = current.num_replicas  # a limits update keeps the replicas the stream has
         try:
             await bus.js.update_stream(wanted)
         except (nats.errors.Error, TimeoutError) as exc:  # a node's role may create the stream, not change it

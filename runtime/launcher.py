@@ -39,7 +39,7 @@ from runtime.actor import Actor, ActorGaveUpError, Supervisor
 from runtime.bus import Bus, ConnectFailed
 from runtime.config import ConfigError, NatsOptions, NodeConfig
 from runtime.creds import CredentialsError, with_creds_file
-from runtime.embedded import EmbeddedNats
+from runtime.embedded import ClusterSpec, EmbeddedNats
 from runtime.journal import Journal, ensure_events_stream
 from runtime.logging import get_logger
 from runtime.model_files import FileDigests
@@ -192,12 +192,15 @@ async def run_node(
             embedded = not options.urls
             admin = options
             if embedded:
+                cluster = _cluster_spec(config)
                 server = EmbeddedNats(
                     config.data_dir,
                     preferred_port=config.nats_port,
                     host=config.nats_host,
                     prefix=config.prefix,
                     node_id=config.node_id,
+                    cluster=cluster,
+                    ready_timeout_s=120.0 if cluster else 20.0,  # a cluster's JetStream waits for a quorum
                 )
                 admin = (await _unless_stopped(server.start(), stop)).options()
                 stack.push_async_callback(server.stop)
@@ -270,6 +273,24 @@ async def run_node(
             return await _serve(config, journal, supervisor, actors, stop, announce, url, embedded)
     finally:
         lock.close()
+
+
+def _cluster_spec(config: NodeConfig) -> ClusterSpec | None:
+    if config.cluster_listen is None:
+        return None
+    host, port = config.cluster_listen
+    if config.cluster_secret is None:
+        get_logger(node=config.node_id).warning(
+            "cluster_routes_unauthenticated", hint="give --cluster-secret-file (required beyond loopback)"
+        )
+    return ClusterSpec(
+        name=config.prefix,
+        host=host,
+        port=port,
+        routes=config.cluster_routes,
+        secret=config.cluster_secret,
+        server_name=config.node_id,
+    )
 
 
 async def _ensure_journal(config: NodeConfig, bus: Bus | None, admin: NatsOptions) -> None:

@@ -18,6 +18,7 @@ from nats.js.object_store import ObjectStore
 
 from messages.events import DecisionInputs, DecisionRecordRef
 from messages.subjects import Subjects
+from runtime.buckets import create_replicated
 from runtime.bus import BadMessage, Bus, decode_checked, encode
 
 #: How long records are kept, and the store's byte limit (oldest records go first).
@@ -48,14 +49,19 @@ async def open_store(
         return await bus.js.object_store(name)
     except nats.js.errors.NotFoundError:
         pass
-    config = ObjectStoreConfig(
-        bucket=name,
-        description="mesh-actor: complete inputs of large placement decisions (by blake3)",
-        ttl=max_age_s,
-        max_bytes=max_bytes,
-    )
-    try:
+
+    async def create(replicas: int) -> ObjectStore:
+        config = ObjectStoreConfig(
+            bucket=name,
+            description="mesh-actor: complete inputs of large placement decisions (by blake3)",
+            ttl=max_age_s,
+            max_bytes=max_bytes,
+            replicas=replicas,
+        )
         return await bus.js.create_object_store(name, config=config)
+
+    try:
+        return await create_replicated(bus, f"object store {name}", create)
     except nats.js.errors.BadRequestError:
         return await bus.js.object_store(name)  # created by another node at the same moment
 

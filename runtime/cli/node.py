@@ -95,6 +95,22 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         metavar="HOST[:PORT]",
         help="where the embedded server listens (default loopback); beyond loopback it requires TLS and credentials",
     )
+    run.add_argument(
+        "--cluster-listen",
+        metavar="HOST:PORT",
+        help="join the embedded server to a NATS cluster: where it takes routes from the other nodes' servers",
+    )
+    run.add_argument(
+        "--join",
+        action="append",
+        metavar="HOST:PORT",
+        help="another node's --cluster-listen address (repeatable; this node's own may be listed too)",
+    )
+    run.add_argument(
+        "--cluster-secret-file",
+        metavar="FILE",
+        help="the route secret all nodes of the cluster share (required beyond loopback; or MESH_ACTOR_CLUSTER_SECRET)",
+    )
     run.add_argument("--telemetry-interval", type=float, metavar="S", help="seconds between reports (default 5)")
     run.add_argument("--telemetry-ttl", type=float, metavar="S", help="seconds a report stays valid (default 15)")
     run.add_argument("--llama-server", metavar="PATH", help="llama-server binary (default: the llama extra's)")
@@ -141,6 +157,9 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "memory_limit": args.memory_limit,
         "nats_port": args.nats_port,
         "nats_listen": args.nats_listen,
+        "cluster_listen": args.cluster_listen,
+        "join": ",".join(args.join) if args.join else None,
+        "cluster_secret_file": args.cluster_secret_file,
         "telemetry_interval": args.telemetry_interval,
         "telemetry_ttl": args.telemetry_ttl,
         "llama_server": args.llama_server,

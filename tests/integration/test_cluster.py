@@ -1,0 +1,212 @@
+"""Zero-ops cluster: three `mesh-actor run` nodes whose embedded nats-servers form one NATS cluster.
+
+Placement answers through any node; when one node is killed (SIGKILL: its embedded server dies with it,
+by the parent-death signal) placement still answers within 10 s through the others, no reservation is lost
+or doubled, the journal (replicated on the three servers) keeps every event, and the node restarted on its
+data dir rejoins. No llama-server is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from messages.subjects import Subjects
+from runtime.bus import Bus
+from runtime.children import free_port
+from runtime.embedded import read_credentials
+from tests.conftest import mesh_actor_command, processes
+from tests.tiny_models import write_llama
+
+NODES = ("c1", "c2", "c3")
+
+
+async def cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        *mesh_actor_command(), *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        async with asyncio.timeout(timeout):
+            out, err = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+class Cluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.ports = {name: free_port() for name in NODES}
+        self.secret = root / "cluster.secret"
+        self.secret.write_text("s3cret-shared-by-every-node-" + os.urandom(8).hex() + "\n")
+        self.processes: dict[str, asyncio.subprocess.Process] = {}
+
+    def data_dir(self, name: str) -> Path:
+        return self.root / name
+
+    async def start(self, name: str) -> asyncio.subprocess.Process:
+        joins = [a for other in NODES for a in ("--join", f"127.0.0.1:{self.ports[other]}")]
+        process = await asyncio.create_subprocess_exec(
+            *mesh_actor_command(),
+            "run",
+            "--data-dir",
+            str(self.data_dir(name)),
+            "--node-id",
+            name,
+            "--nats-port",
+            "0",
+            "--telemetry-interval",
+            "0.5",
+            "--cluster-listen",
+            f"127.0.0.1:{self.ports[name]}",
+            "--cluster-secret-file",
+            str(self.secret),
+            *joins,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        self.processes[name] = process
+        return process
+
+    async def ready(self, name: str, timeout: float = 90) -> None:
+        stdout = self.processes[name].stdout
+        assert stdout is not None
+        async with asyncio.timeout(timeout):
+            line = (await stdout.readline()).decode()
+        assert "running" in line, line
+
+    def kill(self, name: str) -> None:
+        self.processes[name].send_signal(signal.SIGKILL)
+
+    async def stop_all(self) -> None:
+        for process in self.processes.values():
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                async with asyncio.timeout(30):
+                    await process.wait()
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def cluster(root: Path) -> AsyncIterator[Cluster]:
+    mesh = Cluster(root)
+    try:
+        for name in NODES:
+            await mesh.start(name)
+        await asyncio.gather(*(mesh.ready(name) for name in NODES))
+        yield mesh
+    finally:
+        await mesh.stop_all()
+
+
+async def replicas(data_dir: Path) -> dict[str, int]:
+    """Replicas of the journal stream and the reservations bucket, asked with the node's admin user."""
+    creds = read_credentials(data_dir)
+    assert creds is not None
+    bus = await Bus.connect(creds.options(), name="test", deadline_s=10)
+    try:
+        subjects = Subjects("mesh")
+        found = {}
+        for stream in (subjects.events_stream, f"KV_{subjects.reservations_bucket}"):
+            info = await bus.js.stream_info(stream)
+            found[stream] = info.config.num_replicas or 1
+        return found
+    finally:
+        await bus.close()
+
+
+async def status(data_dir: Path) -> dict[str, Any]:
+    code, out, err = await cli("status", "--json", "--data-dir", str(data_dir))
+    assert code == 0, err
+    return dict(json.loads(out))
+
+
+async def wait_nodes(data_dir: Path, names: set[str], timeout: float = 30) -> dict[str, Any]:
+    async with asyncio.timeout(timeout):
+        while True:
+            with contextlib.suppress(AssertionError, ValueError):
+                current = await status(data_dir)
+                if {n["node_id"] for n in current["nodes"]} >= names:
+                    return current
+            await asyncio.sleep(0.3)
+
+
+async def place(data_dir: Path, model: Path, *extra: str) -> tuple[int, str, str]:
+    return await cli("place", str(model), "-c", "512", "--json", "--timeout", "5", *extra, "--data-dir", str(data_dir))
+
+
+async def events(data_dir: Path) -> list[dict[str, Any]]:
+    code, out, err = await cli("events", "--json", "--data-dir", str(data_dir))
+    assert code == 0, err
+    return [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+
+
+@pytest.mark.timeout(240)
+async def test_three_node_cluster_survives_a_killed_node_and_takes_it_back(tmp_path: Path) -> None:
+    model = write_llama(tmp_path / "tiny.gguf")
+    async with cluster(tmp_path) as mesh:
+        first = mesh.data_dir("c1")
+        await wait_nodes(first, set(NODES))
+        code, out, err = await place(first, model, "--fit")
+        assert code == 0, out + err
+        code, out, err = await place(mesh.data_dir("c2"), model)
+        assert code == 0, out + err
+        before = (await status(first))["reservations"]
+        assert len(before) == 1, before
+        assert set((await replicas(first)).values()) == {3}
+        journal_before = await events(first)
+        assert journal_before, "the journal is empty"
+
+        # Kill c3 (SIGKILL): its embedded nats-server dies with it (parent-death signal).
+        servers = processes("nats-server", str(mesh.data_dir("c3")))
+        assert servers, "c3's nats-server is not running"
+        mesh.kill("c3")
+        await mesh.processes["c3"].wait()
+        killed_at = time.monotonic()
+        async with asyncio.timeout(10):
+            while processes("nats-server", str(mesh.data_dir("c3"))):
+                await asyncio.sleep(0.05)
+            while True:
+                code, out, err = await place(first, model, "--fit", "--node", "c1")
+                if code == 0:
+                    break
+                await asyncio.sleep(0.2)
+        assert time.monotonic() - killed_at < 10
+
+        survivor = mesh.data_dir("c2")
+        after = (await status(survivor))["reservations"]
+        assert sorted(r["reservation_id"] for r in after) == sorted(
+            r["reservation_id"] for r in before
+        )  # none lost, none doubled
+        ids = {e["id"] for e in await events(survivor)}
+        assert {e["id"] for e in journal_before} <= ids
+
+        # c3 restarts on its data dir and rejoins: it reports again, and appends to the shared journal.
+        await mesh.start("c3")
+        await mesh.ready("c3")
+        await wait_nodes(first, set(NODES))
+        async with asyncio.timeout(30):
+            while True:
+                started = [e for e in await events(first) if e.get("node") == "c3" and e["id"] not in ids]
+                if started:
+                    break
+                await asyncio.sleep(0.5)
+    for name in NODES:
+        assert not processes("nats-server", str(mesh.data_dir(name))), f"{name}'s nats-server left behind"

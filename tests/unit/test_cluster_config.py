@@ -1,0 +1,73 @@
+"""`--cluster-listen`/`--join`/the cluster secret: parsed, validated, and turned into nats-server's cluster block."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runtime.config import ConfigError, load_config
+from runtime.embedded import ClusterSpec, Credentials, ServerRecord, server_config
+
+SECRET = "0123456789abcdef-secret"
+
+
+def test_no_cluster_by_default(tmp_path: Path) -> None:
+    config = load_config({"data_dir": str(tmp_path)}, env={})
+    assert config.cluster_listen is None and config.cluster_routes == () and config.cluster_secret is None
+
+
+def test_flags_env_and_secret_file(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET + "\n")
+    flags = {
+        "data_dir": str(tmp_path),
+        "cluster_listen": "10.0.0.1:6222",
+        "join": "10.0.0.2:6222,nats://10.0.0.3:6222,10.0.0.2:6222",
+        "cluster_secret_file": str(secret),
+    }
+    config = load_config(flags, env={})
+    assert config.cluster_listen == ("10.0.0.1", 6222)
+    assert config.cluster_routes == ("10.0.0.2:6222", "10.0.0.3:6222")
+    assert config.cluster_secret == SECRET
+    env = {"MESH_ACTOR_CLUSTER_LISTEN": "127.0.0.1:6222", "MESH_ACTOR_JOIN": "127.0.0.1:6223"}
+    config = load_config({"data_dir": str(tmp_path)}, env={**env, "MESH_ACTOR_CLUSTER_SECRET": SECRET})
+    assert config.cluster_listen == ("127.0.0.1", 6222) and config.cluster_secret == SECRET
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"join": "10.0.0.2:6222"}, "--cluster-listen"),
+        ({"cluster_listen": "10.0.0.1:6222"}, "secret"),
+        ({"cluster_listen": "127.0.0.1:6222", "nats": "nats://x:4222"}, "--nats"),
+        ({"cluster_listen": "10.0.0.1"}, "HOST:PORT"),
+    ],
+)
+def test_refused(tmp_path: Path, values: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config({"data_dir": str(tmp_path), **values}, env={})
+
+
+def test_short_secret_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="16"):
+        load_config(
+            {"data_dir": str(tmp_path), "cluster_listen": "127.0.0.1:6222"}, env={"MESH_ACTOR_CLUSTER_SECRET": "x"}
+        )
+
+
+def test_server_config_cluster_block(tmp_path: Path) -> None:
+    admin = Credentials("nats://127.0.0.1:4222", "mesh", "pw")
+    plain = server_config(tmp_path, ServerRecord("127.0.0.1", 4222, "mesh", False), admin)
+    assert "cluster" not in plain and "server_name" not in plain
+    cluster = ClusterSpec("mesh", "127.0.0.1", 6222, ("127.0.0.1:6222", "127.0.0.1:6223"), "a/b secret", "n1")
+    config = server_config(tmp_path, ServerRecord("127.0.0.1", 4222, "mesh", False, cluster), admin)
+    assert config["server_name"] == "n1"
+    assert config["cluster"] == {
+        "name": "mesh",
+        "listen": "127.0.0.1:6222",
+        "authorization": {"user": "route", "password": "a/b secret", "timeout": 5},
+        "routes": ["nats://route:a%2Fb%20secret@127.0.0.1:6222", "nats://route:a%2Fb%20secret@127.0.0.1:6223"],
+    }
+    assert cluster.expected_servers() == 2
+    assert ClusterSpec.from_json(cluster.to_json()) == cluster
