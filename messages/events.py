@@ -225,6 +225,7 @@ class GenerateRouted(Event, frozen=True, kw_only=True, tag="generate_routed"):
     weights: RouteWeights
     decision: RouteDecision
     router_version: str
+    links: dict[str, float] = msgspec.field(default_factory=dict)  # "src>dst" -> handoff bytes/s (smoothed)
 
 
 # ---- the front door (models on demand) ----

@@ -185,6 +185,9 @@ class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True):
     queued: int
     identity: str | None  # the exact-state identity of its states (None: unknown, no L3 credit)
     resident: tuple[HeldPrefix, ...] = ()  # at the lengths `actors.router.prefixes.marks` gives, per slot
+    prefill_tokens_per_s: float = 0.0  # measured (llama-server's timings, smoothed); 0: not measured yet
+    state_bytes_per_token: float = 0.0  # a saved state's size: KV per token, and the recurrent floor
+    state_floor_bytes: float = 0.0
 
 
 class ServingReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -216,6 +219,10 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
     held_tokens: int = 0
     source: PrefixSource = "cold"
     held_node: str | None = None  # the store holding an L3 prefix
+    identity: str | None = None
+    prefill_tokens_per_s: float = 0.0
+    state_bytes_per_token: float = 0.0
+    state_floor_bytes: float = 0.0
 
 
 class Scored(msgspec.Struct, frozen=True, kw_only=True):
@@ -230,3 +237,5 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     chosen: str | None
     reason: str
     scores: tuple[Scored, ...] = ()
+    prefill_node: str | None = None  # prefill there and hand the state off (the cost model said it pays)
+    prefill_reason: str = ""

@@ -22,11 +22,13 @@ from collections.abc import Callable
 from pathlib import PurePosixPath
 from typing import Final
 
+import msgspec
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
+from actors.handoff import cost
 from actors.router.prefixes import Holdings
-from actors.router.routing import DEFAULT_WEIGHTS, ROUTER_VERSION, choose
+from actors.router.routing import DEFAULT_WEIGHTS, ROUTER_VERSION, link_key, route
 from messages.errors import BAD_REQUEST, NO_INSTANCE, TIMEOUT, UNAVAILABLE
 from messages.events import GenerateRouted
 from messages.generate import (
@@ -75,6 +77,7 @@ class RouterActor(Actor):
         self._inventories: dict[str, L3Inventory] = {}
         self._inflight: dict[str, int] = {}
         self._holdings: Holdings | None = None  # rebuilt after any change of reports or inventories
+        self._links: dict[str, cost.Estimate] = {}  # "src>dst" -> handoff bytes/s seen in results
 
     async def run(self, ctx: ActorContext) -> None:
         self._instances.clear()
@@ -238,10 +241,15 @@ class RouterActor(Actor):
                     held_tokens=credit.n_tokens if credit else 0,
                     source=credit.source if credit else "cold",
                     held_node=credit.node if credit else None,
+                    identity=load.identity if load else None,
+                    prefill_tokens_per_s=load.prefill_tokens_per_s if load else 0.0,
+                    state_bytes_per_token=load.state_bytes_per_token if load else 0.0,
+                    state_floor_bytes=load.state_floor_bytes if load else 0.0,
                 )
             )
         n_prompt = len(tokens) if tokens is not None else 0
-        decision = choose(n_prompt, candidates, self.weights)
+        links = {key: e.value for key, e in self._links.items()}
+        decision = route(n_prompt, candidates, self.weights, links if request.prefill_node is None else {})
         event = ctx.emit(
             GenerateRouted,
             request_id=request_id,
@@ -251,11 +259,14 @@ class RouterActor(Actor):
             weights=self.weights,
             decision=decision,
             router_version=ROUTER_VERSION,
+            links=links,
         )
         if decision.chosen is None:
             raise RequestError(NO_INSTANCE, f"no ready instance serves {request.model!r}", {"model": request.model})
         chosen = next(c for c in candidates if c.instance_id == decision.chosen)
         chosen_path = self._instances[chosen.instance_id].model_path if chosen.instance_id in self._instances else ""
+        if decision.prefill_node is not None and request.prefill_node is None:  # the cost model said it pays
+            request = msgspec.structs.replace(request, prefill_node=decision.prefill_node)
         order = RunnerGenerate(
             request=request,
             request_id=request_id,
@@ -266,12 +277,17 @@ class RouterActor(Actor):
         )
         self._inflight[chosen.instance_id] = self._inflight.get(chosen.instance_id, 0) + 1
         try:
-            return await ctx.bus.request(
+            result = await ctx.bus.request(
                 ctx.subjects.runner(chosen.node, "generate"),
                 order,
                 GenerateResult,
                 timeout=request.timeout_s + FORWARD_SLACK_S,
             )
+            if result.path == "disaggregated" and result.prefill_node and result.handoff_ms > 0:
+                key = link_key(result.prefill_node, result.node)
+                sample = cost.rate(result.handoff_bytes, result.handoff_ms / 1000)
+                self._links[key] = cost.observe(self._links.get(key), sample)
+            return result
         except RemoteError as exc:
             raise RequestError(exc.reply.code, exc.reply.message, exc.reply.details) from exc
         except NoResponders as exc:

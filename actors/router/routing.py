@@ -16,15 +16,20 @@ order), so the same inputs always give the same choice. Nothing here reads a clo
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Final
 
+import msgspec
+
+from actors.handoff import cost
 from messages.generate import Candidate, RouteDecision, RouteWeights, Scored
 
 __all__ = ["DEFAULT_WEIGHTS", "ROUTER_VERSION", "Candidate", "RouteDecision", "RouteWeights", "Scored", "choose"]
 
 #: Named in every routing event; bump it when `choose` changes what it decides.
-ROUTER_VERSION: Final = "route-1"
+ROUTER_VERSION: Final = "route-2"
+#: Open, commit and restore of one handoff, on top of the bytes moved (seconds).
+HANDOFF_FIXED_S: Final = 0.05
 
 
 DEFAULT_WEIGHTS: Final = RouteWeights()
@@ -62,3 +67,54 @@ def choose(n_prompt: int, candidates: Sequence[Candidate], weights: RouteWeights
     else:
         reason = f"lowest load (cost {scores[0].cost:g})"
     return RouteDecision(chosen=best.instance_id, reason=reason, scores=tuple(scores))
+
+
+def link_key(src: str, dst: str) -> str:
+    return f"{src}>{dst}"
+
+
+def place_phases(
+    n_prompt: int, decision: RouteDecision, candidates: Sequence[Candidate], links: Mapping[str, float]
+) -> RouteDecision:
+    """Whether to prefill elsewhere than the chosen instance: on another node's instance of the same identity,
+    when the handoff cost model (`actors.handoff.cost`) says that strictly wins for the tokens still to be
+    computed, with measured rates only (an unmeasured instance or link never disaggregates)."""
+    chosen = next((c for c in candidates if c.instance_id == decision.chosen), None)
+    if chosen is None or chosen.identity is None or chosen.prefill_tokens_per_s <= 0:
+        return decision
+    n_new = n_prompt - min(chosen.held_tokens, n_prompt) - 1  # the last token is always computed where it decodes
+    if n_new <= 0:
+        return decision
+    size = cost.StateSize(bytes_per_token=chosen.state_bytes_per_token, floor_bytes=chosen.state_floor_bytes)
+    best: tuple[float, str, cost.Decision] | None = None
+    for c in candidates:
+        link = links.get(link_key(c.node, chosen.node), 0.0)
+        if c.node == chosen.node or c.identity != chosen.identity or c.prefill_tokens_per_s <= 0 or link <= 0:
+            continue
+        rates = cost.Rates(
+            local_tokens_per_s=chosen.prefill_tokens_per_s,
+            remote_tokens_per_s=c.prefill_tokens_per_s,
+            link_bytes_per_s=link,
+            fixed_s=HANDOFF_FIXED_S,
+        )
+        verdict = cost.decide(n_new, size, rates)
+        if verdict.path == "disaggregated" and (best is None or (verdict.remote_s, c.node) < best[:2]):
+            best = (verdict.remote_s, c.node, verdict)
+    if best is None:
+        return decision
+    remote_s, node, verdict = best
+    reason = (
+        f"prefill {n_new} tokens on {node}: {remote_s:.3f}s with the handoff vs {verdict.local_s:.3f}s here "
+        f"(break-even {verdict.breakeven} tokens)"
+    )
+    return msgspec.structs.replace(decision, prefill_node=node, prefill_reason=reason)
+
+
+def route(
+    n_prompt: int,
+    candidates: Sequence[Candidate],
+    weights: RouteWeights = DEFAULT_WEIGHTS,
+    links: Mapping[str, float] | None = None,
+) -> RouteDecision:
+    """The whole routing decision: the instance (`choose`), then where to prefill (`place_phases`)."""
+    return place_phases(n_prompt, choose(n_prompt, candidates, weights), candidates, links or {})

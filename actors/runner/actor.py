@@ -36,6 +36,7 @@ import aiohttp
 import msgspec
 import nats.errors
 
+from actors.handoff import cost
 from actors.handoff.actor import HandoffActor
 from actors.l3.api import L3Access
 from actors.placement.memory import MemoryModelError, cache_allocations, estimate
@@ -260,6 +261,7 @@ class RunnerActor(Actor):
                 ready[driver.id] = (driver.port, slots, driver.directory / "slots", generation, rollback)
         serving.sync(ready)
         for iid in ready:
+            serving.set_state_size(iid, cost.StateSize.of_slot(self._drivers[iid].predicted))
             if serving.identity_of(iid) is None:
                 identity = self._identity(self._drivers[iid])
                 if identity is not None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from actors.handoff import cost
 from actors.handoff.actor import HandoffActor, HandoffFailed
 from actors.l3.api import L3Access, L3Hit, L3Unavailable
 from actors.l3.identity import DraftSettings, Platform, StateInputs, exact_state_identity
@@ -114,6 +115,8 @@ class _Instance:
     def __init__(
         self, instance_id: str, port: int, slots: int, slot_dir: Path, generation: object, rollback: bool
     ) -> None:
+        self.prefill_rate: cost.Estimate | None = None  # prompt tokens/s, from the server's own timings
+        self.state = cost.StateSize(bytes_per_token=0.0)
         self.id = instance_id
         self.port = port
         self.slot_dir = slot_dir
@@ -160,6 +163,17 @@ class Serving:
 
     # --- the instances ---------------------------------------------------------------------------------
 
+    def set_state_size(self, instance_id: str, size: cost.StateSize) -> None:
+        instance = self._instances.get(instance_id)
+        if instance is not None:
+            instance.state = size
+
+    def _measured(self, instance: _Instance, timings: dict[str, Any]) -> None:
+        """A completion's prefill rate, once it computed enough tokens to say (smoothed)."""
+        if int(timings.get("prompt_n", 0) or 0) >= 32:
+            instance.prefill_rate = cost.observe(instance.prefill_rate, float(timings.get("prompt_per_second", 0)))
+            self.changed.set()
+
     def sync(self, ready: dict[str, tuple[int, int, Path, object, bool]]) -> None:
         """The ready instances now: id -> (port, slots, slot dir, generation, rollback). A new generation (a
         restarted server) starts with empty slots; instances no longer ready are forgotten once idle."""
@@ -169,6 +183,8 @@ class Serving:
                 identity = known.identity if known is not None else None
                 fresh = _Instance(iid, port, slots, slot_dir, generation, rollback)
                 fresh.identity = identity
+                if known is not None:
+                    fresh.prefill_rate, fresh.state = known.prefill_rate, known.state
                 if known is not None:  # running generations keep their own object; new ones get fresh slots
                     fresh.table = known.table
                     fresh.table.forget()
@@ -203,6 +219,9 @@ class Serving:
                     queued=inst.table.queued,
                     identity=inst.identity,
                     resident=resident,
+                    prefill_tokens_per_s=inst.prefill_rate.value if inst.prefill_rate else 0.0,
+                    state_bytes_per_token=inst.state.bytes_per_token,
+                    state_floor_bytes=inst.state.floor_bytes,
                 )
             )
         return ServingReport(
@@ -406,6 +425,7 @@ class Serving:
         self._outcome(instance.id, True, "")
         exact = int(final.get("tokens_predicted", len(generated)) or 0) == len(generated)
         timings = final.get("timings") or {}
+        self._measured(instance, timings)
         if stream is None and timings:  # the server's own clock: prompt time, then the first token
             first = before_completion + (timings.get("prompt_ms", 0) + timings.get("predicted_per_token_ms", 0)) / 1000
         if stop != "cancelled":
@@ -478,6 +498,7 @@ class Serving:
             except ServerApiError as exc:
                 raise RequestError(UNAVAILABLE, f"instance {instance.id}: {exc}") from exc
             evaluated = int((final.get("timings") or {}).get("prompt_n", 0) or 0)
+            self._measured(instance, final.get("timings") or {})
             prefilled = time.perf_counter()
             name = f"handoff-{order.request_id}-{uuid.uuid4().hex[:8]}.bin"
             path = instance.slot_dir / name

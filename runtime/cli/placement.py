@@ -24,7 +24,7 @@ from actors.placement.geometry import GeometryError, geometry_from_header
 from actors.placement.gguf_header import GGUFFormatError, parse_header, read_header
 from actors.placement.registry import RegistryUntrusted, public_key_of, sign
 from actors.placement.replay import differences, inputs_of, recompute
-from actors.router.routing import choose
+from actors.router.routing import route
 from messages.events import DecisionInputs, GenerateRouted, PlacementDecided
 from messages.model import ModelGeometry
 from messages.placement import ModelRef, PlacementDecision, PlacementRequest
@@ -242,7 +242,7 @@ async def cmd_replay(args: argparse.Namespace) -> int:
                 skipped.append({"seq": stored.seq, "reason": f"not a routing this version can read: {exc.error}"})
                 continue
             replayed += 1
-            rerouted = choose(routed.n_prompt, routed.candidates, routed.weights)
+            rerouted = route(routed.n_prompt, routed.candidates, routed.weights, routed.links)
             diff = differences(routed.decision, rerouted)
             if diff:
                 changed.append(

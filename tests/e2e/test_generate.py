@@ -361,3 +361,7 @@ async def test_prefill_on_one_node_and_decode_on_another_gives_the_local_output(
             body = {"prompt": other, "n_predict": 32, "temperature": 0, "cache_prompt": False, "return_tokens": True}
             reply = await call_server(port, "POST", "/completion", body, timeout_s=60)
             assert split["tokens"] == json.loads(reply.body)["tokens"]  # 32 greedy tokens, token for token
+            # The router has now measured this link; both nodes prefill alike, so by cost it stays local.
+            third = [5 + (i * 17) % 240 for i in range(300)]
+            chosen = await gen(first, model.name, third, 4, "--no-capture")
+            assert chosen["path"] == "local", chosen

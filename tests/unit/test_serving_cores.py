@@ -156,3 +156,39 @@ def test_without_rollback_a_slot_holding_more_than_the_request_is_worth_nothing(
     assert grant is not None and (grant.slot, grant.resident) == (b.slot, 2)
     other = table.acquire([1, 2, 3])
     assert other is not None and other.resident == 0
+
+
+# ---- phase placement (prefill here or elsewhere) ----
+
+ID = "ef" * 32
+
+
+def _measured(iid: str, node: str, rate: float, **fields: object) -> Candidate:
+    base: dict[str, object] = {
+        "instance_id": iid, "node": node, "slots": 2, "busy": 0, "queued": 0, "identity": ID,
+        "prefill_tokens_per_s": rate, "state_bytes_per_token": 100_000.0, "state_floor_bytes": 0.0,
+    }  # fmt: skip
+    return Candidate(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_a_faster_prefill_node_with_a_measured_link_takes_the_long_prompt_and_never_the_short_one() -> None:
+    from actors.router.routing import link_key, route
+
+    here, fast = _measured("a", "n1", 100.0), _measured("b", "n2", 1000.0, busy=2, queued=1)
+    links = {link_key("n2", "n1"): 1e9}  # 1 GB/s
+    long = route(4000, [here, fast], links=links)
+    assert long.chosen == "a" and long.prefill_node == "n2" and "break-even" in long.prefill_reason
+    short = route(3, [here, fast], links=links)
+    assert short.chosen == "a" and short.prefill_node is None  # the handoff's fixed cost is not worth it
+
+
+def test_unmeasured_equal_or_unlinked_candidates_never_disaggregate() -> None:
+    from actors.router.routing import link_key, route
+
+    here = _measured("a", "n1", 100.0)
+    links = {link_key("n2", "n1"): 1e9}
+    assert route(4000, [here, _measured("b", "n2", 100.0, busy=2, queued=1)], links=links).prefill_node is None
+    assert route(4000, [here, _measured("b", "n2", 0.0, busy=2, queued=1)], links=links).prefill_node is None
+    assert route(4000, [here, _measured("b", "n2", 1000.0, busy=2, queued=1)], links={}).prefill_node is None
+    other = _measured("b", "n2", 1000.0, busy=2, queued=1, identity="12" * 32)
+    assert route(4000, [here, other], links=links).prefill_node is None  # another model's states
