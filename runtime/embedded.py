@@ -318,32 +318,41 @@ class EmbeddedNats:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "jetstream").mkdir(parents=True, exist_ok=True)
         binary = find_nats_server()
-        port = self.preferred_port if self.preferred_port and port_free(self.preferred_port) else free_port()
-        ca = str(tls.ensure_certificates(self.data_dir, tls.local_names(self.host)).ca) if self.tls else None
-        creds = self._credentials_for(port, ca)
-        server = ServerRecord(self.host, port, self.prefix, self.tls, self.cluster)
-        node_user = None
-        if self.node_id is not None:
+        # The port is chosen free, then bound by nats-server a moment later: another process may take it in
+        # between (seen with three nodes starting at once). The server then exits at once; choose again.
+        for attempt in range(3):
+            port = self.preferred_port if self.preferred_port and port_free(self.preferred_port) else free_port()
+            ca = str(tls.ensure_certificates(self.data_dir, tls.local_names(self.host)).ca) if self.tls else None
+            creds = self._credentials_for(port, ca)
+            server = ServerRecord(self.host, port, self.prefix, self.tls, self.cluster)
+            node_user = None
+            if self.node_id is not None:
+                try:
+                    node_user = issue(self.data_dir, roles.Role("node", self.node_id))
+                except CredentialsError as exc:
+                    raise EmbeddedNatsError(str(exc)) from exc
+            config = write_config(self.data_dir, server, creds)
+            # Output goes to a file, never a pipe nobody reads (a full pipe would block the server). The server
+            # logs to its own rotated log file; this one only catches start-up failures, so each start truncates it.
+            with (self.data_dir / "nats-server.out").open("wb") as out:
+                self._process = await asyncio.create_subprocess_exec(
+                    *dying_with_parent((binary, "-c", str(config)), signal.SIGTERM, os.getpid()),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                    start_new_session=True,  # a Ctrl-C in the terminal reaches us; we stop the server last
+                )
             try:
-                node_user = issue(self.data_dir, roles.Role("node", self.node_id))
-            except CredentialsError as exc:
-                raise EmbeddedNatsError(str(exc)) from exc
-        config = write_config(self.data_dir, server, creds)
-        # Output goes to a file, never a pipe nobody reads (a full pipe would block the server). The server
-        # logs to its own rotated log file; this one only catches start-up failures, so each start truncates it.
-        with (self.data_dir / "nats-server.out").open("wb") as out:
-            self._process = await asyncio.create_subprocess_exec(
-                *dying_with_parent((binary, "-c", str(config)), signal.SIGTERM, os.getpid()),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=out,
-                start_new_session=True,  # a Ctrl-C in the terminal reaches us; we stop the server last
-            )
-        try:
-            await self._wait_ready(creds)
-        except BaseException:
-            await self.stop()
-            raise
+                await self._wait_ready(creds)
+            except BaseException as exc:
+                await self.stop()
+                taken = isinstance(exc, EmbeddedNatsError) and "address already in use" in str(exc).lower()
+                if taken and attempt < 2:
+                    self._log.warning("embedded_nats_port_taken", port=port, attempt=attempt + 1)
+                    self.preferred_port = 0  # any free port on the next try
+                    continue
+                raise
+            break
         record: dict[str, object] = {"url": creds.url, "user": creds.user, "password": creds.password}
         if ca:
             record["tls_ca"] = ca
@@ -357,7 +366,7 @@ class EmbeddedNats:
         self._log.info(
             "embedded_nats_ready",
             url=creds.url,
-            pid=self._process.pid,
+            pid=self._process.pid if self._process else None,
             tls=self.tls,
             cluster=self.cluster and f"{self.cluster.host}:{self.cluster.port}",
         )

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import time
@@ -23,7 +24,7 @@ import pytest
 
 from messages.subjects import Subjects
 from runtime.bus import Bus
-from runtime.children import free_port
+from runtime.children import port_free
 from runtime.embedded import read_credentials
 from tests.conftest import mesh_actor_command, processes
 from tests.tiny_models import write_llama
@@ -49,7 +50,7 @@ async def cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
 class Cluster:
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.ports = {name: free_port() for name in NODES}
+        self.ports = _route_ports(len(NODES))
         self.secret = root / "cluster.secret"
         self.secret.write_text("s3cret-shared-by-every-node-" + os.urandom(8).hex() + "\n")
         self.processes: dict[str, asyncio.subprocess.Process] = {}
@@ -102,6 +103,19 @@ class Cluster:
             except TimeoutError:
                 process.kill()
                 await process.wait()
+
+
+def _route_ports(n: int) -> dict[str, int]:
+    """Free ports for the route listeners, below Linux's ephemeral range (32768-60999): a port the kernel hands
+    out for `--nats-port 0` or any client socket can never be one of them (seen: a route port taken by another
+    node's client listener between choosing it and binding it)."""
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(20000, 32000)
+        if port not in ports and port_free(port):
+            ports.append(port)
+    return dict(zip(NODES, ports, strict=True))
 
 
 @contextlib.asynccontextmanager
