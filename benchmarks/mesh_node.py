@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import blake3
 from actors.runner.engine import find_llama_server
 from runtime.bus import Bus
 from runtime.config import NatsOptions
+from tests.conftest import node_process
 from tests.tiny_models import sparse_files, write_llama
 
 #: A 0.5B-parameter llama shape (Qwen2-0.5B's widths, a 32k vocabulary), f16.
@@ -56,27 +56,8 @@ async def cli(*args: str, timeout: float = 600) -> Any:
 
 @contextlib.asynccontextmanager
 async def node(data_dir: Path, *flags: str) -> AsyncIterator[asyncio.subprocess.Process]:
-    process = await asyncio.create_subprocess_exec(
-        *_command(), "run", "--data-dir", str(data_dir), "--node-id", "bench", "--nats-port", "0",
-        "--telemetry-interval", "0.5", *flags,
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        assert process.stdout is not None
-        async with asyncio.timeout(60):
-            line = (await process.stdout.readline()).decode()
-        if "running" not in line:
-            raise RuntimeError(f"the node did not start: {line!r}")
+    async with node_process(data_dir, "bench", *flags, ready_s=60) as process:
         yield process
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(60):
-                    await process.wait()
-            except TimeoutError:
-                process.kill()
-                await process.wait()
 
 
 async def start_model(data_dir: Path, model: Path, ctx: int) -> dict[str, Any]:

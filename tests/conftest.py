@@ -7,6 +7,8 @@ import contextlib
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -130,6 +132,46 @@ def mesh_actor_command() -> list[str]:
         return [str(script)]
     found = shutil.which("mesh-actor")
     return [found] if found else [sys.executable, "-m", "runtime.cli"]
+
+
+@contextlib.asynccontextmanager
+async def node_process(
+    data_dir: Path,
+    node_id: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    stderr: Path | None = None,
+    ready_s: float = 30.0,
+) -> AsyncIterator[asyncio.subprocess.Process]:
+    """A `mesh-actor run` process on its embedded NATS (unless `args` say otherwise), up once it prints its
+    "running" line; stopped with SIGTERM (SIGKILL after 30 s) at the end. `stderr`: where its log goes
+    (default: discarded)."""
+    err = stderr.open("ab") if stderr is not None else None
+    try:
+        process = await asyncio.create_subprocess_exec(
+            *mesh_actor_command(), "run", "--data-dir", str(data_dir), "--node-id", node_id, "--nats-port", "0",
+            "--telemetry-interval", "0.5", *args,
+            stdout=subprocess.PIPE, stderr=err if err is not None else subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
+    finally:
+        if err is not None:
+            err.close()  # the child holds its own copy
+    try:
+        assert process.stdout is not None
+        async with asyncio.timeout(ready_s):
+            line = (await process.stdout.readline()).decode()
+        assert "running" in line, line
+        yield process
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(30):
+                    await process.wait()
+            except TimeoutError:
+                process.kill()
+                await process.wait()
 
 
 @contextlib.asynccontextmanager

@@ -28,7 +28,7 @@ from messages.settings import ServingSettings
 from messages.subjects import Subjects
 from runtime.bus import Bus, RemoteError
 from runtime.config import NatsOptions
-from tests.conftest import mesh_actor_command, processes
+from tests.conftest import mesh_actor_command, node_process, processes
 from tests.llama_harness import call_server, require_server
 from tests.tiny_models import write_llama, write_qwen35
 
@@ -62,37 +62,8 @@ async def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 12
 
 @contextlib.asynccontextmanager
 async def node(data_dir: Path, node_id: str, *args: str, env: dict[str, str] | None = None) -> AsyncIterator[Any]:
-    process = await asyncio.create_subprocess_exec(
-        *mesh_actor_command(),
-        "run",
-        "--data-dir",
-        str(data_dir),
-        "--node-id",
-        node_id,
-        "--nats-port",
-        "0",
-        "--telemetry-interval",
-        "0.5",
-        *args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, **(env or {})},
-    )
-    try:
-        assert process.stdout is not None
-        async with asyncio.timeout(30):
-            line = (await process.stdout.readline()).decode()
-        assert "running" in line, line
+    async with node_process(data_dir, node_id, *args, env=env) as process:
         yield process
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(30):
-                    await process.wait()
-            except TimeoutError:
-                process.kill()
-                await process.wait()
 
 
 async def nats_env(data_dir: Path) -> dict[str, str]:

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import ssl
 import stat
 import subprocess
@@ -34,7 +33,7 @@ from runtime.creds import CredsFile, issue, read_creds_file
 from runtime.embedded import Credentials, EmbeddedNats
 from runtime.journal import ensure_events_stream
 from runtime.roles import Role, inbox_prefix
-from tests.conftest import mesh_actor_command
+from tests.conftest import mesh_actor_command, node_process
 from tests.tiny_models import write_llama
 
 S = Subjects()
@@ -257,36 +256,8 @@ async def cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
 
 @contextlib.asynccontextmanager
 async def node(data_dir: Path, node_id: str, *args: str) -> AsyncIterator[Any]:
-    process = await asyncio.create_subprocess_exec(
-        *mesh_actor_command(),
-        "run",
-        "--data-dir",
-        str(data_dir),
-        "--node-id",
-        node_id,
-        "--nats-port",
-        "0",
-        "--telemetry-interval",
-        "0.5",
-        *args,
-        stdout=subprocess.PIPE,
-        stderr=(data_dir.parent / f"{node_id}.stderr").open("wb"),
-    )
-    try:
-        assert process.stdout is not None
-        async with asyncio.timeout(30):
-            line = (await process.stdout.readline()).decode()
-        assert "running" in line, line
+    async with node_process(data_dir, node_id, *args, stderr=data_dir.parent / f"{node_id}.stderr") as process:
         yield process
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(30):
-                    await process.wait()
-            except TimeoutError:
-                process.kill()
-                await process.wait()
 
 
 async def test_a_node_and_a_client_work_with_their_roles_rights_only(tmp_path: Path) -> None:
