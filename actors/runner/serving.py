@@ -492,34 +492,23 @@ class Serving:
         grant = await self._acquire(instance, order.tokens)
         held: list[int] | None = None
         try:
-            body = {"prompt": order.tokens, "n_predict": 0, "id_slot": grant.slot, "cache_prompt": True}
-            try:
-                final = await self._api.json(instance.port, "POST", "/completion", body, timeout_s=3600)
-            except ServerApiError as exc:
-                raise RequestError(UNAVAILABLE, f"instance {instance.id}: {exc}") from exc
-            evaluated = int((final.get("timings") or {}).get("prompt_n", 0) or 0)
-            self._measured(instance, final.get("timings") or {})
+            timings = await self._prefill(instance, grant.slot, order.tokens)
+            evaluated = int(timings.get("prompt_n", 0) or 0)
+            self._measured(instance, timings)
             prefilled = time.perf_counter()
-            name = f"handoff-{order.request_id}-{uuid.uuid4().hex[:8]}.bin"
-            path = instance.slot_dir / name
+            path = instance.slot_dir / f"handoff-{order.request_id}-{uuid.uuid4().hex[:8]}.bin"
             try:
-                reply = await self._api.slot_action(
-                    instance.port, grant.slot, "save", name, timeout_s=self.limits.slot_file_timeout_s
-                )
-                n_saved = int(reply.get("n_saved", -1))
-                if not 0 < n_saved <= len(order.tokens):
-                    raise RequestError(UNAVAILABLE, f"the saved state holds {n_saved} tokens, not a prefix")
+                n_saved = await self._save_slot(instance, grant.slot, path, len(order.tokens))
                 report = await self._handoff.send(
                     order.target_node, path, identity=order.identity, n_tokens=n_saved,
                     tokens=order.tokens[:n_saved], payload_kind=PAYLOAD_KIND,
                 )  # fmt: skip
+            except _SaveFailed as exc:
+                raise RequestError(UNAVAILABLE, f"instance {instance.id}: {exc}") from exc
             except HandoffFailed as exc:
                 raise RequestError(UNAVAILABLE, f"handoff to {order.target_node}: {exc}") from exc
-            except ServerApiError as exc:
-                raise RequestError(UNAVAILABLE, f"instance {instance.id}: {exc}") from exc
             finally:
-                with contextlib.suppress(OSError):
-                    await asyncio.to_thread(path.unlink, missing_ok=True)
+                await _remove(path)
             held = order.tokens[:n_saved]
             return PrefillResult(
                 node=self.node_id, instance=instance.id, n_tokens=n_saved, tokens_evaluated=evaluated,
@@ -547,45 +536,49 @@ class Serving:
             instance.table.update(slot, ())
             return False
         finally:
-            with contextlib.suppress(OSError):
-                await asyncio.to_thread(path.unlink, missing_ok=True)
+            await _remove(path)
+
+    async def _prefill(self, instance: _Instance, slot: int, tokens: list[int]) -> dict[str, Any]:
+        """Computes `tokens` into the slot (one token is sampled and dropped); the server's timings. Whole, not
+        streamed: a long prefill sends nothing until it is done, and the request's own deadline bounds it."""
+        body = {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True, "temperature": 0}
+        try:
+            final = await self._api.json(instance.port, "POST", "/completion", body, timeout_s=3600)
+        except ServerApiError as exc:
+            raise RequestError(UNAVAILABLE, f"instance {instance.id}: {exc}") from exc
+        instance.table.update(slot, tokens)
+        return dict(final.get("timings") or {}) if isinstance(final, dict) else {}
+
+    async def _save_slot(self, instance: _Instance, slot: int, path: Path, known: int) -> int:
+        """Saves the slot to `path` (in its `--slot-save-path`); how many tokens the state holds, at most
+        `known` (the tokens the runner knows it holds). Raises `_SaveFailed`, with no file left, otherwise."""
+        try:
+            reply = await self._api.slot_action(
+                instance.port, slot, "save", path.name, timeout_s=self.limits.slot_file_timeout_s
+            )
+        except ServerApiError as exc:
+            await _remove(path)
+            raise _SaveFailed("save_failed", str(exc)) from exc
+        n_saved = int(reply.get("n_saved", -1))
+        if not 0 < n_saved <= known:
+            await _remove(path)
+            raise _SaveFailed("save_mismatch", f"the saved state holds {n_saved} tokens, not a prefix of {known}")
+        return n_saved
 
     async def _prefill_and_save(self, instance: _Instance, slot: int, prefix: list[int], request_id: str) -> int:
         """Prefills `prefix` into the slot and captures it; returns the tokens the server evaluated."""
-        body = {"prompt": prefix, "n_predict": 0, "id_slot": slot, "cache_prompt": True, "temperature": 0}
-        final: dict[str, Any] = {}
-        try:
-            async for event in self._api.completion(
-                instance.port, body, connect_timeout_s=self.limits.tokenize_timeout_s,
-                idle_timeout_s=self.limits.idle_timeout_s,
-            ):  # fmt: skip
-                if event.get("stop"):
-                    final = event
-        except ServerApiError as exc:
-            raise RequestError(UNAVAILABLE, f"instance {instance.id}: {exc}") from exc
-        instance.table.update(slot, prefix)
+        timings = await self._prefill(instance, slot, prefix)
         await self._save(instance, slot, prefix, f"{request_id}-prefix")
-        return int((final.get("timings") or {}).get("prompt_n", 0) or 0)
+        return int(timings.get("prompt_n", 0) or 0)
 
     async def _save(self, instance: _Instance, slot: int, tokens: list[int], tag: str) -> None:
         """Saves the slot and hands the file to L3 (what the slot holds is `tokens[:n_saved]`)."""
         assert self._l3 is not None and instance.identity is not None
-        name = f"capture-{tag}-{uuid.uuid4().hex[:8]}.bin"
-        path = instance.slot_dir / name
+        path = instance.slot_dir / f"capture-{tag}-{uuid.uuid4().hex[:8]}.bin"
         try:
-            reply = await self._api.slot_action(
-                instance.port, slot, "save", name, timeout_s=self.limits.slot_file_timeout_s
-            )
-        except ServerApiError as exc:
-            _log.warning("save_failed", instance_id=instance.id, error=str(exc))
-            with contextlib.suppress(OSError):
-                await asyncio.to_thread(path.unlink, missing_ok=True)
-            return
-        n_saved = int(reply.get("n_saved", -1))
-        if not 0 < n_saved <= len(tokens):
-            _log.warning("save_mismatch", instance_id=instance.id, n_saved=n_saved, known=len(tokens))
-            with contextlib.suppress(OSError):
-                await asyncio.to_thread(path.unlink, missing_ok=True)
+            n_saved = await self._save_slot(instance, slot, path, len(tokens))
+        except _SaveFailed as exc:
+            _log.warning(exc.kind, instance_id=instance.id, error=str(exc))
             return
         self._l3.capture(path, identity=instance.identity, tokens=tokens[:n_saved], payload_kind=PAYLOAD_KIND)
 
@@ -600,3 +593,16 @@ class Serving:
             held = None
         finally:
             self._release(instance, slot, held)
+
+
+class _SaveFailed(Exception):
+    """A slot could not be saved (`kind`: the log event, save_failed or save_mismatch)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+async def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        await asyncio.to_thread(path.unlink, missing_ok=True)

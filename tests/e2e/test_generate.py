@@ -196,6 +196,7 @@ async def test_streamed_chunks_arrive_in_order_and_a_client_that_goes_away_frees
     async with node(data_dir, "streamer", "--cache-ram", "0", "--ctx-checkpoints", "0", "--parallel", "1"):
         await wait_nodes(data_dir, "streamer")
         await start_model(data_dir, slow, ctx=8192)
+        port = await instance_port(data_dir)  # read while the instance is idle and its record certainly current
         async with client(data_dir) as bus:
             chunks: list[GenerateChunk] = []
 
@@ -223,7 +224,6 @@ async def test_streamed_chunks_arrive_in_order_and_a_client_that_goes_away_frees
             with contextlib.suppress(asyncio.CancelledError):
                 await abandoned
             cancelled_at = loop_time()
-            port = await instance_port(data_dir)
             full_s = 7000 * result.total_ms / 1000 / len(result.tokens)  # what the whole generation would take
             async with asyncio.timeout(30):
                 while await slot_busy(port):
