@@ -26,6 +26,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -35,7 +36,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.object_store import ObjectStore
 
 from actors.placement import decision_records
-from actors.placement.admission import ModelFacts, ViewEntry, decide, rejected
+from actors.placement.admission import ModelFacts, Outcome, ViewEntry, decide, rejected
+from actors.placement.fleet import NO_LEDGER, FleetIndex, IndexStats, Inputs, LedgerEntry, snapshot
 from actors.placement.ledger import with_reservation
 from actors.placement.model_reader import ModelProblem, ModelReader
 from actors.placement.reservations import (
@@ -104,6 +106,21 @@ _EVENT_TYPE = msgspec.json.Decoder(_EventType)
 _RUNNER_OUTCOME = msgspec.json.Decoder(RunnerOutcome)
 
 
+@dataclass(frozen=True, slots=True)
+class _Decided:
+    outcome: Outcome
+    ledgers: Mapping[str, LedgerEntry]  # what the decision read for the nodes it booked or refused for memory
+    inputs: Inputs | None  # as journaled (None for a dry run decided from the index)
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementStats:
+    view_nodes: int
+    ledgers: int
+    reports_seen: int  # telemetry reports applied to the view since the actor started
+    index: IndexStats
+
+
 def ledger_key(node_id: str) -> str:
     return f"{LEDGER_KEY_PREFIX}{node_id}"
 
@@ -141,6 +158,8 @@ class PlacementActor(Actor):
         self._ledgers_ready = asyncio.Event()
         self._records_ready = asyncio.Event()
         self._reconciler = Reconciler(claim_grace_s=claim_grace_s)
+        self._index = FleetIndex()
+        self._reports_seen = 0
         self.models = ModelReader(trusted_registry_keys=trusted_registry_keys, models_dir=models_dir, digests=digests)
         self._log = get_logger(actor=self.name)
 
@@ -159,6 +178,7 @@ class PlacementActor(Actor):
         self._ledgers_ready = asyncio.Event()
         self._records_ready = asyncio.Event()
         self._reconciler = Reconciler(claim_grace_s=self._claim_grace)
+        self._index = FleetIndex()
         ctx.spawn(self._watch_nodes(ctx), "watch-nodes")
         ctx.spawn(self._watch_ledgers(), "watch-ledgers")
         ctx.spawn(self._watch_instances(ctx), "watch-instances")
@@ -189,22 +209,16 @@ class PlacementActor(Actor):
                 continue
             self._view[entry.key] = ViewEntry(resources=node, revision=entry.revision or 0)
             self._arrived[entry.key] = self._monotonic()
+            self._saw_report(node)
+
+    def _saw_report(self, node: NodeResources) -> None:
+        """Called for every report applied to the view (a benchmark measures the view's lag here)."""
+        del node
+        self._reports_seen += 1
 
     def _forget_node(self, node: str) -> None:
         self._view.pop(node, None)
         self._arrived.pop(node, None)
-
-    def _current_view(self) -> dict[str, ViewEntry]:
-        """The view with each report's age, on our own clock."""
-        now = self._monotonic()
-        return {
-            name: ViewEntry(
-                resources=entry.resources,
-                revision=entry.revision,
-                age_s=max(0.0, now - self._arrived.get(name, now)),
-            )
-            for name, entry in self._view.items()
-        }
 
     async def _watch_ledgers(self) -> None:
         """A local copy of every node's ledger: decisions read it first (compare-and-set still guards every
@@ -246,56 +260,41 @@ class PlacementActor(Actor):
     async def place(self, ctx: ActorContext, request: PlacementRequest, *, dry_run: bool) -> PlacementDecision:
         decision_id = uuid.uuid4().hex
         now = self._clock()
-        view = self._current_view()
         try:
             facts = await self.models.facts(request.model, self._registry)
         except ModelProblem as exc:
             decision = rejected(
-                request, exc.reason, str(exc), decision_id=decision_id, now=now, dry_run=dry_run, view=view
+                request, exc.reason, str(exc), decision_id=decision_id, now=now, dry_run=dry_run, view=self._view
             )
             if not dry_run:
-                await self._journal(ctx, request, view, {}, None, decision)
+                inputs = snapshot(request, self._view, self._arrived, {}, {}, self._monotonic())
+                await self._journal(ctx, request, inputs.view, {}, None, decision)
             return decision
 
         reservation_id = uuid.uuid4().hex[:16]
-        names = [name for name in (request.nodes or view) if name in view]  # others are refused unseen
-        # The local copy first; after a lost compare-and-set or a refusal, the bucket itself.
-        ledgers = {name: self._ledger_cache.get(name, (None, 0)) for name in names}
+        # The local copy first; after a lost compare-and-set or a refusal, the bucket itself (`fresh`).
+        fresh: dict[str, LedgerEntry] = {}
         from_bucket = False
-        held: dict[str, NodeLedger] = {}
-        unreadable: set[str] = set()
+        decided: _Decided | None = None
         for _ in range(self._max_attempts):
             now = self._clock()
-            view = self._current_view()
-            unreadable = {name for name, (_, revision) in ledgers.items() if revision < 0}
-            held = {name: ledger for name, (ledger, _) in ledgers.items() if ledger is not None}
-            # Pure CPU work that grows with the view (0.1 s for 2,000 nodes): off the event loop.
-            outcome = await asyncio.to_thread(
-                decide,
-                request,
-                facts,
-                view,
-                held,
-                now=now,
-                decision_id=decision_id,
-                reservation_id=reservation_id,
-                dry_run=dry_run,
-                unreadable=frozenset(unreadable),
-            )
+            decided = await self._decide(request, facts, fresh, now, decision_id, reservation_id, dry_run)
+            outcome = decided.outcome
             if outcome.reservations:
-                if await self._commit(ctx, outcome.reservations, ledgers):
+                if await self._commit(ctx, outcome.reservations, decided.ledgers):
                     break
-                ledgers, from_bucket = await self._read_ledgers(names), True
+                names = [name for name in (request.nodes or self._view) if name in self._view]
+                fresh, from_bucket = await self._read_ledgers(names), True
                 continue
             if outcome.decision.admitted or from_bucket:
                 break
             # A refusal from the local copy may be a copy that lags the bucket: check what it relied on.
             suspects = [r.node_id for r in outcome.decision.rejections if r.reason in _LEDGER_REASONS]
-            fresh = await self._read_ledgers(suspects)
+            read = await self._read_ledgers(suspects)
             from_bucket = True
-            if all(fresh[name][1] == ledgers.get(name, (None, 0))[1] for name in fresh):
+            if all(read[name][1] == decided.ledgers.get(name, NO_LEDGER)[1] for name in read):
                 break
-            ledgers.update(fresh)
+            fresh.update(read)
         else:
             conflict = rejected(
                 request,
@@ -304,13 +303,16 @@ class PlacementActor(Actor):
                 decision_id=decision_id,
                 now=now,
                 dry_run=dry_run,
-                view=view,
+                view=self._view,
             )
-            if not dry_run:
-                await self._journal(ctx, request, view, held, facts, conflict, unreadable)
+            if not dry_run and decided is not None and decided.inputs is not None:
+                inputs = decided.inputs
+                await self._journal(ctx, request, inputs.view, inputs.held, facts, conflict, inputs.unreadable)
             return conflict
-        if not dry_run:
-            await self._journal(ctx, request, view, held, facts, outcome.decision, unreadable)
+        assert decided is not None  # max_attempts >= 1
+        if not dry_run and decided.inputs is not None:
+            inputs = decided.inputs
+            await self._journal(ctx, request, inputs.view, inputs.held, facts, outcome.decision, inputs.unreadable)
             ctx.log.info(
                 "placement_decided",
                 decision=decision_id,
@@ -320,6 +322,56 @@ class PlacementActor(Actor):
             )
         return outcome.decision
 
+    async def _decide(
+        self,
+        request: PlacementRequest,
+        facts: ModelFacts,
+        fresh: Mapping[str, LedgerEntry],
+        now: float,
+        decision_id: str,
+        reservation_id: str,
+        dry_run: bool,
+    ) -> _Decided:
+        """One decision over the current view and ledgers (`fresh` first), with the ledgers it relied on and,
+        unless a dry run, its inputs as the journal records them."""
+        monotonic_now = self._monotonic()
+        if self._index.covers(request):
+            # A comparison per node against shared sizings (about a microsecond each): on the event loop,
+            # which keeps the view and the ledgers still while it runs.
+            outcome = self._index.decide(
+                request, facts, self._view, self._arrived, self._ledger_cache, now=now, monotonic_now=monotonic_now,
+                decision_id=decision_id, reservation_id=reservation_id, dry_run=dry_run, fresh=fresh,
+            )  # fmt: skip
+            inputs = None
+            if not dry_run:
+                inputs = snapshot(request, self._view, self._arrived, self._ledger_cache, fresh, monotonic_now)
+            relied = [r.node_id for r in outcome.reservations]
+            relied += [r.node_id for r in outcome.decision.rejections if r.reason in _LEDGER_REASONS]
+            ledgers = {name: fresh.get(name) or self._ledger_cache.get(name, NO_LEDGER) for name in relied}
+            return _Decided(outcome, ledgers, inputs)
+        inputs = snapshot(request, self._view, self._arrived, self._ledger_cache, fresh, monotonic_now)
+        # Each node sized at its own ceiling, CPU work that grows with the view: off the event loop, on a copy.
+        outcome = await asyncio.to_thread(
+            decide,
+            request,
+            facts,
+            inputs.view,
+            inputs.held,
+            now=now,
+            decision_id=decision_id,
+            reservation_id=reservation_id,
+            dry_run=dry_run,
+            unreadable=inputs.unreadable,
+        )
+        return _Decided(outcome, inputs.ledgers, inputs)
+
+    def stats(self) -> PlacementStats:
+        """The size of what this actor keeps (bounded by the view and the index's limits)."""
+        return PlacementStats(
+            view_nodes=len(self._view), ledgers=len(self._ledger_cache), reports_seen=self._reports_seen,
+            index=self._index.stats(),
+        )  # fmt: skip
+
     async def _journal(
         self,
         ctx: ActorContext,
@@ -328,7 +380,7 @@ class PlacementActor(Actor):
         ledgers: Mapping[str, NodeLedger],
         facts: ModelFacts | None,
         decision: PlacementDecision,
-        unreadable: set[str] | None = None,
+        unreadable: frozenset[str] | None = None,
     ) -> None:
         """Records the decision: inline when small, else its inputs in a side record and a bounded event."""
         inputs = DecisionInputs(
@@ -396,7 +448,7 @@ class PlacementActor(Actor):
         self,
         ctx: ActorContext,
         reservations: tuple[Reservation, ...],
-        ledgers: dict[str, tuple[NodeLedger | None, int]],
+        ledgers: Mapping[str, LedgerEntry],
     ) -> bool:
         written: list[Reservation] = []
         for reservation in reservations:

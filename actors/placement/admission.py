@@ -87,7 +87,9 @@ class Outcome:
 
 
 @dataclass(frozen=True, slots=True)
-class _Fit:
+class Fit:
+    """A node the model fits on: how it would run there, and the headroom left on its tightest device."""
+
     entry: ViewEntry
     settings: ServingSettings
     breakdown: MemoryBreakdown
@@ -121,44 +123,47 @@ def _eligible(
     rejections: list[NodeRejection] = []
     for name in request.nodes or sorted(view, key=natural_key):
         entry = view.get(name)
-        if entry is None:
-            rejections.append(NodeRejection(node_id=name, reason="not_found", message="no telemetry from this node"))
-            continue
-        node = entry.resources
-        age = entry.age(now)
-        if age > node.ttl_s:
-            rejections.append(
-                NodeRejection(
-                    node_id=name,
-                    reason="telemetry_stale",
-                    message=f"last report arrived {age:.1f}s ago, longer than its {node.ttl_s:g}s TTL",
-                )
-            )
-        elif name in unreadable:
-            rejections.append(
-                NodeRejection(
-                    node_id=name,
-                    reason="ledger_unreadable",
-                    message="the node's reservation ledger does not decode; nothing can be booked there until fixed",
-                )
-            )
-        elif node.settings is None:
-            why = node.llama_server_error or "no llama-server"
-            rejections.append(
-                NodeRejection(
-                    node_id=name,
-                    reason="settings_unknown",
-                    message=f"the node has not advertised serving settings ({why})",
-                )
-            )
-        elif fields := _mismatch(request.settings, node.settings):
-            detail = ", ".join(
-                f"{f}: node {getattr(node.settings, f)!r}, required {getattr(request.settings, f)!r}" for f in fields
-            )
-            rejections.append(NodeRejection(node_id=name, reason="settings_mismatch", message=detail, fields=fields))
+        refusal = refusal_of(request, name, entry, entry.age(now) if entry else 0.0, name in unreadable)
+        if refusal is not None:
+            rejections.append(refusal)
         else:
+            assert entry is not None
             eligible.append(entry)
     return eligible, rejections
+
+
+def refusal_of(
+    request: PlacementRequest, name: str, entry: ViewEntry | None, age: float, unreadable: bool
+) -> NodeRejection | None:
+    """Why node `name` is not even sized for `request` (None: it is eligible). `age`: of its report."""
+    if entry is None:
+        return NodeRejection(node_id=name, reason="not_found", message="no telemetry from this node")
+    node = entry.resources
+    if age > node.ttl_s:
+        return NodeRejection(
+            node_id=name,
+            reason="telemetry_stale",
+            message=f"last report arrived {age:.1f}s ago, longer than its {node.ttl_s:g}s TTL",
+        )
+    if unreadable:
+        return NodeRejection(
+            node_id=name,
+            reason="ledger_unreadable",
+            message="the node's reservation ledger does not decode; nothing can be booked there until fixed",
+        )
+    if node.settings is None:
+        why = node.llama_server_error or "no llama-server"
+        return NodeRejection(
+            node_id=name,
+            reason="settings_unknown",
+            message=f"the node has not advertised serving settings ({why})",
+        )
+    if fields := _mismatch(request.settings, node.settings):
+        detail = ", ".join(
+            f"{f}: node {getattr(node.settings, f)!r}, required {getattr(request.settings, f)!r}" for f in fields
+        )
+        return NodeRejection(node_id=name, reason="settings_mismatch", message=detail, fields=fields)
+    return None
 
 
 def _step(settings: ServingSettings) -> int:
@@ -181,7 +186,30 @@ def _with_budgets(breakdown: MemoryBreakdown, have: Mapping[str, int]) -> tuple[
     return msgspec.structs.replace(breakdown, devices=tuple(devices), fits=not short), short
 
 
-def _fit(
+def split_of(node: NodeResources, have: Mapping[str, int], n_gpu_layers: int) -> tuple[int, tuple[float, ...]]:
+    """The `-ngl` and tensor split a node runs a model with: layers split over its GPUs in proportion to
+    what each has available (evenly when none has anything); no split on a node without GPUs."""
+    gpus = _gpu_names(node)
+    n_gpu_layers = n_gpu_layers if gpus else 0
+    split: tuple[float, ...] = ()
+    if gpus and n_gpu_layers != 0:
+        weights = tuple(float(have.get(g, 0)) for g in gpus)
+        split = weights if sum(weights) > 0 else tuple(1.0 for _ in gpus)
+    return n_gpu_layers, split
+
+
+def insufficient(node_id: str, ctx: int, short: Sequence[DeviceShortfall]) -> NodeRejection:
+    """The refusal of a node that has less than the model needs on some device (`short`, in device order)."""
+    worst = ", ".join(f"{s.device} needs {_mib(s.need_bytes)}, has {_mib(s.have_bytes)}" for s in short)
+    return NodeRejection(
+        node_id=node_id,
+        reason="insufficient_memory",
+        message=f"context {ctx}: {worst}",
+        shortfalls=tuple(short),
+    )
+
+
+def fit_node(
     request: PlacementRequest,
     geometry: ModelGeometry,
     entry: ViewEntry,
@@ -189,14 +217,10 @@ def _fit(
     have: Mapping[str, int],
     *,
     layers: tuple[int, int],
-) -> _Fit | NodeRejection:
+) -> Fit | NodeRejection:
     node = entry.resources
     gpus = _gpu_names(node)
-    n_gpu_layers = request.n_gpu_layers if gpus else 0
-    split: tuple[float, ...] = ()
-    if gpus and n_gpu_layers != 0:
-        weights = tuple(float(have.get(g, 0)) for g in gpus)
-        split = weights if sum(weights) > 0 else tuple(1.0 for _ in gpus)
+    n_gpu_layers, split = split_of(node, have, request.n_gpu_layers)
     budgets = Budgets(gpus=tuple(have.get(g, 0) for g in gpus), host=have.get("CPU", 0))
     step = _step(settings)
     try:
@@ -219,19 +243,13 @@ def _fit(
     breakdown, short = _with_budgets(breakdown, have)
     breakdown = msgspec.structs.replace(breakdown, max_context=ceiling)
     if short:
-        worst = ", ".join(f"{s.device} needs {_mib(s.need_bytes)}, has {_mib(s.have_bytes)}" for s in short)
-        return NodeRejection(
-            node_id=node.node_id,
-            reason="insufficient_memory",
-            message=f"context {ctx}: {worst}",
-            shortfalls=tuple(short),
-        )
+        return insufficient(node.node_id, ctx, short)
     headroom = min(have.get(d.device, 0) - d.total_bytes for d in breakdown.devices)
-    return _Fit(entry, settings, breakdown, ctx, ceiling, headroom, n_gpu_layers, split, layers)
+    return Fit(entry, settings, breakdown, ctx, ceiling, headroom, n_gpu_layers, split, layers)
 
 
 def _reservation(
-    fit: _Fit,
+    fit: Fit,
     stamp: Stamp,
     model: ModelFacts,
     *,
@@ -295,16 +313,42 @@ def decide(
         return Outcome(msgspec.structs.replace(refusal, architecture=geometry.architecture, model_digest=model.digest))
     eligible, rejections = _eligible(request, view, now, unreadable)
     haves = {e.resources.node_id: available(e.resources, ledgers.get(e.resources.node_id), now) for e in eligible}
-    fits: list[_Fit] = []
+    fits: list[Fit] = []
     for entry in eligible:
         settings = entry.resources.settings
         assert settings is not None  # _eligible keeps only nodes that advertise settings
-        result = _fit(request, geometry, entry, settings, haves[entry.resources.node_id], layers=(0, geometry.n_layer))
+        have = haves[entry.resources.node_id]
+        result = fit_node(request, geometry, entry, settings, have, layers=(0, geometry.n_layer))
         if isinstance(result, NodeRejection):
             rejections.append(result)
         else:
             fits.append(result)
 
+    return conclude(
+        request, model, view, fits, rejections, now=now, decision_id=decision_id, reservation_id=reservation_id,
+        dry_run=dry_run,
+    )  # fmt: skip
+
+
+def best_of(fits: Sequence[Fit]) -> Fit:
+    """The fit left with the most headroom on its tightest device; ties by node id in natural order."""
+    return min(fits, key=lambda f: (-f.headroom, natural_key(f.entry.resources.node_id)))
+
+
+def conclude(
+    request: PlacementRequest,
+    model: ModelFacts,
+    view: Mapping[str, ViewEntry],
+    fits: Sequence[Fit],
+    rejections: Sequence[NodeRejection],
+    *,
+    now: float,
+    decision_id: str,
+    reservation_id: str,
+    dry_run: bool,
+) -> Outcome:
+    """The decision once every node is sized: the best of `fits` admitted, or every rejection."""
+    geometry = model.geometry
     base = PlacementDecision(
         decision_id=decision_id,
         admitted=False,
@@ -321,7 +365,7 @@ def decide(
         reason, message = _overall(rejections, view)
         return Outcome(msgspec.structs.replace(base, reason=reason, message=message, rejections=tuple(rejections)))
 
-    chosen = min(fits, key=lambda f: (-f.headroom, natural_key(f.entry.resources.node_id)))
+    chosen = best_of(fits)
     node = chosen.entry.resources
     stamp = Stamp(
         settings=chosen.settings,
@@ -385,4 +429,4 @@ def rejected(
     )
 
 
-__all__ = ["ModelFacts", "ModelRef", "Outcome", "ViewEntry", "decide", "rejected"]
+__all__ = ["Fit", "ModelFacts", "ModelRef", "Outcome", "ViewEntry", "conclude", "decide", "fit_node", "rejected"]
