@@ -5,8 +5,10 @@ directory on the file system that holds `--dir`, warms the page cache with one r
 rounds:
 
 - `cp` of the file (the baseline the issue names) and `cp` followed by an fsync of the copy (what a durable
-  copy costs: ingest fsyncs every segment, the manifest and their directories);
-- `Store.ingest` at several segment sizes (a fresh store each time), plus one run with `reread=True`;
+  copy costs);
+- `Store.ingest` at several segment sizes (a fresh store each time): the entry is loadable when it returns
+  (compare with `cp`, whose copy is in the page cache too), then `Store.flush`, which makes it durable
+  (fsyncs every segment and directory: compare "ingest + flush" with `cp` + fsync);
 - blake3 of the whole file with the blake3 package, memory-mapped and multi-threaded (what `b3sum` does),
   and, for reference, of the `cp` copy (pages written by a kernel copy hash back slower than pages written
   by large writes, so the same bytes hash at different speeds);
@@ -70,6 +72,7 @@ def _write_random(path: Path, size: int) -> None:
 
 
 def _timed(fn: Callable[[], object]) -> float:
+    os.sync()  # untimed: no earlier operation's dirty pages are written back during this one
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started
@@ -146,21 +149,29 @@ def main() -> None:
         def ingest(store: Store) -> Manifest:
             return store.ingest(source, identity=IDENTITY, tokens=(1,), payload_kind="llama_slot")
 
-        for _ in range(args.rounds):
+        for round_no in range(args.rounds):
             _drop(work / "copy.bin")
             record("cp", _timed(lambda: _cp(source, work / "copy.bin")))
             _drop(work / "copy.bin")
             record("cp + fsync", _timed(lambda: _cp_fsync(source, work / "copy.bin")))
             record("b3sum of the cp copy (ref.)", _timed(lambda: _b3sum(work / "copy.bin")))
             _drop(work / "copy.bin")
-            for seg in segment_sizes:
+            # Rotated each round: whatever runs first after the copies are deleted is slower here (the disk's
+            # discards), and that must not fall on one segment size.
+            k = round_no % len(segment_sizes)
+            for seg in segment_sizes[k:] + segment_sizes[:k]:
                 root = work / f"store-{seg // MIB}"
                 _drop(root)
                 store = Store(root, segment_bytes=seg)
-                record(f"ingest, {seg // MIB} MiB segments", _timed(partial(ingest, store)))
+                loadable = _timed(partial(ingest, store))
+                flush_started = time.perf_counter()  # at once: a sync first would do the flush's work
+                store.flush()
+                record(f"ingest, {seg // MIB} MiB segments", loadable)
+                record(f"ingest + flush, {seg // MIB} MiB", loadable + time.perf_counter() - flush_started)
                 _drop(root)
             store = Store(work / "store-default")
             manifest = ingest(store)
+            store.flush()
             store.verify(manifest)  # untimed: the store's pages warm, like the source's for b3sum
             record("b3sum (blake3 mmap)", _timed(lambda: _b3sum(source)))
             record("verify", _timed(partial(store.verify, manifest)))
@@ -183,6 +194,8 @@ def main() -> None:
             for base in ("cp", "cp + fsync", "b3sum (blake3 mmap)"):
                 cells.append(f"{median[base] / median[name]:5.2f}/{best[base] / best[name]:5.2f}")
             print(" ".join(cells))
+        print()
+        print("rounds, s: " + "; ".join(f"{n}: " + " ".join(f"{v:.3f}" for v in vs) for n, vs in times.items()))
         print()
         print(f"default segment size: {layout.DEFAULT_SEGMENT_BYTES // MIB} MiB")
 

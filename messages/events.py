@@ -280,7 +280,8 @@ class L3Captured(Event, frozen=True, kw_only=True, tag="l3_captured"):
     n_tokens: int
     bytes: int
     new_bytes: int  # bytes of segments the store did not hold before (content addressing dedupes the rest)
-    ingest_ms: float
+    ingest_ms: float  # until loadable (and servable)
+    durable_ms: float | None = None  # until fsynced, counted from the start; None: the flush failed (retried)
 
 
 class L3CaptureDropped(Event, frozen=True, kw_only=True, tag="l3_capture_dropped"):

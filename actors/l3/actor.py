@@ -12,8 +12,9 @@ parts are `peer` (fetching an entry from a peer) and `serve` (the endpoints peer
 
 * Start: `reconcile` (temporary files removed, bad manifests quarantined: `l3_quarantined`, orphan segments
   collected), the catalog filled, the budget enforced once, the endpoints added, the inventory published.
-* Capture: a bounded queue drained by one task: ingest, then one eviction pass (`l3_evicted`), then
-  `l3_captured`. The slot file is deleted whatever happens. A state already stored is only touched.
+* Capture: a bounded queue drained by one task: ingest (the entry is servable from here on), one eviction
+  pass (`l3_evicted`), the flush that makes it durable, then `l3_captured`. The slot file is deleted
+  whatever happens. A state already stored is only touched.
 * Materialize: single-flight per entry. The first caller's fill assembles the payload (verified segment by
   segment) into `staging/`; every caller of that flight gets a hard link of it at its own `dest` (a temporary
   name next to it, then a rename), so there is never a partial file at `dest` and never a second disk read
@@ -313,8 +314,16 @@ class L3Actor(Actor):
             self._keeper.catalog.unpin(entry)
         if entry not in self._keeper.catalog:  # evicted at once: a budget smaller than pinned entries need
             return
+        self._keeper.changed.set()  # servable now; durable once flushed
+        durable_ms: float | None = None
+        try:
+            await self._keeper.blocking(store.flush)
+            durable_ms = round((time.monotonic() - started) * 1000, 3)
+        except OSError as exc:  # the entry stays pending: the next flush, or the next start's reconcile, settles it
+            ctx.log.warning("l3_flush_failed", entry=entry, error=str(exc))
         ctx.emit(
             L3Captured,
+            durable_ms=durable_ms,
             entry=entry,
             identity=job.identity,
             n_tokens=len(job.tokens),

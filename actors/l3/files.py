@@ -116,7 +116,7 @@ def hash_fd(fd: int, length: int, buffer: memoryview, out: int | None = None, ou
     """blake3 of the first `length` bytes of an open file and how many there were, read through `buffer`
     (read(2), not a mapping: a bad sector or a truncated file is an error here, never a SIGBUS), each chunk
     written to `out` after it is hashed when given. Read errors raise `ReadFailed`; write errors OSError."""
-    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    hasher = blake3.blake3()  # one thread: callers hash several files at once
     done = 0
     while done < length:
         try:

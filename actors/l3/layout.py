@@ -51,15 +51,16 @@ __all__ = [
     "manifest_name",
     "manifest_path",
     "payload_root",
+    "pending_path",
     "plan_segments",
     "quarantine_path",
     "segment_path",
     "temp_name",
 ]
 
-#: Chosen by `benchmarks/l3_ingest.py` (benchmarks/RESULTS.md, L3 store): each segment costs an fsync, so
-#: ingest gains up to 16-32 MiB (8 MiB: about 0.7x the 32 MiB rate, 4 MiB: 0.6x) and nothing beyond, while
-#: a larger segment is more to hash again when it is reused, and more to re-fetch when one is damaged.
+#: Chosen by `benchmarks/l3_ingest.py` (benchmarks/RESULTS.md, L3 store): each segment costs an fsync when it
+#: is flushed, so smaller ones are slower (8 MiB: about 0.7x the 32 MiB rate), 16-64 MiB are within noise,
+#: and a larger segment is more to hash again when it is reused, and more to re-fetch when one is damaged.
 DEFAULT_SEGMENT_BYTES: Final = 32 * 1024 * 1024
 MIN_SEGMENT_BYTES: Final = 64 * 1024
 MAX_SEGMENT_BYTES: Final = 256 * 1024 * 1024
@@ -73,6 +74,7 @@ MAX_TOKEN_ID: Final = (1 << 31) - 1  # llama_token is int32
 SEGMENTS_DIR: Final = "segments"
 MANIFESTS_DIR: Final = "manifests"
 QUARANTINE_DIR: Final = "quarantine"
+PENDING_DIR: Final = "pending"
 TEMP_PREFIX: Final = ".tmp-"
 MANIFEST_SUFFIX: Final = ".json"
 
@@ -201,6 +203,12 @@ def manifest_name(entry: str) -> str:
 def manifest_path(entry: str) -> tuple[str, str]:
     """`manifests/<entry id>.json` relative to the store root."""
     return (MANIFESTS_DIR, manifest_name(entry))
+
+
+def pending_path(entry: str) -> tuple[str, str]:
+    """`pending/<entry id>.json`: an empty marker, durable before the entry's manifest is written and
+    removed once every byte the manifest names is durable (`Store.flush`)."""
+    return (PENDING_DIR, manifest_name(entry))
 
 
 def quarantine_path(name: str, copy: int = 0) -> tuple[str, str]:

@@ -15,23 +15,28 @@ On disk, under the store root::
     manifests/<entry id>.json     one per entry; its existence is what makes the entry loadable
     quarantine/<entry id>.json    manifests that failed a check: kept, and so are the segments they name
 
-Durability (what a kill -9 or a power cut at any point leaves): every file is written under a temporary
-name, fsynced, renamed into place, and its directory fsynced. The manifest is written last, after every
-segment it names is durable and `commit.validate` has accepted it, so a manifest either does not exist or
-names a complete, verified payload. What a crash leaves behind is temporary files and unnamed segments;
-`reconcile` removes both.
+Durability, in two steps. `ingest` makes an entry *loadable*: every file is written under a temporary name
+and renamed into place, and the manifest is written last (fsynced, renamed, its directory fsynced), after
+`commit.validate` has accepted what the store holds, so a manifest either does not exist or names a
+complete, verified payload. A kill -9 at any point loses nothing written (the page cache outlives the
+process); what it leaves is temporary files and unnamed segments, which `reconcile` removes. `flush` then
+makes loadable entries *durable*: it fsyncs their segments and directories. Until it has, the entry has a
+marker in `pending/`, made durable before its manifest is written, so a power cut that loses unwritten
+segment bytes cannot leave an unverified entry: `reconcile` re-hashes every entry that still has a marker
+before it counts as stored (a bad one is quarantined). The caller (the L3 actor) flushes after each capture,
+off the reply path; the entry is servable meanwhile.
 
 How bytes move (one hashing pass): each segment is copied from the slot file into a temporary file through
-one 4 MiB buffer, and a helper thread hashes *the temporary file as stored* (read back), then fsyncs it
-and renames it to its digest, while the next segment is copied. So the commit check re-hashes what the
-store holds, not a buffer that might differ from it, and nothing a caller claims. The slot file's size and
-mtime are checked again at the end: one rewritten during ingest is refused. A segment already present is
-re-hashed before it is reused (a damaged one is replaced). Every read-back (`assemble`, `verify`,
-`reconcile(verify_content=True)`) re-hashes each segment and recomputes the payload digest from them;
-`assemble` writes out exactly the bytes it has just hashed. Files are read with read(2), never mapped, so a
-bad sector or a file truncated under us is an error (the entry is quarantined), not a SIGBUS. Memory: one
-4 MiB buffer per thread (the caller's and `_HELPERS` helpers); `_AHEAD` segments more may sit in the page
-cache waiting for their fsync.
+one 4 MiB buffer, and a helper thread hashes *the temporary file as stored* (read back) and renames it to
+its digest, while the next segment is copied. So the commit check re-hashes what the store holds, not a
+buffer that might differ from it, and nothing a caller claims. The slot file's size and mtime are checked
+again at the end: one rewritten during ingest is refused. A segment already present is re-hashed before it
+is reused (a damaged one is replaced). Every read-back (`assemble`, `verify`,
+`reconcile(verify_content=True)`) re-hashes each segment, several segments at once, and recomputes the
+payload digest from them; `assemble` writes out exactly the bytes it has just hashed. Files are read with
+read(2), never mapped, so a bad sector or a file truncated under us is an error (the entry is quarantined),
+not a SIGBUS. Memory: one 4 MiB buffer per thread (the caller's and `_HELPERS` helpers); `_AHEAD` segments
+more may sit in the page cache waiting to be hashed.
 """
 
 from __future__ import annotations
@@ -91,8 +96,12 @@ Checkpoint = Callable[[str, int], None]
 
 #: Segments copied but not yet hashed and durable, at most: the page cache holds them, not this process.
 _AHEAD: Final = 6
-#: Threads that hash, fsync and rename copied segments (fsyncs overlap: the journal commits them together).
+#: Threads that hash and rename copied segments, and that fsync them in `flush` (fsyncs overlap: the journal
+#: commits them together).
 _HELPERS: Final = 4
+#: Segments re-hashed at once by a read-back: one single-threaded hasher per segment keeps each core busy
+#: with its own read(2) and hash (measured faster than one multi-threaded hasher fed by one reader).
+_READERS: Final = max(1, min(8, os.cpu_count() or 1))
 _TRANSIENT_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
 
 
@@ -151,7 +160,7 @@ class Store:
         self.root = root
         self.segment_bytes = layout.check_segment_bytes(segment_bytes)
         self._checkpoint = checkpoint
-        for name in (layout.SEGMENTS_DIR, layout.MANIFESTS_DIR, layout.QUARANTINE_DIR):
+        for name in (layout.SEGMENTS_DIR, layout.MANIFESTS_DIR, layout.QUARANTINE_DIR, layout.PENDING_DIR):
             make_dir(root / name)
 
     # ---- paths: every name is a checked digest or a fixed word ----
@@ -165,10 +174,14 @@ class Store:
     def manifest_file(self, entry: str) -> Path:
         return self._at(layout.manifest_path(entry))
 
+    def pending_file(self, entry: str) -> Path:
+        return self._at(layout.pending_path(entry))
+
     # ---- ingest ----
 
     def ingest(self, source: Path, *, identity: str, tokens: Iterable[int], payload_kind: str) -> Manifest:
-        """Stores the file at `source` as an entry of `identity` holding `tokens`; returns its manifest."""
+        """Stores the file at `source` as an entry of `identity` holding `tokens`; returns its manifest. The
+        entry is loadable when this returns, and durable after the next `flush`."""
         token_ids = tuple(tokens)
         entry = layout.entry_id(identity, token_ids)
         if not layout.is_payload_kind(payload_kind):
@@ -184,7 +197,7 @@ class Store:
             with ThreadPoolExecutor(max_workers=_HELPERS, thread_name_prefix="l3-segment") as helpers:
                 pending: deque[Future[SegmentRef]] = deque()
 
-                def settle(keep: int) -> None:  # in order, so "segment i" means segments 0..i are durable
+                def settle(keep: int) -> None:  # in order, so "segment i" means segments 0..i are stored
                     while len(pending) > keep:
                         observed.append(pending.popleft().result())
                         self._step("segment", observed[-1].index)
@@ -213,10 +226,7 @@ class Store:
         if len(observed) == len(plan) and (grew or after.st_size != key.size or after.st_mtime_ns != key.mtime_ns):
             # rewritten while we read it: what follows is observed as one more segment, so validate refuses
             observed.append(SegmentRef(len(plan), key.size, max(after.st_size - key.size, 1), ""))
-        dirs = {self.root / layout.SEGMENTS_DIR} | {self.segment_file(r.digest).parent for r in observed if r.digest}
-        for d in sorted(dirs):  # deduplicated segments' too: an earlier rename may not be durable yet
-            fsync_dir(d)
-        self._step("segments_durable", len(observed))
+        self._step("segments_stored", len(observed))
         named = tuple(SegmentRef(r.index, r.offset, plan[r.index][2], r.digest) for r in observed[: len(plan)])
         manifest = Manifest(
             identity=identity,
@@ -230,6 +240,8 @@ class Store:
         refusal = validate(manifest, observed, layout.payload_root(observed))
         if refusal is not None:
             raise CommitRefused(refusal)
+        self._mark_pending(entry)
+        self._step("pending", 0)
         write_atomic(self.manifest_file(entry), layout.encode_manifest(manifest))
         self._step("manifest", 0)
         log.debug("l3_ingested", entry=entry, n_tokens=len(token_ids), bytes=key.size, segments=len(named))
@@ -240,15 +252,14 @@ class Store:
             self._checkpoint(name, n)
 
     def _settle_segment(self, fd: int, tmp: Path, seen: SegmentRef) -> SegmentRef:
-        """(helper thread) Hashes the stored temporary file, then makes it durable under its digest, or
-        drops it when an intact copy is there already. Closes `fd`."""
+        """(helper thread) Hashes the stored temporary file, then renames it to its digest, or drops it when
+        an intact copy is there already. Closes `fd`."""
         try:
             digest, _ = hash_fd(fd, seen.length, thread_buffer())
             final = self.segment_file(digest)
             if intact(final, digest, seen.length):
                 unlink_quietly(tmp)
             else:
-                os.fsync(fd)
                 if not final.parent.is_dir():
                     make_dir(final.parent)
                 os.replace(tmp, final)
@@ -258,6 +269,53 @@ class Store:
         finally:
             os.close(fd)
         return SegmentRef(seen.index, seen.offset, seen.length, digest)
+
+    # ---- durability ----
+
+    def _mark_pending(self, entry: str) -> None:
+        """A durable marker that `entry` is not yet durable: written before its manifest."""
+        fd = os.open(self.pending_file(entry), OPEN_CREATE, 0o644)
+        os.close(fd)
+        fsync_dir(self.root / layout.PENDING_DIR)
+
+    def pending(self) -> list[str]:
+        """Entries loadable but not yet durable (their markers)."""
+        return sorted(
+            item.name[: -len(layout.MANIFEST_SUFFIX)]
+            for item in os.scandir(self.root / layout.PENDING_DIR)
+            if layout.is_manifest_name(item.name)
+        )
+
+    def flush(self) -> int:
+        """Makes every pending entry durable: fsyncs the segments each names and their directories, then
+        drops its marker. An entry removed meanwhile just loses its marker. Returns how many were settled."""
+        entries = self.pending()
+        if not entries:
+            return 0
+        digests: set[str] = set()
+        for entry in entries:
+            try:
+                digests.update(s.digest for s in self.load_manifest(entry).segments)
+            except StoreError:  # gone (evicted), or unreadable: reconcile quarantines that one
+                continue
+        with ThreadPoolExecutor(max_workers=_HELPERS, thread_name_prefix="l3-flush") as helpers:
+            list(helpers.map(self._fsync_segment, sorted(digests)))
+        for d in sorted({self.segment_file(d).parent for d in digests} | {self.root / layout.SEGMENTS_DIR}):
+            fsync_dir(d)
+        for entry in entries:
+            unlink_quietly(self.pending_file(entry))
+        self._step("flushed", len(entries))
+        return len(entries)
+
+    def _fsync_segment(self, digest: str) -> None:
+        try:
+            fd = os.open(self.segment_file(digest), OPEN_READ)
+        except FileNotFoundError:  # evicted meanwhile
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     # ---- read back ----
 
@@ -299,42 +357,50 @@ class Store:
             self._corrupt(manifest, refusal)
 
     def _read_back(self, manifest: Manifest, out: int | None) -> Refusal | None:
-        """Reads and hashes each stored segment, writing the very bytes it hashed to `out` at their offset
-        (when given), then checks the payload digest recomputed from what was hashed. A segment that cannot be
-        read (missing, resized, a read error) is a refusal; an error writing `out` is raised."""
+        """Reads and hashes each stored segment (`_READERS` at once), writing the very bytes it hashed to `out`
+        at their offset (when given), then checks the payload digest recomputed from what was hashed. A
+        segment that cannot be read (missing, resized, a read error) is a refusal (the first in order); an
+        error writing `out` is raised."""
+        segments = manifest.segments
+        if len(segments) <= 1 or _READERS == 1:
+            results = [self._read_segment(seg, out) for seg in segments]
+        else:
+            with ThreadPoolExecutor(max_workers=min(_READERS, len(segments)), thread_name_prefix="l3-read") as pool:
+                results = list(pool.map(lambda seg: self._read_segment(seg, out), segments))
         seen: list[SegmentRef] = []
-        buffer = thread_buffer()
-        for seg in manifest.segments:
-            try:
-                fd = os.open(self.segment_file(seg.digest), OPEN_READ)
-            except FileNotFoundError:
-                return Refusal(rule=Rule.SEGMENT_MISSING, detail="segment is not stored", index=seg.index)
-            except OSError as exc:
-                return _unreadable(seg, exc)
-            try:
-                info = os.fstat(fd)
-                if not stat.S_ISREG(info.st_mode) or info.st_size != seg.length:
-                    detail = f"stored {info.st_size} bytes, expected {seg.length}"
-                    return Refusal(rule=Rule.SEGMENT_SIZE, detail=detail, index=seg.index)
-                os.set_blocking(fd, True)
-                try:
-                    digest, got = hash_fd(fd, seg.length, buffer, out, seg.offset)
-                except ReadFailed as failed:
-                    return _unreadable(seg, failed.error)
-            finally:
-                os.close(fd)
-            if got != seg.length:
-                return Refusal(
-                    rule=Rule.SEGMENT_SIZE, detail=f"read {got} bytes, expected {seg.length}", index=seg.index
-                )
-            if digest != seg.digest:
-                return Refusal(
-                    rule=Rule.SEGMENT_MISMATCH, detail="segment bytes do not hash to its name", index=seg.index
-                )
-            seen.append(SegmentRef(seg.index, seg.offset, seg.length, digest))
+        for result in results:
+            if isinstance(result, Refusal):
+                return result
+            seen.append(result)
         if layout.payload_root(seen) != manifest.payload_digest:
             return Refusal(rule=Rule.PAYLOAD_DIGEST, detail="the payload digest recomputed from the segments differs")
         return None
+
+    def _read_segment(self, seg: SegmentRef, out: int | None) -> SegmentRef | Refusal:
+        """Re-hashes one stored segment (copying it to `out` at its offset when given)."""
+        try:
+            fd = os.open(self.segment_file(seg.digest), OPEN_READ)
+        except FileNotFoundError:
+            return Refusal(rule=Rule.SEGMENT_MISSING, detail="segment is not stored", index=seg.index)
+        except OSError as exc:
+            return _unreadable(seg, exc)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != seg.length:
+                detail = f"stored {info.st_size} bytes, expected {seg.length}"
+                return Refusal(rule=Rule.SEGMENT_SIZE, detail=detail, index=seg.index)
+            os.set_blocking(fd, True)
+            try:
+                digest, got = hash_fd(fd, seg.length, thread_buffer(), out, seg.offset)
+            except ReadFailed as failed:
+                return _unreadable(seg, failed.error)
+        finally:
+            os.close(fd)
+        if got != seg.length:
+            return Refusal(rule=Rule.SEGMENT_SIZE, detail=f"read {got} bytes, expected {seg.length}", index=seg.index)
+        if digest != seg.digest:
+            return Refusal(rule=Rule.SEGMENT_MISMATCH, detail="segment bytes do not hash to its name", index=seg.index)
+        return SegmentRef(seg.index, seg.offset, seg.length, digest)
 
     def _corrupt(self, manifest: Manifest, refusal: Refusal) -> NoReturn:
         """Quarantines the stored entry if it is this manifest (not a newer one, nor a peer's), then raises."""
@@ -443,9 +509,11 @@ class Store:
     # ---- startup ----
 
     def reconcile(self, *, verify_content: bool = False) -> Inventory:
-        """Removes temporary files, checks every manifest (and with `verify_content`, re-hashes every
-        payload), quarantines the bad, drops segments nothing names, and returns the inventory."""
+        """Removes temporary files, checks every manifest (re-hashing the payload of each entry not known to be
+        durable, and with `verify_content` of every entry), quarantines the bad, drops segments nothing names,
+        makes the pending entries that passed durable, and returns the inventory."""
         removed_temp = 0
+        pending = set(self.pending())
         unknown: list[str] = []
         sizes: dict[str, int] = {}
         seg_root = self.root / layout.SEGMENTS_DIR
@@ -477,7 +545,8 @@ class Store:
             if not layout.is_manifest_name(item.name):
                 unknown.append(f"{layout.MANIFESTS_DIR}/{item.name}")
                 continue
-            manifest, reason = self._check_stored(Path(item.path), item.name, sizes, verify_content)
+            unsure = item.name[: -len(layout.MANIFEST_SUFFIX)] in pending
+            manifest, reason = self._check_stored(Path(item.path), item.name, sizes, verify_content or unsure)
             if manifest is not None:
                 referenced.update(s.digest for s in manifest.segments)
             if reason is not None:
@@ -518,8 +587,12 @@ class Store:
                 unlink_quietly(self.segment_file(digest))
                 del sizes[digest]
                 removed_orphans += 1
+        for item in os.scandir(self.root / layout.PENDING_DIR):
+            if layout.is_temp_name(item.name) or not layout.is_manifest_name(item.name):
+                unknown.append(f"{layout.PENDING_DIR}/{item.name}")
         for d in (seg_root, self.root / layout.MANIFESTS_DIR, self.root / layout.QUARANTINE_DIR):
             fsync_dir(d)
+        self.flush()  # the pending entries left are verified now; the markers of the others just go
         inventory = Inventory(
             entries=tuple(entries),
             tokens=sum(e.n_tokens for e in entries),

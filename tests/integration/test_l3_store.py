@@ -47,8 +47,11 @@ def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file())
 
 
-def _ingest(store: Store, source: Path, tokens: tuple[int, ...] = (1, 2, 3)) -> Manifest:
-    return store.ingest(source, identity=IDENTITY, tokens=tokens, payload_kind=KIND)
+def _ingest(store: Store, source: Path, tokens: tuple[int, ...] = (1, 2, 3), *, flush: bool = True) -> Manifest:
+    manifest = store.ingest(source, identity=IDENTITY, tokens=tokens, payload_kind=KIND)
+    if flush:
+        store.flush()
+    return manifest
 
 
 def _entry(m: Manifest) -> str:
@@ -212,6 +215,38 @@ def test_a_corrupted_segment_is_quarantined_by_a_verifying_reconcile(tmp_path: P
     assert [(q.reason.split(":")[0], q.readable) for q in inventory.quarantined] == [("segment_mismatch", True)]
     assert inventory.removed_orphans == 0
     assert all(store.segment_file(s.digest).exists() for s in m.segments)
+
+
+def test_an_entry_not_yet_flushed_is_loadable_and_re_hashed_by_the_next_reconcile(tmp_path: Path) -> None:
+    # A power cut before the flush may lose segment bytes the manifest names: the pending marker, durable before
+    # the manifest, makes the next start re-hash that entry (and only the unflushed ones) before counting it.
+    _payload(tmp_path / "slot.bin", 3 * SEG)
+    (tmp_path / "slot2.bin").write_bytes(random.Random(5).randbytes(2 * SEG))
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    durable = _ingest(store, tmp_path / "slot.bin", (1,))
+    fresh = _ingest(store, tmp_path / "slot2.bin", (2,), flush=False)
+    assert store.pending() == [_entry(fresh)]
+    store.assemble(fresh, tmp_path / "out.bin")  # loadable before it is durable
+    _corrupt_one_segment(store, fresh, index=1)  # what an unwritten page reads back as after the cut
+    _corrupt_one_segment(store, durable, index=0)  # a flushed entry is trusted (only a verifying pass sees it)
+    inventory = Store(tmp_path / "l3", segment_bytes=SEG).reconcile()
+    assert [e.entry for e in inventory.entries] == [_entry(durable)]
+    assert [q.reason.split(":")[0] for q in inventory.quarantined] == ["segment_mismatch"]
+    assert store.pending() == []
+    # A pending entry that verifies is kept and made durable.
+    _ingest(store, tmp_path / "slot.bin", (3,), flush=False)
+    assert store.pending() != []
+    inventory = store.reconcile()
+    assert sorted(e.n_tokens for e in inventory.entries) == [1, 1] and store.pending() == []
+
+
+def test_flush_drops_the_marker_of_an_entry_evicted_before_it(tmp_path: Path) -> None:
+    _payload(tmp_path / "slot.bin", 3 * SEG)
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    m = _ingest(store, tmp_path / "slot.bin", flush=False)
+    store.remove_entries([_entry(m)])
+    store.remove_segments(s.digest for s in m.segments)
+    assert store.flush() == 1 and store.pending() == []
 
 
 def test_a_truncated_or_missing_segment_is_quarantined_at_reconcile(tmp_path: Path) -> None:
@@ -440,6 +475,7 @@ CHILD = textwrap.dedent(
     print("ready", flush=True)
     started = time.perf_counter()
     store.ingest(Path(source), identity="1d" * 32, tokens=range(50), payload_kind="llama_slot")
+    store.flush()
     print("done", time.perf_counter() - started, flush=True)
     """
 )
@@ -486,6 +522,7 @@ def _check_after_crash(root: Path, source_bytes: bytes, out: Path, *, reuse: boo
     inventory = store.reconcile()
     assert inventory.quarantined == () and not inventory.gc_suspended
     assert [p for p in root.rglob(".tmp-*")] == []
+    assert store.pending() == []  # verified, then made durable (or its marker dropped with its entry)
     referenced = {s.digest for e in inventory.entries for s in store.load_manifest(e.entry).segments}
     assert {p.name for p in (root / "segments").rglob("*") if p.is_file()} == referenced  # no orphans left
     if not reuse:
@@ -515,11 +552,13 @@ def test_kill_9_of_an_ingesting_process_never_leaves_a_loadable_partial_entry(tm
             proc.stdout.close()
     duration = min(durations)
 
-    # Exact points: after any segment's rename, after the segment fsyncs, after the manifest's rename. Then kills at
-    # random times, anywhere (mid-write included), until 40 of them have landed while the child was still ingesting.
+    # Exact points: after any segment's rename, after the last, after the pending marker, after the manifest, after
+    # the flush. Then kills at random times, anywhere (mid-write included), until 40 of them have landed while the
+    # child was still ingesting.
     # A run that finishes first says how long it took, and later delays are drawn inside the fastest run seen, so
     # the count is reached on a slow machine and on a fast one alike (at most 160 timed runs).
-    steps = [("segment", i) for i in range(N_SEGMENTS)] + [("segments_durable", N_SEGMENTS), ("manifest", 0)]
+    steps = [("segment", i) for i in range(N_SEGMENTS)]
+    steps += [("segments_stored", N_SEGMENTS), ("pending", 0), ("manifest", 0), ("flushed", 1)]
     runs: list[tuple[str, int]] = list(steps) + [("never", -1)] * 160
     outcomes = {"killed": 0, "timed kills": 0, "completed": 0, "left temp files": 0, "left orphans": 0, "committed": 0}
     for i, (step, n) in enumerate(runs):
