@@ -17,8 +17,8 @@ Rules this module keeps:
   do not depend on the context. `tests/unit/test_fleet_index.py` checks the equality on random fleets.
 - A request for the largest context that fits (`max_ctx`, or no `ctx`) sizes each node at its own ceiling:
   `covers` says no, and the caller runs `admission.decide` (the full scan).
-- Every table is bounded: sizings and layouts are dropped wholesale past their limits (then rebuilt on
-  demand), node states are kept only for nodes in the view.
+- Every table is bounded: profiles, layouts and sizings are dropped wholesale past their limits (then rebuilt
+  on demand; distinct ones are few in a fleet), node states are kept only for nodes in the view.
 - The view's keys are the nodes' ids (the placement actor refuses a report stored under another key).
 Nothing here reads a clock: the caller passes the time and when each report arrived.
 """
@@ -229,7 +229,7 @@ class FleetIndex:
     def _keep_bounded(self, view: Mapping[str, ViewEntry]) -> None:
         """Drops a table past its limit (checked between decisions: one decision adds at most one entry per
         node), and the states of nodes that left the view."""
-        if len(self._profiles) >= MAX_PROFILES or len(self._layouts) >= MAX_LAYOUTS:
+        if len(self._profiles) >= MAX_PROFILES or len(self._layout_ids) >= MAX_LAYOUTS:
             self._reset_tables()
         elif len(self._sizings) >= MAX_SIZINGS:
             self._drop_sizings()
@@ -299,17 +299,21 @@ class FleetIndex:
         self._resets += 1
 
     def _layout(self, token: int, geometry: ModelGeometry, state: _NodeState, n_gpu_layers: int) -> int:
-        """The id of where this model's layers go on `state`'s node (and whether it has a GPU split)."""
+        """The id of where this model's layers go on `state`'s node (with whether it has a GPU split)."""
         ngl, split = split_of(state.entry.resources, state.have, n_gpu_layers)
-        # One GPU takes every offloaded layer whatever its weight (a positive one: split_of sees to that).
-        normalized = (1.0,) if len(split) == 1 else split
-        key = (token, ngl, normalized)
+        if len(split) > 1:
+            # In proportion to free memory, which differs per node: computed per node state (the caller keeps
+            # the answer until the state changes), and only the resulting layout is shared.
+            return self._layout_id(tuple(layer_devices(geometry, ngl, split)), True)
+        # No GPU, or one that takes every offloaded layer whatever its (positive: split_of) weight.
+        key = (token, ngl, (1.0,) if split else ())
         layout = self._layouts.get(key)
         if layout is None:
-            devices = (tuple(layer_devices(geometry, ngl, normalized)), bool(split))
-            layout = self._layout_ids.setdefault(devices, len(self._layout_ids))
-            self._layouts[key] = layout
+            layout = self._layouts[key] = self._layout_id(tuple(layer_devices(geometry, ngl, key[2])), bool(split))
         return layout
+
+    def _layout_id(self, devices: tuple[int, ...], has_split: bool) -> int:
+        return self._layout_ids.setdefault((devices, has_split), len(self._layout_ids))
 
     def _sizing(self, token: int, geometry: ModelGeometry, state: _NodeState, n_gpu_layers: int, ctx: int) -> Sizing:
         layout = self._layout(token, geometry, state, n_gpu_layers)
