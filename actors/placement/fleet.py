@@ -80,8 +80,8 @@ class _NodeState:
     profile: int  # interned (settings, CPU features)
     # the last question asked of this node and its answer: (model, -ngl, ctx, sizing epoch) -> headroom
     asked: tuple[int, int, int, int] | None = None
-    sizing: Sizing | None = None
     headroom: int = 0
+    refusal: NodeRejection | None = None  # when the model does not fit (or cannot run) there
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,35 +161,49 @@ class FleetIndex:
         refused: list[NodeRejection] = []
         misfits: list[NodeRejection] = []
         best: _NodeState | None = None
-        best_key: tuple[int, tuple[tuple[int, int, str], ...]] | None = None
+        best_name = ""
         natural = self._natural
+
+        def order(name: str) -> tuple[tuple[int, int, str], ...]:  # only asked on a tie
+            return natural.get(name) or natural_key(name)
+
+        states = self._nodes
+        epoch = self._epoch
+        asked = (token, n_gpu_layers, ctx, self._sizing_epoch)
+        best_headroom = -1
+        view_get, arrived_get, ledgers_get, fresh_get = view.get, arrived.get, ledgers.get, fresh.get
+        plain = request.settings is None  # no settings required: the common case is checked inline below
         for name in request.nodes or self._natural_order(view):
-            entry = view.get(name)
-            ledger = fresh.get(name) or ledgers.get(name, NO_LEDGER)
+            entry = view_get(name)
+            ledger = (fresh_get(name) if fresh else None) or ledgers_get(name, NO_LEDGER)
             if entry is None:
                 refused.append(NodeRejection(node_id=name, reason="not_found", message="no telemetry from this node"))
                 continue
-            age = max(0.0, monotonic_now - arrived.get(name, monotonic_now))
-            refusal = refusal_of(request, name, entry, age, ledger[1] < 0)
-            if refusal is not None:
-                refused.append(refusal)
-                continue
-            state = self._state(name, entry, ledger)
-            asked = (token, n_gpu_layers, ctx, self._sizing_epoch)
+            node = entry.resources
+            age = max(0.0, monotonic_now - arrived_get(name, monotonic_now))
+            if not (plain and age <= node.ttl_s and ledger[1] >= 0 and node.settings is not None):
+                refusal = refusal_of(request, name, entry, age, ledger[1] < 0)
+                if refusal is not None:
+                    refused.append(refusal)
+                    continue
+            state = states.get(name)
+            if (
+                state is None
+                or state.entry is not entry
+                or state.ledger is not ledger[0]
+                or state.revision != ledger[1]
+                or state.epoch != epoch
+            ):
+                state = self._state(name, entry, ledger)
             if state.asked != asked:
-                state.sizing = self._sizing(token, geometry, state, n_gpu_layers, ctx)
-                state.headroom = _headroom(state.sizing, state.have)
+                self._answer(state, token, geometry, n_gpu_layers, ctx)
                 state.asked = (token, n_gpu_layers, ctx, self._sizing_epoch)  # the epoch may have moved
-            sizing = state.sizing
-            assert sizing is not None
-            if sizing.error is not None:
-                misfits.append(NodeRejection(node_id=name, reason="unsupported_settings", message=sizing.error))
-            elif state.headroom < 0:
-                misfits.append(insufficient(name, ctx, _shortfalls(sizing, state.have)))
-            else:
-                key = (-state.headroom, natural.get(name) or natural_key(name))
-                if best_key is None or key < best_key:
-                    best, best_key = state, key
+            if state.refusal is not None:
+                misfits.append(state.refusal)
+            elif state.headroom > best_headroom or (
+                state.headroom == best_headroom and best is not None and order(name) < order(best_name)
+            ):
+                best, best_name, best_headroom = state, name, state.headroom
         fits: list[Fit] = []
         if best is not None:
             settings = best.entry.resources.settings
@@ -201,6 +215,19 @@ class FleetIndex:
             request, model, view, fits, refused + misfits, now=now, decision_id=decision_id,
             reservation_id=reservation_id, dry_run=dry_run,
         )  # fmt: skip
+
+    def _answer(self, state: _NodeState, token: int, geometry: ModelGeometry, n_gpu_layers: int, ctx: int) -> None:
+        """Sizes the model on `state`'s node (from a shared sizing): its headroom, or its refusal."""
+        name = state.entry.resources.node_id
+        sizing = self._sizing(token, geometry, state, n_gpu_layers, ctx)
+        state.refusal = None
+        if sizing.error is not None:
+            state.headroom = -1
+            state.refusal = NodeRejection(node_id=name, reason="unsupported_settings", message=sizing.error)
+            return
+        state.headroom = min(state.have.get(device, 0) - total for device, total in sizing.totals)
+        if state.headroom < 0:
+            state.refusal = insufficient(name, ctx, _shortfalls(sizing, state.have))
 
     # --- the full scan ------------------------------------------------------------------------------------
 
@@ -334,13 +361,6 @@ class FleetIndex:
         self._sized += 1
         self._sizings[key] = sizing
         return sizing
-
-
-def _headroom(sizing: Sizing, have: Mapping[str, int]) -> int:
-    """What the tightest device has left after the model (negative: it does not fit there)."""
-    if sizing.error is not None:
-        return -1
-    return min(have.get(device, 0) - total for device, total in sizing.totals)
 
 
 def _shortfalls(sizing: Sizing, have: Mapping[str, int]) -> list[DeviceShortfall]:

@@ -1,0 +1,624 @@
+"""Benchmark: placement at fleet scale: `placement.fit` over 1, 10, 100 and 1,000 simulated nodes beside a bare
+NATS echo, and the telemetry fan-in of 1,000 nodes at 1 Hz into the placement actor's view.
+
+For each fleet size, a fresh nats-server (JetStream, loopback, with its monitoring port, which says whether it
+cut off a slow consumer) and the real `PlacementActor` under a `Supervisor` with a running journal, in this
+process; then a second process simulates the fleet: every node has its own GPUs (none to 8, of 24, 48 or
+80 GiB, partly used by others), host RAM, CPU features and serving settings (slots, unified KV, cache types,
+prompt cache), a few have no llama-server, and each one reports at 1 Hz (spread over the second) exactly as
+the telemetry actor does: `mesh.telemetry.<node>` and its key in the nodes bucket with a per-message TTL.
+One report in ten moves a node's free memory (other work starting and stopping), so node states and GPU
+splits keep changing under the decisions.
+
+Measured while the telemetry flows: `PlacementRequest(model=<a sparse file with a 9B qwen35 geometry>,
+ctx=4096)` on `mesh.placement.fit`, sequential and with `--in-flight` outstanding, interleaved with a bare
+nats-py responder answering the same request bytes with the decision's bytes (the baseline: same bytes, no
+work). Also the pure decision alone in this process, the fleet index against admission's full scan (every
+node sized, as before the index) on the same view, checked equal.
+
+At the largest size, over a `--fan-in-s` window: reports delivered into the view per second, drops (the
+server's slow-consumer count, the client library's slow-consumer errors, and reports acknowledged by
+JetStream that never reached the view), the view's lag (arrival in the actor minus the node's `sent_at`: one
+machine, one clock), and this process's resident memory (actor, client and echo) sampled every second, with
+the actor's own table sizes.
+
+Run from the repository root:
+
+    python -m benchmarks.placement_scale [--sizes 1,10,100,1000] [--requests 1000] [--fan-in-s 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import json
+import os
+import pstats
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.errors import SlowConsumerError
+
+from actors.placement.actor import PlacementActor
+from actors.placement.admission import ModelFacts, Outcome, decide
+from actors.placement.fleet import FleetIndex, snapshot
+from actors.placement.geometry import geometry_from_header
+from actors.placement.gguf_header import read_header
+from actors.telemetry.actor import TTL_HEADER
+from benchmarks.bus_roundtrip import (
+    Summary,
+    bare_echo,
+    compare,
+    percentile,
+    print_table,
+    summarize,
+    supervised,
+    timed_sequential,
+    verdict,
+    wait_serving,
+)
+from benchmarks.environment import print_environment
+from messages.placement import ModelRef, PlacementDecision, PlacementRequest
+from messages.settings import ServingSettings
+from messages.subjects import Subjects
+from messages.telemetry import GpuInfo, HostInfo, LlamaServerInfo, NodeResources
+from runtime import buckets
+from runtime.bus import Bus, encode
+from runtime.config import NatsOptions
+from runtime.embedded import find_nats_server
+from runtime.journal import ensure_events_stream
+from runtime.logging import configure_logging
+from tests import tiny_models
+
+GIB = 1 << 30
+MIB = 1 << 20
+CTX = 4096
+TIMEOUT_S = 10.0
+ECHO_SUBJECT = "bench.placement.echo"
+NODE_TTL_S = 15.0
+MOVE_EVERY = 10  # one report in this many moves the node's free memory
+TARGET_P99_S = 0.005
+
+
+# --- the simulated fleet ---------------------------------------------------------------------------------
+
+
+@dataclass
+class SimNode:
+    """One simulated node: fixed hardware and settings, free memory that moves now and then."""
+
+    node_id: str
+    gpu_size: int
+    gpu_used: list[int]
+    host_total: int
+    host_used: int
+    features: tuple[str, ...]
+    settings: ServingSettings | None
+    seq: int = 0
+    started_at: float = 0.0
+
+    def report(self, rng: random.Random, now: float) -> NodeResources:
+        self.seq += 1
+        if self.seq > 1 and self.seq % MOVE_EVERY == 0:
+            self.gpu_used = [min(self.gpu_size, max(0, u + rng.randrange(-2 * GIB, 2 * GIB))) for u in self.gpu_used]
+            self.host_used = min(self.host_total, max(0, self.host_used + rng.randrange(-4 * GIB, 4 * GIB)))
+        gpus = tuple(
+            GpuInfo(
+                index=i,
+                name="simulated GPU",
+                uuid=f"GPU-{self.node_id}-{i}",
+                total_bytes=self.gpu_size,
+                free_bytes=self.gpu_size - used,
+                used_bytes=used,
+                usable_bytes=self.gpu_size - used,
+            )
+            for i, used in enumerate(self.gpu_used)
+        )
+        free = self.host_total - self.host_used
+        return NodeResources(
+            node_id=self.node_id,
+            seq=self.seq,
+            sent_at=now,
+            started_at=self.started_at,
+            ttl_s=NODE_TTL_S,
+            host=HostInfo(
+                ram_total_bytes=self.host_total,
+                ram_available_bytes=free,
+                usable_bytes=free,
+                cpu_count=32,
+                cpu_features=self.features,
+            ),
+            gpus=gpus,
+            nvml="simulated" if gpus else None,
+            nvml_error=None if gpus else "no NVIDIA device",
+            llama_server=LlamaServerInfo(path="llama-server", version="sim", build_info="") if self.settings else None,
+            llama_server_error=None if self.settings else "llama-server not found",
+            settings=self.settings,
+        )
+
+
+def fleet(n: int, seed: int) -> list[SimNode]:
+    rng = random.Random(seed)
+    nodes = []
+    for i in range(n):
+        n_gpus = rng.choices((0, 1, 2, 4, 8), weights=(10, 40, 25, 15, 10))[0]
+        size = rng.choice((24, 48, 80)) * GIB
+        settings: ServingSettings | None = None
+        if rng.random() > 0.02:
+            k = rng.choice(("f16", "f16", "q8_0", "q4_0"))
+            settings = ServingSettings(
+                slots=rng.choice((1, 2, 4, 4, 8, 16)),
+                kv_unified=rng.random() < 0.3,
+                cache_type_k=k,  # type: ignore[arg-type]
+                cache_type_v=rng.choice(("f16", k)),  # type: ignore[arg-type]
+                cache_ram_mib=rng.choice((0, 2048, 8192)),
+                ctx_checkpoints=rng.choice((0, 8, 32)),
+            )
+        host = rng.choice((64, 128, 256, 512)) * GIB
+        nodes.append(
+            SimNode(
+                node_id=f"sim-{i}",
+                gpu_size=size,
+                gpu_used=[int(size * rng.uniform(0.0, 0.95)) for _ in range(n_gpus)],
+                host_total=host,
+                host_used=int(host * rng.uniform(0.1, 0.9)),
+                features=rng.choice((("AVX2",), ("AVX2", "AVX512"), ("NEON", "DOTPROD"))),
+                settings=settings,
+                started_at=time.time(),
+            )
+        )
+    return nodes
+
+
+async def simulate(url: str, n: int, seed: int, duration_s: float) -> dict[str, Any]:
+    """Publishes every node's report once a second, spread over the second, for `duration_s` (or until
+    stopped by SIGTERM); returns the counts."""
+    subjects = Subjects()
+    bus = await Bus.connect(NatsOptions(urls=(url,)), name="bench-fleet")
+    await buckets.nodes(bus, subjects)
+    rng = random.Random(seed + 1)
+    nodes = fleet(n, seed)
+    acked = failed = 0
+    behind: list[float] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(15, stop.set)
+
+    async def put(report: NodeResources) -> None:
+        nonlocal acked, failed
+        payload = encode(report)
+        await bus.nc.publish(subjects.telemetry(report.node_id), payload)
+        try:
+            await bus.js.publish(
+                f"$KV.{subjects.nodes_bucket}.{report.node_id}",
+                payload,
+                timeout=5,
+                headers={TTL_HEADER: f"{round(NODE_TTL_S)}s"},
+            )
+            acked += 1
+        except Exception:  # counted, not fatal: the benchmark reports it
+            failed += 1
+
+    start = time.monotonic()
+    tick = 0.01
+    i = 0
+    async with asyncio.TaskGroup() as tg:
+        while not stop.is_set() and time.monotonic() - start < duration_s:
+            due = start + i * (1.0 / n)
+            now = time.monotonic()
+            if due > now:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=min(tick, due - now))
+                continue
+            behind.append(now - due)
+            # Everything due now goes out together; their acks are awaited concurrently.
+            while start + i * (1.0 / n) <= now:
+                tg.create_task(put(nodes[i % n].report(rng, time.time())))
+                i += 1
+    await bus.close()
+    behind.sort()
+    return {
+        "published": i,
+        "acked": acked,
+        "failed": failed,
+        "seconds": time.monotonic() - start,
+        "behind_p99_s": percentile(behind, 0.99) if behind else 0.0,
+    }
+
+
+# --- the server ------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    monitor: str
+
+    def varz(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"{self.monitor}/varz", timeout=5) as response:
+            return dict(json.load(response))
+
+
+@contextlib.asynccontextmanager
+async def nats_server(directory: Path) -> AsyncIterator[Server]:
+    """A plain nats-server with JetStream on loopback and its monitoring port."""
+    port, http = _free_port(), _free_port()
+    args = [find_nats_server(), "-a", "127.0.0.1", "-p", str(port), "-m", str(http), "-js", "-sd", str(directory)]
+    process = await asyncio.create_subprocess_exec(*args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = Server(url=f"nats://127.0.0.1:{port}", monitor=f"http://127.0.0.1:{http}")
+    try:
+        async with asyncio.timeout(20):
+            while True:
+                try:
+                    await asyncio.to_thread(server.varz)
+                    break
+                except OSError:
+                    await asyncio.sleep(0.05)
+        yield server
+    finally:
+        await _stop(process)
+
+
+async def _stop(process: asyncio.subprocess.Process) -> bytes:
+    """Terminates `process` and returns what it wrote (killed if it does not end within 20 s)."""
+    with contextlib.suppress(ProcessLookupError):
+        process.terminate()
+    try:
+        async with asyncio.timeout(20):
+            out, _ = await process.communicate()
+    except TimeoutError:
+        process.kill()
+        out, _ = await process.communicate()
+    return out or b""
+
+
+async def wait_until(condition: Callable[[], bool], deadline_s: float) -> bool:
+    """Whether `condition` became true within the deadline (checked every 50 ms)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(deadline_s):
+            while True:
+                if condition():
+                    return True
+                await asyncio.sleep(0.05)
+    return False
+
+
+# --- the placement actor, measured ---------------------------------------------------------------------
+
+
+class MeasuredPlacement(PlacementActor):
+    """The real actor; it also notes each report's lag into the view (arrival minus the node's `sent_at`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lags: deque[float] = deque(maxlen=1_000_000)
+
+    def _saw_report(self, node: NodeResources) -> None:
+        super()._saw_report(node)
+        self.lags.append(time.time() - node.sent_at)
+
+
+def rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class SizeResult:
+    nodes: int
+    echo: Summary
+    fit: Summary
+    fit_concurrent: Summary
+    echo_concurrent: Summary
+    decision_bytes: int
+    core_index: Summary
+    core_full: Summary | None
+
+
+async def measure_size(args: argparse.Namespace, n: int, model: Path, facts: ModelFacts) -> SizeResult:
+    subjects = Subjects()
+    with tempfile.TemporaryDirectory(prefix="mesh-bench-scale-") as tmp:
+        async with nats_server(Path(tmp)) as server:
+            service = await Bus.connect(NatsOptions(urls=(server.url,)), name="bench-service")
+            client = await Bus.connect(NatsOptions(urls=(server.url,)), name="bench-client")
+            slow_errors = 0
+            original_error_cb = service.nc._error_cb
+
+            async def counting(exc: Exception) -> None:
+                nonlocal slow_errors
+                if isinstance(exc, SlowConsumerError):
+                    slow_errors += 1
+                await original_error_cb(exc)
+
+            service.nc._error_cb = counting
+            await ensure_events_stream(service, subjects, max_age_s=600.0, max_bytes=256 << 20)
+            actor = MeasuredPlacement()
+            simulator = None
+            try:
+                async with supervised(service, [actor]):
+                    request = PlacementRequest(model=ModelRef(path=str(model)), ctx=CTX)
+                    raw_request = encode(request)
+
+                    async def fit() -> PlacementDecision:
+                        return await client.request(
+                            subjects.placement_fit, request, PlacementDecision, timeout=TIMEOUT_S
+                        )
+
+                    await wait_serving(fit)
+                    simulator = await asyncio.create_subprocess_exec(
+                        sys.executable, "-m", "benchmarks.placement_scale", "--simulate", server.url, str(n),
+                        str(args.seed), "3600", stdout=subprocess.PIPE,
+                    )  # fmt: skip
+                    if not await wait_until(lambda: actor.stats().view_nodes >= n, 60):
+                        raise SystemExit(f"the view has {actor.stats().view_nodes} of {n} nodes after 60 s")
+                    first = await fit()
+                    if not first.admitted:
+                        raise SystemExit(f"{n} nodes: not admitted ({first.reason}: {first.message[:300]})")
+                    decision_bytes = encode(first)
+
+                    async def echo() -> Msg:
+                        return await client.nc.request(ECHO_SUBJECT, raw_request, timeout=TIMEOUT_S)
+
+                    async with bare_echo(service, ECHO_SUBJECT, reply=decision_bytes):
+                        paths = {"bare echo": echo, "placement.fit": fit}
+                        seq = await compare(paths, requests=args.requests, warmup=args.warmup, rounds=args.rounds)
+                        conc = await compare(
+                            paths, requests=args.requests, warmup=0, rounds=args.rounds, in_flight=args.in_flight
+                        )
+                    if args.profile and n == max(args.sizes):
+                        profiler = cProfile.Profile()
+                        profiler.enable()
+                        await timed_sequential(fit, 300)
+                        profiler.disable()
+                        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+                    core_index, core_full = time_cores(actor, request, facts, args.core_runs)
+                    print_size(n, first, decision_bytes, seq, conc, core_index, core_full, actor)
+                    if n == max(args.sizes):
+                        await asyncio.sleep(2)  # the reports queued while the full scan held the loop go in first
+                        fan_in = await measure_fan_in(args, actor, fit)
+                        simulated = await stop_simulator(simulator)
+                        simulator = None
+                        # What JetStream acknowledged reaches the view, or it was dropped: wait for it to arrive.
+                        acked = int(simulated.get("acked", 0))
+                        await wait_until(lambda: actor.stats().reports_seen >= acked, 10)
+                        await print_fan_in(fan_in, simulated, actor, server, slow_errors)
+            finally:
+                if simulator is not None:
+                    await stop_simulator(simulator)
+                await client.close()
+                await service.close()
+    return SizeResult(
+        nodes=n,
+        echo=seq["bare echo"],
+        fit=seq["placement.fit"],
+        fit_concurrent=conc["placement.fit"],
+        echo_concurrent=conc["bare echo"],
+        decision_bytes=len(decision_bytes),
+        core_index=core_index,
+        core_full=core_full,
+    )
+
+
+async def stop_simulator(process: asyncio.subprocess.Process) -> dict[str, Any]:
+    """Stops the simulated fleet; its counts."""
+    out = (await _stop(process)).decode()
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    return dict(json.loads(lines[-1])) if lines else {}
+
+
+def time_cores(
+    actor: PlacementActor, request: PlacementRequest, facts: ModelFacts, runs: int
+) -> tuple[Summary, Summary | None]:
+    """The decision alone over the actor's current view: the fleet index (warm) and the full scan, equal."""
+    view, arrived, ledgers = dict(actor._view), dict(actor._arrived), dict(actor._ledger_cache)
+    index = FleetIndex()
+    mono = time.monotonic()
+    now = time.time()
+
+    def indexed() -> Outcome:
+        return index.decide(
+            request, facts, view, arrived, ledgers, now=now, monotonic_now=mono, decision_id="d", reservation_id="r",
+            dry_run=True,
+        )  # fmt: skip
+
+    fast = indexed()
+    latencies = []
+    start = time.perf_counter()
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        indexed()
+        latencies.append(time.perf_counter() - t0)
+    core_index = summarize(latencies, time.perf_counter() - start)
+    full_runs = 3 if len(view) > 100 else 20
+    inputs = snapshot(request, view, arrived, ledgers, {}, mono)
+    latencies = []
+    start = time.perf_counter()
+    for _ in range(full_runs):
+        t0 = time.perf_counter()
+        full = decide(
+            request, facts, inputs.view, inputs.held, now=now, decision_id="d", reservation_id="r", dry_run=True,
+            unreadable=inputs.unreadable,
+        )  # fmt: skip
+        latencies.append(time.perf_counter() - t0)
+    if full != fast:
+        raise SystemExit("the fleet index and the full scan disagree")
+    return core_index, summarize(latencies, time.perf_counter() - start)
+
+
+@dataclass
+class FanIn:
+    seconds: float
+    delivered: int
+    lags: list[float]
+    rss: list[int]
+    fits_during: Summary
+
+
+async def measure_fan_in(
+    args: argparse.Namespace, actor: MeasuredPlacement, fit: Callable[[], Awaitable[PlacementDecision]]
+) -> FanIn:
+    """Reports delivered, lag and memory over a window, with a decision every 10 ms meanwhile."""
+    seen0 = actor.stats().reports_seen
+    actor.lags.clear()
+    rss: list[int] = []
+    latencies: list[float] = []
+    start = time.monotonic()
+    next_sample = start
+    while (now := time.monotonic()) - start < args.fan_in_s:
+        if now >= next_sample:
+            rss.append(rss_bytes())
+            next_sample += 1.0
+        t0 = time.perf_counter()
+        await fit()
+        latencies.append(time.perf_counter() - t0)
+        await asyncio.sleep(0.01)
+    seconds = time.monotonic() - start
+    return FanIn(
+        seconds=seconds,
+        delivered=actor.stats().reports_seen - seen0,
+        lags=sorted(actor.lags),
+        rss=rss,
+        fits_during=summarize(latencies, sum(latencies)),
+    )
+
+
+# --- output ----------------------------------------------------------------------------------------------
+
+
+def _us(s: Summary) -> str:
+    return f"{s.p50_s * 1e6:9.1f} / {s.p99_s * 1e6:9.1f} µs"
+
+
+def print_size(
+    n: int,
+    first: PlacementDecision,
+    decision_bytes: bytes,
+    seq: dict[str, Summary],
+    conc: dict[str, Summary],
+    core_index: Summary,
+    core_full: Summary | None,
+    actor: PlacementActor,
+) -> None:
+    stats = actor.stats()
+    print(
+        f"fleet of {n} nodes: chosen {first.placements[0].node_id}, {len(first.rejections)} nodes refused; "
+        f"decision {len(decision_bytes)} B; index: {stats.index.profiles} profiles, {stats.index.layouts} layouts, "
+        f"{stats.index.sizings} sizings"
+    )
+    print_table("  sequential (x = ratio to the echo)", seq, "bare echo")
+    print_table("  in flight", conc, "bare echo")
+    print("  the decision alone, this process (p50 / p99)")
+    print(f"    fleet index (warm)                  {_us(core_index)}")
+    if core_full is not None:
+        ratio = core_full.p50_s / core_index.p50_s
+        print(f"    full scan (every node sized)        {_us(core_full)}  ({ratio:.0f}x the index; equal decisions)")
+
+
+async def print_fan_in(
+    fan_in: FanIn, simulated: dict[str, Any], actor: MeasuredPlacement, server: Server, slow_errors: int
+) -> None:
+    varz = await asyncio.to_thread(server.varz)
+    stats = actor.stats()
+    lags = fan_in.lags
+    acked = int(simulated.get("acked", 0))
+    print(f"telemetry fan-in ({fan_in.seconds:.0f} s window, a fit every 10 ms meanwhile)")
+    print(
+        f"  delivered into the view   {fan_in.delivered / fan_in.seconds:8.1f} reports/s ({fan_in.delivered} reports)"
+    )
+    print(
+        f"  simulator                 {simulated.get('published', 0)} reports in {simulated.get('seconds', 0):.0f} s, "
+        f"{acked} acknowledged by JetStream, {simulated.get('failed', 0)} failed; "
+        f"its schedule slipped p99 {simulated.get('behind_p99_s', 0) * 1e3:.1f} ms"
+    )
+    print(
+        f"  drops                     server slow consumers {varz.get('slow_consumers', '?')}, "
+        f"client slow-consumer errors {slow_errors}, "
+        f"acknowledged but not in the view {max(0, acked - stats.reports_seen)} "
+        f"(view saw {stats.reports_seen} of {acked})"
+    )
+    if lags:
+        print(
+            f"  view lag                  p50 {percentile(lags, 0.5) * 1e3:.2f} ms, "
+            f"p99 {percentile(lags, 0.99) * 1e3:.2f} ms, max {lags[-1] * 1e3:.2f} ms ({len(lags)} reports)"
+        )
+    rss = fan_in.rss
+    print(
+        f"  memory (this process)     RSS {rss[0] / MIB:.1f} MiB at the start, {rss[-1] / MIB:.1f} MiB at the end, "
+        f"max {max(rss) / MIB:.1f} MiB ({len(rss)} samples)"
+    )
+    index = stats.index
+    print(
+        f"  actor tables              view {stats.view_nodes} nodes, ledgers {stats.ledgers}; "
+        f"index: {index.nodes} node states, {index.profiles} profiles, {index.layouts} layouts, "
+        f"{index.sizings} sizings, {index.sized} estimates made, {index.resets} resets"
+    )
+    print(f"  fit during the window     {_us(fan_in.fits_during)} (p50 / p99, {fan_in.fits_during.n} decisions)")
+
+
+async def run(args: argparse.Namespace) -> None:
+    configure_logging("warning", json=True)
+    print_environment()
+    with tempfile.TemporaryDirectory(prefix="mesh-bench-models-") as tmp:
+        model = tiny_models.write_qwen35_9b(Path(tmp) / "qwen35-9b.gguf")
+        facts = ModelFacts(geometry=geometry_from_header(read_header(model)), path=str(model))
+        print("input")
+        print(
+            f"  fleets    {', '.join(map(str, args.sizes))} simulated nodes (seed {args.seed}), each reporting at 1 Hz"
+        )
+        print(f"  request   PlacementRequest(model=<qwen35 9B shape>, ctx={CTX}) on placement.fit")
+        print(f"  rounds    {args.requests} per path and mode, {args.rounds} interleaved rounds, {args.warmup} warm-up")
+        results = [await measure_size(args, n, model, facts) for n in args.sizes]
+    print("summary (sequential p50 / p99; decisions/s sequential and with in-flight requests)")
+    head = ("nodes", "echo p50", "echo p99", "fit p50", "fit p99", "x echo", "seq/s", "conc/s", "bytes")
+    print("  " + "".join(f"{h:>10}" for h in head))
+    for r in results:
+        ms = (r.echo.p50_s, r.echo.p99_s, r.fit.p50_s, r.fit.p99_s)
+        cells = [f"{r.nodes:>10}", *(f"{v * 1e3:8.3f}ms" for v in ms), f"{r.fit.p50_s / r.echo.p50_s:9.2f}x"]
+        cells += [f"{r.fit.per_s:10.0f}", f"{r.fit_concurrent.per_s:10.0f}", f"{r.decision_bytes:10d}"]
+        print("  " + "".join(cells))
+    largest = results[-1]
+    print(
+        f"target: p99 < {TARGET_P99_S * 1e3:g} ms at {largest.nodes} nodes: {largest.fit.p99_s * 1e3:.2f} ms -> "
+        f"{verdict(largest.fit.p99_s < TARGET_P99_S)}"
+    )
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--simulate":
+        url, n, seed, duration = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+        print(json.dumps(asyncio.run(simulate(url, n, seed, duration))), flush=True)
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 10, 100, 1000])
+    ap.add_argument("--requests", type=int, default=1000, help="measured requests per path and mode")
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--in-flight", type=int, default=16)
+    ap.add_argument("--core-runs", type=int, default=200, help="runs of the decision alone (fleet index)")
+    ap.add_argument("--fan-in-s", type=float, default=30.0, help="fan-in window at the largest size")
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--profile", action="store_true", help="cProfile 300 fits at the largest size (both sides)")
+    asyncio.run(run(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
