@@ -278,7 +278,7 @@ class InstanceDriver:
         elif self.health.failure(loop.time(), why):
             reason = f"{self.health.consecutive_failures} completions failed in a row: {why}"
             with contextlib.suppress(asyncio.QueueFull):
-                self.events.put_nowait(lc.Unresponsive(self._generation, reason))
+                self.events.put_nowait(lc.Unresponsive(self._generation, reason, by_inference=True))
 
     async def _probe(self, port: int) -> str | None:
         """One tiny real completion; None when it worked, else why not."""
@@ -310,7 +310,7 @@ class InstanceDriver:
                     self.health.success(loop.time())
                 elif self.health.failure(loop.time(), why):
                     reason = f"{self.health.consecutive_failures} completions failed in a row: {why}"
-                    await self.events.put(lc.Unresponsive(generation, reason))
+                    await self.events.put(lc.Unresponsive(generation, reason, by_inference=True))
                     return
             try:
                 status = await self._api.status(port, "/health", timeout_s=self.limits.http_timeout_s)
@@ -454,7 +454,7 @@ class InstanceDriver:
                 restart_in_s=action.restart_in_s,
                 reason=action.reason,
                 log_tail=self.log.tail(),
-                out_of_memory=out_of_memory(action.exit_code, self.log.tail()),
+                out_of_memory=out_of_memory(action.exit_code, self.log.tail(), killed_by_runner=action.killed),
             )
         elif isinstance(action, lc.ReportStopped):
             self.ctx.emit(InstanceStopped, **ids, reason=action.reason)

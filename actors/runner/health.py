@@ -11,7 +11,8 @@ needs completions. Rules this module keeps:
 * `failures` consecutive failures, probes and real completions alike, make the server a crash; one success
   clears them.
 * An out-of-memory death is told apart from other crashes by what the server printed last (its allocation
-  failure lines) or a SIGKILL, which is what the kernel's OOM killer sends.
+  failure lines) or a SIGKILL, which is what the kernel's OOM killer sends, unless the runner sent that SIGKILL
+  itself (a server that SIGTERM did not stop, such as a hung one).
 * No clock, no I/O: times are passed in.
 """
 
@@ -73,9 +74,10 @@ class InferenceHealth:
         return self._consecutive
 
 
-def out_of_memory(exit_code: int | None, log_tail: str) -> bool:
-    """Whether a server's death looks like running out of memory."""
+def out_of_memory(exit_code: int | None, log_tail: str, *, killed_by_runner: bool = False) -> bool:
+    """Whether a server's death looks like running out of memory. `killed_by_runner`: the runner itself sent
+    SIGKILL, so a SIGKILL exit is its own doing, not the kernel's."""
     text = log_tail.lower()
     if any(marker.lower() in text for marker in OOM_MARKERS):
         return True
-    return exit_code == -signal.SIGKILL
+    return exit_code == -signal.SIGKILL and not killed_by_runner

@@ -121,10 +121,12 @@ class Healthy:
 
 @dataclass(frozen=True)
 class Unresponsive:
-    """A ready server failed its liveness check `Timings.liveness_failures` times in a row (it hangs)."""
+    """A ready server failed its liveness check `Timings.liveness_failures` times in a row (it hangs), or its
+    completions failed that often in a row while `/health` answered (`by_inference`)."""
 
     generation: int
     detail: str
+    by_inference: bool = False
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,7 @@ class ReportCrashed:
     exit_code: int | None
     restart_in_s: float | None  # None: not restarted
     reason: str
+    killed: bool = False  # the machine itself sent SIGKILL (a stop that SIGTERM did not end): not the kernel's
 
 
 @dataclass(frozen=True)
@@ -367,6 +370,8 @@ class Lifecycle:
 
     def _unresponsive(self, event: Event, now: float) -> list[Action]:
         assert isinstance(event, Unresponsive)
+        if event.by_inference:
+            return self._terminate("crash", f"completions failed while /health answered: {event.detail}")
         return self._terminate("crash", f"stopped answering /health: {event.detail}")
 
     def _exited(self, event: Event, now: float) -> list[Action]:
@@ -395,7 +400,7 @@ class Lifecycle:
             return self._finish(Phase.STOPPED, self.reason, [ReportStopped(self.reason)])
         if self._after == "reject":
             return self._finish(Phase.REJECTED, self.reason, [ReportDrift(self._drift)])
-        return self._crashed(event.code, self.reason, now)
+        return self._crashed(event.code, self.reason, now, killed=self._killed)
 
     def _stop_deadline(self, event: Event, now: float) -> list[Action]:
         if not self._killed:
@@ -419,17 +424,17 @@ class Lifecycle:
         self._after, self.reason, self._killed = after, reason, False
         return [Signal("SIGTERM"), SetDeadline(self.timings.stop_grace_s)]
 
-    def _crashed(self, code: int | None, reason: str, now: float) -> list[Action]:
+    def _crashed(self, code: int | None, reason: str, now: float, *, killed: bool = False) -> list[Action]:
         self._exit_code = code
         decision = self._policy.on_crash(now)
         if isinstance(decision, GiveUp):
             window = f"{self._policy.window_s:g}s"
             why = f"gave up after {decision.crashes_in_window} crashes within {window} (last: {reason})"
-            return self._finish(Phase.FAILED, why, [ReportCrashed(code, None, reason), ReportFailed(why)])
+            return self._finish(Phase.FAILED, why, [ReportCrashed(code, None, reason, killed), ReportFailed(why)])
         self.phase = Phase.BACKOFF
         self.reason = reason
         self.restarts += 1
-        return [ReportCrashed(code, decision.delay_s, reason), SetDeadline(decision.delay_s)]
+        return [ReportCrashed(code, decision.delay_s, reason, killed), SetDeadline(decision.delay_s)]
 
     def _finish(self, phase: Phase, reason: str, reports: list[Action]) -> list[Action]:
         self.phase, self.reason, self.stuck = phase, reason, ""
