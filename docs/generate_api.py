@@ -156,6 +156,11 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
         "a handoff session ended without a restore; `role` says which side recorded it, `reason` is one of the "
         "[handoff reasons](#handoff-refusal-reasons); the receiver's staging is freed",
     ),
+    ev.LinkMeasured: (
+        (HANDOFF,),
+        "a link probe (`mesh-actor handoff bench`) fitted `seconds = fixed_s + bytes / bytes_per_s` for handoffs "
+        "from `src` to `dst`; every router learns it (until generations report that pair's handoffs)",
+    ),
     ev.EventTooLarge: (
         (*SUPERVISED, NODE),
         "recorded by the journal in place of an event that could never be stored (over its size limit)",
@@ -486,6 +491,9 @@ def render() -> str:
             f"| `{S.handoff(node, 'open')}` | req/reply | {_link('HandoffOpen')} → {_link('HandoffOpened')} "
             "(a refusal: `busy`, or `bad_request` with `details.reason`) | the handoff actor of that node (the "
             "receiver) |",
+            f"| `{S.handoff(node, 'probe')}` | req/reply | {_link('LinkProbe')} → {_link('LinkProbeResult')} "
+            "(admin credentials only) | the handoff actor of that node (the sender of the probe's handoffs; "
+            "`mesh-actor handoff bench`) |",
             f"| `{S.handoff_session(node, '<session>', 'data')}` | pub | raw bytes: one chunk of a segment (at most "
             "`chunk_bytes`), headers "
             + ", ".join(
@@ -779,6 +787,8 @@ def render() -> str:
         handoff_messages.HandoffCommit,
         handoff_messages.HandoffAbort,
         handoff_messages.HandoffResult,
+        handoff_messages.LinkProbe,
+        handoff_messages.LinkProbeResult,
         ErrorReply,
         *event_types,
     ]

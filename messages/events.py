@@ -225,7 +225,8 @@ class GenerateRouted(Event, frozen=True, kw_only=True, tag="generate_routed"):
     weights: RouteWeights
     decision: RouteDecision
     router_version: str
-    links: dict[str, float] = msgspec.field(default_factory=dict)  # "src>dst" -> handoff bytes/s (smoothed)
+    links: dict[str, float] = msgspec.field(default_factory=dict)  # "src>dst" -> handoff bytes/s (fitted)
+    link_fixed_s: dict[str, float] = msgspec.field(default_factory=dict)  # "src>dst" -> seconds per handoff
 
 
 # ---- the front door (models on demand) ----
@@ -345,6 +346,16 @@ class HandoffAborted(Event, frozen=True, kw_only=True, tag="handoff_aborted"):
     bytes: int  # payload bytes received (receiver) or sent (sender) before the abort
 
 
+class LinkMeasured(Event, frozen=True, kw_only=True, tag="link_measured"):
+    """A probe measured the handoff link from `src` to `dst` (routers learn it as a handoff result)."""
+
+    src: str
+    dst: str
+    bytes_per_s: float
+    fixed_s: float
+    samples: tuple[tuple[int, float], ...]  # (bytes, seconds) of each probe handoff
+
+
 AnyEvent = (
     ActorStarted
     | ActorCrashed
@@ -380,4 +391,5 @@ AnyEvent = (
     | L3Fetched
     | HandoffCommitted
     | HandoffAborted
+    | LinkMeasured
 )

@@ -101,7 +101,7 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     tokens_evaluated: int  # the prefill's prompt_n
     bytes: int
     prefill_ms: float
-    handoff_ms: float
+    handoff_ms: float  # the transfer alone (open to result), the target's store commit included
 
 
 class Tokenize(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -163,6 +163,8 @@ class GenerateResult(msgspec.Struct, frozen=True, kw_only=True):
     path: Literal["local", "disaggregated"] = "local"  # disaggregated: prefilled on `prefill_node`, handed off
     prefill_node: str | None = None
     handoff_bytes: int = 0
+    # what the handoff added beyond the remote prefill: the slot save there, the transfer, this node's store
+    # commit and the restore into the decoding slot
     handoff_ms: float = 0.0
     decision_id: str = ""
     capture: str = ""  # what happens to the state: "queued", or why not ("off", "short", "no_l3", …)

@@ -10,6 +10,9 @@ A payload is cut into segments (index, offset, length, blake3, as in an L3 manif
 one or more chunks of at most `HandoffOpened.chunk_bytes`, in order, each carrying its segment's metadata and
 its own place in the segment (`Handoff-Chunk`). Credits are cumulative: `CreditGrant.limit` is how many
 payload bytes the sender may have published in total; a grant never shrinks it.
+
+A link probe (`mesh.handoff.<node>.probe`, `LinkProbe` → `LinkProbeResult`) asks `<node>` to measure its link
+to a peer with real handoffs of throwaway bytes (payload kind `link_probe`: verified, never restored).
 """
 
 from __future__ import annotations
@@ -119,3 +122,27 @@ class HandoffResult(msgspec.Struct, frozen=True, kw_only=True):
     payload_digest: str | None = None
     restored: str | None = None  # what the restore hook reported (e.g. an L3 entry id)
     restore_ms: float = 0.0
+
+
+#: The identity link probes carry (no model's: a probe's payload is never restored or stored).
+PROBE_PAYLOAD_KIND: Final = "link_probe"
+MIB: Final = 1 << 20
+
+
+class LinkProbe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Measure the link from the node asked to `peer`: `rounds` handoffs of `small_bytes` and of `bytes`."""
+
+    peer: Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9_-]{1,64}$")]
+    bytes: Annotated[int, msgspec.Meta(ge=4 * MIB, le=4096 * MIB)] = 64 * MIB
+    small_bytes: Annotated[int, msgspec.Meta(ge=1, le=4 * MIB)] = 256 * 1024
+    rounds: Annotated[int, msgspec.Meta(ge=1, le=10)] = 2
+
+
+class LinkProbeResult(msgspec.Struct, frozen=True, kw_only=True):
+    """A handoff of `n` bytes from `src` to `dst` takes `fixed_s + n / bytes_per_s` (fitted on the probes)."""
+
+    src: str
+    dst: str
+    bytes_per_s: float
+    fixed_s: float
+    samples: tuple[tuple[int, float], ...]  # (bytes, seconds) of each probe handoff, open to result

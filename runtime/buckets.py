@@ -130,16 +130,17 @@ async def read_all(bus: Bus, name: str, value_type: type[T]) -> tuple[list[tuple
     """Every live `(key, value)` of a bucket decoded as `value_type`, and a warning per undecodable value.
 
     A missing bucket is empty. Expired keys (delete markers: empty values) and keys that vanish between
-    listing and reading are skipped.
+    listing and reading are skipped. The keys come from the stream's own subject list (one snapshot), not from
+    nats-py's `keys()`, whose watcher ends at the first message the server sent with nothing pending: a key
+    rewritten while it lists (an instance record refreshed) can be left out.
     """
     try:
         kv = await bus.js.key_value(name)
     except nats.js.errors.BucketNotFoundError:
         return [], []
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return [], []
+    prefix = f"$KV.{name}."
+    info = await bus.js.stream_info(f"KV_{name}", subjects_filter=f"{prefix}>")
+    keys = [subject[len(prefix) :] for subject in (info.state.subjects or {}) if subject.startswith(prefix)]
     values: list[tuple[str, T]] = []
     warnings: list[str] = []
     for key in sorted(keys):

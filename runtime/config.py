@@ -348,7 +348,7 @@ def load_config(
         raise ConfigError(f"telemetry ttl ({ttl}s) must be longer than the interval ({interval}s)")
     return NodeConfig(
         data_dir=data_dir,
-        node_id=values.get("node_id") or _node_id(_default_node_id()),
+        node_id=values.get("node_id") or _node_id(default_node_id()),
         prefix=values.get("prefix", DEFAULT_PREFIX),
         nats=nats,
         nats_port=listen_port if listen_port is not None else values.get("nats_port", 4222),
@@ -382,7 +382,8 @@ def _api_key(values: Mapping[str, Any]) -> str | None:
     return key
 
 
-def _default_node_id() -> str:
+def default_node_id() -> str:
+    """The node id `mesh-actor run` takes when none is configured: the host name, as a subject token."""
     name = "".join(c if c.isalnum() or c in "_-" else "-" for c in socket.gethostname())[:64]
     return name or "node"
 

@@ -11,11 +11,11 @@ is the server's (`Permissions Violation`) and no actor is a security boundary.
   bucket keys (`MESH_NODES.<id>`, `MESH_L3.<id>`, `MESH_INSTANCES.<id>.>`), serves its own runner, L3 and
   handoff subjects and the queue groups every node serves (placement, generate), and requests other nodes'
   runner `generate`/`tokenize`/`template`/`start`/`stop` (router and front door), L3 peer fetch and handoff
-  subjects. Placement runs on every node and books memory on any node by compare-and-set, so a node may
-  write every reservation ledger (and start or stop instances anywhere): that is the trust that remains
-  between nodes. It may create the mesh's streams and buckets (an idempotent create cannot alter
-  an existing one) but not update, delete or purge them (the decisions object store excepted: replacing an
-  object purges its old chunks).
+  subjects (but not another node's link probe, `handoff.<id>.probe`: an admin's request). Placement runs on
+  every node and books memory on any node by compare-and-set, so a node may write every reservation ledger
+  (and start or stop instances anywhere): that is the trust that remains between nodes. It may create the
+  mesh's streams and buckets (an idempotent create cannot alter an existing one) but not update, delete or
+  purge them (the decisions object store excepted: replacing an object purges its old chunks).
 - `admin` may do everything (stream and bucket management, registry writes, L3 admin).
 
 Every user receives its replies on its own inbox prefix `_INBOX.<user>` (the bus sets it from the user
@@ -163,11 +163,13 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
         subjects.generate,
         subjects.serving_all,  # routers read every node's serving reports
         subjects.telemetry_all,
+        subjects.event("handoff", "link_measured", "*"),  # routers learn links from every node's probes
         "$SRV.>",  # NATS micro discovery of this node's services
         inbox,
     ]
     return {
-        "publish": {"allow": own + mesh + jetstream},
+        # A link probe makes a node send up to gigabytes: an operator's (admin's) request, not a peer's.
+        "publish": {"allow": own + mesh + jetstream, "deny": [f"{p}.handoff.*.probe"]},
         "subscribe": {"allow": serve},
         "allow_responses": True,
     }

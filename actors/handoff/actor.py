@@ -44,11 +44,13 @@ from nats.aio.msg import Msg
 
 from actors.handoff import receiver as rx
 from actors.handoff import sender as tx
+from actors.handoff.probe import probe
 from actors.l3 import layout
 from actors.l3.layout import SegmentRef
 from messages.errors import BAD_REQUEST, BUSY, NOT_FOUND, ErrorReply
 from messages.events import HandoffAborted, HandoffCommitted
 from messages.handoff import (
+    PROBE_PAYLOAD_KIND,
     CreditGrant,
     HandoffAbort,
     HandoffCommit,
@@ -56,6 +58,8 @@ from messages.handoff import (
     HandoffOpen,
     HandoffOpened,
     HandoffResult,
+    LinkProbe,
+    LinkProbeResult,
     SegmentSpec,
     SessionAborted,
 )
@@ -99,6 +103,10 @@ _OPEN_FLAGS: Final = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NO
 def chunk_bytes(max_payload: int) -> int:
     """The most payload bytes one data message carries on a bus with this `max_payload`."""
     return max(layout.MIN_SEGMENT_BYTES, max_payload - _HEADER_ROOM)
+
+
+#: A link probe (its handoffs one after another) answers within this.
+PROBE_DEADLINE_S: Final = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +258,17 @@ class HandoffActor(Actor):
         )
         ctx.spawn(self._dispatch(ctx, sub), "sessions")
         await ctx.add_endpoint("open", ctx.subjects.handoff(self.node_id, "open"), HandoffOpen, self._on_open)
+
+        async def on_probe(request: LinkProbe) -> LinkProbeResult:
+            return await probe(self, ctx, request)
+
+        await ctx.add_endpoint(
+            "probe",
+            ctx.subjects.handoff(self.node_id, "probe"),
+            LinkProbe,
+            on_probe,
+            deadline_s=PROBE_DEADLINE_S,
+        )
         self._ctx = ctx
         ctx.log.info("handoff_started", window_bytes=window, chunk_bytes=chunk, max_sessions=lim.max_sessions)
 
@@ -443,8 +462,8 @@ class HandoffActor(Actor):
         started = loop.time()
         deadline = core.next_deadline
         try:
-            async with asyncio.timeout_at(deadline):
-                restored = await self._restore(state)
+            async with asyncio.timeout_at(deadline):  # a link probe's verified bytes are thrown away
+                restored = None if open_.payload_kind == PROBE_PAYLOAD_KIND else await self._restore(state)
         except TimeoutError:
             self._perform(ctx, session, core.handle(rx.Tick(loop.time())))
             return

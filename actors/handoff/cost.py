@@ -13,13 +13,15 @@ Rules this module keeps:
   "none" because a float rounded the wrong way. Equal nodes never disaggregate: with the same prefill rate
   the transfer can only add time.
 * Rates are measured and smoothed (`observe`: an exponentially weighted moving average, seeded by the first
-  sample), from llama-server's own timings (prefill tokens/s per instance) and from handoffs or a probe (link
-  bytes/s per node pair).
+  sample), from llama-server's own timings (prefill tokens/s per instance). A link (node pair) is a line,
+  `seconds = fixed_s + bytes / bytes_per_s`, fitted by least squares on measured handoffs (`fit_link`): a
+  probe's handoffs of two sizes, or what disaggregated generations reported.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
@@ -29,10 +31,12 @@ from messages.memory import MemoryBreakdown
 __all__ = [
     "Decision",
     "Estimate",
+    "Link",
     "Rates",
     "StateSize",
     "breakeven",
     "decide",
+    "fit_link",
     "local_seconds",
     "observe",
     "rate",
@@ -175,3 +179,37 @@ def observe(previous: Estimate | None, sample: float, *, alpha: float = 0.3) -> 
 def rate(amount: float, seconds: float) -> float:
     """A rate from one measurement (tokens or bytes over seconds); 0 when the time is not positive."""
     return amount / seconds if seconds > 0 and math.isfinite(seconds) else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A node pair's handoff cost: `fixed_s + bytes / bytes_per_s`."""
+
+    bytes_per_s: float
+    fixed_s: float = 0.0
+
+    def seconds(self, n_bytes: float) -> float:
+        return self.fixed_s + n_bytes / self.bytes_per_s
+
+
+def fit_link(samples: Sequence[tuple[float, float]]) -> Link | None:
+    """The least-squares line through (bytes, seconds) samples, with a positive rate and a fixed cost that is
+    not negative; None without a usable sample. One size only (or a fit whose slope is not positive): the
+    mean rate, no fixed cost. A negative intercept: the line through the origin."""
+    usable = [(float(b), float(t)) for b, t in samples if b > 0 and t > 0 and math.isfinite(b) and math.isfinite(t)]
+    if not usable:
+        return None
+    n = len(usable)
+    mean_b = sum(b for b, _ in usable) / n
+    mean_t = sum(t for _, t in usable) / n
+    var = sum((b - mean_b) ** 2 for b, _ in usable)
+    through_origin = Link(bytes_per_s=sum(b * b for b, _ in usable) / sum(b * t for b, t in usable))
+    if var <= 0:
+        return Link(bytes_per_s=mean_b / mean_t)
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in usable) / var  # seconds per byte
+    if slope <= 0:
+        return Link(bytes_per_s=mean_b / mean_t)
+    intercept = mean_t - slope * mean_b
+    if intercept < 0:
+        return through_origin
+    return Link(bytes_per_s=1 / slope, fixed_s=intercept)

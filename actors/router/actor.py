@@ -26,11 +26,11 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
-from actors.handoff import cost
+from actors.router.links import LinkBook
 from actors.router.prefixes import Holdings
 from actors.router.routing import DEFAULT_WEIGHTS, ROUTER_VERSION, link_key, route
 from messages.errors import BAD_REQUEST, NO_INSTANCE, TIMEOUT, UNAVAILABLE
-from messages.events import GenerateRouted
+from messages.events import GenerateRouted, LinkMeasured
 from messages.generate import (
     Candidate,
     GenerateRequest,
@@ -77,7 +77,7 @@ class RouterActor(Actor):
         self._inventories: dict[str, L3Inventory] = {}
         self._inflight: dict[str, int] = {}
         self._holdings: Holdings | None = None  # rebuilt after any change of reports or inventories
-        self._links: dict[str, cost.Estimate] = {}  # "src>dst" -> handoff bytes/s seen in results
+        self._links = LinkBook()  # what handoffs between node pairs cost: results, probes
 
     async def run(self, ctx: ActorContext) -> None:
         self._instances.clear()
@@ -91,6 +91,7 @@ class RouterActor(Actor):
         ctx.spawn(self._watch_instances(ctx, instances, instances_ready), "watch-instances")
         ctx.spawn(self._watch_inventories(ctx, inventories, inventories_ready), "watch-l3")
         await ctx.subscribe(ctx.subjects.serving_all, ServingReport, self._on_report)
+        await ctx.subscribe(ctx.subjects.event("handoff", "link_measured", "*"), LinkMeasured, self._on_link)
         async with asyncio.timeout(10):
             await instances_ready.wait()
             await inventories_ready.wait()
@@ -143,6 +144,12 @@ class RouterActor(Actor):
                 self._inventories.pop(entry.key, None)
                 continue
             self._inventories[entry.key] = inventory
+
+    async def _on_link(self, event: LinkMeasured, msg: Msg) -> None:
+        """A probe's handoffs (the probing node sends, so it must be the event's node and its publisher)."""
+        if event.src != event.node or msg.subject.rsplit(".", 1)[-1] != event.node:
+            return
+        self._links.observe_probe(link_key(event.src, event.dst), event.samples)
 
     async def _on_report(self, report: ServingReport, msg: Msg) -> None:
         node = msg.subject.rsplit(".", 1)[-1]
@@ -248,8 +255,10 @@ class RouterActor(Actor):
                 )
             )
         n_prompt = len(tokens) if tokens is not None else 0
-        links = {key: e.value for key, e in self._links.items()}
-        decision = route(n_prompt, candidates, self.weights, links if request.prefill_node is None else {})
+        fitted = self._links.links() if request.prefill_node is None else {}
+        links = {key: link.bytes_per_s for key, link in fitted.items()}
+        fixed = {key: link.fixed_s for key, link in fitted.items()}
+        decision = route(n_prompt, candidates, self.weights, links, fixed)
         event = ctx.emit(
             GenerateRouted,
             request_id=request_id,
@@ -260,6 +269,7 @@ class RouterActor(Actor):
             decision=decision,
             router_version=ROUTER_VERSION,
             links=links,
+            link_fixed_s=fixed,
         )
         if decision.chosen is None:
             raise RequestError(NO_INSTANCE, f"no ready instance serves {request.model!r}", {"model": request.model})
@@ -285,8 +295,7 @@ class RouterActor(Actor):
             )
             if result.path == "disaggregated" and result.prefill_node and result.handoff_ms > 0:
                 key = link_key(result.prefill_node, result.node)
-                sample = cost.rate(result.handoff_bytes, result.handoff_ms / 1000)
-                self._links[key] = cost.observe(self._links.get(key), sample)
+                self._links.observe_result(key, result.handoff_bytes, result.handoff_ms / 1000)
             return result
         except RemoteError as exc:
             raise RequestError(exc.reply.code, exc.reply.message, exc.reply.details) from exc

@@ -28,7 +28,8 @@ __all__ = ["DEFAULT_WEIGHTS", "ROUTER_VERSION", "Candidate", "RouteDecision", "R
 
 #: Named in every routing event; bump it when `choose` changes what it decides.
 ROUTER_VERSION: Final = "route-2"
-#: Open, commit and restore of one handoff, on top of the bytes moved (seconds).
+#: Open, commit and restore of one handoff, on top of the bytes moved (seconds), for a link whose own fixed
+#: cost has not been measured (events recorded before links were fitted).
 HANDOFF_FIXED_S: Final = 0.05
 
 
@@ -74,11 +75,17 @@ def link_key(src: str, dst: str) -> str:
 
 
 def place_phases(
-    n_prompt: int, decision: RouteDecision, candidates: Sequence[Candidate], links: Mapping[str, float]
+    n_prompt: int,
+    decision: RouteDecision,
+    candidates: Sequence[Candidate],
+    links: Mapping[str, float],
+    link_fixed_s: Mapping[str, float] | None = None,
 ) -> RouteDecision:
     """Whether to prefill elsewhere than the chosen instance: on another node's instance of the same identity,
     when the handoff cost model (`actors.handoff.cost`) says that strictly wins for the tokens still to be
-    computed, with measured rates only (an unmeasured instance or link never disaggregates)."""
+    computed, with measured rates only (an unmeasured instance or link never disaggregates). `links`: each
+    pair's handoff bytes/s; `link_fixed_s`: its fixed cost per handoff (`HANDOFF_FIXED_S` where not given)."""
+    fixed = link_fixed_s or {}
     chosen = next((c for c in candidates if c.instance_id == decision.chosen), None)
     if chosen is None or chosen.identity is None or chosen.prefill_tokens_per_s <= 0:
         return decision
@@ -95,7 +102,7 @@ def place_phases(
             local_tokens_per_s=chosen.prefill_tokens_per_s,
             remote_tokens_per_s=c.prefill_tokens_per_s,
             link_bytes_per_s=link,
-            fixed_s=HANDOFF_FIXED_S,
+            fixed_s=fixed.get(link_key(c.node, chosen.node), HANDOFF_FIXED_S),
         )
         verdict = cost.decide(n_new, size, rates)
         if verdict.path == "disaggregated" and (best is None or (verdict.remote_s, c.node) < best[:2]):
@@ -115,6 +122,7 @@ def route(
     candidates: Sequence[Candidate],
     weights: RouteWeights = DEFAULT_WEIGHTS,
     links: Mapping[str, float] | None = None,
+    link_fixed_s: Mapping[str, float] | None = None,
 ) -> RouteDecision:
     """The whole routing decision: the instance (`choose`), then where to prefill (`place_phases`)."""
-    return place_phases(n_prompt, choose(n_prompt, candidates, weights), candidates, links or {})
+    return place_phases(n_prompt, choose(n_prompt, candidates, weights), candidates, links or {}, link_fixed_s)

@@ -346,6 +346,7 @@ class Serving:
         identity = instance.identity
         capture_on = request.capture and self._l3 is not None and identity is not None
         remote: PrefillResult | None = None
+        asked = time.perf_counter()
         if request.prefill_node not in (None, self.node_id) and held < len(tokens) - 1:
             remote = await self._remote_prefill(instance, order, tokens[:-1])  # lands in this node's L3
         if self._l3 is not None and identity is not None and held < len(tokens) - 1:
@@ -355,6 +356,9 @@ class Serving:
                 source = hit.source
                 instance.table.update(slot, tokens[:held])
         evaluated = remote.tokens_evaluated if remote is not None else 0
+        # What the handoff added beyond the remote prefill: the remote slot save, the transfer, this store's
+        # commit, the restore into this slot, and the requests between (the cost routing weighs).
+        handoff_ms = (time.perf_counter() - asked) * 1000 - remote.prefill_ms if remote is not None else 0.0
         if remote is not None and restored < remote.n_tokens:
             raise RequestError(UNAVAILABLE, f"the state prefilled on {remote.node} could not be restored here")
         capture = "off" if not request.capture else "no_l3" if self._l3 is None else "no_identity"
@@ -459,7 +463,7 @@ class Serving:
             path="disaggregated" if remote is not None else "local",
             prefill_node=remote.node if remote is not None else None,
             handoff_bytes=remote.bytes if remote is not None else 0,
-            handoff_ms=remote.handoff_ms if remote is not None else 0.0,
+            handoff_ms=round(max(handoff_ms, 0.0), 3),
             decision_id=order.route.decision_id if order.route else "",
             capture=capture,
         )

@@ -242,7 +242,7 @@ async def cmd_replay(args: argparse.Namespace) -> int:
                 skipped.append({"seq": stored.seq, "reason": f"not a routing this version can read: {exc.error}"})
                 continue
             replayed += 1
-            rerouted = route(routed.n_prompt, routed.candidates, routed.weights, routed.links)
+            rerouted = route(routed.n_prompt, routed.candidates, routed.weights, routed.links, routed.link_fixed_s)
             diff = differences(routed.decision, rerouted)
             if diff:
                 changed.append(

@@ -365,3 +365,20 @@ async def test_prefill_on_one_node_and_decode_on_another_gives_the_local_output(
             third = [5 + (i * 17) % 240 for i in range(300)]
             chosen = await gen(first, model.name, third, 4, "--no-capture")
             assert chosen["path"] == "local", chosen
+            if kind != "dense":
+                return
+            # The operator's link probe: real handoffs node-b -> node-a, then the break-even of this model.
+            probe = ("handoff", "bench", "node-a", "--from", "node-b", "--size-mib", "4", "--rounds", "1", "--json")
+            code, out, err = await cli(*probe, env=env)
+            assert code == 0, err + out
+            bench = json.loads(out)
+            assert (bench["link"]["src"], bench["link"]["dst"]) == ("node-b", "node-a")
+            assert bench["link"]["bytes_per_s"] > 0 and len(bench["link"]["samples"]) == 2
+            [row] = bench["models"]
+            assert row["model"] == str(model) and row["state_bytes_per_token"] > 0
+            assert row["prefill_tokens_per_s"] > 0  # node-b prefilled the handed-off prompt
+            assert (row["breakeven_tokens"] is None) == bool(row["unmeasured"]) or not row["unmeasured"]
+            code, out, err = await cli("events", "--json", "--subject", "handoff.link_measured", env=env)
+            assert code == 0 and json.loads(out.splitlines()[-1])["event"]["dst"] == "node-a", err + out
+            code, out, err = await cli(*probe[:3], "--from", "node-a", env=env)
+            assert code == 2 and "same node" in err

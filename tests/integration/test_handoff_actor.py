@@ -18,6 +18,7 @@ import pytest
 
 from actors.handoff import sender as tx
 from actors.handoff.actor import CommittedHandoff, HandoffActor, HandoffFailed, HandoffLimits
+from actors.handoff.probe import PROBE_IDENTITY
 from actors.handoff.restore import into_l3
 from actors.l3 import layout
 from actors.l3.actor import L3Actor
@@ -30,6 +31,8 @@ from messages.handoff import (
     HandoffOpen,
     HandoffOpened,
     HandoffResult,
+    LinkProbe,
+    LinkProbeResult,
     SessionAborted,
 )
 from messages.subjects import Subjects
@@ -382,3 +385,36 @@ async def test_a_source_that_stops_producing_is_aborted_by_the_receiver_and_the_
         assert failed.value.reason == "receiver_aborted" and "stalled" in failed.value.detail
         await _until(lambda: _staging_empty(b))
         assert restores.calls == []
+
+
+async def test_a_link_probe_measures_real_handoffs_never_restores_them_and_is_journaled(
+    bus: Bus, journal_reader: JournalReader, tmp_path: Path
+) -> None:
+    async with two_nodes(bus, tmp_path) as (_, b, restores):
+        probe = LinkProbe(peer="node-b", bytes=4 << 20, small_bytes=64 << 10, rounds=2)
+        result = await bus.request(S.handoff("node-a", "probe"), probe, LinkProbeResult, timeout=30)
+        assert (result.src, result.dst) == ("node-a", "node-b")
+        assert [size for size, _ in result.samples] == [64 << 10, 4 << 20] * 2
+        assert all(seconds > 0 for _, seconds in result.samples)
+        assert result.bytes_per_s > 0 and result.fixed_s >= 0
+        assert restores.calls == []  # verified by the receiver, then thrown away
+        committed = await journal_reader.wait_for(of_type("handoff_committed"), count=4)
+        assert {e["identity"] for e in committed} == {PROBE_IDENTITY} and {e["restored"] for e in committed} == {None}
+        [measured] = await journal_reader.wait_for(of_type("link_measured"))
+        assert (measured["src"], measured["dst"]) == ("node-a", "node-b")
+        assert measured["bytes_per_s"] == result.bytes_per_s
+        await _until(lambda: _staging_empty(b))
+        # Bad probes: an error naming why, and the actor keeps serving.
+        for bad, code in (
+            ({"peer": "node-a"}, BAD_REQUEST),  # itself
+            ({"peer": "node-b", "bytes": 1}, BAD_REQUEST),  # under the smallest large probe
+            ({"peer": "../x"}, BAD_REQUEST),
+            ({"peer": "node-b", "extra": 1}, BAD_REQUEST),
+            ({"peer": "node-c", "bytes": 4 << 20, "rounds": 1}, "unavailable"),  # nobody there
+        ):
+            reply = await bus.nc.request(S.handoff("node-a", "probe"), msgspec.json.encode(bad), timeout=30)
+            with pytest.raises(RemoteError) as refused:
+                parse_reply("probe", reply, LinkProbeResult)
+            assert refused.value.reply.code == code, (bad, refused.value.reply)
+        again = await bus.request(S.handoff("node-a", "probe"), probe, LinkProbeResult, timeout=30)
+        assert len(again.samples) == 4

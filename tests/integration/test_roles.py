@@ -155,6 +155,7 @@ async def test_a_node_cannot_publish_another_nodes_telemetry_events_or_keys(serv
             f"$KV.{S.instances_bucket}.{S.instance_key('n1', 'abc')}",
             f"$KV.{S.l3_bucket}.n1",
             f"$KV.{S.registry_bucket}.model",
+            S.handoff("n1", "probe"),  # a link probe is an operator's request
         ):
             await n2.nc.publish(subject, b"{}")
             await n2.refused(subject)

@@ -11,13 +11,16 @@ from hypothesis import strategies as st
 
 from actors.handoff.cost import (
     Estimate,
+    Link,
     Rates,
     StateSize,
     breakeven,
     decide,
+    fit_link,
     observe,
     remote_wins,
 )
+from actors.router.links import LinkBook
 from messages.memory import ContextShape, MemoryBreakdown
 
 rates_st = st.floats(min_value=1.0, max_value=1e6, allow_nan=False, allow_infinity=False)
@@ -137,3 +140,40 @@ def test_state_size_of_a_slot_from_the_memory_model() -> None:
     size = StateSize.of_slot(breakdown)
     assert (size.bytes_per_token, size.floor_bytes) == (32768.0, 52_690_944.0)
     assert size.at(1000) == 52_690_944 + 32_768_000
+
+
+@given(
+    rate=st.floats(min_value=1e6, max_value=1e10),
+    fixed=st.floats(min_value=0.0, max_value=1.0),
+    sizes=st.lists(st.integers(min_value=1, max_value=1 << 32), min_size=2, max_size=8, unique=True),
+)
+def test_a_link_fit_recovers_the_line_its_samples_lie_on(rate: float, fixed: float, sizes: list[int]) -> None:
+    link = fit_link([(b, fixed + b / rate) for b in sizes])
+    assert link is not None
+    for b in sizes:
+        assert math.isclose(link.seconds(b), fixed + b / rate, rel_tol=1e-6, abs_tol=1e-9)
+
+
+def test_a_link_fit_keeps_a_positive_rate_and_a_fixed_cost_that_is_not_negative() -> None:
+    assert fit_link([]) is None and fit_link([(0, 1.0), (10, 0.0), (5, math.nan)]) is None
+    one_size = fit_link([(100, 1.0), (100, 3.0)])
+    assert one_size == Link(bytes_per_s=50.0)  # the mean rate, nothing fixed
+    falling = fit_link([(100, 2.0), (200, 1.0)])  # noise: bigger was faster
+    assert falling is not None and falling.fixed_s == 0 and falling.bytes_per_s == 100.0
+    below_origin = fit_link([(100, 0.5), (200, 1.5)])  # the line crosses zero time above zero bytes
+    assert below_origin is not None and below_origin.fixed_s == 0 and below_origin.bytes_per_s > 0
+
+
+def test_a_router_weighs_what_generations_reported_over_what_a_probe_measured() -> None:
+    book = LinkBook(keep=3)
+    book.observe_probe("a>b", [(1 << 20, 0.011), (64 << 20, 0.65)])
+    probed = book.links()["a>b"]
+    assert math.isclose(probed.fixed_s, 0.011 - (1 << 20) / probed.bytes_per_s)
+    book.observe_result("a>b", 10 << 20, 0.5)
+    assert book.links()["a>b"] == Link(bytes_per_s=(10 << 20) / 0.5)  # one result: its own rate
+    for i in range(5):
+        book.observe_result("a>b", (i + 1) << 20, 0.1 * (i + 1))  # only the last 3 kept
+    assert math.isclose(book.links()["a>b"].bytes_per_s, (1 << 20) / 0.1)
+    book.observe_result("a>b", 0, 1.0)  # unusable samples are ignored
+    book.observe_probe("b>a", [(0, 1.0)])
+    assert set(book.links()) == {"a>b"}

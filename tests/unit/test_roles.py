@@ -23,7 +23,9 @@ def _match(pattern: str, subject: str) -> bool:
 def allowed(rights: dict[str, object], kind: str, subject: str) -> bool:
     block = rights[kind]
     assert isinstance(block, dict)
-    return any(_match(p, subject) for p in block["allow"])
+    return any(_match(p, subject) for p in block["allow"]) and not any(
+        _match(p, subject) for p in block.get("deny", ())
+    )
 
 
 S = Subjects("lab-a")
@@ -80,13 +82,16 @@ def test_a_node_publishes_only_its_own_telemetry_events_and_keys() -> None:
         f"$KV.{S.instances_bucket}.{S.instance_key('n2', 'abc')}",
         f"$KV.{S.registry_bucket}.model",
         S.l3("n2", "evict"),
+        S.handoff("n2", "probe"),  # an operator's request: it makes n2 send gigabytes
+        S.handoff("n1", "probe"),
         "$JS.API.STREAM.DELETE.LAB_A_EVENTS",
         "$JS.API.STREAM.UPDATE.LAB_A_EVENTS",
         "$JS.API.STREAM.PURGE.KV_LAB_A_RESERVATIONS",
     )
     for subject in others:
         assert not allowed(rights, "publish", subject), subject
-    for subject in (S.runner("n1", "start"), S.l3("n1", "segment"), S.generate, S.placement_request, "$SRV.PING"):
+    serves = (S.runner("n1", "start"), S.l3("n1", "segment"), S.handoff("n1", "probe"), S.generate, S.placement_request)
+    for subject in (*serves, S.event("handoff", "link_measured", "n2"), "$SRV.PING"):
         assert allowed(rights, "subscribe", subject), subject
     for subject in (S.runner("n2", "start"), S.l3("n2", "segment"), "_INBOX.client-1.x"):
         assert not allowed(rights, "subscribe", subject), subject

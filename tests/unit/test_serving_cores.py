@@ -182,6 +182,20 @@ def test_a_faster_prefill_node_with_a_measured_link_takes_the_long_prompt_and_ne
     assert short.chosen == "a" and short.prefill_node is None  # the handoff's fixed cost is not worth it
 
 
+def test_a_links_measured_fixed_cost_moves_the_break_even() -> None:
+    from actors.router.routing import HANDOFF_FIXED_S, link_key, route
+
+    here, fast = _measured("a", "n1", 100.0), _measured("b", "n2", 1000.0, busy=2, queued=1)
+    key = link_key("n2", "n1")
+    links = {key: 1e9}
+    # 9 ms saved per token, 0.1 ms of transfer per token: 50 ms fixed breaks even at 6 tokens, 2 s at 225.
+    assert route(40, [here, fast], links=links).prefill_node == "n2"
+    assert route(40, [here, fast], links=links, link_fixed_s={key: HANDOFF_FIXED_S}).prefill_node == "n2"
+    slow_start = route(200, [here, fast], links=links, link_fixed_s={key: 2.0})
+    assert slow_start.prefill_node is None
+    assert route(300, [here, fast], links=links, link_fixed_s={key: 2.0}).prefill_node == "n2"
+
+
 def test_unmeasured_equal_or_unlinked_candidates_never_disaggregate() -> None:
     from actors.router.routing import link_key, route
 

@@ -1,0 +1,80 @@
+"""Link probe: how long a handoff from this node to a peer takes, measured with real handoffs.
+
+`mesh.handoff.<node>.probe` (`LinkProbe`, an operator's request: node credentials may not send it) makes
+this node's handoff actor send `rounds` handoffs of `small_bytes` and of `bytes` to the peer, with the full
+protocol (credits, per-segment blake3, the commit's checks) and payload kind `link_probe`, which the peer
+verifies and throws away. The (bytes, seconds) samples, open to result, are fitted to
+`seconds = fixed_s + bytes / bytes_per_s` (`cost.fit_link`), answered, and journaled as `link_measured`,
+which every router learns from (`actors/router/links.py`). The bytes are random (nothing on the way
+compresses them), one buffer reused for every segment.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Final
+
+import blake3
+
+from actors.handoff import cost
+from actors.l3 import layout
+from messages.errors import BAD_REQUEST, UNAVAILABLE
+from messages.events import LinkMeasured
+from messages.handoff import PROBE_PAYLOAD_KIND, LinkProbe, LinkProbeResult
+from runtime.actor import ActorContext, RequestError
+
+if TYPE_CHECKING:
+    from actors.handoff.actor import HandoffActor
+
+__all__ = ["PROBE_IDENTITY", "probe"]
+
+#: The identity probes carry: no model's, so no store or server ever takes the payload.
+PROBE_IDENTITY: Final = blake3.blake3(b"mesh-actor/handoff/link-probe/v1").hexdigest()
+
+
+async def probe(actor: HandoffActor, ctx: ActorContext, request: LinkProbe) -> LinkProbeResult:
+    from actors.handoff.actor import HandoffFailed
+
+    if request.peer == actor.node_id:
+        raise RequestError(BAD_REQUEST, "a node does not probe a link to itself", {"path": "peer"})
+    segment = min(request.bytes, layout.DEFAULT_SEGMENT_BYTES)
+    block = os.urandom(segment)
+    samples: list[tuple[int, float]] = []
+    for _ in range(request.rounds):
+        for size in (request.small_bytes, request.bytes):
+            started = time.perf_counter()
+            try:
+                await actor.send(
+                    request.peer,
+                    _blocks(block, size),
+                    identity=PROBE_IDENTITY,
+                    n_tokens=0,
+                    payload_kind=PROBE_PAYLOAD_KIND,
+                    max_bytes=size,
+                )
+            except HandoffFailed as exc:
+                raise RequestError(UNAVAILABLE, f"probe handoff to {request.peer} failed: {exc}") from exc
+            samples.append((size, time.perf_counter() - started))
+    link = cost.fit_link(samples)
+    assert link is not None  # every sample has bytes and a positive time
+    ctx.emit(
+        LinkMeasured,
+        src=actor.node_id,
+        dst=request.peer,
+        bytes_per_s=link.bytes_per_s,
+        fixed_s=link.fixed_s,
+        samples=tuple(samples),
+    )
+    return LinkProbeResult(
+        src=actor.node_id, dst=request.peer, bytes_per_s=link.bytes_per_s, fixed_s=link.fixed_s, samples=tuple(samples)
+    )
+
+
+async def _blocks(block: bytes, total: int) -> AsyncIterator[bytes]:
+    sent = 0
+    while sent < total:
+        n = min(len(block), total - sent)
+        yield block if n == len(block) else block[:n]
+        sent += n
