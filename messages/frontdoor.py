@@ -10,6 +10,8 @@ from typing import Literal
 
 import msgspec
 
+from messages.placement import PreferredSettings
+
 ModelState = Literal["ready", "starting", "stopped"]
 
 
@@ -24,6 +26,9 @@ class FrontDoorModel(msgspec.Struct, frozen=True, kw_only=True):
     pinned: bool
     priority: int
     idle_ttl_s: float | None
+    ctx: int | None = None  # -c its instances are placed with
+    max_queue: int | None = None  # requests that may wait for it here (beyond: 429)
+    settings: PreferredSettings | None = None  # serving settings its instances must run with (None: the node's)
 
 
 class FrontDoorReport(msgspec.Struct, frozen=True, kw_only=True):

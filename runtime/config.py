@@ -69,6 +69,9 @@ class NodeConfig:
     cluster_listen: tuple[str, int] | None = None  # the embedded server's route listener (None: no cluster)
     cluster_routes: tuple[str, ...] = ()  # HOST:PORT of other servers' route listeners (--join)
     cluster_secret: str | None = None  # the route password every server of the cluster shares
+    health_probe_interval_s: float = 30.0  # a ready, idle server with no successful completion this long is probed
+    health_probe_timeout_s: float = 30.0  # a probe (one token) must answer within this
+    frontdoor_grouping: bool = True  # group a model's requests while a swap is pending (off: arrival order)
 
     @property
     def subjects(self) -> Subjects:
@@ -85,6 +88,17 @@ def _positive_float(text: Any) -> float:
     if not value > 0:
         raise ValueError(f"{text!r} is not a positive number")
     return value
+
+
+def _bool(text: Any) -> bool:
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (true or false)")
 
 
 def _port(text: Any) -> int:
@@ -212,6 +226,9 @@ _OPTIONS: dict[str, Callable[[Any], Any]] = {
     "join": _routes,
     "cluster_secret": str,
     "cluster_secret_file": str,
+    "health_probe_interval": _positive_float,
+    "health_probe_timeout": _positive_float,
+    "frontdoor_grouping": _bool,
     "nats": _urls,
     "nats_user": str,
     "nats_password": str,
@@ -369,6 +386,9 @@ def load_config(
         cluster_listen=cluster_listen,
         cluster_routes=cluster_routes,
         cluster_secret=cluster_secret,
+        health_probe_interval_s=values.get("health_probe_interval", 30.0),
+        health_probe_timeout_s=values.get("health_probe_timeout", 30.0),
+        frontdoor_grouping=values.get("frontdoor_grouping", True),
     )
 
 

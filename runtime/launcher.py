@@ -30,6 +30,7 @@ from actors.placement.actor import PlacementActor
 from actors.router.actor import RouterActor
 from actors.runner.actor import RunnerActor
 from actors.runner.engine import EngineNotFound, find_llama_server, probe_llama_server
+from actors.runner.limits import RunnerLimits
 from actors.telemetry.actor import TelemetryActor
 from actors.telemetry.resources import NodeFacts
 from messages.events import NodeStarted, NodeStopped
@@ -251,6 +252,10 @@ async def run_node(
                     digests=digests,
                     l3=l3,
                     handoff=handoff,
+                    limits=RunnerLimits(
+                        probe_interval_s=config.health_probe_interval_s,
+                        probe_timeout_s=config.health_probe_timeout_s,
+                    ),
                 ),
                 l3,
                 RouterActor(),
@@ -259,7 +264,12 @@ async def run_node(
             if config.http is not None:
                 catalog = load_catalog(config.data_dir)
                 host, port = config.http
-                actors.append(FrontDoorActor(host, port, catalog, models_dir=models_dir, api_key=config.api_key))
+                actors.append(
+                    FrontDoorActor(
+                        host, port, catalog, models_dir=models_dir, api_key=config.api_key,
+                        group_swaps=config.frontdoor_grouping,
+                    )
+                )  # fmt: skip
             supervisor = Supervisor(bus=bus, journal=journal, subjects=config.subjects, node_id=config.node_id)
             url = ",".join(options.urls)
             journal.emit(

@@ -8,11 +8,14 @@ capture apply. A client that disconnects stops its generation (the handler is ca
 subscription goes, the runner's next ping finds nobody).
 
 Models on demand: a request for a catalog model without a ready instance waits (at most `max_queue` per model,
-beyond that 429) while one start is in flight for that model: placement is asked; when it refuses for memory,
+beyond that 429) while one start is in flight for that model: placement is asked (with the model's required
+serving settings: slots, cache types, flash attention, speculation); when it refuses for memory,
 `lifecycle.plan_room` says which instances to stop (they are stopped, and placement is asked again), to wait
 for busy ones, or that the model never fits (507 at once, with need and have). Instances of catalog models
 with an `idle_ttl_s` stop when idle that long. Every completion is captured into L3 after its reply (the
-runner does it), so a stopped model resumes from its states when it is loaded again.
+runner does it), so a stopped model resumes from its states when it is loaded again. Requests for one model
+are grouped while a swap is pending (`lifecycle`); `group_swaps=False` serves them in arrival order instead,
+the behaviour grouping is measured against (`benchmarks/frontdoor_swap.py`).
 
 Keys: with `api_key` set, every request needs `Authorization: Bearer <key>` (401 otherwise); the launcher
 refuses a non-loopback address without one.
@@ -35,14 +38,14 @@ from nats.js.kv import KeyValue
 
 from actors.frontdoor import openai_api as oa
 from actors.frontdoor.catalog import Catalog, CatalogModel
-from actors.frontdoor.lifecycle import NeverFits, Running, Stop, Wait, idle_expired, plan_room
+from actors.frontdoor.lifecycle import ArrivalOrder, NeverFits, Running, Stop, Wait, idle_expired, plan_room
 from actors.placement.ledger import device_sizes
 from actors.runner.records import TTL_HEADER
 from messages.errors import BAD_REQUEST, NO_INSTANCE, TIMEOUT
 from messages.events import IdleStopped, ModelLoaded, ModelLoading, ModelRefused, RoomMade
 from messages.frontdoor import FrontDoorModel, FrontDoorReport, ModelState
 from messages.generate import ApplyTemplate, ChatTurn, GenerateChunk, GenerateResult, Prompt
-from messages.placement import ModelRef, NodeLedger, PlacementDecision, PlacementRequest, PreferredSettings
+from messages.placement import ModelRef, NodeLedger, PlacementDecision, PlacementRequest
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
 from messages.telemetry import NodeResources
 from runtime import buckets
@@ -64,6 +67,7 @@ class _Model:
         self.name = name
         self.entry = entry
         self.waiting = 0  # requests waiting for an instance
+        self.held = 0  # requests held back behind earlier ones for other models (grouping off)
         self.active = 0  # requests generating
         self.starting: asyncio.Task[InstanceStatus] | None = None
         self.last_used = 0.0
@@ -83,6 +87,7 @@ class FrontDoorActor(Actor):
         api_key: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         min_idle_s: float = 1.0,
+        group_swaps: bool = True,
         on_listening: Callable[[int], None] | None = None,
     ) -> None:
         self.host = host
@@ -91,7 +96,10 @@ class FrontDoorActor(Actor):
         self.models_dir = models_dir
         self.api_key = api_key
         self._clock = clock
-        self._min_idle_s = min_idle_s
+        # Grouping off: no grace for the model just used, and requests in arrival order across models.
+        self._min_idle_s = min_idle_s if group_swaps else 0.0
+        self._order = None if group_swaps else ArrivalOrder()
+        self._order_moved = asyncio.Event()
         self._on_listening = on_listening
         self._models = {name: _Model(name, entry) for name, entry in catalog.models.items()}
         self._instances: dict[str, InstanceStatus] = {}
@@ -184,7 +192,7 @@ class FrontDoorActor(Actor):
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "mesh-actor",
              "state": "ready" if self._ready_of(m) else "starting" if m.starting else "stopped",
-             "queued": m.waiting, "pinned": m.entry.pinned}
+             "queued": m.waiting + m.held, "pinned": m.entry.pinned}
             for name, m in sorted(self._models.items())
         ]  # fmt: skip
         return web.json_response({"object": "list", "data": data})
@@ -336,12 +344,35 @@ class FrontDoorActor(Actor):
         return None
 
     async def _instance_for(self, model: _Model, deadline: float) -> InstanceStatus:
+        if self._order is None:
+            return await self._grouped(model, deadline)
+        if model.waiting + model.held >= model.entry.max_queue:
+            raise _queue_full(model)
+        ticket = self._order.arrive(model.name)
+        model.held += 1
+        try:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    while not self._order.may_go(ticket):
+                        moved = self._order_moved
+                        await moved.wait()
+            except TimeoutError as exc:
+                raise _load_timeout(model) from exc
+            finally:
+                model.held -= 1  # from here it waits like any request (and keeps its model's instance in use)
+            return await self._grouped(model, deadline, queued=True)
+        finally:
+            self._order.leave(ticket)
+            self._order_moved.set()  # wake the waiters to look again
+            self._order_moved = asyncio.Event()
+
+    async def _grouped(self, model: _Model, deadline: float, *, queued: bool = False) -> InstanceStatus:
+        """A ready instance of `model`, after waiting with its other requests for the one start in flight."""
         ready = self._ready_of(model)
         if ready is not None:
             return ready
-        if model.waiting >= model.entry.max_queue:
-            raise oa.ApiError(429, f"{model.waiting} requests already wait for {model.name!r} to load; retry",
-                              "rate_limit_error", code="queue_full")  # fmt: skip
+        if not queued and model.waiting >= model.entry.max_queue:
+            raise _queue_full(model)
         model.waiting += 1
         try:
             while True:
@@ -358,8 +389,7 @@ class FrontDoorActor(Actor):
                     async with asyncio.timeout_at(deadline):
                         return await asyncio.shield(model.starting)
                 except TimeoutError as exc:
-                    raise oa.ApiError(504, f"{model.name!r} did not load in {model.entry.timeout_s:g}s", "server_error",
-                                      code="timeout") from exc  # fmt: skip
+                    raise _load_timeout(model) from exc
         finally:
             model.waiting -= 1
 
@@ -368,8 +398,9 @@ class FrontDoorActor(Actor):
         ctx = self._ctx
         entry = model.entry
         ref = ModelRef(registry=entry.path) if entry.registry else ModelRef(path=self._path_of(entry) or entry.path)
-        settings = PreferredSettings(slots=entry.parallel) if entry.parallel else None
-        placement = PlacementRequest(model=ref, ctx=entry.ctx, settings=settings, request_id=f"frontdoor-{model.name}")
+        placement = PlacementRequest(
+            model=ref, ctx=entry.ctx, settings=entry.required_settings(), request_id=f"frontdoor-{model.name}"
+        )
         loop = asyncio.get_running_loop()
         began = loop.time()
         while loop.time() < deadline:
@@ -504,8 +535,9 @@ class FrontDoorActor(Actor):
             models.append(
                 FrontDoorModel(
                     name=name, path=m.entry.path, state=state, instances=tuple(sorted(s.id for s in ready)),
-                    held_bytes=held, queued=m.waiting, active=m.active, pinned=m.entry.pinned,
-                    priority=m.entry.priority, idle_ttl_s=m.entry.idle_ttl_s,
+                    held_bytes=held, queued=m.waiting + m.held, active=m.active, pinned=m.entry.pinned,
+                    priority=m.entry.priority, idle_ttl_s=m.entry.idle_ttl_s, ctx=m.entry.ctx,
+                    max_queue=m.entry.max_queue, settings=m.entry.required_settings(),
                 )
             )  # fmt: skip
         return FrontDoorReport(
@@ -551,9 +583,22 @@ class FrontDoorActor(Actor):
 
 
 def _same_model(status: InstanceStatus, entry: CatalogModel, path: str | None) -> bool:
+    """Whether `status` is an instance of the catalog model: its file, run with the settings it requires."""
+    if not entry.runs_on(status.settings.settings):
+        return False
     if path is not None:
         return status.model_path == path
     return Path(status.model_path).name == entry.path or Path(status.model_path).stem == entry.path
+
+
+def _queue_full(model: _Model) -> oa.ApiError:
+    return oa.ApiError(429, f"{model.waiting + model.held} requests already wait for {model.name!r}; retry",
+                       "rate_limit_error", code="queue_full")  # fmt: skip
+
+
+def _load_timeout(model: _Model) -> oa.ApiError:
+    return oa.ApiError(504, f"{model.name!r} did not load in {model.entry.timeout_s:g}s", "server_error",
+                       code="timeout")  # fmt: skip
 
 
 async def _given(prompt: str | list[int]) -> str | list[int]:

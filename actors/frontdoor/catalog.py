@@ -9,19 +9,32 @@ pinned = true                               # never stopped to make room
 priority = 10                               # higher stays longer when memory is short
 idle_ttl_s = 600                            # stopped after this long without a request
 max_queue = 32                              # requests waiting for an instance (beyond: 429)
+cache_type_k = "q8_0"                       # -ctk its instances need
+cache_type_v = "q8_0"                       # -ctv (a quantized V cache needs flash_attn "on")
+flash_attn = "on"                           # -fa
+spec_type = "draft-mtp"                     # --spec-type (speculation)
+spec_draft_n_max = 3                        # --spec-draft-n-max
 ```
 
 Names are what `/v1/models` lists and what requests name (`model`); each is one subject-safe token. Every
 value is validated here; an error names the model and the field.
+
+Serving settings (`parallel`, the cache types, flash attention, speculation) are requirements, not overrides:
+they travel in the placement request (`PreferredSettings`), a node advertising other settings is refused
+(`settings_mismatch`, the fields named), and the instance runs with the settings admission stamped from the
+node's advertisement, which then equal them. An instance of the same file with other settings is not used.
 """
 
 from __future__ import annotations
 
 import tomllib
-from typing import Annotated, Final
+from typing import Annotated, Final, Literal
 
 import msgspec
 
+from actors.placement.context import CACHE_TYPES, SPEC_TYPES
+from messages.placement import PreferredSettings
+from messages.settings import CacheType, ServingSettings
 from messages.subjects import check_token
 
 __all__ = ["CATALOG_FILE", "Catalog", "CatalogError", "CatalogModel", "parse_catalog"]
@@ -43,6 +56,45 @@ class CatalogModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     idle_ttl_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     max_queue: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 64
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 600.0  # a request's whole life, load included
+    cache_type_k: CacheType | None = None
+    cache_type_v: CacheType | None = None
+    flash_attn: Literal["on", "off"] | None = None
+    spec_type: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    spec_draft_n_max: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
+
+    def required_settings(self) -> PreferredSettings | None:
+        """What its instances must run with (None: whatever the node advertises)."""
+        settings = PreferredSettings(
+            slots=self.parallel,
+            cache_type_k=self.cache_type_k,
+            cache_type_v=self.cache_type_v,
+            flash_attn=self.flash_attn,
+            spec_type=self.spec_type,
+            spec_draft_n_max=self.spec_draft_n_max,
+        )
+        return None if settings == PreferredSettings() else settings
+
+    def runs_on(self, settings: ServingSettings) -> bool:
+        """Whether an instance running with `settings` meets this model's requirements."""
+        required = self.required_settings()
+        if required is None:
+            return True
+        return all(
+            getattr(required, name) is None or getattr(required, name) == getattr(settings, name)
+            for name in PreferredSettings.__struct_fields__
+        )
+
+    def check(self) -> None:
+        """Refuses combinations llama-server would refuse (ValueError naming the fields)."""
+        if self.spec_type is not None:
+            unknown = [p.strip() for p in self.spec_type.split(",") if p.strip() not in SPEC_TYPES]
+            if unknown:
+                raise ValueError(
+                    f"spec_type: unknown speculative type {unknown[0]!r} (accepted: {', '.join(sorted(SPEC_TYPES))})"
+                )
+        v = self.cache_type_v
+        if self.flash_attn == "off" and v is not None and CACHE_TYPES[v][0] > 1:
+            raise ValueError(f'cache_type_v: a quantized V cache ({v}) needs flash_attn = "on"')
 
 
 class Catalog(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,6 +125,7 @@ def parse_catalog(text: str, source: str = CATALOG_FILE) -> Catalog:
             raise CatalogError(f"{source}: [models.{name}] must be a table")
         try:
             models[name] = msgspec.convert(table, CatalogModel)
-        except msgspec.ValidationError as exc:
+            models[name].check()
+        except (msgspec.ValidationError, ValueError) as exc:
             raise CatalogError(f"{source}: [models.{name}]: {exc}") from exc
     return Catalog(models=models)

@@ -16,6 +16,10 @@ Rules this module keeps:
   sizes come from the nodes' telemetry, so a placement decision made on a ledger a moment older than ours can
   never turn into a false "never fits".
 * Idle: an unpinned instance of a model with an `idle_ttl_s`, not in use, unused for longer than that, stops.
+* Grouping (the default) is what the rules above give: a model's requests share one start, and the model just
+  loaded serves its requests before it can be stopped. With grouping off (for comparison), `ArrivalOrder`
+  serves requests in the order they came: a request may look for an instance only when no earlier one still
+  waits for another model, so two models asked for in turns swap once per change of model.
 * No clock and no I/O: `now` is passed in.
 """
 
@@ -27,7 +31,7 @@ import msgspec
 
 from messages.placement import DeviceShortfall
 
-__all__ = ["NeverFits", "Running", "Stop", "Wait", "idle_expired", "plan_room"]
+__all__ = ["ArrivalOrder", "NeverFits", "Running", "Stop", "Wait", "idle_expired", "plan_room"]
 
 
 class Running(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,3 +150,34 @@ def idle_expired(running: Iterable[Running], *, now: float) -> list[str]:
         if r.idle_ttl_s is not None and not r.pinned and not r.in_use and now - r.last_used > r.idle_ttl_s
     ]
     return [r.instance_id for r in sorted(idle, key=lambda r: (r.last_used, r.instance_id))]
+
+
+class ArrivalOrder:
+    """Requests in arrival order across models (grouping off). A ticket is taken on arrival and given back
+    once its request has an instance (or gave up)."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, str] = {}  # ticket -> model, in arrival order
+        self._next = 0
+
+    def arrive(self, model: str) -> int:
+        ticket = self._next
+        self._next += 1
+        self._waiting[ticket] = model
+        return ticket
+
+    def may_go(self, ticket: int) -> bool:
+        """Whether every request that came before `ticket` and still waits is for the same model."""
+        model = self._waiting[ticket]
+        for earlier, other in self._waiting.items():
+            if earlier >= ticket:
+                return True
+            if other != model:
+                return False
+        return True
+
+    def leave(self, ticket: int) -> None:
+        self._waiting.pop(ticket, None)
+
+    def __len__(self) -> int:
+        return len(self._waiting)

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from messages.frontdoor import FrontDoorReport
+from messages.placement import PreferredSettings
 from messages.subjects import Subjects
 from runtime import buckets
 from runtime.bus import Bus
@@ -54,4 +55,14 @@ async def cmd_models(args: argparse.Namespace) -> int:
                 f"  {m.name:<24} {m.state:<9} {format_size(m.held_bytes):>10} {m.queued:>6} {m.active:>6} "
                 f"{'yes' if m.pinned else '-':>3} {m.priority:>4}  {m.path}"
             )
+            if m.settings is not None:
+                print(f"  {'':<24} requires {_required(m.settings)}")
     return EXIT_OK
+
+
+def _required(settings: PreferredSettings) -> str:
+    """The settings a model's instances must run with, as llama-server flags."""
+    flags = (("slots", "-np"), ("cache_type_k", "-ctk"), ("cache_type_v", "-ctv"), ("flash_attn", "-fa"),
+             ("kv_unified", "-kvu"), ("spec_type", "--spec-type"), ("spec_draft_n_max", "--spec-draft-n-max"),
+             ("swa_full", "--swa-full"))  # fmt: skip
+    return " ".join(f"{flag} {getattr(settings, name)}" for name, flag in flags if getattr(settings, name) is not None)

@@ -127,6 +127,22 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         "--http", metavar="[HOST:]PORT", help="serve the OpenAI-compatible front door there (HOST default: loopback)"
     )
     run.add_argument("--api-key", metavar="KEY", help="bearer key the front door requires (needed beyond loopback)")
+    run.add_argument(
+        "--health-probe-interval",
+        type=float,
+        metavar="S",
+        help="probe a ready, idle llama-server with a one-token completion after S seconds without a successful "
+        "one (default 30)",
+    )
+    run.add_argument(
+        "--health-probe-timeout", type=float, metavar="S", help="a probe's deadline in seconds (default 30)"
+    )
+    # For comparisons (benchmarks/frontdoor_swap.py): the front door serves requests in arrival order, one swap
+    # per change of model, instead of grouping a model's requests while a swap is pending.
+    run.add_argument(
+        "--no-frontdoor-grouping", dest="frontdoor_grouping", action="store_false", default=None,
+        help=argparse.SUPPRESS,
+    )  # fmt: skip
     run.add_argument("--json", action="store_true", help="print the ready line as one JSON object")
     run.add_argument(
         "--registry-key",
@@ -169,6 +185,9 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "l3_budget": args.l3_budget,
         "http": args.http,
         "api_key": args.api_key,
+        "health_probe_interval": args.health_probe_interval,
+        "health_probe_timeout": args.health_probe_timeout,
+        "frontdoor_grouping": args.frontdoor_grouping,
         "prefix": args.prefix,
         "nats": ",".join(args.nats) if args.nats else None,
         "nats_user": args.nats_user,

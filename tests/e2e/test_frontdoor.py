@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "alpha": write_llama(root / "alpha.gguf"),
         "beta": write_llama(root / "beta.gguf", n_layer=3),
         "huge": write_llama(root / "huge.gguf", n_layer=8, n_embd=1024, n_head=8, n_head_kv=8, n_ff=4096),
+        "wide": write_llama(root / "wide.gguf", n_embd=128, n_head=2),  # 64-wide heads: quantized caches allowed
     }
 
 
@@ -215,3 +218,131 @@ async def test_pinned_stays_idle_stops_and_a_model_loaded_again_resumes_from_l3(
         assert again.choices[0].text == first.choices[0].text
         assert again.usage is not None and again.usage.prompt_tokens_details is not None
         assert again.usage.prompt_tokens_details.cached_tokens == len(prompt) - 1  # restored from L3
+
+
+# Stops one thread of a running process (ptrace: PTRACE_SEIZE, then PTRACE_INTERRUPT) and keeps it stopped until
+# the process ends, reaping the traced thread's events so that the process's real parent (the runner) sees it exit.
+# Run as its own process: a tracer that dies detaches, so a failing test cannot leave a server stopped.
+_WEDGE = """
+import ctypes, os, sys
+tid = int(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+for request in (0x4206, 0x4207):  # PTRACE_SEIZE, PTRACE_INTERRUPT
+    if libc.ptrace(request, tid, None, None) != 0:
+        print("ptrace:", os.strerror(ctypes.get_errno()), flush=True)
+        sys.exit(3)
+print("wedged", flush=True)
+while True:
+    try:
+        _, status = os.waitpid(tid, 0x40000000)  # __WALL: a traced thread of another process's child
+    except ChildProcessError:
+        break
+    if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+        break  # otherwise a stop (the interrupt, a signal): the thread stays stopped
+"""
+
+
+async def _events(data_dir: Path, kind: str) -> list[dict[str, Any]]:
+    code, out, err = await cli("events", "--json", "--subject", kind, "--data-dir", str(data_dir))
+    assert code == 0, err
+    return [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+
+
+async def test_a_server_whose_completions_fail_while_health_says_ok_is_restarted(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    """llama-server runs its task loop (every completion) on its main thread and answers `/health` from its HTTP
+    threads. Stopping only the main thread is a server that hangs on every completion while `/health` says ok,
+    which is what a wedged backend looks like from outside; the runner's one-token probes must notice it."""
+    data_dir = tmp_path / "node"
+    write_catalog(data_dir, {"alpha": {"path": str(models["alpha"]), "ctx": 2048}})
+    port = free_port()
+    probing = ("--health-probe-interval", "1", "--health-probe-timeout", "2")
+    async with node(data_dir, "wedge", *QUIET, *probing, "--http", str(port), "--api-key", KEY):
+        await wait_nodes(data_dir, "wedge")
+        api = client(port)
+        assert (await api.completions.create(model="alpha", prompt="before", max_tokens=2)).choices
+        (instance,) = await instances(data_dir)
+        pid, server_port = instance["pid"], instance["port"]
+        wedge = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _WEDGE, str(pid), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        try:
+            assert wedge.stdout is not None
+            async with asyncio.timeout(10):
+                said = (await wedge.stdout.readline()).decode()
+            if "wedged" not in said:
+                pytest.skip(f"this machine does not allow ptrace on a child's child ({said.strip()})")
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{server_port}") as direct:
+                async with direct.get("/health", timeout=aiohttp.ClientTimeout(total=5)) as health:
+                    assert health.status == 200  # /health says ok ...
+                with pytest.raises(TimeoutError):  # ... while a completion gets no answer
+                    async with direct.post("/completion", json={"prompt": "x", "n_predict": 1},
+                                           timeout=aiohttp.ClientTimeout(total=3)) as reply:  # fmt: skip
+                        await reply.read()
+            async with asyncio.timeout(120):  # three failed probes, then SIGTERM (SIGKILL after the grace)
+                while not (crashed := await _events(data_dir, "runner.instance_crashed")):
+                    await asyncio.sleep(0.5)
+        finally:
+            if wedge.returncode is None:
+                wedge.kill()
+            await wedge.wait()
+        (crash,) = crashed
+        assert crash["instance_id"] == instance["id"]
+        assert crash["reason"].startswith("completions failed while /health answered: 3 completions failed in a row")
+        assert "no answer" in crash["reason"] and crash["restart_in_s"] is not None
+        assert crash["out_of_memory"] is False  # the runner's own SIGKILL of a hung server is not the OOM killer's
+        async with asyncio.timeout(120):  # restarted: the same instance, a new server process, ready
+            while True:
+                again = [i for i in await instances(data_dir) if i["id"] == instance["id"]]
+                if again and again[0]["state"] == "ready" and again[0]["pid"] not in (None, pid):
+                    break
+                await asyncio.sleep(0.5)
+        assert again[0]["restarts"] == 1 and await _events(data_dir, "runner.instance_restarted")
+        later = await api.completions.create(model="alpha", prompt="after", max_tokens=2)
+        assert later.choices and later.usage is not None and later.usage.completion_tokens == 2
+
+
+async def test_a_catalog_models_cache_types_are_required_of_placement_and_stamped_on_its_server(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    data_dir = tmp_path / "node"
+    write_catalog(
+        data_dir,
+        {
+            "alpha": {"path": str(models["wide"]), "ctx": 2048, "cache_type_k": "q8_0", "cache_type_v": "q8_0",
+                      "flash_attn": "on", "max_queue": 4},
+            "beta": {"path": str(models["beta"]), "ctx": 2048, "cache_type_k": "q4_0"},
+        },
+    )  # fmt: skip
+    port = free_port()
+    node_settings = ("-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on")  # what this node advertises
+    async with node(data_dir, "quant", *QUIET, *node_settings, "--http", str(port), "--api-key", KEY):
+        await wait_nodes(data_dir, "quant")
+        api = client(port)
+        done = await api.completions.create(model="alpha", prompt="Hello there", max_tokens=4, temperature=0)
+        assert done.usage is not None and done.usage.completion_tokens == 4
+        (instance,) = await instances(data_dir)
+        stamped = instance["settings"]["settings"]
+        assert (stamped["cache_type_k"], stamped["cache_type_v"], stamped["flash_attn"]) == ("q8_0", "q8_0", "on")
+        (decided,) = [e for e in await _events(data_dir, "placement.placement_decided")
+                      if e["request"]["request_id"] == "frontdoor-alpha"]  # fmt: skip
+        required = decided["request"]["settings"]
+        assert (required["cache_type_k"], required["cache_type_v"], required["flash_attn"]) == ("q8_0", "q8_0", "on")
+        (starting,) = await _events(data_dir, "runner.instance_starting")
+        command = starting["command"]
+        assert command[command.index("-ctk") + 1] == "q8_0" and command[command.index("-ctv") + 1] == "q8_0"
+        # the server was verified against the stamp (its log's K/V types included) before it was ready
+        # a model that requires what the node does not advertise is refused, the field named
+        with pytest.raises(openai.APIStatusError) as mismatch:
+            await api.completions.create(model="beta", prompt="x", max_tokens=2)
+        assert mismatch.value.status_code == 503 and mismatch.value.code == "settings_mismatch"
+        assert "cache_type_k" in mismatch.value.message
+        code, out, err = await cli("models", "--json", "--data-dir", str(data_dir))
+        assert code == 0, err
+        (door,) = json.loads(out)
+        alpha = next(m for m in door["models"] if m["name"] == "alpha")
+        assert alpha["settings"]["cache_type_k"] == "q8_0" and alpha["max_queue"] == 4
+        code, out, _ = await cli("models", "--data-dir", str(data_dir))
+        assert code == 0 and "requires -ctk q8_0 -ctv q8_0 -fa on" in out

@@ -6,9 +6,10 @@ import pytest
 
 from actors.frontdoor import openai_api as oa
 from actors.frontdoor.catalog import CatalogError, parse_catalog
-from actors.frontdoor.lifecycle import NeverFits, Running, Stop, Wait, idle_expired, plan_room
+from actors.frontdoor.lifecycle import ArrivalOrder, NeverFits, Running, Stop, Wait, idle_expired, plan_room
 from messages.generate import GenerateResult
-from messages.placement import DeviceShortfall
+from messages.placement import DeviceShortfall, PreferredSettings
+from messages.settings import ServingSettings
 
 MIB = 1 << 20
 
@@ -30,6 +31,37 @@ def test_a_catalog_lists_models_with_defaults_and_refuses_unknown_fields_and_bad
     with pytest.raises(CatalogError, match="unknown"):
         parse_catalog("[other]\nx = 1\n")
     assert parse_catalog("").models == {}
+
+
+def test_per_model_serving_settings_become_placement_requirements_and_bad_ones_are_refused() -> None:
+    catalog = parse_catalog(
+        '[models.q]\npath = "q.gguf"\nparallel = 2\ncache_type_k = "q8_0"\ncache_type_v = "q4_0"\n'
+        'flash_attn = "on"\nspec_type = "ngram-simple"\nspec_draft_n_max = 8\nmax_queue = 5\n'
+        '[models.plain]\npath = "p.gguf"\n'
+    )
+    q = catalog.models["q"]
+    assert q.required_settings() == PreferredSettings(
+        slots=2, cache_type_k="q8_0", cache_type_v="q4_0", flash_attn="on", spec_type="ngram-simple",
+        spec_draft_n_max=8,
+    )  # fmt: skip
+    assert q.max_queue == 5
+    assert catalog.models["plain"].required_settings() is None  # whatever the node advertises
+    # an instance is one of this model's only when it runs as required
+    node = ServingSettings(slots=2, cache_type_k="q8_0", cache_type_v="q4_0", spec_type="ngram-simple",
+                           spec_draft_n_max=8)  # fmt: skip
+    assert q.runs_on(node) and catalog.models["plain"].runs_on(ServingSettings())
+    assert not q.runs_on(ServingSettings(slots=2, spec_type="ngram-simple", spec_draft_n_max=8))  # f16 caches
+    for table, field in (
+        ('cache_type_k = "q3"', "cache_type_k"),
+        ('cache_type_v = "q8_0"\nflash_attn = "off"', "flash_attn"),  # llama-server refuses a quantized V without it
+        ('spec_type = "telepathy"', "spec_type"),
+        ('spec_type = "draft-mtp,bogus"', "bogus"),
+        ("spec_draft_n_max = -1", "spec_draft_n_max"),
+        ('flash_attn = "auto"', "flash_attn"),
+        ("max_queue = -1", "max_queue"),
+    ):
+        with pytest.raises(CatalogError, match=rf"\[models.m\].*{field}"):
+            parse_catalog(f'[models.m]\npath = "m"\n{table}\n')
 
 
 # ---- OpenAI shapes ----
@@ -140,3 +172,20 @@ def test_with_device_sizes_a_lagging_view_is_a_wait_and_never_fits_only_beyond_t
     assert isinstance(plan_room(stale, [], now=100.0, sizes={"n": {"CPU": 8 * MIB}}), Wait)
     never = plan_room(stale, [_run("p", 4, pinned=True)], now=100.0, sizes={"n": {"CPU": 8 * MIB}})
     assert isinstance(never, NeverFits) and never.have == {"CPU": 4 * MIB}  # the size less what is pinned
+
+
+def test_without_grouping_requests_go_in_arrival_order_across_models() -> None:
+    order = ArrivalOrder()
+    a1, b1, a2, b2 = (order.arrive(m) for m in ("a", "b", "a", "b"))
+    assert order.may_go(a1) and not order.may_go(b1) and not order.may_go(a2)
+    order.leave(a1)  # a1 has its instance
+    assert order.may_go(b1) and not order.may_go(a2) and not order.may_go(b2)
+    order.leave(b1)
+    assert order.may_go(a2) and not order.may_go(b2)
+    a3 = order.arrive("a")
+    assert not order.may_go(a3)  # b2 came before it: no jumping onto the model that is loaded
+    order.leave(a2)
+    assert order.may_go(b2) and not order.may_go(a3)
+    order.leave(b2)
+    order.leave(b2)  # leaving twice is harmless
+    assert order.may_go(a3) and len(order) == 1
