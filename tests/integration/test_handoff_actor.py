@@ -398,7 +398,7 @@ async def test_a_link_probe_measures_real_handoffs_never_restores_them_and_is_jo
         assert all(seconds > 0 for _, seconds in result.samples)
         assert result.bytes_per_s > 0 and result.fixed_s >= 0
         assert restores.calls == []  # verified by the receiver, then thrown away
-        committed = await journal_reader.wait_for(of_type("handoff_committed"), count=4)
+        committed = await journal_reader.wait_for(of_type("handoff_committed"), count=5)  # with the warm-up
         assert {e["identity"] for e in committed} == {PROBE_IDENTITY} and {e["restored"] for e in committed} == {None}
         [measured] = await journal_reader.wait_for(of_type("link_measured"))
         assert (measured["src"], measured["dst"]) == ("node-a", "node-b")
