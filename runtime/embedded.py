@@ -12,9 +12,11 @@ without dropping a connection. It cannot outlive us: it gets SIGTERM when the pr
 
 With a `ClusterSpec` (`mesh-actor run --cluster-listen HOST:PORT --join HOST:PORT …`) the server also joins a
 NATS cluster: a `cluster` block (name from the mesh prefix, route listener, the joins as routes, route
-authorization by a secret every node shares) and `server_name` = the node id, which clustered JetStream
-requires to be unique. Users stay per server: each node's server knows its own admin, node and issued users,
-all in the one default account, so subjects route across the cluster whichever server a client is on.
+authorization by a secret every node shares, and TLS on every route, both ends verified under a CA every
+server derives from that secret: `tls.ensure_route_certificates`) and `server_name` = the node id, which
+clustered JetStream requires to be unique. Users stay per server: each node's server knows its own admin,
+node and issued users, all in the one default account, so subjects route across the cluster whichever server
+a client is on.
 """
 
 from __future__ import annotations
@@ -222,7 +224,14 @@ def server_config(data_dir: Path, server: ServerRecord, admin: Credentials) -> d
         config["tls"] = {"cert_file": str(files.cert), "key_file": str(files.key), "timeout": 5}
     if server.cluster is not None:
         config["server_name"] = server.cluster.server_name  # unique per cluster: clustered JetStream needs it
-        config["cluster"] = server.cluster.block()
+        block = server.cluster.block()
+        if server.cluster.secret is not None:  # routes: TLS, both ends verified under the secret's CA
+            route = tls.route_files(data_dir)
+            block["tls"] = {
+                "cert_file": str(route.cert), "key_file": str(route.key), "ca_file": str(route.ca),
+                "verify": True, "timeout": 5,
+            }  # fmt: skip
+        config["cluster"] = block
     return config
 
 
@@ -323,6 +332,8 @@ class EmbeddedNats:
         for attempt in range(3):
             port = self.preferred_port if self.preferred_port and port_free(self.preferred_port) else free_port()
             ca = str(tls.ensure_certificates(self.data_dir, tls.local_names(self.host)).ca) if self.tls else None
+            if self.cluster is not None and self.cluster.secret is not None:
+                tls.ensure_route_certificates(self.data_dir, self.cluster.secret, tls.local_names(self.cluster.host))
             creds = self._credentials_for(port, ca)
             server = ServerRecord(self.host, port, self.prefix, self.tls, self.cluster)
             node_user = None

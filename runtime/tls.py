@@ -4,6 +4,12 @@ The CA's key never leaves the data dir (mode 0600); clients get `ca.pem` and ver
 The server certificate names every address a client may dial (the listen host, loopback, the host names
 and addresses of this machine) and is reissued when that set grows. An operator's own certificate is used
 instead when `server.pem` and `server-key.pem` are put there by hand and `ca.pem` beside them.
+
+Cluster routes (`ensure_route_certificates`) are TLS with mutual verification, zero-ops: every server of a
+cluster derives the same route CA key from the cluster secret it already shares (blake3 of the secret, as a
+P-256 scalar), so each node issues its own route certificate (both server and client use) under a CA all the
+others trust, and nobody distributes a certificate. Without the secret nobody can issue one: a server that
+does not know it can neither join (route authorization) nor pose as a member (route TLS).
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+import blake3
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 TLS_DIR = "tls"
+ROUTE_DIR = "route"  # under TLS_DIR
 _VALID = datetime.timedelta(days=3650)
 _OWN_MARK = "mesh-actor embedded nats-server"  # the subject of certificates we issued (reissued as needed)
 
@@ -146,4 +154,82 @@ def ensure_certificates(data_dir: Path, names: list[str]) -> TlsFiles:
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     ))  # fmt: skip
     _write_private(files.cert, cert.public_bytes(serialization.Encoding.PEM))
+    return files
+
+
+_ROUTE_CA_DOMAIN = b"mesh-actor/cluster-route-ca/v1\x00"
+_P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
+
+
+def route_files(data_dir: Path) -> TlsFiles:
+    directory = data_dir / TLS_DIR / ROUTE_DIR
+    return TlsFiles(ca=directory / "ca.pem", cert=directory / "route.pem", key=directory / "route-key.pem")
+
+
+def route_ca_key(secret: str) -> ec.EllipticCurvePrivateKey:
+    """The cluster's route CA key: the same on every server that knows the secret, on no other."""
+    digest = blake3.blake3(_ROUTE_CA_DOMAIN + secret.encode()).digest(length=64)
+    scalar = int.from_bytes(digest, "big") % (_P256_ORDER - 1) + 1
+    return ec.derive_private_key(scalar, ec.SECP256R1())
+
+
+def ensure_route_certificates(data_dir: Path, secret: str, names: list[str]) -> TlsFiles:
+    """The route CA (derived from `secret`) and this server's route certificate under `data_dir/tls/route`,
+    created or reissued when the secret changed or the certificate does not name every one of `names`."""
+    files = route_files(data_dir)
+    files.ca.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(files.ca.parent.parent, 0o700)
+    ca_key = route_ca_key(secret)
+    public = ca_key.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    now = datetime.datetime.now(datetime.UTC)
+    if files.cert.exists() and files.key.exists() and files.ca.exists():
+        ca = x509.load_pem_x509_certificate(files.ca.read_bytes())
+        current = x509.load_pem_x509_certificate(files.cert.read_bytes())
+        same_ca = (
+            ca.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+            == public
+        )
+        if (
+            same_ca
+            and set(names) <= _named(current)
+            and current.not_valid_after_utc > now + datetime.timedelta(days=30)
+        ):
+            return files
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{_OWN_MARK} cluster route CA")])
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(int.from_bytes(blake3.blake3(public).digest(length=16), "big") >> 1)
+        .not_valid_before(datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC))
+        .not_valid_after(datetime.datetime(2126, 1, 1, tzinfo=datetime.UTC))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    usages = [x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{_OWN_MARK} route")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + _VALID)
+        .add_extension(_san(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    _write_private(files.key, key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    ))  # fmt: skip
+    _write_private(files.cert, cert.public_bytes(serialization.Encoding.PEM))
+    _write_private(files.ca, ca_cert.public_bytes(serialization.Encoding.PEM))
     return files

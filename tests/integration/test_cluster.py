@@ -105,6 +105,20 @@ class Cluster:
                 await process.wait()
 
 
+async def route_info(port: int) -> dict[str, object]:
+    """What a route listener demands of whoever dials it (its INFO line, read before any handshake)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+    try:
+        line = await asyncio.wait_for(reader.readline(), 5)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    assert line.startswith(b"INFO "), line
+    info = json.loads(line[5:])
+    return {k: info.get(k) for k in ("tls_required", "tls_verify")}
+
+
 def _route_ports(n: int) -> dict[str, int]:
     """Free ports for the route listeners, below Linux's ephemeral range (32768-60999): a port the kernel hands
     out for `--nats-port 0` or any client socket can never be one of them (seen: a route port taken by another
@@ -185,6 +199,7 @@ async def test_three_node_cluster_survives_a_killed_node_and_takes_it_back(tmp_p
         before = (await status(first))["reservations"]
         assert len(before) == 1, before
         assert set((await replicas(first)).values()) == {3}
+        assert await route_info(mesh.ports["c1"]) == {"tls_required": True, "tls_verify": True}
         journal_before = await events(first)
         assert journal_before, "the journal is empty"
 

@@ -68,6 +68,13 @@ def test_server_config_cluster_block(tmp_path: Path) -> None:
         "listen": "127.0.0.1:6222",
         "authorization": {"user": "route", "password": "a/b secret", "timeout": 5},
         "routes": ["nats://route:a%2Fb%20secret@127.0.0.1:6222", "nats://route:a%2Fb%20secret@127.0.0.1:6223"],
+        "tls": {  # routes are TLS, both ends verified under the CA derived from the secret
+            "cert_file": str(tmp_path / "tls" / "route" / "route.pem"),
+            "key_file": str(tmp_path / "tls" / "route" / "route-key.pem"),
+            "ca_file": str(tmp_path / "tls" / "route" / "ca.pem"),
+            "verify": True,
+            "timeout": 5,
+        },
     }
     assert cluster.expected_servers() == 2
     assert ClusterSpec.from_json(cluster.to_json()) == cluster
