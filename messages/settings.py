@@ -1,4 +1,4 @@
-"""Serving settings: every llama-server setting that changes what the server allocates.
+"""Serving settings: every llama-server setting that changes what the server allocates (and its thread count).
 
 A node advertises the settings it is configured with (telemetry), placement stamps them onto an admitted
 instance, and the runner pins each one on the llama-server command line. Field names follow llama-server's
@@ -19,7 +19,7 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class ServingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How a node runs llama-server; every field changes the allocation.
+    """How a node runs llama-server; every field but `threads` changes the allocation.
 
     Defaults are llama-server's own defaults for a server started with an explicit slot count, except
     that flash attention is explicit ("on"/"off") because "auto" resolves differently per device.
@@ -39,3 +39,6 @@ class ServingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     spec_draft_type_v: CacheType = "f16"  # -ctvd
     ctx_checkpoints: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 32  # --ctx-checkpoints
     cache_ram_mib: Annotated[int, msgspec.Meta(ge=-1)] = 8192  # --cache-ram (-1: unlimited, 0: off)
+    # -t and -tb (0: llama-server's default, every core). The one field that changes no allocation: pinned so
+    # servers sharing a machine do not oversubscribe its cores, and so a node's prefill rate is what it says.
+    threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0

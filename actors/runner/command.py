@@ -64,6 +64,8 @@ def build_command(engine: str, reservation: Reservation, *, port: int, slot_save
         "-lv", str(LOG_VERBOSITY),
         "--slot-save-path", slot_save_dir,
     ]  # fmt: skip
+    if s.threads:
+        argv += ["-t", str(s.threads), "-tb", str(s.threads)]
     if s.swa_full:
         argv.append("--swa-full")  # llama-server has no negative form; its default is a window-sized cache
     if stamp.gpu_split:

@@ -63,6 +63,7 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("-ctvd", "--spec-draft-type-v", dest="spec_draft_type_v", choices=CACHE_TYPES)
     group.add_argument("--ctx-checkpoints", dest="ctx_checkpoints", type=int, metavar="N")
     group.add_argument("--cache-ram", dest="cache_ram_mib", type=int, metavar="MiB")
+    group.add_argument("-t", "--threads", dest="threads", type=int, metavar="N", help="CPU threads (0: all cores)")
 
 
 SERVING_DESTS = (
@@ -80,6 +81,7 @@ SERVING_DESTS = (
     "spec_draft_type_v",
     "ctx_checkpoints",
     "cache_ram_mib",
+    "threads",
 )
 
 

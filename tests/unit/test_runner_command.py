@@ -26,6 +26,7 @@ FLAGS = {
     "spec_draft_type_v": "-ctvd",
     "ctx_checkpoints": "--ctx-checkpoints",
     "cache_ram_mib": "--cache-ram",
+    "threads": "-t/-tb",
 }
 
 
@@ -71,6 +72,7 @@ def test_every_allocation_setting_is_pinned_with_the_stamped_value() -> None:
         spec_draft_type_v="bf16",
         ctx_checkpoints=4,
         cache_ram_mib=0,
+        threads=3,
     )
     argv = build_command("/opt/llama-server", _reservation(settings, ctx=6000, ngl=99), port=8111, slot_save_dir="/d")
     assert argv[0] == "/opt/llama-server"
@@ -90,6 +92,8 @@ def test_every_allocation_setting_is_pinned_with_the_stamped_value() -> None:
         "-ngl": "99",
         "--ctx-checkpoints": "4",
         "--cache-ram": "0",
+        "-t": "3",
+        "-tb": "3",
         "--fit": "off",
         "-lv": "4",
         "--host": "127.0.0.1",
@@ -106,6 +110,7 @@ def test_defaults_are_pinned_too_and_negative_forms_are_explicit() -> None:
     argv = build_command("llama-server", _reservation(ServingSettings()), port=1, slot_save_dir="/d")
     assert "-no-kvu" in argv and "-kvu" not in argv
     assert "--swa-full" not in argv  # no negative flag exists; the server's default is the window-sized cache
+    assert "-t" not in argv and "-tb" not in argv  # threads 0: llama-server's own default, every core
     assert _value(argv, "--spec-type") == "none"
     assert _value(argv, "--spec-draft-n-max") == "3"
     assert _value(argv, "--cache-ram") == "8192"
