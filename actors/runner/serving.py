@@ -422,7 +422,7 @@ class Serving:
         except* ServerApiError as group:
             error = group.exceptions[0]
             status = getattr(error, "status", None)
-            if status is None or status >= 500:  # the server failed (not the request): evidence against it
+            if (status is None or status >= 500) and not _load_error(str(error)):  # the server failed, not the request
                 self._outcome(instance.id, False, str(error))
             code = BAD_REQUEST if status == 400 else UNAVAILABLE
             raise RequestError(code, f"instance {instance.id}: {error}") from error
@@ -610,3 +610,13 @@ class _SaveFailed(Exception):
 async def _remove(path: Path) -> None:
     with contextlib.suppress(OSError):
         await asyncio.to_thread(path.unlink, missing_ok=True)
+
+
+#: 5xx answers that say the request met a full cache (a unified KV cache shared by busy slots), not that the
+#: server is broken: no evidence for health by inference, or a healthy server under load would be restarted.
+_LOAD_ERRORS: Final = ("context size has been exceeded",)
+
+
+def _load_error(message: str) -> bool:
+    lowered = message.lower()
+    return any(text in lowered for text in _LOAD_ERRORS)

@@ -206,3 +206,10 @@ def test_unmeasured_equal_or_unlinked_candidates_never_disaggregate() -> None:
     assert route(4000, [here, _measured("b", "n2", 1000.0, busy=2, queued=1)], links={}).prefill_node is None
     other = _measured("b", "n2", 1000.0, busy=2, queued=1, identity="12" * 32)
     assert route(4000, [here, other], links=links).prefill_node is None  # another model's states
+
+
+def test_a_full_cache_is_the_requests_failure_not_evidence_against_the_server() -> None:
+    from actors.runner.serving import _load_error
+
+    assert _load_error("llama-server answered 500: Context size has been exceeded.")
+    assert not _load_error("llama-server answered 500: Compute error.")
