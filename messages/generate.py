@@ -102,6 +102,7 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     bytes: int
     prefill_ms: float
     handoff_ms: float  # the transfer alone (open to result), the target's store commit included
+    compute_ms: float = 0.0  # llama-server's own prompt time (timings.prompt_ms) within prefill_ms
 
 
 class Tokenize(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -163,8 +164,9 @@ class GenerateResult(msgspec.Struct, frozen=True, kw_only=True):
     path: Literal["local", "disaggregated"] = "local"  # disaggregated: prefilled on `prefill_node`, handed off
     prefill_node: str | None = None
     handoff_bytes: int = 0
-    # what the handoff added beyond the remote prefill: the slot save there, the transfer, this node's store
-    # commit and the restore into the decoding slot
+    # what the handoff added beyond the remote server's prompt computation: the request to the prefill node,
+    # its slot save, the transfer, this node's store commit, the restore into the decoding slot, and the last
+    # prompt token's own decode step here (a local prefill batches it)
     handoff_ms: float = 0.0
     decision_id: str = ""
     capture: str = ""  # what happens to the state: "queued", or why not ("off", "short", "no_l3", …)

@@ -4,7 +4,8 @@ A link (`src>dst`) is a line, `seconds = fixed_s + bytes / bytes_per_s` (`actors
 fitted on the most recent samples of one kind:
 
 * what disaggregated generations reported (`handoff_bytes`, `handoff_ms`: everything the handoff added to
-  the generation beyond the remote prefill: the slot save, the transfer, the target's store commit and the
+  the generation beyond the remote server's prompt computation, which the cost model counts from the same
+  timings: the request to the prefill node, its slot save, the transfer, the target's store commit and the
   restore into the decoding slot). These are the cost the routing decision weighs, so once a pair has any,
   only they count;
 * before that, a link probe's handoffs (`link_measured`: the transfer alone, of two sizes), a lower bound.

@@ -356,9 +356,12 @@ class Serving:
                 source = hit.source
                 instance.table.update(slot, tokens[:held])
         evaluated = remote.tokens_evaluated if remote is not None else 0
-        # What the handoff added beyond the remote prefill: the remote slot save, the transfer, this store's
-        # commit, the restore into this slot, and the requests between (the cost routing weighs).
-        handoff_ms = (time.perf_counter() - asked) * 1000 - remote.prefill_ms if remote is not None else 0.0
+        # What the handoff added beyond the remote server's prompt computation (what the cost model counts as
+        # the remote prefill, from the same timings): the requests between, the remote slot save, the transfer,
+        # this store's commit, the restore into this slot (and, below, the last prompt token's own decode
+        # step). The cost routing weighs.
+        remote_compute_ms = (remote.compute_ms or remote.prefill_ms) if remote is not None else 0.0
+        handoff_ms = (time.perf_counter() - asked) * 1000 - remote_compute_ms if remote is not None else 0.0
         if remote is not None and restored < remote.n_tokens:
             raise RequestError(UNAVAILABLE, f"the state prefilled on {remote.node} could not be restored here")
         capture = "off" if not request.capture else "no_l3" if self._l3 is None else "no_identity"
@@ -463,7 +466,9 @@ class Serving:
             path="disaggregated" if remote is not None else "local",
             prefill_node=remote.node if remote is not None else None,
             handoff_bytes=remote.bytes if remote is not None else 0,
-            handoff_ms=round(max(handoff_ms, 0.0), 3),
+            # + the prompt's last token, evaluated here on its own (one decode step) where a local prefill
+            # batches it with the rest
+            handoff_ms=round(max(handoff_ms + (float(timings.get("prompt_ms", 0) or 0) if remote else 0.0), 0.0), 3),
             decision_id=order.route.decision_id if order.route else "",
             capture=capture,
         )
@@ -517,6 +522,7 @@ class Serving:
             return PrefillResult(
                 node=self.node_id, instance=instance.id, n_tokens=n_saved, tokens_evaluated=evaluated,
                 bytes=report.bytes, prefill_ms=(prefilled - started) * 1000, handoff_ms=report.transfer_ms,
+                compute_ms=float(timings.get("prompt_ms", 0.0) or 0.0),
             )  # fmt: skip
         finally:
             self._release(instance, grant.slot, held)
