@@ -1,11 +1,13 @@
 """Benchmark: predicted vs measured handoff time over a sweep of sizes (the issue's target: error <= 15%).
 
 Two handoff actors on one embedded nats-server, one process (node A's and node B's actors each on their own
-connection). First the link probe the operator runs (`mesh.handoff.bench-a.probe`, as `mesh-actor handoff
-bench` sends it: handoffs of 256 KiB and of `--probe-mib`, `--rounds` each) fits `seconds = fixed + bytes /
-rate`. Then handoffs of each size in `--sizes-mib` (random bytes, the same path as a probe's: credits, every
-segment hashed and verified, the commit judged; nothing restored) are timed `--rounds` times, and each size's
-median is compared with the fit's prediction. Run from the repository root:
+connection). Each round runs the link probe the operator runs (`mesh.handoff.bench-a.probe`, as `mesh-actor
+handoff bench` sends it: a warm-up, then one handoff of 256 KiB and one of `--probe-mib`), then one handoff of
+each size in `--sizes-mib` (random bytes, the same path as a probe's: credits, every segment hashed and
+verified, the commit judged; nothing restored). The probes of every round are fitted together to
+`seconds = fixed + bytes / rate` (`cost.fit_link`, as the router fits them), so probe and sweep see the machine
+alike (this VM's speed drifts by 20% between minutes), and each size's median is compared with the fit.
+Run from the repository root:
 
     python -m benchmarks.handoff_predict [--sizes-mib 1,4,16,64,128,256] [--probe-mib 64] [--rounds 3]
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import structlog
 
+from actors.handoff import cost
 from actors.handoff.actor import HandoffActor, HandoffLimits
 from actors.handoff.probe import PROBE_IDENTITY
 from benchmarks.environment import print_environment
@@ -72,12 +75,18 @@ async def main_async(args: argparse.Namespace) -> None:
             a = HandoffActor("bench-a", root / "a", limits=limits)
             b = HandoffActor("bench-b", root / "b", limits=limits)
             async with _node(bus_b, b), _node(bus_a, a):
-                probe = LinkProbe(peer="bench-b", bytes=args.probe_mib * MIB, rounds=args.rounds)
-                link = await bus_a.request(Subjects().handoff("bench-a", "probe"), probe, LinkProbeResult, timeout=600)
+                probe = LinkProbe(peer="bench-b", bytes=args.probe_mib * MIB, rounds=1)
+                probed: list[tuple[int, float]] = []
                 measured: dict[int, list[float]] = {size: [] for size in sizes}
-                for _ in range(args.rounds):  # interleaved: drift in the machine's load spreads over every size
+                for _ in range(args.rounds):  # a probe, then every size: both see the machine as it is then
+                    result = await bus_a.request(
+                        Subjects().handoff("bench-a", "probe"), probe, LinkProbeResult, timeout=600
+                    )
+                    probed += result.samples
                     for size in sizes:
                         measured[size].append(await _timed_handoff(a, block, size))
+                link = cost.fit_link(probed)
+                assert link is not None
         finally:
             await bus_a.close()
             await bus_b.close()
@@ -85,10 +94,10 @@ async def main_async(args: argparse.Namespace) -> None:
 
     print(f"  segments         {SEGMENT // MIB} MiB; credit window {limits.window_bytes // MIB} MiB; one process")
     print(
-        f"probe (256 KiB and {args.probe_mib} MiB, {args.rounds} rounds each): "
+        f"probes (256 KiB and {args.probe_mib} MiB, one of each per round, fitted together): "
         f"{link.bytes_per_s / MIB:.1f} MiB/s, fixed {link.fixed_s * 1000:.1f} ms"
     )
-    for size, seconds in link.samples:
+    for size, seconds in probed:
         print(f"  probe sample {size / MIB:9.2f} MiB  {seconds * 1000:9.1f} ms")
     print(f"{'size MiB':>9} {'predicted ms':>13} {'measured ms (median)':>21} {'min..max ms':>17} {'error':>7}")
     worst = 0.0
