@@ -3,8 +3,9 @@
 Two handoff actors on one embedded nats-server, each in its own process (as two nodes would be). Node A sends
 `--size-mib` of random bytes to node B, which stages every chunk (pwrite), hashes every segment, judges the
 commit (tiling, counts, payload digest) and restores: here the restore hook fsyncs the staged file, so the
-result is as durable as the baseline's. Two sources: a finished file (its layout hashed first and announced at
-open) and the same bytes streamed as segments (hashed one by one as they are sent, as while a prefill runs).
+result is as durable as the baseline's. Two sources: a finished file (`send(path)`: its segments read and
+hashed one by one while the previous one is sent) and the same bytes as an async iterator of segments (as
+while a prefill runs).
 
 Baselines, same run, same file:
 * loopback TCP: the file sent over a socket (`socket.sendfile`) into a file, fsynced;
@@ -330,7 +331,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
     print("results (one round)")
     print(f"  loopback TCP copy + fsync              {tcp:7.3f} s  {rate(tcp)}")
-    print(f"  handoff, file (layout hashed first)    {from_file:7.3f} s  {rate(from_file)}")
+    print(f"  handoff, file (segments read, hashed)  {from_file:7.3f} s  {rate(from_file)}")
     print(f"  handoff, streamed segments             {streamed:7.3f} s  {rate(streamed)}")
     print(f"  NATS client publish ceiling            {ceiling:7.3f} s  {rate(ceiling)}  (no subscriber)")
     print(f"  NATS blast, no flow control            {blast_s:7.3f} s  (until the last message arrived)")

@@ -18,7 +18,8 @@ This module only moves bytes and enforces the deadlines the cores name.
   copies what it keeps (`restore.into_l3` hands it to the node's L3 store and to an `on_committed` hook).
 * Sending: `send(peer, source, …)` (in-process, e.g. from the runner) opens a session on the peer, publishes
   each segment's chunks only within credit, commits and returns a `HandoffReport`, or raises `HandoffFailed`
-  with the core's reason. A source is a finished file (its layout hashed first and announced at open) or an
+  with the core's reason. A source is a finished file (its size announced at open, its segments read and
+  hashed one by one while the previous one is sent: no pass over the file before the first byte moves) or an
   async iterator of segment bytes (e.g. produced while a prefill still runs: hashed one by one as they come).
 
 Staging is emptied at start. Events: `handoff_committed` (receiver), `handoff_aborted` (either side).
@@ -521,8 +522,8 @@ class HandoffActor(Actor):
     ) -> HandoffReport:
         """Streams `source` to `peer`'s handoff actor and waits for its result (restore included).
 
-        `source`: a finished file (cut into `segment_bytes` segments, its layout hashed and announced at open),
-        or an async iterator of segment bytes (each at most `layout.MAX_SEGMENT_BYTES`; then `max_bytes`, the
+        `source`: a finished file (cut into `segment_bytes` segments, its size announced at open), or an async
+        iterator of segment bytes (each at most `layout.MAX_SEGMENT_BYTES`; then `max_bytes`, the
         most it can add up to, is required). Raises `HandoffFailed` (reason and detail) if it did not commit."""
         ctx = self._ctx
         if ctx is None:
@@ -533,13 +534,11 @@ class HandoffActor(Actor):
         total: int | None = None
         if isinstance(source, Path):
             try:
-                refs = await asyncio.to_thread(_hash_file, source, self.limits.segment_bytes)
+                total = (await asyncio.to_thread(os.stat, source)).st_size
             except OSError as exc:
                 raise HandoffFailed(tx.Reason.SOURCE_FAILED.value, f"cannot read {source}: {exc}") from exc
-            specs = tuple(SegmentSpec(index=r.index, offset=r.offset, length=r.length, digest=r.digest) for r in refs)
-            total = sum(r.length for r in refs)
             max_bytes = total
-            segments = _file_segments(source, refs)
+            segments = _file_segments(source, total, self.limits.segment_bytes)
         else:
             if max_bytes is None:
                 raise ValueError("a streamed source needs max_bytes")
@@ -818,23 +817,6 @@ def _blake3(data: bytes) -> str:  # worker thread
     return str(blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest())
 
 
-def _hash_file(path: Path, segment_bytes: int) -> list[SegmentRef]:  # worker thread
-    size = path.stat().st_size
-    refs: list[SegmentRef] = []
-    with path.open("rb") as f:
-        for index, offset, length in layout.plan_segments(size, segment_bytes):
-            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-            left = length
-            while left:
-                block = f.read(min(left, 4 << 20))
-                if not block:
-                    raise OSError(f"{path} shrank while it was hashed")
-                hasher.update(block)
-                left -= len(block)
-            refs.append(SegmentRef(index, offset, length, str(hasher.hexdigest())))
-    return refs
-
-
 def _read_range(path: Path, offset: int, length: int) -> bytes:  # worker thread
     with path.open("rb") as f:
         f.seek(offset)
@@ -844,11 +826,12 @@ def _read_range(path: Path, offset: int, length: int) -> bytes:  # worker thread
     return data
 
 
-async def _file_segments(path: Path, refs: Sequence[SegmentRef]) -> AsyncIterator[tuple[bytes, str | None]]:
-    """The file's segments with the digests of its layout. Not hashed again: a file that changed since is
-    caught by the receiver, which hashes every segment it gets (`digest_mismatch`)."""
-    for ref in refs:
-        yield await asyncio.to_thread(_read_range, path, ref.offset, ref.length), ref.digest
+async def _file_segments(path: Path, size: int, segment_bytes: int) -> AsyncIterator[tuple[bytes, str | None]]:
+    """The file's segments, read one at a time (each hashed by `_prefetch` while the previous one is sent: no
+    pass over the file before the first byte moves). A file that shrinks is a source failure; the receiver
+    checks the total the open announced."""
+    for _, offset, length in layout.plan_segments(size, segment_bytes):
+        yield await asyncio.to_thread(_read_range, path, offset, length), None
 
 
 async def _prefetch(
