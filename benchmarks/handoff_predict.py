@@ -21,14 +21,13 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import structlog
 
 from actors.handoff import cost
 from actors.handoff.actor import HandoffActor, HandoffLimits
-from actors.handoff.probe import PROBE_IDENTITY
+from actors.handoff.probe import PROBE_IDENTITY, blocks
 from benchmarks.environment import print_environment
 from benchmarks.handoff_throughput import _node
 from messages.handoff import PROBE_PAYLOAD_KIND, LinkProbe, LinkProbeResult
@@ -41,18 +40,10 @@ MIB = 1024 * 1024
 SEGMENT = 32 * MIB
 
 
-async def _blocks(block: bytes, total: int) -> AsyncIterator[bytes]:
-    sent = 0
-    while sent < total:
-        n = min(len(block), total - sent)
-        yield block if n == len(block) else block[:n]
-        sent += n
-
-
 async def _timed_handoff(a: HandoffActor, block: bytes, size: int) -> float:
     started = time.perf_counter()
     await a.send(
-        "bench-b", _blocks(block, size), identity=PROBE_IDENTITY, n_tokens=0, payload_kind=PROBE_PAYLOAD_KIND,
+        "bench-b", blocks(block, size), identity=PROBE_IDENTITY, n_tokens=0, payload_kind=PROBE_PAYLOAD_KIND,
         max_bytes=size,
     )  # fmt: skip
     return time.perf_counter() - started

@@ -117,29 +117,53 @@ def ensure_certificates(data_dir: Path, names: list[str]) -> TlsFiles:
         assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
     else:
         ca_key = ec.generate_private_key(ec.SECP256R1())
-        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{_OWN_MARK} CA")])
-        ca_cert = (
-            x509.CertificateBuilder()
-            .subject_name(ca_name)
-            .issuer_name(ca_name)
-            .public_key(ca_key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + _VALID)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(
-                x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
-            )  # key_cert_sign, crl_sign
-            .sign(ca_key, hashes.SHA256())
+        ca_cert = _ca_certificate(
+            ca_key, f"{_OWN_MARK} CA", x509.random_serial_number(), now - datetime.timedelta(minutes=5), now + _VALID
         )
         _write_private(ca_key_path, ca_key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         ))  # fmt: skip
         _write_private(files.ca, ca_cert.public_bytes(serialization.Encoding.PEM))
+    usages = [x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]
+    _issue(files, ca_key, ca_cert, _OWN_MARK, names, usages, now)
+    return files
+
+
+def _ca_certificate(
+    key: ec.EllipticCurvePrivateKey, name: str, serial: int, start: datetime.datetime, end: datetime.datetime
+) -> x509.Certificate:
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(serial)
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+        )  # key_cert_sign, crl_sign
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+
+
+def _issue(
+    files: TlsFiles,
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    name: str,
+    names: list[str],
+    usages: list[x509.ObjectIdentifier],
+    now: datetime.datetime,
+) -> None:
+    """A fresh key and a certificate for it, signed by the CA, naming `names`; both written (0600)."""
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, _OWN_MARK)]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
@@ -147,14 +171,14 @@ def ensure_certificates(data_dir: Path, names: list[str]) -> TlsFiles:
         .not_valid_after(now + _VALID)
         .add_extension(_san(names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     _write_private(files.key, key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     ))  # fmt: skip
     _write_private(files.cert, cert.public_bytes(serialization.Encoding.PEM))
-    return files
 
 
 _ROUTE_CA_DOMAIN = b"mesh-actor/cluster-route-ca/v1\x00"
@@ -197,39 +221,10 @@ def ensure_route_certificates(data_dir: Path, secret: str, names: list[str]) -> 
             and current.not_valid_after_utc > now + datetime.timedelta(days=30)
         ):
             return files
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{_OWN_MARK} cluster route CA")])
-    ca_cert = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(int.from_bytes(blake3.blake3(public).digest(length=16), "big") >> 1)
-        .not_valid_before(datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC))
-        .not_valid_after(datetime.datetime(2126, 1, 1, tzinfo=datetime.UTC))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
+    serial = int.from_bytes(blake3.blake3(public).digest(length=16), "big") >> 1
+    start, end = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC), datetime.datetime(2126, 1, 1, tzinfo=datetime.UTC)
+    ca_cert = _ca_certificate(ca_key, f"{_OWN_MARK} cluster route CA", serial, start, end)
     usages = [x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{_OWN_MARK} route")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + _VALID)
-        .add_extension(_san(names), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    _write_private(files.key, key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    ))  # fmt: skip
-    _write_private(files.cert, cert.public_bytes(serialization.Encoding.PEM))
+    _issue(files, ca_key, ca_cert, f"{_OWN_MARK} route", names, usages, now)
     _write_private(files.ca, ca_cert.public_bytes(serialization.Encoding.PEM))
     return files

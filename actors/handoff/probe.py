@@ -29,7 +29,7 @@ from runtime.actor import ActorContext, RequestError
 if TYPE_CHECKING:
     from actors.handoff.actor import HandoffActor
 
-__all__ = ["PROBE_IDENTITY", "probe"]
+__all__ = ["PROBE_IDENTITY", "blocks", "probe"]
 
 #: The identity probes carry: no model's, so no store or server ever takes the payload.
 PROBE_IDENTITY: Final = blake3.blake3(b"mesh-actor/handoff/link-probe/v1").hexdigest()
@@ -50,7 +50,7 @@ async def probe(actor: HandoffActor, ctx: ActorContext, request: LinkProbe) -> L
         try:
             await actor.send(
                 request.peer,
-                _blocks(block, size),
+                blocks(block, size),
                 identity=PROBE_IDENTITY,
                 n_tokens=0,
                 payload_kind=PROBE_PAYLOAD_KIND,
@@ -75,7 +75,8 @@ async def probe(actor: HandoffActor, ctx: ActorContext, request: LinkProbe) -> L
     )
 
 
-async def _blocks(block: bytes, total: int) -> AsyncIterator[bytes]:
+async def blocks(block: bytes, total: int) -> AsyncIterator[bytes]:
+    """`total` bytes as segments of `block` (the last one cut short)."""
     sent = 0
     while sent < total:
         n = min(len(block), total - sent)
