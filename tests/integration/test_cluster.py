@@ -14,6 +14,7 @@ import json
 import os
 import random
 import signal
+import ssl
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 
 from messages.subjects import Subjects
+from runtime import tls
 from runtime.bus import Bus
 from runtime.children import port_free
 from runtime.embedded import read_credentials
@@ -105,18 +107,33 @@ class Cluster:
                 await process.wait()
 
 
-async def route_info(port: int) -> dict[str, object]:
-    """What a route listener demands of whoever dials it (its INFO line, read before any handshake)."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
-    try:
-        line = await asyncio.wait_for(reader.readline(), 5)
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-    assert line.startswith(b"INFO "), line
-    info = json.loads(line[5:])
-    return {k: info.get(k) for k in ("tls_required", "tls_verify")}
+async def route_handshakes(port: int, data_dir: Path) -> tuple[dict[str, object], str]:
+    """A route listener speaks only TLS and only to a member: with the node's own route certificate (issued
+    under the CA derived from the secret) the handshake passes and the INFO inside says TLS and verification
+    are required; without a client certificate the server refuses the handshake (what the second says)."""
+    files = tls.route_files(data_dir)
+    found: list[dict[str, object]] = []
+    refused = ""
+    for member in (True, False):
+        context = ssl.create_default_context(cafile=str(files.ca))
+        if member:
+            context.load_cert_chain(str(files.cert), str(files.key))
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection("127.0.0.1", port, ssl=context, server_hostname="127.0.0.1"), 5
+            )
+            try:
+                line = await asyncio.wait_for(reader.readline(), 5)
+            finally:
+                writer.close()
+                with contextlib.suppress(OSError, ssl.SSLError):
+                    await writer.wait_closed()
+            assert line.startswith(b"INFO "), line
+            info = json.loads(line[5:])
+            found.append({k: info.get(k) for k in ("tls_required", "tls_verify")})
+        except (ssl.SSLError, ConnectionError) as exc:
+            refused = str(exc)
+    return found[0] if found else {}, refused
 
 
 def _route_ports(n: int) -> dict[str, int]:
@@ -199,7 +216,8 @@ async def test_three_node_cluster_survives_a_killed_node_and_takes_it_back(tmp_p
         before = (await status(first))["reservations"]
         assert len(before) == 1, before
         assert set((await replicas(first)).values()) == {3}
-        assert await route_info(mesh.ports["c1"]) == {"tls_required": True, "tls_verify": True}
+        info, refused = await route_handshakes(mesh.ports["c1"], first)
+        assert info == {"tls_required": True, "tls_verify": True} and "certificate" in refused.lower(), refused
         journal_before = await events(first)
         assert journal_before, "the journal is empty"
 
