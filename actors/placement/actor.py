@@ -158,7 +158,7 @@ class PlacementActor(Actor):
         self._ledgers_ready = asyncio.Event()
         self._records_ready = asyncio.Event()
         self._reconciler = Reconciler(claim_grace_s=claim_grace_s)
-        self._index = FleetIndex()
+        self._index = FleetIndex(tracked=True)  # told of every change below: judges only what changed
         self._reports_seen = 0
         self.models = ModelReader(trusted_registry_keys=trusted_registry_keys, models_dir=models_dir, digests=digests)
         self._log = get_logger(actor=self.name)
@@ -178,7 +178,7 @@ class PlacementActor(Actor):
         self._ledgers_ready = asyncio.Event()
         self._records_ready = asyncio.Event()
         self._reconciler = Reconciler(claim_grace_s=self._claim_grace)
-        self._index = FleetIndex()
+        self._index = FleetIndex(tracked=True)  # told of every change below: judges only what changed
         ctx.spawn(self._watch_nodes(ctx), "watch-nodes")
         ctx.spawn(self._watch_ledgers(), "watch-ledgers")
         ctx.spawn(self._watch_instances(ctx), "watch-instances")
@@ -209,6 +209,7 @@ class PlacementActor(Actor):
                 continue
             self._view[entry.key] = ViewEntry(resources=node, revision=entry.revision or 0)
             self._arrived[entry.key] = self._monotonic()
+            self._index.touch(entry.key)
             self._saw_report(node)
 
     def _saw_report(self, node: NodeResources) -> None:
@@ -219,6 +220,7 @@ class PlacementActor(Actor):
     def _forget_node(self, node: str) -> None:
         self._view.pop(node, None)
         self._arrived.pop(node, None)
+        self._index.touch(node)
 
     async def _watch_ledgers(self) -> None:
         """A local copy of every node's ledger: decisions read it first (compare-and-set still guards every
@@ -227,6 +229,7 @@ class PlacementActor(Actor):
             node = entry.key.removeprefix(LEDGER_KEY_PREFIX)
             decoded = self._decode_ledger(node, entry.value, entry.revision or 0)
             self._ledger_cache[node] = decoded
+            self._index.touch(node)
             self._reconciler.saw_ledger(node, decoded[0], self._monotonic())
 
     async def _watch_instances(self, ctx: ActorContext) -> None:

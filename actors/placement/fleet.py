@@ -7,7 +7,15 @@ model's layers go (`weights.layer_devices`: its `-ngl` and its GPUs' split, the 
 what each GPU has free). So the model is sized once per distinct (settings, CPU features, layer layout) and
 context — a *sizing*, kept across requests — and each node then only compares the sizing's per-device totals
 with what its ledger leaves available: fits, headroom, or the shortfalls of its refusal. A node's derived
-state (what it has available, its split) is recomputed only when its report or its ledger changes.
+state (what it has available, its split) is recomputed only when its report or its ledger changes (a report
+equal to the last but for its sequence number and time keeps it).
+
+A *tracked* index (the placement actor's) is told of every change (`touch`: a report, a node leaving, a
+ledger) and keeps, per question (model, context, `-ngl`, required settings), a standing answer of every node
+(`_Standing`): a decision judges again only the nodes touched since that question was last asked, those whose
+report turned stale since (a heap of deadlines) and the stale ones (their refusal says how old the report
+is), then reads the answer off: the refusals in natural order, the best fit from a heap. An explicit node
+list, or ledgers read fresh from the bucket, are judged in full.
 
 Rules this module keeps:
 - Decisions are exactly `admission.decide`'s, field for field: the same rejections in the same order with the
@@ -25,8 +33,11 @@ Nothing here reads a clock: the caller passes the time and when each report arri
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import heapq
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+
+import msgspec
 
 from actors.placement.admission import (
     Fit,
@@ -47,6 +58,7 @@ from actors.placement.weights import layer_devices
 from messages.model import ModelGeometry
 from messages.placement import DeviceShortfall, NodeLedger, NodeRejection, PlacementRequest
 from messages.settings import ServingSettings
+from messages.telemetry import NodeResources
 
 #: A node's ledger and the revision it was read at (-1: it does not decode; 0: there is none).
 LedgerEntry = tuple[NodeLedger | None, int]
@@ -57,6 +69,13 @@ MAX_SIZINGS = 4096
 MAX_LAYOUTS = 8192
 MAX_PROFILES = 4096
 MAX_MODELS = 8
+#: Questions (model, -ngl, context, required settings) whose standing answer a tracked index keeps, and the
+#: touches it remembers (past either, they are dropped and rebuilt by the next decision).
+MAX_STANDING = 64
+MAX_TOUCHED = 1 << 16
+
+_REFUSED, _MISFIT, _FITS = 0, 1, 2
+NaturalKey = tuple[tuple[int, int, str], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +101,88 @@ class _NodeState:
     asked: tuple[int, int, int, int] | None = None
     headroom: int = 0
     refusal: NodeRejection | None = None  # when the model does not fit (or cannot run) there
+
+
+@dataclass(frozen=True, slots=True)
+class _Question:
+    """One request as the index asks it of each node."""
+
+    request: PlacementRequest
+    token: int
+    geometry: ModelGeometry
+    n_gpu_layers: int
+    ctx: int
+    monotonic_now: float
+
+    @property
+    def plain(self) -> bool:  # no settings required: the common case is checked inline
+        return self.request.settings is None
+
+
+@dataclass(slots=True)
+class _Standing:
+    """The last answer of every node of the view to one question: refused (and why), sized and not fitting
+    (and why), or fitting (its state); with when each fresh report turns stale and a heap of the fits."""
+
+    epochs: tuple[int, int]
+    seen: int  # touches taken in
+    refused: dict[str, NodeRejection] = field(default_factory=dict)
+    misfits: dict[str, NodeRejection] = field(default_factory=dict)
+    fits: dict[str, tuple[_NodeState, int]] = field(default_factory=dict)  # its state, its headroom then
+    stale: set[str] = field(default_factory=set)
+    due: dict[str, float] = field(default_factory=dict)  # when each fresh node's report turns stale
+    deadlines: list[tuple[float, str]] = field(default_factory=list)  # a heap of `due`, lazily cleaned
+    best: list[tuple[int, NaturalKey, str, int]] = field(default_factory=list)  # lazily cleaned
+    refused_order: list[str] | None = None
+    misfit_order: list[str] | None = None
+
+    def forget(self, name: str) -> None:
+        if self.refused.pop(name, None) is not None:
+            self.refused_order = None
+        if self.misfits.pop(name, None) is not None:
+            self.misfit_order = None
+        self.fits.pop(name, None)
+        self.stale.discard(name)
+        self.due.pop(name, None)
+
+    def expect(self, name: str, when: float) -> None:
+        """`name` is judged again at `when` (when its report turns stale)."""
+        self.due[name] = when
+        heapq.heappush(self.deadlines, (when, name))
+        if len(self.deadlines) > 4 * len(self.due) + 64:  # entries of earlier reports
+            self.deadlines = [(w, n) for n, w in self.due.items()]
+            heapq.heapify(self.deadlines)
+
+    def expired(self, now: float) -> set[str]:
+        """The nodes whose report has turned stale by `now` (each once)."""
+        names = set()
+        while self.deadlines and self.deadlines[0][0] < now:
+            when, name = heapq.heappop(self.deadlines)
+            if self.due.get(name) == when:  # not an entry of an earlier report
+                del self.due[name]
+                names.add(name)
+        return names
+
+    def rebuild_best(self, natural: Mapping[str, NaturalKey]) -> None:
+        self.best = [(-headroom, natural[n], n, id(state)) for n, (state, headroom) in self.fits.items()]
+        heapq.heapify(self.best)
+
+    def answer(
+        self, natural: Mapping[str, NaturalKey]
+    ) -> tuple[list[NodeRejection], list[NodeRejection], tuple[_NodeState, int] | None]:
+        if self.refused_order is None:
+            self.refused_order = sorted(self.refused, key=natural.__getitem__)
+        if self.misfit_order is None:
+            self.misfit_order = sorted(self.misfits, key=natural.__getitem__)
+        best = None
+        while self.best:
+            negative, _, name, state_id = self.best[0]
+            fit = self.fits.get(name)
+            if fit is not None and id(fit[0]) == state_id and -negative == fit[1]:
+                best = fit
+                break
+            heapq.heappop(self.best)  # an answer since replaced
+        return [self.refused[n] for n in self.refused_order], [self.misfits[n] for n in self.misfit_order], best
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +215,11 @@ class FleetIndex:
     _sizing_epoch: int = 0  # bumped when sizings are dropped: nodes' remembered answers are stale
     _sized: int = 0
     _resets: int = 0
+    #: The caller calls `touch` for every change of a node's report, arrival or ledger, so a decision judges
+    #: again only what changed (`_standing`); untracked, every decision judges every node.
+    tracked: bool = False
+    _touched: list[str] = field(default_factory=list)
+    _standing: dict[tuple[int, int, int, object], _Standing] = field(default_factory=dict)
 
     @staticmethod
     def covers(request: PlacementRequest) -> bool:
@@ -157,64 +263,161 @@ class FleetIndex:
         token = self._token(geometry)
         ctx = request.ctx
         assert ctx is not None  # covers()
-        n_gpu_layers = request.n_gpu_layers
-        refused: list[NodeRejection] = []
-        misfits: list[NodeRejection] = []
-        best: _NodeState | None = None
-        best_name = ""
-        natural = self._natural
-
-        def order(name: str) -> tuple[tuple[int, int, str], ...]:  # only asked on a tie
-            return natural.get(name) or natural_key(name)
-
-        states = self._nodes
-        epoch = self._epoch
-        asked = (token, n_gpu_layers, ctx, self._sizing_epoch)
-        best_headroom = -1
-        view_get, arrived_get, ledgers_get, fresh_get = view.get, arrived.get, ledgers.get, fresh.get
-        plain = request.settings is None  # no settings required: the common case is checked inline below
-        for name in request.nodes or self._natural_order(view):
-            entry = view_get(name)
-            ledger = (fresh_get(name) if fresh else None) or ledgers_get(name, NO_LEDGER)
-            if entry is None:
-                refused.append(NodeRejection(node_id=name, reason="not_found", message="no telemetry from this node"))
-                continue
-            node = entry.resources
-            age = max(0.0, monotonic_now - arrived_get(name, monotonic_now))
-            if not (plain and age <= node.ttl_s and ledger[1] >= 0 and node.settings is not None):
-                refusal = refusal_of(request, name, entry, age, ledger[1] < 0)
-                if refusal is not None:
-                    refused.append(refusal)
-                    continue
-            state = states.get(name)
-            if (
-                state is None
-                or state.entry is not entry
-                or state.ledger is not ledger[0]
-                or state.revision != ledger[1]
-                or state.epoch != epoch
-            ):
-                state = self._state(name, entry, ledger)
-            if state.asked != asked:
-                self._answer(state, token, geometry, n_gpu_layers, ctx)
-                state.asked = (token, n_gpu_layers, ctx, self._sizing_epoch)  # the epoch may have moved
-            if state.refusal is not None:
-                misfits.append(state.refusal)
-            elif state.headroom > best_headroom or (
-                state.headroom == best_headroom and best is not None and order(name) < order(best_name)
-            ):
-                best, best_name, best_headroom = state, name, state.headroom
+        question = _Question(request, token, geometry, request.n_gpu_layers, ctx, monotonic_now)
+        if self.tracked and not request.nodes and not fresh:
+            refused, misfits, best = self._standing_answer(question, view, arrived, ledgers)
+        else:
+            refused, misfits, best = self._scan(
+                question, request.nodes or self._natural_order(view), view, arrived, ledgers, fresh
+            )
         fits: list[Fit] = []
         if best is not None:
-            settings = best.entry.resources.settings
+            state, headroom = best
+            settings = state.entry.resources.settings
             assert settings is not None  # refusal_of refused it otherwise
-            chosen = fit_node(request, geometry, best.entry, settings, best.have, layers=(0, geometry.n_layer))
-            assert isinstance(chosen, Fit) and chosen.headroom == best.headroom, "sizing disagrees with fit_node"
+            chosen = fit_node(request, geometry, state.entry, settings, state.have, layers=(0, geometry.n_layer))
+            assert isinstance(chosen, Fit) and chosen.headroom == headroom, "sizing disagrees with fit_node"
             fits.append(chosen)
         return conclude(
             request, model, view, fits, refused + misfits, now=now, decision_id=decision_id,
             reservation_id=reservation_id, dry_run=dry_run,
         )  # fmt: skip
+
+    def touch(self, name: str) -> None:
+        """(`tracked` indexes) `name`'s report, arrival or ledger changed, or it left the view."""
+        self._touched.append(name)
+        if len(self._touched) > MAX_TOUCHED:
+            self._touched.clear()
+            self._standing.clear()  # rebuilt by their next decision
+
+    def _scan(
+        self,
+        q: _Question,
+        names: Iterable[str],
+        view: Mapping[str, ViewEntry],
+        arrived: Mapping[str, float],
+        ledgers: Mapping[str, LedgerEntry],
+        fresh: Mapping[str, LedgerEntry],
+    ) -> tuple[list[NodeRejection], list[NodeRejection], tuple[_NodeState, int] | None]:
+        """Every node of `names` judged now, in that order: (refused before sizing, sized and not fitting,
+        the best fit: most headroom, then natural order)."""
+        refused: list[NodeRejection] = []
+        misfits: list[NodeRejection] = []
+        best: tuple[_NodeState, int] | None = None
+        best_key: tuple[int, NaturalKey] | None = None
+        for name in names:
+            ledger = (fresh.get(name) if fresh else None) or ledgers.get(name, NO_LEDGER)
+            kind, refusal, state = self._evaluate(q, name, view.get(name), ledger, arrived)
+            if kind == _REFUSED:
+                assert refusal is not None
+                refused.append(refusal)
+            elif kind == _MISFIT:
+                assert refusal is not None
+                misfits.append(refusal)
+            else:
+                assert state is not None
+                key = (-state.headroom, self._natural.get(name) or natural_key(name))
+                if best_key is None or key < best_key:
+                    best, best_key = (state, state.headroom), key
+        return refused, misfits, best
+
+    def _evaluate(
+        self, q: _Question, name: str, entry: ViewEntry | None, ledger: LedgerEntry, arrived: Mapping[str, float]
+    ) -> tuple[int, NodeRejection | None, _NodeState | None]:
+        """One node judged for `q`: (_REFUSED, why) before sizing, (_MISFIT, why) sized and not fitting, or
+        (_FITS, None, its state: headroom)."""
+        if entry is None:
+            return (
+                _REFUSED,
+                NodeRejection(node_id=name, reason="not_found", message="no telemetry from this node"),
+                None,
+            )
+        node = entry.resources
+        age = max(0.0, q.monotonic_now - arrived.get(name, q.monotonic_now))
+        if not (q.plain and age <= node.ttl_s and ledger[1] >= 0 and node.settings is not None):
+            refusal = refusal_of(q.request, name, entry, age, ledger[1] < 0)
+            if refusal is not None:
+                return _REFUSED, refusal, None
+        state = self._nodes.get(name)
+        if state is None or state.ledger is not ledger[0] or state.revision != ledger[1] or state.epoch != self._epoch:
+            state = self._state(name, entry, ledger)
+        elif state.entry is not entry:
+            if _same_report(state.entry.resources, node):
+                state.entry = entry  # a report that only says the node is alive: every answer stands
+            else:
+                state = self._state(name, entry, ledger)
+        asked = (q.token, q.n_gpu_layers, q.ctx, self._sizing_epoch)
+        if state.asked != asked:
+            self._answer(state, q.token, q.geometry, q.n_gpu_layers, q.ctx)
+            state.asked = (q.token, q.n_gpu_layers, q.ctx, self._sizing_epoch)  # the epoch may have moved
+        if state.refusal is not None:
+            return _MISFIT, state.refusal, state
+        return _FITS, None, state
+
+    # --- standing answers (tracked indexes) ---------------------------------------------------------------
+
+    def _standing_answer(
+        self,
+        q: _Question,
+        view: Mapping[str, ViewEntry],
+        arrived: Mapping[str, float],
+        ledgers: Mapping[str, LedgerEntry],
+    ) -> tuple[list[NodeRejection], list[NodeRejection], tuple[_NodeState, int] | None]:
+        """`_scan` over the whole view, from the answer to the same question last time: only the nodes touched
+        since, those whose report has aged past its TTL since, and the stale ones (their refusal says how
+        old) are judged again."""
+        key = (q.token, q.n_gpu_layers, q.ctx, q.request.settings)
+        standing = self._standing.get(key)
+        epochs = (self._epoch, self._sizing_epoch)
+        if standing is None or standing.epochs != epochs or standing.seen > len(self._touched):
+            if len(self._standing) >= MAX_STANDING:
+                self._standing.clear()
+            standing = self._standing[key] = _Standing(epochs=epochs, seen=len(self._touched))
+            again: Iterable[str] = self._natural_order(view)
+        else:
+            names = set(self._touched[standing.seen :])
+            standing.seen = len(self._touched)
+            names |= standing.stale
+            names |= standing.expired(q.monotonic_now)
+            again = names
+        for name in again:
+            self._judge(standing, q, name, view.get(name), ledgers.get(name, NO_LEDGER), arrived)
+        return standing.answer(self._natural)
+
+    def _judge(
+        self,
+        standing: _Standing,
+        q: _Question,
+        name: str,
+        entry: ViewEntry | None,
+        ledger: LedgerEntry,
+        arrived: Mapping[str, float],
+    ) -> None:
+        standing.forget(name)
+        if entry is None:
+            return  # left the view: a whole-view scan does not name it
+        if name not in self._natural:
+            self._natural[name] = natural_key(name)
+        kind, refusal, state = self._evaluate(q, name, entry, ledger, arrived)
+        if kind == _REFUSED and refusal is not None and refusal.reason == "telemetry_stale":
+            standing.stale.add(name)  # judged every time: its message counts the seconds
+        else:  # judged again once stale, whatever its answer now
+            standing.expect(name, arrived.get(name, q.monotonic_now) + entry.resources.ttl_s)
+        if kind == _REFUSED:
+            assert refusal is not None
+            standing.refused[name] = refusal
+            standing.refused_order = None
+            return
+        if kind == _MISFIT:
+            assert refusal is not None
+            standing.misfits[name] = refusal
+            standing.misfit_order = None
+            return
+        assert state is not None
+        standing.fits[name] = (state, state.headroom)
+        heapq.heappush(standing.best, (-state.headroom, self._natural[name], name, id(state)))
+        if len(standing.best) > 4 * len(standing.fits) + 64:
+            standing.rebuild_best(self._natural)
 
     def _answer(self, state: _NodeState, token: int, geometry: ModelGeometry, n_gpu_layers: int, ctx: int) -> None:
         """Sizes the model on `state`'s node (from a shared sizing): its headroom, or its refusal."""
@@ -361,6 +564,12 @@ class FleetIndex:
         self._sized += 1
         self._sizings[key] = sizing
         return sizing
+
+
+def _same_report(a: NodeResources, b: NodeResources) -> bool:
+    """Whether two reports of a node say the same but for their sequence number and time of sending (every
+    other field, present or future, compared)."""
+    return msgspec.structs.replace(a, seq=b.seq, sent_at=b.sent_at) == b
 
 
 def _shortfalls(sizing: Sizing, have: Mapping[str, int]) -> list[DeviceShortfall]:

@@ -137,14 +137,22 @@ class Fleet:
     arrived: dict[str, float] = field(default_factory=dict)
     ledgers: dict[str, LedgerEntry] = field(default_factory=dict)
     revision: int = 0
+    touched: list[str] = field(default_factory=list)  # what changed, for a tracked index
 
 
 @st.composite
 def changes(draw: st.DrawFn, current: Fleet) -> None:
     """Changes a few nodes of `current` in place: a new report, a new ledger, or gone."""
     for name in draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=8)):
-        what = draw(st.sampled_from(("report", "report", "ledger", "gone")))
-        if what == "gone":
+        current.touched.append(name)
+        what = draw(st.sampled_from(("report", "report", "heartbeat", "ledger", "gone")))
+        if what == "heartbeat" and name in current.view:  # the same report again, only newer
+            current.revision += 1
+            old = current.view[name].resources
+            again = msgspec.structs.replace(old, seq=old.seq + 1, sent_at=old.sent_at + 1)
+            current.view[name] = ViewEntry(resources=again, revision=current.revision)
+            current.arrived[name] = MONOTONIC - draw(st.sampled_from((0.0, 3.0, 15.1)))
+        elif what == "gone":
             current.view.pop(name, None)
             current.arrived.pop(name, None)
         elif what == "ledger":
@@ -191,6 +199,37 @@ def test_index_decides_exactly_what_the_full_scan_decides_on_fleets_that_change(
         event("admitted" if decision.admitted else f"refused: {decision.reason}")
         for reason in sorted({r.reason for r in decision.rejections}):
             event(f"a node refused: {reason}")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_tracked_index_judging_only_what_changed_decides_exactly_what_the_full_scan_decides(
+    data: st.DataObject, models: tuple[ModelFacts, ...]
+) -> None:
+    # The placement actor's index: told of every change (`touch`), it judges again only the nodes touched, those
+    # gone stale as time passes (no report needed: the clock moves here) and the stale ones; several questions
+    # (models, contexts, -ngl, settings) interleaved, each with its own standing answer.
+    index = FleetIndex(tracked=True)
+    current = Fleet()
+    ids = {"now": NOW, "decision_id": "d1", "reservation_id": "r1"}
+    clock = MONOTONIC
+    for _ in range(data.draw(st.integers(1, 10), label="steps")):
+        if data.draw(st.booleans(), label="change"):
+            data.draw(changes(current))
+        for name in current.touched:
+            index.touch(name)
+        current.touched.clear()
+        clock += data.draw(st.sampled_from((0.0, 0.4, 2.0, 9.0)), label="seconds pass")
+        request = data.draw(requests(), label="request")
+        model = data.draw(st.sampled_from(models), label="model")
+        fast = index.decide(
+            request, model, current.view, current.arrived, current.ledgers, monotonic_now=clock, dry_run=True,
+            fresh={}, **ids,
+        )  # fmt: skip
+        inputs = snapshot(request, current.view, current.arrived, current.ledgers, {}, clock)
+        full = decide(request, model, inputs.view, inputs.held, unreadable=inputs.unreadable, dry_run=True, **ids)
+        assert fast == full
+        event("admitted" if fast.decision.admitted else f"refused: {fast.decision.reason}")
 
 
 def test_many_nodes_share_one_sizing_per_profile_and_layout(models: tuple[ModelFacts, ...]) -> None:
