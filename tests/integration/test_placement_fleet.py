@@ -19,7 +19,7 @@ from messages.settings import ServingSettings
 from messages.subjects import Subjects
 from messages.telemetry import GpuInfo, HostInfo, LlamaServerInfo, NodeResources
 from runtime import buckets
-from runtime.bus import Bus, decode, encode
+from runtime.bus import Bus, NoResponders, decode, encode
 from tests.conftest import supervised
 from tests.tiny_models import write_llama
 
@@ -92,7 +92,13 @@ async def test_a_placement_actor_over_300_simulated_nodes_answers_as_the_full_sc
             await asyncio.sleep(0.05)
     facts = ModelFacts(geometry=geometry_from_header(read_header(model)), path=str(model))
     request = PlacementRequest(model=ModelRef(path=str(model)), ctx=4096)
-    fit = await bus.request(SUBJECTS.placement_fit, request, PlacementDecision, timeout=10)
+    async with asyncio.timeout(30):  # the view fills from the bucket before the actor adds its endpoints
+        while True:
+            try:
+                fit = await bus.request(SUBJECTS.placement_fit, request, PlacementDecision, timeout=10)
+                break
+            except NoResponders:
+                await asyncio.sleep(0.05)
     assert fit.admitted and len(fit.view) == NODES
     assert comparable(fit) == comparable(expected(placement, request, facts, {}))
     assert {r.reason for r in fit.rejections} == {"insufficient_memory"}  # some nodes are too small
