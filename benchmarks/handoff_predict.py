@@ -29,7 +29,7 @@ from actors.handoff import cost
 from actors.handoff.actor import HandoffActor, HandoffLimits
 from actors.handoff.probe import PROBE_IDENTITY, blocks
 from benchmarks.environment import print_environment
-from benchmarks.handoff_throughput import _node
+from benchmarks.transfer import running
 from messages.handoff import PROBE_PAYLOAD_KIND, LinkProbe, LinkProbeResult
 from messages.subjects import Subjects
 from runtime.bus import Bus
@@ -65,7 +65,7 @@ async def main_async(args: argparse.Namespace) -> None:
             await ensure_events_stream(bus_a, Subjects(), max_age_s=3600, max_bytes=64 << 20)
             a = HandoffActor("bench-a", root / "a", limits=limits)
             b = HandoffActor("bench-b", root / "b", limits=limits)
-            async with _node(bus_b, b), _node(bus_a, a):
+            async with running(bus_b, b, b.node_id, lambda: b.running), running(bus_a, a, a.node_id, lambda: a.running):
                 probe = LinkProbe(peer="bench-b", bytes=args.probe_mib * MIB, rounds=1)
                 probed: list[tuple[int, float]] = []
                 measured: dict[int, list[float]] = {size: [] for size in sizes}

@@ -29,11 +29,8 @@ import contextlib
 import json
 import logging
 import os
-import random
-import socket
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -46,53 +43,16 @@ import structlog
 
 from actors.handoff.actor import CommittedHandoff, HandoffActor, HandoffLimits, chunk_bytes
 from benchmarks.environment import print_environment
+from benchmarks.transfer import running, tcp_copy, write_random
 from messages.subjects import Subjects
-from runtime.actor import Supervisor
 from runtime.bus import Bus
 from runtime.config import NatsOptions
 from runtime.embedded import EmbeddedNats
-from runtime.journal import Journal, ensure_events_stream
+from runtime.journal import ensure_events_stream
 
 MIB = 1024 * 1024
 IDENTITY = "1d" * 32
 SEGMENT = 32 * MIB
-
-
-def _write_random(path: Path, size: int) -> None:
-    rng = random.Random(1)
-    with path.open("wb") as f:
-        left = size
-        while left:
-            n = min(left, 8 * MIB)
-            f.write(rng.randbytes(n))
-            left -= n
-
-
-def _tcp_copy(source: Path, dest: Path) -> float:
-    """Seconds to send `source` over loopback TCP into `dest`, fsynced."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-
-    def serve() -> None:
-        conn, _ = listener.accept()
-        with conn, source.open("rb") as f:
-            conn.sendfile(f)
-
-    started = time.perf_counter()
-    sender = threading.Thread(target=serve)
-    sender.start()
-    buffer = memoryview(bytearray(4 * MIB))
-    with socket.create_connection(("127.0.0.1", port)) as conn, dest.open("wb") as out:
-        while True:
-            n = conn.recv_into(buffer)
-            if n == 0:
-                break
-            out.write(buffer[:n])
-        out.flush()
-        os.fsync(out.fileno())
-    sender.join()
-    listener.close()
-    return time.perf_counter() - started
 
 
 def _fsync(path: Path) -> None:
@@ -106,30 +66,6 @@ def _fsync(path: Path) -> None:
 async def _durable(state: CommittedHandoff) -> str | None:
     await asyncio.to_thread(_fsync, state.path)
     return None
-
-
-@contextlib.asynccontextmanager
-async def _node(bus: Bus, actor: HandoffActor) -> AsyncIterator[HandoffActor]:
-    subjects = Subjects()
-    journal = Journal(bus, subjects, actor.node_id)
-    supervisor = Supervisor(bus=bus, journal=journal, subjects=subjects, node_id=actor.node_id)
-    journal_task = asyncio.create_task(journal.run())
-    task = asyncio.create_task(supervisor.run([actor]))
-    try:
-        async with asyncio.timeout(60):
-            while True:  # polled: the actor has no "started" event of its own
-                if actor.running:
-                    break
-                await asyncio.sleep(0.02)
-        yield actor
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        await journal.flush(5)
-        journal_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await journal_task
 
 
 def _read(path: Path, offset: int, length: int) -> bytes:
@@ -249,7 +185,8 @@ async def _sender(spec: dict[str, Any]) -> None:
     source, size = Path(spec["source"]), int(spec["size"])
     bus = await Bus.connect(options, name="bench a")
     try:
-        async with _node(bus, HandoffActor("bench-a", Path(spec["root"]) / "a", limits=limits)) as a:
+        a = HandoffActor("bench-a", Path(spec["root"]) / "a", limits=limits)
+        async with running(bus, a, a.node_id, lambda: a.running):
             started = time.perf_counter()
             report = await a.send("bench-b", source, identity=IDENTITY, n_tokens=1)
             from_file = time.perf_counter() - started
@@ -294,7 +231,7 @@ async def main_async(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(dir=base, prefix="handoff-bench-") as tmp:
         root = Path(tmp)
         source = root / "slot.bin"
-        await asyncio.to_thread(_write_random, source, size)
+        await asyncio.to_thread(write_random, source, size)
         server = EmbeddedNats(root / "nats", preferred_port=0)
         creds = await server.start()
         options = creds.options()
@@ -304,10 +241,10 @@ async def main_async(args: argparse.Namespace) -> None:
             print(f"  max_payload      {bus_b.max_payload} bytes; chunk {chunk_bytes(bus_b.max_payload)} bytes")
             print(f"  payload          {args.size_mib} MiB of random bytes, segments of {SEGMENT // MIB} MiB")
             print(f"  credit window    {limits.window_bytes // MIB} MiB")
-            tcp = await asyncio.to_thread(_tcp_copy, source, root / "tcp.bin")
+            tcp = await asyncio.to_thread(tcp_copy, source, root / "tcp.bin")
             (root / "tcp.bin").unlink()
             b = HandoffActor("bench-b", root / "b", limits=limits, restore=_durable)
-            async with _node(bus_b, b):
+            async with running(bus_b, b, b.node_id, lambda: b.running):
                 spec = {
                     "urls": list(options.urls),
                     "user": options.user,

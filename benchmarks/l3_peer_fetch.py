@@ -17,17 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import os
-import random
 import shutil
-import socket
 import statistics
 import tempfile
-import threading
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import structlog
@@ -37,76 +31,15 @@ from actors.l3.actor import L3Actor
 from actors.l3.api import L3Hit
 from actors.l3.store import Store
 from benchmarks.environment import print_environment
+from benchmarks.transfer import running, tcp_copy, write_random
 from messages.subjects import Subjects
-from runtime.actor import Supervisor
 from runtime.bus import Bus
 from runtime.embedded import EmbeddedNats
-from runtime.journal import Journal, ensure_events_stream
+from runtime.journal import ensure_events_stream
 
 MIB = 1024 * 1024
 IDENTITY = "1d" * 32
 TOKENS = tuple(range(1, 4097))
-
-
-def _write_random(path: Path, size: int) -> None:
-    rng = random.Random(1)
-    with path.open("wb") as f:
-        left = size
-        while left:
-            n = min(left, 8 * MIB)
-            f.write(rng.randbytes(n))
-            left -= n
-
-
-def _tcp_copy(source: Path, dest: Path) -> float:
-    """Seconds to send `source` over loopback TCP into `dest`, fsynced."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-
-    def serve() -> None:
-        conn, _ = listener.accept()
-        with conn, source.open("rb") as f:
-            conn.sendfile(f)
-
-    started = time.perf_counter()
-    sender = threading.Thread(target=serve)
-    sender.start()
-    buffer = memoryview(bytearray(4 * MIB))
-    with socket.create_connection(("127.0.0.1", port)) as conn, dest.open("wb") as out:
-        while True:
-            n = conn.recv_into(buffer)
-            if n == 0:
-                break
-            out.write(buffer[:n])
-        out.flush()
-        os.fsync(out.fileno())
-    sender.join()
-    listener.close()
-    return time.perf_counter() - started
-
-
-@contextlib.asynccontextmanager
-async def _node(bus: Bus, actor: L3Actor, node_id: str) -> AsyncIterator[L3Actor]:
-    subjects = Subjects()
-    journal = Journal(bus, subjects, node_id)
-    supervisor = Supervisor(bus=bus, journal=journal, subjects=subjects, node_id=node_id)
-    journal_task = asyncio.create_task(journal.run())
-    task = asyncio.create_task(supervisor.run([actor]))
-    try:
-        async with asyncio.timeout(60):
-            while True:  # polled: the actor has no "started" event of its own
-                if actor.running:
-                    break
-                await asyncio.sleep(0.02)
-        yield actor
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        await journal.flush(5)
-        journal_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await journal_task
 
 
 async def _fetch_round(bus: Bus, root: Path, size: int, n: int) -> tuple[float, float]:
@@ -114,7 +47,7 @@ async def _fetch_round(bus: Bus, root: Path, size: int, n: int) -> tuple[float, 
     b_dir = root / f"b{n}"
     budget = 4 * size + (64 * MIB)
     b = L3Actor("bench-b", b_dir, budget_bytes=budget)
-    async with _node(bus, b, "bench-b"):
+    async with running(bus, b, "bench-b", lambda: b.running):
         async with asyncio.timeout(60):
             while True:  # until B has seen A's inventory
                 hit = await b.lookup(IDENTITY, [*TOKENS, 1], max_tokens=len(TOKENS))
@@ -143,7 +76,7 @@ async def main_async(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(dir=base, prefix="l3-peer-fetch-") as tmp:
         root = Path(tmp)
         source = root / "slot.bin"
-        await asyncio.to_thread(_write_random, source, size)
+        await asyncio.to_thread(write_random, source, size)
         a_dir = root / "a"
         store = Store(a_dir / "l3")
         await asyncio.to_thread(store.ingest, source, identity=IDENTITY, tokens=TOKENS, payload_kind="llama_slot")
@@ -158,9 +91,9 @@ async def main_async(args: argparse.Namespace) -> None:
             fetch_s: list[float] = []
             assemble_s: list[float] = []
             tcp_s: list[float] = []
-            async with _node(bus, a, "bench-a"):
+            async with running(bus, a, "bench-a", lambda: a.running):
                 for n in range(args.rounds):
-                    tcp_s.append(await asyncio.to_thread(_tcp_copy, source, root / "tcp.bin"))
+                    tcp_s.append(await asyncio.to_thread(tcp_copy, source, root / "tcp.bin"))
                     (root / "tcp.bin").unlink()
                     peer, local = await _fetch_round(bus, root, size, n)
                     fetch_s.append(peer - local)
