@@ -50,10 +50,10 @@ async def cmd_bench(args: argparse.Namespace) -> int:
     src = args.src or default_node_id()
     if src == args.peer:
         raise CliError("--from and PEER are the same node", EXIT_USAGE)
-    try:
-        request = LinkProbe(peer=args.peer, bytes=args.size_mib * MIB, rounds=args.rounds)
+    try:  # converted, not constructed: a constructor does not check the fields' bounds
+        request = msgspec.convert({"peer": args.peer, "bytes": args.size_mib * MIB, "rounds": args.rounds}, LinkProbe)
     except msgspec.ValidationError as exc:
-        raise CliError(f"bad probe: {exc}", EXIT_USAGE) from exc
+        raise CliError(f"bad probe (PEER, --size-mib 4-4096, --rounds 1-10): {exc}", EXIT_USAGE) from exc
     subjects = Subjects(prefix(args))
     bus = await connect(args, "handoff bench")
     reports: dict[str, ServingReport] = {}

@@ -382,3 +382,6 @@ async def test_prefill_on_one_node_and_decode_on_another_gives_the_local_output(
             assert code == 0 and json.loads(out.splitlines()[-1])["event"]["dst"] == "node-a", err + out
             code, out, err = await cli(*probe[:3], "--from", "node-a", env=env)
             assert code == 2 and "same node" in err
+            for bad in (("--size-mib", "1"), ("--rounds", "0")):  # refused here, before any node is asked
+                code, out, err = await cli(*probe[:5], *bad, env=env)
+                assert code == 2 and "bad probe" in err, (bad, code, err)
