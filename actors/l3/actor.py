@@ -314,7 +314,6 @@ class L3Actor(Actor):
             self._keeper.catalog.unpin(entry)
         if entry not in self._keeper.catalog:  # evicted at once: a budget smaller than pinned entries need
             return
-        self._keeper.changed.set()  # servable now; durable once flushed
         durable_ms: float | None = None
         try:
             await self._keeper.blocking(store.flush)

@@ -358,8 +358,8 @@ class Serving:
         evaluated = remote.tokens_evaluated if remote is not None else 0
         # What the handoff added beyond the remote server's prompt computation (what the cost model counts as
         # the remote prefill, from the same timings): the requests between, the remote slot save, the transfer,
-        # this store's commit, the restore into this slot (and, below, the last prompt token's own decode
-        # step). The cost routing weighs.
+        # this store's commit, the restore into this slot (and, once the completion is back, the last prompt
+        # token's own decode step). The cost routing weighs.
         remote_compute_ms = (remote.compute_ms or remote.prefill_ms) if remote is not None else 0.0
         handoff_ms = (time.perf_counter() - asked) * 1000 - remote_compute_ms if remote is not None else 0.0
         if remote is not None and restored < remote.n_tokens:
@@ -438,6 +438,8 @@ class Serving:
         if stop != "cancelled":
             stop = {"eos": "eos", "word": "stop_word"}.get(str(final.get("stop_type")), "limit")  # type: ignore[assignment]
         evaluated += int(timings.get("prompt_n", 0) or 0)
+        if remote is not None:  # + the prompt's last token: a decode step of its own here, batched by a local prefill
+            handoff_ms = max(0.0, handoff_ms + float(timings.get("prompt_ms", 0) or 0))
         now = time.perf_counter()
         after = tokens + generated[:-1] if stop != "cancelled" and exact else None
         save = None
@@ -466,9 +468,7 @@ class Serving:
             path="disaggregated" if remote is not None else "local",
             prefill_node=remote.node if remote is not None else None,
             handoff_bytes=remote.bytes if remote is not None else 0,
-            # + the prompt's last token, evaluated here on its own (one decode step) where a local prefill
-            # batches it with the rest
-            handoff_ms=round(max(handoff_ms + (float(timings.get("prompt_ms", 0) or 0) if remote else 0.0), 0.0), 3),
+            handoff_ms=round(handoff_ms, 3),
             decision_id=order.route.decision_id if order.route else "",
             capture=capture,
         )
