@@ -42,9 +42,27 @@ L3 = BucketSpec("mesh-actor: each live node's L3 inventory (per-key TTL)", marke
 
 
 MAX_REPLICAS = 3
-# JetStream's answers to too many replicas: insufficient resources (fewer servers up), and "replicas > 1
-# not supported in non-clustered mode".
-_TOO_MANY_REPLICAS = (10023, 10074)
+# JetStream's answers when it cannot place that many replicas. "Replicas > 1 not supported in non-clustered
+# mode" is final. "No suitable peers for placement" and "insufficient resources" are also what a cluster
+# says in its first seconds, before its meta group knows every server (seen: a 3-node cluster refusing R3
+# at start-up), so those are retried with the same replicas for a while before fewer are created.
+_NOT_CLUSTERED = 10074
+_NOT_PLACED_YET = (10005, 10023)
+_NAME_IN_USE = 10058  # created by another node at the same moment, with other replicas
+PLACEMENT_PATIENCE_S = 20.0
+_RETRY_S = 0.25
+
+
+def next_replicas(replicas: int, err_code: int | None, patient: bool) -> int | None:
+    """What to try after JetStream refused to create something with `replicas`: the same again (`patient`:
+    still within `PLACEMENT_PATIENCE_S` of the first try), fewer, or None (a refusal replicas cannot cure)."""
+    if replicas <= 1:
+        return None
+    if err_code == _NOT_CLUSTERED:
+        return replicas - 1
+    if err_code in _NOT_PLACED_YET:
+        return replicas if patient else replicas - 1
+    return None
 
 
 def cluster_size(bus: Bus) -> int:
@@ -56,20 +74,34 @@ def cluster_size(bus: Bus) -> int:
     return max(1, len({url.netloc for url in bus.nc.servers}))
 
 
-async def create_replicated(bus: Bus, what: str, create: Callable[[int], Awaitable[T]]) -> T:
+async def create_replicated(
+    bus: Bus,
+    what: str,
+    create: Callable[[int], Awaitable[T]],
+    existing: Callable[[], Awaitable[T]],
+    *,
+    patience_s: float = PLACEMENT_PATIENCE_S,
+) -> T:
     """`create(replicas)` with `min(3, cluster_size)` replicas, fewer when JetStream says it cannot place
-    that many (a peer is down, or a server announces several URLs); a warning says when fewer than 3."""
+    that many (a peer is down, or a server announces several URLs; see `next_replicas`); `existing()` when
+    another node created it first. A warning says when fewer than 3."""
     servers = cluster_size(bus)
     replicas = min(MAX_REPLICAS, servers)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience_s
     while True:
         try:
             result = await create(replicas)
             break
         except nats.js.errors.APIError as exc:
-            if replicas > 1 and exc.err_code in _TOO_MANY_REPLICAS:
-                replicas -= 1
-                continue
-            raise
+            if exc.err_code == _NAME_IN_USE:
+                return await existing()
+            retry = next_replicas(replicas, exc.err_code, loop.time() < deadline)
+            if retry is None:
+                raise
+            if retry == replicas:
+                await asyncio.sleep(_RETRY_S)
+            replicas = retry
     if servers > 1 and replicas < MAX_REPLICAS:
         get_logger(component="buckets").warning(
             "not_replicated",
@@ -96,10 +128,7 @@ async def open_bucket(bus: Bus, name: str, spec: BucketSpec) -> KeyValue:
             replicas=replicas,
         )
 
-    try:
-        return await create_replicated(bus, f"bucket {name}", create)
-    except nats.js.errors.BadRequestError:
-        return await bus.js.key_value(name)  # created by another node at the same moment
+    return await create_replicated(bus, f"bucket {name}", create, lambda: bus.js.key_value(name))
 
 
 async def nodes(bus: Bus, subjects: Subjects) -> KeyValue:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import nats.errors
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamInfo
 from nats.js.errors import NotFoundError
 
 from messages.events import Event, EventTooLarge, event_type
@@ -59,15 +59,11 @@ async def ensure_events_stream(bus: Bus, subjects: Subjects, *, max_age_s: float
         info = await bus.js.stream_info(name)
     except NotFoundError:
 
-        async def create(replicas: int) -> None:
+        async def create(replicas: int) -> StreamInfo:
             wanted.num_replicas = replicas
-            await bus.js.add_stream(wanted)
+            return await bus.js.add_stream(wanted)
 
-        try:
-            await create_replicated(bus, "journal (events stream)", create)
-            return
-        except nats.js.errors.BadRequestError:
-            info = await bus.js.stream_info(name)  # another node created it at the same moment
+        info = await create_replicated(bus, "journal (events stream)", create, lambda: bus.js.stream_info(name))
     current = info.config
     if (current.max_age, current.max_bytes) != (max_age_s, max_bytes):
         wanted.num_replicas = current.num_replicas  # a limits update keeps the replicas the stream has

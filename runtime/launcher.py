@@ -221,6 +221,11 @@ async def run_node(
                     f"JetStream is not available on NATS at {','.join(options.urls)}; mesh-actor needs it "
                     "for its journal and shared state (enable it on the server, e.g. nats-server -js)"
                 ) from exc
+            except nats.js.errors.APIError as exc:  # e.g. a cluster that cannot place the stream's replicas
+                raise JetStreamUnavailable(
+                    f"JetStream refused the journal stream on NATS at {','.join(options.urls)}: {exc.description} "
+                    f"(error {exc.err_code})"
+                ) from exc
             journal = Journal(bus, config.subjects, config.node_id)
             engine, engine_error = await _unless_stopped(describe_engine(config), stop)
             if engine_error:

@@ -60,10 +60,7 @@ async def open_store(
         )
         return await bus.js.create_object_store(name, config=config)
 
-    try:
-        return await create_replicated(bus, f"object store {name}", create)
-    except nats.js.errors.BadRequestError:
-        return await bus.js.object_store(name)  # created by another node at the same moment
+    return await create_replicated(bus, f"object store {name}", create, lambda: bus.js.object_store(name))
 
 
 async def store(objects: ObjectStore, data: bytes, ref: DecisionRecordRef) -> None:

@@ -60,27 +60,39 @@ class Cluster:
     def data_dir(self, name: str) -> Path:
         return self.root / name
 
+    def stderr(self, name: str) -> Path:
+        return self.root / f"{name}.stderr"
+
+    def why(self, name: str) -> str:
+        """What a node that did not come up left behind: its exit code, stderr and its nats-server's output."""
+        tails = [f"{name} exit code {self.processes[name].returncode}"]
+        for path in (self.stderr(name), self.data_dir(name) / "nats-server.out"):
+            with contextlib.suppress(OSError):
+                tails.append(f"--- {path.name}:\n" + path.read_text(errors="replace")[-3000:])
+        return "\n".join(tails)
+
     async def start(self, name: str) -> asyncio.subprocess.Process:
         joins = [a for other in NODES for a in ("--join", f"127.0.0.1:{self.ports[other]}")]
-        process = await asyncio.create_subprocess_exec(
-            *mesh_actor_command(),
-            "run",
-            "--data-dir",
-            str(self.data_dir(name)),
-            "--node-id",
-            name,
-            "--nats-port",
-            "0",
-            "--telemetry-interval",
-            "0.5",
-            "--cluster-listen",
-            f"127.0.0.1:{self.ports[name]}",
-            "--cluster-secret-file",
-            str(self.secret),
-            *joins,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-        )
+        with self.stderr(name).open("ab") as err:  # the child keeps its own descriptor
+            process = await asyncio.create_subprocess_exec(
+                *mesh_actor_command(),
+                "run",
+                "--data-dir",
+                str(self.data_dir(name)),
+                "--node-id",
+                name,
+                "--nats-port",
+                "0",
+                "--telemetry-interval",
+                "0.5",
+                "--cluster-listen",
+                f"127.0.0.1:{self.ports[name]}",
+                "--cluster-secret-file",
+                str(self.secret),
+                *joins,
+                stdout=subprocess.PIPE,
+                stderr=err,
+            )
         self.processes[name] = process
         return process
 
@@ -89,7 +101,11 @@ class Cluster:
         assert stdout is not None
         async with asyncio.timeout(timeout):
             line = (await stdout.readline()).decode()
-        assert "running" in line, line
+        if "running" not in line:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5):
+                    await self.processes[name].wait()
+            raise AssertionError(f"{name} did not start ({line!r})\n{self.why(name)}")
 
     def kill(self, name: str) -> None:
         self.processes[name].send_signal(signal.SIGKILL)

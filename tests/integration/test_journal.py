@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+from nats.js.api import StreamConfig, StreamInfo
+
 from messages.events import ActorStarted, NodeStarted
 from messages.subjects import Subjects
+from runtime.buckets import create_replicated
 from runtime.bus import Bus
 from runtime.journal import Journal
 from tests.conftest import JournalReader, of_type
@@ -61,3 +64,16 @@ async def test_a_publish_the_server_refuses_for_good_is_dropped_not_retried(
         await _stop(task)
     await journal_reader.wait_for(of_type("actor_started", actor="runner"))
     assert journal.dropped == 1
+
+
+async def test_a_stream_another_node_created_a_moment_earlier_is_used_as_it_is(bus: Bus) -> None:
+    """Two nodes creating the journal (or a bucket) at once: the loser's definition differs (other replicas, or
+    another version's description), the server answers "name already in use", and the existing one is used."""
+    theirs = await bus.js.add_stream(StreamConfig(name="RACE", subjects=["race.>"], description="theirs"))
+
+    async def ours(replicas: int) -> StreamInfo:
+        config = StreamConfig(name="RACE", subjects=["race.>"], description="ours", num_replicas=replicas)
+        return await bus.js.add_stream(config)
+
+    found = await create_replicated(bus, "race stream", ours, lambda: bus.js.stream_info("RACE"))
+    assert found.config.description == theirs.config.description == "theirs"

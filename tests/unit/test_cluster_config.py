@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.buckets import next_replicas
 from runtime.config import ConfigError, load_config
 from runtime.embedded import ClusterSpec, Credentials, ServerRecord, server_config
 
@@ -78,3 +79,17 @@ def test_server_config_cluster_block(tmp_path: Path) -> None:
     }
     assert cluster.expected_servers() == 2
     assert ClusterSpec.from_json(cluster.to_json()) == cluster
+
+
+def test_replicas_are_retried_while_a_young_cluster_cannot_place_them_then_fewer() -> None:
+    """A cluster's first seconds refuse R3 ("no suitable peers", "insufficient resources") until its meta group
+    knows every server: the same replicas again while patient, then fewer; a standalone server's "not
+    clustered" at once; anything else is not about replicas, and one replica is never lowered."""
+    for code in (10005, 10023):
+        assert next_replicas(3, code, patient=True) == 3
+        assert next_replicas(3, code, patient=False) == 2
+        assert next_replicas(1, code, patient=False) is None
+    assert next_replicas(3, 10074, patient=True) == 2
+    assert next_replicas(2, 10074, patient=True) == 1
+    assert next_replicas(3, 10058, patient=True) is None
+    assert next_replicas(3, None, patient=False) is None
