@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -45,6 +46,7 @@ from actors.handoff.actor import CommittedHandoff, HandoffActor, HandoffLimits, 
 from benchmarks.environment import print_environment
 from benchmarks.transfer import running, tcp_copy, write_random
 from messages.subjects import Subjects
+from runtime.allocator import keep_large_buffers
 from runtime.bus import Bus
 from runtime.config import NatsOptions
 from runtime.embedded import EmbeddedNats
@@ -178,8 +180,10 @@ def _write_hash(fd: int, hasher: Any, data: bytes, offset: int) -> None:
 
 
 async def _sender(spec: dict[str, Any]) -> None:
-    """The sending node, in its own process: both sends, their times as one JSON line on stdout."""
+    """The sending node, in its own process: for each line on stdin, both sends, their times as one JSON line."""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    if spec["allocator"]:
+        keep_large_buffers()  # what `mesh-actor run` does
     options = NatsOptions(urls=tuple(spec["urls"]), user=spec["user"], password=spec["password"], token=spec["token"])
     limits = HandoffLimits(segment_bytes=SEGMENT, idle_timeout_s=30.0, window_bytes=spec["window"])
     source, size = Path(spec["source"]), int(spec["size"])
@@ -187,47 +191,84 @@ async def _sender(spec: dict[str, Any]) -> None:
     try:
         a = HandoffActor("bench-a", Path(spec["root"]) / "a", limits=limits)
         async with running(bus, a, a.node_id, lambda: a.running):
-            started = time.perf_counter()
-            report = await a.send("bench-b", source, identity=IDENTITY, n_tokens=1)
-            from_file = time.perf_counter() - started
-            assert report.bytes == size
-            started = time.perf_counter()
-            report = await a.send("bench-b", _segments_of(source, size), identity=IDENTITY, n_tokens=1, max_bytes=size)
-            streamed = time.perf_counter() - started
-            assert report.bytes == size
+            print(json.dumps({"ready": True}), flush=True)
+            while await asyncio.to_thread(sys.stdin.readline):
+                started = time.perf_counter()
+                report = await a.send("bench-b", source, identity=IDENTITY, n_tokens=1)
+                from_file = time.perf_counter() - started
+                assert report.bytes == size
+                await asyncio.to_thread(os.sync)  # the next send starts with no dirty pages behind it
+                started = time.perf_counter()
+                segments = _segments_of(source, size)
+                report = await a.send("bench-b", segments, identity=IDENTITY, n_tokens=1, max_bytes=size)
+                streamed = time.perf_counter() - started
+                assert report.bytes == size
+                print(json.dumps({"file": from_file, "streamed": streamed}), flush=True)
     finally:
         await bus.close()
-    print(json.dumps({"file": from_file, "streamed": streamed}))
 
 
-async def _run_sender(spec: dict[str, Any]) -> dict[str, float]:
-    child = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "benchmarks.handoff_throughput",
-        "--as-sender",
-        json.dumps(spec),
-        stdout=asyncio.subprocess.PIPE,
-    )
-    try:
-        async with asyncio.timeout(600):
-            out, _ = await child.communicate()
-    finally:
-        if child.returncode is None:
-            child.kill()
-            await child.wait()
-    if child.returncode != 0:
-        raise RuntimeError(f"the sending process failed (exit {child.returncode})")
-    result: dict[str, float] = json.loads(out.decode().strip().splitlines()[-1])
-    return result
+class _SenderProcess:
+    """The sending node's process, driven one round at a time (so each round's TCP copy runs between them)."""
+
+    def __init__(self, child: asyncio.subprocess.Process) -> None:
+        self.child = child
+
+    @classmethod
+    async def start(cls, spec: dict[str, Any]) -> _SenderProcess:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "benchmarks.handoff_throughput",
+            "--as-sender",
+            json.dumps(spec),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        sender = cls(child)
+        try:
+            await sender._line(120)
+        except BaseException:
+            await sender.stop()
+            raise
+        return sender
+
+    async def _line(self, timeout_s: float) -> dict[str, float]:
+        assert self.child.stdout is not None
+        async with asyncio.timeout(timeout_s):
+            line = await self.child.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the sending process ended (exit {await self.child.wait()})")
+        result: dict[str, float] = json.loads(line)
+        return result
+
+    async def round(self) -> dict[str, float]:
+        assert self.child.stdin is not None
+        self.child.stdin.write(b"go\n")
+        await self.child.stdin.drain()
+        return await self._line(600)
+
+    async def stop(self) -> None:
+        if self.child.stdin is not None:
+            self.child.stdin.close()
+        try:
+            async with asyncio.timeout(30):
+                await self.child.wait()
+        except TimeoutError:
+            self.child.kill()
+            await self.child.wait()
 
 
 async def main_async(args: argparse.Namespace) -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     print_environment()
+    policy = keep_large_buffers() if not args.default_allocator else None  # what `mesh-actor run` does
     size = args.size_mib * MIB
     base = Path(args.dir) if args.dir else None
     limits = HandoffLimits(segment_bytes=SEGMENT, idle_timeout_s=30.0, window_bytes=args.window_mib * MIB)
+    tcp: list[float] = []
+    from_file: list[float] = []
+    streamed: list[float] = []
     with tempfile.TemporaryDirectory(dir=base, prefix="handoff-bench-") as tmp:
         root = Path(tmp)
         source = root / "slot.bin"
@@ -241,8 +282,7 @@ async def main_async(args: argparse.Namespace) -> None:
             print(f"  max_payload      {bus_b.max_payload} bytes; chunk {chunk_bytes(bus_b.max_payload)} bytes")
             print(f"  payload          {args.size_mib} MiB of random bytes, segments of {SEGMENT // MIB} MiB")
             print(f"  credit window    {limits.window_bytes // MIB} MiB")
-            tcp = await asyncio.to_thread(tcp_copy, source, root / "tcp.bin")
-            (root / "tcp.bin").unlink()
+            print(f"  allocator        {policy.reason if policy else 'defaults (--default-allocator)'}")
             b = HandoffActor("bench-b", root / "b", limits=limits, restore=_durable)
             async with running(bus_b, b, b.node_id, lambda: b.running):
                 spec = {
@@ -254,9 +294,20 @@ async def main_async(args: argparse.Namespace) -> None:
                     "source": str(source),
                     "root": str(root),
                     "size": size,
+                    "allocator": policy is not None,
                 }
-                times = await _run_sender(spec)
-                from_file, streamed = times["file"], times["streamed"]
+                sender = await _SenderProcess.start(spec)
+                try:
+                    for _ in range(args.rounds):  # interleaved: the machine's drift hits both alike
+                        await asyncio.to_thread(os.sync)
+                        tcp.append(await asyncio.to_thread(tcp_copy, source, root / "tcp.bin"))
+                        (root / "tcp.bin").unlink()
+                        await asyncio.to_thread(os.sync)
+                        times = await sender.round()
+                        from_file.append(times["file"])
+                        streamed.append(times["streamed"])
+                finally:
+                    await sender.stop()
             blast_s, sent, received, slow = await _blast(options, source, size, root / "blast.bin")
             ceiling = await _publish_ceiling(options, source, size)
         finally:
@@ -266,23 +317,29 @@ async def main_async(args: argparse.Namespace) -> None:
     def rate(seconds: float) -> str:
         return f"{size / MIB / seconds:8.0f} MiB/s"
 
-    print("results (one round)")
-    print(f"  loopback TCP copy + fsync              {tcp:7.3f} s  {rate(tcp)}")
-    print(f"  handoff, file (segments read, hashed)  {from_file:7.3f} s  {rate(from_file)}")
-    print(f"  handoff, streamed segments             {streamed:7.3f} s  {rate(streamed)}")
+    print(f"rounds ({args.rounds}: TCP copy, handoff from the file, handoff streamed; sync before each)")
+    for i, (t, f, st) in enumerate(zip(tcp, from_file, streamed, strict=True), 1):
+        print(f"  round {i}: TCP {rate(t)}, file {rate(f)}, streamed {rate(st)};  ratios {t / f:.2f} / {t / st:.2f}")
+    tcp_s, file_s, streamed_s = (statistics.median(x) for x in (tcp, from_file, streamed))
+    print("results (medians)")
+    print(f"  loopback TCP copy + fsync              {tcp_s:7.3f} s  {rate(tcp_s)}")
+    print(f"  handoff, file (segments read, hashed)  {file_s:7.3f} s  {rate(file_s)}")
+    print(f"  handoff, streamed segments             {streamed_s:7.3f} s  {rate(streamed_s)}")
     print(f"  NATS client publish ceiling            {ceiling:7.3f} s  {rate(ceiling)}  (no subscriber)")
     print(f"  NATS blast, no flow control            {blast_s:7.3f} s  (until the last message arrived)")
     lost = sent - received
     print(f"    messages sent {sent}, received {received}, dropped {lost} ({100 * lost / max(sent, 1):.1f}%),")
     print(f"    slow-consumer errors reported {slow}")
-    print(f"  ratio handoff (file) / TCP             {tcp / from_file:7.2f}x  (target >= 0.6x)")
-    print(f"  ratio handoff (streamed) / TCP         {tcp / streamed:7.2f}x  (target >= 0.6x)")
-    print(f"  ratio handoff (file) / publish ceiling {ceiling / from_file:7.2f}x")
+    print(f"  ratio handoff (file) / TCP             {tcp_s / file_s:7.2f}x  (target >= 0.6x)")
+    print(f"  ratio handoff (streamed) / TCP         {tcp_s / streamed_s:7.2f}x  (target >= 0.6x)")
+    print(f"  ratio handoff (file) / publish ceiling {ceiling / file_s:7.2f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of TCP copy and handoffs, interleaved")
+    parser.add_argument("--default-allocator", action="store_true", help="leave glibc's thresholds as they are")
     parser.add_argument("--window-mib", type=int, default=HandoffLimits().window_bytes // MIB, help="credit window")
     parser.add_argument("--as-sender", help=argparse.SUPPRESS)  # the sending node's process
     parser.add_argument("--dir", help="where the temporary files go (default: the system temp dir)")

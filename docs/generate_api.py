@@ -532,8 +532,10 @@ def render() -> str:
             "### Handoff refusal reasons",
             "",
             f"A handoff session is refused or aborted with one of these names (`HandoffResult.reason`, "
-            f"`SessionAborted.reason`, `handoff_aborted` events). The receiver's credit window is "
-            f"{_handoff_limits.window_bytes >> 20} MiB ahead of what it staged, its idle timeout "
+            f"`SessionAborted.reason`, `handoff_aborted` events). The receiver's credit window is up to "
+            f"{_handoff_limits.window_bytes >> 20} MiB ahead of what it staged (its sessions share "
+            f"{_handoff_limits.credit_budget_bytes >> 20} MiB; one opened when that is spent gets two chunks), "
+            f"its idle timeout "
             f"{_handoff_limits.idle_timeout_s:g} s, at most {_handoff_limits.max_sessions} sessions at once.",
             "",
             "| reason | side | meaning |",

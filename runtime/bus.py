@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import msgspec
 import nats
+import nats.aio.client
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -42,6 +43,13 @@ from runtime.logging import get_logger
 from runtime.roles import inbox_prefix
 
 T = TypeVar("T")
+
+# How much nats-py reads from its socket at a time, and its stream reader's limit (it stops reading past twice
+# that until the parser catches up). Its default, 32 KiB, is a thirty-second of one 1 MiB message: a receiver
+# of KV chunks spent a fifth of its event loop pausing and resuming its reader (one epoll_ctl each time).
+# nats-py takes it from this module constant at connect and at every read; it has no option for it.
+NATS_READ_BYTES = 1 << 20
+nats.aio.client.DEFAULT_BUFFER_SIZE = NATS_READ_BYTES
 
 _ENCODER = msgspec.json.Encoder()
 _DECODERS: dict[Any, msgspec.json.Decoder[Any]] = {}

@@ -112,10 +112,13 @@ PROBE_DEADLINE_S: Final = 600.0
 
 @dataclass(frozen=True, slots=True)
 class HandoffLimits:
-    # Credit each receiving session grants ahead of what it staged. Every session's window together must stay
-    # under the server's per-connection buffer for a consumer (nats-server's max_pending, 64 MiB by default),
-    # or the server itself drops chunks to a receiver that falls behind: 4 sessions x 8 MiB leaves room.
-    window_bytes: int = 8 << 20
+    # Credit a receiving session grants ahead of what it staged, at most. Every session's window together must
+    # stay under the server's per-connection buffer for a consumer (nats-server's max_pending, 64 MiB by
+    # default), or the server itself drops chunks to a receiver that falls behind: sessions share the budget
+    # (`receiver.session_window`: 32 MiB, plus 2 chunks for each of up to 3 more sessions, leaves room).
+    # One session alone moved 1.3x faster with 32 MiB than with 8 (benchmarks/RESULTS.md).
+    window_bytes: int = 32 << 20
+    credit_budget_bytes: int = 32 << 20
     idle_timeout_s: float = 10.0  # a receiving session with no progress for this long is aborted
     deadline_s: float = 900.0  # no session lives longer (either side)
     restore_timeout_s: float = 120.0
@@ -242,6 +245,7 @@ class HandoffActor(Actor):
         self._rx_limits = rx.ReceiverLimits(
             chunk_bytes=chunk,
             window_bytes=max(lim.window_bytes, 2 * chunk),
+            credit_budget_bytes=lim.credit_budget_bytes,
             idle_timeout_s=lim.idle_timeout_s,
             deadline_s=lim.deadline_s,
             restore_timeout_s=lim.restore_timeout_s,
@@ -252,10 +256,11 @@ class HandoffActor(Actor):
         window = self._rx_limits.window_bytes
         # Every session's full window may sit in the client's pending buffer (chunks, plus their commits and
         # aborts): sized so the server never has a reason to drop us as a slow consumer.
+        windows = max(window, lim.credit_budget_bytes) + lim.max_sessions * 2 * chunk  # `session_window`'s bound
         sub = await ctx.bus.nc.subscribe(
             ctx.subjects.handoff_sessions(self.node_id),
-            pending_msgs_limit=lim.max_sessions * (window // chunk + 64) + 1024,
-            pending_bytes_limit=lim.max_sessions * (window + (1 << 20)) + (16 << 20),
+            pending_msgs_limit=windows // chunk + lim.max_sessions * 64 + 1024,
+            pending_bytes_limit=windows + lim.max_sessions * (1 << 20) + (16 << 20),
         )
         ctx.spawn(self._dispatch(ctx, sub), "sessions")
         await ctx.add_endpoint("open", ctx.subjects.handoff(self.node_id, "open"), HandoffOpen, self._on_open)
@@ -288,7 +293,8 @@ class HandoffActor(Actor):
         path = self.staging / f"{session}{_PART_SUFFIX}"
         fd = await asyncio.to_thread(os.open, path, _OPEN_FLAGS, 0o600)
         now = asyncio.get_running_loop().time()
-        state = _Session(rx.Receiver(session, request, limits, now), path, fd)
+        window = rx.session_window(limits, sum(s.core.window for s in self._sessions.values()))
+        state = _Session(rx.Receiver(session, request, limits, now, window), path, fd)
         self._sessions[session] = state
         ctx.spawn(self._run_session(ctx, state), f"session:{session[:12]}")
         return HandoffOpened(

@@ -13,7 +13,8 @@ Rules this module keeps:
   the commit's; the tiling and digest rules are L3's own (`actors/l3/commit.validate`).
 * Credits, not hope: the sender may publish at most `granted` payload bytes in all; a chunk past it is
   refused (`credit_exceeded`). Credit is granted back only for bytes already staged, so what sits between
-  the network and the disk is bounded by the window.
+  the network and the disk is bounded by the window. Every session's window together stays within the
+  receiver's credit budget (`session_window`), plus two chunks for each session opened when it was spent.
 * Every refusal has a name (`Reason`); the first check that fails aborts the session. After `ABORTED` or
   `DONE` every event is ignored.
 
@@ -112,7 +113,8 @@ class Reason(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class ReceiverLimits:
     chunk_bytes: int  # the most payload bytes one data message may carry
-    window_bytes: int = 8 << 20  # credit ahead of what is staged
+    window_bytes: int = 32 << 20  # the most credit one session grants ahead of what it staged
+    credit_budget_bytes: int = 32 << 20  # every open session's window together (see `session_window`)
     idle_timeout_s: float = 10.0
     deadline_s: float = 600.0
     restore_timeout_s: float = 120.0
@@ -249,6 +251,14 @@ class Refusal:
     detail: str
 
 
+def session_window(limits: ReceiverLimits, windows_open: int) -> int:
+    """The window of a session opening while the open ones hold `windows_open` bytes of window: what is left of
+    the credit budget, at most `window_bytes`, and never under two chunks (a session always moves). So every
+    window together stays within the budget plus two chunks per session that opened once it was spent."""
+    left = limits.credit_budget_bytes - windows_open
+    return max(2 * limits.chunk_bytes, min(limits.window_bytes, left))
+
+
 def admit(open_: HandoffOpen, limits: ReceiverLimits, *, sessions: int, reserved_bytes: int) -> Refusal | None:
     """Whether a session may open: the receiver's limits, then the open's own rules."""
     if sessions >= limits.max_sessions:
@@ -311,17 +321,22 @@ class _Progress:
 class Receiver:
     """One receiving session. `handle(event)` returns the actions to perform, in order."""
 
-    def __init__(self, session: str, open_: HandoffOpen, limits: ReceiverLimits, now: float) -> None:
+    def __init__(
+        self, session: str, open_: HandoffOpen, limits: ReceiverLimits, now: float, window: int | None = None
+    ) -> None:
         self.session = session
         self.open = open_
         self.limits = limits
+        self.window = limits.window_bytes if window is None else window  # `session_window` at the open
+        if self.window < 2 * limits.chunk_bytes:
+            raise ValueError("the credit window must hold at least two chunks")
         self.state = State.RECEIVING
         self.opened_at = now
         self.last_progress = now
         self.restore_started: float | None = None
         self.reason: Reason | None = None
         self.detail = ""
-        self.granted = min(limits.window_bytes, open_.max_bytes)
+        self.granted = min(self.window, open_.max_bytes)
         self.progress = _Progress()
         self.commit: HandoffCommit | None = None
         self.restored: Restored | None = None
@@ -432,8 +447,8 @@ class Receiver:
                 return self._abort(Reason.DIGEST_MISMATCH, detail), None
             p.observed.append(claimed)
         ceiling = self.open.max_bytes if self.open.total_bytes is None else self.open.total_bytes
-        if self.granted < ceiling and self.granted - p.staged <= self.limits.window_bytes // 2:
-            self.granted = min(ceiling, p.staged + self.limits.window_bytes)
+        if self.granted < ceiling and self.granted - p.staged <= self.window // 2:
+            self.granted = min(ceiling, p.staged + self.window)
             actions.append(Grant(self.granted))
         if self.state is State.DRAINING and p.staged == p.received:
             judged, moved = self._judge()

@@ -19,6 +19,7 @@ from messages.settings import CacheType, ServingSettings
 from messages.subjects import Subjects
 from messages.telemetry import NodeResources
 from runtime import buckets
+from runtime.allocator import keep_large_buffers
 from runtime.bus import BusError
 from runtime.cli.common import (
     EXIT_USAGE,
@@ -210,6 +211,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
     except (ConfigError, RegistryUntrusted) as exc:
         raise CliError(str(exc), EXIT_USAGE) from exc
     configure_logging(config.log_level)
+    keep_large_buffers()  # this process owns its allocator: KV buffers are reused, not remapped
 
     def announce(line: str) -> None:
         if args.json:

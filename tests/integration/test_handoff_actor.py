@@ -418,3 +418,17 @@ async def test_a_link_probe_measures_real_handoffs_never_restores_them_and_is_jo
             assert refused.value.reply.code == code, (bad, refused.value.reply)
         again = await bus.request(S.handoff("node-a", "probe"), probe, LinkProbeResult, timeout=30)
         assert len(again.samples) == 4
+
+
+async def test_sessions_open_at_once_share_the_credit_budget(bus: Bus, tmp_path: Path) -> None:
+    """The receiving connection's buffer must hold every session's window: a session opened while others hold
+    the budget gets what is left (two chunks at least), and the whole window again once they are gone."""
+    rng = random.Random(5)
+    big = [rng.randbytes(3 << 20) for _ in range(3)]
+    async with two_nodes(bus, tmp_path, max_sessions=3, credit_budget_bytes=6 << 20) as (_, b, _):
+        held = [HandSender(bus, big) for _ in range(3)]
+        credits = [(await hand.open()).credit for hand in held]
+        chunk = held[0].opened.chunk_bytes if held[0].opened else 0
+        assert credits == [4 << 20, max(2 * chunk, 2 << 20), 2 * chunk]
+        await _until(lambda: _staging_empty(b), timeout=15)  # each idles out (0.6 s) and frees its window
+        assert (await HandSender(bus, big).open()).credit == 4 << 20

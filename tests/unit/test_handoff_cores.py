@@ -3,6 +3,7 @@ transfer, and every fault the receiver must refuse by name with nothing restored
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import blake3
@@ -315,3 +316,43 @@ def test_any_chunk_headers_are_judged_never_raise(headers: dict[str, str], size:
     assert len(actions) == 1 and isinstance(actions[0], (rx.Stage, rx.Abort))
     if isinstance(actions[0], rx.Abort):
         assert core.state is rx.State.ABORTED and not any(isinstance(a, rx.Restore) for a in actions)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 7)), max_size=40))
+def test_session_windows_share_the_credit_budget(steps: list[tuple[bool, int]]) -> None:
+    """Sessions opening and closing in any order: each window is two chunks at least and `window_bytes` at most,
+    and all open windows together stay within the budget plus two chunks per session (the server's buffer for
+    the receiving connection is sized from that bound)."""
+    limits = dataclasses.replace(LIMITS, window_bytes=6 * CHUNK, credit_budget_bytes=10 * CHUNK)
+    assert rx.session_window(limits, 0) == 6 * CHUNK  # alone: the whole window
+    open_windows: list[int] = []
+    for opens, which in steps:
+        if opens and len(open_windows) < limits.max_sessions:
+            window = rx.session_window(limits, sum(open_windows))
+            assert 2 * CHUNK <= window <= limits.window_bytes
+            open_windows.append(window)
+        elif open_windows:
+            open_windows.pop(which % len(open_windows))
+        assert sum(open_windows) <= limits.credit_budget_bytes + 2 * CHUNK * len(open_windows)
+
+
+def test_a_session_grants_within_its_own_window() -> None:
+    """A session opened when the budget was spent has two chunks of credit: a third chunk before a grant is
+    refused, and each grant reaches two chunks past what is staged."""
+    segs = _segments([10 * CHUNK])
+    open_ = _open(segs)
+    core = rx.Receiver("t" * 32, open_, LIMITS, now=0.0, window=2 * CHUNK)
+    assert core.granted == 2 * CHUNK
+    ref = _refs(segs)[0]
+    staged = [
+        a for c in (0, CHUNK) for a in core.handle(rx.ChunkArrived(tx.chunk_headers(core.session, ref, c), CHUNK, 0.1))
+    ]
+    assert [type(a) for a in staged] == [rx.Stage, rx.Stage]
+    grants = core.handle(rx.ChunkStaged(0, 0, CHUNK, None, 0.2))
+    assert grants == [rx.Grant(3 * CHUNK)]
+    core.handle(rx.ChunkArrived(tx.chunk_headers(core.session, ref, 2 * CHUNK), CHUNK, 0.3))
+    assert core.reason is None
+    core.handle(rx.ChunkArrived(tx.chunk_headers(core.session, ref, 3 * CHUNK), CHUNK, 0.4))
+    assert core.reason is rx.Reason.CREDIT_EXCEEDED
+    with pytest.raises(ValueError, match="two chunks"):
+        rx.Receiver("u" * 32, open_, LIMITS, now=0.0, window=CHUNK)
