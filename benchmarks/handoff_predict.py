@@ -32,6 +32,7 @@ from benchmarks.environment import print_environment
 from benchmarks.transfer import running
 from messages.handoff import PROBE_PAYLOAD_KIND, LinkProbe, LinkProbeResult
 from messages.subjects import Subjects
+from runtime.allocator import keep_large_buffers
 from runtime.bus import Bus
 from runtime.embedded import EmbeddedNats
 from runtime.journal import ensure_events_stream
@@ -52,6 +53,7 @@ async def _timed_handoff(a: HandoffActor, block: bytes, size: int) -> float:
 async def main_async(args: argparse.Namespace) -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     print_environment()
+    print(f"  allocator {keep_large_buffers().reason}")  # what `mesh-actor run` does
     sizes = [int(s) * MIB for s in args.sizes_mib.split(",")]
     limits = HandoffLimits(segment_bytes=SEGMENT, idle_timeout_s=30.0)
     block = os.urandom(SEGMENT)

@@ -33,6 +33,7 @@ from actors.l3.store import Store
 from benchmarks.environment import print_environment
 from benchmarks.transfer import running, tcp_copy, write_random
 from messages.subjects import Subjects
+from runtime.allocator import keep_large_buffers
 from runtime.bus import Bus
 from runtime.embedded import EmbeddedNats
 from runtime.journal import ensure_events_stream
@@ -71,6 +72,7 @@ async def _fetch_round(bus: Bus, root: Path, size: int, n: int) -> tuple[float, 
 async def main_async(args: argparse.Namespace) -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     print_environment()
+    print(f"  allocator {keep_large_buffers().reason}")  # what `mesh-actor run` does
     size = args.size_mib * MIB
     base = Path(args.dir) if args.dir else None
     with tempfile.TemporaryDirectory(dir=base, prefix="l3-peer-fetch-") as tmp:
