@@ -26,6 +26,7 @@ from actors.l3.layout import SegmentRef
 from messages.errors import BAD_REQUEST, NOT_FOUND
 from messages.handoff import (
     CreditGrant,
+    HandoffAbort,
     HandoffCommit,
     HandoffControl,
     HandoffOpen,
@@ -425,10 +426,13 @@ async def test_sessions_open_at_once_share_the_credit_budget(bus: Bus, tmp_path:
     the budget gets what is left (two chunks at least), and the whole window again once they are gone."""
     rng = random.Random(5)
     big = [rng.randbytes(3 << 20) for _ in range(3)]
-    async with two_nodes(bus, tmp_path, max_sessions=3, credit_budget_bytes=6 << 20) as (_, b, _):
+    limits = {"max_sessions": 3, "credit_budget_bytes": 6 << 20, "idle_timeout_s": 60.0}  # none idles out here
+    async with two_nodes(bus, tmp_path, **limits) as (_, b, _):
         held = [HandSender(bus, big) for _ in range(3)]
-        credits = [(await hand.open()).credit for hand in held]
-        chunk = held[0].opened.chunk_bytes if held[0].opened else 0
-        assert credits == [4 << 20, max(2 * chunk, 2 << 20), 2 * chunk]
-        await _until(lambda: _staging_empty(b), timeout=15)  # each idles out (0.6 s) and frees its window
+        opened = [await hand.open() for hand in held]
+        chunk = opened[0].chunk_bytes
+        assert [o.credit for o in opened] == [4 << 20, max(2 * chunk, 2 << 20), 2 * chunk]
+        for o in opened:  # the senders give up: each window is freed
+            await bus.nc.publish(o.subject + ".abort", encode(HandoffAbort(session=o.session, reason="test")))
+        await _until(lambda: _staging_empty(b))
         assert (await HandSender(bus, big).open()).credit == 4 << 20
