@@ -265,7 +265,9 @@ async def main_async(args: argparse.Namespace) -> None:
     policy = keep_large_buffers() if not args.default_allocator else None  # what `mesh-actor run` does
     size = args.size_mib * MIB
     base = Path(args.dir) if args.dir else None
-    limits = HandoffLimits(segment_bytes=SEGMENT, idle_timeout_s=30.0, window_bytes=args.window_mib * MIB)
+    window = args.window_mib * MIB
+    budget = max(HandoffLimits().credit_budget_bytes, window + 8 * MIB)  # one session gets the whole window
+    limits = HandoffLimits(segment_bytes=SEGMENT, idle_timeout_s=30.0, window_bytes=window, credit_budget_bytes=budget)
     tcp: list[float] = []
     from_file: list[float] = []
     streamed: list[float] = []
@@ -281,7 +283,7 @@ async def main_async(args: argparse.Namespace) -> None:
             await ensure_events_stream(bus_b, Subjects(), max_age_s=3600, max_bytes=64 << 20)
             print(f"  max_payload      {bus_b.max_payload} bytes; chunk {chunk_bytes(bus_b.max_payload)} bytes")
             print(f"  payload          {args.size_mib} MiB of random bytes, segments of {SEGMENT // MIB} MiB")
-            print(f"  credit window    {limits.window_bytes // MIB} MiB")
+            print(f"  credit window    {window // MIB} MiB (receiver's budget {budget // MIB} MiB)")
             print(f"  allocator        {policy.reason if policy else 'defaults (--default-allocator)'}")
             b = HandoffActor("bench-b", root / "b", limits=limits, restore=_durable)
             async with running(bus_b, b, b.node_id, lambda: b.running):

@@ -533,8 +533,9 @@ def render() -> str:
             "",
             f"A handoff session is refused or aborted with one of these names (`HandoffResult.reason`, "
             f"`SessionAborted.reason`, `handoff_aborted` events). The receiver's credit window is up to "
-            f"{_handoff_limits.window_bytes >> 20} MiB ahead of what it staged (its sessions share "
-            f"{_handoff_limits.credit_budget_bytes >> 20} MiB; one opened when that is spent gets two chunks), "
+            f"{_handoff_limits.window_bytes >> 20} MiB ahead of what it staged (what its sessions "
+            f"may have in flight together stays within {_handoff_limits.credit_budget_bytes >> 20} MiB, two chunks "
+            f"each at least), "
             f"its idle timeout "
             f"{_handoff_limits.idle_timeout_s:g} s, at most {_handoff_limits.max_sessions} sessions at once.",
             "",

@@ -7,8 +7,9 @@ to the kernel past its trim threshold, so each buffer's pages are faulted in and
 page-fault work cost a third of a handoff's throughput on two cores (benchmarks/RESULTS.md, "KV handoff
 throughput"). Raising both thresholds keeps freed buffers in the heap for the next ones.
 
-What it costs: the process keeps the free memory at the top of its heap up to `TRIM_THRESHOLD` instead of
-returning it; that is bounded by the node's own high-water mark (a few handoff windows and segments).
+What it costs: the process keeps free memory in its heaps instead of returning it: at the top of the main heap
+up to `TRIM_THRESHOLD`, and in the worker threads' heaps (64 MiB each at most) all of it. That is bounded by the
+node's own high-water mark: its handoff windows, segments in flight, and the worker threads' buffers.
 
 Only the process that owns its allocator applies it (`mesh-actor run`, and benchmarks standing in for nodes),
 never a library import. Elsewhere than glibc it does nothing and says so.
@@ -52,11 +53,14 @@ def keep_large_buffers(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int
     mallopt.restype = ctypes.c_int
     gnu_get_libc_version.restype = ctypes.c_char_p
     version = gnu_get_libc_version().decode()
-    # mallopt answers 1 on success; the mmap threshold is set first (the trim threshold's call also turns off
-    # glibc's dynamic adjustment of both).
-    accepted = mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1 and mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1
-    reason = f"glibc {version}: mmap threshold {mmap_threshold >> 20} MiB, trim threshold {trim_threshold >> 20} MiB"
-    if not accepted:
-        reason = f"glibc {version} refused the thresholds ({reason})"
-    log.info("allocator_policy", applied=accepted, reason=reason)
-    return AllocatorPolicy(accepted, reason)
+    # mallopt answers 1 on success. Some glibc releases refuse an mmap threshold over 32 MiB (half their largest
+    # heap): then 32 MiB, which still keeps every chunk-sized buffer in the heap. The trim threshold is set
+    # either way (its call also turns off glibc's dynamic adjustment of both).
+    mmap_set = next((v for v in (mmap_threshold, min(mmap_threshold, 32 << 20)) if mallopt(_M_MMAP_THRESHOLD, v)), None)
+    trim_set = mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1
+    applied = mmap_set is not None and trim_set
+    mmap_text = f"{mmap_set >> 20} MiB" if mmap_set is not None else "refused"
+    reason = f"glibc {version}: mmap threshold {mmap_text}, trim threshold "
+    reason += f"{trim_threshold >> 20} MiB" if trim_set else "refused"
+    log.info("allocator_policy", applied=applied, reason=reason)
+    return AllocatorPolicy(applied, reason)

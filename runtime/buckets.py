@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -74,6 +75,11 @@ def cluster_size(bus: Bus) -> int:
     return max(1, len({url.netloc for url in bus.nc.servers}))
 
 
+# When each bus's patience with a young cluster ends (see `create_replicated`): shared by every creation on it, so
+# a cluster with a peer down at the first start pays the wait once, not once per bucket.
+_PATIENT_UNTIL: weakref.WeakKeyDictionary[Bus, float] = weakref.WeakKeyDictionary()
+
+
 async def create_replicated(
     bus: Bus,
     what: str,
@@ -84,24 +90,12 @@ async def create_replicated(
 ) -> T:
     """`create(replicas)` with `min(3, cluster_size)` replicas, fewer when JetStream says it cannot place
     that many (a peer is down, or a server announces several URLs; see `next_replicas`); `existing()` when
-    another node created it first. A warning says when fewer than 3."""
+    another node created it first. A warning says when fewer than 3. The patience (`patience_s` from the
+    bus's first creation) is shared by every creation on the bus."""
     servers = cluster_size(bus)
-    replicas = min(MAX_REPLICAS, servers)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + patience_s
-    while True:
-        try:
-            result = await create(replicas)
-            break
-        except nats.js.errors.APIError as exc:
-            if exc.err_code == _NAME_IN_USE:
-                return await existing()
-            retry = next_replicas(replicas, exc.err_code, loop.time() < deadline)
-            if retry is None:
-                raise
-            if retry == replicas:
-                await asyncio.sleep(_RETRY_S)
-            replicas = retry
+    patient_until = _PATIENT_UNTIL.setdefault(bus, loop.time() + patience_s)
+    result, replicas = await _create_placed(min(MAX_REPLICAS, servers), create, existing, patient_until)
     if servers > 1 and replicas < MAX_REPLICAS:
         get_logger(component="buckets").warning(
             "not_replicated",
@@ -111,6 +105,28 @@ async def create_replicated(
             hint="a cluster of at least 3 servers keeps 3 copies; this one survives fewer failures",
         )
     return result
+
+
+async def _create_placed(
+    replicas: int,
+    create: Callable[[int], Awaitable[T]],
+    existing: Callable[[], Awaitable[T]],
+    patient_until: float,
+) -> tuple[T, int]:
+    """`create` from `replicas` down, as `next_replicas` says; the result and the replicas it has."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            return await create(replicas), replicas
+        except nats.js.errors.APIError as exc:
+            if exc.err_code == _NAME_IN_USE:
+                return await existing(), replicas
+            retry = next_replicas(replicas, exc.err_code, loop.time() < patient_until)
+            if retry is None:
+                raise
+            if retry == replicas:
+                await asyncio.sleep(_RETRY_S)
+            replicas = retry
 
 
 async def open_bucket(bus: Bus, name: str, spec: BucketSpec) -> KeyValue:

@@ -216,12 +216,12 @@ async def run_node(
                 # its admin user; a node on an external NATS creates the stream if it is missing (its role
                 # may), and only warns when its limits differ.
                 await _unless_stopped(_ensure_journal(config, bus if admin is options else None, admin), stop)
-            except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError, TimeoutError) as exc:
-                raise JetStreamUnavailable(
-                    f"JetStream is not available on NATS at {','.join(options.urls)}; mesh-actor needs it "
-                    "for its journal and shared state (enable it on the server, e.g. nats-server -js)"
-                ) from exc
-            except nats.js.errors.APIError as exc:  # e.g. a cluster that cannot place the stream's replicas
+            except (nats.errors.NoRespondersError, TimeoutError) as exc:
+                raise JetStreamUnavailable(_jetstream_off(options)) from exc
+            except nats.js.errors.APIError as exc:
+                if isinstance(exc, nats.js.errors.ServiceUnavailableError) and exc.err_code in _JETSTREAM_OFF:
+                    raise JetStreamUnavailable(_jetstream_off(options)) from exc
+                # a refusal: e.g. limits the server's storage cannot hold, replicas a cluster cannot place
                 raise JetStreamUnavailable(
                     f"JetStream refused the journal stream on NATS at {','.join(options.urls)}: {exc.description} "
                     f"(error {exc.err_code})"
@@ -305,6 +305,19 @@ def _cluster_spec(config: NodeConfig) -> ClusterSpec | None:
         routes=config.cluster_routes,
         secret=config.cluster_secret,
         server_name=config.node_id,
+    )
+
+
+# A 503 that means JetStream is off or not up: no error code (a disabled JetStream), 10008 ("JetStream system
+# temporarily unavailable"), 10039 and 10076 (not enabled for the account, or at all). Other 503s (e.g. 10023,
+# insufficient resources) are refusals of this stream.
+_JETSTREAM_OFF = (None, 10008, 10039, 10076)
+
+
+def _jetstream_off(options: NatsOptions) -> str:
+    return (
+        f"JetStream is not available on NATS at {','.join(options.urls)}; mesh-actor needs it "
+        "for its journal and shared state (enable it on the server, e.g. nats-server -js)"
     )
 
 

@@ -112,13 +112,14 @@ PROBE_DEADLINE_S: Final = 600.0
 
 @dataclass(frozen=True, slots=True)
 class HandoffLimits:
-    # Credit a receiving session grants ahead of what it staged, at most. Every session's window together must
-    # stay under the server's per-connection buffer for a consumer (nats-server's max_pending, 64 MiB by
-    # default), or the server itself drops chunks to a receiver that falls behind: sessions share the budget
-    # (`receiver.session_window`: 32 MiB, plus 2 chunks for each of up to 3 more sessions, leaves room).
-    # One session alone moved 1.3x faster with 32 MiB than with 8 (benchmarks/RESULTS.md).
+    # Credit a receiving session grants ahead of what it staged, at most. What every session together may have
+    # in flight must stay under the server's per-connection buffer for a consumer (nats-server's max_pending,
+    # 64 MiB by default), or the server itself drops chunks to a receiver that falls behind: sessions share
+    # the budget (`receiver.session_window`), which grows only where two chunks per session do not fit in it
+    # (a server whose max_payload is over 5 MiB). One session alone moved 1.3x faster with a 32 MiB window
+    # than with 8 (benchmarks/RESULTS.md).
     window_bytes: int = 32 << 20
-    credit_budget_bytes: int = 32 << 20
+    credit_budget_bytes: int = 40 << 20
     idle_timeout_s: float = 10.0  # a receiving session with no progress for this long is aborted
     deadline_s: float = 900.0  # no session lives longer (either side)
     restore_timeout_s: float = 120.0
@@ -245,7 +246,7 @@ class HandoffActor(Actor):
         self._rx_limits = rx.ReceiverLimits(
             chunk_bytes=chunk,
             window_bytes=max(lim.window_bytes, 2 * chunk),
-            credit_budget_bytes=lim.credit_budget_bytes,
+            credit_budget_bytes=max(lim.credit_budget_bytes, lim.max_sessions * 2 * chunk),
             idle_timeout_s=lim.idle_timeout_s,
             deadline_s=lim.deadline_s,
             restore_timeout_s=lim.restore_timeout_s,
@@ -253,14 +254,13 @@ class HandoffActor(Actor):
             max_sessions=lim.max_sessions,
             max_staging_bytes=lim.max_staging_bytes,
         )
-        window = self._rx_limits.window_bytes
-        # Every session's full window may sit in the client's pending buffer (chunks, plus their commits and
-        # aborts): sized so the server never has a reason to drop us as a slow consumer.
-        windows = max(window, lim.credit_budget_bytes) + lim.max_sessions * 2 * chunk  # `session_window`'s bound
+        window, budget = self._rx_limits.window_bytes, self._rx_limits.credit_budget_bytes
+        # Everything every session may have in flight may sit in the client's pending buffer (chunks, plus their
+        # commits and aborts): sized so the server never has a reason to drop us as a slow consumer.
         sub = await ctx.bus.nc.subscribe(
             ctx.subjects.handoff_sessions(self.node_id),
-            pending_msgs_limit=windows // chunk + lim.max_sessions * 64 + 1024,
-            pending_bytes_limit=windows + lim.max_sessions * (1 << 20) + (16 << 20),
+            pending_msgs_limit=budget // chunk + lim.max_sessions * 64 + 1024,
+            pending_bytes_limit=budget + lim.max_sessions * (1 << 20) + (16 << 20),
         )
         ctx.spawn(self._dispatch(ctx, sub), "sessions")
         await ctx.add_endpoint("open", ctx.subjects.handoff(self.node_id, "open"), HandoffOpen, self._on_open)
@@ -276,7 +276,13 @@ class HandoffActor(Actor):
             deadline_s=PROBE_DEADLINE_S,
         )
         self._ctx = ctx
-        ctx.log.info("handoff_started", window_bytes=window, chunk_bytes=chunk, max_sessions=lim.max_sessions)
+        ctx.log.info(
+            "handoff_started",
+            window_bytes=window,
+            credit_budget_bytes=budget,
+            chunk_bytes=chunk,
+            max_sessions=lim.max_sessions,
+        )
 
     # -- open --
 
@@ -293,7 +299,7 @@ class HandoffActor(Actor):
         path = self.staging / f"{session}{_PART_SUFFIX}"
         fd = await asyncio.to_thread(os.open, path, _OPEN_FLAGS, 0o600)
         now = asyncio.get_running_loop().time()
-        window = rx.session_window(limits, sum(s.core.window for s in self._sessions.values()))
+        window = rx.session_window(limits, (s.core.credit_reserved for s in self._sessions.values()))
         state = _Session(rx.Receiver(session, request, limits, now, window), path, fd)
         self._sessions[session] = state
         ctx.spawn(self._run_session(ctx, state), f"session:{session[:12]}")
@@ -446,6 +452,9 @@ class HandoffActor(Actor):
             return
         digests = await asyncio.to_thread(_write_and_hash, session, batch)
         now = asyncio.get_running_loop().time()
+        if self._rx_limits is not None:  # other sessions may have ended or shrunk: this one's next grant may grow
+            others = (s.core.credit_reserved for s in self._sessions.values() if s is not session)
+            core.widen(rx.session_window(self._rx_limits, others))
         for (stage, _), digest in zip(batch, digests, strict=True):
             self._perform(ctx, session, core.handle(rx.ChunkStaged(stage.index, stage.chunk, stage.size, digest, now)))
 

@@ -13,8 +13,8 @@ Rules this module keeps:
   the commit's; the tiling and digest rules are L3's own (`actors/l3/commit.validate`).
 * Credits, not hope: the sender may publish at most `granted` payload bytes in all; a chunk past it is
   refused (`credit_exceeded`). Credit is granted back only for bytes already staged, so what sits between
-  the network and the disk is bounded by the window. Every session's window together stays within the
-  receiver's credit budget (`session_window`), plus two chunks for each session opened when it was spent.
+  the network and the disk is bounded by the window. What every session together may have in flight stays
+  within the receiver's credit budget (`session_window`), however sessions open, progress and end.
 * Every refusal has a name (`Reason`); the first check that fails aborts the session. After `ABORTED` or
   `DONE` every event is ignored.
 
@@ -30,7 +30,7 @@ and the session's overall deadline; in `RESTORING`, the restore timeout.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -114,7 +114,7 @@ class Reason(enum.Enum):
 class ReceiverLimits:
     chunk_bytes: int  # the most payload bytes one data message may carry
     window_bytes: int = 32 << 20  # the most credit one session grants ahead of what it staged
-    credit_budget_bytes: int = 32 << 20  # every open session's window together (see `session_window`)
+    credit_budget_bytes: int = 40 << 20  # what every open session may have in flight, together (`session_window`)
     idle_timeout_s: float = 10.0
     deadline_s: float = 600.0
     restore_timeout_s: float = 120.0
@@ -125,6 +125,8 @@ class ReceiverLimits:
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1 or self.window_bytes < 2 * self.chunk_bytes:
             raise ValueError("the credit window must hold at least two chunks")
+        if self.credit_budget_bytes < self.max_sessions * 2 * self.chunk_bytes:
+            raise ValueError("the credit budget must hold two chunks for every session")
 
 
 # ---- events (what the shell feeds in) ------------------------------------------------------------------------
@@ -251,12 +253,18 @@ class Refusal:
     detail: str
 
 
-def session_window(limits: ReceiverLimits, windows_open: int) -> int:
-    """The window of a session opening while the open ones hold `windows_open` bytes of window: what is left of
-    the credit budget, at most `window_bytes`, and never under two chunks (a session always moves). So every
-    window together stays within the budget plus two chunks per session that opened once it was spent."""
-    left = limits.credit_budget_bytes - windows_open
-    return max(2 * limits.chunk_bytes, min(limits.window_bytes, left))
+def session_window(limits: ReceiverLimits, others: Iterable[int]) -> int:
+    """The window a session may have while the other open sessions reserve `others` (their `credit_reserved`).
+
+    Each open session counts for at least two chunks (its floor), and every session that could still open is
+    set a floor aside too; the rest of the budget, at most `window_bytes`, is this one's. So, by induction over
+    opens, closes, shrinking reservations and widening (`Receiver.widen`), every session's reservation together
+    (and so every byte in flight to the receiver) stays within `credit_budget_bytes`, and each session keeps at
+    least two chunks: it always moves."""
+    floor = 2 * limits.chunk_bytes
+    held = [max(floor, r) for r in others]
+    spare = limits.credit_budget_bytes - sum(held) - floor * (limits.max_sessions - 1 - len(held))
+    return max(floor, min(limits.window_bytes, spare))
 
 
 def admit(open_: HandoffOpen, limits: ReceiverLimits, *, sessions: int, reserved_bytes: int) -> Refusal | None:
@@ -330,6 +338,7 @@ class Receiver:
         self.window = limits.window_bytes if window is None else window  # `session_window` at the open
         if self.window < 2 * limits.chunk_bytes:
             raise ValueError("the credit window must hold at least two chunks")
+        self._ceiling = open_.max_bytes if open_.total_bytes is None else open_.total_bytes
         self.state = State.RECEIVING
         self.opened_at = now
         self.last_progress = now
@@ -345,6 +354,19 @@ class Receiver:
     @property
     def received(self) -> int:
         return self.progress.received
+
+    @property
+    def credit_reserved(self) -> int:
+        """The most payload bytes this session may still have in flight to the receiver (published or about to
+        be, not yet staged): its window, or what is left of its payload if less; nothing once its commit came
+        (every chunk is in) or it ended. It never grows but by `widen`."""
+        if self.state is not State.RECEIVING:
+            return 0
+        return min(self.window, self._ceiling - self.progress.staged)
+
+    def widen(self, window: int) -> None:
+        """Takes a larger window (`session_window` once other sessions reserve less); the next grant uses it."""
+        self.window = max(self.window, window)
 
     @property
     def next_deadline(self) -> float | None:
@@ -446,7 +468,7 @@ class Receiver:
                 detail = f"segment {event.index} hashes to {event.digest[:16]}…, its header says {claimed.digest[:16]}…"
                 return self._abort(Reason.DIGEST_MISMATCH, detail), None
             p.observed.append(claimed)
-        ceiling = self.open.max_bytes if self.open.total_bytes is None else self.open.total_bytes
+        ceiling = self._ceiling
         if self.granted < ceiling and self.granted - p.staged <= self.window // 2:
             self.granted = min(ceiling, p.staged + self.window)
             actions.append(Grant(self.granted))

@@ -422,17 +422,23 @@ async def test_a_link_probe_measures_real_handoffs_never_restores_them_and_is_jo
 
 
 async def test_sessions_open_at_once_share_the_credit_budget(bus: Bus, tmp_path: Path) -> None:
-    """The receiving connection's buffer must hold every session's window: a session opened while others hold
-    the budget gets what is left (two chunks at least), and the whole window again once they are gone."""
+    """The receiving connection's buffer must hold what every session may have in flight: a session opened while
+    others hold the budget gets what is left (two chunks at least, and two kept for each session that could
+    still open), and the whole window at its next grant once the others are gone."""
     rng = random.Random(5)
     big = [rng.randbytes(3 << 20) for _ in range(3)]
-    limits = {"max_sessions": 3, "credit_budget_bytes": 6 << 20, "idle_timeout_s": 60.0}  # none idles out here
+    budget = 8 << 20
+    limits = {"max_sessions": 3, "credit_budget_bytes": budget, "idle_timeout_s": 60.0}  # none idles out here
     async with two_nodes(bus, tmp_path, **limits) as (_, b, _):
         held = [HandSender(bus, big) for _ in range(3)]
         opened = [await hand.open() for hand in held]
         chunk = opened[0].chunk_bytes
-        assert [o.credit for o in opened] == [4 << 20, max(2 * chunk, 2 << 20), 2 * chunk]
-        for o in opened:  # the senders give up: each window is freed
+        credits = [o.credit for o in opened]
+        assert credits == [4 << 20, budget - (4 << 20) - 2 * chunk, 2 * chunk]
+        for o in opened[:2]:  # two senders give up: their reservations are freed
             await bus.nc.publish(o.subject + ".abort", encode(HandoffAbort(session=o.session, reason="test")))
-        await _until(lambda: _staging_empty(b))
-        assert (await HandSender(bus, big).open()).credit == 4 << 20
+        await _until(lambda: b.sessions == 1)
+        last = held[2]
+        await last.chunk(last.refs[0], last.segments[0][:chunk])
+        grant = await _until(lambda: [c for c in last.controls if isinstance(c, CreditGrant)])
+        assert grant[0].limit == chunk + (4 << 20)  # the whole window ahead of what it staged

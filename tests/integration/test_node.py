@@ -21,7 +21,9 @@ import pytest
 from messages.subjects import Subjects
 from messages.telemetry import NodeResources
 from runtime.bus import Bus
+from runtime.children import free_port
 from runtime.config import load_config
+from runtime.embedded import find_nats_server
 from runtime.launcher import run_node
 from tests.conftest import JournalReader, NatsServer, mesh_actor_command, processes
 
@@ -382,3 +384,20 @@ async def test_a_long_nats_outage_crashes_no_actor_and_the_node_carries_on(
             assert all(e["crashes_in_window"] == 0 for e in events if e.get("type") == "actor_crashed")
         finally:
             await probe.close()
+
+
+async def test_a_nats_server_without_jetstream_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:
+    port = free_port()
+    server = await asyncio.create_subprocess_exec(
+        find_nats_server(), "-a", "127.0.0.1", "-p", str(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        data_dir = tmp_path / "node"
+        data_dir.mkdir()
+        (data_dir / "config.toml").write_text(f'[nats]\nurls = ["nats://127.0.0.1:{port}"]\n')
+        code, _, err = await _cli("run", "--data-dir", str(data_dir), timeout=60)
+        assert code == 1 and "JetStream is not available" in err and "Traceback" not in err, err
+    finally:
+        server.kill()
+        async with asyncio.timeout(10):
+            await server.wait()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import nats.js.errors
 import pytest
 
-from runtime.buckets import next_replicas
+from runtime.buckets import _create_placed, next_replicas
 from runtime.config import ConfigError, load_config
 from runtime.embedded import ClusterSpec, Credentials, ServerRecord, server_config
 
@@ -93,3 +96,34 @@ def test_replicas_are_retried_while_a_young_cluster_cannot_place_them_then_fewer
     assert next_replicas(2, 10074, patient=True) == 1
     assert next_replicas(3, 10058, patient=True) is None
     assert next_replicas(3, None, patient=False) is None
+
+
+async def test_creation_waits_out_a_young_cluster_then_steps_down_and_takes_what_another_node_made() -> None:
+    """The loop around `next_replicas`, with JetStream's answers played back: two "no suitable peers" while
+    patient (R3 again), then past the patience R3 -> R2, and "name already in use" returns the existing one."""
+    tried: list[int] = []
+
+    def answering(*codes: int) -> Callable[[int], Awaitable[str]]:
+        pending = list(codes)
+
+        async def create(replicas: int) -> str:
+            tried.append(replicas)
+            if pending:
+                raise nats.js.errors.APIError(code=400, err_code=pending.pop(0), description="refused")
+            return f"R{replicas}"
+
+        return create
+
+    async def existing() -> str:
+        return "theirs"
+
+    loop = asyncio.get_running_loop()
+    patient = loop.time() + 60
+    assert await _create_placed(3, answering(10005, 10005), existing, patient) == ("R3", 3)
+    assert tried == [3, 3, 3]
+    tried.clear()
+    assert await _create_placed(3, answering(10005, 10023), existing, loop.time()) == ("R1", 1)
+    assert tried == [3, 2, 1]
+    assert await _create_placed(3, answering(10058), existing, patient) == ("theirs", 3)
+    with pytest.raises(nats.js.errors.APIError):
+        await _create_placed(1, answering(10005), existing, patient)  # one replica is never lowered

@@ -318,22 +318,58 @@ def test_any_chunk_headers_are_judged_never_raise(headers: dict[str, str], size:
         assert core.state is rx.State.ABORTED and not any(isinstance(a, rx.Restore) for a in actions)
 
 
-@given(st.lists(st.tuples(st.booleans(), st.integers(0, 7)), max_size=40))
-def test_session_windows_share_the_credit_budget(steps: list[tuple[bool, int]]) -> None:
-    """Sessions opening and closing in any order: each window is two chunks at least and `window_bytes` at most,
-    and all open windows together stay within the budget plus two chunks per session (the server's buffer for
-    the receiving connection is sized from that bound)."""
-    limits = dataclasses.replace(LIMITS, window_bytes=6 * CHUNK, credit_budget_bytes=10 * CHUNK)
-    assert rx.session_window(limits, 0) == 6 * CHUNK  # alone: the whole window
-    open_windows: list[int] = []
-    for opens, which in steps:
-        if opens and len(open_windows) < limits.max_sessions:
-            window = rx.session_window(limits, sum(open_windows))
-            assert 2 * CHUNK <= window <= limits.window_bytes
-            open_windows.append(window)
-        elif open_windows:
-            open_windows.pop(which % len(open_windows))
-        assert sum(open_windows) <= limits.credit_budget_bytes + 2 * CHUNK * len(open_windows)
+BUDGET = dataclasses.replace(LIMITS, window_bytes=6 * CHUNK, credit_budget_bytes=16 * CHUNK)
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from(["open", "step", "close"]), st.integers(0, 7), st.integers(1, 12)), max_size=60)
+)
+def test_what_every_session_may_have_in_flight_stays_within_the_credit_budget(
+    steps: list[tuple[str, int, int]],
+) -> None:
+    """Sessions of any size opening, moving chunk by chunk (widening as the shell does) and closing in any order:
+    each window is two chunks at least and `window_bytes` at most, what a session's grant lets its sender publish
+    beyond what is staged never exceeds its reservation, and the reservations together (each counted as two
+    chunks at least, with two set aside for every session that could still open) stay within the budget."""
+    limits, floor = BUDGET, 2 * CHUNK
+    assert rx.session_window(limits, []) == 6 * CHUNK  # alone: the whole window
+    wires: list[Wire] = []
+    for kind, which, chunks in steps:
+        if kind == "open" and len(wires) < limits.max_sessions:
+            segs = _segments([chunks * CHUNK], seed=len(wires))
+            wire = Wire(_open(segs), segs)
+            window = rx.session_window(limits, [w.core.credit_reserved for w in wires])
+            wire.core = rx.Receiver(f"{len(wires):032d}", wire.core.open, limits, now=0.0, window=window)
+            wires.append(wire)
+        elif kind == "step" and wires:
+            wire = wires[which % len(wires)]
+            ref, sent = wire.refs[0], wire.core.received
+            if sent < wire.core.granted:
+                wire.chunk(ref, sent, wire.segments[0][sent : sent + CHUNK])
+                others = [w.core.credit_reserved for w in wires if w is not wire]
+                wire.core.widen(rx.session_window(limits, others))
+                assert wire.aborted() is None
+        elif kind == "close" and wires:
+            wires.pop(which % len(wires))
+        for w in wires:
+            assert floor <= w.core.window <= limits.window_bytes
+            assert w.core.granted - w.core.progress.staged <= w.core.credit_reserved
+        held = sum(max(floor, w.core.credit_reserved) for w in wires)
+        assert held + floor * (limits.max_sessions - len(wires)) <= limits.credit_budget_bytes
+
+
+def test_a_session_takes_the_budget_others_gave_back_at_its_next_grant() -> None:
+    limits = dataclasses.replace(BUDGET, credit_budget_bytes=12 * CHUNK)
+    segs = _segments([12 * CHUNK])
+    first, second = Wire(_open(segs), segs), Wire(_open(segs), segs)
+    first.core = rx.Receiver("a" * 32, first.core.open, limits, now=0.0, window=rx.session_window(limits, []))
+    window = rx.session_window(limits, [first.core.credit_reserved])
+    assert window == 2 * CHUNK  # the budget (12), less the first (6) and a floor (2) for each of two more
+    second.core = rx.Receiver("b" * 32, second.core.open, limits, now=0.0, window=window)
+    assert second.core.granted == 2 * CHUNK
+    second.core.widen(rx.session_window(limits, []))  # the first is gone (as the shell does before staging)
+    second.chunk(second.refs[0], 0, segs[0][:CHUNK])  # so this chunk's grant reaches the whole window ahead
+    assert second.core.granted == CHUNK + 6 * CHUNK
 
 
 def test_a_session_grants_within_its_own_window() -> None:
@@ -356,3 +392,5 @@ def test_a_session_grants_within_its_own_window() -> None:
     assert core.reason is rx.Reason.CREDIT_EXCEEDED
     with pytest.raises(ValueError, match="two chunks"):
         rx.Receiver("u" * 32, open_, LIMITS, now=0.0, window=CHUNK)
+    with pytest.raises(ValueError, match="every session"):
+        dataclasses.replace(LIMITS, credit_budget_bytes=7 * CHUNK)  # 4 sessions x 2 chunks do not fit
