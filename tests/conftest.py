@@ -134,6 +134,27 @@ def mesh_actor_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "runtime.cli"]
 
 
+async def run_cli(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """`mesh-actor ARGS...` to its end: (exit code, stdout, stderr). Past `timeout` it is killed (nothing is
+    left running) and TimeoutError raised."""
+    process = await asyncio.create_subprocess_exec(
+        *mesh_actor_command(),
+        *args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **env} if env else None,
+    )
+    try:
+        async with asyncio.timeout(timeout):
+            out, err = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
 @contextlib.asynccontextmanager
 async def node_process(
     data_dir: Path,

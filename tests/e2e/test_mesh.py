@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ from messages.settings import ServingSettings
 from messages.subjects import Subjects
 from runtime.bus import Bus, RemoteError
 from runtime.config import NatsOptions
-from tests.conftest import mesh_actor_command, node_process, processes
+from tests.conftest import node_process, processes, run_cli
 from tests.llama_harness import call_server, require_server
 from tests.tiny_models import write_llama, write_qwen35
 
@@ -47,17 +45,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 async def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        *mesh_actor_command(),
-        *args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env={**os.environ, **(env or {})},
-    )
-    async with asyncio.timeout(timeout):
-        out, err = await process.communicate()
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
+    return await run_cli(*args, timeout=timeout, env=env)
 
 
 @contextlib.asynccontextmanager

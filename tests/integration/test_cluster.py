@@ -28,25 +28,14 @@ from runtime import tls
 from runtime.bus import Bus
 from runtime.children import port_free
 from runtime.embedded import read_credentials
-from tests.conftest import mesh_actor_command, processes
+from tests.conftest import mesh_actor_command, processes, run_cli
 from tests.tiny_models import write_llama
 
 NODES = ("c1", "c2", "c3")
 
 
 async def cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        *mesh_actor_command(), *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    try:
-        async with asyncio.timeout(timeout):
-            out, err = await process.communicate()
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
+    return await run_cli(*args, timeout=timeout)
 
 
 class Cluster:

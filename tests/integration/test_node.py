@@ -25,7 +25,7 @@ from runtime.children import free_port
 from runtime.config import load_config
 from runtime.embedded import find_nats_server
 from runtime.launcher import run_node
-from tests.conftest import JournalReader, NatsServer, mesh_actor_command, processes
+from tests.conftest import JournalReader, NatsServer, mesh_actor_command, processes, run_cli
 
 
 def _pids_with(text: str) -> list[int]:
@@ -40,13 +40,7 @@ async def _wait_gone(text: str, timeout: float = 10.0) -> None:
 
 
 async def _cli(*args: str, timeout: float = 30.0) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        *mesh_actor_command(), *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    async with asyncio.timeout(timeout):
-        out, err = await process.communicate()
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
+    return await run_cli(*args, timeout=timeout)
 
 
 @contextlib.asynccontextmanager

@@ -14,7 +14,6 @@ import json
 import os
 import ssl
 import stat
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from runtime.creds import CredsFile, issue, read_creds_file
 from runtime.embedded import Credentials, EmbeddedNats
 from runtime.journal import ensure_events_stream
 from runtime.roles import Role, inbox_prefix
-from tests.conftest import mesh_actor_command, node_process
+from tests.conftest import node_process, run_cli
 from tests.tiny_models import write_llama
 
 S = Subjects()
@@ -240,19 +239,9 @@ errors: list[str] = []
 
 
 async def cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        *mesh_actor_command(), *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    try:
-        async with asyncio.timeout(timeout):
-            out, err = await process.communicate()
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        raise
-    assert process.returncode is not None
-    errors.append(err.decode())
-    return process.returncode, out.decode(), err.decode()
+    code, out, err = await run_cli(*args, timeout=timeout)
+    errors.append(err)
+    return code, out, err
 
 
 @contextlib.asynccontextmanager
