@@ -5,10 +5,12 @@ Two handoff actors on one embedded nats-server, each in its own process (as two 
 commit (tiling, counts, payload digest) and restores: here the restore hook fsyncs the staged file, so the
 result is as durable as the baseline's. Two sources: a finished file (`send(path)`: its segments read and
 hashed one by one while the previous one is sent) and the same bytes as an async iterator of segments (as
-while a prefill runs).
+while a prefill runs). Both processes apply the allocator policy `mesh-actor run` applies (unless
+`--default-allocator`).
 
 Baselines, same run, same file:
-* loopback TCP: the file sent over a socket (`socket.sendfile`) into a file, fsynced;
+* loopback TCP: the file sent over a socket (`socket.sendfile`) into a file, fsynced; once per round, before
+  that round's two handoffs, each step after a `sync` (rounds interleave so the machine's drift hits both);
 * a raw NATS blast: the same bytes published in `max_payload` chunks as fast as the client can, with no credit,
   to a subscriber with the client's default pending limits that does the receiver's work (write and hash).
   The server drops what the subscriber cannot keep up with (slow consumer): the benchmark reports how much
@@ -16,9 +18,11 @@ Baselines, same run, same file:
 * the NATS client's own ceiling: the same chunks published to a subject nobody listens on (what nats-py can
   hand to the server at all, on this machine, now).
 
-Ratio = baseline time / handoff time (the issue's target: >= 0.6). Run from the repository root:
+Ratio = median baseline time / median handoff time (the issue's target: >= 0.6); each round's ratios are
+printed too. Run from the repository root:
 
-    python -m benchmarks.handoff_throughput [--size-mib 1024] [--window-mib 8] [--dir DIR]
+    python -m benchmarks.handoff_throughput [--size-mib 1024] [--rounds 3] [--window-mib 32]
+        [--default-allocator] [--dir DIR]
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ import structlog
 from actors.l3 import layout
 from actors.l3.layout import Manifest
 from actors.l3.store import Store
+from benchmarks.transfer import write_random
 
 MIB = 1024 * 1024
 IDENTITY = "1d" * 32
@@ -60,15 +61,6 @@ def _filesystem(path: Path) -> str:
     out = subprocess.run(["df", "-T", str(path)], capture_output=True, text=True, timeout=10, check=False)
     lines = out.stdout.strip().splitlines()
     return " ".join(lines[-1].split()[:2]) if len(lines) > 1 else "unknown"
-
-
-def _write_random(path: Path, size: int) -> None:
-    with path.open("wb") as f:
-        left = size
-        while left:
-            n = min(left, 16 * MIB)
-            f.write(os.urandom(n))
-            left -= n
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -137,7 +129,7 @@ def main() -> None:
         print(f"  payload   {args.size_mib} MiB random, {args.rounds} rounds, page cache warm")
 
         source = work / "slot.bin"
-        _write_random(source, size)
+        write_random(source, size)
         expected = _b3sum(source)  # also warms the page cache
         os.sync()
 
