@@ -8,7 +8,8 @@ what each GPU has free). So the model is sized once per distinct (settings, CPU 
 context — a *sizing*, kept across requests — and each node then only compares the sizing's per-device totals
 with what its ledger leaves available: fits, headroom, or the shortfalls of its refusal. A node's derived
 state (what it has available, its split) is recomputed only when its report or its ledger changes (a report
-equal to the last but for its sequence number and time keeps it).
+equal to the last but for its sequence number and time keeps it, unless a reservation became running between
+the two: the newer report sees that memory as used, so the live term no longer subtracts it).
 
 A *tracked* index (the placement actor's) is told of every change (`touch`: a report, a node leaving, a
 ledger) and keeps, per question (model, context, `-ngl`, required settings), a standing answer of every node
@@ -342,7 +343,7 @@ class FleetIndex:
         if state is None or state.ledger is not ledger[0] or state.revision != ledger[1] or state.epoch != self._epoch:
             state = self._state(name, entry, ledger)
         elif state.entry is not entry:
-            if _same_report(state.entry.resources, node):
+            if _same_report(state.entry.resources, node) and _sees_the_same(state.entry.resources, node, ledger[0]):
                 state.entry = entry  # a report that only says the node is alive: every answer stands
             else:
                 state = self._state(name, entry, ledger)
@@ -570,6 +571,19 @@ def _same_report(a: NodeResources, b: NodeResources) -> bool:
     """Whether two reports of a node say the same but for their sequence number and time of sending (every
     other field, present or future, compared)."""
     return msgspec.structs.replace(a, seq=b.seq, sent_at=b.sent_at) == b
+
+
+def _sees_the_same(a: NodeResources, b: NodeResources, ledger: NodeLedger | None) -> bool:
+    """Whether reports sent at `a.sent_at` and `b.sent_at` see the same reservations as running: the live term
+    of `ledger.available` subtracts what a report cannot see yet (ready at or after it was sent), so an
+    instance that became ready between two reports of the same content changes what the node offers."""
+    if ledger is None or a.sent_at == b.sent_at:
+        return True
+    return all(
+        (r.running_since >= a.sent_at) == (r.running_since >= b.sent_at)
+        for r in ledger.reservations
+        if r.running_since is not None
+    )
 
 
 def _shortfalls(sizing: Sizing, have: Mapping[str, int]) -> list[DeviceShortfall]:

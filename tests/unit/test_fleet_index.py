@@ -14,6 +14,7 @@ from actors.placement.admission import ModelFacts, Outcome, ViewEntry, decide
 from actors.placement.fleet import FleetIndex, LedgerEntry, snapshot
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
+from actors.placement.memory import estimate
 from messages.placement import ModelRef, NodeLedger, PlacementRequest, PreferredSettings, Reservation, Stamp
 from messages.settings import ServingSettings
 from messages.telemetry import GpuInfo, HostInfo, LlamaServerInfo, NodeResources
@@ -108,7 +109,9 @@ def ledgers(draw: st.DrawFn, name: str) -> LedgerEntry:
         devices=(),
         held=held,
         created_at=NOW - 10,
-        running_since=draw(st.sampled_from((None, NOW - 5))),
+        # NOW - 0.5 lies between a report (sent at NOW - 1) and its heartbeat (a second later): the heartbeat sees
+        # the memory the report could not.
+        running_since=draw(st.sampled_from((None, NOW - 5, NOW - 0.5))),
     )
     return NodeLedger(node_id=name, reservations=(reservation,)), draw(st.integers(1, 50))
 
@@ -279,3 +282,40 @@ def test_tables_stay_bounded_when_nodes_come_and_go(
         # each limit is checked before a decision, which adds at most one entry per node of the view
         assert stats.sizings <= 8 + 1 and stats.profiles <= 4 + 1 and stats.nodes <= 1 + 64 + 1
     assert index.stats().resets > 0
+
+
+@pytest.mark.parametrize("tracked", [False, True])
+def test_a_heartbeat_after_a_reservation_became_running_frees_what_the_report_now_shows(
+    models: tuple[ModelFacts, ...], tracked: bool
+) -> None:
+    # The live term subtracts what the report cannot see yet: a reservation ready after the report was taken. A
+    # heartbeat (the same report, only newer) sent after it became running shows its memory as used, so the
+    # subtraction ends there, and a decision must see the memory it frees.
+    dense = models[0]
+    request = PlacementRequest(model=ModelRef(path="m.gguf"), ctx=4096)
+    need = estimate(dense.geometry, PROFILES[0] or ServingSettings(), 4096).total_bytes
+    usable = need + 64 * MIB
+    report = NodeResources(
+        node_id="a", seq=1, sent_at=NOW - 10, started_at=NOW - 100, ttl_s=15,
+        host=HostInfo(ram_total_bytes=4096 * MIB, ram_available_bytes=usable, usable_bytes=usable, cpu_count=8),
+        llama_server=LlamaServerInfo(path="llama-server", version="test", build_info=""), settings=PROFILES[0],
+    )  # fmt: skip
+    running = Reservation(
+        reservation_id="r-a", decision_id="d", node_id="a", state="running", model_path="m.gguf",
+        stamp=Stamp(settings=ServingSettings(), ctx=256, n_gpu_layers=0), layers=(0, 1), devices=(),
+        held={"CPU": 128 * MIB}, created_at=NOW - 20, running_since=NOW - 5,
+    )  # fmt: skip
+    current = Fleet(
+        view={"a": ViewEntry(resources=report, revision=1)},
+        arrived={"a": MONOTONIC},
+        ledgers={"a": (NodeLedger(node_id="a", reservations=(running,)), 1)},
+    )
+    index = FleetIndex(tracked=tracked)
+    before, full = both(index, request, dense, current, {})
+    assert before == full and not before.decision.admitted  # usable - 128 MiB unseen < need
+    heartbeat = msgspec.structs.replace(report, seq=2, sent_at=NOW)  # sent after running_since
+    current.view["a"] = ViewEntry(resources=heartbeat, revision=2)
+    index.touch("a")
+    after, full = both(index, request, dense, current, {})
+    assert full.decision.admitted
+    assert after == full
