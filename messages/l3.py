@@ -14,28 +14,46 @@ import msgspec
 #: Where a prompt's prefix came from when a generation started.
 PrefixSource = Literal["resident", "l3_local", "l3_peer", "cold"]
 
+# Everything below is read from a bucket or a peer, so its bounds are part of the schema: a decoder built
+# from these types refuses a negative count, a digest that is not one, or a size no store can hold, where the
+# message is decoded (`bad_request`, or a skipped inventory), never deep inside a core that trusts it.
+
+#: The most token ids one state holds (more than any context llama.cpp supports; `actors/l3/layout.py`).
+MAX_TOKENS: Final = 1 << 24
+#: The largest size or byte count any L3 message may state (1 PiB).
+MAX_BYTES: Final = 1 << 50
+
+Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$", description="blake3, 64 lowercase hex")]
+Offset = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+NodeId = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9_-]{1,64}$")]
+TokenCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+Size = Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=1e12)]
+
 
 class L3Item(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """One stored entry: its exact-state identity, how many tokens it holds, its entry id and size."""
 
-    identity: str
-    n_tokens: int
-    entry: str
-    bytes: int
+    identity: Digest
+    n_tokens: TokenCount
+    entry: Digest
+    bytes: Size
 
 
 class L3Inventory(msgspec.Struct, frozen=True, kw_only=True):
     """One node's store: totals, and its entries (the most recently used first, at most `max_items`)."""
 
-    node_id: str
-    entries: int
-    tokens: int
-    bytes: int
-    budget_bytes: int
-    quarantined: int = 0
+    node_id: NodeId
+    entries: Count
+    tokens: Count
+    bytes: Size  # every stored segment once, and the quarantined manifests
+    budget_bytes: Size
+    quarantined: Count = 0
     items: tuple[L3Item, ...] = ()
     truncated: bool = False  # more entries are stored than `items` lists
-    sent_at: float = 0.0
+    sent_at: Seconds = 0.0
+    eviction_blocked: bool = False  # an unreadable quarantined manifest: captures stop at the budget
 
 
 # ---- peer fetch: `mesh.l3.<node>.manifests` / `.manifest` / `.segment` ----
@@ -50,9 +68,6 @@ class L3Inventory(msgspec.Struct, frozen=True, kw_only=True):
 CHUNK_OFFSET_HEADER: Final = "L3-Offset"
 CHUNK_TOTAL_HEADER: Final = "L3-Total"
 
-Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$", description="blake3, 64 lowercase hex")]
-Offset = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
-
 
 class ManifestsRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The entries a node's store holds (from its catalog, no disk read), most recently used first."""
@@ -62,7 +77,7 @@ class ManifestsRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
 
 class ManifestList(msgspec.Struct, frozen=True, kw_only=True):
-    node_id: str
+    node_id: NodeId
     items: tuple[L3Item, ...]
     truncated: bool = False
 
@@ -92,37 +107,41 @@ class EntryRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class EntryStat(msgspec.Struct, frozen=True, kw_only=True):
-    node_id: str
-    entry: str
-    identity: str
-    n_tokens: int
-    bytes: int
+    node_id: NodeId
+    entry: Digest
+    identity: Digest
+    n_tokens: TokenCount
+    bytes: Size
     payload_kind: str
-    payload_digest: str
-    segments: int
-    last_use: float  # unix seconds
+    payload_digest: Digest
+    segments: Count
+    last_use: Seconds  # unix seconds
     pinned: bool  # being committed or restored right now
 
 
 class VerifyReply(msgspec.Struct, frozen=True, kw_only=True):
-    node_id: str
-    entry: str
+    node_id: NodeId
+    entry: Digest
     ok: bool
     detail: str = ""  # why not: the entry was quarantined
 
 
 class GcRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Reconcile the store now (temporary files, bad manifests, orphan segments)."""
+    """Reconcile the store now (temporary files, bad manifests, orphan segments); with `quarantine`, first
+    delete every quarantined manifest, so the segments only they named are collected too."""
+
+    quarantine: bool = False
 
 
 class GcReply(msgspec.Struct, frozen=True, kw_only=True):
-    node_id: str
-    entries: int
-    bytes: int
-    removed_temp: int
-    removed_orphans: int
+    node_id: NodeId
+    entries: Count
+    bytes: Size
+    removed_temp: Count
+    removed_orphans: Count
     quarantined: tuple[str, ...]  # manifests moved to quarantine by this pass
     gc_suspended: bool  # an unreadable manifest is quarantined: no segment was collected
+    reclaimed_quarantine: Count = 0  # quarantined manifests deleted (`quarantine`)
 
 
 class EvictRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -133,7 +152,7 @@ class EvictRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class EvictReply(msgspec.Struct, frozen=True, kw_only=True):
-    node_id: str
+    node_id: NodeId
     evicted: tuple[str, ...]
-    freed_bytes: int
+    freed_bytes: Size
     pinned: tuple[str, ...] = ()  # asked for but in use: not evicted

@@ -12,7 +12,10 @@ Rules this module keeps:
   (`truncated` says there are more), so the value stays far under the bus's `max_payload`.
 * `PeerView` is the other nodes' published inventories: which node holds which entry. A peer's inventory
   replaces what that peer published before; a node whose key expired is forgotten. A peer hit is offered only
-  when it is longer than what this node holds and fits its budget.
+  when it is longer than what this node holds and fits its budget. An item no store could hold (a negative
+  or oversized count, an id that is not a digest) is skipped, not trusted: a peer's inventory is hostile
+  input, already bounded by its schema where it is decoded, and checked again here so that no caller can
+  hand this core something that makes it raise.
 * No clock, no I/O: times are passed in.
 """
 
@@ -23,8 +26,9 @@ from typing import Final
 
 import msgspec
 
+from actors.l3.layout import MAX_TOKENS, is_digest
 from actors.l3.prefix import DEFAULT_MAX_PROBES, Hit, PrefixIndex
-from messages.l3 import L3Inventory, L3Item
+from messages.l3 import MAX_BYTES, L3Inventory, L3Item
 
 __all__ = ["ITEM_BYTES", "Catalog", "CatalogEntry", "PeerHit", "PeerView", "items_within"]
 
@@ -141,8 +145,9 @@ class PeerView:
     def update(self, inventory: L3Inventory) -> None:
         """`inventory` replaces what its node published before."""
         self.drop(inventory.node_id)
-        self._by_node[inventory.node_id] = inventory.items
-        for item in inventory.items:
+        items = tuple(item for item in inventory.items if _plausible(item))
+        self._by_node[inventory.node_id] = items
+        for item in items:
             self._holders.setdefault(item.entry, {})[inventory.node_id] = item.bytes
             self._index.add_entry(item.identity, item.n_tokens, item.entry)
 
@@ -178,3 +183,15 @@ class PeerView:
                     node=node, entry=hit.entry, n_tokens=hit.n_tokens, bytes=holders[node], probes=hit.probes
                 )
         return None
+
+
+def _plausible(item: L3Item) -> bool:
+    """What a store could hold: digests for ids, counts within their bounds."""
+    return (
+        is_digest(item.entry)
+        and is_digest(item.identity)
+        and isinstance(item.n_tokens, int)
+        and 0 <= item.n_tokens <= MAX_TOKENS
+        and isinstance(item.bytes, int)
+        and 0 <= item.bytes <= MAX_BYTES
+    )

@@ -30,6 +30,8 @@ from typing import Final
 import blake3
 import msgspec
 
+from messages import l3 as wire
+
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
     "MANIFEST_VERSION",
@@ -64,8 +66,8 @@ __all__ = [
 DEFAULT_SEGMENT_BYTES: Final = 32 * 1024 * 1024
 MIN_SEGMENT_BYTES: Final = 64 * 1024
 MAX_SEGMENT_BYTES: Final = 256 * 1024 * 1024
-#: A token list longer than any context llama.cpp supports is refused before it is decoded.
-MAX_TOKENS: Final = 1 << 24
+#: A token list longer than any context llama.cpp supports is refused before it is decoded (the wire's bound).
+MAX_TOKENS: Final = wire.MAX_TOKENS
 #: Enough for MAX_TOKENS ids as JSON plus thousands of segments; a bigger file is not read.
 MAX_MANIFEST_BYTES: Final = 256 * 1024 * 1024
 MANIFEST_VERSION: Final = 1

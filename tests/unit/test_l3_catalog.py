@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from actors.l3.catalog import ITEM_BYTES, Catalog, PeerView, items_within
@@ -106,3 +107,45 @@ def test_l3_budget_comes_from_flag_env_or_file_and_zero_is_allowed(tmp_path: Pat
     assert load_config({"data_dir": str(tmp_path / "none")}, {}).l3_budget_bytes is None
     with pytest.raises(ConfigError, match="--l3-budget"):
         load_config({"data_dir": str(tmp_path), "l3_budget": "lots"}, {})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("n_tokens", -5),
+        ("n_tokens", 1 << 40),
+        ("identity", "../x"),
+        ("entry", "AB" * 32),
+        ("bytes", -1),
+    ],
+)
+def test_a_hostile_inventory_item_is_refused_where_it_is_decoded(field: str, value: object) -> None:
+    item = {"identity": ID, "n_tokens": 3, "entry": "ab" * 32, "bytes": 10, field: value}
+    raw = msgspec.json.encode(
+        {
+            "node_id": "evil",
+            "entries": 1,
+            "tokens": 3,
+            "bytes": 10,
+            "budget_bytes": 100,
+            "items": [[item["identity"], item["n_tokens"], item["entry"], item["bytes"]]],
+        }
+    )
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(raw, type=L3Inventory)
+
+
+def test_the_peer_view_skips_items_no_store_could_hold_instead_of_raising() -> None:
+    good = entry_id(ID, [1, 2, 3])
+    hostile = (
+        L3Item(identity=ID, n_tokens=-5, entry="ab" * 32, bytes=10),  # what crashed every node's L3 actor
+        L3Item(identity="../x", n_tokens=3, entry="cd" * 32, bytes=10),
+        L3Item(identity=ID, n_tokens=3, entry="ef" * 32, bytes=-1),
+        L3Item(identity=ID, n_tokens=3, entry=good, bytes=10),
+    )
+    view = PeerView()
+    view.update(L3Inventory(node_id="evil", entries=4, tokens=0, bytes=0, budget_bytes=0, items=hostile))
+    hit = view.lookup(ID, [1, 2, 3, 4], max_tokens=4, longer_than=0, max_bytes=100)
+    assert hit is not None and (hit.entry, hit.node) == (good, "evil")
+    view.drop("evil")
+    assert view.nodes() == []
