@@ -37,6 +37,16 @@ Inbox = Annotated[str, msgspec.Meta(max_length=256, pattern=r"^_INBOX(\.[A-Za-z0
 Bytes = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=1e12)]
+#: A subject as a receiver names it: tokens of the characters subjects are made of, nothing else.
+SessionSubject = Annotated[str, msgspec.Meta(max_length=256, pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")]
+ReasonName = Annotated[str, msgspec.Meta(max_length=64)]
+Detail = Annotated[str, msgspec.Meta(max_length=4096)]
+
+# What the sender reads from the receiver (`HandoffOpened`, `HandoffControl`, `HandoffResult`) is bounded here,
+# where it is decoded; what it means is the sender's own judgement (`actors/handoff/sender.py`): a receiver's
+# timeout is a wish the sender caps with its own, and its session subject must be the one the protocol
+# defines for that session.
 
 
 class SegmentSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -67,25 +77,27 @@ class HandoffOpen(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class HandoffOpened(msgspec.Struct, frozen=True, kw_only=True):
     """The session is open: where to send, how big a chunk may be, and the first credit."""
 
-    session: str
-    subject: str  # the session subject: publish `<subject>.data`, request `<subject>.commit`
-    chunk_bytes: int  # the most payload bytes one data message carries
-    credit: int  # the initial credit limit (payload bytes the sender may publish before the next grant)
-    idle_timeout_s: float  # the receiver aborts a session that makes no progress for this long
-    deadline_s: float  # and any session older than this
+    session: Session
+    # the session subject, `mesh.handoff.<receiver>.<session>` and nothing else (the sender refuses another):
+    # publish `<subject>.data`, request `<subject>.commit`
+    subject: SessionSubject
+    chunk_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]  # the most payload bytes one data message carries
+    credit: Bytes  # the initial credit limit (payload bytes the sender may publish before the next grant)
+    idle_timeout_s: Seconds  # the receiver aborts a session that makes no progress for this long
+    deadline_s: Seconds  # and any session older than this
 
 
 class CreditGrant(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="credit"):
-    session: str
-    limit: int  # cumulative: the sender may have published this many payload bytes in all
+    session: Session
+    limit: Bytes  # cumulative: the sender may have published this many payload bytes in all
 
 
 class SessionAborted(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="aborted"):
     """The receiver gave the session up; its staging is freed and nothing of it is restorable."""
 
-    session: str
-    reason: str
-    detail: str = ""
+    session: Session
+    reason: ReasonName
+    detail: Detail = ""
 
 
 #: What the receiver sends on `credit_subject`.
@@ -111,17 +123,18 @@ class HandoffAbort(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class HandoffResult(msgspec.Struct, frozen=True, kw_only=True):
-    """The commit's answer: restored, or refused with the reason (then nothing of it was restored)."""
+    """The commit's answer: restored, or refused with the reason (then nothing of it was restored). A commit is
+    the sender's only when `bytes`, `segments` and `payload_digest` are what it sent."""
 
-    session: str
+    session: Session
     committed: bool
-    reason: str | None = None  # a refusal's name (see docs/api.md, handoff refusal reasons)
-    detail: str = ""
-    bytes: int = 0
-    segments: int = 0
-    payload_digest: str | None = None
-    restored: str | None = None  # what the restore hook reported (e.g. an L3 entry id)
-    restore_ms: float = 0.0
+    reason: ReasonName | None = None  # a refusal's name (see docs/api.md, handoff refusal reasons)
+    detail: Detail = ""
+    bytes: Bytes = 0
+    segments: Count = 0
+    payload_digest: Digest | None = None
+    restored: Annotated[str, msgspec.Meta(max_length=1024)] | None = None  # what the restore hook reported
+    restore_ms: Seconds = 0.0
 
 
 #: The identity link probes carry (no model's: a probe's payload is never restored or stored).

@@ -126,8 +126,18 @@ class HandoffLimits:
     max_sessions: int = 4  # receiving sessions at once; more opens are answered `busy`
     max_session_bytes: int = 64 << 30
     max_staging_bytes: int = 128 << 30  # what open sessions may reserve in all (their `max_bytes`)
+    # A receiving session must move bytes, not messages: this much (or a chunk) counts as progress against
+    # idle_timeout_s (one byte every 8 s held all four sessions for 900 s), and it must average
+    # min_rate_bytes_per_s after rate_grace_s.
+    progress_bytes: int = 1 << 20
+    min_rate_bytes_per_s: float = float(1 << 20)
+    rate_grace_s: float = 30.0
+    min_free_disk_bytes: int = 1 << 30  # an open is refused unless its max_bytes fit the staging disk beside this
     open_timeout_s: float = 10.0
     commit_timeout_s: float = 180.0  # the sender waits this long for the result (the receiver's restore included)
+    # The sender waits this long for credit at most, whatever idle timeout a receiver announces (a receiver's
+    # 1e9 held a prefill worker for the whole deadline).
+    credit_stall_s: float = 30.0
     segment_bytes: int = layout.DEFAULT_SEGMENT_BYTES  # how the sender cuts a file
 
 
@@ -253,6 +263,10 @@ class HandoffActor(Actor):
             max_session_bytes=lim.max_session_bytes,
             max_sessions=lim.max_sessions,
             max_staging_bytes=lim.max_staging_bytes,
+            progress_bytes=lim.progress_bytes,
+            min_rate_bytes_per_s=lim.min_rate_bytes_per_s,
+            rate_grace_s=lim.rate_grace_s,
+            min_free_bytes=lim.min_free_disk_bytes,
         )
         window, budget = self._rx_limits.window_bytes, self._rx_limits.credit_budget_bytes
         # Everything every session may have in flight may sit in the client's pending buffer (chunks, plus their
@@ -292,8 +306,22 @@ class HandoffActor(Actor):
             raise RequestError(BUSY, "the handoff actor is starting; retry")
         reserved = sum(s.core.open.max_bytes for s in self._sessions.values())
         refusal = rx.admit(request, limits, sessions=len(self._sessions), reserved_bytes=reserved)
+        if refusal is None:  # the disk, once the cheap checks passed (a stat in a worker thread)
+            try:
+                free = (await asyncio.to_thread(shutil.disk_usage, self.staging)).free
+            except OSError as exc:
+                raise RequestError(BUSY, f"cannot read the staging disk's free space: {exc}") from exc
+            unwritten = sum(s.core.unwritten for s in self._sessions.values())
+            refusal = rx.admit(
+                request,
+                limits,
+                sessions=len(self._sessions),
+                reserved_bytes=reserved,
+                free_bytes=free,
+                unwritten_bytes=unwritten,
+            )
         if refusal is not None:
-            code = BUSY if refusal.reason is rx.Reason.BUSY else BAD_REQUEST
+            code = BUSY if refusal.reason in (rx.Reason.BUSY, rx.Reason.NO_SPACE) else BAD_REQUEST
             raise RequestError(code, refusal.detail, {"reason": refusal.reason.value})
         session = secrets.token_hex(16)
         path = self.staging / f"{session}{_PART_SUFFIX}"
@@ -383,7 +411,9 @@ class HandoffActor(Actor):
                 session.queue.put_nowait(_Stop())
             elif isinstance(action, rx.Abort):
                 if action.notify_sender:
-                    aborted = SessionAborted(session=core.session, reason=action.reason.value, detail=action.detail)
+                    aborted = SessionAborted(
+                        session=core.session, reason=action.reason.value, detail=action.detail[:1024]
+                    )
                     self._publish(ctx, core.open.credit_subject, aborted)
                 session.queue.put_nowait(_Stop())
 
@@ -591,6 +621,8 @@ class _Send:
                 open_timeout_s=limits.open_timeout_s,
                 commit_timeout_s=limits.commit_timeout_s,
                 deadline_s=limits.deadline_s,
+                credit_stall_s=limits.credit_stall_s,
+                max_chunk_bytes=chunk_bytes(ctx.bus.max_payload),
             ),
             self.loop.time(),
         )
@@ -679,7 +711,9 @@ class _Send:
         except (NoResponders, BusError, nats.errors.Error) as exc:
             self._act(core.handle(tx.OpenRefused("unreachable", str(exc), self.loop.time())))
         else:
-            self._act(core.handle(tx.Opened(opened, self.loop.time())))
+            # The only subject this session's state may go to: the receiver's word for it is checked against it.
+            expected = ctx.subjects.handoff_session(self.peer, opened.session)
+            self._act(core.handle(tx.Opened(opened, self.loop.time(), expected)))
         self._check()
         assert core.reply is not None
         data_subject = core.reply.subject + ".data"

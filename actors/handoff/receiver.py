@@ -17,6 +17,12 @@ Rules this module keeps:
   within the receiver's credit budget (`session_window`), however sessions open, progress and end.
 * Every refusal has a name (`Reason`); the first check that fails aborts the session. After `ABORTED` or
   `DONE` every event is ignored.
+* No sender holds a session without moving bytes. Progress against the idle timeout is a step of bytes
+  (`progress_bytes`, or one chunk if smaller) received or staged, the payload's end, or the commit: not any
+  message, so one byte every few seconds does not keep a session (and its slot among `max_sessions`) alive.
+  A session must also average `min_rate_bytes_per_s` after a grace period (`rate_grace_s`), and no session
+  outlives `deadline_s`. `admit` refuses a session the staging disk cannot hold, with what open sessions may
+  still write and a free-space floor kept aside.
 
 Theory of operation: a session is accepted by `admit` (the open's own rules and the receiver's limits), then
 `RECEIVING`: chunks arrive in order (one NATS subscription, one publisher), each checked against the position
@@ -106,6 +112,8 @@ class Reason(enum.Enum):
     STAGING_FAILED = "staging_failed"  # the shell could not write the staging file
     RESTORE_FAILED = "restore_failed"  # the restore hook raised: nothing is loadable from this session
     RESTORE_TIMEOUT = "restore_timeout"  # the restore hook did not finish within the restore timeout
+    TOO_SLOW = "too_slow"  # the sender averaged less than the receiver's minimum rate (after its grace period)
+    NO_SPACE = "no_space"  # the staging disk cannot hold the session's max_bytes beside its free-space floor
     SHUTDOWN = "shutdown"  # the receiving actor is stopping
     INTERNAL = "internal"  # a bug in the receiving shell met by this session (logged); the actor keeps serving
 
@@ -121,6 +129,10 @@ class ReceiverLimits:
     max_session_bytes: int = 64 << 30
     max_sessions: int = 4
     max_staging_bytes: int = 128 << 30  # reserved by open sessions (their `max_bytes`), all together
+    progress_bytes: int = 1 << 20  # bytes (or one chunk, if smaller) that count as progress against idle_timeout_s
+    min_rate_bytes_per_s: float = float(1 << 20)  # a session averaging less (after rate_grace_s) is too slow; 0: off
+    rate_grace_s: float = 30.0
+    min_free_bytes: int = 1 << 30  # free space the staging disk keeps beside what open sessions may write
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1 or self.window_bytes < 2 * self.chunk_bytes:
@@ -267,14 +279,31 @@ def session_window(limits: ReceiverLimits, others: Iterable[int]) -> int:
     return max(floor, min(limits.window_bytes, spare))
 
 
-def admit(open_: HandoffOpen, limits: ReceiverLimits, *, sessions: int, reserved_bytes: int) -> Refusal | None:
-    """Whether a session may open: the receiver's limits, then the open's own rules."""
+def admit(
+    open_: HandoffOpen,
+    limits: ReceiverLimits,
+    *,
+    sessions: int,
+    reserved_bytes: int,
+    free_bytes: int | None = None,
+    unwritten_bytes: int = 0,
+) -> Refusal | None:
+    """Whether a session may open: the receiver's limits, the staging disk (`free_bytes` free on it, of which
+    open sessions may still write `unwritten_bytes`; None: not checked), then the open's own rules."""
     if sessions >= limits.max_sessions:
         return Refusal(Reason.BUSY, f"{sessions} sessions open, at most {limits.max_sessions}")
     if open_.max_bytes > limits.max_session_bytes:
         return Refusal(Reason.TOO_LARGE, f"{open_.max_bytes} bytes, at most {limits.max_session_bytes} per session")
     if reserved_bytes + open_.max_bytes > limits.max_staging_bytes:
         return Refusal(Reason.BUSY, f"staging holds {reserved_bytes} of {limits.max_staging_bytes} bytes")
+    if free_bytes is not None:
+        room = free_bytes - unwritten_bytes - limits.min_free_bytes
+        if open_.max_bytes > room:
+            detail = (
+                f"{open_.max_bytes} bytes do not fit the staging disk: {free_bytes} free, {unwritten_bytes} "
+                f"promised to open sessions, {limits.min_free_bytes} kept free"
+            )
+            return Refusal(Reason.NO_SPACE, detail)
     if open_.tokens and len(open_.tokens) != open_.n_tokens:
         return Refusal(Reason.BAD_OPEN, f"n_tokens is {open_.n_tokens} but {len(open_.tokens)} token ids are listed")
     if open_.total_bytes is not None and open_.total_bytes > open_.max_bytes:
@@ -347,6 +376,8 @@ class Receiver:
         self.detail = ""
         self.granted = min(self.window, open_.max_bytes)
         self.progress = _Progress()
+        self._step = max(1, min(limits.progress_bytes, limits.chunk_bytes))
+        self._marks = [0, 0]  # bytes received, staged at the last progress
         self.commit: HandoffCommit | None = None
         self.restored: Restored | None = None
         self._announced = _announced(open_)
@@ -369,10 +400,30 @@ class Receiver:
         self.window = max(self.window, window)
 
     @property
+    def unwritten(self) -> int:
+        """Bytes this session may still write to its staging file (what `admit` keeps free for it)."""
+        return max(0, self._ceiling - self.progress.staged) if self.state is not State.ABORTED else 0
+
+    def _rate_deadline(self) -> float | None:
+        """When the bytes received so far stop meeting the minimum average rate (None: no such rule now)."""
+        rate = self.limits.min_rate_bytes_per_s
+        if self.state is not State.RECEIVING or rate <= 0 or self.progress.received >= self._ceiling:
+            return None
+        return self.opened_at + self.limits.rate_grace_s + self.progress.received / rate
+
+    def _progressed(self, which: int, count: int, now: float) -> None:
+        """Counts as progress only a step of bytes since the last one, or the payload's end."""
+        if count - self._marks[which] >= self._step or count >= self._ceiling:
+            self._marks[which] = count
+            self.last_progress = now
+
+    @property
     def next_deadline(self) -> float | None:
         """When the shell must feed `Tick` (None: the session is over)."""
         if self.state in (State.RECEIVING, State.DRAINING):
-            return min(self.last_progress + self.limits.idle_timeout_s, self.opened_at + self.limits.deadline_s)
+            deadline = min(self.last_progress + self.limits.idle_timeout_s, self.opened_at + self.limits.deadline_s)
+            rate = self._rate_deadline()
+            return deadline if rate is None else min(deadline, rate)
         if self.state is State.RESTORING:
             assert self.restore_started is not None
             return self.restore_started + self.limits.restore_timeout_s
@@ -392,7 +443,6 @@ class Receiver:
     # -- handlers: each returns (actions, the state it moved to, or None for the table's) --
 
     def _on_chunk(self, event: ChunkArrived) -> tuple[list[Action], State | None]:
-        self.last_progress = event.now
         parsed = _parse(event.headers, self.session)
         if isinstance(parsed, str):
             return self._abort(Reason.BAD_CHUNK, parsed), None
@@ -421,6 +471,7 @@ class Receiver:
             ), None
         current.arrived += event.size
         p.received += event.size
+        self._progressed(0, p.received, event.now)
         stage = Stage(
             index=index,
             chunk=chunk,
@@ -456,9 +507,9 @@ class Receiver:
         return None
 
     def _on_staged(self, event: ChunkStaged) -> tuple[list[Action], State | None]:
-        self.last_progress = event.now
         p = self.progress
         p.staged += event.size
+        self._progressed(1, p.staged, event.now)
         actions: list[Action] = []
         if event.digest is not None:
             claimed = p.begun[event.index].ref if event.index < len(p.begun) else None
@@ -550,6 +601,14 @@ class Receiver:
             return self._abort(Reason.RESTORE_TIMEOUT, f"no restore within {self.limits.restore_timeout_s:g}s"), None
         if event.now >= self.opened_at + self.limits.deadline_s:
             return self._abort(Reason.EXPIRED, f"the session outlived {self.limits.deadline_s:g}s"), None
+        rate = self._rate_deadline()
+        if rate is not None and event.now >= rate and event.now < self.last_progress + self.limits.idle_timeout_s:
+            elapsed = event.now - self.opened_at
+            detail = (
+                f"{self.progress.received} bytes in {elapsed:.1f}s, under "
+                f"{self.limits.min_rate_bytes_per_s:g} bytes/s after {self.limits.rate_grace_s:g}s"
+            )
+            return self._abort(Reason.TOO_SLOW, detail), None
         idle = self.limits.idle_timeout_s
         return self._abort(Reason.STALLED, f"no progress for {idle:g}s ({self.progress.received} bytes arrived)"), None
 
@@ -564,7 +623,7 @@ class Receiver:
         self.reason, self.detail = reason, detail
         actions: list[Action] = [Abort(reason, detail, notify_sender=notify)]
         if self.commit is not None:  # the sender waits for an answer to its commit
-            result = HandoffResult(session=self.session, committed=False, reason=reason.value, detail=detail)
+            result = HandoffResult(session=self.session, committed=False, reason=reason.value, detail=detail[:1024])
             actions.append(Answer(result))
         return actions
 

@@ -14,6 +14,13 @@ Rules this module keeps:
   (`chunk_headers`). The commit carries the counts and `layout.payload_root` of every segment sent.
 * While chunks wait for credit, the deadline is the receiver's idle timeout from the last grant; while the
   commit is out, the commit timeout; always the session's overall deadline.
+* The receiver is not trusted. Its figures are wishes the sender's own limits bound: a credit stall lasts at
+  most `SenderLimits.credit_stall_s` whatever idle timeout the receiver announces, a chunk is at most the
+  sender's own `max_chunk_bytes` and at least its `min_chunk_bytes`, and the session's deadline is the
+  sender's. The session subject must be the one the protocol defines for that session (`Opened.subject`,
+  computed by the shell from the peer and the session id), so no receiver can make the sender publish state
+  into another subject. A commit counts only when the result names the payload the sender sent: its
+  digest, byte and segment counts equal the sender's own.
 
 States: `OPENING` → `STREAMING` (segments queued and sent as credit allows) → `COMMITTING` → `DONE`; any of
 them → `ABORTED` (the reason is `Reason`; `notify_receiver` says whether the receiver must be told).
@@ -85,6 +92,8 @@ class Reason(enum.Enum):
     BUS_ERROR = "bus_error"  # the commit request failed on the bus (no responders, connection closed)
     UNEXPECTED = "unexpected"  # a message or call this state does not take (a bug on one side)
     CANCELLED = "cancelled"  # the caller gave up, or the handoff actor is not running
+    BAD_REPLY = "bad_reply"  # the receiver's answer breaks the protocol (another session subject, a tiny chunk)
+    RESULT_MISMATCH = "result_mismatch"  # the receiver committed other bytes than sent (digest or counts differ)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +101,10 @@ class SenderLimits:
     open_timeout_s: float = 10.0
     commit_timeout_s: float = 180.0  # includes the receiver's restore
     deadline_s: float = 900.0
+    credit_stall_s: float = 30.0  # the longest wait for credit, whatever idle timeout the receiver announces
+    max_chunk_bytes: int = 1 << 30  # the most one data message may carry on the sender's bus (its max_payload)
+    # A receiver's smaller chunk is refused: 1-byte chunks would make a 32 MiB segment 33 million messages.
+    min_chunk_bytes: int = layout.MIN_SEGMENT_BYTES
 
 
 # ---- events ------------------------------------------------------------------------------------------------
@@ -101,6 +114,7 @@ class SenderLimits:
 class Opened:
     reply: HandoffOpened
     now: float
+    subject: str  # the session subject the protocol defines for `reply.session` on the peer asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +227,8 @@ class Sender:
         self.last_credit = now
         self.commit_sent: float | None = None
         self.reply: HandoffOpened | None = None
+        self.chunk_bytes = 0  # the receiver's chunk size within the sender's bounds
+        self.credit_stall_s = limits.credit_stall_s  # the receiver's idle timeout, at most the sender's own
         self.limit = 0
         self.sent = 0  # payload bytes handed out to publish
         self.produced = 0  # payload bytes of the segments queued
@@ -243,8 +259,7 @@ class Sender:
             return min(overall, self.started + self.limits.open_timeout_s)
         if self.state is State.STREAMING:
             if self.blocked:
-                assert self.reply is not None
-                return min(overall, self.last_credit + self.reply.idle_timeout_s)
+                return min(overall, self.last_credit + self.credit_stall_s)
             return overall
         if self.state is State.COMMITTING:
             assert self.commit_sent is not None
@@ -277,9 +292,17 @@ class Sender:
 
     def _on_opened(self, event: Opened) -> list[Action]:
         reply = event.reply
-        if reply.chunk_bytes < 1 or reply.credit < 0:
-            return self._abort(Reason.UNEXPECTED, "the receiver answered with no chunk size or a negative credit")
+        if reply.subject != event.subject:
+            detail = f"the receiver named session subject {reply.subject[:80]!r}, the protocol's is {event.subject!r}"
+            return self._abort(Reason.BAD_REPLY, detail, notify=False)
+        if reply.chunk_bytes < self.limits.min_chunk_bytes or reply.credit < 0:
+            detail = (
+                f"chunks of {reply.chunk_bytes} bytes (at least {self.limits.min_chunk_bytes}), credit {reply.credit}"
+            )
+            return self._abort(Reason.BAD_REPLY, detail, notify=False)
         self.reply = reply
+        self.chunk_bytes = min(reply.chunk_bytes, self.limits.max_chunk_bytes)
+        self.credit_stall_s = min(max(reply.idle_timeout_s, 0.0), self.limits.credit_stall_s)
         self.limit = reply.credit
         self.last_credit = event.now
         return []
@@ -307,7 +330,7 @@ class Sender:
         ref = SegmentRef(len(self.segments), self.produced, event.length, event.digest)
         self.segments.append(ref)
         self.produced += event.length
-        step = self.reply.chunk_bytes
+        step = self.chunk_bytes
         self._queue.extend(SendChunk(ref, c, min(step, ref.length - c)) for c in range(0, ref.length, step))
         return []
 
@@ -333,6 +356,15 @@ class Sender:
         self.result = result
         if not result.committed:
             return self._abort(Reason.COMMIT_REFUSED, f"{result.reason}: {result.detail}", notify=False)
+        sent = (self.session, self.produced, len(self.segments), layout.payload_root(self.segments))
+        said = (result.session, result.bytes, result.segments, result.payload_digest)
+        if said != sent:
+            detail = (
+                f"the receiver committed {result.bytes} bytes in {result.segments} segments, digest "
+                f"{str(result.payload_digest)[:16]}…; sent {self.produced} bytes in {len(self.segments)}, "
+                f"digest {sent[3][:16]}…"
+            )
+            return self._abort(Reason.RESULT_MISMATCH, detail, notify=False)
         return [Finished(result)]
 
     def _on_tick(self, event: Tick) -> list[Action]:
@@ -345,8 +377,7 @@ class Sender:
             return self._abort(Reason.OPEN_TIMEOUT, f"no answer to the open within {self.limits.open_timeout_s:g}s")
         if self.state is State.COMMITTING:
             return self._abort(Reason.COMMIT_TIMEOUT, f"no result within {self.limits.commit_timeout_s:g}s")
-        assert self.reply is not None
-        detail = f"no credit for {self.reply.idle_timeout_s:g}s ({self.sent} bytes sent, {self.limit} granted)"
+        detail = f"no credit for {self.credit_stall_s:g}s ({self.sent} bytes sent, {self.limit} granted)"
         return self._abort(Reason.RECEIVER_STALLED, detail)
 
     def _on_failed(self, event: Failed) -> list[Action]:

@@ -21,6 +21,7 @@ from messages.handoff import HandoffCommit, HandoffOpen, HandoffOpened, SegmentS
 CHUNK = 1000
 LIMITS = rx.ReceiverLimits(chunk_bytes=CHUNK, window_bytes=4 * CHUNK, idle_timeout_s=5.0, deadline_s=100.0)
 IDENTITY = "ab" * 32
+SENDER = tx.SenderLimits(min_chunk_bytes=1)  # chunks of CHUNK bytes keep these tests small
 
 
 def _segments(sizes: list[int], seed: int = 1) -> list[bytes]:
@@ -213,10 +214,11 @@ def test_faults_are_refused_by_name_and_nothing_is_restored(fault: str, reason: 
 def test_stalled_sender_is_aborted_at_the_deadline_the_core_names() -> None:
     segs = _segments(SIZES)
     wire = Wire(_open(segs), segs)
-    wire.segment(0)
+    wire.segment(0)  # 1000 + 1000 + 500 bytes: the short tail is no step of progress (a trickle would be)
     deadline = wire.core.next_deadline
     assert deadline is not None
-    assert deadline == pytest.approx(wire.now + LIMITS.idle_timeout_s)
+    assert wire.core.last_progress == pytest.approx(wire.now - 0.01)
+    assert deadline == pytest.approx(wire.core.last_progress + LIMITS.idle_timeout_s)
     assert wire.core.handle(rx.Tick(deadline - 0.001)) == []
     [abort] = wire.core.handle(rx.Tick(deadline))
     assert isinstance(abort, rx.Abort) and abort.reason is rx.Reason.STALLED
@@ -245,11 +247,11 @@ def test_open_is_refused_when_the_layout_lies_or_limits_are_reached() -> None:
 def test_sender_never_publishes_past_its_credit_and_commits_the_root_of_what_it_sent() -> None:
     segs = _segments([3500, 1800])
     open_ = _open(segs, announce=False)
-    sender = tx.Sender(open_, tx.SenderLimits(), now=0.0)
+    sender = tx.Sender(open_, SENDER, now=0.0)
     reply = HandoffOpened(
         session="s" * 32, subject="x", chunk_bytes=CHUNK, credit=2 * CHUNK, idle_timeout_s=5, deadline_s=9
     )
-    sender.handle(tx.Opened(reply, 0.0))
+    sender.handle(tx.Opened(reply, 0.0, "x"))
     receiver = rx.Receiver("s" * 32, open_, LIMITS, now=0.0)
     hasher = blake3.blake3()
     published = 0
@@ -281,11 +283,11 @@ def test_sender_never_publishes_past_its_credit_and_commits_the_root_of_what_it_
 
 def test_sender_gives_up_when_no_credit_comes() -> None:
     segs = _segments([5000])
-    sender = tx.Sender(_open(segs, announce=False), tx.SenderLimits(), now=0.0)
+    sender = tx.Sender(_open(segs, announce=False), SENDER, now=0.0)
     reply = HandoffOpened(
         session="s" * 32, subject="x", chunk_bytes=CHUNK, credit=CHUNK, idle_timeout_s=2, deadline_s=9
     )
-    sender.handle(tx.Opened(reply, 0.0))
+    sender.handle(tx.Opened(reply, 0.0, "x"))
     sender.handle(tx.SegmentReady(5000, blake3.blake3(segs[0]).hexdigest(), 0.0))
     assert len(sender.sendable()) == 1 and sender.blocked
     [abort] = sender.handle(tx.Tick(2.0))
