@@ -17,6 +17,14 @@ from messages.memory import DeviceMemory, MemoryBreakdown
 from messages.settings import CacheType, ServingSettings
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+#: A node id as a request names it: one subject token (what `messages.subjects.check_token` accepts).
+NodeId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+#: A registry entry name: a KV key (dot-separated tokens of `-/_=` and alphanumerics, no empty token).
+RegistryName = Annotated[str, msgspec.Meta(max_length=255, pattern=r"^[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*$")]
+#: A client's correlation id, echoed in the decision: bounded so that a decision always fits a reply.
+RequestId = Annotated[str, msgspec.Meta(max_length=256)]
+#: The most nodes one request may name (a decision lists a refusal for each one it did not choose).
+MAX_REQUEST_NODES = 1024
 
 #: Machine-readable reasons a node (or the whole request) was refused.
 RejectReason = Literal[
@@ -33,6 +41,7 @@ RejectReason = Literal[
     "reservation_conflict",  # another placement took the memory first, repeatedly
     "ledger_unreadable",  # the node's reservation ledger does not decode: nothing is booked there
     "multi_node_unsupported",  # the request allows a split over nodes: split (RPC) serving is not built
+    "hold_too_long",  # hold_s is over the placement node's maximum (`--max-hold`)
 ]
 
 
@@ -40,7 +49,7 @@ class ModelRef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     """A model: a GGUF path readable by the placement actor, or a signed registry entry (by name)."""
 
     path: str | None = None
-    registry: str | None = None
+    registry: RegistryName | None = None
 
 
 class PreferredSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -61,14 +70,15 @@ class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     model: ModelRef
     ctx: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] | None = None  # -c; omit with max_ctx
     max_ctx: bool = False  # admit the largest context that fits (ctx, if given, is the minimum)
-    nodes: tuple[str, ...] = ()  # only these nodes (default: any live node)
+    nodes: Annotated[tuple[NodeId, ...], msgspec.Meta(max_length=MAX_REQUEST_NODES)] = ()  # only these (default: any)
     settings: PreferredSettings | None = None
     n_gpu_layers: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -ngl; -1 = all layers on GPUs when there are GPUs
     allow_multi_node: bool = False  # true is refused (multi_node_unsupported): split serving is not built
     # A reservation no runner claimed within this many seconds (on each placement actor's own clock, from when
-    # it first saw the reservation) expires; a claimed one is held while its instance lives.
+    # it first saw the reservation) expires; a claimed one is held while its instance lives. Each placement node
+    # refuses a hold over its own maximum (`hold_too_long`; `--max-hold`, default 3600 s).
     hold_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 600.0
-    request_id: str | None = None  # the client's own correlation id, echoed in the decision
+    request_id: RequestId | None = None  # the client's own correlation id, echoed in the decision
 
 
 class Stamp(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

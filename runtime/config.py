@@ -72,6 +72,7 @@ class NodeConfig:
     health_probe_interval_s: float = 30.0  # a ready, idle server with no successful completion this long is probed
     health_probe_timeout_s: float = 30.0  # a probe (one token) must answer within this
     frontdoor_grouping: bool = True  # group a model's requests while a swap is pending (off: arrival order)
+    max_hold_s: float = 3600.0  # the longest unclaimed hold placement grants a request (longer: hold_too_long)
 
     @property
     def subjects(self) -> Subjects:
@@ -229,6 +230,7 @@ _OPTIONS: dict[str, Callable[[Any], Any]] = {
     "health_probe_interval": _positive_float,
     "health_probe_timeout": _positive_float,
     "frontdoor_grouping": _bool,
+    "max_hold": _positive_float,
     "nats": _urls,
     "nats_user": str,
     "nats_password": str,
@@ -389,6 +391,7 @@ def load_config(
         health_probe_interval_s=values.get("health_probe_interval", 30.0),
         health_probe_timeout_s=values.get("health_probe_timeout", 30.0),
         frontdoor_grouping=values.get("frontdoor_grouping", True),
+        max_hold_s=values.get("max_hold", 3600.0),
     )
 
 

@@ -246,7 +246,12 @@ async def run_node(
             handoff = HandoffActor(config.node_id, config.data_dir, restore=into_l3(l3))
             actors: list[Actor] = [
                 TelemetryActor(facts, settings_source=serving.get, interval_s=config.telemetry_interval_s),
-                PlacementActor(trusted_registry_keys=config.registry_keys, models_dir=models_dir, digests=digests),
+                PlacementActor(
+                    trusted_registry_keys=config.registry_keys,
+                    models_dir=models_dir,
+                    digests=digests,
+                    max_hold_s=config.max_hold_s,
+                ),
                 RunnerActor(
                     config.node_id,
                     config.data_dir,

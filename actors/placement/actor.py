@@ -49,6 +49,7 @@ from actors.placement.reservations import (
     apply,
     released_by_event,
 )
+from messages.errors import INTERNAL
 from messages.events import (
     DecisionInputs,
     DriftRejected,
@@ -71,8 +72,8 @@ from messages.placement import (
 from messages.runner import InstanceStatus
 from messages.telemetry import NodeResources
 from runtime import buckets
-from runtime.actor import Actor, ActorContext
-from runtime.bus import BadMessage, decode_checked, encode
+from runtime.actor import Actor, ActorContext, RequestError
+from runtime.bus import BadMessage, PayloadTooLarge, decode_checked, encode
 from runtime.logging import get_logger
 from runtime.model_files import FileDigests
 
@@ -92,6 +93,8 @@ SUMMARY_REJECTIONS = 8
 #: Refusals that depend on a ledger, re-checked against the bucket when decided from the local copy.
 _LEDGER_REASONS = frozenset({"insufficient_memory", "ledger_unreadable"})
 _CHANGE_DEADLINE_S = 10.0
+#: The longest unclaimed hold a request may ask for, unless the node says otherwise (`--max-hold`).
+MAX_HOLD_S = 3600.0
 
 
 #: The runner events that change a reservation.
@@ -141,10 +144,13 @@ class PlacementActor(Actor):
         sweep_interval_s: float = 2.0,
         claim_grace_s: float = 30.0,
         inline_event_bytes: int = INLINE_EVENT_BYTES,
+        max_hold_s: float = MAX_HOLD_S,
     ) -> None:
         """`models_dir`: where relative model paths live (as for the runner); without one they are refused.
         `sweep_interval_s`: how often reservations are reconciled. `claim_grace_s`: how long a claimed
-        reservation is held before its instance's record first appears."""
+        reservation is held before its instance's record first appears. `max_hold_s`: the longest unclaimed
+        hold a request may ask for (longer: refused with `hold_too_long`)."""
+        self._max_hold_s = max_hold_s
         self._clock = clock
         self._monotonic = monotonic
         self._max_attempts = max_attempts
@@ -263,6 +269,14 @@ class PlacementActor(Actor):
     async def place(self, ctx: ActorContext, request: PlacementRequest, *, dry_run: bool) -> PlacementDecision:
         decision_id = uuid.uuid4().hex
         now = self._clock()
+        if request.hold_s > self._max_hold_s:
+            # A policy of this node, checked before anything is read (not journaled: no node was considered, and
+            # replay, which does not know the node's limit, would decide it differently).
+            message = f"hold_s {request.hold_s:g} is over this placement node's maximum of {self._max_hold_s:g}s"
+            ctx.log.info("placement_hold_refused", hold_s=request.hold_s, max_hold_s=self._max_hold_s)
+            return rejected(
+                request, "hold_too_long", message, decision_id=decision_id, now=now, dry_run=dry_run, view=self._view
+            )
         try:
             facts = await self.models.facts(request.model, self._registry)
         except ModelProblem as exc:
@@ -313,17 +327,48 @@ class PlacementActor(Actor):
                 await self._journal(ctx, request, inputs.view, inputs.held, facts, conflict, inputs.unreadable)
             return conflict
         assert decided is not None  # max_attempts >= 1
-        if not dry_run and decided.inputs is not None:
-            inputs = decided.inputs
-            await self._journal(ctx, request, inputs.view, inputs.held, facts, outcome.decision, inputs.unreadable)
-            ctx.log.info(
-                "placement_decided",
-                decision=decision_id,
-                admitted=outcome.decision.admitted,
-                reason=outcome.decision.reason,
-                message=outcome.decision.message,
-            )
+        booked = outcome.reservations if not dry_run else ()
+        try:
+            if not dry_run and decided.inputs is not None:
+                inputs = decided.inputs
+                await self._journal(ctx, request, inputs.view, inputs.held, facts, outcome.decision, inputs.unreadable)
+                ctx.log.info(
+                    "placement_decided",
+                    decision=decision_id,
+                    admitted=outcome.decision.admitted,
+                    reason=outcome.decision.reason,
+                    message=outcome.decision.message,
+                )
+            # Checked here, where the booking can still be taken back: the shell would only fail to send it.
+            ctx.bus.check_size(ctx.subjects.placement_request, encode(outcome.decision))
+        except PayloadTooLarge as exc:
+            self._undo_later(ctx, booked, decision_id)
+            raise RequestError(INTERNAL, f"the decision cannot be sent ({exc}); nothing stays booked") from exc
+        except BaseException:
+            # Cancelled at the request deadline (or failed) after booking: the requester never learns of the
+            # reservation, so nobody would start it; released now rather than when its hold ends.
+            self._undo_later(ctx, booked, decision_id)
+            raise
         return outcome.decision
+
+    def _undo_later(self, ctx: ActorContext, booked: tuple[Reservation, ...], decision_id: str) -> None:
+        """Releases `booked` in a task of its own (the caller may be cancelled: it must not wait)."""
+        if not booked:
+            return
+        try:
+            ctx.spawn(self._undo(ctx, booked), f"undo:{decision_id}")
+        except RuntimeError:  # the incarnation is ending: the reservations expire after their hold instead
+            ctx.log.warning("undelivered_release_skipped", decision=decision_id)
+
+    async def _undo(self, ctx: ActorContext, booked: tuple[Reservation, ...]) -> None:
+        """Releases the reservations of a decision that was not delivered (only while still unclaimed)."""
+        for done in booked:
+            release = Release(done.node_id, done.reservation_id, "undelivered", seen=("reserved", None))
+            try:
+                await self._make(ctx, release)
+            except (nats.errors.Error, TimeoutError) as exc:  # left to expire after its hold
+                ctx.log.error("undelivered_release_failed", node=done.node_id, reservation=done.reservation_id,
+                              error=repr(exc))  # fmt: skip
 
     async def _decide(
         self,

@@ -49,6 +49,7 @@ ReleaseReason = Literal[
     "node_restarted",  # the node process that ran it has restarted (its runner took its servers down)
     "instance_gone",  # the instance's record disappeared or never appeared: its runner is gone
     "rolled_back",  # the booking that made it failed half-way
+    "undelivered",  # its decision could not be sent (too large, or the request's deadline passed first)
 ]
 
 _FINAL: dict[str, ReleaseReason] = {"stopped": "stopped", "failed": "failed", "rejected": "rejected"}

@@ -120,6 +120,12 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     run.add_argument(
         "--models-dir", metavar="DIR", help="where relative model paths are found (default DATA_DIR/models)"
     )
+    run.add_argument(
+        "--max-hold",
+        type=float,
+        metavar="S",
+        help="the longest a placement request may hold memory unclaimed (default 3600; longer: hold_too_long)",
+    )
     run.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     run.add_argument(
         "--l3-budget",
@@ -191,6 +197,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "health_probe_interval": args.health_probe_interval,
         "health_probe_timeout": args.health_probe_timeout,
         "frontdoor_grouping": args.frontdoor_grouping,
+        "max_hold": args.max_hold,
         "prefix": args.prefix,
         "nats": ",".join(args.nats) if args.nats else None,
         "nats_user": args.nats_user,
