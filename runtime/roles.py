@@ -1,12 +1,31 @@
-"""Roles: what each kind of credential may do on the bus, as the permission block nats-server enforces.
+"""Roles: what each kind of credential may do on the bus, as the accounts and permissions nats-server enforces.
 
-Pure: from a mesh's `Subjects` (its prefix) and a role, the `permissions` of one user in nats-server's
-`authorization { users = [...] }`. Nothing in our code checks these rights; nats-server does, so a refusal
-is the server's (`Permissions Violation`) and no actor is a security boundary.
+Pure: from a mesh's `Subjects` (its prefix) and its users, nats-server's `accounts` block. Nothing in our code
+checks these rights; nats-server does, so a refusal is the server's (`Permissions Violation`, or no responders
+where an account has no route to a subject) and no actor is a security boundary.
 
-- `client` requests `placement.request`, `placement.fit` and `generate`, answers the stream pings of a
-  generate, and reads the buckets and the journal (the JetStream calls that reading needs: stream info,
-  ephemeral consumers, direct gets, flow control). It writes nothing and serves nothing.
+Two accounts. `MESH` holds the admin and the nodes, the mesh's subjects and its JetStream. `CLIENTS` holds the
+`client` users and nothing else: no JetStream of its own, and no subject of the mesh's but what it imports. So
+a reply subject a client names is a subject of `CLIENTS`: a node's answer to it, or JetStream's, cannot land
+in a ledger, a record or an event stream (the confused deputy of a shared account), whatever the subject says.
+Across the boundary (`accounts`):
+
+- `MESH` exports as services, to `CLIENTS` only, what a client may request: `placement.request`,
+  `placement.fit`, `generate`, and the read-only JetStream calls on the mesh's streams (account and stream
+  info, stored-message and direct gets; a batched direct get answers with a stream of messages). Answers go
+  back through nats-server's reply mapping (`_R_.…` on the mesh's side). No consumer API is exported: a
+  consumer's deliver subject is a publish target in `MESH`, and durable consumers are the mesh's. So a client
+  creates, changes and deletes no consumer at all.
+- `MESH` exports the journal's subjects (`<prefix>.events.>`) as a stream: a client following the journal
+  hears new events live (and reads what is stored through direct gets).
+- Each client's inbox `_INBOX.<user>.>` is exported by `CLIENTS` to `MESH` and imported there under the same
+  name: a generate's chunks and stream pings (a runner publishes them to the client's inbox) reach that client,
+  and its answers to the pings flow back. Nothing else in `MESH` routes to `CLIENTS`.
+
+Within an account, each user's `permissions`:
+
+- `client` requests `placement.request`, `placement.fit` and `generate` and the read-only JetStream calls above,
+  answers the stream pings of a generate, and subscribes to its own inbox and the journal's live subjects.
 - `node:<id>` publishes only its own telemetry, serving reports, events (`<prefix>.events.*.*.<id>`) and
   bucket keys (`MESH_NODES.<id>`, `MESH_L3.<id>`, `MESH_INSTANCES.<id>.>`), serves its own runner, L3 and
   handoff subjects and the queue groups every node serves (placement, generate), and requests other nodes'
@@ -24,6 +43,7 @@ name), so no client can read another's replies.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -32,6 +52,17 @@ from messages.subjects import Subjects, check_token
 RoleKind = Literal["client", "node", "admin"]
 ROLE_KINDS: Final = ("client", "node", "admin")
 INBOX_ROOT: Final = "_INBOX"
+
+MESH_ACCOUNT: Final = "MESH"
+CLIENT_ACCOUNT: Final = "CLIENTS"
+
+#: How long nats-server keeps the way back for a client's request open: a generation may take its whole
+#: `timeout_s` (at most an hour) before the router answers, placement a few of its request deadlines.
+GENERATE_REPLY_WITHIN: Final = "3660s"
+PLACEMENT_REPLY_WITHIN: Final = "300s"
+#: A batched direct get answers with many messages, so its way back stays open until this passes (not until
+#: the first answer): long enough for one batch, short enough that many reads do not pile up mappings.
+BATCH_REPLY_WITHIN: Final = "30s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +91,11 @@ class Role:
     def __str__(self) -> str:
         return f"node:{self.node}" if self.node else self.kind
 
+    @property
+    def account(self) -> str:
+        """The NATS account a user of this role lives in."""
+        return CLIENT_ACCOUNT if self.kind == "client" else MESH_ACCOUNT
+
 
 def inbox_prefix(user: str) -> str:
     """Where `user` receives replies: `_INBOX.<user>` (a user name that is one subject token)."""
@@ -81,22 +117,45 @@ def _streams(subjects: Subjects) -> dict[str, str]:
     }
 
 
+def _gets(streams: list[str]) -> list[tuple[str, bool]]:
+    """The read-only JetStream calls on these streams, each with whether its answer is a stream of messages:
+    account info, stream info, stored-message gets and direct gets (batched: many answers)."""
+    calls = [("$JS.API.INFO", False)]
+    for s in streams:
+        calls += [
+            (f"$JS.API.STREAM.INFO.{s}", False),
+            (f"$JS.API.STREAM.MSG.GET.{s}", False),
+            (f"$JS.API.DIRECT.GET.{s}", True),
+            (f"$JS.API.DIRECT.GET.{s}.>", True),
+        ]
+    return calls
+
+
 def _reading(streams: list[str]) -> list[str]:
-    """Publish rights that reading these streams needs: their info, ephemeral (ordered) consumers, direct and
-    stored-message gets, the consumers' flow control, and the account info a client may check first."""
-    rights = ["$JS.API.INFO"]
+    """Publish rights that reading these streams needs in the mesh's own account: the gets, ephemeral
+    (ordered) consumers and their flow control."""
+    rights = [subject for subject, _ in _gets(streams)]
     for s in streams:
         rights += [
-            f"$JS.API.STREAM.INFO.{s}",
             f"$JS.API.CONSUMER.CREATE.{s}",
             f"$JS.API.CONSUMER.CREATE.{s}.>",
             f"$JS.API.CONSUMER.INFO.{s}.*",
-            f"$JS.API.DIRECT.GET.{s}",
-            f"$JS.API.DIRECT.GET.{s}.>",
-            f"$JS.API.STREAM.MSG.GET.{s}",
             f"$JS.FC.{s}.>",
         ]
     return rights
+
+
+def client_requests(subjects: Subjects) -> list[tuple[str, str | None, str | None]]:
+    """What `CLIENTS` imports from `MESH` as services: (subject, response type, reply threshold), None for
+    nats-server's defaults (one answer, within two minutes)."""
+    services: list[tuple[str, str | None, str | None]] = [
+        (subjects.placement_request, None, PLACEMENT_REPLY_WITHIN),
+        (subjects.placement_fit, None, PLACEMENT_REPLY_WITHIN),
+        (subjects.generate, None, GENERATE_REPLY_WITHIN),
+    ]
+    for subject, batched in _gets(list(_streams(subjects).values())):
+        services.append((subject, "stream", BATCH_REPLY_WITHIN) if batched else (subject, None, None))
+    return services
 
 
 def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | None:
@@ -107,11 +166,10 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
     streams = _streams(subjects)
     inbox = f"{inbox_prefix(user)}.>"
     if role.kind == "client":
-        publish = [subjects.placement_request, subjects.placement_fit, subjects.generate]
-        publish += _reading(list(streams.values()))
+        # What its account imports, named again: a second wall if an import were ever widened by mistake.
         return {
-            "publish": {"allow": publish},
-            "subscribe": {"allow": [inbox]},
+            "publish": {"allow": [subject for subject, _, _ in client_requests(subjects)]},
+            "subscribe": {"allow": [inbox, subjects.events_all]},
             "allow_responses": True,  # answering a generate's stream pings (a reply to a request received)
         }
     node = role.node
@@ -163,7 +221,7 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
         subjects.generate,
         subjects.serving_all,  # routers read every node's serving reports
         subjects.telemetry_all,
-        subjects.event("handoff", "link_measured", "*"),  # routers learn links from every node's probes
+        subjects.events_all,  # routers learn links from every node's probes; `events --follow` hears new ones
         "$SRV.>",  # NATS micro discovery of this node's services
         inbox,
     ]
@@ -176,9 +234,47 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
 
 
 def user_entry(subjects: Subjects, role: Role, user: str, password: str) -> dict[str, Any]:
-    """One entry of `authorization.users` in the nats-server config."""
+    """One entry of an account's `users` in the nats-server config."""
     entry: dict[str, Any] = {"user": user, "password": password}
     rights = permissions(subjects, role, user)
     if rights is not None:
         entry["permissions"] = rights
     return entry
+
+
+def _service(subject: str, response: str | None, threshold: str | None, account: str) -> dict[str, Any]:
+    export: dict[str, Any] = {"service": subject, "accounts": [account]}
+    if response is not None:
+        export["response_type"] = response
+    if threshold is not None:
+        export["response_threshold"] = threshold
+    return export
+
+
+def accounts(subjects: Subjects, users: Sequence[tuple[Role, str, str]]) -> dict[str, Any]:
+    """nats-server's `accounts` block for these users `(role, user, password)`: `MESH` (admin and nodes, with
+    JetStream) and `CLIENTS` (clients), and what crosses between them (see the module's docstring)."""
+    mesh_users = [user_entry(subjects, role, user, pw) for role, user, pw in users if role.account == MESH_ACCOUNT]
+    clients = [(role, user, pw) for role, user, pw in users if role.account == CLIENT_ACCOUNT]
+    requests = client_requests(subjects)
+    mesh_exports = [_service(subject, rt, within, CLIENT_ACCOUNT) for subject, rt, within in requests]
+    mesh_exports.append({"stream": subjects.events_all, "accounts": [CLIENT_ACCOUNT]})
+    client_imports: list[dict[str, Any]] = [
+        {"service": {"account": MESH_ACCOUNT, "subject": subject}} for subject, _, _ in requests
+    ]
+    client_imports.append({"stream": {"account": MESH_ACCOUNT, "subject": subjects.events_all}})
+    inboxes = [f"{inbox_prefix(user)}.>" for _, user, _ in clients]
+    return {
+        MESH_ACCOUNT: {
+            "users": mesh_users,
+            "jetstream": "enabled",
+            "exports": mesh_exports,
+            # A runner publishes a generate's chunks and pings to the client's inbox, named as in its account.
+            "imports": [{"service": {"account": CLIENT_ACCOUNT, "subject": inbox}} for inbox in inboxes],
+        },
+        CLIENT_ACCOUNT: {
+            "users": [user_entry(subjects, role, user, pw) for role, user, pw in clients],
+            "exports": [{"service": inbox, "accounts": [MESH_ACCOUNT]} for inbox in inboxes],
+            "imports": client_imports,
+        },
+    }

@@ -7,7 +7,6 @@ Events are shown as stored, decoded as JSON without a schema, so events of a new
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
@@ -15,13 +14,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import nats.errors
-from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from messages.subjects import Subjects
 from runtime.bus import Bus
 from runtime.cli.common import EXIT_USAGE, CliError, add_client_options, connect, emit_json, prefix
+from runtime.direct_get import DirectGetFailed, follow_stored, read_stored
 
 _RELATIVE = re.compile(r"^(\d+)([smhd])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
@@ -88,13 +86,12 @@ def _summary(event: Any) -> str:
     return f"{event.get('node', '?')} {event.get('type', '?')} " + " ".join(parts)
 
 
-def _consumer_config(since: str | None) -> ConsumerConfig:
+def _start(since: str | None) -> tuple[int, datetime | None]:
+    """Where reading starts: a stream sequence, or a time (then the sequence is unused)."""
     if not since:
-        return ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+        return 1, None
     seq, when = parse_since(since, datetime.now(UTC))
-    if seq is not None:
-        return ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, seq))
-    return ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=when)
+    return (max(1, seq), None) if seq is not None else (1, when)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,34 +103,26 @@ class StoredEvent:
 
 
 async def read_events(
-    bus: Bus, subjects: Subjects, pattern: str | None, *, since: str | None, follow: bool, idle_s: float = 2.0
+    bus: Bus, subjects: Subjects, pattern: str | None, *, since: str | None, follow: bool
 ) -> AsyncIterator[StoredEvent]:
-    """Stored events matching `pattern`, oldest first; without `follow`, stops once caught up."""
-    config = _consumer_config(since)
+    """Stored events matching `pattern`, oldest first; without `follow`, stops once caught up.
+
+    Read with direct gets (`runtime.direct_get`), never a consumer: a client's account has no consumer API."""
+    start_seq, start_time = _start(since)
     try:
         info = await bus.js.stream_info(subjects.events_stream)
     except NotFoundError as exc:
         raise CliError(f"no journal: stream {subjects.events_stream} does not exist yet") from exc
     if info.state.messages == 0 and not follow:
         return
-    sub = await bus.js.subscribe(
-        _filter(subjects, pattern), stream=subjects.events_stream, ordered_consumer=True, config=config
-    )
+    read = follow_stored if follow else read_stored
     try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=3600 if follow else idle_s)
-            except (TimeoutError, nats.errors.TimeoutError):
-                if follow:
-                    continue
-                return
-            meta = msg.metadata
-            yield StoredEvent(meta.sequence.stream, msg.subject, meta.timestamp, msg.data)
-            if not follow and meta.num_pending == 0:
-                return
-    finally:
-        with contextlib.suppress(nats.errors.Error):
-            await sub.unsubscribe()
+        async for stored in read(
+            bus, subjects.events_stream, _filter(subjects, pattern), start_seq=start_seq, start_time=start_time
+        ):
+            yield StoredEvent(stored.seq, stored.subject, stored.time, stored.data)
+    except DirectGetFailed as exc:
+        raise CliError(f"{exc} (the journal needs allow_direct: a node started with admin rights sets it)") from exc
 
 
 async def cmd_events(args: argparse.Namespace) -> int:

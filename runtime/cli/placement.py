@@ -16,7 +16,6 @@ from typing import Any
 
 import msgspec
 import nacl.signing
-import nats.js.errors
 import nkeys
 
 from actors.placement import decision_records
@@ -331,24 +330,15 @@ async def cmd_registry_add(args: argparse.Namespace) -> int:
 
 async def cmd_registry_list(args: argparse.Namespace) -> int:
     bus = await connect(args, "registry")
-    entries: list[RegistryEntry] = []
-    try:
-        kv = await buckets.registry(bus, Subjects(prefix(args)))
-        try:
-            keys = await kv.keys()
-        except nats.js.errors.NoKeysError:
-            keys = []
-        for key in sorted(keys):
-            value = (await kv.get(key)).value
-            if value:
-                try:
-                    entries.append(decode_checked(value, RegistryEntry, f"registry entry {key}"))
-                except BadMessage as exc:
-                    print(f"mesh-actor: warning: {exc}", file=sys.stderr)
+    try:  # read without a consumer (a client's account has none); a missing registry is empty
+        found, warnings = await buckets.read_all(bus, Subjects(prefix(args)).registry_bucket, RegistryEntry)
     except RemoteError as exc:
         raise CliError(str(exc)) from exc
     finally:
         await bus.close()
+    for warning in warnings:
+        print(f"mesh-actor: warning: {warning}", file=sys.stderr)
+    entries = [entry for _, entry in found]
     if args.json:
         rows = [msgspec.to_builtins(e) for e in entries]
         for row in rows:

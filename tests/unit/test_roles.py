@@ -6,7 +6,7 @@ import pytest
 
 from actors.placement.decision_records import store_name
 from messages.subjects import Subjects
-from runtime.roles import Role, inbox_prefix, permissions, user_entry
+from runtime.roles import CLIENT_ACCOUNT, MESH_ACCOUNT, Role, accounts, inbox_prefix, permissions, user_entry
 
 
 def _match(pattern: str, subject: str) -> bool:
@@ -51,8 +51,52 @@ def test_client_requests_placement_and_generate_and_reads_but_writes_nothing() -
         "mesh.placement.request",  # another prefix's mesh
     ):
         assert not allowed(rights, "publish", subject), subject
-    assert rights["subscribe"] == {"allow": ["_INBOX.client-1.>"]}
+    for subject in (  # no consumer of its own, none of the mesh's created or changed
+        "$JS.API.CONSUMER.CREATE.LAB_A_EVENTS",
+        "$JS.API.CONSUMER.CREATE.LAB_A_EVENTS.placement",
+        "$JS.API.CONSUMER.DURABLE.CREATE.LAB_A_EVENTS.placement",
+        "$JS.API.CONSUMER.DELETE.LAB_A_EVENTS.placement",
+        "$JS.FC.LAB_A_EVENTS.x",
+    ):
+        assert not allowed(rights, "publish", subject), subject
+    assert rights["subscribe"] == {"allow": ["_INBOX.client-1.>", S.events_all]}
     assert not allowed(rights, "subscribe", S.runner("n1", "start"))
+
+
+def test_clients_live_in_their_own_account_and_import_only_what_they_may_request() -> None:
+    users = [
+        (Role("admin"), "mesh", "pw0"),
+        (Role("node", "n1"), "node-n1", "pw1"),
+        (Role("client"), "client-1", "pw2"),
+        (Role("client"), "client-2", "pw3"),
+    ]
+    block = accounts(S, users)
+    assert set(block) == {MESH_ACCOUNT, CLIENT_ACCOUNT}
+    mesh, clients = block[MESH_ACCOUNT], block[CLIENT_ACCOUNT]
+    assert [u["user"] for u in mesh["users"]] == ["mesh", "node-n1"]
+    assert [u["user"] for u in clients["users"]] == ["client-1", "client-2"]
+    assert mesh["jetstream"] == "enabled" and "jetstream" not in clients  # no consumers, no streams of its own
+    imported = {i["service"]["subject"] for i in clients["imports"] if "service" in i}
+    assert all(i["service"]["account"] == MESH_ACCOUNT for i in clients["imports"] if "service" in i)
+    # What a client requested before the accounts: placement, generate, the reads of the mesh's streams.
+    assert {S.placement_request, S.placement_fit, S.generate, "$JS.API.INFO"} <= imported
+    assert "$JS.API.DIRECT.GET.LAB_A_EVENTS" in imported
+    assert not [s for s in imported if ".CONSUMER." in s or s.startswith(("$KV.", "$O.", "$JS.ACK", "$JS.FC"))]
+    assert not [s for s in imported if S.runner("n1", "start") == s or ".l3." in s or ".handoff." in s]
+    assert imported == set(permissions(S, Role("client"), "client-1")["publish"]["allow"])  # type: ignore[index]
+    streams = [i["stream"] for i in clients["imports"] if "stream" in i]
+    assert streams == [{"account": MESH_ACCOUNT, "subject": S.events_all}]
+    exported = {e["service"]: e for e in mesh["exports"] if "service" in e}
+    assert set(exported) == imported and all(e["accounts"] == [CLIENT_ACCOUNT] for e in mesh["exports"])
+    assert exported["$JS.API.DIRECT.GET.LAB_A_EVENTS"]["response_type"] == "stream"  # batches answer many times
+    assert "response_type" not in exported[S.placement_fit]
+    # Long enough for the longest generation (timeout_s up to an hour) to be answered.
+    assert exported[S.generate]["response_threshold"] == "3660s"
+    # The way back for a generate's chunks and pings: each client's inbox, and nothing else of the mesh's.
+    inboxes = ["_INBOX.client-1.>", "_INBOX.client-2.>"]
+    assert [i["service"] for i in mesh["imports"]] == [{"account": CLIENT_ACCOUNT, "subject": s} for s in inboxes]
+    assert [e["service"] for e in clients["exports"]] == inboxes
+    assert all(e["accounts"] == [MESH_ACCOUNT] for e in clients["exports"])
 
 
 def test_a_node_publishes_only_its_own_telemetry_events_and_keys() -> None:
@@ -93,6 +137,7 @@ def test_a_node_publishes_only_its_own_telemetry_events_and_keys() -> None:
     serves = (S.runner("n1", "start"), S.l3("n1", "segment"), S.handoff("n1", "probe"), S.generate, S.placement_request)
     for subject in (*serves, S.event("handoff", "link_measured", "n2"), "$SRV.PING"):
         assert allowed(rights, "subscribe", subject), subject
+    assert allowed(rights, "subscribe", S.events_all)  # `events --follow` hears new events live
     for subject in (S.runner("n2", "start"), S.l3("n2", "segment"), "_INBOX.client-1.x"):
         assert not allowed(rights, "subscribe", subject), subject
 
