@@ -184,6 +184,12 @@ def _is_token(text: str) -> bool:
     return True
 
 
+def inbox_prefix_of(options: NatsOptions) -> str | None:
+    """Where a connection as `options` receives replies: `_INBOX.<user>` for a user whose name is one subject
+    token (a role's user may read no other inbox), else None (the client library's default)."""
+    return inbox_prefix(options.user) if options.user and _is_token(options.user) else None
+
+
 def _tls_context(options: NatsOptions) -> ssl.SSLContext | None:
     if not (options.tls_ca or options.tls_cert):
         return None
@@ -242,8 +248,9 @@ class Bus:
         if options.user:
             kwargs["user"] = options.user
             kwargs["password"] = options.password or ""
-            if _is_token(options.user):  # replies on the user's own inbox, the only one its role may read
-                kwargs["inbox_prefix"] = inbox_prefix(options.user)
+        prefix = inbox_prefix_of(options)
+        if prefix is not None:  # replies on the user's own inbox, the only one its role may read
+            kwargs["inbox_prefix"] = prefix
         try:
             tls = _tls_context(options)
         except (OSError, ssl.SSLError) as exc:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from runtime.bus import Bus, BusError
+from runtime.bus import Bus, BusError, inbox_prefix_of
 from runtime.config import (
     CONFIG_FILE,
     ConfigError,
@@ -23,7 +24,7 @@ from runtime.config import (
     load_config,
     read_password_file,
 )
-from runtime.creds import CredentialsError, with_creds_file
+from runtime.creds import CredentialsError, with_creds_file, write_private
 from runtime.embedded import EmbeddedNatsError, read_credentials
 
 EXIT_OK = 0
@@ -181,3 +182,49 @@ async def connect(args: argparse.Namespace, name: str) -> Bus:
 def emit_json(value: Any) -> None:
     sys.stdout.write(json.dumps(value, indent=None, sort_keys=False) + "\n")
     sys.stdout.flush()
+
+
+def connection_record(options: NatsOptions) -> dict[str, str]:
+    """How any NATS client connects as `options` says: URL(s), credentials, TLS CA, and the inbox prefix the
+    user must receive replies on (`_INBOX.<user>`: its role may subscribe to nothing else, so a client that
+    keeps the default `_INBOX.` waits for answers that never come)."""
+    record: dict[str, str] = {"url": ",".join(options.urls)}
+    if options.creds_file:
+        record["creds"] = options.creds_file
+    elif options.token:
+        record["token"] = options.token
+    elif options.user:
+        record.update(user=options.user, password=options.password or "")
+    if options.tls_ca:
+        record["tls_ca"] = options.tls_ca
+    if options.tls_cert:
+        record.update(tls_cert=options.tls_cert, tls_key=options.tls_key or "")
+    prefix = inbox_prefix_of(options)
+    if prefix is not None:
+        record["inbox_prefix"] = prefix
+    return record
+
+
+_CONTEXT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+#: Our record's keys as the `nats` CLI's context names them (ADR-21, NATS configuration contexts).
+_CONTEXT_KEYS = {
+    "url": "url", "user": "user", "password": "password", "token": "token", "creds": "creds", "tls_ca": "ca",
+    "tls_cert": "cert", "tls_key": "key", "inbox_prefix": "inbox_prefix",
+}  # fmt: skip
+
+
+def write_nats_context(name: str, record: dict[str, str], env: dict[str, str]) -> Path:
+    """Writes `record` as the `nats` CLI context `name` (`$XDG_CONFIG_HOME/nats/context/<name>.json`, 0600 in a
+    0700 directory: it holds a password), replacing one of that name. Returns its path."""
+    if not _CONTEXT_NAME.match(name):
+        raise CliError(f"context name {name!r}: use letters, digits, '-' and '_' only", EXIT_USAGE)
+    config_home = Path(env.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    directory = config_home / "nats" / "context"
+    context = {"description": "mesh-actor", **{_CONTEXT_KEYS[k]: v for k, v in record.items()}}
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = directory / f"{name}.json"
+        write_private(path, json.dumps(context, indent=2) + "\n")
+    except OSError as exc:
+        raise CliError(f"cannot write the nats context {name}: {exc}") from exc
+    return path

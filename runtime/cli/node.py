@@ -29,8 +29,10 @@ from runtime.cli.common import (
     add_nats_options,
     client_options,
     connect,
+    connection_record,
     emit_json,
     prefix,
+    write_nats_context,
 )
 from runtime.cli.l3 import fetch_l3_totals
 from runtime.cli.models import fetch_frontdoors
@@ -171,6 +173,9 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     env.add_argument("--creds", dest="nats_creds", metavar="FILE", help="a file from `mesh-actor creds issue`")
     env.add_argument(
         "--role", metavar="ROLE", help="say how a client of ROLE (client, node:<id>, admin) connects, and its rights"
+    )
+    env.add_argument(
+        "--context", metavar="NAME", help="also save it as the `nats` CLI context NAME (inbox prefix included)"
     )
     env.set_defaults(func=cmd_nats_env)
 
@@ -339,22 +344,16 @@ async def cmd_status(args: argparse.Namespace) -> int:
 def cmd_nats_env(args: argparse.Namespace) -> int:
     if args.role:
         return _role_env(args)
-    options = client_options(args)
-    url = ",".join(options.urls)
-    record: dict[str, str] = {"url": url}
-    if options.creds_file:
-        record["creds"] = options.creds_file
-    elif options.token:
-        record["token"] = options.token
-    elif options.user:
-        record.update(user=options.user, password=options.password or "")
-    if options.tls_ca:
-        record["tls_ca"] = options.tls_ca
+    record = connection_record(client_options(args))
+    if args.context:
+        path = write_nats_context(args.context, record, dict(os.environ))
+        print(f"saved the nats context {args.context} to {path}: nats --context {args.context} …", file=sys.stderr)
     if args.json:
         emit_json(record)
         return 0
     names = {"url": "NATS_URL", "user": "NATS_USER", "password": "NATS_PASSWORD", "token": "NATS_TOKEN"}
-    names.update(creds="NATS_CREDS", tls_ca="NATS_CA")
+    names.update(creds="NATS_CREDS", tls_ca="NATS_CA", tls_cert="NATS_CERT", tls_key="NATS_KEY")
+    names.update(inbox_prefix="NATS_INBOX_PREFIX")
     for key, value in record.items():
         print(f"{names[key]}={value}")
     return 0
@@ -376,6 +375,7 @@ def _role_env(args: argparse.Namespace) -> int:
         "issue": issue,
         "connect": "mesh-actor nats-env --creds FILE (or --nats-creds FILE on any command)",
         "inbox_prefix": inbox_prefix(user),
+        "account": role.account,
         "permissions": rights if rights is not None else "all",
     }
     if args.json:
@@ -383,6 +383,7 @@ def _role_env(args: argparse.Namespace) -> int:
         return 0
     print(f"role {role}: issue credentials with `{issue}` (on the node running the embedded server)")
     print(f"connect: {record['connect']}; replies arrive on {record['inbox_prefix']}.> (its inbox prefix)")
+    print(f"account: {role.account}" + (" (it imports what it may request from MESH)" if role.kind == "client" else ""))
     if rights is None:
         print("rights: every subject and JetStream call")
         return 0

@@ -23,13 +23,17 @@ import nats.errors
 import nats.js.errors
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig
 
+from messages.generate import STREAM_PING_HEADER, GenerateChunk, GenerateRequest, GenerateResult
 from messages.subjects import Subjects
 from runtime import embedded, tls
-from runtime.bus import Bus, ConnectFailed
+from runtime.bus import Bus, ConnectFailed, encode
 from runtime.config import NatsOptions
 from runtime.creds import CredsFile, issue, read_creds_file
 from runtime.embedded import Credentials, EmbeddedNats
+from runtime.generate_client import generate
 from runtime.journal import ensure_events_stream
 from runtime.roles import Role, inbox_prefix
 from tests.conftest import node_process, run_cli
@@ -204,6 +208,158 @@ async def test_issuing_a_user_reloads_the_server_without_dropping_connections(se
         await before.close()
 
 
+async def bus_when_loaded(creds: Credentials, name: str) -> Bus:
+    """A bus of a freshly issued user (the server may refuse it for a moment while it reloads)."""
+    async with asyncio.timeout(10):
+        while True:
+            try:
+                return await Bus.connect(creds.options(), name=name, deadline_s=2)
+            except ConnectFailed:
+                await asyncio.sleep(0.05)
+
+
+async def test_a_client_creates_no_consumer_and_changes_none_of_the_meshs(server: EmbeddedNats) -> None:
+    """Issue 17: a client rewrote placement's durable consumer (its filter) and made 300 consumers. A client's
+    account has no consumer API: none of these requests is answered, and the mesh's consumers stay as they were."""
+    bus = await admin_bus(server)
+    stream = S.events_stream
+    durable = ConsumerConfig(
+        durable_name="placement", filter_subject=S.event("runner", "*", "*"), ack_policy=AckPolicy.EXPLICIT
+    )
+    await bus.js.add_consumer(stream, durable)
+    rewrite = {
+        "durable_name": "placement",
+        "name": "placement",
+        "filter_subject": S.events_all,
+        "ack_policy": "explicit",
+    }
+    ephemeral = {"ack_policy": "none", "deliver_policy": "all", "inactive_threshold": 60_000_000_000}
+    async with connect_when_loaded(issued(server, Role("client"))) as client:
+        for subject, config in (
+            (f"$JS.API.CONSUMER.CREATE.{stream}.placement", rewrite),
+            (f"$JS.API.CONSUMER.CREATE.{stream}.placement.{S.events_all}", rewrite),
+            (f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.placement", rewrite),
+            (f"$JS.API.CONSUMER.CREATE.{stream}", ephemeral),
+            (f"$JS.API.CONSUMER.DELETE.{stream}.placement", None),
+        ):
+            body = json.dumps({"stream_name": stream, "config": config} if config else {}).encode()
+            with pytest.raises(nats.errors.Error):  # refused, or nothing answers in the client's account
+                await client.nc.request(subject, body, timeout=1)
+        with pytest.raises((nats.errors.Error, nats.js.errors.Error)):
+            await client.nc.jetstream().subscribe(S.events_all, stream=stream, ordered_consumer=True)
+    info = await bus.js.stream_info(stream)
+    assert info.state.consumer_count == 1
+    assert (await bus.js.consumer_info(stream, "placement")).config.filter_subject == durable.filter_subject
+    await bus.close()
+
+
+async def test_a_generates_chunks_and_pings_reach_a_client_across_the_accounts(server: EmbeddedNats) -> None:
+    """A runner (a node's user, in the mesh's account) publishes a generate's chunks to the client's inbox and
+    pings it there; the client (in its own account) gets the chunks in order and answers the pings, and once it
+    is gone a ping meets no responders: the runner's signal to stop."""
+    assert server.node_credentials is not None
+    runner = await Bus.connect(server.node_credentials.options(), name="runner")
+    pongs: list[bytes] = []
+
+    async def serve(msg: Msg) -> None:
+        stream = json.loads(msg.data)["stream"]
+        for seq, text in enumerate(("a", "b", "c")):
+            await runner.nc.publish(stream, encode(GenerateChunk(request_id="r", seq=seq, text=text, tokens=[seq])))
+        pong = await runner.nc.request(stream, b"{}", timeout=5, headers={STREAM_PING_HEADER: "1"})
+        pongs.append(pong.data)
+        result = GenerateResult(
+            request_id="r", text="abc", tokens=[0, 1, 2], prompt_tokens=1, source="cold", tokens_restored=0,
+            tokens_cached=0, tokens_evaluated=1, ttft_ms=1.0, total_ms=1.0, node="n1", instance="i", slot=0,
+            stop_reason="limit",
+        )  # fmt: skip
+        await msg.respond(encode(result))
+
+    await runner.nc.subscribe(S.generate, cb=serve)
+    creds = issued(server, Role("client"))
+    client = await bus_when_loaded(creds, "client")
+    chunks: list[GenerateChunk] = []
+
+    async def on_chunk(chunk: GenerateChunk) -> None:
+        chunks.append(chunk)
+
+    try:
+        result = await generate(client, S, GenerateRequest(model="m", prompt="hi", timeout_s=10), on_chunk)
+        assert [c.text for c in chunks] == ["a", "b", "c"] and result.text == "abc"
+        assert pongs == [b""]
+        with pytest.raises(nats.errors.NoRespondersError):  # nobody listens on that inbox any more
+            await runner.nc.request(f"{inbox_prefix(creds.user)}.gone", b"{}", timeout=5)
+    finally:
+        await client.close()
+        await runner.close()
+
+
+async def test_creds_issue_with_a_relative_data_dir_reloads_the_running_server(server: EmbeddedNats) -> None:
+    """Issue 17: `creds issue --data-dir` spelled relative to the caller's directory named no running server
+    (its config path was compared as text), so the new user was never loaded."""
+    relative = os.path.relpath(server.data_dir)  # noqa: ASYNC240 (a string operation, no I/O)
+    assert not Path(relative).is_absolute()
+    out = server.data_dir.parent / "client.json"
+    code, _, err = await cli("creds", "issue", "--role", "client", "--data-dir", relative, "--out", str(out))
+    assert code == 0 and f"server pid {server.pid} reloaded" in err, err
+    creds = read_creds_file(out)
+    assert creds is not None
+    async with connect_when_loaded(Credentials(creds.urls[0], creds.user, creds.password)) as client:
+        assert client.nc.is_connected
+
+
+async def test_nats_env_gives_a_standard_client_its_inbox_prefix_and_a_nats_context(
+    server: EmbeddedNats, tmp_path: Path
+) -> None:
+    """Issue 17: `nats-env --creds FILE --json` left out the inbox prefix a role's user must use, so a standard
+    client following it timed out on every request."""
+    path = tmp_path / "client.json"
+    code, _, err = await cli(
+        "creds", "issue", "--role", "client", "--data-dir", str(server.data_dir), "--out", str(path)
+    )
+    assert code == 0, err
+    creds = read_creds_file(path)
+    assert creds is not None
+    code, out, err = await cli("nats-env", "--creds", str(path), "--json")
+    assert code == 0, err
+    env = json.loads(out)
+    assert env["inbox_prefix"] == inbox_prefix(creds.user) and env["user"] == creds.user
+    code, out, err = await cli("nats-env", "--creds", str(path))
+    assert code == 0 and f"NATS_INBOX_PREFIX={inbox_prefix(creds.user)}" in out.splitlines(), out + err
+
+    config = tmp_path / "config"
+    code, out, err = await run_cli(
+        "nats-env", "--creds", str(path), "--context", "mesh-client", env={"XDG_CONFIG_HOME": str(config)}
+    )
+    assert code == 0, err
+    saved = config / "nats" / "context" / "mesh-client.json"
+    assert stat.S_IMODE(saved.stat().st_mode) == 0o600
+    context = json.loads(saved.read_text())
+    assert context["url"] == ",".join(creds.urls) and context["user"] == creds.user
+    assert context["password"] == creds.password and context["inbox_prefix"] == inbox_prefix(creds.user)
+    code, _, err = await run_cli(
+        "nats-env", "--creds", str(path), "--context", "../x", env={"XDG_CONFIG_HOME": str(config)}
+    )
+    assert code == 2 and "context" in err
+
+    async with connect_when_loaded(Credentials(creds.urls[0], creds.user, creds.password)):
+        pass  # the user is loaded
+    # A standard client configured from the context alone (nats-py here) reads the mesh's JetStream account.
+    nc = await nats.connect(
+        context["url"], user=context["user"], password=context["password"], inbox_prefix=context["inbox_prefix"]
+    )
+    try:
+        assert (await nc.jetstream().account_info()).api.total >= 1  # answered: the mesh account counted it
+    finally:
+        await nc.close()
+    # Without the prefix its default inbox is not its to read: the answer never comes.
+    bare = await nats.connect(context["url"], user=context["user"], password=context["password"])
+    try:
+        with pytest.raises(nats.errors.TimeoutError):
+            await bare.request("$JS.API.INFO", b"", timeout=1)
+    finally:
+        await bare.close()
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0"])
 async def test_a_server_beyond_loopback_requires_tls_and_clients_verify_it(tmp_path: Path, host: str) -> None:
     async with EmbeddedNats(tmp_path / "node", preferred_port=0, host=host, node_id="n1") as tls_server:
@@ -324,4 +480,62 @@ async def test_a_node_listening_beyond_loopback_serves_its_clients_over_verified
                     if [n["node_id"] for n in json.loads(out)["nodes"]] == ["n1"]:
                         break
                     await asyncio.sleep(0.2)
+    assert "permissions violation" not in (tmp_path / "n1.stderr").read_text().lower()
+
+
+async def test_a_clients_forged_reply_subjects_land_nowhere_in_the_mesh(tmp_path: Path) -> None:
+    """Issue 17, the confused deputy: nodes (and JetStream) answered on whatever reply subject a requester named,
+    so a client's `placement.fit` with reply `$KV.MESH_RESERVATIONS.node.n1` overwrote n1's ledger. A client's
+    reply subjects are its own account's: whatever they say, nothing lands in the mesh's."""
+    data_dir = tmp_path / "node"
+    ledger = f"$KV.{S.reservations_bucket}.node.n1"
+    record = f"$KV.{S.instances_bucket}.{S.instance_key('n1', 'forged')}"
+    event = S.event("placement", "forged", "n1")
+    forged = {  # request subject: reply subjects a node, or JetStream itself, would be allowed to write
+        S.placement_fit: (ledger, record, event),
+        S.placement_request: (ledger,),
+        S.generate: (record, event),
+        f"$JS.API.STREAM.INFO.KV_{S.reservations_bucket}": (ledger, event),
+        "$JS.API.INFO": (ledger,),
+    }
+    async with node(data_dir, "n1"):
+        admin = embedded.read_credentials(data_dir)
+        assert admin is not None
+        bus = await Bus.connect(admin.options(), name="admin")
+        landed: list[str] = []
+
+        async def on_landed(msg: Msg) -> None:
+            landed.append(msg.subject)
+
+        for target in (ledger, record, event):
+            await bus.nc.subscribe(target, cb=on_landed)
+        await bus.nc.flush(timeout=5)
+        user = issue(data_dir, Role("client"))
+        assert embedded.reload(data_dir) is not None
+        async with connect_when_loaded(Credentials(admin.url, user.user, user.password)) as client:
+            async with asyncio.timeout(30):  # the node's endpoints are up once a request is answered
+                while True:
+                    try:
+                        await client.nc.request(S.placement_fit, b"x", timeout=2)
+                        break
+                    except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                        await asyncio.sleep(0.1)
+            for subject, replies in forged.items():
+                for reply in replies:
+                    await client.nc.publish(subject, b"x", reply=reply)
+            # Each endpoint answers in order: once later requests are answered (twice, so that a second worker
+            # of an endpoint has answered too), the forged ones were answered before them.
+            for _ in range(2):
+                for subject in forged:
+                    answer = await client.nc.request(subject, b"x", timeout=10)
+                    assert answer.data  # an answer (bad_request, or JetStream's) reached the client's own inbox
+        await bus.nc.flush(timeout=5)
+        await asyncio.sleep(0)
+        assert landed == []
+        kv = await bus.js.key_value(S.reservations_bucket)
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await kv.get("node.n1")
+        stored = await bus.js.stream_info(S.events_stream, subjects_filter=event)
+        assert not stored.state.subjects
+        await bus.close()
     assert "permissions violation" not in (tmp_path / "n1.stderr").read_text().lower()
