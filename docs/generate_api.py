@@ -48,14 +48,16 @@ from messages import placement as placement_messages
 from messages.errors import ErrorReply
 from messages.frontdoor import FrontDoorReport
 from messages.generate import (
+    RELAY_HEADER,
+    RELAY_SEQ_HEADER,
     STREAM_PING_HEADER,
-    ApplyTemplate,
     GenerateChunk,
     GenerateRequest,
     GenerateResult,
     Prefill,
     PrefillResult,
-    Prompt,
+    RelayHead,
+    Render,
     RunnerGenerate,
     ServingReport,
     StreamPing,
@@ -128,6 +130,11 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
         (ROUTER,),
         "every `generate` request: the candidates with their load and held prefix, the weights, the choice "
         "(`chosen` null: no ready instance, answered `no_instance`); `mesh-actor replay` re-decides it",
+    ),
+    ev.GenerateCancelled: (
+        (RUNNER,),
+        "a generation's requester left (an HTTP client disconnected, a stream's pings unanswered): the server "
+        "stopped and freed the slot; `tokens_generated` says how far it got",
     ),
     ev.ModelLoading: ((FRONTDOOR,), "a request found no ready instance of a catalog model: one is placed and started"),
     ev.ModelLoaded: ((FRONTDOOR,), "the instance started for a catalog model is ready (`load_ms` from the request)"),
@@ -375,17 +382,23 @@ def _module_codes(module: Any, exclude: Iterable[str] = ()) -> list[str]:
     ]
 
 
-def _error_codes() -> list[tuple[str, str, str]]:
-    """(code, where it comes from, meaning) for every stable error code."""
+def _error_codes() -> list[tuple[str, str, str, str]]:
+    """(code, where it comes from, HTTP status and retry, meaning) for every stable error code: the registry's
+    (`messages.errors.REGISTRY`, described here where the bus says more), then the runner's own."""
     common = _module_codes(errors)
     runner = _module_codes(runner_actor, exclude=common) + list(LITERAL_CODES)
-    missing = [code for code in common + runner if code not in ERROR_CODES]
+    missing = [code for code in common if code not in errors.REGISTRY]
+    missing += [code for code in runner if code not in ERROR_CODES]
     if missing:
-        raise GeneratorError(f"describe these error codes in ERROR_CODES of docs/generate_api.py: {missing}")
-    rows = [
-        (code, "any endpoint" if code != errors.NOT_FOUND else "runner endpoints", ERROR_CODES[code]) for code in common
-    ]
-    rows += [(code, f"`{S.runner('<node>', 'start')}`", ERROR_CODES[code]) for code in runner]
+        raise GeneratorError(f"describe these error codes in messages/errors.py or ERROR_CODES: {missing}")
+    front_door = {c for c in common if c not in ERROR_CODES}
+    rows = []
+    for code in common:
+        entry = errors.REGISTRY[code]
+        where = "the front door" if code in front_door else "runner endpoints" if code == errors.NOT_FOUND else "any"
+        http = f"{entry.http_status}, {'retry' if entry.retryable else 'no retry'}"
+        rows.append((code, where, http, ERROR_CODES.get(code, entry.meaning)))
+    rows += [(code, f"`{S.runner('<node>', 'start')}`", "", ERROR_CODES[code]) for code in runner]
     return rows
 
 
@@ -460,16 +473,17 @@ def render() -> str:
             f"| `{S.runner(node, 'stop')}` | req/reply | {_link('StopInstance')} → {_link('RunnerAck')} | "
             "the runner of that node |",
             f"| `{S.generate}` | req/reply, queue group `{ROUTER_QUEUE}` | {_link('GenerateRequest')} → "
-            f"{_link('GenerateResult')}; with `stream`, {_link('GenerateChunk')}s on that subject, and "
-            f"{_link('StreamPing')} requests (header `{STREAM_PING_HEADER}`) the client must answer | the router "
-            "(every node; one answers) |",
+            f"{_link('GenerateResult')}; with `stream`, {_link('GenerateChunk')}s on that subject (a pass-through "
+            f"`api` request: a {_link('RelayHead')}, then the server's body as raw data, headers `{RELAY_HEADER}` "
+            f"and `{RELAY_SEQ_HEADER}`), and {_link('StreamPing')} requests (header `{STREAM_PING_HEADER}`) the "
+            "client must answer | the router (every node; one answers) |",
             f"| `{S.runner(node, 'generate')}` | req/reply | {_link('RunnerGenerate')} → {_link('GenerateResult')} "
             "| the runner of that node (sent by routers) |",
             f"| `{S.runner(node, 'prefill')}` | req/reply | {_link('Prefill')} → {_link('PrefillResult')}: the "
             "prompt computed here and its state handed off to the decoding node's L3 | the runner of that node (a "
             "decoding runner asks, for `prefill_node`) |",
-            f"| `{S.runner(node, 'template')}` | req/reply | {_link('ApplyTemplate')} → {_link('Prompt')}: a chat "
-            "rendered by the model's own chat template | the runner of that node (the front door asks) |",
+            f"| `{S.runner(node, 'render')}` | req/reply | {_link('Render')} → {_link('Tokens')}: a pass-through "
+            "body's prompt as the instance renders and tokenizes it | the runner of that node (routers ask) |",
             f"| `{S.runner(node, 'tokenize')}` | req/reply | {_link('Tokenize')} → {_link('Tokens')} | the runner "
             "of that node |",
             f"| `{S.serving(node)}` | pub | {_link('ServingReport')} (slots, busy, queued, resident prefixes) | the "
@@ -697,13 +711,15 @@ def render() -> str:
             f"| `{errors.MESH_ERROR_HEADER}` | the stable `code` |",
             "",
             f"A client checks for `{errors.ERROR_HEADER}` or `{errors.MESH_ERROR_HEADER}` before decoding the body "
-            "as the reply type. Codes are stable; clients branch on them:",
+            "as the reply type. Codes are stable; clients branch on them. One registry (`messages/errors.py`) gives "
+            "each its HTTP status on the front door and whether a retry can fix it (the front door says so in "
+            "`x-should-retry`, with `Retry-After` on a retryable one; a 503 is always retryable):",
             "",
-            "| code | from | meaning |",
-            "|---|---|---|",
+            "| code | from | HTTP, retry | meaning |",
+            "|---|---|---|---|",
         ]
     )
-    add(f"| `{code}` | {where} | {_cell(meaning)} |" for code, where, meaning in _error_codes())
+    add(f"| `{code}` | {where} | {http} | {_cell(meaning)} |" for code, where, http, meaning in _error_codes())
     add(
         [
             "",
@@ -765,8 +781,8 @@ def render() -> str:
         RunnerGenerate,
         Tokenize,
         Tokens,
-        ApplyTemplate,
-        Prompt,
+        Render,
+        RelayHead,
         Prefill,
         PrefillResult,
         ServingReport,

@@ -229,6 +229,17 @@ class GenerateRouted(Event, frozen=True, kw_only=True, tag="generate_routed"):
     link_fixed_s: dict[str, float] = msgspec.field(default_factory=dict)  # "src>dst" -> seconds per handoff
 
 
+class GenerateCancelled(Event, frozen=True, kw_only=True, tag="generate_cancelled"):
+    """A generation stopped because its requester left (an HTTP client that disconnected, a `mesh.generate`
+    client that stopped answering its stream's pings): the server's slot was freed."""
+
+    request_id: str
+    instance_id: str
+    endpoint: str  # the pass-through endpoint ("" for a prompt generation)
+    tokens_generated: int  # what the server had generated when it stopped
+    reason: str
+
+
 # ---- the front door (models on demand) ----
 
 
@@ -379,6 +390,7 @@ AnyEvent = (
     | InstanceFailed
     | InstanceStuck
     | GenerateRouted
+    | GenerateCancelled
     | ModelLoading
     | ModelLoaded
     | RoomMade

@@ -11,6 +11,13 @@ With `stream` set to a subject the client subscribes to, the runner also publish
 tokens come (`seq` 0, 1, 2, … with no gaps; the reply still carries the whole result and ends the stream).
 Every `STREAM_PING_S` the runner sends a `StreamPing` there as a request: a client must answer it (any
 payload); when nobody listens any more (no responders), the generation stops and its slot is freed.
+
+A pass-through request carries `api` instead of a prompt: one of llama-server's own endpoints and the client's
+own JSON body, forwarded unchanged to the chosen instance (with its slot pinned). Its answer is relayed on the
+`stream` subject, which such a request must name: a `RELAY_HEADER: head` message (`RelayHead`: the server's
+HTTP status and content type), then the body's bytes as it sent them (`RELAY_HEADER: data`, raw payloads, in
+order by `RELAY_SEQ_HEADER`; server-sent events are cut only between events). The reply ends the relay and says
+how many data messages were sent (`GenerateResult.relayed`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,29 @@ MAX_PROMPT_TOKENS: Final = 1 << 20
 STREAM_PING_S: Final = 0.5
 #: Header a stream ping carries (chunks carry none).
 STREAM_PING_HEADER: Final = "Mesh-Stream-Ping"
+#: Header of a relayed answer's messages: "head" (a `RelayHead`) or "data" (raw bytes of the server's body).
+RELAY_HEADER: Final = "Mesh-Relay"
+#: Header giving a relayed data message's place (0, 1, 2, …).
+RELAY_SEQ_HEADER: Final = "Mesh-Relay-Seq"
+#: Largest client body a pass-through request carries (the bus's `max_payload` may be lower: the sender checks).
+MAX_API_BODY_BYTES: Final = 8 << 20
+
+#: llama-server's endpoints a pass-through request may name, by the mesh's name for each.
+ApiEndpoint = Literal[
+    "chat", "completions", "responses", "responses_input_tokens", "messages", "count_tokens", "embeddings", "rerank"
+]
+#: The endpoints that decode a prompt in a slot (routed by prefix, restored, captured).
+GENERATING_ENDPOINTS: Final = frozenset({"chat", "completions", "responses", "messages"})
+API_PATHS: Final[dict[str, str]] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "responses": "/v1/responses",
+    "responses_input_tokens": "/v1/responses/input_tokens",
+    "messages": "/v1/messages",
+    "count_tokens": "/v1/messages/count_tokens",
+    "embeddings": "/v1/embeddings",
+    "rerank": "/v1/rerank",
+}
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 StopReason = Literal["eos", "limit", "stop_word", "cancelled"]
@@ -46,14 +76,38 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     ] = ()
 
 
+class ApiCall(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A client's request to one of llama-server's own endpoints: `body` is its JSON object, as it sent it."""
+
+    endpoint: ApiEndpoint
+    body: msgspec.Raw
+
+    def __post_init__(self) -> None:
+        if len(self.body) > MAX_API_BODY_BYTES:
+            raise ValueError(f"the body is {len(self.body)} bytes, over {MAX_API_BODY_BYTES}")
+        if not bytes(self.body).lstrip().startswith(b"{"):
+            raise ValueError("the body is a JSON object")
+
+
+class RelayHead(msgspec.Struct, frozen=True, kw_only=True):
+    """The first message of a relayed answer: the server's HTTP status and content type."""
+
+    status: int
+    content_type: str
+
+
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`model`: a registry name, a model path as placed, or an instance id. `prompt`: text, or token ids."""
+    """`model`: a registry name, a model path as placed, or an instance id. `prompt`: text, or token ids; or
+    `api`: a client's body for one of the instance's own endpoints (then `stream` must name the relay's subject:
+    `mesh.generate` refuses one without)."""
 
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
     prompt: (
         Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PROMPT_CHARS)]
         | Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
-    )
+        | None
+    ) = None
+    api: ApiCall | None = None
     n_predict: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 128
     sampling: Sampling = Sampling()
     # The subject for chunks: an inbox (`_INBOX.` and tokens), so no request can make a runner publish elsewhere
@@ -63,6 +117,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     capture: bool = True  # False: do not store this request's states in L3
     # Prefill the prompt on this node, hand its state off, and decode on the routed instance (operators, tests)
     prefill_node: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.api is None):
+            raise ValueError("a generation has either a `prompt` or an `api` call")
 
 
 class RouteChoice(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,20 +172,12 @@ class Tokens(msgspec.Struct, frozen=True, kw_only=True):
     tokens: list[int]
 
 
-class ChatTurn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
-
-
-class ApplyTemplate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`mesh.runner.<node>.template`: a chat rendered to a prompt by the instance's own chat template."""
+class Render(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`mesh.runner.<node>.render`: the prompt tokens of a pass-through body, as the instance itself renders
+    (chat template) and tokenizes it; `Tokens` with none when the body has no single prompt to render."""
 
     instance_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-    messages: Annotated[list[ChatTurn], msgspec.Meta(min_length=1, max_length=4096)]
-
-
-class Prompt(msgspec.Struct, frozen=True, kw_only=True):
-    prompt: str
+    call: ApiCall
 
 
 class GenerateChunk(msgspec.Struct, frozen=True, kw_only=True):
@@ -170,6 +220,8 @@ class GenerateResult(msgspec.Struct, frozen=True, kw_only=True):
     handoff_ms: float = 0.0
     decision_id: str = ""
     capture: str = ""  # what happens to the state: "queued", or why not ("off", "short", "no_l3", …)
+    status: int = 200  # a pass-through's HTTP status from the server
+    relayed: int = 0  # a pass-through's data messages on the relay subject
 
 
 # ---- what runners publish about their instances (`mesh.serving.<node>`, core NATS, not journaled) ----

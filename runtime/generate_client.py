@@ -5,6 +5,10 @@ runner's liveness pings, and hands chunks to `on_chunk` in `seq` order (a chunk 
 the ones before it; at most `max_pending` wait). The reply ends the stream: chunks still missing then are
 reported as a gap (`StreamGap`), never silently dropped. Cancelling the call unsubscribes, so the runner's next
 ping finds no listener and stops the generation.
+
+`forward` does the same for a pass-through request (`api`): the relayed answer's head goes to `on_head` and its
+data, in order, to `on_data`; it always subscribes, so a requester that leaves stops the server's work whether
+the answer is streamed or whole.
 """
 
 from __future__ import annotations
@@ -17,11 +21,19 @@ import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
-from messages.generate import STREAM_PING_HEADER, GenerateChunk, GenerateRequest, GenerateResult
+from messages.generate import (
+    RELAY_HEADER,
+    RELAY_SEQ_HEADER,
+    STREAM_PING_HEADER,
+    GenerateChunk,
+    GenerateRequest,
+    GenerateResult,
+    RelayHead,
+)
 from messages.subjects import Subjects
 from runtime.bus import BadMessage, Bus, decode_checked
 
-__all__ = ["StreamGap", "generate"]
+__all__ = ["StreamGap", "forward", "generate"]
 
 #: How long the reply may take beyond the generation's own timeout (routing and forwarding).
 REPLY_SLACK_S = 15.0
@@ -87,6 +99,78 @@ async def generate(
         await delivering  # raises StreamGap from a stream that overflowed
         if early:
             raise StreamGap(f"chunks {next_seq}..{max(early)} incomplete when the reply came")
+        return result
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+
+
+async def forward(
+    bus: Bus,
+    subjects: Subjects,
+    request: GenerateRequest,
+    on_head: Callable[[RelayHead], Awaitable[None]],
+    on_data: Callable[[bytes], Awaitable[None]],
+    *,
+    max_pending: int = 4096,
+) -> GenerateResult:
+    """A pass-through request (`request.api`): its answer relayed to `on_head`, then `on_data` in order."""
+    subject = bus.nc.new_inbox()
+    pieces: asyncio.Queue[tuple[int, bytes | RelayHead] | None] = asyncio.Queue()  # None: the reply came
+
+    async def on_message(msg: Msg) -> None:
+        headers = msg.headers or {}
+        if STREAM_PING_HEADER in headers:
+            if msg.reply:
+                with contextlib.suppress(nats.errors.Error):
+                    await bus.nc.publish(msg.reply, b"")
+            return
+        kind = headers.get(RELAY_HEADER)
+        if kind == "head":
+            with contextlib.suppress(BadMessage):
+                pieces.put_nowait((-1, decode_checked(msg.data, RelayHead, "relay head")))
+        elif kind == "data" and (headers.get(RELAY_SEQ_HEADER) or "").isdigit():
+            pieces.put_nowait((int(headers[RELAY_SEQ_HEADER]), msg.data))
+
+    sub = await bus.nc.subscribe(subject, cb=on_message, pending_msgs_limit=max_pending * 4)
+    next_seq = 0
+    early: dict[int, bytes] = {}
+
+    async def deliver() -> None:
+        nonlocal next_seq
+        while True:
+            piece = await pieces.get()
+            if piece is None:
+                return
+            seq, payload = piece
+            if isinstance(payload, RelayHead):
+                await on_head(payload)
+                continue
+            if seq < next_seq:
+                continue  # a duplicate
+            early[seq] = payload
+            if len(early) > max_pending:
+                raise StreamGap(f"relayed data {next_seq} is missing and {len(early)} later pieces wait")
+            while next_seq in early:
+                await on_data(early.pop(next_seq))
+                next_seq += 1
+
+    delivering = asyncio.create_task(deliver(), name="forward-relay")
+    try:
+        relayed = msgspec.structs.replace(request, stream=subject)
+        try:
+            result = await bus.request(
+                subjects.generate, relayed, GenerateResult, timeout=request.timeout_s + REPLY_SLACK_S
+            )
+        except BaseException:
+            delivering.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StreamGap):
+                await delivering
+            raise
+        pieces.put_nowait(None)  # the runner relayed everything before its reply: it is queued by now
+        await delivering
+        if early or next_seq != result.relayed:
+            raise StreamGap(f"{next_seq} of {result.relayed} relayed pieces arrived before the reply")
         return result
     finally:
         with contextlib.suppress(nats.errors.Error):

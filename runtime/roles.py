@@ -29,7 +29,7 @@ Within an account, each user's `permissions`:
 - `node:<id>` publishes only its own telemetry, serving reports, events (`<prefix>.events.*.*.<id>`) and
   bucket keys (`MESH_NODES.<id>`, `MESH_L3.<id>`, `MESH_INSTANCES.<id>.>`), serves its own runner, L3 and
   handoff subjects and the queue groups every node serves (placement, generate), and requests other nodes'
-  runner `generate`/`tokenize`/`template`/`start`/`stop` (router and front door), L3 peer fetch and handoff
+  runner `generate`/`tokenize`/`render`/`start`/`stop` (router and front door), L3 peer fetch and handoff
   subjects (but not another node's link probe, `handoff.<id>.probe`: an admin's request). Placement runs on
   every node and books memory on any node by compare-and-set, so a node may write every reservation ledger
   (and start or stop instances anywhere): that is the trust that remains between nodes. It may create the
@@ -194,7 +194,7 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
         f"$O.{streams['decisions'].removeprefix('OBJ_')}.>",  # placement's decision records
         f"{p}.runner.*.generate",  # the router forwards to the chosen runner
         f"{p}.runner.*.tokenize",
-        f"{p}.runner.*.template",  # the front door renders chats with the model's template
+        f"{p}.runner.*.render",  # routers render pass-through prompts on a model's instance
         f"{p}.runner.*.prefill",  # a decoding node asks another to prefill and hand the state off
         f"{p}.runner.*.start",  # the front door starts models on demand, and makes room, on any node
         f"{p}.runner.*.stop",

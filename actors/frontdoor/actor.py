@@ -36,28 +36,37 @@ import msgspec
 from aiohttp import web
 from nats.js.kv import KeyValue
 
-from actors.frontdoor import openai_api as oa
+from actors.frontdoor import shapes
 from actors.frontdoor.catalog import Catalog, CatalogModel
 from actors.frontdoor.lifecycle import ArrivalOrder, NeverFits, Running, Stop, Wait, idle_expired, plan_room
 from actors.placement.ledger import device_sizes
 from actors.runner.records import TTL_HEADER
-from messages.errors import BAD_REQUEST, NO_INSTANCE, TIMEOUT
+from messages.errors import (
+    BAD_REQUEST,
+    INSUFFICIENT_MEMORY,
+    INTERNAL,
+    INVALID_API_KEY,
+    MODEL_NOT_FOUND,
+    NOT_PLACED,
+    QUEUE_FULL,
+    REQUEST_TOO_LARGE,
+    TIMEOUT,
+    UNAVAILABLE,
+    UNKNOWN_ENDPOINT,
+)
 from messages.events import IdleStopped, ModelLoaded, ModelLoading, ModelRefused, RoomMade
 from messages.frontdoor import FrontDoorModel, FrontDoorReport, ModelState
-from messages.generate import ApplyTemplate, ChatTurn, GenerateChunk, GenerateResult, Prompt
+from messages.generate import MAX_API_BODY_BYTES, ApiCall, GenerateRequest, RelayHead
 from messages.placement import ModelRef, NodeLedger, PlacementDecision, PlacementRequest
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext
 from runtime.bus import BadMessage, BusError, RemoteError
-from runtime.generate_client import StreamGap, generate
+from runtime.generate_client import StreamGap, forward
 from runtime.model_files import ModelFileError, resolve
 
 __all__ = ["FrontDoorActor"]
-
-MAX_BODY_BYTES: Final = 8 << 20
-_STATUS_OF_CODE: Final = {BAD_REQUEST: 400, NO_INSTANCE: 503, TIMEOUT: 504, "busy": 429, "unavailable": 503}
 
 
 class _Model:
@@ -158,173 +167,109 @@ class FrontDoorActor(Actor):
     # --- HTTP ----------------------------------------------------------------------------------------------
 
     def _app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
+        app = web.Application(client_max_size=self._max_body, middlewares=[self._errors])
         app.router.add_get("/v1/models", self._list_models)
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models/{name}", self._get_model)
+        for path in shapes.ENDPOINTS:
+            app.router.add_post(path, self._api)
         return app
+
+    @property
+    def _max_body(self) -> int:
+        """The largest body the front door takes: what a pass-through request can carry over the bus."""
+        bus = getattr(getattr(self, "_ctx", None), "bus", None)
+        room = bus.max_payload - _ENVELOPE_BYTES if bus is not None else MAX_API_BODY_BYTES
+        return max(1024, min(MAX_API_BODY_BYTES, room))
 
     @web.middleware
     async def _errors(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
+        shape = shapes.shape_of(request.path)
         try:
-            if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
-                raise oa.ApiError(401, "a valid API key is required (Authorization: Bearer …)", "authentication_error",
-                                  code="invalid_api_key")  # fmt: skip
+            if self.api_key is not None and not shapes.key_matches(shapes.presented_key(request.headers), self.api_key):
+                raise shapes.ApiError(INVALID_API_KEY, "a valid API key is required (Authorization: Bearer KEY, or "
+                                      "x-api-key: KEY)")  # fmt: skip
             return await handler(request)
-        except oa.ApiError as exc:
-            return web.json_response(oa.error_body(exc), status=exc.status)
+        except shapes.ApiError as exc:
+            return _error_response(exc, shape)
         except web.HTTPRequestEntityTooLarge:
-            error = oa.ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
-            return web.json_response(oa.error_body(error), status=413)
+            error = shapes.ApiError(REQUEST_TOO_LARGE, f"the body is over {self._max_body} bytes")
+            return _error_response(error, shape)
+        except web.HTTPNotFound:
+            return _error_response(shapes.ApiError(UNKNOWN_ENDPOINT, f"no endpoint {request.path}"), shape)
+        except web.HTTPMethodNotAllowed:
+            error = shapes.ApiError(BAD_REQUEST, f"{request.method} is not allowed on {request.path}")
+            return _error_response(error, shape, status=405)
         except web.HTTPException as exc:
-            error = oa.ApiError(exc.status, exc.reason or "HTTP error", "invalid_request_error")
-            return web.json_response(oa.error_body(error), status=exc.status)
+            return _error_response(shapes.ApiError(BAD_REQUEST, exc.reason or "HTTP error"), shape, status=exc.status)
         except (asyncio.CancelledError, ConnectionResetError):
             raise  # the client went away: its generation stops with this handler
         except Exception as exc:  # a bug met by one request: that request fails, the front door keeps serving
             self._ctx.log.exception("frontdoor_request_failed", path=request.path, error=repr(exc))
-            error = oa.ApiError(500, f"the front door failed: {exc!r}", "server_error")
-            return web.json_response(oa.error_body(error), status=500)
+            return _error_response(shapes.ApiError(INTERNAL, "the front door failed on this request"), shape)
+
+    def _model_object(self, name: str, m: _Model) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "mesh-actor",
+                "state": "ready" if self._ready_of(m) else "starting" if m.starting else "stopped",
+                "queued": m.waiting + m.held, "pinned": m.entry.pinned, "kind": m.entry.kind}  # fmt: skip
 
     async def _list_models(self, request: web.Request) -> web.Response:
-        data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "mesh-actor",
-             "state": "ready" if self._ready_of(m) else "starting" if m.starting else "stopped",
-             "queued": m.waiting + m.held, "pinned": m.entry.pinned}
-            for name, m in sorted(self._models.items())
-        ]  # fmt: skip
+        data = [self._model_object(name, m) for name, m in sorted(self._models.items())]
         return web.json_response({"object": "list", "data": data})
 
-    async def _body(self, request: web.Request, kind: type[Any]) -> Any:
-        return oa.decode(await request.read(), kind)  # an oversize body raises 413 (answered by `_errors`)
+    async def _get_model(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        return web.json_response(self._model_object(name, self._model(name)))
 
     def _model(self, name: str) -> _Model:
         model = self._models.get(name)
         if model is None:
-            raise oa.ApiError(404, f"the model {name!r} does not exist (see /v1/models)", param="model",
-                              code="model_not_found")  # fmt: skip
+            raise shapes.ApiError(MODEL_NOT_FOUND, f"the model {name!r} does not exist (see /v1/models)",
+                                  param="model")  # fmt: skip
         return model
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        body: oa.CompletionRequest = await self._body(request, oa.CompletionRequest)
-        prompt: str | list[int]
-        if isinstance(body.prompt, str):
-            prompt = body.prompt
-        elif all(isinstance(t, int) for t in body.prompt):
-            prompt = [int(t) for t in body.prompt]
-        elif len(body.prompt) == 1 and isinstance(body.prompt[0], str):
-            prompt = body.prompt[0]
-        else:
-            raise oa.ApiError(400, "the prompt is a text, a list of one text, or a list of token ids", param="prompt")
-        if not prompt:
-            raise oa.ApiError(400, "the prompt is empty", param="prompt")
-        model = self._model(body.model)
-        return await self._generate(request, model, body, lambda instance: _given(prompt), chat=False)
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        body: oa.ChatRequest = await self._body(request, oa.ChatRequest)
-        model = self._model(body.model)
-        turns = [ChatTurn(role=m["role"], content=m["content"]) for m in oa.chat_messages(body)]  # type: ignore[arg-type]
-
-        async def render(instance: InstanceStatus) -> str:
-            try:
-                reply = await self._ctx.bus.request(
-                    self._ctx.subjects.runner(instance.node, "template"),
-                    ApplyTemplate(instance_id=instance.id, messages=turns),
-                    Prompt,
-                    timeout=30,
-                )
-            except RemoteError as exc:
-                status = _STATUS_OF_CODE.get(exc.reply.code, 502)
-                raise oa.ApiError(status, exc.reply.message, code=exc.reply.code) from exc
-            except BusError as exc:
-                raise oa.ApiError(503, f"cannot render the chat: {exc}", "server_error") from exc
-            return reply.prompt
-
-        return await self._generate(request, model, body, render, chat=True)
-
-    async def _generate(
-        self,
-        request: web.Request,
-        model: _Model,
-        body: oa.CompletionRequest | oa.ChatRequest,
-        make_prompt: Callable[[InstanceStatus], Awaitable[str | list[int]]],
-        *,
-        chat: bool,
-    ) -> web.StreamResponse:
+    async def _api(self, request: web.Request) -> web.StreamResponse:
+        """One of llama-server's endpoints: the client's body goes through the mesh to an instance of the model,
+        and the server's answer comes back as it sent it (its model named as the client named it)."""
+        endpoint = shapes.ENDPOINTS[request.path]
+        shape = shapes.shape_of(request.path)
+        raw = await request.read()  # over the limit: 413 (answered by `_errors`)
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise shapes.ApiError(BAD_REQUEST, f"the body is not JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise shapes.ApiError(BAD_REQUEST, "the body is a JSON object")
+        name = body.get("model")
+        if not isinstance(name, str) or not name:
+            raise shapes.ApiError(BAD_REQUEST, "`model` is required: a model of /v1/models", param="model")
+        model = self._model(name)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + model.entry.timeout_s
         instance = await self._instance_for(model, deadline)
-        prompt = await make_prompt(instance)
-        request_id = uuid.uuid4().hex
-        remaining = max(1.0, deadline - loop.time())
-        order = oa.to_generate(body, prompt, timeout_s=remaining, request_id=request_id)
-        order = msgspec.structs.replace(order, model=instance.model_path)  # any instance of this file
-        created = int(time.time())
+        order = GenerateRequest(
+            model=instance.model_path,  # any instance of this file
+            api=ApiCall(endpoint=endpoint, body=msgspec.Raw(raw)),  # type: ignore[arg-type]
+            timeout_s=max(1.0, deadline - loop.time()),
+            request_id=uuid.uuid4().hex,
+        )
+        relay = _Relay(request, name, shape)
         model.active += 1
         try:
-            if not body.stream:
-                result = await self._mesh(order, None)
-                shape = oa.chat_completion if chat else oa.completion
-                return web.json_response(shape(result, model=model.name, created=created))
-            return await self._stream(request, model, body, order, created, chat=chat)
+            try:
+                await forward(self._ctx.bus, self._ctx.subjects, order, relay.head, relay.data)
+            except RemoteError as exc:
+                error = shapes.ApiError(exc.reply.code, exc.reply.message)
+                return await relay.failed(error)
+            except (BusError, StreamGap) as exc:
+                error = shapes.ApiError(UNAVAILABLE, f"the mesh did not carry the answer: {exc}")
+                return await relay.failed(error)
+            return await relay.finish()
         finally:
             model.active -= 1
             model.last_used = self._clock()
             self._instance_used[instance.id] = model.last_used
-
-    async def _mesh(self, order: Any, on_chunk: Callable[[GenerateChunk], Awaitable[None]] | None) -> GenerateResult:
-        try:
-            return await generate(self._ctx.bus, self._ctx.subjects, order, on_chunk)
-        except RemoteError as exc:
-            status = _STATUS_OF_CODE.get(exc.reply.code, 502)
-            raise oa.ApiError(status, exc.reply.message, "server_error" if status >= 500 else "invalid_request_error",
-                              code=exc.reply.code) from exc  # fmt: skip
-        except (BusError, StreamGap) as exc:
-            raise oa.ApiError(503, f"the mesh did not answer: {exc}", "server_error") from exc
-
-    async def _stream(
-        self, request: web.Request, model: _Model, body: Any, order: Any, created: int, *, chat: bool
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        rid = order.request_id
-
-        async def send(payload: dict[str, Any]) -> None:
-            await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-
-        if chat:
-            await send(oa.chat_chunk(rid, model=model.name, created=created, delta={"role": "assistant"}, finish=None))
-
-        async def on_chunk(chunk: GenerateChunk) -> None:
-            if not chunk.text:
-                return
-            if chat:
-                await send(oa.chat_chunk(rid, model=model.name, created=created, delta={"content": chunk.text},
-                                         finish=None))  # fmt: skip
-            else:
-                await send(oa.completion_chunk(rid, model=model.name, created=created, text=chunk.text, finish=None))
-
-        try:
-            result = await self._mesh(order, on_chunk)
-        except oa.ApiError as exc:  # the stream has begun: the error goes in it
-            await send(oa.error_body(exc))
-            await response.write(b"data: [DONE]\n\n")
-            return response
-        finish = oa.finish_reason(result)
-        if chat:
-            await send(oa.chat_chunk(rid, model=model.name, created=created, delta={}, finish=finish))
-        else:
-            await send(oa.completion_chunk(rid, model=model.name, created=created, text="", finish=finish))
-        if body.stream_options is not None and body.stream_options.include_usage:
-            shape = oa.chat_chunk if chat else oa.completion_chunk
-            extra: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
-            await send(shape(rid, model=model.name, created=created, finish=None, usage_=oa.usage(result), **extra))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
 
     # --- models on demand ----------------------------------------------------------------------------------
 
@@ -409,7 +354,7 @@ class FrontDoorActor(Actor):
                     ctx.subjects.placement_request, placement, PlacementDecision, timeout=30
                 )
             except (RemoteError, BusError) as exc:
-                raise oa.ApiError(503, f"placement did not answer: {exc}", "server_error") from exc
+                raise shapes.ApiError(UNAVAILABLE, f"placement did not answer: {exc}") from exc
             if decision.admitted and decision.reservation_id and decision.placements:
                 node = decision.placements[0].node_id
                 try:
@@ -420,7 +365,7 @@ class FrontDoorActor(Actor):
                         timeout=60,
                     )
                 except (RemoteError, BusError) as exc:
-                    raise oa.ApiError(503, f"the start on {node} failed: {exc}", "server_error") from exc
+                    raise shapes.ApiError(UNAVAILABLE, f"the start on {node} failed: {exc}") from exc
                 ready = await self._until_ready(ack.instance_id, deadline)
                 load_ms = (loop.time() - began) * 1000
                 ctx.emit(ModelLoaded, model=model.name, instance_id=ready.id, instance_node=ready.node, load_ms=load_ms)
@@ -432,8 +377,8 @@ class FrontDoorActor(Actor):
             }
             if not shortfalls:
                 ctx.emit(ModelRefused, model=model.name, reason=f"{decision.reason}: {decision.message}")
-                raise oa.ApiError(503, f"{model.name!r} cannot be placed: {decision.reason}: {decision.message}",
-                                  "server_error", code=str(decision.reason))  # fmt: skip
+                raise shapes.ApiError(NOT_PLACED, f"{model.name!r} cannot be placed: {decision.reason}: "
+                                      f"{decision.message}", extra={"reason": str(decision.reason)})  # fmt: skip
             running = await self._running()
             sizes = await self._sizes()
             plan = plan_room(shortfalls, running, now=self._clock(), min_idle_s=self._min_idle_s, sizes=sizes)
@@ -445,9 +390,9 @@ class FrontDoorActor(Actor):
                 ctx.emit(
                     ModelRefused, model=model.name, reason="never_fits", need_bytes=plan.need, have_bytes=plan.have
                 )
-                raise oa.ApiError(
-                    507, f"{model.name!r} never fits: it needs {plan.need} bytes and at most {plan.have} can be "
-                    f"freed on {plan.node}", "insufficient_memory", code="insufficient_memory",
+                raise shapes.ApiError(
+                    INSUFFICIENT_MEMORY, f"{model.name!r} never fits: it needs {plan.need} bytes and at most "
+                    f"{plan.have} can be freed on {plan.node}",
                     extra={"need_bytes": plan.need, "have_bytes": plan.have, "node": plan.node},
                 )  # fmt: skip
             if isinstance(plan, Stop):
@@ -456,7 +401,7 @@ class FrontDoorActor(Actor):
                 ctx.emit(RoomMade, model=model.name, stopped_on=plan.node, stopped=plan.instances, frees=plan.frees)
             elif isinstance(plan, Wait):
                 await asyncio.sleep(0.2)
-        raise oa.ApiError(504, f"{model.name!r} did not load in {entry.timeout_s:g}s", "server_error", code="timeout")
+        raise shapes.ApiError(TIMEOUT, f"{model.name!r} did not load in {entry.timeout_s:g}s")
 
     async def _until_ready(self, instance_id: str, deadline: float) -> InstanceStatus:
         async with asyncio.timeout_at(deadline):
@@ -465,8 +410,8 @@ class FrontDoorActor(Actor):
                 if status is not None and status.state == "ready" and status.port is not None:
                     return status
                 if status is not None and status.state in ("failed", "rejected", "stopped"):
-                    raise oa.ApiError(503, f"instance {instance_id} ended {status.state}: {status.message}",
-                                      "server_error")  # fmt: skip
+                    raise shapes.ApiError(UNAVAILABLE, f"instance {instance_id} ended {status.state}: "
+                                          f"{status.message}")  # fmt: skip
                 await asyncio.sleep(0.05)
 
     def _by_id(self, instance_id: str) -> InstanceStatus | None:
@@ -591,20 +536,75 @@ def _same_model(status: InstanceStatus, entry: CatalogModel, path: str | None) -
     return Path(status.model_path).name == entry.path or Path(status.model_path).stem == entry.path
 
 
-def _queue_full(model: _Model) -> oa.ApiError:
-    return oa.ApiError(429, f"{model.waiting + model.held} requests already wait for {model.name!r}; retry",
-                       "rate_limit_error", code="queue_full")  # fmt: skip
+def _queue_full(model: _Model) -> shapes.ApiError:
+    return shapes.ApiError(QUEUE_FULL, f"{model.waiting + model.held} requests already wait for {model.name!r}")
 
 
-def _load_timeout(model: _Model) -> oa.ApiError:
-    return oa.ApiError(504, f"{model.name!r} did not load in {model.entry.timeout_s:g}s", "server_error",
-                       code="timeout")  # fmt: skip
-
-
-async def _given(prompt: str | list[int]) -> str | list[int]:
-    return prompt
+def _load_timeout(model: _Model) -> shapes.ApiError:
+    return shapes.ApiError(TIMEOUT, f"{model.name!r} did not load in {model.entry.timeout_s:g}s")
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()  # a start nobody waits for any more must not warn when it failed
+
+
+#: What a pass-through request adds around the client's body on the bus (its fields and headers).
+_ENVELOPE_BYTES: Final = 8 << 10
+#: Largest whole (not streamed) answer the front door buffers to rename its model.
+_MAX_ANSWER_BYTES: Final = 64 << 20
+
+
+def _error_response(error: shapes.ApiError, shape: shapes.Shape, *, status: int | None = None) -> web.Response:
+    return web.json_response(
+        shapes.error_body(error, shape), status=status or error.status, headers=shapes.error_headers(error.code)
+    )
+
+
+class _Relay:
+    """A relayed answer to one HTTP request: streamed events as they come, a whole answer once complete."""
+
+    def __init__(self, request: web.Request, name: str, shape: shapes.Shape) -> None:
+        self._request = request
+        self._name = name
+        self._shape = shape
+        self._head: RelayHead | None = None
+        self._stream: web.StreamResponse | None = None
+        self._whole = bytearray()
+
+    async def head(self, head: RelayHead) -> None:
+        self._head = head
+        if head.content_type.startswith("text/event-stream"):
+            headers = {"Content-Type": head.content_type, "Cache-Control": "no-cache"}
+            self._stream = web.StreamResponse(status=head.status, headers=headers)
+            await self._stream.prepare(self._request)
+
+    async def data(self, data: bytes) -> None:
+        if self._stream is not None:
+            await self._stream.write(shapes.rename_events(data, self._name))
+            return
+        if len(self._whole) + len(data) > _MAX_ANSWER_BYTES:
+            raise StreamGap(f"an answer over {_MAX_ANSWER_BYTES} bytes")
+        self._whole += data
+
+    async def finish(self) -> web.StreamResponse:
+        if self._stream is not None:
+            await self._stream.write_eof()
+            return self._stream
+        head = self._head or RelayHead(status=502, content_type="application/json")
+        body = bytes(self._whole)
+        if head.status >= 400:
+            body = shapes.server_error_body(head.status, body, self._shape)
+        else:
+            body = shapes.rename_json(body, self._name)
+        return web.Response(body=body, status=head.status, headers={"Content-Type": head.content_type})
+
+    async def failed(self, error: shapes.ApiError) -> web.StreamResponse:
+        """The mesh's own error: the whole answer when nothing was sent yet, else the last event of the stream."""
+        if self._stream is None:
+            return _error_response(error, self._shape)
+        body = json.dumps(shapes.error_body(error, self._shape), ensure_ascii=False)
+        event = f"event: error\ndata: {body}\n\n" if self._shape == "anthropic" else f"data: {body}\n\n"
+        await self._stream.write(event.encode())
+        await self._stream.write_eof()
+        return self._stream

@@ -61,6 +61,7 @@ class CatalogModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     flash_attn: Literal["on", "off"] | None = None
     spec_type: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     spec_draft_n_max: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
+    kind: Literal["generate", "embedding", "rerank"] = "generate"
 
     def required_settings(self) -> PreferredSettings | None:
         """What its instances must run with (None: whatever the node advertises)."""

@@ -5,11 +5,14 @@ serving report (`mesh.serving.<node>`: slots, busy, queued, resident prefixes; n
 TTL on this actor's clock), each node's L3 inventory (`MESH_L3`) and the registry (for model names).
 
 A request names a model by instance id, registry name, model path as placed, or a bare file name (with or
-without `.gguf`). With more than one ready instance and a text prompt, the prompt is tokenized once on one of
-them (so prefixes can be compared; the runner then skips its own tokenization). Each candidate is credited
-with the prefix it holds (`prefixes.Holdings`), `routing.choose` picks one, the decision is journaled
-(`generate_routed`, replayable) and the request goes to `mesh.runner.<node>.generate` with the tokens and the
-time spent here. The runner's error replies pass through unchanged.
+without `.gguf`). Only instances on nodes whose serving report is current are candidates (a node killed before
+it could remove its records sends none). With more than one candidate and a text prompt, the prompt is tokenized
+once on one of them (a pass-through body is rendered by the instance: `mesh.runner.<node>.render`), so prefixes
+can be compared; the runner then skips its own tokenization. Each candidate is credited with the prefix it holds
+(`prefixes.Holdings`), `routing.choose` picks one, the decision is journaled (`generate_routed`, replayable) and
+the request goes to `mesh.runner.<node>.generate` with the tokens and the time spent here. When the chosen
+runner does not answer at all (no responders) or no longer has the instance, nothing ran: the choice is made
+again without it (and journaled again). Any other error reply of the runner passes through unchanged.
 """
 
 from __future__ import annotations
@@ -29,13 +32,16 @@ from nats.js.kv import KeyValue
 from actors.router.links import LinkBook
 from actors.router.prefixes import Holdings
 from actors.router.routing import DEFAULT_WEIGHTS, ROUTER_VERSION, link_key, route
-from messages.errors import BAD_REQUEST, NO_INSTANCE, TIMEOUT, UNAVAILABLE
+from messages.errors import BAD_REQUEST, NO_INSTANCE, NOT_FOUND, TIMEOUT
 from messages.events import GenerateRouted, LinkMeasured
 from messages.generate import (
+    GENERATING_ENDPOINTS,
+    ApiCall,
     Candidate,
     GenerateRequest,
     GenerateResult,
     InstanceLoad,
+    Render,
     RouteChoice,
     RouteWeights,
     RunnerGenerate,
@@ -56,6 +62,14 @@ QUEUE_GROUP: Final = "generate"
 MAX_CONCURRENT: Final = 256
 #: Extra time a forwarded request waits beyond the generation's own timeout (the runner answers by then).
 FORWARD_SLACK_S: Final = 5.0
+
+
+class _NotThere(Exception):
+    """The chosen instance did not run the request: its runner is gone, or it no longer has the instance."""
+
+    def __init__(self, message: str, *, node_gone: bool) -> None:
+        super().__init__(message)
+        self.node_gone = node_gone
 
 
 class RouterActor(Actor):
@@ -161,6 +175,11 @@ class RouterActor(Actor):
         self._reports[node] = (report, self._monotonic())
         self._holdings = None
 
+    def _fresh_nodes(self) -> set[str]:
+        """The nodes whose last serving report is still current."""
+        now = self._monotonic()
+        return {node for node, (report, arrived) in self._reports.items() if now - arrived <= report.ttl_s}
+
     def _loads(self) -> dict[str, InstanceLoad]:
         """Every instance's last load report that is still current."""
         now = self._monotonic()
@@ -216,16 +235,24 @@ class RouterActor(Actor):
 
     async def generate(self, ctx: ActorContext, request: GenerateRequest) -> GenerateResult:
         started = time.perf_counter()
+        if request.api is not None and request.stream is None:
+            raise RequestError(BAD_REQUEST, "a pass-through (`api`) request names a `stream` subject for its answer")
         request_id = request.request_id or uuid.uuid4().hex
         matching = await self._matching(request.model)
         if request.prefill_node is not None and any(s.node != request.prefill_node for s in matching):
             # a forced disaggregated generation decodes elsewhere than where it prefills
             matching = [s for s in matching if s.node != request.prefill_node]
+        loads = self._loads()
+        fresh = self._fresh_nodes()
+        # an instance whose node sends no current report may be dead (a node killed before it could remove its
+        # records): it is never scored, so it can never win a tie as "idle"
+        matching = [s for s in matching if s.node in fresh]
         tokens = request.prompt if isinstance(request.prompt, list) else None
         tokenized_by: str | None = None  # the model file whose tokenizer made `tokens` from the text
         if isinstance(request.prompt, str) and len(matching) > 1:
             tokens, tokenized_by = await self._tokenize(ctx, matching, request.prompt)
-        loads = self._loads()
+        elif request.api is not None and request.api.endpoint in GENERATING_ENDPOINTS and len(matching) > 1:
+            tokens, tokenized_by = await self._render(ctx, matching, request.api)
         holdings = self._current_holdings(loads)
         hashes: dict[tuple[str, int], str] = {}
         candidates = []
@@ -258,51 +285,65 @@ class RouterActor(Actor):
         fitted = self._links.links() if request.prefill_node is None else {}
         links = {key: link.bytes_per_s for key, link in fitted.items()}
         fixed = {key: link.fixed_s for key, link in fitted.items()}
-        decision = route(n_prompt, candidates, self.weights, links, fixed)
-        event = ctx.emit(
-            GenerateRouted,
-            request_id=request_id,
-            model=request.model,
-            n_prompt=n_prompt,
-            candidates=tuple(candidates),
-            weights=self.weights,
-            decision=decision,
-            router_version=ROUTER_VERSION,
-            links=links,
-            link_fixed_s=fixed,
-        )
-        if decision.chosen is None:
-            raise RequestError(NO_INSTANCE, f"no ready instance serves {request.model!r}", {"model": request.model})
-        chosen = next(c for c in candidates if c.instance_id == decision.chosen)
-        chosen_path = self._instances[chosen.instance_id].model_path if chosen.instance_id in self._instances else ""
-        if decision.prefill_node is not None and request.prefill_node is None:  # the cost model said it pays
-            request = msgspec.structs.replace(request, prefill_node=decision.prefill_node)
-        order = RunnerGenerate(
-            request=request,
-            request_id=request_id,
-            instance_id=chosen.instance_id,
-            tokens=tokens if tokenized_by is None or tokenized_by == chosen_path else None,
-            route=RouteChoice(held_tokens=chosen.held_tokens, source=chosen.source, decision_id=event.id),
-            routed_ms=(time.perf_counter() - started) * 1000,
-        )
+        while True:
+            decision = route(n_prompt, candidates, self.weights, links, fixed)
+            event = ctx.emit(
+                GenerateRouted,
+                request_id=request_id,
+                model=request.model,
+                n_prompt=n_prompt,
+                candidates=tuple(candidates),
+                weights=self.weights,
+                decision=decision,
+                router_version=ROUTER_VERSION,
+                links=links,
+                link_fixed_s=fixed,
+            )
+            if decision.chosen is None:
+                raise RequestError(NO_INSTANCE, f"no ready instance serves {request.model!r}", {"model": request.model})
+            chosen = next(c for c in candidates if c.instance_id == decision.chosen)
+            chosen_path = (
+                self._instances[chosen.instance_id].model_path if chosen.instance_id in self._instances else ""
+            )
+            forwarded = request
+            if decision.prefill_node is not None and request.prefill_node is None:  # the cost model said it pays
+                forwarded = msgspec.structs.replace(request, prefill_node=decision.prefill_node)
+            order = RunnerGenerate(
+                request=forwarded,
+                request_id=request_id,
+                instance_id=chosen.instance_id,
+                tokens=tokens if tokenized_by is None or tokenized_by == chosen_path else None,
+                route=RouteChoice(held_tokens=chosen.held_tokens, source=chosen.source, decision_id=event.id),
+                routed_ms=(time.perf_counter() - started) * 1000,
+            )
+            try:
+                return await self._forward(ctx, order, chosen)
+            except _NotThere as exc:  # nothing ran: the next candidate is asked (the choice journaled again)
+                ctx.log.warning("generate_not_there", request_id=request_id, instance_id=chosen.instance_id,
+                                node=chosen.node, error=str(exc))  # fmt: skip
+                gone = {chosen.node} if exc.node_gone else set()
+                candidates = [c for c in candidates if c.instance_id != chosen.instance_id and c.node not in gone]
+
+    async def _forward(self, ctx: ActorContext, order: RunnerGenerate, chosen: Candidate) -> GenerateResult:
+        """The order to the chosen runner, its result or error passed on; `_NotThere` when it did not run."""
+        timeout_s = order.request.timeout_s
         self._inflight[chosen.instance_id] = self._inflight.get(chosen.instance_id, 0) + 1
         try:
             result = await ctx.bus.request(
-                ctx.subjects.runner(chosen.node, "generate"),
-                order,
-                GenerateResult,
-                timeout=request.timeout_s + FORWARD_SLACK_S,
+                ctx.subjects.runner(chosen.node, "generate"), order, GenerateResult, timeout=timeout_s + FORWARD_SLACK_S
             )
             if result.path == "disaggregated" and result.prefill_node and result.handoff_ms > 0:
                 key = link_key(result.prefill_node, result.node)
                 self._links.observe_result(key, result.handoff_bytes, result.handoff_ms / 1000)
             return result
         except RemoteError as exc:
+            if exc.reply.code == NOT_FOUND and exc.reply.details.get("instance_id") == chosen.instance_id:
+                raise _NotThere(exc.reply.message, node_gone=False) from exc
             raise RequestError(exc.reply.code, exc.reply.message, exc.reply.details) from exc
         except NoResponders as exc:
-            raise RequestError(UNAVAILABLE, f"the runner of node {chosen.node} does not answer; retry") from exc
+            raise _NotThere(f"the runner of node {chosen.node} does not answer", node_gone=True) from exc
         except RequestTimeout as exc:
-            raise RequestError(TIMEOUT, f"node {chosen.node} did not answer within {request.timeout_s:g}s") from exc
+            raise RequestError(TIMEOUT, f"node {chosen.node} did not answer within {timeout_s:g}s") from exc
         except PayloadTooLarge as exc:
             raise RequestError(BAD_REQUEST, f"the prompt is too large for the bus: {exc}") from exc
         finally:
@@ -311,6 +352,21 @@ class RouterActor(Actor):
                 self._inflight[chosen.instance_id] = left
             else:
                 self._inflight.pop(chosen.instance_id, None)
+
+    async def _render(
+        self, ctx: ActorContext, matching: list[InstanceStatus], call: ApiCall
+    ) -> tuple[list[int] | None, str | None]:
+        """A pass-through body's prompt tokens as one ready instance renders them, and the model file that did."""
+        first = min(matching, key=lambda s: s.id)
+        with contextlib.suppress(RemoteError, NoResponders, RequestTimeout, PayloadTooLarge):
+            reply = await ctx.bus.request(
+                ctx.subjects.runner(first.node, "render"),
+                Render(instance_id=first.id, call=call),
+                Tokens,
+                timeout=self._tokenize_timeout_s,
+            )
+            return (reply.tokens or None), first.model_path
+        return None, None
 
     async def _tokenize(
         self, ctx: ActorContext, matching: list[InstanceStatus], text: str

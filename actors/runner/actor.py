@@ -70,11 +70,10 @@ from actors.runner.serving import Serving, ServingLimits, state_identity
 from messages.errors import NOT_FOUND, UNAVAILABLE
 from messages.events import DriftRejected, InstanceRefused
 from messages.generate import (
-    ApplyTemplate,
     GenerateResult,
     Prefill,
     PrefillResult,
-    Prompt,
+    Render,
     RunnerGenerate,
     Tokenize,
     Tokens,
@@ -174,7 +173,7 @@ class RunnerActor(Actor):
         api = ServerApi(session)
         serving = Serving(
             self.node_id, ctx.bus, api, self.l3, ctx.spawn, self.serving_limits,
-            handoff=self.handoff, subjects=ctx.subjects, on_outcome=self._completion_outcome,
+            handoff=self.handoff, subjects=ctx.subjects, on_outcome=self._completion_outcome, emit=ctx.emit,
         )  # fmt: skip
         self._serving = serving
         ctx.spawn(self._serve(ctx, serving, session), "serving")
@@ -202,10 +201,9 @@ class RunnerActor(Actor):
             self._sync_serving(serving)
             return await serving.prefill(order)
 
-        async def template(request: ApplyTemplate) -> Prompt:
+        async def render(request: Render) -> Tokens:
             self._sync_serving(serving)
-            turns = [{"role": m.role, "content": m.content} for m in request.messages]
-            return Prompt(prompt=await serving.apply_template(request.instance_id, turns))
+            return Tokens(tokens=await serving.render(request.instance_id, request.call))
 
         limits = self.serving_limits
         await ctx.add_endpoint(
@@ -218,9 +216,7 @@ class RunnerActor(Actor):
             deadline_s=3600.0 + 60.0,  # each generation keeps its own `timeout_s` (at most an hour)
         )
         await ctx.add_endpoint("tokenize", ctx.subjects.runner(self.node_id, "tokenize"), Tokenize, tokenize, workers=8)
-        await ctx.add_endpoint(
-            "template", ctx.subjects.runner(self.node_id, "template"), ApplyTemplate, template, workers=8
-        )
+        await ctx.add_endpoint("render", ctx.subjects.runner(self.node_id, "render"), Render, render, workers=8)
         await ctx.add_endpoint(
             "prefill", ctx.subjects.runner(self.node_id, "prefill"), Prefill, prefill, workers=8,
             deadline_s=3600.0 + 60.0,

@@ -10,6 +10,7 @@ server stop generating and free the slot.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Final
@@ -110,7 +111,9 @@ class ServerApi:
             raise ServerApiError(f"{what}: {exc}") from exc
 
     async def tokenize(self, port: int, text: str, *, timeout_s: float) -> list[int]:
-        reply = await self.json(port, "POST", "/tokenize", {"content": text, "add_special": True}, timeout_s=timeout_s)
+        """`text`'s tokens as the server tokenizes a prompt (specials added, special text parsed)."""
+        body = {"content": text, "add_special": True, "parse_special": True}
+        reply = await self.json(port, "POST", "/tokenize", body, timeout_s=timeout_s)
         tokens = reply.get("tokens") if isinstance(reply, dict) else None
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise ServerApiError("POST /tokenize: no token list in the reply")
@@ -124,6 +127,26 @@ class ServerApi:
         if not isinstance(reply, dict):
             raise ServerApiError(f"POST /slots/{slot}?action={action}: the reply is not an object")
         return reply
+
+    @contextlib.asynccontextmanager
+    async def exchange(
+        self, port: int, path: str, body: bytes, *, connect_timeout_s: float, idle_timeout_s: float
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """`POST path` with a JSON body, as it is: the response, open for the caller to read as it comes
+        (whatever its status). Leaving the block closes the connection (the server stops the request)."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=idle_timeout_s)
+        url = f"http://{LOOPBACK}:{port}{path}"
+        try:
+            async with self._session.post(
+                url, data=body, headers={"Content-Type": "application/json"}, timeout=timeout
+            ) as response:
+                yield response
+        except TimeoutError as exc:
+            raise ServerApiError(f"POST {path}: the server sent nothing for {idle_timeout_s:g}s") from exc
+        except aiohttp.ClientError as exc:
+            raise ServerApiError(f"POST {path}: {_failure(exc)}") from exc
+        except RuntimeError as exc:  # the session closed: the runner's incarnation is ending
+            raise ServerApiError(f"POST {path}: {exc}") from exc
 
     async def completion(
         self, port: int, body: Mapping[str, Any], *, connect_timeout_s: float, idle_timeout_s: float

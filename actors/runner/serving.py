@@ -27,7 +27,7 @@ nothing), and the slot is freed whatever happens.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import json
 import platform
 import sys
 import time
@@ -42,11 +42,14 @@ from actors.handoff.actor import HandoffActor, HandoffFailed
 from actors.l3.api import L3Access, L3Hit, L3Unavailable
 from actors.l3.identity import DraftSettings, Platform, StateInputs, exact_state_identity
 from actors.router.prefixes import resident_prefixes
+from actors.runner.forward import Forwarder
 from actors.runner.server_api import ServerApi, ServerApiError, sampling_body
 from actors.runner.slots import Grant, SlotTable
+from actors.runner.state_file import PAYLOAD_KIND, SaveFailed, remove_file
 from actors.runner.stream import ChunkStream, ClientGone
 from messages.errors import BAD_REQUEST, NOT_FOUND, TIMEOUT, UNAVAILABLE
 from messages.generate import (
+    ApiCall,
     GenerateResult,
     InstanceLoad,
     Prefill,
@@ -62,9 +65,8 @@ from runtime.actor import RequestError
 from runtime.bus import Bus, BusError, RemoteError
 from runtime.logging import get_logger
 
-__all__ = ["PAYLOAD_KIND", "Serving", "ServingLimits", "state_identity"]
+__all__ = ["ServedInstance", "Serving", "ServingLimits", "state_identity"]
 
-PAYLOAD_KIND: Final = "llama_slot"
 _log = get_logger(component="serving")
 
 
@@ -109,7 +111,7 @@ def state_identity(
     return exact_state_identity(inputs)
 
 
-class _Instance:
+class ServedInstance:
     """One ready instance as serving sees it (rebuilt when its server restarts: the slots hold nothing then)."""
 
     def __init__(
@@ -146,17 +148,20 @@ class Serving:
         handoff: HandoffActor | None = None,
         subjects: Subjects | None = None,
         on_outcome: Callable[[str, bool, str], None] | None = None,
+        emit: Callable[..., Any] | None = None,
     ) -> None:
         self.node_id = node_id
-        self._bus = bus
-        self._api = api
-        self._l3 = l3
+        self.bus = bus
+        self.api = api
+        self.l3 = l3
         self._handoff = handoff
         self._subjects = subjects or Subjects()
-        self._outcome = on_outcome or (lambda instance_id, ok, why: None)  # health by inference
-        self._spawn = spawn
+        self.outcome = on_outcome or (lambda instance_id, ok, why: None)  # health by inference
+        self.emit = emit or (lambda event_class, **fields: None)  # a journal event from the runner
+        self._forwarder = Forwarder(self)
+        self.spawn = spawn
         self.limits = limits
-        self._instances: dict[str, _Instance] = {}
+        self._instances: dict[str, ServedInstance] = {}
         self._active = 0
         self.changed = asyncio.Event()  # set on every load change: the report goes out soon after
         self._seq = 0
@@ -168,7 +173,7 @@ class Serving:
         if instance is not None:
             instance.state = size
 
-    def _measured(self, instance: _Instance, timings: dict[str, Any]) -> None:
+    def measured(self, instance: ServedInstance, timings: dict[str, Any]) -> None:
         """A completion's prefill rate, once it computed enough tokens to say (smoothed)."""
         if int(timings.get("prompt_n", 0) or 0) >= 32:
             instance.prefill_rate = cost.observe(instance.prefill_rate, float(timings.get("prompt_per_second", 0)))
@@ -181,7 +186,7 @@ class Serving:
             known = self._instances.get(iid)
             if known is None or known.generation != generation or known.port != port:
                 identity = known.identity if known is not None else None
-                fresh = _Instance(iid, port, slots, slot_dir, generation, rollback)
+                fresh = ServedInstance(iid, port, slots, slot_dir, generation, rollback)
                 fresh.identity = identity
                 if known is not None:
                     fresh.prefill_rate, fresh.state = known.prefill_rate, known.state
@@ -231,55 +236,54 @@ class Serving:
     # --- requests --------------------------------------------------------------------------------------------
 
     async def tokenize(self, instance_id: str, text: str) -> list[int]:
-        instance = self._instance(instance_id)
+        instance = self.instance(instance_id)
         try:
-            return await self._api.tokenize(instance.port, text, timeout_s=self.limits.tokenize_timeout_s)
+            return await self.api.tokenize(instance.port, text, timeout_s=self.limits.tokenize_timeout_s)
         except ServerApiError as exc:
             raise RequestError(UNAVAILABLE, f"instance {instance_id}: {exc}") from exc
 
-    async def apply_template(self, instance_id: str, messages: list[dict[str, str]]) -> str:
-        """The chat as the instance's own chat template renders it (llama-server's `/apply-template`)."""
-        instance = self._instance(instance_id)
+    async def render(self, instance_id: str, call: ApiCall) -> list[int]:
+        """A pass-through body's prompt tokens as the instance renders them (none when it has no single prompt)."""
+        instance = self.instance(instance_id)
         try:
-            reply = await self._api.json(
-                instance.port, "POST", "/apply-template", {"messages": messages},
-                timeout_s=self.limits.tokenize_timeout_s,
-            )  # fmt: skip
-        except ServerApiError as exc:
-            code = BAD_REQUEST if exc.status == 400 else UNAVAILABLE
-            raise RequestError(code, f"instance {instance_id}: {exc}") from exc
-        prompt = reply.get("prompt") if isinstance(reply, dict) else None
-        if not isinstance(prompt, str):
-            raise RequestError(UNAVAILABLE, f"instance {instance_id}: /apply-template gave no prompt")
-        return prompt
+            body = json.loads(bytes(call.body))
+        except ValueError as exc:
+            raise RequestError(BAD_REQUEST, f"the body is not JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise RequestError(BAD_REQUEST, "the body is a JSON object")
+        return await self._forwarder.render(instance, call.endpoint, body) or []
 
     def busy(self, instance_id: str) -> bool:
         """Whether a generation runs on the instance or waits for one of its slots."""
         instance = self._instances.get(instance_id)
         return instance is not None and (instance.table.busy > 0 or instance.table.queued > 0)
 
-    def _instance(self, instance_id: str) -> _Instance:
+    def instance(self, instance_id: str) -> ServedInstance:
         instance = self._instances.get(instance_id)
         if instance is None:
-            raise RequestError(NOT_FOUND, f"no ready instance {instance_id!r} on node {self.node_id}")
+            raise RequestError(
+                NOT_FOUND, f"no ready instance {instance_id!r} on node {self.node_id}", {"instance_id": instance_id}
+            )
         return instance
 
     async def generate(self, order: RunnerGenerate) -> GenerateResult:
         started = time.perf_counter()
         request = order.request
-        instance = self._instance(order.instance_id)
+        instance = self.instance(order.instance_id)
         if self._active >= self.limits.max_generations:
             raise RequestError(UNAVAILABLE, f"node {self.node_id} runs {self._active} generations already; retry")
         self._active += 1
         try:
             async with asyncio.timeout(request.timeout_s):
+                if request.api is not None:
+                    return await self._forwarder.forward(instance, order, started)
                 return await self._generate(instance, order, started)
         except TimeoutError as exc:
             raise RequestError(TIMEOUT, f"the generation did not finish within {request.timeout_s:g}s") from exc
         finally:
             self._active -= 1
 
-    async def _generate(self, instance: _Instance, order: RunnerGenerate, started: float) -> GenerateResult:
+    async def _generate(self, instance: ServedInstance, order: RunnerGenerate, started: float) -> GenerateResult:
         request = order.request
         prompt = request.prompt
         if order.tokens is not None:
@@ -287,25 +291,25 @@ class Serving:
         elif isinstance(prompt, str):
             tokens = await self.tokenize(instance.id, prompt)
         else:
-            tokens = list(prompt)
+            tokens = list(prompt or ())
         if not tokens:
             raise RequestError(BAD_REQUEST, "the prompt has no tokens")
-        grant = await self._acquire(instance, tokens)
+        grant = await self.acquire(instance, tokens)
         handed_over = False
         try:
             result, held, saved = await self._run(instance, grant, order, tokens, started)
             if saved is not None:  # the save runs after the reply; it gives the slot back itself
-                self._spawn(self._save_after(instance, grant.slot, saved), f"capture:{order.request_id}")
+                self.spawn(self._save_after(instance, grant.slot, saved), f"capture:{order.request_id}")
                 handed_over = True
             else:
-                self._release(instance, grant.slot, held)
+                self.release(instance, grant.slot, held)
                 handed_over = True
             return result
         finally:
             if not handed_over:
-                self._release(instance, grant.slot, None)
+                self.release(instance, grant.slot, None)
 
-    async def _acquire(self, instance: _Instance, tokens: Sequence[int]) -> Grant:
+    async def acquire(self, instance: ServedInstance, tokens: Sequence[int]) -> Grant:
         table = instance.table
         grant = table.acquire(tokens)
         if grant is not None:
@@ -329,13 +333,13 @@ class Serving:
         self.changed.set()
         return grant
 
-    def _release(self, instance: _Instance, slot: int, held: Sequence[int] | None) -> None:
+    def release(self, instance: ServedInstance, slot: int, held: Sequence[int] | None) -> None:
         instance.table.release(slot, held)
         instance.wake()
         self.changed.set()
 
     async def _run(
-        self, instance: _Instance, grant: Grant, order: RunnerGenerate, tokens: list[int], started: float
+        self, instance: ServedInstance, grant: Grant, order: RunnerGenerate, tokens: list[int], started: float
     ) -> tuple[GenerateResult, list[int] | None, tuple[list[int], str] | None]:
         """The generation on an acquired slot: its result, what the slot holds after it, and what to save."""
         request = order.request
@@ -344,14 +348,14 @@ class Serving:
         held = grant.resident
         restored = 0
         identity = instance.identity
-        capture_on = request.capture and self._l3 is not None and identity is not None
+        capture_on = request.capture and self.l3 is not None and identity is not None
         remote: PrefillResult | None = None
         asked = time.perf_counter()
         if request.prefill_node not in (None, self.node_id) and held < len(tokens) - 1:
             remote = await self._remote_prefill(instance, order, tokens[:-1])  # lands in this node's L3
-        if self._l3 is not None and identity is not None and held < len(tokens) - 1:
-            hit = await self._l3.lookup(identity, tokens, max_tokens=len(tokens) - 1)
-            if hit is not None and hit.n_tokens > held and await self._restore(instance, slot, hit):
+        if self.l3 is not None and identity is not None and held < len(tokens) - 1:
+            hit = await self.l3.lookup(identity, tokens, max_tokens=len(tokens) - 1)
+            if hit is not None and hit.n_tokens > held and await self.restore(instance, slot, hit):
                 restored = held = hit.n_tokens
                 source = hit.source
                 instance.table.update(slot, tokens[:held])
@@ -364,11 +368,11 @@ class Serving:
         handoff_ms = (time.perf_counter() - asked) * 1000 - remote_compute_ms if remote is not None else 0.0
         if remote is not None and restored < remote.n_tokens:
             raise RequestError(UNAVAILABLE, f"the state prefilled on {remote.node} could not be restored here")
-        capture = "off" if not request.capture else "no_l3" if self._l3 is None else "no_identity"
+        capture = "off" if not request.capture else "no_l3" if self.l3 is None else "no_identity"
         if capture_on:
             capture = "short" if len(tokens) - 1 < self.limits.capture_min_tokens else "held"
             if capture == "held" and held < len(tokens) - 1:
-                evaluated += await self._prefill_and_save(instance, slot, tokens[:-1], order.request_id)
+                evaluated += await self.prefill_and_save(instance, slot, tokens[:-1], order.request_id)
                 capture = "queued"
         body = {
             "prompt": tokens,
@@ -379,7 +383,7 @@ class Serving:
             **sampling_body(request.sampling, request.sampling.stop),
         }
         stream = (
-            ChunkStream(self._bus, request.stream, order.request_id, self.limits.stream_silence_s)
+            ChunkStream(self.bus, request.stream, order.request_id, self.limits.stream_silence_s)
             if request.stream
             else None
         )
@@ -392,7 +396,7 @@ class Serving:
 
         async def complete() -> None:
             nonlocal first, final
-            async for event in self._api.completion(
+            async for event in self.api.completion(
                 instance.port, body, connect_timeout_s=self.limits.tokenize_timeout_s,
                 idle_timeout_s=self.limits.idle_timeout_s,
             ):  # fmt: skip
@@ -411,7 +415,7 @@ class Serving:
             if stream is None:
                 # Whole: the reply lists every token id (a stream leaves out the ids of tokens whose bytes it
                 # held back as incomplete UTF-8). Closing the connection at a deadline still stops the server.
-                final = await self._api.json(instance.port, "POST", "/completion", body, timeout_s=request.timeout_s)
+                final = await self.api.json(instance.port, "POST", "/completion", body, timeout_s=request.timeout_s)
                 generated = [t for t in final.get("tokens") or () if isinstance(t, int)]
                 text = [str(final.get("content") or "")]
             else:
@@ -426,13 +430,13 @@ class Serving:
             error = group.exceptions[0]
             status = getattr(error, "status", None)
             if (status is None or status >= 500) and not _load_error(str(error)):  # the server failed, not the request
-                self._outcome(instance.id, False, str(error))
+                self.outcome(instance.id, False, str(error))
             code = BAD_REQUEST if status == 400 else UNAVAILABLE
             raise RequestError(code, f"instance {instance.id}: {error}") from error
-        self._outcome(instance.id, True, "")
+        self.outcome(instance.id, True, "")
         exact = int(final.get("tokens_predicted", len(generated)) or 0) == len(generated)
         timings = final.get("timings") or {}
-        self._measured(instance, timings)
+        self.measured(instance, timings)
         if stream is None and timings:  # the server's own clock: prompt time, then the first token
             first = before_completion + (timings.get("prompt_ms", 0) + timings.get("predicted_per_token_ms", 0)) / 1000
         if stop != "cancelled":
@@ -474,15 +478,17 @@ class Serving:
         )
         return result, after, save
 
-    async def _remote_prefill(self, instance: _Instance, order: RunnerGenerate, prefix: list[int]) -> PrefillResult:
+    async def _remote_prefill(
+        self, instance: ServedInstance, order: RunnerGenerate, prefix: list[int]
+    ) -> PrefillResult:
         """Asks the prefill node to compute `prefix` and hand its state to this node's L3."""
         node = order.request.prefill_node
         assert node is not None
-        if instance.identity is None or self._l3 is None:
+        if instance.identity is None or self.l3 is None:
             raise RequestError(UNAVAILABLE, f"instance {instance.id} has no L3 identity yet: no handoff into it")
         ask = Prefill(identity=instance.identity, tokens=prefix, target_node=self.node_id, request_id=order.request_id)
         try:
-            return await self._bus.request(
+            return await self.bus.request(
                 self._subjects.runner(node, "prefill"), ask, PrefillResult, timeout=order.request.timeout_s
             )
         except RemoteError as exc:
@@ -498,26 +504,26 @@ class Serving:
         instance = next((i for i in self._instances.values() if i.identity == order.identity), None)
         if instance is None:
             raise RequestError(NOT_FOUND, f"no ready instance of identity {order.identity[:16]}… on {self.node_id}")
-        grant = await self._acquire(instance, order.tokens)
+        grant = await self.acquire(instance, order.tokens)
         held: list[int] | None = None
         try:
             timings = await self._prefill(instance, grant.slot, order.tokens)
             evaluated = int(timings.get("prompt_n", 0) or 0)
-            self._measured(instance, timings)
+            self.measured(instance, timings)
             prefilled = time.perf_counter()
             path = instance.slot_dir / f"handoff-{order.request_id}-{uuid.uuid4().hex[:8]}.bin"
             try:
-                n_saved = await self._save_slot(instance, grant.slot, path, len(order.tokens))
+                n_saved = await self.save_slot(instance, grant.slot, path, len(order.tokens))
                 report = await self._handoff.send(
                     order.target_node, path, identity=order.identity, n_tokens=n_saved,
                     tokens=order.tokens[:n_saved], payload_kind=PAYLOAD_KIND,
                 )  # fmt: skip
-            except _SaveFailed as exc:
+            except SaveFailed as exc:
                 raise RequestError(UNAVAILABLE, f"instance {instance.id}: {exc}") from exc
             except HandoffFailed as exc:
                 raise RequestError(UNAVAILABLE, f"handoff to {order.target_node}: {exc}") from exc
             finally:
-                await _remove(path)
+                await remove_file(path)
             held = order.tokens[:n_saved]
             return PrefillResult(
                 node=self.node_id, instance=instance.id, n_tokens=n_saved, tokens_evaluated=evaluated,
@@ -525,15 +531,15 @@ class Serving:
                 compute_ms=float(timings.get("prompt_ms", 0.0) or 0.0),
             )  # fmt: skip
         finally:
-            self._release(instance, grant.slot, held)
+            self.release(instance, grant.slot, held)
 
-    async def _restore(self, instance: _Instance, slot: int, hit: L3Hit) -> bool:
-        assert self._l3 is not None
+    async def restore(self, instance: ServedInstance, slot: int, hit: L3Hit) -> bool:
+        assert self.l3 is not None
         name = f"restore-{uuid.uuid4().hex}.bin"
         path = instance.slot_dir / name
         try:
-            await self._l3.materialize(hit, path, deadline_s=self.limits.slot_file_timeout_s)
-            reply = await self._api.slot_action(
+            await self.l3.materialize(hit, path, deadline_s=self.limits.slot_file_timeout_s)
+            reply = await self.api.slot_action(
                 instance.port, slot, "restore", name, timeout_s=self.limits.slot_file_timeout_s
             )
             if int(reply.get("n_restored", -1)) != hit.n_tokens:
@@ -546,76 +552,63 @@ class Serving:
             instance.table.update(slot, ())
             return False
         finally:
-            await _remove(path)
+            await remove_file(path)
 
-    async def _prefill(self, instance: _Instance, slot: int, tokens: list[int]) -> dict[str, Any]:
+    async def _prefill(self, instance: ServedInstance, slot: int, tokens: list[int]) -> dict[str, Any]:
         """Computes `tokens` into the slot (one token is sampled and dropped); the server's timings. Whole, not
         streamed: a long prefill sends nothing until it is done, and the request's own deadline bounds it."""
         body = {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True, "temperature": 0}
         try:
-            final = await self._api.json(instance.port, "POST", "/completion", body, timeout_s=3600)
+            final = await self.api.json(instance.port, "POST", "/completion", body, timeout_s=3600)
         except ServerApiError as exc:
             raise RequestError(UNAVAILABLE, f"instance {instance.id}: {exc}") from exc
         instance.table.update(slot, tokens)
         return dict(final.get("timings") or {}) if isinstance(final, dict) else {}
 
-    async def _save_slot(self, instance: _Instance, slot: int, path: Path, known: int) -> int:
+    async def save_slot(self, instance: ServedInstance, slot: int, path: Path, known: int) -> int:
         """Saves the slot to `path` (in its `--slot-save-path`); how many tokens the state holds, at most
-        `known` (the tokens the runner knows it holds). Raises `_SaveFailed`, with no file left, otherwise."""
+        `known` (the tokens the runner knows it holds). Raises `SaveFailed`, with no file left, otherwise."""
         try:
-            reply = await self._api.slot_action(
+            reply = await self.api.slot_action(
                 instance.port, slot, "save", path.name, timeout_s=self.limits.slot_file_timeout_s
             )
         except ServerApiError as exc:
-            await _remove(path)
-            raise _SaveFailed("save_failed", str(exc)) from exc
+            await remove_file(path)
+            raise SaveFailed("save_failed", str(exc)) from exc
         n_saved = int(reply.get("n_saved", -1))
         if not 0 < n_saved <= known:
-            await _remove(path)
-            raise _SaveFailed("save_mismatch", f"the saved state holds {n_saved} tokens, not a prefix of {known}")
+            await remove_file(path)
+            raise SaveFailed("save_mismatch", f"the saved state holds {n_saved} tokens, not a prefix of {known}")
         return n_saved
 
-    async def _prefill_and_save(self, instance: _Instance, slot: int, prefix: list[int], request_id: str) -> int:
+    async def prefill_and_save(self, instance: ServedInstance, slot: int, prefix: list[int], request_id: str) -> int:
         """Prefills `prefix` into the slot and captures it; returns the tokens the server evaluated."""
         timings = await self._prefill(instance, slot, prefix)
-        await self._save(instance, slot, prefix, f"{request_id}-prefix")
+        await self.capture(instance, slot, prefix, f"{request_id}-prefix")
         return int(timings.get("prompt_n", 0) or 0)
 
-    async def _save(self, instance: _Instance, slot: int, tokens: list[int], tag: str) -> None:
+    async def capture(self, instance: ServedInstance, slot: int, tokens: list[int], tag: str) -> None:
         """Saves the slot and hands the file to L3 (what the slot holds is `tokens[:n_saved]`)."""
-        assert self._l3 is not None and instance.identity is not None
+        assert self.l3 is not None and instance.identity is not None
         path = instance.slot_dir / f"capture-{tag}-{uuid.uuid4().hex[:8]}.bin"
         try:
-            n_saved = await self._save_slot(instance, slot, path, len(tokens))
-        except _SaveFailed as exc:
+            n_saved = await self.save_slot(instance, slot, path, len(tokens))
+        except SaveFailed as exc:
             _log.warning(exc.kind, instance_id=instance.id, error=str(exc))
             return
-        self._l3.capture(path, identity=instance.identity, tokens=tokens[:n_saved], payload_kind=PAYLOAD_KIND)
+        self.l3.capture(path, identity=instance.identity, tokens=tokens[:n_saved], payload_kind=PAYLOAD_KIND)
 
-    async def _save_after(self, instance: _Instance, slot: int, saved: tuple[list[int], str]) -> None:
+    async def _save_after(self, instance: ServedInstance, slot: int, saved: tuple[list[int], str]) -> None:
         """After the reply: the slot's state saved into L3, then the slot given back."""
         tokens, request_id = saved
         held: list[int] | None = tokens[:-1]
         try:
-            await self._save(instance, slot, tokens, request_id)
+            await self.capture(instance, slot, tokens, request_id)
         except Exception as exc:  # a capture failing is the capture's problem, never the runner's
             _log.warning("capture_failed", instance_id=instance.id, error=repr(exc))
             held = None
         finally:
-            self._release(instance, slot, held)
-
-
-class _SaveFailed(Exception):
-    """A slot could not be saved (`kind`: the log event, save_failed or save_mismatch)."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-async def _remove(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        await asyncio.to_thread(path.unlink, missing_ok=True)
+            self.release(instance, slot, held)
 
 
 #: 5xx answers that say the request met a full cache (a unified KV cache shared by busy slots), not that the

@@ -1,8 +1,10 @@
 """A generation's chunks to the client's stream subject (runner shell): in order, with a liveness check.
 
-Chunks are `GenerateChunk`s with `seq` 0, 1, 2, …; every `STREAM_PING_S` a `StreamPing` goes to the same subject
-as a request (header `STREAM_PING_HEADER`). No responders (the client unsubscribed), no answer for
-`silence_s`, or a subject the server refuses ends the stream with `ClientGone`: the generation stops.
+Chunks are `GenerateChunk`s with `seq` 0, 1, 2, …; a pass-through's answer is relayed instead as a `RelayHead`
+then raw data messages (headers `RELAY_HEADER`, `RELAY_SEQ_HEADER`), each under the bus's `max_payload`. Every
+`STREAM_PING_S` a `StreamPing` goes to the same subject as a request (header `STREAM_PING_HEADER`). No
+responders (the client unsubscribed), no answer for `silence_s`, or a subject the server refuses ends the stream
+with `ClientGone`: the generation stops.
 """
 
 from __future__ import annotations
@@ -11,8 +13,19 @@ import asyncio
 
 import nats.errors
 
-from messages.generate import STREAM_PING_HEADER, STREAM_PING_S, GenerateChunk, StreamPing
+from messages.generate import (
+    RELAY_HEADER,
+    RELAY_SEQ_HEADER,
+    STREAM_PING_HEADER,
+    STREAM_PING_S,
+    GenerateChunk,
+    RelayHead,
+    StreamPing,
+)
 from runtime.bus import Bus, encode
+
+#: Room left in a relayed data message for its headers and the protocol's own framing.
+_HEADROOM = 1024
 
 __all__ = ["ChunkStream", "ClientGone"]
 
@@ -34,8 +47,23 @@ class ChunkStream:
     async def send(self, text: str, tokens: list[int]) -> None:
         chunk = GenerateChunk(request_id=self.request_id, seq=self.seq, text=text, tokens=tokens)
         self.seq += 1
+        await self._publish(encode(chunk), None)
+
+    async def head(self, status: int, content_type: str) -> None:
+        """A relayed answer's status and content type (before any of its data)."""
+        await self._publish(encode(RelayHead(status=status, content_type=content_type)), {RELAY_HEADER: "head"})
+
+    async def data(self, data: bytes) -> None:
+        """A piece of a relayed answer's body, cut to fit the bus; `seq` counts the data messages sent."""
+        room = max(1024, self._bus.max_payload - _HEADROOM)
+        for start in range(0, len(data), room):
+            headers = {RELAY_HEADER: "data", RELAY_SEQ_HEADER: str(self.seq)}
+            self.seq += 1
+            await self._publish(data[start : start + room], headers)
+
+    async def _publish(self, payload: bytes, headers: dict[str, str] | None) -> None:
         try:
-            await self._bus.nc.publish(self.subject, encode(chunk))
+            await self._bus.nc.publish(self.subject, payload, headers=headers)
         except nats.errors.Error as exc:  # a subject the server refuses, a connection gone: nobody can listen
             raise ClientGone(f"cannot publish to the stream subject: {exc!r}") from exc
 

@@ -1,13 +1,17 @@
-"""The front door's pure cores: the catalog, OpenAI shapes, and models on demand (what to stop, what idles)."""
+"""The front door's pure cores (the catalog, the HTTP surface, models on demand) and the runner's pass-through
+core (what is forwarded, rendered, relayed and counted)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from actors.frontdoor import openai_api as oa
+from actors.frontdoor import shapes
 from actors.frontdoor.catalog import CatalogError, parse_catalog
 from actors.frontdoor.lifecycle import ArrivalOrder, NeverFits, Running, Stop, Wait, idle_expired, plan_room
-from messages.generate import GenerateResult
+from actors.runner import passthrough
+from messages.errors import INSUFFICIENT_MEMORY, MODEL_NOT_FOUND, NO_INSTANCE, REGISTRY, http_status, retryable
 from messages.placement import DeviceShortfall, PreferredSettings
 from messages.settings import ServingSettings
 
@@ -64,54 +68,124 @@ def test_per_model_serving_settings_become_placement_requirements_and_bad_ones_a
             parse_catalog(f'[models.m]\npath = "m"\n{table}\n')
 
 
-# ---- OpenAI shapes ----
+# ---- the HTTP surface (shapes) ----
 
 
-def _result(**fields: object) -> GenerateResult:
-    base: dict[str, object] = dict(
-        request_id="r1", text="hi", tokens=[5, 6], prompt_tokens=10, source="l3_local", tokens_restored=9,
-        tokens_cached=9, tokens_evaluated=1, ttft_ms=1.0, total_ms=2.0, node="n", instance="i", slot=0,
-        stop_reason="limit", tokens_generated=2,
-    )  # fmt: skip
-    base.update(fields)
-    return GenerateResult(**base)  # type: ignore[arg-type]
+def test_keys_are_taken_from_a_bearer_token_in_any_case_or_x_api_key() -> None:
+    assert shapes.presented_key({"Authorization": "Bearer k1"}) == "k1"
+    assert shapes.presented_key({"Authorization": "bearer  k1 "}) == "k1"
+    assert shapes.presented_key({"Authorization": "BEARER k1"}) == "k1"
+    assert shapes.presented_key({"x-api-key": "k2"}) == "k2"
+    assert shapes.presented_key({"Authorization": "Basic abc"}) is None
+    assert shapes.presented_key({"Authorization": "Bearer "}) is None
+    assert shapes.key_matches("k1", "k1") and not shapes.key_matches("k", "k1") and not shapes.key_matches(None, "k")
 
 
-def test_requests_decode_leniently_but_refuse_what_changes_the_answer_with_the_field_named() -> None:
-    request = oa.decode(b'{"model": "m", "prompt": "x", "user": "u", "logprobs": null}', oa.CompletionRequest)
-    assert request.max_tokens == 16
-    with pytest.raises(oa.ApiError) as n:
-        oa.decode(b'{"model": "m", "prompt": "x", "n": 3}', oa.CompletionRequest)
-    assert (n.value.status, n.value.param) == (400, "n")
-    with pytest.raises(oa.ApiError) as bad:
-        oa.decode(b'{"model": "m", "prompt": "x", "max_tokens": 0}', oa.CompletionRequest)
-    assert bad.value.param == "max_tokens"
-    with pytest.raises(oa.ApiError) as role:
-        oa.decode(b'{"model": "m", "messages": [{"role": "robot", "content": "x"}]}', oa.ChatRequest)
-    assert role.value.status == 400
-    with pytest.raises(oa.ApiError, match="not JSON"):
-        oa.decode(b"{", oa.ChatRequest)
+def test_errors_take_the_endpoints_shape_and_the_registrys_status_and_retry_advice() -> None:
+    assert shapes.shape_of("/v1/messages") == shapes.shape_of("/v1/messages/count_tokens") == "anthropic"
+    assert shapes.shape_of("/v1/chat/completions") == shapes.shape_of("/v1/nowhere") == "openai"
+    never = shapes.ApiError(INSUFFICIENT_MEMORY, "never fits", extra={"need_bytes": {"CPU": 1}})
+    body = shapes.error_body(never, "openai")
+    assert never.status == 507 and body["error"]["need_bytes"] == {"CPU": 1}
+    assert set(body["error"]) >= {"message", "type", "param", "code"} and body["error"]["code"] == "insufficient_memory"
+    assert shapes.error_headers(INSUFFICIENT_MEMORY) == {"x-should-retry": "false"}  # 5xx no SDK should retry
+    anthropic = shapes.error_body(shapes.ApiError(MODEL_NOT_FOUND, "no such model"), "anthropic")
+    assert anthropic == {"type": "error", "error": {"type": "not_found_error", "message": "no such model"}}
+    busy = shapes.error_headers(NO_INSTANCE)
+    assert busy["x-should-retry"] == "true" and int(busy["Retry-After"]) >= 1
+    assert http_status("a_code_from_a_newer_peer") == 502 and not retryable("a_code_from_a_newer_peer")
+    for entry in REGISTRY.values():  # 503 only for what a retry can fix
+        assert entry.http_status != 503 or entry.retryable, entry.code
 
 
-def test_openai_defaults_and_stop_words_map_onto_a_generation() -> None:
-    chat = oa.decode(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": "END"}', oa.ChatRequest)
-    order = oa.to_generate(chat, "prompt", timeout_s=60, request_id="r")
-    assert order.sampling.temperature == 0.8 and order.sampling.top_k == 40 and order.sampling.stop == ("END",)
-    parts = (
-        b'{"model": "m", "messages": [{"role": "user", "content": '
-        b'[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}'
+def test_a_servers_error_keeps_its_status_and_fields_and_takes_anthropics_shape_on_messages() -> None:
+    server = (
+        b'{"error":{"code":400,"message":"too long","type":"exceed_context_size_error","n_prompt_tokens":9,"n_ctx":8}}'
     )
-    assert oa.chat_messages(oa.decode(parts, oa.ChatRequest)) == [{"role": "user", "content": "ab"}]
+    assert shapes.server_error_body(400, server, "openai") == server  # unchanged
+    converted = json.loads(shapes.server_error_body(400, server, "anthropic"))
+    assert converted == {"type": "error", "error": {"type": "invalid_request_error", "message": "too long",
+                                                    "n_prompt_tokens": 9, "n_ctx": 8}}  # fmt: skip
+    assert shapes.server_error_body(500, b"not json", "anthropic") == b"not json"
 
 
-def test_usage_counts_cached_tokens_and_finish_reasons_follow_the_stop() -> None:
-    done = oa.completion(_result(), model="m", created=1)
-    assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == 9 and done["usage"]["total_tokens"] == 12
-    assert done["choices"][0]["finish_reason"] == "length"
-    assert oa.chat_completion(_result(stop_reason="eos"), model="m", created=1)["choices"][0]["finish_reason"] == "stop"
-    assert oa.usage(_result(tokens=[1], tokens_generated=3))["completion_tokens"] == 3
-    error = oa.error_body(oa.ApiError(507, "never fits", "insufficient_memory", extra={"need_bytes": {"CPU": 1}}))
-    assert error["error"]["need_bytes"] == {"CPU": 1} and set(error["error"]) >= {"message", "type", "param", "code"}
+def test_a_relayed_answer_names_the_catalog_model_and_nothing_else_changes() -> None:
+    whole = rb'{"id":"x","model":"/models/a.gguf","choices":[{"text":"\u00e9"}],"usage":{"prompt_tokens":3}}'
+    renamed = json.loads(shapes.rename_json(whole, "alpha"))
+    assert renamed == {**json.loads(whole), "model": "alpha"}
+    assert shapes.rename_json(b'{"data":[1]}', "alpha") == b'{"data":[1]}'  # no model: the bytes as they came
+    events = (
+        b'event: message_start\ndata: {"type":"message_start","message":{"model":"/m.gguf","id":"m1"}}\n\n'
+        b'data: {"choices":[],"model":"/m.gguf"}\n\ndata: [DONE]\n\n'
+    )
+    out = shapes.rename_events(events, "alpha")
+    assert b"/m.gguf" not in out and out.count(b'"alpha"') == 2 and out.endswith(b"data: [DONE]\n\n")
+    assert out.startswith(b"event: message_start\ndata: ")
+
+
+# ---- pass-through (runner core) ----
+
+
+def test_only_the_slot_is_set_in_a_forwarded_body() -> None:
+    body = {"model": "m", "messages": [], "tools": [{"x": 1}], "id_slot": 3, "n": 2, "logprobs": True}
+    forwarded = passthrough.forward_body(body, 1)
+    assert forwarded == {**body, "id_slot": 1, "cache_prompt": True}
+    assert passthrough.forward_body({**body, "cache_prompt": False}, 0)["cache_prompt"] is False  # the client's
+    assert "id_slot" not in passthrough.forward_body(body, None)  # embeddings: the server picks
+
+
+def test_bodies_are_rendered_the_way_the_server_renders_them_or_not_at_all() -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert passthrough.render_plan("chat", chat) == passthrough.Template()
+    assert passthrough.render_plan("completions", {"prompt": "hi"}) == passthrough.Tokenize("hi")
+    assert passthrough.render_plan("completions", {"prompt": ["hi"]}) == passthrough.Tokenize("hi")
+    assert passthrough.render_plan("completions", {"prompt": [1, 2]}) == passthrough.Given((1, 2))
+    assert passthrough.render_plan("completions", {"prompt": [[1, 2]]}) == passthrough.Given((1, 2))
+    for endpoint, body in (
+        ("completions", {"prompt": ["a", "b"]}),  # two prompts: two tasks
+        ("completions", {"prompt": [1, -2]}),
+        ("completions", {"prompt": [True]}),
+        ("chat", {"messages": []}),
+        ("messages", chat),
+        ("embeddings", {"input": "x"}),
+    ):
+        assert passthrough.render_plan(endpoint, body) is None, (endpoint, body)
+    assert [passthrough.endpoint_kind(e) for e in ("chat", "count_tokens", "rerank")] == ["generate", "count", "pooled"]
+
+
+def test_prompts_holding_media_are_found_in_every_shape() -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}
+    assert passthrough.has_media("chat", {"messages": [{"role": "user", "content": [image]}]})
+    assert passthrough.has_media("messages", {"messages": [{"role": "user", "content": [{"type": "image"}]}]})
+    assert passthrough.has_media("responses", {"input": [{"content": [{"type": "input_image"}]}]})
+    assert not passthrough.has_media("chat", {"messages": [{"role": "user", "content": [{"type": "text"}]}]})
+    assert not passthrough.has_media("embeddings", {"input": [image]})
+
+
+def test_events_are_cut_only_between_whole_events() -> None:
+    cutter = passthrough.SseCutter(max_pending=64)
+    assert cutter.feed(b'data: {"a"') == b""
+    assert cutter.feed(b":1}\n\ndata: {") == b'data: {"a":1}\n\n'
+    assert cutter.feed(b"}\r\n\r\n") == b"data: {}\n\n"
+    assert cutter.feed(b"data: [DONE]") == b"" and cutter.rest() == b"data: [DONE]"
+    with pytest.raises(ValueError, match="over 64"):
+        cutter.feed(b"x" * 65)
+    assert passthrough.sse_data(b'event: e\ndata: {"x":1}\n\ndata: a\ndata: b\n\n') == ['{"x":1}', "a\nb"]
+
+
+def test_token_counts_are_read_from_each_shape_of_answer() -> None:
+    chat = {"usage": {"prompt_tokens": 10, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 7}},
+            "timings": {"cache_n": 7, "prompt_n": 3, "predicted_n": 4}}  # fmt: skip
+    assert passthrough.answer_tokens([chat]) == passthrough.AnswerTokens(prompt=10, cached=7, evaluated=3, generated=4)
+    anthropic = {"usage": {"input_tokens": 1, "cache_read_input_tokens": 172, "output_tokens": 8}}
+    assert passthrough.answer_tokens([anthropic]) == passthrough.AnswerTokens(prompt=173, cached=172, generated=8)
+    usage = {"input_tokens": 5, "output_tokens": 2, "input_tokens_details": {"cached_tokens": 4}}
+    responses = {"type": "response.completed", "response": {"usage": usage}}
+    assert passthrough.answer_tokens([None, responses]) == passthrough.AnswerTokens(prompt=5, cached=4, generated=2)
+    assert passthrough.answer_tokens([{"usage": {"prompt_tokens": -3}}]) == passthrough.AnswerTokens()
+    slots = [{"id": 0, "next_token": [{"n_decoded": 9}]}, {"id": 1}]
+    assert passthrough.slot_decoded(slots, 0) == 9 and passthrough.slot_decoded(slots, 1) == 0
+    assert passthrough.slot_decoded({"error": 1}, 0) == 0
 
 
 # ---- models on demand ----

@@ -1,0 +1,167 @@
+"""The HTTP surface of the front door (front-door core, pure): its paths, keys, error shapes, and the one change
+made to a relayed answer.
+
+Rules this module keeps:
+
+* Every llama-server endpoint the front door serves is named once (`ENDPOINTS`: HTTP path -> the mesh's name).
+  Bodies are the client's own; the only fields read here are `model` (which catalog model) and `stream`.
+* Errors have the endpoint's shape: Anthropic's (`{"type": "error", "error": {"type", "message"}}`) on the
+  Messages endpoints, OpenAI's (`{"error": {"message", "type", "param", "code"}}`) everywhere else. The mesh's
+  own errors take their HTTP status and retryability from `messages.errors.REGISTRY`; a server's error answer
+  keeps its status and fields (only its shape changes on the Messages endpoints). Headers tell SDKs whether a
+  retry can help (`x-should-retry`, and `Retry-After` on a retryable one), so a refusal no retry can fix is
+  sent once.
+* A relayed answer changes in one way: the model the server names (its file) becomes the catalog name the
+  client asked for, in the answer and in every streamed event (`message.model` and `response.model` too).
+* Keys: `Authorization: Bearer <key>` (the scheme in any case) or `x-api-key: <key>`, compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Mapping
+from typing import Any, Final, Literal
+
+from messages.errors import http_status, retryable
+
+__all__ = [
+    "ENDPOINTS",
+    "ApiError",
+    "Shape",
+    "error_body",
+    "error_headers",
+    "key_matches",
+    "presented_key",
+    "rename_events",
+    "rename_json",
+    "server_error_body",
+    "shape_of",
+]
+
+Shape = Literal["openai", "anthropic"]
+
+#: HTTP path -> the mesh's name of the llama-server endpoint it forwards to (`messages.generate.API_PATHS`).
+ENDPOINTS: Final[dict[str, str]] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/responses/input_tokens": "responses_input_tokens",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "count_tokens",
+    "/v1/embeddings": "embeddings",
+    "/v1/rerank": "rerank",
+    "/v1/reranking": "rerank",
+}
+_ANTHROPIC_ENDPOINTS: Final = frozenset({"messages", "count_tokens"})
+
+
+def shape_of(path: str) -> Shape:
+    return "anthropic" if ENDPOINTS.get(path) in _ANTHROPIC_ENDPOINTS else "openai"
+
+
+class ApiError(Exception):
+    """One of the mesh's own errors for an HTTP client: a registry code, a message, the offending field."""
+
+    def __init__(
+        self, code: str, message: str, *, param: str | None = None, extra: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.status = http_status(code)
+        self.param = param
+        self.extra = dict(extra or {})
+
+
+def _openai_type(status: int) -> str:
+    return {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error"
+    )
+
+
+def _anthropic_type(status: int) -> str:
+    types = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+             429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
+    return types.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(error: ApiError, shape: Shape) -> dict[str, Any]:
+    if shape == "anthropic":
+        return {"type": "error", "error": {"type": _anthropic_type(error.status), "message": str(error)}}
+    return {"error": {"message": str(error), "type": _openai_type(error.status), "param": error.param,
+                      "code": error.code, **error.extra}}  # fmt: skip
+
+
+def error_headers(code: str, retry_after_s: int = 1) -> dict[str, str]:
+    if retryable(code):
+        return {"x-should-retry": "true", "Retry-After": str(retry_after_s)}
+    return {"x-should-retry": "false"}
+
+
+def server_error_body(status: int, body: bytes, shape: Shape) -> bytes:
+    """A server's error answer for the client: unchanged in OpenAI's shape; in Anthropic's, its message and
+    fields carried into that shape."""
+    if shape != "anthropic":
+        return body
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    if isinstance(error, dict) and isinstance(parsed, dict) and parsed.get("type") != "error":
+        fields = {k: v for k, v in error.items() if k not in ("type", "message", "code")}
+        out = {"type": "error", "error": {"type": _anthropic_type(status), "message": str(error.get("message", "")),
+                                          **fields}}  # fmt: skip
+        return json.dumps(out, ensure_ascii=False).encode()
+    return body
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The key a request presents: a Bearer token (any case of the scheme) or `x-api-key`."""
+    authorization = headers.get("Authorization", "")
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return headers.get("x-api-key") or None
+
+
+def key_matches(presented: str | None, key: str) -> bool:
+    return presented is not None and hmac.compare_digest(presented.encode(), key.encode())
+
+
+def _rename(value: Any, name: str) -> bool:
+    changed = False
+    if isinstance(value, dict):
+        if isinstance(value.get("model"), str):
+            value["model"] = name
+            changed = True
+        for inner in ("message", "response"):  # Anthropic's message_start, the Responses events
+            held = value.get(inner)
+            if isinstance(held, dict) and isinstance(held.get("model"), str):
+                held["model"] = name
+                changed = True
+    return changed
+
+
+def rename_json(body: bytes, name: str) -> bytes:
+    """A whole JSON answer with the catalog name as its model (unchanged when it names none, or is not JSON)."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return body
+    if not _rename(parsed, name):
+        return body
+    return json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def rename_events(events: bytes, name: str) -> bytes:
+    """Whole server-sent events with the catalog name as their model (other lines as they came)."""
+    out = []
+    for line in events.split(b"\n"):
+        if line.startswith(b"data:") and b'"model"' in line:
+            payload = line[5:].lstrip(b" ")
+            renamed = rename_json(payload, name)
+            if renamed is not payload:
+                line = b"data: " + renamed
+        out.append(line)
+    return b"\n".join(out)

@@ -1,0 +1,320 @@
+"""Pass-through generations (runner shell): a client's own body to the instance's own endpoint, relayed back.
+
+For a `RunnerGenerate` whose request carries `api` (an endpoint and the client's JSON body), the runner:
+
+1. for a `generate` endpoint, takes the prompt's tokens the router sent or renders them on the instance
+   (`passthrough.render_plan`: `/apply-template` and `/tokenize`, as the server itself would), acquires the
+   free slot holding the longest prefix, restores a longer one from L3 and, for a prompt long enough to keep,
+   prefills and captures it one token short (as the prompt path does: the same prompt again then evaluates one
+   token on any model kind);
+2. forwards the body with that slot pinned (`passthrough.forward_body`) to the endpoint, and relays the
+   server's status, content type and body (whole, or its server-sent events as they come) to the request's
+   `stream` subject, while checking that the requester still listens: when it does not, the connection to the
+   server is closed (the server stops at once), the slot freed and `generate_cancelled` journaled with what was
+   generated;
+3. after a completed answer long enough to keep, saves the slot and captures the state into L3, indexed by the
+   tokens the state file itself lists (`state_file.state_tokens`), holding the slot until the save is done.
+
+`count` and `pooled` endpoints (token counts, embeddings, rerank) are forwarded and relayed as they came.
+Any HTTP answer, error statuses included, is the server's answer and is relayed as it is; only a server that
+does not answer is the runner's error (`unavailable`, and evidence for health by inference).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import msgspec
+
+from actors.runner import passthrough
+from actors.runner.server_api import MAX_EVENT_BYTES, MAX_JSON_BYTES, ServerApiError
+from actors.runner.state_file import PAYLOAD_KIND, SaveFailed, StateFileError, remove_file, state_tokens
+from actors.runner.stream import ChunkStream, ClientGone
+from messages.errors import BAD_REQUEST, UNAVAILABLE
+from messages.events import GenerateCancelled
+from messages.generate import API_PATHS, MAX_PROMPT_TOKENS, GenerateResult, RunnerGenerate
+from messages.l3 import PrefixSource
+from runtime.actor import RequestError
+from runtime.logging import get_logger
+
+if TYPE_CHECKING:
+    from actors.runner.serving import ServedInstance, Serving
+
+__all__ = ["Forwarder"]
+
+_log = get_logger(component="forward")
+#: How much of a relayed stream's JSON the runner parses for its token counts: only events that carry them.
+_COUNTED: Final = (b'"usage"', b'"timings"')
+
+
+@dataclass
+class _Exchange:
+    status: int = 0
+    answers: list[Any] | None = None  # the JSON the token counts are read from (the body, or counted events)
+    cancelled: str = ""  # why the requester was found gone ("" when it was not)
+    first_data: float | None = None
+
+
+class Forwarder:
+    """The pass-through path of one runner incarnation's `Serving`."""
+
+    def __init__(self, serving: Serving) -> None:
+        self._serving = serving
+
+    async def render(self, instance: ServedInstance, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's tokens as the instance renders and tokenizes this body, or None (not renderable, or the
+        server refused to render it: the forwarded request then gets the server's own answer)."""
+        serving = self._serving
+        plan = passthrough.render_plan(endpoint, body)
+        timeout = serving.limits.tokenize_timeout_s
+        try:
+            if isinstance(plan, passthrough.Given):
+                return list(plan.tokens)
+            if isinstance(plan, passthrough.Tokenize):
+                return await serving.api.tokenize(instance.port, plan.text, timeout_s=timeout)
+            if isinstance(plan, passthrough.Template):
+                reply = await serving.api.json(instance.port, "POST", "/apply-template", body, timeout_s=timeout)
+                prompt = reply.get("prompt") if isinstance(reply, dict) else None
+                if isinstance(prompt, str) and prompt:
+                    return await serving.api.tokenize(instance.port, prompt, timeout_s=timeout)
+        except ServerApiError as exc:
+            _log.info("render_refused", instance_id=instance.id, endpoint=endpoint, error=str(exc))
+        return None
+
+    async def forward(self, instance: ServedInstance, order: RunnerGenerate, started: float) -> GenerateResult:
+        serving = self._serving
+        request = order.request
+        call = request.api
+        assert call is not None and request.stream is not None  # a pass-through names both (GenerateRequest)
+        try:
+            body = json.loads(bytes(call.body))
+        except ValueError as exc:
+            raise RequestError(BAD_REQUEST, f"the body is not JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise RequestError(BAD_REQUEST, "the body is a JSON object")
+        relay = ChunkStream(serving.bus, request.stream, order.request_id, serving.limits.stream_silence_s)
+        path = API_PATHS[call.endpoint]
+        if passthrough.endpoint_kind(call.endpoint) != "generate":
+            exchange = await self._exchange(instance, path, body, relay, order, slot=None)
+            return self._result(instance, order, started, exchange, relay, slot=-1)
+        tokens = list(order.tokens) if order.tokens else await self.render(instance, call.endpoint, body)
+        grant = await serving.acquire(instance, tokens or ())
+        slot = grant.slot
+        handed_over = False
+        try:
+            held = grant.resident
+            source: PrefixSource = "resident" if held > 0 else "cold"
+            restored = 0
+            identity = instance.identity
+            capture_on = request.capture and serving.l3 is not None and identity is not None
+            capture_on = capture_on and not passthrough.has_media(call.endpoint, body)
+            if tokens and serving.l3 is not None and identity is not None and held < len(tokens) - 1:
+                hit = await serving.l3.lookup(identity, tokens, max_tokens=len(tokens) - 1)
+                if hit is not None and hit.n_tokens > held and await serving.restore(instance, slot, hit):
+                    restored = held = hit.n_tokens
+                    source = hit.source
+                    instance.table.update(slot, tokens[:held])
+            capture = "off" if not request.capture else "no_l3" if serving.l3 is None else "no_identity"
+            if capture_on:
+                capture = "media" if passthrough.has_media(call.endpoint, body) else "short"
+            if capture_on and tokens and len(tokens) - 1 >= serving.limits.capture_min_tokens:
+                capture = "held"
+                if held < len(tokens) - 1:
+                    try:
+                        await serving.prefill_and_save(instance, slot, tokens[:-1], order.request_id)
+                        capture = "queued"
+                    except RequestError as exc:  # e.g. over the context: the server's own answer says so
+                        _log.info("prefix_capture_skipped", instance_id=instance.id, error=str(exc))
+                        instance.table.update(slot, ())
+                        capture = "prefill_refused"
+            forwarded = passthrough.forward_body(body, slot)
+            exchange = await self._exchange(instance, path, forwarded, relay, order, slot=slot)
+            counts = passthrough.answer_tokens(exchange.answers or [])
+            completed = exchange.status == 200 and not exchange.cancelled
+            # what the slot holds, as far as the mesh knows without reading it: the rendered prompt, when the
+            # server counted as many prompt tokens (else the rendering differed: nothing is credited)
+            known = tuple(tokens) if completed and tokens and counts.prompt == len(tokens) else ()
+            result = self._result(instance, order, started, exchange, relay, slot=slot, source=source,
+                                  restored=restored, capture=capture)  # fmt: skip
+            keep = counts.prompt + counts.generated - 1 >= serving.limits.capture_min_tokens
+            if capture_on and completed and keep:
+                result = msgspec.structs.replace(result, capture="queued")
+                serving.spawn(self._capture_after(instance, slot, order.request_id), f"capture:{order.request_id}")
+            else:
+                serving.release(instance, slot, known)
+            handed_over = True
+            return result
+        finally:
+            if not handed_over:
+                serving.release(instance, slot, None)
+
+    async def _exchange(
+        self,
+        instance: ServedInstance,
+        path: str,
+        body: dict[str, Any],
+        relay: ChunkStream,
+        order: RunnerGenerate,
+        *,
+        slot: int | None,
+    ) -> _Exchange:
+        """The request to the server, its answer relayed, while the requester is watched."""
+        serving = self._serving
+        exchange = _Exchange()
+        data = json.dumps(body, ensure_ascii=False).encode()
+
+        async def relay_answer() -> None:
+            async with serving.api.exchange(
+                instance.port, path, data, connect_timeout_s=serving.limits.tokenize_timeout_s,
+                idle_timeout_s=serving.limits.idle_timeout_s,
+            ) as response:  # fmt: skip
+                exchange.status = response.status
+                await relay.head(response.status, response.headers.get("Content-Type", "application/json"))
+                if response.content_type == "text/event-stream":
+                    exchange.answers = await self._relay_events(response.content, relay, exchange)
+                else:
+                    whole = await _read(response.content, MAX_JSON_BYTES, path)
+                    exchange.first_data = time.perf_counter()
+                    await relay.data(whole)
+                    exchange.answers = [_json(whole)]
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                watcher = tg.create_task(relay.watch())
+                await relay_answer()
+                watcher.cancel()
+        except* ClientGone as group:
+            exchange.cancelled = str(group.exceptions[0])
+            await self._cancelled(instance, order, exchange, slot)
+        except* ServerApiError as group:
+            error = group.exceptions[0]
+            if exchange.status == 0:  # no answer at all: the server is not serving
+                serving.outcome(instance.id, False, str(error))
+            raise RequestError(UNAVAILABLE, f"instance {instance.id}: {error}") from error
+        serving.outcome(instance.id, True, "")
+        return exchange
+
+    async def _relay_events(self, content: Any, relay: ChunkStream, exchange: _Exchange) -> list[Any]:
+        cutter = passthrough.SseCutter(MAX_EVENT_BYTES)
+        counted: list[Any] = []
+        async for piece in content.iter_any():
+            try:
+                whole = cutter.feed(piece)
+            except ValueError as exc:
+                raise ServerApiError(str(exc)) from exc
+            if whole:
+                if exchange.first_data is None:
+                    exchange.first_data = time.perf_counter()
+                await relay.data(whole)
+                if any(marker in whole for marker in _COUNTED):
+                    counted += [_json(p.encode()) for p in passthrough.sse_data(whole)]
+        rest = cutter.rest()
+        if rest:
+            await relay.data(rest)
+        return counted[-4:]  # the last events carry the totals
+
+    async def _cancelled(
+        self, instance: ServedInstance, order: RunnerGenerate, exchange: _Exchange, slot: int | None
+    ) -> None:
+        """The requester left: the server stopped when the connection closed; journal what it had generated
+        (its slot's own count when one was pinned: a whole answer relays nothing before it is done)."""
+        serving = self._serving
+        generated = passthrough.answer_tokens(exchange.answers or []).generated
+        if slot is not None:
+            try:
+                slots = await serving.api.json(instance.port, "GET", "/slots", None, timeout_s=5)
+                generated = max(generated, passthrough.slot_decoded(slots, slot))
+            except ServerApiError as exc:
+                _log.info("cancel_count_unknown", instance_id=instance.id, error=str(exc))
+        _log.info("generate_cancelled", request_id=order.request_id, instance_id=instance.id, reason=exchange.cancelled)
+        serving.emit(
+            GenerateCancelled, request_id=order.request_id, instance_id=instance.id,
+            endpoint=order.request.api.endpoint if order.request.api else "", tokens_generated=generated,
+            reason=exchange.cancelled,
+        )  # fmt: skip
+
+    def _result(
+        self,
+        instance: ServedInstance,
+        order: RunnerGenerate,
+        started: float,
+        exchange: _Exchange,
+        relay: ChunkStream,
+        *,
+        slot: int,
+        source: PrefixSource = "cold",
+        restored: int = 0,
+        capture: str = "off",
+    ) -> GenerateResult:
+        counts = passthrough.answer_tokens(exchange.answers or [])
+        now = time.perf_counter()
+        timings = next((a.get("timings") for a in reversed(exchange.answers or []) if isinstance(a, dict)
+                        and isinstance(a.get("timings"), dict)), None)  # fmt: skip
+        if timings is not None and counts.evaluated >= 32:
+            self._serving.measured(instance, timings)
+        return GenerateResult(
+            request_id=order.request_id,
+            text="",
+            tokens=[],
+            prompt_tokens=counts.prompt,
+            source=source,
+            tokens_restored=restored,
+            tokens_cached=counts.cached,
+            tokens_evaluated=counts.evaluated,
+            ttft_ms=order.routed_ms + ((exchange.first_data or now) - started) * 1000,
+            total_ms=order.routed_ms + (now - started) * 1000,
+            node=self._serving.node_id,
+            instance=instance.id,
+            slot=slot,
+            stop_reason="cancelled" if exchange.cancelled else "eos",
+            tokens_exact=False,
+            tokens_generated=counts.generated,
+            decision_id=order.route.decision_id if order.route else "",
+            capture=capture,
+            status=exchange.status,
+            relayed=relay.seq,
+        )
+
+    async def _capture_after(self, instance: ServedInstance, slot: int, request_id: str) -> None:
+        """After the reply: the slot saved and captured under the tokens its state file lists, then given back
+        holding them (a state holding media is not captured)."""
+        serving = self._serving
+        held: tuple[int, ...] | None = None
+        owned = False  # the store took the file
+        path = instance.slot_dir / f"capture-{request_id}-{uuid.uuid4().hex[:8]}.bin"
+        try:
+            await serving.save_slot(instance, slot, path, MAX_PROMPT_TOKENS)
+            listed = await asyncio.to_thread(state_tokens, path, max_tokens=MAX_PROMPT_TOKENS)
+            held = tuple(listed.tokens)
+            if listed.tokens and not listed.media and serving.l3 is not None and instance.identity is not None:
+                serving.l3.capture(path, identity=instance.identity, tokens=listed.tokens, payload_kind=PAYLOAD_KIND)
+                owned = True
+        except (SaveFailed, StateFileError, OSError) as exc:
+            _log.warning("capture_failed", instance_id=instance.id, error=str(exc))
+        except Exception as exc:  # a capture failing is the capture's problem, never the runner's
+            _log.warning("capture_failed", instance_id=instance.id, error=repr(exc))
+        finally:
+            if not owned:
+                await remove_file(path)
+            serving.release(instance, slot, held)
+
+
+def _json(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+async def _read(content: Any, max_bytes: int, path: str) -> bytes:
+    data = bytearray()
+    while chunk := await content.read(max_bytes + 1 - len(data)):
+        data += chunk
+        if len(data) > max_bytes:
+            raise ServerApiError(f"POST {path}: a reply over the limit of {max_bytes} bytes")
+    return bytes(data)

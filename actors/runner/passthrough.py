@@ -1,0 +1,215 @@
+"""Pass-through requests (runner core, pure): what the mesh does around a client's own body, and nothing more.
+
+Rules this module keeps:
+
+* An endpoint is of one of three kinds. `generate` (chat, completions, responses, messages) decodes a prompt in
+  a slot: the prompt is rendered and tokenized by the instance itself, routed by prefix, restored from L3, its
+  slot pinned, its state captured. `count` (responses/input_tokens, messages/count_tokens) renders only: it
+  is forwarded as it came. `pooled` (embeddings, rerank) runs no decode the mesh can reuse: forwarded as it
+  came, no slot pinned, nothing captured.
+* The forwarded body is the client's own; the mesh sets only `id_slot` (the slot it chose and restored into)
+  and `cache_prompt` (true, unless the client said otherwise). Every other field (tools, grammars, schemas,
+  samplers, `n`, logprobs, stream options, reasoning fields) reaches the server unchanged.
+* A body is rendered the way the server renders it for that endpoint: a chat through its `/apply-template`
+  (same body: tools and template arguments count), a completion's single text through `/tokenize` with the
+  specials the server adds, token ids as given. Anything else (several prompts, Responses and Messages shapes)
+  is not rendered: it is routed by load and decoded cold, which costs time, never correctness (the server
+  itself reuses only what a slot's tokens share with the prompt it renders).
+* Server-sent events are relayed whole: `SseCutter` cuts a byte stream only after an event's blank line.
+* What an answer says of its tokens (`usage`, `timings`) is read for the journal and the result, never changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from messages.generate import GENERATING_ENDPOINTS
+
+__all__ = [
+    "AnswerTokens",
+    "EndpointKind",
+    "Given",
+    "SseCutter",
+    "Template",
+    "Tokenize",
+    "answer_tokens",
+    "endpoint_kind",
+    "forward_body",
+    "has_media",
+    "render_plan",
+    "slot_decoded",
+    "sse_data",
+    "streamed",
+]
+
+EndpointKind = Literal["generate", "count", "pooled"]
+_KINDS: Final[dict[str, EndpointKind]] = {"responses_input_tokens": "count", "count_tokens": "count"}
+
+
+def endpoint_kind(endpoint: str) -> EndpointKind:
+    if endpoint in GENERATING_ENDPOINTS:
+        return "generate"
+    return _KINDS.get(endpoint, "pooled")
+
+
+@dataclass(frozen=True)
+class Template:
+    """Render with the instance's `/apply-template` (the body as the client sent it), then tokenize the prompt."""
+
+
+@dataclass(frozen=True)
+class Tokenize:
+    """Tokenize `text` as the server tokenizes a completion's prompt (specials added and parsed)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Given:
+    """The prompt is these token ids."""
+
+    tokens: tuple[int, ...]
+
+
+def render_plan(endpoint: str, body: Mapping[str, Any]) -> Template | Tokenize | Given | None:
+    """How the instance renders this body's prompt, or None when it has no single prompt the mesh can render."""
+    if endpoint == "chat":
+        return Template() if isinstance(body.get("messages"), list) and body["messages"] else None
+    if endpoint != "completions":
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # one prompt in a list: the server runs it as one
+    if isinstance(prompt, str) and prompt:
+        return Tokenize(prompt)
+    if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < 1 << 31 for t in prompt):
+        return Given(tuple(prompt))
+    return None
+
+
+def streamed(body: Mapping[str, Any]) -> bool:
+    return body.get("stream") is True
+
+
+#: Content parts that are not text, in OpenAI's chat, Anthropic's and the Responses shapes.
+_MEDIA_PARTS: Final = frozenset({"image_url", "input_audio", "file", "image", "document", "input_image", "input_file"})
+
+
+def has_media(endpoint: str, body: Mapping[str, Any]) -> bool:
+    """Whether the prompt holds media (images, audio, files): its state is then not captured (a slot state
+    holding media cannot be indexed by token ids alone)."""
+    if endpoint not in ("chat", "responses", "messages", "completions"):
+        return False
+    stack: list[Any] = [body.get("messages"), body.get("input"), body.get("prompt")]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if item.get("type") in _MEDIA_PARTS or "multimodal_data" in item:
+                return True
+            stack.extend(v for v in item.values() if isinstance(v, (dict, list)))
+        elif isinstance(item, list):
+            stack.extend(v for v in item if isinstance(v, (dict, list)))
+    return False
+
+
+def slot_decoded(slots: Any, slot: int) -> int:
+    """How many tokens slot `slot` decoded in its last task, from llama-server's `/slots` (0: not said)."""
+    for entry in slots if isinstance(slots, list) else []:
+        if isinstance(entry, dict) and entry.get("id") == slot:
+            next_tokens = entry.get("next_token")
+            if isinstance(next_tokens, list) and next_tokens and isinstance(next_tokens[0], dict):
+                return _int(next_tokens[0].get("n_decoded"))
+    return 0
+
+
+def forward_body(body: Mapping[str, Any], slot: int | None) -> dict[str, Any]:
+    """The body to forward: the client's, with the slot the mesh chose (None: the server chooses)."""
+    out = dict(body)
+    out.pop("id_slot", None)  # the mesh owns the slots: a client's pin would bypass restore and accounting
+    if slot is not None:
+        out["id_slot"] = slot
+        out.setdefault("cache_prompt", True)
+    return out
+
+
+class SseCutter:
+    """Cuts a server-sent event stream into runs of whole events (each run ends with an event's blank line)."""
+
+    def __init__(self, max_pending: int) -> None:
+        self._pending = bytearray()
+        self._max_pending = max_pending
+
+    def feed(self, data: bytes) -> bytes:
+        """The whole events completed by `data` (possibly none: b""). Raises ValueError past `max_pending`."""
+        self._pending += data
+        normalized = self._pending.replace(b"\r\n", b"\n")
+        end = normalized.rfind(b"\n\n")
+        if end < 0:
+            if len(self._pending) > self._max_pending:
+                raise ValueError(f"a server-sent event over {self._max_pending} bytes")
+            return b""
+        whole, rest = bytes(normalized[: end + 2]), normalized[end + 2 :]
+        self._pending = bytearray(rest)
+        return whole
+
+    def rest(self) -> bytes:
+        """What is left when the stream ends (a last event without its blank line)."""
+        rest, self._pending = bytes(self._pending), bytearray()
+        return rest
+
+
+def sse_data(events: bytes) -> list[str]:
+    """The `data:` payloads of whole events (one per event; multi-line data joined by newlines)."""
+    payloads = []
+    for event in events.replace(b"\r\n", b"\n").split(b"\n\n"):
+        lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+        if lines:
+            payloads.append(b"\n".join(lines).decode("utf-8", errors="replace"))
+    return payloads
+
+
+@dataclass(frozen=True)
+class AnswerTokens:
+    """What an answer says of its tokens (0 where it says nothing)."""
+
+    prompt: int = 0
+    cached: int = 0  # prompt tokens the server reused (its cache, a restored state)
+    evaluated: int = 0  # prompt tokens it computed
+    generated: int = 0
+
+
+def _int(value: Any) -> int:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def answer_tokens(answers: Sequence[Any]) -> AnswerTokens:
+    """The token counts of an answer (the whole JSON, or every event's JSON of a stream): llama-server's
+    `timings` where present, else the `usage` of OpenAI's, Anthropic's or the Responses shape."""
+    prompt = cached = evaluated = generated = 0
+    for answer in answers:
+        if not isinstance(answer, dict):
+            continue
+        for holder in (answer, answer.get("response"), answer.get("message")):
+            if not isinstance(holder, dict):
+                continue
+            timings = holder.get("timings")
+            if isinstance(timings, dict):
+                cached = _int(timings.get("cache_n")) or cached
+                evaluated = _int(timings.get("prompt_n")) or evaluated
+                generated = _int(timings.get("predicted_n")) or generated
+            usage = holder.get("usage")
+            if isinstance(usage, dict):
+                generated = _int(usage.get("completion_tokens")) or _int(usage.get("output_tokens")) or generated
+                details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+                if isinstance(details, dict):
+                    cached = _int(details.get("cached_tokens")) or cached
+                if "cache_read_input_tokens" in usage:  # Anthropic's: input_tokens are the ones not read from cache
+                    cached = _int(usage.get("cache_read_input_tokens")) or cached
+                    prompt = (_int(usage.get("input_tokens")) + cached) or prompt
+                else:
+                    prompt = _int(usage.get("prompt_tokens")) or _int(usage.get("input_tokens")) or prompt
+    if prompt == 0 and (cached or evaluated):
+        prompt = cached + evaluated
+    return AnswerTokens(prompt=prompt, cached=cached, evaluated=evaluated, generated=generated)
