@@ -145,6 +145,7 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
     ev.L3CaptureDropped: (
         (L3,),
         "a capture was not stored; `reason`: queue_full, disabled (budget 0), over_budget, not_running, stopping, "
+        "eviction_blocked (an unreadable quarantined manifest, and the capture does not fit the budget), "
         "refused: <commit rule>, io_error: <why>",
     ),
     ev.L3Evicted: ((L3,), "one eviction pass (budget) or `l3 evict`: the entries removed, least recently used first"),
@@ -154,6 +155,11 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
         "are kept",
     ),
     ev.L3Fetched: ((L3,), "an entry was fetched from a peer and committed; `moved_bytes`: the segments it lacked"),
+    ev.L3EvictionBlocked: (
+        (L3,),
+        "a reconcile (start, `l3 gc`) found quarantined manifests that cannot be parsed: no segment may be freed, "
+        "so captures that do not fit the budget are dropped until `mesh-actor l3 gc --quarantine`",
+    ),
     ev.HandoffCommitted: (
         (HANDOFF,),
         "the receiving side verified a handoff (every segment, tiling, counts, payload digest) and restored it",

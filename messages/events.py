@@ -367,6 +367,16 @@ class LinkMeasured(Event, frozen=True, kw_only=True, tag="link_measured"):
     samples: tuple[tuple[int, float], ...]  # (bytes, seconds) of each probe handoff
 
 
+class L3EvictionBlocked(Event, frozen=True, kw_only=True, tag="l3_eviction_blocked"):
+    """Quarantine holds manifests that cannot be parsed: the segments they name are unknown, so no segment may
+    be freed and the store cannot shrink. Captures that do not fit the budget are dropped (`eviction_blocked`)
+    until `mesh-actor l3 gc --quarantine` deletes the quarantined manifests."""
+
+    unreadable: tuple[str, ...]  # the quarantined manifests that cannot be parsed
+    stored_bytes: int
+    budget_bytes: int
+
+
 AnyEvent = (
     ActorStarted
     | ActorCrashed
@@ -404,4 +414,5 @@ AnyEvent = (
     | HandoffCommitted
     | HandoffAborted
     | LinkMeasured
+    | L3EvictionBlocked
 )

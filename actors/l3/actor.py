@@ -14,7 +14,11 @@ parts are `peer` (fetching an entry from a peer) and `serve` (the endpoints peer
   collected), the catalog filled, the budget enforced once, the endpoints added, the inventory published.
 * Capture: a bounded queue drained by one task: ingest (the entry is servable from here on), one eviction
   pass (`l3_evicted`), the flush that makes it durable, then `l3_captured`. The slot file is deleted
-  whatever happens. A state already stored is only touched.
+  whatever happens. A state already stored is only touched. While eviction is blocked (an unreadable
+  manifest in quarantine: `l3_eviction_blocked`), a capture that does not fit the budget is dropped
+  (`eviction_blocked`) instead of growing the store past it. `store` is a capture whose outcome the caller
+  awaits (stored, or dropped and why): what a handoff into this node waits for, so it learns at once that
+  the state was not kept instead of waiting for it to appear.
 * Materialize: single-flight per entry. The first caller's fill assembles the payload (verified segment by
   segment) into `staging/`; every caller of that flight gets a hard link of it at its own `dest` (a temporary
   name next to it, then a rename), so there is never a partial file at `dest` and never a second disk read
@@ -41,7 +45,7 @@ import nats.errors
 from nats.js.kv import KeyValue
 
 from actors.l3 import layout
-from actors.l3.api import L3Hit, L3Unavailable
+from actors.l3.api import CaptureOutcome, L3Hit, L3Unavailable
 from actors.l3.budget import default_budget
 from actors.l3.catalog import PeerView, items_within
 from actors.l3.keeper import StoreKeeper
@@ -82,6 +86,11 @@ class _Capture:
     identity: str
     tokens: tuple[int, ...]
     payload_kind: str
+    outcome: asyncio.Future[CaptureOutcome] | None = None  # resolved once it is stored or dropped (`store`)
+
+    def settle(self, outcome: CaptureOutcome) -> None:
+        if self.outcome is not None and not self.outcome.done():
+            self.outcome.set_result(outcome)
 
 
 class _Flight:
@@ -190,12 +199,24 @@ class L3Actor(Actor):
             await self._release(flight)
 
     def capture(self, source: Path, *, identity: str, tokens: Sequence[int], payload_kind: str) -> None:
-        job = _Capture(source=source, identity=identity, tokens=tuple(tokens), payload_kind=payload_kind)
+        self._enqueue(_Capture(source=source, identity=identity, tokens=tuple(tokens), payload_kind=payload_kind))
+
+    async def store(self, source: Path, *, identity: str, tokens: Sequence[int], payload_kind: str) -> CaptureOutcome:
+        outcome: asyncio.Future[CaptureOutcome] = asyncio.get_running_loop().create_future()
+        job = _Capture(
+            source=source, identity=identity, tokens=tuple(tokens), payload_kind=payload_kind, outcome=outcome
+        )
+        self._enqueue(job)
+        # The capture task resolves it whatever happens (stored, dropped, the incarnation stopping); the
+        # caller's own deadline bounds the wait. Shielded: a caller that gives up does not cancel the capture.
+        return await asyncio.shield(outcome)
+
+    def _enqueue(self, job: _Capture) -> None:
         if self._ctx is None or self._queue is None:
             self._drop(job, "not_running")
         elif self.budget_bytes == 0:
             self._drop(job, "disabled")
-        elif not layout.is_digest(identity):
+        elif not layout.is_digest(job.identity):
             self._drop(job, "refused: identity is not a digest")
         else:
             try:
@@ -210,6 +231,7 @@ class L3Actor(Actor):
         store = await self._keeper.blocking(Store, self.root, segment_bytes=self._segment_bytes)
         await self._keeper.blocking(shutil.rmtree, self.root / _STAGING, True)
         await self._keeper.blocking(os.makedirs, self.root / _STAGING, 0o700, True)
+        await self._keeper.blocking(store.clear_incoming)  # what fetches of an earlier incarnation left
         async with self._keeper.mutate:
             inventory = await self._keeper.blocking(store.reconcile)
             if self._configured_budget is None:
@@ -245,6 +267,7 @@ class L3Actor(Actor):
     # ---- capture -----------------------------------------------------------------------------------------
 
     def _drop(self, job: _Capture, reason: str) -> None:
+        job.settle(CaptureOutcome(entry=None, reason=reason[:200]))
         ctx = self._ctx
         if ctx is not None:
             ctx.emit(L3CaptureDropped, identity=job.identity, n_tokens=len(job.tokens), reason=reason[:200])
@@ -261,6 +284,7 @@ class L3Actor(Actor):
                 try:
                     await self._capture_one(ctx, job)
                 finally:
+                    job.settle(CaptureOutcome(entry=None, reason="stopping"))  # unless settled already
                     await self._keeper.blocking(_unlink_quietly, job.source)
         finally:
             while not queue.empty():
@@ -278,6 +302,7 @@ class L3Actor(Actor):
             self._keeper.catalog.touch(entry, self._clock())
             await self._keeper.blocking(store.touch, entry)
             self._keeper.changed.set()
+            job.settle(CaptureOutcome(entry=entry))
             return
         try:
             size = (await self._keeper.blocking(os.stat, job.source)).st_size
@@ -286,6 +311,11 @@ class L3Actor(Actor):
             return
         if size > self.budget_bytes:
             self._drop(job, f"over_budget: {size} bytes, budget {self.budget_bytes}")
+            return
+        if not self._keeper.room_for(size):
+            stored, blocked = self._keeper.catalog.stored_bytes, self._keeper.catalog.eviction_blocked
+            detail = f"{stored} + {size} bytes over the budget {self.budget_bytes}; unreadable in quarantine: "
+            self._drop(job, f"eviction_blocked: {detail}{', '.join(blocked[:3])}")
             return
         started = time.monotonic()
         self._keeper.catalog.pin(entry)
@@ -302,18 +332,23 @@ class L3Actor(Actor):
                     n_tokens=len(job.tokens),
                     bytes=manifest.total_bytes,
                     last_use=self._clock(),
+                    segments=[(seg.digest, seg.length) for seg in manifest.segments],
                 )
                 plan = await self._keeper.enforce(ctx, store)
         except CommitRefused as exc:
+            self._keeper.unsure = True  # segments may have landed: the next pass counts the disk again
             self._drop(job, f"refused: {exc.refusal.rule.value}: {exc.refusal.detail}")
             return
         except (StoreError, OSError) as exc:
+            self._keeper.unsure = True
             self._drop(job, f"io_error: {exc}")
             return
         finally:
             self._keeper.catalog.unpin(entry)
         if entry not in self._keeper.catalog:  # evicted at once: a budget smaller than pinned entries need
+            job.settle(CaptureOutcome(entry=None, reason="over_budget: evicted at once"))
             return
+        job.settle(CaptureOutcome(entry=entry))  # loadable from here on; the flush makes it durable
         durable_ms: float | None = None
         try:
             await self._keeper.blocking(store.flush)

@@ -1,6 +1,6 @@
 """What the runner asks of its node's L3 (an in-process interface: a state file never crosses the bus locally).
 
-The runner owns its servers' slots; the node's L3 actor owns the store. The runner asks three things:
+The runner owns its servers' slots; the node's L3 actor owns the store. Its users ask four things:
 
 * `lookup(identity, tokens, max_tokens=...)`: the longest stored prefix of `tokens` (at most `max_tokens`
   long) that this node can restore, from its own store (`l3_local`) or a peer's inventory (`l3_peer`); None
@@ -12,6 +12,10 @@ The runner owns its servers' slots; the node's L3 actor owns the store. The runn
 * `capture(source, identity=..., tokens=..., payload_kind=...)`: hands over a saved slot file for ingest
   in the background; never blocks the reply and never raises. The L3 side owns `source` from then on (it
   deletes it once ingested, or when it refuses it).
+* `store(source, …)`: the same hand-over, awaiting its `CaptureOutcome`: the entry id once it is loadable
+  here, or why it was dropped (queue full, over budget, capture off, eviction blocked, stopping). A caller
+  that needs the state kept (a handoff into this node) learns at once that it was not; the caller's own
+  deadline bounds the wait, and giving up does not cancel the capture.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import msgspec
 
 from messages.l3 import PrefixSource
 
-__all__ = ["L3Access", "L3Hit", "L3Unavailable"]
+__all__ = ["CaptureOutcome", "L3Access", "L3Hit", "L3Unavailable"]
 
 
 class L3Hit(msgspec.Struct, frozen=True, kw_only=True):
@@ -33,6 +37,15 @@ class L3Hit(msgspec.Struct, frozen=True, kw_only=True):
     bytes: int
     node: str  # the node whose store holds it
     source: PrefixSource  # l3_local or l3_peer
+
+
+class CaptureOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    entry: str | None  # the stored entry's id; None: dropped
+    reason: str = ""  # why it was dropped (the `l3_capture_dropped` reason)
+
+    @property
+    def stored(self) -> bool:
+        return self.entry is not None
 
 
 class L3Unavailable(Exception):
@@ -45,3 +58,7 @@ class L3Access(Protocol):
     async def materialize(self, hit: L3Hit, dest: Path, *, deadline_s: float) -> None: ...
 
     def capture(self, source: Path, *, identity: str, tokens: Sequence[int], payload_kind: str) -> None: ...
+
+    async def store(
+        self, source: Path, *, identity: str, tokens: Sequence[int], payload_kind: str
+    ) -> CaptureOutcome: ...

@@ -6,6 +6,16 @@ Rules this module keeps:
   after every ingest, fetch, eviction and quarantine) with each entry's last use on the caller's clock, and
   the entries pinned right now (being committed or restored: a count per entry, so two restores of one
   entry pin it until both end). Pinned entries are what an eviction pass must keep.
+* It also holds what an eviction pass needs, so that a pass never reads a manifest: each entry's segment
+  list, the size of every stored segment, the segments each quarantined manifest names, and the names of
+  quarantined manifests that cannot be parsed. `plan` is one pass (`budget.plan_eviction`), decided from
+  this state alone; `apply` takes the evicted entries and freed segments out at once, in the same step as
+  the decision, so no restore can pin an entry between the decision and the deletion of its files (an entry
+  pinned before stays, one asked for after is no longer listed).
+* What is counted against the budget (`stored_bytes`): every stored segment once, and the quarantined
+  manifest files. Quarantined manifests keep the segments they name. While a quarantined manifest cannot be
+  parsed its segments are unknown, so nothing may be freed at all: `eviction_blocked`, and `plan` evicts
+  nothing (the caller stops captures that do not fit instead).
 * A lookup never reads the disk: it probes the prefix index (`prefix.PrefixIndex`: the query's own tokens,
   longest first, bounded probes).
 * The inventory a node publishes lists its entries most recently used first, at most `max_items` of them
@@ -21,11 +31,12 @@ Rules this module keeps:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Final
 
 import msgspec
 
+from actors.l3.budget import Eviction, StoredEntry, plan_eviction
 from actors.l3.layout import MAX_TOKENS, is_digest
 from actors.l3.prefix import DEFAULT_MAX_PROBES, Hit, PrefixIndex
 from messages.l3 import MAX_BYTES, L3Inventory, L3Item
@@ -47,6 +58,7 @@ class CatalogEntry(msgspec.Struct, frozen=True, kw_only=True):
     n_tokens: int
     bytes: int
     last_use: float
+    segments: tuple[str, ...] = ()  # the digests the manifest names, in order (repeats allowed)
 
 
 class Catalog:
@@ -54,14 +66,31 @@ class Catalog:
         self._entries: dict[str, CatalogEntry] = {}
         self._index = PrefixIndex()
         self._pins: dict[str, int] = {}
-        self.stored_bytes = 0  # every stored segment once, as the store last counted it
-        self.quarantined = 0
+        self._sizes: dict[str, int] = {}  # every stored segment: digest -> bytes
+        self._segment_total = 0
+        self._quarantined: dict[str, tuple[str, ...]] = {}  # quarantined manifest name -> segments it names
+        self._unreadable: set[str] = set()  # quarantined manifests that cannot be parsed
+        self.quarantine_bytes = 0  # the quarantined manifest files themselves
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def __contains__(self, entry: object) -> bool:
         return entry in self._entries
+
+    @property
+    def stored_bytes(self) -> int:
+        """What counts against the budget: every stored segment once, and the quarantined manifests."""
+        return self._segment_total + self.quarantine_bytes
+
+    @property
+    def quarantined(self) -> int:
+        return len(self._quarantined) + len(self._unreadable)
+
+    @property
+    def eviction_blocked(self) -> tuple[str, ...]:
+        """The quarantined manifests that cannot be parsed (while any is there, no segment may be freed)."""
+        return tuple(sorted(self._unreadable))
 
     def get(self, entry: str) -> CatalogEntry | None:
         return self._entries.get(entry)
@@ -70,16 +99,95 @@ class Catalog:
         """Most recently used first."""
         return sorted(self._entries.values(), key=lambda e: (-e.last_use, e.entry))
 
-    def add(self, entry: str, *, identity: str, n_tokens: int, bytes: int, last_use: float) -> None:
+    def add(
+        self,
+        entry: str,
+        *,
+        identity: str,
+        n_tokens: int,
+        bytes: int,
+        last_use: float,
+        segments: Sequence[tuple[str, int]] = (),
+    ) -> None:
+        """Records a committed entry and the segments it names ((digest, length) each, as in its manifest)."""
         self._entries[entry] = CatalogEntry(
-            entry=entry, identity=identity, n_tokens=n_tokens, bytes=bytes, last_use=last_use
+            entry=entry,
+            identity=identity,
+            n_tokens=n_tokens,
+            bytes=bytes,
+            last_use=last_use,
+            segments=tuple(d for d, _ in segments),
         )
         self._index.add_entry(identity, n_tokens, entry)
+        for digest, length in segments:
+            self._add_segment(digest, length)
+
+    def _add_segment(self, digest: str, length: int) -> None:
+        if digest not in self._sizes:
+            self._sizes[digest] = length
+            self._segment_total += length
 
     def remove(self, entries: Iterable[str]) -> None:
+        """Entries gone from the store; their segments stay counted until a plan frees them (as orphans)."""
         for entry in entries:
             self._entries.pop(entry, None)
             self._index.remove(entry)
+
+    def quarantine(self, entry: str, name: str, manifest_bytes: int = 0) -> None:
+        """`entry`'s manifest was moved to quarantine as `name`: no longer held, its segments kept."""
+        held = self._entries.get(entry)
+        self.remove([entry])
+        key, copy = name, 0
+        while key in self._quarantined:  # an earlier copy of the entry is in quarantine too: keep both
+            copy += 1
+            key = f"{name}.{copy}"
+        self._quarantined[key] = held.segments if held is not None else ()
+        self.quarantine_bytes += manifest_bytes
+
+    def set_quarantine(self, readable: Mapping[str, Sequence[str]], unreadable: Iterable[str], nbytes: int) -> None:
+        """What quarantine holds, as a reconcile pass found it."""
+        self._quarantined = {name: tuple(digests) for name, digests in readable.items()}
+        self._unreadable = set(unreadable)
+        self.quarantine_bytes = nbytes
+
+    def set_segments(self, sizes: Mapping[str, int]) -> None:
+        """Every stored segment as the disk has it (a reconcile pass, or a rescan after a failed ingest)."""
+        self._sizes = dict(sizes)
+        self._segment_total = sum(self._sizes.values())
+
+    def segment_sizes(self) -> dict[str, int]:
+        return dict(self._sizes)
+
+    def plan(self, budget: int) -> Eviction:
+        """One eviction pass over what the catalog holds: the least recently used unpinned entries until the
+        store fits `budget`. Nothing at all while `eviction_blocked`."""
+        total = self.stored_bytes
+        if self._unreadable:
+            return Eviction(evict=(), free=(), bytes_before=total, bytes_after=total, fits=total <= budget)
+        pins = self._pins
+        stored = [
+            StoredEntry(entry=e.entry, segments=e.segments, last_use=e.last_use, pinned=e.entry in pins)
+            for e in self._entries.values()
+        ]
+        stored += [
+            StoredEntry(entry=f"quarantine/{name}", segments=digests, last_use=0.0, quarantined=True)
+            for name, digests in self._quarantined.items()
+        ]
+        plan = plan_eviction(stored, self._sizes, max(0, budget - self.quarantine_bytes))
+        extra = self.quarantine_bytes
+        return Eviction(
+            evict=plan.evict,
+            free=plan.free,
+            bytes_before=plan.bytes_before + extra,
+            bytes_after=plan.bytes_after + extra,
+            fits=plan.bytes_after + extra <= budget,
+        )
+
+    def apply(self, plan: Eviction) -> None:
+        """Takes a plan's evicted entries and freed segments out (call it in the same step as `plan`)."""
+        self.remove(plan.evict)
+        for digest in plan.free:
+            self._segment_total -= self._sizes.pop(digest, 0)
 
     def touch(self, entry: str, now: float) -> None:
         found = self._entries.get(entry)
@@ -98,6 +206,13 @@ class Catalog:
 
     def pinned(self) -> frozenset[str]:
         return frozenset(self._pins)
+
+    def pins(self) -> dict[str, int]:
+        """The pin counts (a catalog rebuilt by a reconcile pass keeps them: the restores still run)."""
+        return dict(self._pins)
+
+    def keep_pins(self, pins: Mapping[str, int]) -> None:
+        self._pins = dict(pins)
 
     def last_use(self) -> dict[str, float]:
         return {e.entry: e.last_use for e in self._entries.values()}
@@ -122,6 +237,7 @@ class Catalog:
             items=items,
             truncated=len(listed) > max_items,
             sent_at=sent_at,
+            eviction_blocked=bool(self._unreadable),
         )
 
 

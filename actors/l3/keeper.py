@@ -5,12 +5,18 @@ A `StoreKeeper` belongs to one `L3Actor` and is shared by its parts (the actor's
 
 * the `Store` (open once the incarnation has reconciled it) and the worker threads every blocking store call
   runs in (`blocking`);
-* the `Catalog` of what is stored, pinned and last used, kept in step with the disk by the mutations here
-  (`refill` after a reconcile, `enforce` after every commit, `forget` when an entry goes);
+* the `Catalog` of what is stored, pinned and last used, with every entry's segment list, kept in step with
+  the disk by the mutations here (`refill` after a reconcile, `enforce` after every commit, `forget` when an
+  entry goes). An eviction pass is decided from the catalog on the event loop, with the pins as they are at
+  that instant, and the catalog drops what it evicts in the same step: no manifest is read, the lock is held
+  only while the files go, and a restore that pins an entry a moment later either finds it kept or finds it
+  gone, never half-deleted (which was reported as a corrupt entry and quarantined);
 * the lock that serialises store mutations (ingest, the commit of a fetch, eviction, gc): network waits never
   hold it;
 * the budget, the count of fetches running (gc waits for none), and the `changed` flag the inventory loop
-  publishes on.
+  publishes on;
+* `unsure`: set when a mutation failed half-way (an ingest refused after its segments landed), so the next
+  pass takes the segment sizes from the disk again instead of trusting the catalog's.
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from actors.l3 import layout
 from actors.l3.api import L3Unavailable
 from actors.l3.budget import Eviction
 from actors.l3.catalog import Catalog
 from actors.l3.store import Inventory, Store
-from messages.events import L3Evicted, L3Quarantined
+from messages.events import L3Evicted, L3EvictionBlocked, L3Quarantined
 from runtime.actor import ActorContext
 
 __all__ = ["StoreKeeper"]
@@ -43,6 +50,7 @@ class StoreKeeper:
         self.mutate = asyncio.Lock()
         self.changed = asyncio.Event()
         self.fetching = 0
+        self.unsure = False
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="l3")
 
     def require_store(self) -> Store:
@@ -61,9 +69,11 @@ class StoreKeeper:
             raise
 
     def refill(self, ctx: ActorContext, inventory: Inventory) -> None:
-        """The catalog from a reconcile pass (known entries keep their last use); quarantines are events."""
+        """The catalog from a reconcile pass (known entries keep their last use, running restores their pins);
+        quarantines are events, and so is a quarantine that blocks eviction."""
         before = self.catalog.last_use()
         catalog = Catalog()
+        catalog.keep_pins(self.catalog.pins())
         for e in inventory.entries:
             catalog.add(
                 e.entry,
@@ -71,25 +81,57 @@ class StoreKeeper:
                 n_tokens=e.n_tokens,
                 bytes=e.bytes,
                 last_use=before.get(e.entry, e.mtime_ns / 1e9),
+                segments=e.segments,
             )
-        catalog.stored_bytes = inventory.bytes
-        catalog.quarantined = len(inventory.quarantined)
+        catalog.set_segments(inventory.segment_bytes)
+        catalog.set_quarantine(
+            {q.name: q.segments for q in inventory.quarantined if q.readable},
+            (q.name for q in inventory.quarantined if not q.readable),
+            sum(q.bytes for q in inventory.quarantined),
+        )
         self.catalog = catalog
+        self.unsure = False
         for q in inventory.quarantined:
             if q.reason != "found in quarantine":  # moved there by this pass
                 ctx.emit(L3Quarantined, entry=q.name.split(".", 1)[0], reason=q.reason)
+        if catalog.eviction_blocked:
+            self._blocked(ctx)
+
+    def _blocked(self, ctx: ActorContext) -> None:
+        unreadable = self.catalog.eviction_blocked
+        ctx.emit(
+            L3EvictionBlocked,
+            unreadable=unreadable[:32],
+            stored_bytes=self.catalog.stored_bytes,
+            budget_bytes=self.budget_bytes,
+        )
+        ctx.log.warning(
+            "l3_eviction_blocked",
+            unreadable=list(unreadable[:10]),
+            bytes=self.catalog.stored_bytes,
+            budget=self.budget_bytes,
+            hint="mesh-actor l3 gc --quarantine deletes the quarantined manifests",
+        )
+
+    def room_for(self, size: int) -> bool:
+        """Whether `size` more bytes may be stored: always, unless eviction is blocked and they do not fit."""
+        return not self.catalog.eviction_blocked or self.catalog.stored_bytes + size <= self.budget_bytes
 
     async def enforce(self, ctx: ActorContext, store: Store) -> Eviction:
-        """One eviction pass (call it holding `mutate`); the catalog follows, the eviction is an event."""
-        plan = await self.blocking(
-            store.enforce_budget,
-            self.budget_bytes,
-            pinned=self.catalog.pinned(),
-            last_use=self.catalog.last_use(),
-        )
-        self.catalog.stored_bytes = plan.bytes_after
+        """One eviction pass (call it holding `mutate`): decided from the catalog and applied to it at once,
+        then the files go in a worker thread; the eviction is an event."""
+        if self.unsure:
+            self.catalog.set_segments(await self.blocking(store.segment_sizes))
+            self.unsure = False
+        plan = self.catalog.plan(self.budget_bytes)  # no await between the decision and `apply`
+        self.catalog.apply(plan)
+        if plan.evict or plan.free:
+            try:
+                await self.blocking(store.apply_eviction, plan.evict, plan.free)
+            except OSError as exc:  # some files stay: the next pass counts what the disk holds
+                self.unsure = True
+                ctx.log.warning("l3_eviction_failed", error=str(exc))
         if plan.evict:
-            self.catalog.remove(plan.evict)
             ctx.emit(
                 L3Evicted,
                 entries=plan.evict,
@@ -97,13 +139,22 @@ class StoreKeeper:
                 budget_bytes=self.budget_bytes,
                 stored_bytes=plan.bytes_after,
             )
+        if not plan.fits:
+            ctx.log.warning(
+                "l3_over_budget",
+                budget=self.budget_bytes,
+                bytes=plan.bytes_after,
+                pinned=len(self.catalog.pinned()),
+                blocked=bool(self.catalog.eviction_blocked),
+            )
         self.changed.set()
         return plan
 
     def forget(self, ctx: ActorContext, entry: str, *, quarantined: str | None = None) -> None:
-        """An entry is gone from the store (or quarantined: an event, with the reason)."""
-        self.catalog.remove([entry])
-        if quarantined is not None:
-            self.catalog.quarantined += 1
+        """An entry is gone from the store (or quarantined: its segments stay counted, an event says why)."""
+        if quarantined is None:
+            self.catalog.remove([entry])
+        else:
+            self.catalog.quarantine(entry, layout.manifest_name(entry))
             ctx.emit(L3Quarantined, entry=entry, reason=quarantined[:200])
         self.changed.set()

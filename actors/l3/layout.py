@@ -77,6 +77,7 @@ SEGMENTS_DIR: Final = "segments"
 MANIFESTS_DIR: Final = "manifests"
 QUARANTINE_DIR: Final = "quarantine"
 PENDING_DIR: Final = "pending"
+INCOMING_DIR: Final = "incoming"  # segments arriving from a peer, before they are committed
 TEMP_PREFIX: Final = ".tmp-"
 MANIFEST_SUFFIX: Final = ".json"
 

@@ -1,12 +1,14 @@
 """Peer fetch, the fetching side: bringing an entry another node holds into this node's store.
 
 The manifest first (chunk after chunk: it is small), judged by the same rules as our own (`commit`) and
-filed under the entry asked for; then every segment this store lacks, `fetch_window` chunk requests in
-flight per segment, each chunk checked (no error, the offset asked for, a total that stays what it was and
-under its ceiling, no bytes past it) and hashed as it arrives (`store_fetch.SegmentReceiver`); last the
-commit with the manifest (`store_fetch.commit_fetched`) under the keeper's lock, then one eviction pass.
-So a second fetch of the same entry moves nothing, a failure leaves nothing loadable, and a stalled peer
-delays only the fetch from it: every chunk request has a deadline (`chunk_timeout_s`). The serving side is
+filed under the entry asked for, and its own size (not the one the peer's inventory claimed) held against
+this node's budget and what the store can still take; then every segment this store lacks, `fetch_window`
+chunk requests in flight per segment, each chunk checked (no error, the offset asked for, a total that
+stays what it was and under its ceiling, no bytes past it) and hashed as it arrives
+(`store_fetch.SegmentReceiver`); last the commit with the manifest (`store_fetch.commit_fetched`) under the
+keeper's lock, then one eviction pass. So a second fetch of the same entry moves nothing, a failure leaves
+nothing loadable, and a stalled peer delays only the fetch from it: every chunk request has a deadline
+(`chunk_timeout_s`). The serving side is
 `serve`; the wire format is messages/l3.py.
 """
 
@@ -74,6 +76,14 @@ class PeerFetch:
                 layout.MAX_MANIFEST_BYTES,
             )
             manifest = _peer_manifest(raw, hit.entry)
+            # The inventory's size was the peer's word; the manifest's is what would be stored.
+            if manifest.total_bytes > keeper.budget_bytes:
+                raise L3Unavailable(
+                    f"the entry is {manifest.total_bytes} bytes (its peer claimed {hit.bytes}): more than this "
+                    f"node's L3 budget of {keeper.budget_bytes}"
+                )
+            if not keeper.room_for(manifest.total_bytes):
+                raise L3Unavailable("this node's L3 eviction is blocked by an unreadable quarantined manifest")
             wanted: dict[str, SegmentRef] = {}
             for seg in manifest.segments:
                 if seg.digest not in wanted and not await keeper.blocking(
@@ -88,13 +98,18 @@ class PeerFetch:
             keeper.catalog.pin(hit.entry)
             try:
                 async with keeper.mutate:
-                    await keeper.blocking(store_fetch.commit_fetched, store, manifest, receivers)
+                    try:
+                        await keeper.blocking(store_fetch.commit_fetched, store, manifest, receivers)
+                    except BaseException:  # segments may have landed without their manifest
+                        keeper.unsure = True
+                        raise
                     keeper.catalog.add(
                         hit.entry,
                         identity=manifest.identity,
                         n_tokens=manifest.n_tokens,
                         bytes=manifest.total_bytes,
                         last_use=self._clock(),
+                        segments=[(seg.digest, seg.length) for seg in manifest.segments],
                     )
                     await keeper.enforce(ctx, store)
             finally:

@@ -6,8 +6,9 @@
   see messages/l3.py). Only entries in the catalog are served; the bytes are read as stored, the fetching
   side checks them (`peer`).
 * Administration: `.stat` (an entry's manifest and use), `.verify` (re-hash it; a corrupt entry is
-  quarantined), `.gc` (a reconcile pass; refused while a fetch or restore runs) and `.evict` (one entry or
-  all but the pinned, then an eviction pass). Mutations take the keeper's lock, like every other.
+  quarantined), `.gc` (a reconcile pass, refused while a fetch or restore runs; with `quarantine`, every
+  quarantined manifest is deleted first, which is what unblocks an eviction an unreadable one blocked) and
+  `.evict` (one entry or all but the pinned, then an eviction pass). Mutations take the keeper's lock, like every other.
 
 Requests are checked at the edge: a digest that does not parse is `BAD_REQUEST`, an entry not held
 `NOT_FOUND`.
@@ -148,9 +149,15 @@ class L3Endpoints:
         if self._busy():
             raise RequestError(BUSY, f"node {self.node_id}'s L3 is fetching or restoring; retry")
         store = self._keeper.require_store()
+        reclaimed = 0
         async with self._keeper.mutate:
+            if self._busy():  # a restore may have started while this waited for the lock
+                raise RequestError(BUSY, f"node {self.node_id}'s L3 is fetching or restoring; retry")
+            if request.quarantine:
+                reclaimed, _ = await self._keeper.blocking(store.clear_quarantine)
             inventory = await self._keeper.blocking(store.reconcile)
             self._keeper.refill(ctx, inventory)
+            await self._keeper.enforce(ctx, store)  # what the reclaim unblocked
         self._keeper.changed.set()
         moved = tuple(q.name for q in inventory.quarantined if q.reason != "found in quarantine")
         return GcReply(
@@ -161,6 +168,7 @@ class L3Endpoints:
             removed_orphans=inventory.removed_orphans,
             quarantined=moved,
             gc_suspended=inventory.gc_suspended,
+            reclaimed_quarantine=reclaimed,
         )
 
     async def _on_evict(self, request: EvictRequest) -> EvictReply:

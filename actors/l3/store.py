@@ -5,15 +5,19 @@ Blocking file I/O only: call every method from a worker thread (`asyncio.to_thre
 loop. The decisions are the pure cores' (`layout`, `commit`, `budget`); this shell moves bytes and says what
 it saw, through the durable-file primitives of `files`. The store's side of peer fetch (serving chunks,
 committing an entry received from a peer) is `store_fetch`. One `Store` per directory, and `reconcile` and
-`enforce_budget` only while nothing ingests or commits a fetch (the actor serialises them): they delete
-segments no manifest names, which includes those of an ingest still running. While a manifest that cannot
-be parsed sits in the store, neither deletes any segment.
+`apply_eviction` only while nothing ingests or commits a fetch (the actor serialises them): they delete
+segments no manifest names, which includes those of an ingest still running. What an eviction removes is
+decided by the caller's catalog (`catalog.Catalog.plan`), never by re-reading manifests here. While a
+manifest that cannot be parsed sits in the store, `reconcile` deletes no segment.
 
 On disk, under the store root::
 
     segments/<2 hex>/<blake3>     one file per distinct segment, named by the blake3 of its bytes
     manifests/<entry id>.json     one per entry; its existence is what makes the entry loadable
     quarantine/<entry id>.json    manifests that failed a check: kept, and so are the segments they name
+    pending/<entry id>.json       an entry loadable but not yet durable (see below)
+    incoming/                     segments arriving from a peer, under temporary names (`store_fetch`); only
+                                  the actor's start clears it, so `reconcile` (gc) never removes a live fetch's
 
 Durability, in two steps. `ingest` makes an entry *loadable*: every file is written under a temporary name
 and renamed into place, and the manifest is written last (fsynced, renamed, its directory fsynced), after
@@ -47,7 +51,7 @@ import os
 import secrets
 import stat
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Final, NoReturn
@@ -56,7 +60,6 @@ import msgspec
 import structlog
 
 from actors.l3 import layout
-from actors.l3.budget import Eviction, StoredEntry, plan_eviction
 from actors.l3.commit import Refusal, Rule, check_manifest, check_present, validate
 from actors.l3.files import (
     COPY_BUFFER_BYTES,
@@ -102,6 +105,8 @@ _HELPERS: Final = 4
 #: Segments re-hashed at once by a read-back: one single-threaded hasher per segment keeps each core busy
 #: with its own read(2) and hash (measured faster than one multi-threaded hasher fed by one reader).
 _READERS: Final = max(1, min(8, os.cpu_count() or 1))
+#: A pending marker: created if absent, reused if present (never O_EXCL: see `_mark_pending`).
+OPEN_MARK: Final = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
 _TRANSIENT_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
 
 
@@ -134,18 +139,22 @@ class InventoryEntry(msgspec.Struct, frozen=True, kw_only=True):
     n_tokens: int
     bytes: int
     mtime_ns: int  # when the manifest was committed: the last use a fresh start knows
+    segments: tuple[tuple[str, int], ...] = ()  # (digest, length) of each segment the manifest names
 
 
 class QuarantinedManifest(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     reason: str
     readable: bool  # False: its segments are unknown, so no segment is collected while it is here
+    segments: tuple[str, ...] = ()  # the digests it names (when readable)
+    bytes: int = 0  # the manifest file's size
 
 
 class Inventory(msgspec.Struct, frozen=True, kw_only=True):
     entries: tuple[InventoryEntry, ...]
     tokens: int
     bytes: int  # every stored segment, counted once
+    segment_bytes: dict[str, int]  # every stored segment: digest -> size
     quarantined: tuple[QuarantinedManifest, ...]  # found there, or moved there by this pass
     removed_temp: int
     removed_orphans: int
@@ -160,7 +169,13 @@ class Store:
         self.root = root
         self.segment_bytes = layout.check_segment_bytes(segment_bytes)
         self._checkpoint = checkpoint
-        for name in (layout.SEGMENTS_DIR, layout.MANIFESTS_DIR, layout.QUARANTINE_DIR, layout.PENDING_DIR):
+        for name in (
+            layout.SEGMENTS_DIR,
+            layout.MANIFESTS_DIR,
+            layout.QUARANTINE_DIR,
+            layout.PENDING_DIR,
+            layout.INCOMING_DIR,
+        ):
             make_dir(root / name)
 
     # ---- paths: every name is a checked digest or a fixed word ----
@@ -273,8 +288,10 @@ class Store:
     # ---- durability ----
 
     def _mark_pending(self, entry: str) -> None:
-        """A durable marker that `entry` is not yet durable: written before its manifest."""
-        fd = os.open(self.pending_file(entry), OPEN_CREATE, 0o644)
+        """A durable marker that `entry` is not yet durable: written before its manifest. A marker left by an
+        earlier copy of the entry (its flush failed, then it was evicted) is reused: the same meaning, and an
+        exclusive create made every later capture of that entry fail."""
+        fd = os.open(self.pending_file(entry), OPEN_MARK, 0o644)
         os.close(fd)
         fsync_dir(self.root / layout.PENDING_DIR)
 
@@ -419,6 +436,29 @@ class Store:
         """Moves an entry's manifest to quarantine/: no longer loadable, its segments still kept."""
         self._quarantine_name(layout.manifest_name(entry), reason)
 
+    def clear_quarantine(self) -> tuple[int, int]:
+        """Deletes every quarantined manifest (an operator's `gc --quarantine`): the segments only they named
+        become orphans for the next `reconcile`. Returns (files, bytes) removed."""
+        files = removed = 0
+        for item in os.scandir(self.root / layout.QUARANTINE_DIR):
+            if not item.is_file(follow_symlinks=False):
+                continue
+            size = item.stat(follow_symlinks=False).st_size
+            unlink_quietly(Path(item.path))
+            files, removed = files + 1, removed + size
+        fsync_dir(self.root / layout.QUARANTINE_DIR)
+        log.warning("l3_quarantine_cleared", files=files, bytes=removed)
+        return files, removed
+
+    def clear_incoming(self) -> int:
+        """Removes what fetches left in incoming/ (call it only while no fetch runs: at start)."""
+        removed = 0
+        for item in os.scandir(self.root / layout.INCOMING_DIR):
+            if item.is_file(follow_symlinks=False):
+                unlink_quietly(Path(item.path))
+                removed += 1
+        return removed
+
     def _quarantine_name(self, name: str, reason: str) -> str:
         """Moves manifests/<name> to quarantine/, never over an earlier one; returns the name it got there."""
         src = self._at((layout.MANIFESTS_DIR, name))
@@ -433,9 +473,11 @@ class Store:
         return target[-1]
 
     def remove_entries(self, entries: Iterable[str]) -> None:
-        """Deletes manifests (an eviction's `evict`); their segments stay until `remove_segments`."""
+        """Deletes manifests (an eviction's `evict`), and their pending markers; their segments stay until
+        `remove_segments`."""
         for entry in entries:
             unlink_quietly(self.manifest_file(entry))
+            unlink_quietly(self.pending_file(entry))
         fsync_dir(self.root / layout.MANIFESTS_DIR)
 
     def remove_segments(self, digests: Iterable[str]) -> None:
@@ -450,53 +492,18 @@ class Store:
         with contextlib.suppress(FileNotFoundError):
             os.utime(self.manifest_file(entry))
 
-    def enforce_budget(
-        self, budget: int, *, pinned: Collection[str] = (), last_use: Mapping[str, float] | None = None
-    ) -> Eviction:
-        """One eviction pass (`budget.plan_eviction`) over what is stored, applied: manifests first, then the
-        segments no kept entry names. `pinned`: entries being committed or restored; `last_use`: the caller's
-        clock for entries it has seen used (the manifest's mtime otherwise). Quarantined manifests keep their
-        segments. While any manifest cannot be parsed, its segments are unknown, so nothing is evicted at all
-        (the pass says so: `fits` is then only true if the store fits already)."""
-        uses = last_use or {}
-        pins = set(pinned)
-        sizes = self._segment_sizes()
-        stored: list[StoredEntry] = []
-        unparseable: list[str] = []
-        for folder in (layout.MANIFESTS_DIR, layout.QUARANTINE_DIR):
-            for item in os.scandir(self.root / folder):
-                if layout.is_temp_name(item.name) or (
-                    folder == layout.MANIFESTS_DIR and not layout.is_manifest_name(item.name)
-                ):
-                    continue
-                try:
-                    manifest = layout.decode_manifest(read_small(Path(item.path), layout.MAX_MANIFEST_BYTES))
-                except (OSError, msgspec.MsgspecError):
-                    unparseable.append(f"{folder}/{item.name}")
-                    continue
-                digests = tuple(seg.digest for seg in manifest.segments)
-                if folder == layout.QUARANTINE_DIR:
-                    stored.append(
-                        StoredEntry(entry=f"{folder}/{item.name}", segments=digests, last_use=0, quarantined=True)
-                    )
-                    continue
-                entry = item.name[: -len(layout.MANIFEST_SUFFIX)]
-                seen = uses.get(entry, item.stat(follow_symlinks=False).st_mtime_ns / 1e9)
-                stored.append(StoredEntry(entry=entry, segments=digests, last_use=seen, pinned=entry in pins))
-        if unparseable:
-            total = sum(sizes.values())
-            log.warning("l3_eviction_blocked", unparseable=unparseable[:10], bytes=total, budget=budget)
-            return Eviction(evict=(), free=(), bytes_before=total, bytes_after=total, fits=total <= budget)
-        plan = plan_eviction(stored, sizes, budget)
-        self.remove_entries(plan.evict)
-        self.remove_segments(plan.free)
-        if plan.evict or plan.free:
-            log.info("l3_evicted", entries=len(plan.evict), segments=len(plan.free), bytes_after=plan.bytes_after)
-        if not plan.fits:
-            log.warning("l3_over_budget", budget=budget, bytes=plan.bytes_after, pinned=len(pins))
-        return plan
+    def apply_eviction(self, evict: Iterable[str], free: Iterable[str]) -> None:
+        """Carries out an eviction pass the caller's catalog decided (`catalog.Catalog.plan`): manifests
+        first, then the segments no kept entry names."""
+        evicted = tuple(evict)
+        freed = tuple(free)
+        self.remove_entries(evicted)
+        self.remove_segments(freed)
+        if evicted or freed:
+            log.info("l3_evicted", entries=len(evicted), segments=len(freed))
 
-    def _segment_sizes(self) -> dict[str, int]:
+    def segment_sizes(self) -> dict[str, int]:
+        """Every stored segment and its size, from the directory listing (no segment is read)."""
         sizes: dict[str, int] = {}
         for sub in os.scandir(self.root / layout.SEGMENTS_DIR):
             if not (layout.is_fanout_name(sub.name) and sub.is_dir(follow_symlinks=False)):
@@ -550,8 +557,14 @@ class Store:
             if manifest is not None:
                 referenced.update(s.digest for s in manifest.segments)
             if reason is not None:
+                size = item.stat(follow_symlinks=False).st_size
                 name = self._quarantine_name(item.name, reason)
-                quarantined.append(QuarantinedManifest(name=name, reason=reason, readable=manifest is not None))
+                digests = tuple(s.digest for s in manifest.segments) if manifest is not None else ()
+                quarantined.append(
+                    QuarantinedManifest(
+                        name=name, reason=reason, readable=manifest is not None, segments=digests, bytes=size
+                    )
+                )
                 continue
             assert manifest is not None
             entries.append(
@@ -561,6 +574,7 @@ class Store:
                     n_tokens=manifest.n_tokens,
                     bytes=manifest.total_bytes,
                     mtime_ns=item.stat(follow_symlinks=False).st_mtime_ns,
+                    segments=tuple((s.digest, s.length) for s in manifest.segments),
                 )
             )
 
@@ -572,13 +586,20 @@ class Store:
                 continue
             if item.name in moved:
                 continue
+            named: tuple[str, ...] = ()
             try:
                 held = layout.decode_manifest(read_small(Path(item.path), layout.MAX_MANIFEST_BYTES))
-                referenced.update(s.digest for s in held.segments)
+                named = tuple(s.digest for s in held.segments)
+                referenced.update(named)
                 readable = True
             except (OSError, msgspec.MsgspecError):
                 readable = False
-            quarantined.append(QuarantinedManifest(name=item.name, reason="found in quarantine", readable=readable))
+            size = item.stat(follow_symlinks=False).st_size
+            quarantined.append(
+                QuarantinedManifest(
+                    name=item.name, reason="found in quarantine", readable=readable, segments=named, bytes=size
+                )
+            )
 
         gc_suspended = any(not q.readable for q in quarantined)
         removed_orphans = 0
@@ -597,6 +618,7 @@ class Store:
             entries=tuple(entries),
             tokens=sum(e.n_tokens for e in entries),
             bytes=sum(sizes.values()),
+            segment_bytes=dict(sizes),
             quarantined=tuple(quarantined),
             removed_temp=removed_temp,
             removed_orphans=removed_orphans,

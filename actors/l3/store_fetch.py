@@ -3,8 +3,9 @@
 Blocking file I/O, like `store`: call from worker threads. Serving reads what is stored (`manifest_bytes`,
 `read_chunk`, bounded by the caller's length) and decides nothing. Receiving keeps the store's rule that
 only a manifest makes an entry loadable: each segment arriving from a peer is hashed and written to a
-temporary file in `segments/` (`SegmentReceiver`, which `reconcile` removes if we die), and lands under its
-digest only in `commit_fetched`, together with the manifest, after the same commit check as an ingest. So
+temporary file in `incoming/` (`SegmentReceiver`; the actor's next start clears what a crash left, while
+`reconcile`, which gc runs beside fetches, never touches it), and lands under its digest only in
+`commit_fetched`, together with the manifest, after the same commit check as an ingest. So
 nothing fetched is loadable, or even named, before every byte was verified, and a segment already stored
 here is not fetched again (`has_segment`).
 """
@@ -122,7 +123,7 @@ def commit_fetched(store: Store, manifest: Manifest, received: Mapping[str, Segm
 
 class SegmentReceiver:
     """One segment arriving from a peer, in order: each chunk is hashed and written to a temporary file in
-    `segments/` (which `reconcile` removes if we die), `finish` fsyncs it and checks its blake3 against the
+    `incoming/` (cleared at the actor's next start if we die), `finish` fsyncs it and checks its blake3 against the
     name it was asked for. It lands under its digest only in `commit_fetched`, with the manifest, so
     nothing fetched is loadable or even named before every byte was verified. Blocking: worker threads."""
 
@@ -131,7 +132,7 @@ class SegmentReceiver:
             raise StoreError(f"segment length {length} is outside (0, {layout.MAX_SEGMENT_BYTES}]")
         self.digest = digest
         self.length = length
-        self.path = store.root / layout.SEGMENTS_DIR / layout.temp_name(f"fetch-{digest[:16]}", secrets.token_hex(8))
+        self.path = store.root / layout.INCOMING_DIR / layout.temp_name(f"fetch-{digest[:16]}", secrets.token_hex(8))
         self.received = 0
         self.observed = ""
         self.landed = False

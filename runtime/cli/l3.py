@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     for verb, text in (
         ("stat", "one entry's manifest facts"),
         ("verify", "re-hash an entry (every entry without ENTRY); a corrupt one is quarantined"),
-        ("gc", "reconcile the store now: temporary files, bad manifests, orphan segments"),
+        ("gc", "reconcile the store now: temporary files, bad manifests, orphan segments (--quarantine: and more)"),
         ("evict", "remove an entry (or every entry not in use, with --all)"),
     ):
         parser = verbs.add_parser(verb, help=text)
@@ -73,6 +73,13 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
             parser.add_argument("entry", metavar="ENTRY", nargs="?" if verb != "stat" else None, help="entry id")
         if verb == "evict":
             parser.add_argument("--all", action="store_true", help="every entry not in use")
+        if verb == "gc":
+            parser.add_argument(
+                "--quarantine",
+                action="store_true",
+                help="first delete every quarantined manifest, so the segments only they named are collected "
+                "(an unreadable one otherwise blocks eviction for good)",
+            )
         parser.add_argument("--node", help="the node whose store (default: the only node with an L3 inventory)")
         parser.add_argument(
             "--offline", action="store_true", help="no node runs on --data-dir: work on its store directly"
@@ -156,7 +163,9 @@ async def cmd_admin(args: argparse.Namespace) -> int:
     if verb == "evict" and (entry is None) == (not args.all):
         raise CliError("name one ENTRY, or --all", EXIT_USAGE)
     if args.offline:
-        results = await asyncio.to_thread(_offline, verb, data_dir(args), entry, getattr(args, "all", False))
+        results = await asyncio.to_thread(
+            _offline, verb, data_dir(args), entry, getattr(args, "all", False), getattr(args, "quarantine", False)
+        )
     else:
         results = await _over_bus(args, verb, entry)
     ok = all(r.get("ok", True) for r in results)
@@ -187,7 +196,9 @@ async def _over_bus(args: argparse.Namespace, verb: str, entry: str | None) -> l
                     replies.append(msgspec.to_builtins(reply))
                 return replies
             if verb == "gc":
-                gc = await bus.request(subject, GcRequest(), GcReply, timeout=REQUEST_TIMEOUT_S)
+                gc = await bus.request(
+                    subject, GcRequest(quarantine=args.quarantine), GcReply, timeout=REQUEST_TIMEOUT_S
+                )
                 return [msgspec.to_builtins(gc)]
             evicted = await bus.request(
                 subject, EvictRequest(entry=entry, all=args.all), EvictReply, timeout=REQUEST_TIMEOUT_S
@@ -216,7 +227,9 @@ async def _entries(bus: Bus, subjects: Subjects, node: str) -> list[str]:
     return [item.entry for item in listing.items]
 
 
-def _offline(verb: str, directory: Path, entry: str | None, every: bool) -> list[dict[str, Any]]:
+def _offline(
+    verb: str, directory: Path, entry: str | None, every: bool, quarantine: bool = False
+) -> list[dict[str, Any]]:
     """The same verbs on `DATA_DIR/l3` while no node runs there (its lock held meanwhile)."""
     if not (directory / "l3").is_dir():
         raise CliError(f"{directory} has no L3 store")
@@ -226,6 +239,8 @@ def _offline(verb: str, directory: Path, entry: str | None, every: bool) -> list
         raise CliError(f"{exc}; drop --offline to ask the running node") from exc
     try:
         store = Store(directory / "l3")
+        store.clear_incoming()  # no node runs: nothing is being fetched
+        reclaimed = store.clear_quarantine()[0] if verb == "gc" and quarantine else 0
         inventory = store.reconcile()
         node = "offline"
         if verb == "gc":
@@ -239,6 +254,7 @@ def _offline(verb: str, directory: Path, entry: str | None, every: bool) -> list
                     "removed_orphans": inventory.removed_orphans,
                     "quarantined": moved,
                     "gc_suspended": inventory.gc_suspended,
+                    "reclaimed_quarantine": reclaimed,
                 }
             ]
         held = {e.entry: e for e in inventory.entries}
@@ -273,7 +289,7 @@ def _offline(verb: str, directory: Path, entry: str | None, every: bool) -> list
         chosen = [entry] if entry else sorted(held)
         before = inventory.bytes
         store.remove_entries(chosen)
-        plan = store.enforce_budget(before)  # only the segments nothing names now are freed
-        return [{"node_id": node, "evicted": chosen, "freed_bytes": before - plan.bytes_after, "pinned": []}]
+        after = store.reconcile()  # collects the segments nothing names now (none while gc is suspended)
+        return [{"node_id": node, "evicted": chosen, "freed_bytes": before - after.bytes, "pinned": []}]
     finally:
         lock.close()

@@ -16,8 +16,9 @@ from pathlib import Path
 import blake3
 import pytest
 
-from actors.l3 import layout
-from actors.l3.budget import StoredEntry, plan_eviction
+from actors.l3 import layout, store_fetch
+from actors.l3.budget import Eviction, StoredEntry, plan_eviction
+from actors.l3.catalog import Catalog
 from actors.l3.commit import Rule
 from actors.l3.files import COPY_BUFFER_BYTES as _COPY_BUFFER_BYTES
 from actors.l3.layout import DigestError, Manifest, SegmentRef
@@ -244,9 +245,24 @@ def test_flush_drops_the_marker_of_an_entry_evicted_before_it(tmp_path: Path) ->
     _payload(tmp_path / "slot.bin", 3 * SEG)
     store = Store(tmp_path / "l3", segment_bytes=SEG)
     m = _ingest(store, tmp_path / "slot.bin", flush=False)
-    store.remove_entries([_entry(m)])
+    store.remove_entries([_entry(m)])  # an eviction takes the marker with the manifest
     store.remove_segments(s.digest for s in m.segments)
+    assert store.pending() == [] and store.flush() == 0
+
+
+def test_a_capture_after_a_failed_flush_reuses_the_marker_left_behind(tmp_path: Path) -> None:
+    """The marker of an entry whose flush failed stays; when the manifest then goes another way than an eviction
+    (an operator, a reconcile of a missing segment) the next capture of the same state found the marker there
+    and an exclusive create refused it: every later capture of that state was dropped."""
+    _payload(tmp_path / "slot.bin", 3 * SEG)
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    m = _ingest(store, tmp_path / "slot.bin", flush=False)  # as if its flush had failed
+    store.manifest_file(_entry(m)).unlink()
+    assert store.pending() == [_entry(m)]
+    again = _ingest(store, tmp_path / "slot.bin", flush=False)
+    assert again == m and store.pending() == [_entry(m)]
     assert store.flush() == 1 and store.pending() == []
+    store.assemble(m, tmp_path / "out.bin")
 
 
 def test_a_truncated_or_missing_segment_is_quarantined_at_reconcile(tmp_path: Path) -> None:
@@ -340,21 +356,55 @@ def test_an_eviction_plan_applied_to_the_store_frees_exactly_its_segments(tmp_pa
     assert len(inventory.entries) == 2
 
 
+def _catalog(store: Store, *, last_use: dict[str, float] | None = None) -> Catalog:
+    """The catalog the L3 actor keeps, as a reconcile pass fills it (`keeper.refill`)."""
+    inventory = store.reconcile()
+    catalog = Catalog()
+    for e in inventory.entries:
+        seen = (last_use or {}).get(e.entry, e.mtime_ns / 1e9)
+        catalog.add(
+            e.entry, identity=e.identity, n_tokens=e.n_tokens, bytes=e.bytes, last_use=seen, segments=e.segments
+        )
+    catalog.set_segments(inventory.segment_bytes)
+    catalog.set_quarantine(
+        {q.name: q.segments for q in inventory.quarantined if q.readable},
+        (q.name for q in inventory.quarantined if not q.readable),
+        sum(q.bytes for q in inventory.quarantined),
+    )
+    return catalog
+
+
+def _evict(store: Store, catalog: Catalog, budget: int) -> Eviction:
+    """One pass as the actor runs it: decided and applied to the catalog, then the files go."""
+    plan = catalog.plan(budget)
+    catalog.apply(plan)
+    store.apply_eviction(plan.evict, plan.free)
+    return plan
+
+
 def test_the_budget_holds_under_a_burst_of_captures_and_evicts_least_recently_used(tmp_path: Path) -> None:
     store = Store(tmp_path / "l3", segment_bytes=SEG)
+    catalog = Catalog()
     budget = 7 * SEG  # room for three 2-segment entries, not four
     manifests = []
     for i in range(10):
         (tmp_path / "slot.bin").write_bytes(random.Random(100 + i).randbytes(2 * SEG))
         m = _ingest(store, tmp_path / "slot.bin", (i,))
         manifests.append(m)
-        uses = {_entry(x): float(j) for j, x in enumerate(manifests)}
-        uses[_entry(manifests[0])] = 100.0  # the first entry keeps being restored: most recently used
-        plan = store.enforce_budget(budget, pinned={_entry(m)}, last_use=uses)
-        assert plan.fits and plan.bytes_after <= budget
-        assert store.reconcile().bytes <= budget
+        segments = [(seg.digest, seg.length) for seg in m.segments]
+        catalog.add(_entry(m), identity=IDENTITY, n_tokens=1, bytes=m.total_bytes, last_use=float(i), segments=segments)
+        catalog.touch(_entry(manifests[0]), 100.0 + i)  # the first entry keeps being restored: most recently used
+        catalog.pin(_entry(m))
+        plan = _evict(store, catalog, budget)
+        catalog.unpin(_entry(m))
+        assert plan.fits and plan.bytes_after <= budget and catalog.stored_bytes == plan.bytes_after
+        assert store.reconcile().bytes == plan.bytes_after  # the catalog's count is the disk's
     kept = {e.entry for e in store.reconcile().entries}
-    assert kept == {_entry(manifests[0]), _entry(manifests[8]), _entry(manifests[9])}
+    assert (
+        kept
+        == {_entry(manifests[0]), _entry(manifests[8]), _entry(manifests[9])}
+        == {e.entry for e in catalog.entries()}
+    )
     for m in manifests:
         if _entry(m) in kept:
             store.assemble(m, tmp_path / "out.bin")
@@ -368,7 +418,8 @@ def test_a_restore_recorded_with_touch_survives_eviction_across_restarts(tmp_pat
         ms.append(_ingest(store, tmp_path / "slot.bin", (i,)))
         os.utime(store.manifest_file(_entry(ms[-1])), ns=(i * 10**9, i * 10**9))  # committed at t = 0, 1, 2 s
     store.touch(_entry(ms[0]))  # restored now: the most recent use, kept in the manifest's mtime
-    plan = Store(tmp_path / "l3", segment_bytes=SEG).enforce_budget(2 * SEG)  # a fresh start, no clock passed
+    fresh = Store(tmp_path / "l3", segment_bytes=SEG)  # a fresh start, no clock passed
+    plan = _evict(fresh, _catalog(fresh), 2 * SEG)
     assert plan.evict == (_entry(ms[1]),)
 
 
@@ -380,16 +431,49 @@ def test_eviction_never_frees_what_a_pinned_quarantined_or_unreadable_manifest_n
         ms.append(_ingest(store, tmp_path / "slot.bin", (i,)))
     store.quarantine(_entry(ms[3]), "test")
     truncated = layout.encode_manifest(ms[1])[:-40]
-    store.manifest_file(_entry(ms[1])).write_bytes(truncated)
-    blocked = store.enforce_budget(0, pinned={_entry(ms[2])})
+    store.manifest_file(_entry(ms[1])).write_bytes(truncated)  # reconcile quarantines it, unreadable
+    catalog = _catalog(store)
+    assert catalog.eviction_blocked == (layout.manifest_name(_entry(ms[1])),)
+    catalog.pin(_entry(ms[2]))
+    blocked = _evict(store, catalog, 0)
     assert blocked.evict == () and blocked.free == () and not blocked.fits  # its segments are unknown
     assert all(store.segment_file(s.digest).exists() for m in ms for s in m.segments)
-    store.manifest_file(_entry(ms[1])).write_bytes(layout.encode_manifest(ms[1]))  # repaired
-    plan = store.enforce_budget(0, pinned={_entry(ms[2])})
-    assert set(plan.evict) == {_entry(ms[0]), _entry(ms[1])} and not plan.fits
-    for m in ms[2:]:  # pinned, quarantined: kept
+    quarantined_bytes = catalog.quarantine_bytes
+    assert quarantined_bytes > 0 and catalog.stored_bytes == 8 * SEG + quarantined_bytes  # quarantine counts
+    # repaired by hand: the readable manifest in quarantine keeps its segments, and nothing blocks
+    (store.root / layout.QUARANTINE_DIR / layout.manifest_name(_entry(ms[1]))).write_bytes(
+        layout.encode_manifest(ms[1])
+    )
+    catalog = _catalog(store)
+    catalog.pin(_entry(ms[2]))
+    plan = _evict(store, catalog, 0)
+    assert set(plan.evict) == {_entry(ms[0])} and not plan.fits
+    for m in ms[1:]:  # quarantined, pinned, quarantined: kept
         assert all(store.segment_file(s.digest).exists() for s in m.segments)
-    assert not any(store.segment_file(s.digest).exists() for m in ms[:2] for s in m.segments)
+    assert not any(store.segment_file(s.digest).exists() for s in ms[0].segments)
+
+
+def test_gc_quarantine_reclaims_what_only_quarantine_named(tmp_path: Path) -> None:
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    (tmp_path / "slot.bin").write_bytes(random.Random(400).randbytes(2 * SEG))
+    m = _ingest(store, tmp_path / "slot.bin", (1,))
+    store.manifest_file(_entry(m)).write_bytes(b'{"version": 1, "identity": ')  # torn
+    first = store.reconcile()
+    assert first.gc_suspended and first.bytes == 2 * SEG  # evidence kept: its segments may be anyone's
+    assert store.clear_quarantine() == (1, len(b'{"version": 1, "identity": '))
+    after = store.reconcile()
+    assert not after.gc_suspended and after.removed_orphans == 2 and after.bytes == 0
+
+
+def test_a_fetch_in_incoming_survives_a_reconcile(tmp_path: Path) -> None:
+    store = Store(tmp_path / "l3", segment_bytes=SEG)
+    receiver = store_fetch.receive_segment(store, "ab" * 32, SEG)
+    receiver.write(b"x" * 100)
+    assert receiver.path.parent == store.root / layout.INCOMING_DIR
+    inventory = store.reconcile()  # what `mesh-actor l3 gc` runs, maybe beside a fetch
+    assert inventory.removed_temp == 0 and receiver.path.exists()
+    receiver.abort()
+    assert not receiver.path.exists() and store.clear_incoming() == 0
 
 
 # ---- hostile names ----
