@@ -416,3 +416,16 @@ AnyEvent = (
     | LinkMeasured
     | L3EvictionBlocked
 )
+
+
+class ReservationRebooked(Event, frozen=True, kw_only=True, tag="reservation_rebooked"):
+    """A runner found an instance it runs without its reservation (released while the runner could not refresh
+    its records) and booked it again; `outcome` `stopping` when it no longer fitted and is being stopped (its
+    memory stays booked until the server is gone)."""
+
+    instance_id: str
+    reservation_id: str
+    state: str  # the booking written: "starting" or "running"
+    held: dict[str, int]  # device -> bytes booked
+    outcome: Literal["rebooked", "stopping"]
+    reason: str = ""

@@ -243,7 +243,7 @@ class PlacementActor(Actor):
         async for entry in buckets.watch(self._instances, self._records_ready):
             instance_id = entry.key.rsplit(".", 1)[-1]  # keys are <node>.<instance id>
             if buckets.removed(entry):
-                self._reconciler.saw_record(instance_id, None)  # expired: its runner stopped refreshing it
+                self._reconciler.saw_record(instance_id, None, self._monotonic())  # expired: not refreshed
                 continue
             try:
                 record = buckets.decode_keyed(
@@ -252,7 +252,7 @@ class PlacementActor(Actor):
             except BadMessage as exc:
                 ctx.log.warning("bad_instance_record", key=entry.key, error=str(exc))
                 continue
-            self._reconciler.saw_record(instance_id, record)
+            self._reconciler.saw_record(instance_id, record, self._monotonic())
 
     def _decode_ledger(self, node: str, value: bytes | None, revision: int) -> tuple[NodeLedger | None, int]:
         """A ledger and its revision; revision -1 marks one that does not decode (nothing is booked there)."""

@@ -14,6 +14,11 @@ buckets, feeds what it saw, and writes the ledgers this module returns, with com
   `starting` entry that missed its `instance_ready`; a claim whose record never appears within
   `claim_grace_s` of our first seeing the claim is released too. Restarts, slow loads and backoffs before the
   first ready keep the record live, so they keep the memory.
+- A record that disappears releases only the claims seen before it disappeared: a runner that was cut off
+  longer than the TTL and comes back re-books the reservation of a server that still runs (see
+  `actors/runner/booking.py`), and that booking gets `claim_grace_s` for the record to return, as a new claim
+  does. So the ledger converges to what runs in both directions: what stopped running is released, what runs
+  is booked again.
 - Runner events (`instance_ready`, `instance_stopped`, ...) are the fast path to the same outcomes; an event
   about another instance than the one that claimed the reservation changes nothing.
 - Every change names the state it was decided on, and `apply` re-checks it against the ledger revision it
@@ -151,7 +156,7 @@ class Reconciler:
         # (node, reservation id) -> (state, instance id, when we first saw it in that state)
         self._seen: dict[tuple[str, str], tuple[ReservationState, str | None, float]] = {}
         self._records: dict[str, InstanceStatus] = {}
-        self._gone: OrderedDict[str, None] = OrderedDict()
+        self._gone: OrderedDict[str, float] = OrderedDict()  # instance id -> when its record disappeared
 
     # --- what the watches deliver ---------------------------------------------------------------------
 
@@ -163,14 +168,15 @@ class Reconciler:
         for key in [k for k in self._seen if k[0] == node and k[1] not in present]:
             del self._seen[key]
 
-    def saw_record(self, instance_id: str, record: InstanceStatus | None) -> None:
-        """An instance record as the watch delivered it; None: deleted or expired (its runner is gone)."""
+    def saw_record(self, instance_id: str, record: InstanceStatus | None, now: float) -> None:
+        """An instance record as the watch delivered it at `now`; None: deleted or expired (its runner is gone,
+        or could not refresh it)."""
         if record is not None:
             self._records[instance_id] = record
             self._gone.pop(instance_id, None)
             return
         if self._records.pop(instance_id, None) is not None:
-            self._gone[instance_id] = None
+            self._gone[instance_id] = now
             while len(self._gone) > self._max_gone:
                 self._gone.popitem(last=False)
 
@@ -216,7 +222,10 @@ class Reconciler:
         if record is not None and (record.node != node or record.reservation_id != rid):
             record = None  # a record that is not about this reservation proves nothing about it
         if record is None:
-            vanished = r.instance_id in self._gone
+            gone_at = self._gone.get(r.instance_id)
+            # A claim first seen after the record vanished is a re-booking by a runner that came back: it waits
+            # for the record like a new claim.
+            vanished = gone_at is not None and first <= gone_at
             never_seen = records_complete and now - first >= self.claim_grace_s
             return Release(node, rid, "instance_gone", seen) if vanished or never_seen else None
         if record.state in _FINAL:

@@ -41,6 +41,7 @@ from actors.handoff.actor import HandoffActor
 from actors.l3.api import L3Access
 from actors.placement.memory import MemoryModelError, cache_allocations, estimate
 from actors.runner import lifecycle as lc
+from actors.runner import upkeep
 from actors.runner.admission import (
     DATA_DIR_UNWRITABLE,
     ENGINE_UNAVAILABLE,
@@ -59,6 +60,7 @@ from actors.runner.admission import (
     claim,
     find,
 )
+from actors.runner.booking import Live
 from actors.runner.drift import settings_drift
 from actors.runner.driver import CommandRewrite, DriverFault, InstanceDriver, SignalFilter
 from actors.runner.limits import RunnerLimits, default_restart_policy
@@ -131,12 +133,13 @@ class RunnerActor(Actor):
         l3: L3Access | None = None,
         serving_limits: ServingLimits | None = None,
         handoff: HandoffActor | None = None,
+        booking_check_s: float = 5.0,
     ) -> None:
         """`settings_source` gives the node's serving settings now (None: none advertised); `engine_version`
         is its llama-server's `--version` as telemetry advertises it. `rewrite_command`, `driver_fault` and
         `signal_filter` are test seams (see `driver.py`): a real server that drifts, a driver that fails, a
         server that does not die. `l3` is the node's store of slot states (None: nothing is restored or
-        captured)."""
+        captured). `booking_check_s`: how often the runner checks that what it runs is booked (`upkeep.py`)."""
         self.node_id = node_id
         self.data_dir = data_dir
         # A reservation made from a registry entry alone names the file, not where it is: relative model
@@ -159,12 +162,22 @@ class RunnerActor(Actor):
         self.handoff = handoff  # sends prefilled states to the decoding node (`mesh.runner.<node>.prefill`)
         self.serving_limits = serving_limits or ServingLimits()
         self._identities: dict[str, asyncio.Future[str]] = {}  # model path -> its digest, computing or done
+        self._booking_check_s = booking_check_s
 
     # --- endpoints -----------------------------------------------------------------------------------
 
     async def run(self, ctx: ActorContext) -> None:
         self._drivers.clear()
         await buckets.instances(ctx.bus, ctx.subjects)
+        # Before anything can start: what a predecessor left (records, claims) is for servers that are gone.
+        await upkeep.clear_predecessor(ctx, self._node, deadline_s=2 * self.limits.kv_timeout_s)
+        ctx.spawn(
+            upkeep.keep_booked(
+                ctx, self._node, self._live, lambda iid, why: self._stop_unbooked(ctx, iid, why), self._clock,
+                interval_s=self._booking_check_s,
+            ),
+            "bookings",
+        )  # fmt: skip
         await asyncio.to_thread((self.data_dir / "runner").mkdir, parents=True, exist_ok=True)
         await asyncio.to_thread(self._prune_instance_dirs, frozenset())
 
@@ -449,6 +462,22 @@ class RunnerActor(Actor):
                 await driver.request_stop("stop requested", self.limits.stop_answer_s)
                 await driver.settled.wait()
         return self._ack(driver, driver.message)
+
+    def _live(self) -> list[Live]:
+        """What this runner drives, as its bookings should read (`upkeep.keep_booked`)."""
+        return [
+            Live(d.id, d.reservation, d.state, d.observed.total_bytes if d.observed is not None else None)
+            for d in list(self._drivers.values())
+        ]
+
+    def _stop_unbooked(self, ctx: ActorContext, instance_id: str, reason: str) -> None:
+        driver = self._drivers.get(instance_id)
+        if driver is not None:
+            ctx.spawn(self._ask_stop(driver, reason), f"stop-unbooked:{instance_id}")
+
+    async def _ask_stop(self, driver: InstanceDriver, reason: str) -> None:
+        with contextlib.suppress(TimeoutError):  # its queue is full: it is busy ending anyway
+            await driver.request_stop(reason, self.limits.stop_answer_s)
 
     def _ack(self, driver: InstanceDriver, message: str) -> RunnerAck:
         return RunnerAck(

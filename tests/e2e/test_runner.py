@@ -425,7 +425,6 @@ async def test_start_refusals_are_clear_errors(
         _reservation("r-taken", models["llama"], settings, 2048), state="starting", instance_id="i-other"
     )
     taken = msgspec.structs.replace(taken, expires_at=time.time() - 3600)
-    await _put_ledger(bus, other, _reservation("r-big", models["llama"], settings, 2048), taken)
     need = _predict(models["llama"], settings, 2048).total_bytes
     # the node has one byte less than this model plus what the other two reservations hold (the one past
     # its expiry included: only placement expires reservations)
@@ -434,6 +433,8 @@ async def test_start_refusals_are_clear_errors(
         with pytest.raises(RemoteError) as unknown:
             await _start(bus, "r-nope")
         assert unknown.value.code == "not_found" and "r-nope" in unknown.value.reply.message
+        # Written once the runner runs: a claim found at its start would be its predecessor's (released then).
+        await _put_ledger(bus, other, _reservation("r-big", models["llama"], settings, 2048), taken)
 
         for payload in (b'{"reservation": "r-big"}', b"not json", b'{"reservation_id": 7}'):
             with pytest.raises(RemoteError) as malformed:

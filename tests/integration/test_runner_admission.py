@@ -169,9 +169,13 @@ async def test_a_reservation_claimed_by_another_instance_is_refused_and_left_alo
     taken = msgspec.structs.replace(
         _reservation("r-taken", model, SETTINGS, 512), state="starting", instance_id="someone-else"
     )
-    await _put_ledger(bus, taken)
     await _put_telemetry(bus)
     async with runner(bus, tmp_path / "data"):
+        # Claimed once this runner runs (a claim found at its start is its predecessor's, and released then).
+        with pytest.raises(RemoteError) as absent:
+            await _start(bus, "r-taken")
+        assert absent.value.code == "not_found"
+        await _put_ledger(bus, taken)
         with pytest.raises(RemoteError) as refused:
             await _start(bus, "r-taken")
     assert refused.value.code == "reservation_state"

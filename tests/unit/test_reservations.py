@@ -114,7 +114,7 @@ def test_expiry_during_a_slow_load_never_releases_a_claimed_reservation() -> Non
     rec = Reconciler()
     claimed = ledger(reservation(state="starting", instance="i1"))
     rec.saw_ledger("a", claimed, T0)
-    rec.saw_record("i1", record("i1", "starting"))
+    rec.saw_record("i1", record("i1", "starting"), T0)
     assert changes(rec, claimed, T0 + 3600) == ()  # an hour of loading, far past the 60 s hold: still held
 
 
@@ -123,7 +123,7 @@ def test_a_crash_restart_backoff_before_the_first_ready_keeps_the_memory() -> No
     claimed = ledger(reservation(state="starting", instance="i1"))
     rec.saw_ledger("a", claimed, T0)
     for state in ("starting", "restarting", "starting", "restarting"):
-        rec.saw_record("i1", record("i1", state))
+        rec.saw_record("i1", record("i1", state), T0)
         assert changes(rec, claimed, T0 + 900) == (), state
 
 
@@ -131,10 +131,10 @@ def test_a_lost_instance_stopped_is_repaired_from_the_final_record() -> None:
     rec = Reconciler()
     running = ledger(reservation(state="running", instance="i1", expires_at=None, running_since=STARTED + 10))
     rec.saw_ledger("a", running, T0)
-    rec.saw_record("i1", record("i1", "ready"))
+    rec.saw_record("i1", record("i1", "ready"), T0)
     assert changes(rec, running, T0 + 5) == ()
     for final, reason in (("stopped", "stopped"), ("failed", "failed"), ("rejected", "rejected")):
-        rec.saw_record("i1", record("i1", final))
+        rec.saw_record("i1", record("i1", final), T0)
         (release,) = changes(rec, running, T0 + 10)
         assert isinstance(release, Release) and release.reason == reason
         assert apply(release, running) == ledger()
@@ -144,9 +144,43 @@ def test_a_record_that_expired_releases_the_reservation_of_its_dead_runner() -> 
     rec = Reconciler()
     running = ledger(reservation(state="running", instance="i1", expires_at=None))
     rec.saw_ledger("a", running, T0)
-    rec.saw_record("i1", record("i1", "ready"))
-    rec.saw_record("i1", None)  # the TTL removed it: nobody refreshes it any more
+    rec.saw_record("i1", record("i1", "ready"), T0)
+    rec.saw_record("i1", None, T0 + 1)  # the TTL removed it: nobody refreshes it any more
     (release,) = changes(rec, running, T0 + 1)
+    assert isinstance(release, Release) and release.reason == "instance_gone"
+
+
+def test_a_runner_back_from_an_outage_rebooks_and_its_booking_waits_for_the_record() -> None:
+    # The runner could not refresh its records for their TTL (JetStream away, a partition): placement released
+    # the reservation of a server that still runs. The runner books it again; that booking is not released
+    # for the record that vanished before it, and stays once the record returns.
+    rec = Reconciler(claim_grace_s=30)
+    running = ledger(reservation(state="running", instance="i1", expires_at=None, node_started_at=STARTED))
+    rec.saw_ledger("a", running, T0)
+    rec.saw_record("i1", record("i1", "ready"), T0)
+    rec.saw_record("i1", None, T0 + 30)
+    (release,) = changes(rec, running, T0 + 31)
+    assert isinstance(release, Release) and release.reason == "instance_gone"
+    rec.saw_ledger("a", ledger(), T0 + 31)  # released
+    rec.saw_ledger("a", running, T0 + 40)  # the runner is back and books it again, before its record returns
+    assert changes(rec, running, T0 + 41) == ()
+    rec.saw_record("i1", record("i1", "ready"), T0 + 42)
+    assert changes(rec, running, T0 + 100) == ()  # converged: the record and the booking of what runs
+    rec.saw_record("i1", None, T0 + 200)  # and if the runner dies for good later, it is released again
+    (again,) = changes(rec, running, T0 + 201)
+    assert isinstance(again, Release) and again.reason == "instance_gone"
+
+
+def test_a_rebooking_whose_record_never_returns_is_released_after_the_grace() -> None:
+    rec = Reconciler(claim_grace_s=30)
+    running = ledger(reservation(state="running", instance="i1", expires_at=None, node_started_at=STARTED))
+    rec.saw_ledger("a", running, T0)
+    rec.saw_record("i1", record("i1", "ready"), T0)
+    rec.saw_record("i1", None, T0 + 30)
+    rec.saw_ledger("a", ledger(), T0 + 31)
+    rec.saw_ledger("a", running, T0 + 40)
+    assert changes(rec, running, T0 + 69) == ()
+    (release,) = changes(rec, running, T0 + 70)
     assert isinstance(release, Release) and release.reason == "instance_gone"
 
 
@@ -164,7 +198,7 @@ def test_a_lost_instance_ready_is_repaired_from_the_ready_record() -> None:
     rec = Reconciler()
     claimed = ledger(reservation(state="starting", instance="i1"))
     rec.saw_ledger("a", claimed, T0)
-    rec.saw_record("i1", record("i1", "ready", observed=GIB))
+    rec.saw_record("i1", record("i1", "ready", observed=GIB), T0)
     (promote,) = changes(rec, claimed, T0 + 700)
     assert isinstance(promote, Promote)
     (running,) = (apply(promote, claimed) or ledger()).reservations
@@ -211,7 +245,7 @@ def test_a_node_process_restart_releases_what_it_ran() -> None:
     rec = Reconciler()
     running = ledger(reservation(state="running", instance="i1", expires_at=None, node_started_at=STARTED - 900))
     rec.saw_ledger("a", running, T0)
-    rec.saw_record("i1", record("i1", "ready"))
+    rec.saw_record("i1", record("i1", "ready"), T0)
     (release,) = changes(rec, running, T0)
     assert isinstance(release, Release) and release.reason == "node_restarted"
 
@@ -220,7 +254,7 @@ def test_a_record_about_another_reservation_proves_nothing() -> None:
     rec = Reconciler(claim_grace_s=30)
     claimed = ledger(reservation(state="starting", instance="i1"))
     rec.saw_ledger("a", claimed, T0)
-    rec.saw_record("i1", record("i1", "stopped", rid="someone-else"))
+    rec.saw_record("i1", record("i1", "stopped", rid="someone-else"), T0)
     assert changes(rec, claimed, T0 + 1) == ()  # not released on a record that names another reservation
 
 
