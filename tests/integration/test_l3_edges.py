@@ -4,6 +4,7 @@ capture's outcome awaited (what a handoff into this node waits for)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import threading
@@ -24,6 +25,7 @@ from messages.l3 import GcReply, GcRequest, L3Inventory, L3Item
 from messages.subjects import Subjects
 from runtime import buckets
 from runtime.bus import Bus, RemoteError, encode
+from runtime.cli import l3 as l3_cli
 from tests.conftest import JournalReader, of_type, supervised
 from tests.integration.test_handoff_actor import FAST as HANDOFF
 from tests.integration.test_l3_actor import FAST, IDENTITY, KIND, SEG, _slot_file, _until, l3_node
@@ -237,3 +239,27 @@ async def test_a_peer_fetch_holds_the_manifests_size_not_the_peers_claim(
             await b.materialize(lie, tmp_path / "b.bin", deadline_s=10)
         assert _stored_bytes(tmp_path / "b" / "l3") == 0  # no segment moved
         assert not [e for e in journal_reader.events if e.get("type") == "l3_fetched"]
+
+
+async def test_cli_gc_quarantine_reclaims_an_unreadable_manifest_offline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = Store(tmp_path / "a" / "l3", segment_bytes=SEG)
+    source, _ = _slot_file(tmp_path / "slots", 3 * SEG, seed=60)
+    manifest = store.ingest(source, identity=IDENTITY, tokens=(1,), payload_kind=KIND)
+    store.flush()
+    store.manifest_file(layout.entry_id(IDENTITY, (1,))).write_bytes(b"{")  # torn
+    parser = argparse.ArgumentParser(prog="mesh-actor")
+    l3_cli.register(parser.add_subparsers(dest="command", required=True))
+
+    async def gc(*flags: str) -> dict[str, Any]:
+        args = parser.parse_args(["l3", "gc", "--offline", "--json", "--data-dir", str(tmp_path / "a"), *flags])
+        assert int(await args.func(args)) == 0
+        reply: dict[str, Any] = json.loads(capsys.readouterr().out)
+        return reply
+
+    plain = await gc()
+    assert plain["gc_suspended"] and plain["removed_orphans"] == 0 and plain["reclaimed_quarantine"] == 0
+    reclaimed = await gc("--quarantine")
+    assert reclaimed["reclaimed_quarantine"] == 1 and not reclaimed["gc_suspended"]
+    assert reclaimed["removed_orphans"] == len(manifest.segments) and reclaimed["bytes"] == 0

@@ -149,3 +149,71 @@ def test_the_peer_view_skips_items_no_store_could_hold_instead_of_raising() -> N
     assert hit is not None and (hit.entry, hit.node) == (good, "evil")
     view.drop("evil")
     assert view.nodes() == []
+
+
+def _seg(n: int) -> tuple[str, int]:
+    return (f"{n:064x}", 100)
+
+
+def _stored(catalog: Catalog, name: str, use: float, *segs: int) -> str:
+    entry = entry_id(ID, [use_token(name)])
+    catalog.add(entry, identity=ID, n_tokens=1, bytes=100 * len(segs), last_use=use, segments=[_seg(s) for s in segs])
+    return entry
+
+
+def use_token(name: str) -> int:
+    return sum(name.encode())
+
+
+def test_a_pass_is_decided_from_the_catalog_and_applied_to_it_in_the_same_step() -> None:
+    catalog = Catalog()
+    old = _stored(catalog, "old", 1.0, 1, 2)
+    mid = _stored(catalog, "mid", 2.0, 2, 3)  # shares segment 2 with `old`
+    new = _stored(catalog, "new", 3.0, 4)
+    assert catalog.stored_bytes == 400
+    plan = catalog.plan(300)
+    assert plan.evict == (old,) and plan.free == (f"{1:064x}",) and plan.fits  # segment 2 is still mid's
+    catalog.apply(plan)
+    assert old not in catalog and catalog.stored_bytes == 300
+    assert catalog.lookup(ID, [use_token("old")], max_tokens=1) is None  # a restore asking now finds it gone
+    catalog.pin(mid)  # a restore pinned it before the next pass: kept, the pass says it cannot fit
+    plan = catalog.plan(100)
+    assert plan.evict == (new,) and not plan.fits
+    catalog.apply(plan)
+    assert mid in catalog and catalog.stored_bytes == 200
+
+
+def test_quarantine_keeps_its_segments_and_counts_against_the_budget() -> None:
+    catalog = Catalog()
+    bad = _stored(catalog, "bad", 1.0, 1)
+    good = _stored(catalog, "good", 2.0, 2)
+    catalog.quarantine(bad, "x.json", manifest_bytes=50)
+    assert catalog.quarantined == 1 and catalog.stored_bytes == 250
+    plan = catalog.plan(120)
+    assert plan.evict == (good,) and plan.free == (f"{2:064x}",) and not plan.fits  # evidence is kept
+    assert plan.bytes_after == 150
+    catalog.quarantine(good, "x.json")  # a second copy under the same name: both kept
+    assert catalog.quarantined == 2
+
+
+def test_an_unreadable_quarantined_manifest_blocks_every_eviction() -> None:
+    catalog = Catalog()
+    _stored(catalog, "a", 1.0, 1)
+    catalog.set_quarantine({}, ["torn.json"], 30)
+    assert catalog.eviction_blocked == ("torn.json",)
+    plan = catalog.plan(0)
+    assert plan.evict == () and plan.free == () and plan.bytes_after == 130 and not plan.fits
+    inventory = catalog.inventory("n", budget_bytes=0, max_items=10, sent_at=0)
+    assert inventory.eviction_blocked and inventory.quarantined == 1 and inventory.bytes == 130
+    catalog.set_quarantine({}, [], 0)  # `gc --quarantine` deleted it
+    assert catalog.plan(0).evict != ()
+
+
+def test_orphan_segments_are_freed_first_and_a_rescan_replaces_the_sizes() -> None:
+    catalog = Catalog()
+    kept = _stored(catalog, "kept", 1.0, 1)
+    catalog.set_segments({f"{1:064x}": 100, f"{9:064x}": 500})  # an ingest refused after its segment landed
+    plan = catalog.plan(1000)
+    assert plan.evict == () and plan.free == (f"{9:064x}",)
+    catalog.apply(plan)
+    assert catalog.stored_bytes == 100 and kept in catalog
