@@ -152,7 +152,8 @@ async def test_nats_env_describes_the_embedded_server(tmp_path: Path) -> None:
     async with node_process(data_dir, "--node-id", "delta"):
         code, out, _ = await _cli("nats-env", "--json", "--data-dir", str(data_dir))
         record = json.loads(out)
-        assert code == 0 and set(record) == {"url", "user", "password"}
+        assert code == 0 and set(record) == {"url", "user", "password", "inbox_prefix"}
+        assert record["inbox_prefix"] == f"_INBOX.{record['user']}"  # what the bus uses; the admin may use any
         code, out, _ = await _cli("nats-env", "--data-dir", str(data_dir))
         assert out.splitlines()[0] == f"NATS_URL={record['url']}"
         # What it prints is enough for a plain nats-py client.
