@@ -30,6 +30,7 @@ from messages.generate import STREAM_PING_HEADER, GenerateChunk, GenerateRequest
 from messages.subjects import Subjects
 from runtime import embedded, tls
 from runtime.bus import Bus, ConnectFailed, encode
+from runtime.cli.journal import StoredEvent, read_events
 from runtime.config import NatsOptions
 from runtime.creds import CredsFile, issue, read_creds_file
 from runtime.embedded import Credentials, EmbeddedNats
@@ -291,6 +292,38 @@ async def test_a_generates_chunks_and_pings_reach_a_client_across_the_accounts(s
     finally:
         await client.close()
         await runner.close()
+
+
+async def test_a_client_reads_and_follows_the_journal_without_a_consumer(server: EmbeddedNats) -> None:
+    """`mesh-actor events [--follow]` on client credentials: stored events through the imported direct gets, new
+    ones heard live through the imported journal subjects; no consumer is created."""
+    bus = await admin_bus(server)
+    await bus.js.publish(S.event("node", "node_started", "n1"), b'{"n": 0}')
+    client = await bus_when_loaded(issued(server, Role("client")), "client")
+    got: list[StoredEvent] = []
+
+    async def follow() -> None:
+        async for stored in read_events(client, S, "node.>", since=None, follow=True):
+            got.append(stored)
+
+    task = asyncio.create_task(follow())
+    try:
+        async with asyncio.timeout(10):
+            while not got:
+                await asyncio.sleep(0.01)
+            for n in (1, 2):
+                await bus.js.publish(S.event("node", "node_started", "n1"), f'{{"n": {n}}}'.encode())
+            while len(got) < 3:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert [json.loads(e.data)["n"] for e in got] == [0, 1, 2]
+    stored = [e.seq async for e in read_events(client, S, None, since="2", follow=False)]
+    assert stored == [2, 3]
+    assert (await bus.js.stream_info(S.events_stream)).state.consumer_count == 0
+    await client.close()
+    await bus.close()
 
 
 async def test_creds_issue_with_a_relative_data_dir_reloads_the_running_server(server: EmbeddedNats) -> None:
