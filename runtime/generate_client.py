@@ -60,8 +60,7 @@ async def generate(
     async def on_message(msg: Msg) -> None:
         if msg.headers and STREAM_PING_HEADER in msg.headers:
             if msg.reply:
-                with contextlib.suppress(nats.errors.Error):
-                    await bus.nc.publish(msg.reply, b"")
+                await bus.respond(msg, b"")  # inboxes only: a pinger cannot aim our answer elsewhere
             return
         with contextlib.suppress(BadMessage):  # a stray message on our inbox is not a chunk
             chunks.put_nowait(decode_checked(msg.data, GenerateChunk, "stream chunk"))
@@ -122,8 +121,7 @@ async def forward(
         headers = msg.headers or {}
         if STREAM_PING_HEADER in headers:
             if msg.reply:
-                with contextlib.suppress(nats.errors.Error):
-                    await bus.nc.publish(msg.reply, b"")
+                await bus.respond(msg, b"")  # inboxes only: a pinger cannot aim our answer elsewhere
             return
         kind = headers.get(RELAY_HEADER)
         if kind == "head":

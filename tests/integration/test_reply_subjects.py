@@ -4,21 +4,24 @@ A requester chooses the reply subject of its request. An actor that answered any
 its answer, with its own rights, wherever the requester pointed: a bucket key, an event subject. Clients are
 kept out of the mesh's subjects by their account (tests/integration/test_roles.py); this is the wall between
 the mesh's own users, on every kind of responder: an endpoint (answer and error reply), a subscription's
-`bad_request` reply, and the micro service's discovery verbs.
+`bad_request` reply, the micro service's discovery verbs, and a streaming client answering its pings.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import msgspec
 import nats.errors
 import pytest
 from nats.aio.msg import Msg
 
+from messages.generate import STREAM_PING_HEADER, GenerateChunk, GenerateRequest, GenerateResult
 from messages.subjects import Subjects
 from runtime.actor import Actor, ActorContext
 from runtime.bus import Bus, encode, reply_allowed
+from runtime.generate_client import generate
 from tests.conftest import JournalReader, of_type, supervised
 
 S = Subjects()
@@ -114,3 +117,34 @@ async def test_a_responder_never_answers_a_reply_subject_that_is_not_an_inbox(
     assert not crashes, events
     err = capfd.readouterr().err
     assert err.count('"reply_refused"') >= len(FORGED) * 5, err[-2000:]
+
+
+async def test_a_streaming_client_answers_its_pings_only_on_inboxes(bus: Bus) -> None:
+    """The client side of a streamed generate answers the runner's pings: a pinger that named a bucket key as
+    the ping's reply would have had the client write there with the client's rights (an admin's, here)."""
+    landed: list[str] = []
+
+    async def record(msg: Msg) -> None:
+        landed.append(msg.subject)
+
+    await bus.nc.subscribe(FORGED[0], cb=record)
+
+    async def serve(msg: Msg) -> None:
+        stream = json.loads(msg.data)["stream"]
+        await bus.nc.publish(stream, b"{}", reply=FORGED[0], headers={STREAM_PING_HEADER: "1"})
+        await bus.nc.request(stream, b"{}", timeout=5, headers={STREAM_PING_HEADER: "1"})  # an inbox: answered
+        result = GenerateResult(
+            request_id="r", text="", tokens=[], prompt_tokens=1, source="cold", tokens_restored=0, tokens_cached=0,
+            tokens_evaluated=1, ttft_ms=1.0, total_ms=1.0, node="n1", instance="i", slot=0, stop_reason="limit",
+        )  # fmt: skip
+        await msg.respond(encode(result))
+
+    await bus.nc.subscribe(S.generate, cb=serve)
+
+    async def on_chunk(chunk: GenerateChunk) -> None:
+        return None
+
+    await generate(bus, S, GenerateRequest(model="m", prompt="hi", timeout_s=10), on_chunk)
+    await bus.nc.flush(timeout=5)
+    await asyncio.sleep(0)
+    assert landed == []
