@@ -58,6 +58,7 @@ class NodeConfig:
     telemetry_ttl_s: float = 15.0
     llama_server: str | None = None  # path override; default: the one the `llama` extra installed
     models_dir: Path | None = None  # where relative model paths (registry entries) are found; default data_dir/models
+    model_roots: tuple[Path, ...] = ()  # where else model files may be (placement refuses paths outside them all)
     serving: ServingSettings = field(default_factory=ServingSettings)
     registry_keys: tuple[str, ...] = ()  # nkey public keys whose registry entries placement trusts
     journal_max_age_s: float = 7 * 24 * 3600.0
@@ -217,6 +218,7 @@ _OPTIONS: dict[str, Callable[[Any], Any]] = {
     "llama_server": str,
     "registry_keys": _keys,
     "models_dir": str,
+    "model_roots": _keys,
     "journal_max_age": _positive_float,
     "journal_max_bytes": _size,
     "log_level": _level,
@@ -378,6 +380,7 @@ def load_config(
         llama_server=values.get("llama_server"),
         registry_keys=values.get("registry_keys", ()),
         models_dir=Path(values["models_dir"]) if values.get("models_dir") else None,
+        model_roots=tuple(Path(p) for p in values.get("model_roots", ())),
         serving=serving,
         journal_max_age_s=values.get("journal_max_age", 7 * 24 * 3600.0),
         journal_max_bytes=values.get("journal_max_bytes", 1 << 30),

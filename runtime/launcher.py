@@ -251,6 +251,7 @@ async def run_node(
                     models_dir=models_dir,
                     digests=digests,
                     max_hold_s=config.max_hold_s,
+                    model_roots=config.model_roots,  # with the models dir: no client names a file elsewhere
                 ),
                 RunnerActor(
                     config.node_id,

@@ -5,7 +5,10 @@ it may hold a NUL byte, be 200 KB long, name a FIFO (whose `open` blocks forever
 climb out of the models dir with `../`. Everything here turns those into `ModelFileError` with a message a
 person can act on; nothing else escapes. Placement and the runner resolve names the same way:
 
-- an absolute path is that file;
+- an absolute path is that file; where the caller gives the node's model directories (`roots`: placement,
+  which answers clients), it must be inside one of them, or it is refused before any system call touches it,
+  with the same message whether it exists or not (`placement.fit` named `/etc/shadow` and learned its first
+  bytes and whether files exist);
 - a relative path is a file inside the node's models dir, and may not leave it (no `..` that escapes, no
   symlink that points outside).
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,17 +55,30 @@ def check_name(path: str) -> None:
         raise ModelFileError(f"the model path is longer than {MAX_PATH_BYTES} bytes")
 
 
-def resolve(path: str, models_dir: Path) -> Path:
-    """The file `path` names on this node: absolute as given, relative inside `models_dir` (never outside)."""
+def resolve(path: str, models_dir: Path, *, roots: Sequence[Path] | None = None) -> Path:
+    """The file `path` names on this node: absolute as given, relative inside `models_dir` (never outside).
+
+    `roots`: the only directories a model file may be in (symlinks followed); None: an absolute name may be
+    anywhere (for callers that read names written by the node's peers, not by clients)."""
     check_name(path)
     given = Path(path)
     if given.is_absolute():
-        return given
+        if roots is None:
+            return given
+        target = Path(os.path.realpath(given))  # no error whether it exists or not: nothing is told
+        if not any(_inside(target, root) for root in roots):
+            raise ModelFileError(f"{path!r} is not in this node's model directories")
+        return target
     root = Path(os.path.realpath(models_dir))
     target = Path(os.path.realpath(root / given))
-    if target != root and root not in target.parents:
+    if not _inside(target, root):
         raise ModelFileError(f"{path!r} leaves the models dir {models_dir}")
     return target
+
+
+def _inside(target: Path, root: Path) -> bool:
+    real = Path(os.path.realpath(root))
+    return target == real or real in target.parents
 
 
 def file_key(path: Path) -> FileKey:

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,10 @@ from runtime.logging import configure_logging
 from runtime.restart import RestartPolicy
 
 configure_logging("warning", json=True)
+#: Placement refuses model files outside a node's model directories. Tests and benchmarks write their models under
+#: the temporary directory (pytest's and their own), so every node started from here (whatever starts it) may read
+#: models there; a test of the refusal passes its own value.
+os.environ.setdefault("MESH_ACTOR_MODEL_ROOTS", tempfile.gettempdir())
 
 
 class NatsServer:

@@ -145,11 +145,14 @@ class PlacementActor(Actor):
         claim_grace_s: float = 30.0,
         inline_event_bytes: int = INLINE_EVENT_BYTES,
         max_hold_s: float = MAX_HOLD_S,
+        model_roots: tuple[Path, ...] | None = None,
     ) -> None:
         """`models_dir`: where relative model paths live (as for the runner); without one they are refused.
         `sweep_interval_s`: how often reservations are reconciled. `claim_grace_s`: how long a claimed
         reservation is held before its instance's record first appears. `max_hold_s`: the longest unclaimed
-        hold a request may ask for (longer: refused with `hold_too_long`)."""
+        hold a request may ask for (longer: refused with `hold_too_long`). `model_roots`: the directories model
+        files may be in besides `models_dir` (None: an absolute path may be anywhere; `mesh-actor run` always
+        gives the node's directories, so no client can read a file outside them)."""
         self._max_hold_s = max_hold_s
         self._clock = clock
         self._monotonic = monotonic
@@ -166,7 +169,9 @@ class PlacementActor(Actor):
         self._reconciler = Reconciler(claim_grace_s=claim_grace_s)
         self._index = FleetIndex(tracked=True)  # told of every change below: judges only what changed
         self._reports_seen = 0
-        self.models = ModelReader(trusted_registry_keys=trusted_registry_keys, models_dir=models_dir, digests=digests)
+        self.models = ModelReader(
+            trusted_registry_keys=trusted_registry_keys, models_dir=models_dir, digests=digests, roots=model_roots
+        )
         self._log = get_logger(actor=self.name)
 
     # --- wiring ---------------------------------------------------------------------------------------

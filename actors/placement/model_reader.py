@@ -4,8 +4,11 @@ signed registry entry.
 Model names come from clients, so they are hostile input. Every file operation runs in a worker thread,
 through `runtime.model_files`: a name with a NUL byte or 200 KB long, a FIFO, a device or a directory is a
 `model_unreadable` refusal, never an exception and never a blocked event loop; a relative name is a file
-inside the node's models dir (as the runner resolves it), and may not climb out of it. Header facts are
-cached per file version (device, inode, size, mtime); registry files are hashed once per version.
+inside the node's models dir (as the runner resolves it), and may not climb out of it; an absolute one must be
+in one of the node's model directories (`roots`) when the node has them. No refusal echoes a file's bytes: a
+file that is not a GGUF header this reader accepts is named with where the problem is, and the problem itself
+(which may quote the file) goes to the node's log. Header facts are cached per file version (device, inode,
+size, mtime); registry files are hashed once per version.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from messages.model import ModelGeometry
 from messages.placement import ModelRef, RejectReason
 from messages.registry import RegistryEntry
 from runtime.bus import BadMessage, decode_checked
+from runtime.logging import get_logger
 from runtime.model_files import FileDigests, FileKey, ModelFileError, check_name, file_key, open_regular, resolve
 
 #: KV key characters (nats-py refuses others); a registry name outside them names no entry.
@@ -59,9 +63,14 @@ class ModelReader:
         trusted_registry_keys: tuple[str, ...] = (),
         models_dir: Path | None = None,
         digests: FileDigests | None = None,
+        roots: tuple[Path, ...] | None = None,
     ) -> None:
+        """`roots`: directories model files may be in besides `models_dir`; None: an absolute path may be
+        anywhere (for tests and embedding; `mesh-actor run` always gives the node's directories)."""
         self.trusted = trusted_registry_keys
         self.models_dir = models_dir
+        self.roots = None if roots is None else ((models_dir,) if models_dir else ()) + roots
+        self._log = get_logger(component="model_reader")
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._lock = threading.Lock()
         self._digests = digests or FileDigests()
@@ -84,7 +93,7 @@ class ModelReader:
                 raise ModelFileError(
                     f"{path!r} is a relative path and this placement node has no models dir: give an absolute path"
                 )
-            return resolve(path, self.models_dir or Path("."))
+            return resolve(path, self.models_dir or Path("."), roots=self.roots)
         except ModelFileError as exc:
             raise ModelProblem("model_unreadable", str(exc)) from exc
 
@@ -103,7 +112,13 @@ class ModelReader:
             raise ModelProblem("model_unreadable", str(exc)) from exc
         except UnsupportedArchitecture as exc:
             raise ModelProblem("unsupported_architecture", str(exc)) from exc
-        except (GGUFFormatError, GeometryError) as exc:
+        except GGUFFormatError as exc:
+            # Its problem may quote the file (a bad magic is the file's first bytes): logged here, not answered.
+            self._log.info("model_not_gguf", path=str(resolved), offset=exc.offset, problem=exc.problem)
+            raise ModelProblem(
+                "model_unreadable", f"{path} is not a GGUF file this node can read (a problem at byte {exc.offset})"
+            ) from exc
+        except GeometryError as exc:
             raise ModelProblem("model_unreadable", f"{path}: {exc}") from exc
         except OSError as exc:
             raise ModelProblem("model_unreadable", f"cannot read {path}: {exc.strerror or exc}") from exc

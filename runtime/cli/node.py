@@ -123,6 +123,13 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         "--models-dir", metavar="DIR", help="where relative model paths are found (default DATA_DIR/models)"
     )
     run.add_argument(
+        "--model-root",
+        action="append",
+        metavar="DIR",
+        help="another directory model files may be in (repeatable); placement refuses a model outside them and "
+        "the models dir",
+    )
+    run.add_argument(
         "--max-hold",
         type=float,
         metavar="S",
@@ -194,6 +201,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "telemetry_ttl": args.telemetry_ttl,
         "llama_server": args.llama_server,
         "models_dir": args.models_dir,
+        "model_roots": ",".join(args.model_root) if args.model_root else None,
         "registry_keys": ",".join(args.registry_key) if args.registry_key else None,
         "log_level": args.log_level,
         "l3_budget": args.l3_budget,

@@ -15,7 +15,8 @@ import pytest
 
 from actors.placement.actor import PlacementActor
 from runtime.bus import Bus
-from tests.conftest import JournalReader, put_telemetry, supervised
+from tests.conftest import JournalReader, node_process, put_telemetry, run_cli, supervised
+from tests.e2e.test_mesh import wait_nodes
 from tests.integration.test_placement import GIB, SUBJECTS, ledger, report, wait_view
 from tests.tiny_models import write_llama
 
@@ -126,3 +127,60 @@ async def test_a_stuck_model_read_never_stops_the_actor_answering_others(bus: Bu
         assert other["reason"] == "model_unreadable"
         assert not stuck.done()
     assert (await stuck)["admitted"] is True
+
+
+async def test_fit_is_no_file_oracle_outside_the_model_directories(bus: Bus, models_dir: Path, tmp_path: Path) -> None:
+    # `placement.fit` named /etc/shadow and answered "bad magic b'root'"; its errors also told whether a file
+    # existed. A node that has model directories reads nothing outside them, and says the same for every name
+    # outside; inside, a file that is not GGUF is named with where the problem is, never with its bytes.
+    secret = tmp_path / "shadow"
+    secret.write_bytes(b"root:$6$salt$hash:19000:0:99999:7:::\n")
+    other_root = tmp_path / "more-models"
+    other_root.mkdir()
+    write_llama(other_root / "extra.gguf", n_layer=4)
+    (models_dir / "notes.gguf").write_bytes(b"root:secret-looking bytes that are no model\n" * 4)
+    actor = PlacementActor(models_dir=models_dir, model_roots=(other_root,))
+    async with supervised(bus, [actor], node_id="p1"):
+        await put_telemetry(bus, report("a", 8 * GIB))
+        await wait_view(actor, "a")
+        outside = {
+            "a secret that exists": str(secret),
+            "one that does not": str(tmp_path / "no-such-file"),
+            "a system file": "/etc/passwd",
+            "a model outside": str(tmp_path / "outside.gguf"),
+            "a symlink out of a root": str(models_dir / "escape.gguf"),
+            "climbing out by dots": str(models_dir / ".." / "outside.gguf"),
+        }
+        messages = set()
+        for i, (case, path) in enumerate(outside.items()):
+            body = await answer(bus, ask({"path": path}), fit=bool(i % 2))
+            assert body["admitted"] is False and body["reason"] == "model_unreadable", (case, body)
+            assert body["message"] == f"{path!r} is not in this node's model directories", (case, body)
+            messages.add(body["message"].replace(repr(path), "PATH"))
+        assert len(messages) == 1  # existing or not, readable or not: the same answer
+
+        body = await answer(bus, ask({"path": str(models_dir / "notes.gguf")}), fit=True)
+        assert body["reason"] == "model_unreadable" and "not a GGUF file" in body["message"], body
+        assert "root" not in body["message"].replace(str(models_dir), "") and "secret" not in body["message"]
+
+        for path in (str(models_dir / "dense.gguf"), str(other_root / "extra.gguf"), "dense.gguf"):
+            inside = await answer(bus, ask({"path": path}), fit=True)
+            assert inside["admitted"] is True, (path, inside)
+
+
+async def test_a_node_reads_models_only_from_its_model_directories(tmp_path: Path) -> None:
+    # `mesh-actor run` with no --model-root: the models dir (DATA_DIR/models) is the only place a model may be.
+    data_dir = tmp_path / "node"
+    (data_dir / "models").mkdir(parents=True)
+    inside = write_llama(data_dir / "models" / "inside.gguf", n_layer=4)
+    outside = write_llama(tmp_path / "outside.gguf", n_layer=4)
+    async with node_process(data_dir, "solo", env={"MESH_ACTOR_MODEL_ROOTS": ""}):
+        await wait_nodes(data_dir, "solo")
+        for path, admitted in ((inside, True), (outside, False), (Path("/etc/passwd"), False)):
+            code, out, err = await run_cli(
+                "place", str(path), "-c", "512", "--fit", "--json", "--data-dir", str(data_dir)
+            )
+            decision = json.loads(out)
+            assert decision["admitted"] is admitted and code == (0 if admitted else 3), (path, out, err)
+            if not admitted:
+                assert decision["message"] == f"{str(path)!r} is not in this node's model directories"
