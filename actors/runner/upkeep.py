@@ -110,6 +110,8 @@ async def keep_booked(
     """Every `interval_s`: books again what runs without a booking, or stops it (`stop(instance, reason)`)."""
     while True:
         await asyncio.sleep(interval_s)
+        if not any(True for _ in live()):
+            continue  # nothing runs here: nothing to book (and no bucket read on an idle node)
         try:
             await check_bookings(ctx, node, live, stop, clock)
         except (nats.errors.Error, TimeoutError, Refusal) as exc:  # the bus is away: the next pass tries again
