@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.config import NatsOptions
-from runtime.roles import Role
+from runtime.roles import CLIENT_USER_PREFIX, Role, is_client_user
 
 USERS_FILE = "users.json"
 
@@ -60,16 +60,18 @@ def _write_users(data_dir: Path, users: list[IssuedUser]) -> None:
 
 
 def user_name(role: Role) -> str:
-    """A fresh user name for `role` (one subject token: it is also the user's inbox prefix)."""
+    """A fresh user name for `role` (one subject token: it also names the user's inbox, `roles.inbox_prefix`)."""
     return f"node-{role.node}" if role.node else f"{role.kind}-{secrets.token_hex(4)}"
 
 
 def issue(data_dir: Path, role: Role, *, user: str | None = None) -> IssuedUser:
     """Adds a user with a random password to the users file (a node user is issued once: the same one is
     returned again, so a node keeps its name and inbox)."""
+    name = user or user_name(role)
+    if is_client_user(name) != (role.kind == "client"):  # the name decides the inbox (roles.inbox_prefix)
+        raise CredentialsError(f"user {name!r}: only {CLIENT_USER_PREFIX}… names a client, and every client")
     data_dir.mkdir(parents=True, exist_ok=True)
     users = read_users(data_dir)
-    name = user or user_name(role)
     for existing in users:
         if existing.user == name:
             if existing.role != role:

@@ -213,10 +213,14 @@ def server_config(data_dir: Path, server: ServerRecord, admin: Credentials) -> d
         raise EmbeddedNatsError(str(exc)) from exc
     users = [(roles.Role("admin"), admin.user, admin.password)]  # admin: no permissions block, every right
     users += [(u.role, u.user, u.password) for u in issued if u.user != admin.user]
+    try:
+        accounts = roles.accounts(subjects, users)
+    except ValueError as exc:  # a users file edited by hand: a name that says another role
+        raise EmbeddedNatsError(f"{data_dir / 'users.json'}: {exc}") from exc
     config: dict[str, object] = {
         "listen": f"{server.host}:{server.port}",
         "jetstream": {"store_dir": str(data_dir / "jetstream")},
-        "accounts": roles.accounts(subjects, users),
+        "accounts": accounts,
         "pid_file": str(data_dir / PID_FILE),
         "log_file": str(data_dir / "nats-server.log"),
         "logfile_size_limit": 10 << 20,

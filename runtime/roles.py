@@ -18,9 +18,11 @@ Across the boundary (`accounts`):
   creates, changes and deletes no consumer at all.
 - `MESH` exports the journal's subjects (`<prefix>.events.>`) as a stream: a client following the journal
   hears new events live (and reads what is stored through direct gets).
-- Each client's inbox `_INBOX.<user>.>` is exported by `CLIENTS` to `MESH` and imported there under the same
-  name: a generate's chunks and stream pings (a runner publishes them to the client's inbox) reach that client,
-  and its answers to the pings flow back. Nothing else in `MESH` routes to `CLIENTS`.
+- The clients' inboxes, `_INBOX.clients.>`, are exported by `CLIENTS` to `MESH` and imported there under the
+  same name: a generate's chunks and stream pings (a runner publishes them to the client's inbox) reach the
+  client, and its answers to the pings flow back. Nothing else in `MESH` routes to `CLIENTS`. One subject for
+  every client, not one per user, so that every server of a cluster has the same accounts: a client issued on
+  one server is reached by a runner on another (users stay per server).
 
 Within an account, each user's `permissions`:
 
@@ -37,8 +39,9 @@ Within an account, each user's `permissions`:
   purge them (the decisions object store excepted: replacing an object purges its old chunks).
 - `admin` may do everything (stream and bucket management, registry writes, L3 admin).
 
-Every user receives its replies on its own inbox prefix `_INBOX.<user>` (the bus sets it from the user
-name), so no client can read another's replies.
+Every user receives its replies on its own inbox prefix (the bus sets it from the user name, `inbox_prefix`):
+`_INBOX.<user>`, or `_INBOX.clients.<user>` for a client (named `client-…`, as `creds issue` names them), so no
+client can read another's replies and the mesh's users' inboxes stay out of the clients' namespace.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ from messages.subjects import Subjects, check_token
 RoleKind = Literal["client", "node", "admin"]
 ROLE_KINDS: Final = ("client", "node", "admin")
 INBOX_ROOT: Final = "_INBOX"
+#: Client users' names begin so (`creds issue` names them `client-<hex>`), and their inboxes live under
+#: `CLIENT_INBOXES`: one subject the mesh's account imports for every client, on every server.
+CLIENT_USER_PREFIX: Final = "client-"
+CLIENT_INBOXES: Final = f"{INBOX_ROOT}.clients"
 
 MESH_ACCOUNT: Final = "MESH"
 CLIENT_ACCOUNT: Final = "CLIENTS"
@@ -98,8 +105,14 @@ class Role:
 
 
 def inbox_prefix(user: str) -> str:
-    """Where `user` receives replies: `_INBOX.<user>` (a user name that is one subject token)."""
-    return f"{INBOX_ROOT}.{check_token(user, 'user name')}"
+    """Where `user` receives replies: `_INBOX.<user>`, or `_INBOX.clients.<user>` for a client user (a user name
+    is one subject token)."""
+    root = CLIENT_INBOXES if is_client_user(check_token(user, "user name")) else INBOX_ROOT
+    return f"{root}.{user}"
+
+
+def is_client_user(user: str) -> bool:
+    return user.startswith(CLIENT_USER_PREFIX)
 
 
 def _streams(subjects: Subjects) -> dict[str, str]:
@@ -254,6 +267,9 @@ def _service(subject: str, response: str | None, threshold: str | None, account:
 def accounts(subjects: Subjects, users: Sequence[tuple[Role, str, str]]) -> dict[str, Any]:
     """nats-server's `accounts` block for these users `(role, user, password)`: `MESH` (admin and nodes, with
     JetStream) and `CLIENTS` (clients), and what crosses between them (see the module's docstring)."""
+    for role, user, _ in users:  # a name decides the inbox: it must say the role's account, or replies go astray
+        if is_client_user(user) != (role.kind == "client"):
+            raise ValueError(f"user {user!r} of role {role}: only client users are named {CLIENT_USER_PREFIX}…")
     mesh_users = [user_entry(subjects, role, user, pw) for role, user, pw in users if role.account == MESH_ACCOUNT]
     clients = [(role, user, pw) for role, user, pw in users if role.account == CLIENT_ACCOUNT]
     requests = client_requests(subjects)
@@ -263,18 +279,18 @@ def accounts(subjects: Subjects, users: Sequence[tuple[Role, str, str]]) -> dict
         {"service": {"account": MESH_ACCOUNT, "subject": subject}} for subject, _, _ in requests
     ]
     client_imports.append({"stream": {"account": MESH_ACCOUNT, "subject": subjects.events_all}})
-    inboxes = [f"{inbox_prefix(user)}.>" for _, user, _ in clients]
+    inboxes = f"{CLIENT_INBOXES}.>"
     return {
         MESH_ACCOUNT: {
             "users": mesh_users,
             "jetstream": "enabled",
             "exports": mesh_exports,
             # A runner publishes a generate's chunks and pings to the client's inbox, named as in its account.
-            "imports": [{"service": {"account": CLIENT_ACCOUNT, "subject": inbox}} for inbox in inboxes],
+            "imports": [{"service": {"account": CLIENT_ACCOUNT, "subject": inboxes}}],
         },
         CLIENT_ACCOUNT: {
             "users": [user_entry(subjects, role, user, pw) for role, user, pw in clients],
-            "exports": [{"service": inbox, "accounts": [MESH_ACCOUNT]} for inbox in inboxes],
+            "exports": [{"service": inboxes, "accounts": [MESH_ACCOUNT]}],
             "imports": client_imports,
         },
     }

@@ -6,7 +6,17 @@ import pytest
 
 from actors.placement.decision_records import store_name
 from messages.subjects import Subjects
-from runtime.roles import CLIENT_ACCOUNT, MESH_ACCOUNT, Role, accounts, inbox_prefix, permissions, user_entry
+from runtime.creds import user_name
+from runtime.roles import (
+    CLIENT_ACCOUNT,
+    MESH_ACCOUNT,
+    Role,
+    accounts,
+    inbox_prefix,
+    is_client_user,
+    permissions,
+    user_entry,
+)
 
 
 def _match(pattern: str, subject: str) -> bool:
@@ -59,7 +69,7 @@ def test_client_requests_placement_and_generate_and_reads_but_writes_nothing() -
         "$JS.FC.LAB_A_EVENTS.x",
     ):
         assert not allowed(rights, "publish", subject), subject
-    assert rights["subscribe"] == {"allow": ["_INBOX.client-1.>", S.events_all]}
+    assert rights["subscribe"] == {"allow": ["_INBOX.clients.client-1.>", S.events_all]}
     assert not allowed(rights, "subscribe", S.runner("n1", "start"))
 
 
@@ -92,11 +102,22 @@ def test_clients_live_in_their_own_account_and_import_only_what_they_may_request
     assert "response_type" not in exported[S.placement_fit]
     # Long enough for the longest generation (timeout_s up to an hour) to be answered.
     assert exported[S.generate]["response_threshold"] == "3660s"
-    # The way back for a generate's chunks and pings: each client's inbox, and nothing else of the mesh's.
-    inboxes = ["_INBOX.client-1.>", "_INBOX.client-2.>"]
-    assert [i["service"] for i in mesh["imports"]] == [{"account": CLIENT_ACCOUNT, "subject": s} for s in inboxes]
-    assert [e["service"] for e in clients["exports"]] == inboxes
-    assert all(e["accounts"] == [MESH_ACCOUNT] for e in clients["exports"])
+    # The way back for a generate's chunks and pings: the clients' inboxes, and nothing else of the mesh's; the
+    # same on every server whichever users it has (a runner on one server reaches a client issued on another).
+    assert [i["service"] for i in mesh["imports"]] == [{"account": CLIENT_ACCOUNT, "subject": "_INBOX.clients.>"}]
+    assert clients["exports"] == [{"service": "_INBOX.clients.>", "accounts": [MESH_ACCOUNT]}]
+    alone = accounts(S, users[:2])
+    assert alone[MESH_ACCOUNT]["imports"] == mesh["imports"] and alone[CLIENT_ACCOUNT]["exports"] == clients["exports"]
+    for user in ("mesh", "node-n1"):  # no mesh user's inbox is in the clients' namespace
+        assert not inbox_prefix(user).startswith("_INBOX.clients.")
+
+
+def test_a_users_name_must_say_whether_it_is_a_client() -> None:
+    assert is_client_user(user_name(Role("client"))) and not is_client_user(user_name(Role("admin")))
+    with pytest.raises(ValueError, match="client-"):
+        accounts(S, [(Role("admin"), "client-x", "pw")])
+    with pytest.raises(ValueError, match="client-"):
+        accounts(S, [(Role("client"), "alice", "pw")])
 
 
 def test_a_node_publishes_only_its_own_telemetry_events_and_keys() -> None:
@@ -155,6 +176,6 @@ def test_roles_parse_and_refuse_what_is_not_a_role() -> None:
     for text in ("node", "client:n1", "root", "node:a.b"):
         with pytest.raises(ValueError):
             Role.parse(text)
-    assert inbox_prefix("node-n1") == "_INBOX.node-n1"
+    assert inbox_prefix("node-n1") == "_INBOX.node-n1" and inbox_prefix("client-1") == "_INBOX.clients.client-1"
     with pytest.raises(ValueError):
         inbox_prefix("a.b")
