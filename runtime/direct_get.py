@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -48,12 +49,17 @@ class StoredMessage:
     data: bytes
 
 
+_STAMP = re.compile(r"^([^.]+?)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)?$")
+
+
 def _timestamp(text: str) -> datetime:
-    """`Nats-Time-Stamp` (RFC 3339 with nanoseconds) to an aware datetime (microseconds kept)."""
-    head, _, rest = text.rstrip("Z").partition(".")
-    fraction = "".join(c for c in rest if c.isdigit())[:6]
-    stamp = datetime.fromisoformat(f"{head}.{fraction or '0'}")
-    return stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)
+    """`Nats-Time-Stamp` (RFC 3339, nanoseconds) to an aware datetime; Python keeps microseconds."""
+    match = _STAMP.match(text)
+    if match is None:
+        raise ValueError(f"not a timestamp: {text[:64]!r}")
+    head, fraction, zone = match.groups()
+    stamp = datetime.fromisoformat(f"{head}.{(fraction or '0')[:6]:0<6}{'+00:00' if zone in (None, 'Z') else zone}")
+    return stamp.astimezone(UTC)
 
 
 def _stored(msg: Msg) -> StoredMessage:
