@@ -8,11 +8,11 @@ permissions of its role, among them the node's own `node-<id>`. They live in two
 `MESH` (admin and nodes, JetStream) and `CLIENTS` (clients, with what they may use of the mesh imported), so
 no reply subject a client names can reach the mesh's subjects. A store written before there were two accounts
 (JetStream keeps a standalone server's streams per account, `jetstream/$G`) is moved into `MESH` before the
-server starts. A server listening beyond
-loopback requires TLS (a CA and server certificate generated in the data dir, `runtime.tls`) besides
-credentials. `reload` rewrites the config and signals the running server (SIGHUP), which applies new users
-without dropping a connection. It cannot outlive us: it gets SIGTERM when the process that started it dies
-(Linux parent-death signal), and `stop` terminates it, then kills it after a deadline.
+server starts. A server listening beyond loopback requires TLS (a CA and server certificate generated in the
+data dir, `runtime.tls`) besides credentials. `reload` rewrites the config and signals the running server
+(SIGHUP), which applies new users without dropping a connection. It cannot outlive us: it gets SIGTERM when the
+process that started it dies (Linux parent-death signal), and `stop` terminates it, then kills it after a
+deadline.
 
 With a `ClusterSpec` (`mesh-actor run --cluster-listen HOST:PORT --join HOST:PORT …`) the server also joins a
 NATS cluster: a `cluster` block (name from the mesh prefix, route listener, the joins as routes, route
