@@ -32,7 +32,7 @@ from messages.l3 import PrefixSource
 MAX_PROMPT_CHARS: Final = 4 << 20
 MAX_PROMPT_TOKENS: Final = 1 << 20
 #: How often a streaming runner checks that its client still listens.
-STREAM_PING_S: Final = 0.5
+STREAM_PING_S: Final = 0.25
 #: Header a stream ping carries (chunks carry none).
 STREAM_PING_HEADER: Final = "Mesh-Stream-Ping"
 #: Header of a relayed answer's messages: "head" (a `RelayHead`) or "data" (raw bytes of the server's body).

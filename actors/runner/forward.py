@@ -57,6 +57,7 @@ class _Exchange:
     status: int = 0
     answers: list[Any] | None = None  # the JSON the token counts are read from (the body, or counted events)
     cancelled: str = ""  # why the requester was found gone ("" when it was not)
+    decoded: int = 0  # what the server had generated when the requester was found gone
     first_data: float | None = None
 
 
@@ -183,14 +184,21 @@ class Forwarder:
                     await relay.data(whole)
                     exchange.answers = [_json(whole)]
 
+        async def watch() -> None:
+            try:
+                await relay.watch()
+            except ClientGone as gone:
+                exchange.cancelled = str(gone)
+                exchange.decoded = await self._decoded(instance, slot)  # before the connection closes
+                raise
+
         try:
             async with asyncio.TaskGroup() as tg:
-                watcher = tg.create_task(relay.watch())
+                watcher = tg.create_task(watch())
                 await relay_answer()
                 watcher.cancel()
-        except* ClientGone as group:
-            exchange.cancelled = str(group.exceptions[0])
-            await self._cancelled(instance, order, exchange, slot)
+        except* ClientGone:
+            self._cancelled(instance, order, exchange)
         except* ServerApiError as group:
             error = group.exceptions[0]
             if exchange.status == 0:  # no answer at all: the server is not serving
@@ -218,21 +226,28 @@ class Forwarder:
             await relay.data(rest)
         return counted[-4:]  # the last events carry the totals
 
-    async def _cancelled(
-        self, instance: ServedInstance, order: RunnerGenerate, exchange: _Exchange, slot: int | None
-    ) -> None:
-        """The requester left: the server stopped when the connection closed; journal what it had generated
-        (its slot's own count when one was pinned: a whole answer relays nothing before it is done)."""
-        serving = self._serving
-        generated = passthrough.answer_tokens(exchange.answers or []).generated
-        if slot is not None:
-            try:
-                slots = await serving.api.json(instance.port, "GET", "/slots", None, timeout_s=5)
-                generated = max(generated, passthrough.slot_decoded(slots, slot))
-            except ServerApiError as exc:
-                _log.info("cancel_count_unknown", instance_id=instance.id, error=str(exc))
+    async def _decoded(self, instance: ServedInstance, slot: int | None) -> int:
+        """How many tokens the pinned slot has generated so far (0: none pinned, or not said).
+
+        Read while the request's connection is still open: llama-server notices a closed connection of a whole
+        (not streamed) answer only once it has waited a second for results without being woken by another
+        result (its `recv_with_timeout` starts the wait again on every result of any task), and it forgets the
+        count when it releases the slot. A request of ours after the close would restart that wait."""
+        if slot is None:
+            return 0
+        try:
+            slots = await self._serving.api.json(instance.port, "GET", "/slots", None, timeout_s=2)
+        except ServerApiError as exc:
+            _log.info("cancel_count_unknown", instance_id=instance.id, error=str(exc))
+            return 0
+        return passthrough.slot_decoded(slots, slot)
+
+    def _cancelled(self, instance: ServedInstance, order: RunnerGenerate, exchange: _Exchange) -> None:
+        """The requester left and the connection to the server closed (the server stops): journaled with what it
+        had generated."""
+        generated = max(exchange.decoded, passthrough.answer_tokens(exchange.answers or []).generated)
         _log.info("generate_cancelled", request_id=order.request_id, instance_id=instance.id, reason=exchange.cancelled)
-        serving.emit(
+        self._serving.emit(
             GenerateCancelled, request_id=order.request_id, instance_id=instance.id,
             endpoint=order.request.api.endpoint if order.request.api else "", tokens_generated=generated,
             reason=exchange.cancelled,

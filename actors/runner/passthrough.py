@@ -114,13 +114,18 @@ def has_media(endpoint: str, body: Mapping[str, Any]) -> bool:
     return False
 
 
-def slot_decoded(slots: Any, slot: int) -> int:
-    """How many tokens slot `slot` decoded in its last task, from llama-server's `/slots` (0: not said)."""
+def _slot(slots: Any, slot: int) -> dict[str, Any]:
     for entry in slots if isinstance(slots, list) else []:
         if isinstance(entry, dict) and entry.get("id") == slot:
-            next_tokens = entry.get("next_token")
-            if isinstance(next_tokens, list) and next_tokens and isinstance(next_tokens[0], dict):
-                return _int(next_tokens[0].get("n_decoded"))
+            return entry
+    return {}
+
+
+def slot_decoded(slots: Any, slot: int) -> int:
+    """How many tokens slot `slot` decoded in its last task, from llama-server's `/slots` (0: not said)."""
+    next_tokens = _slot(slots, slot).get("next_token")
+    if isinstance(next_tokens, list) and next_tokens and isinstance(next_tokens[0], dict):
+        return _int(next_tokens[0].get("n_decoded"))
     return 0
 
 

@@ -183,9 +183,10 @@ def test_token_counts_are_read_from_each_shape_of_answer() -> None:
     responses = {"type": "response.completed", "response": {"usage": usage}}
     assert passthrough.answer_tokens([None, responses]) == passthrough.AnswerTokens(prompt=5, cached=4, generated=2)
     assert passthrough.answer_tokens([{"usage": {"prompt_tokens": -3}}]) == passthrough.AnswerTokens()
-    slots = [{"id": 0, "next_token": [{"n_decoded": 9}]}, {"id": 1}]
+    slots = [{"id": 0, "next_token": [{"n_decoded": 9}], "is_processing": True}, {"id": 1}]
     assert passthrough.slot_decoded(slots, 0) == 9 and passthrough.slot_decoded(slots, 1) == 0
     assert passthrough.slot_decoded({"error": 1}, 0) == 0
+    assert passthrough.slot_decoded([{"id": 0, "next_token": 3}], 0) == 0
 
 
 # ---- models on demand ----

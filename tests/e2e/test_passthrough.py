@@ -1,0 +1,385 @@
+"""The front door is a pass-through: the same body to it and to the instance's own endpoint answers the same.
+
+One node (`mesh-actor run --http`, embedded NATS) serves a tiny chat model whose template llama-server parses
+tool calls from (`tests/tiny_chat_models.py`). Each body of the matrix goes to the front door and, directly, to
+the llama-server the front door chose; the answers must be equal field by field (ids, timestamps, timings,
+cache counts and the model's name aside: the front door names the catalog model, the server its file). Real
+clients (the official `openai` and `anthropic` packages) drive the rest; a client that leaves stops its work;
+bad input gets the endpoint's error shape and the node keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anthropic
+import openai
+import pydantic
+import pytest
+import pytest_asyncio
+
+from runtime.children import free_port
+from tests.e2e.test_frontdoor import KEY, client, instances, write_catalog
+from tests.e2e.test_mesh import cli, node, wait_nodes
+from tests.llama_harness import require_server
+from tests.tiny_chat_models import IM_END, TOOL_BIAS, write_tool_chat
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
+QUIET = ("--cache-ram", "0", "--ctx-checkpoints", "0", "--parallel", "2")
+#: Fields that differ between two answers to one body: per answer (ids, clocks), per server state (cache use).
+VOLATILE = frozenset({"id", "created", "created_at", "completed_at", "timings", "model", "system_fingerprint"})
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather for some days",
+        "parameters": {"type": "object", "properties": {"days": {"type": "integer"}}, "required": ["days"]},
+    },
+}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+TURNS = [
+    *USER,
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"days":3}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "user", "content": "And tomorrow?"},
+]
+#: (endpoint, body) pairs answered alike by the front door and the server, at temperature 0 or a fixed seed.
+MATRIX: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": 8, "temperature": 0}),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": USER,
+            "tools": [WEATHER],
+            "tool_choice": "required",
+            "logit_bias": TOOL_BIAS,
+            "max_tokens": 120,
+            "temperature": 0,
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": USER,
+            "max_tokens": 40,
+            "temperature": 0,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "w",
+                    "schema": {"type": "object", "properties": {"days": {"type": "integer"}}, "required": ["days"]},
+                },
+            },
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": USER, "max_tokens": 12, "temperature": 0, "response_format": {"type": "json_object"}},
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": USER, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3},
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": USER,
+            "max_tokens": 10,
+            "temperature": 0.9,
+            "seed": 42,
+            "top_k": 5,
+            "min_p": 0.1,
+            "top_p": 0.8,
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.3,
+            "logit_bias": {"70": 3},
+        },
+    ),
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": 5, "temperature": 0, "n": 2}),
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": 30, "temperature": 0, "stop": ["a", "e"]}),
+    ("/v1/chat/completions", {"messages": TURNS, "tools": [WEATHER], "max_tokens": 8, "temperature": 0}),
+    ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}),
+    ("/v1/completions", {"prompt": [1, 80, 81, 82, 83], "max_tokens": 8, "temperature": 0, "logprobs": 2}),
+    ("/v1/responses", {"input": "What is the weather?", "max_output_tokens": 8, "temperature": 0}),
+    ("/v1/responses/input_tokens", {"input": "What is the weather?"}),
+    ("/v1/messages", {"messages": USER, "max_tokens": 8, "temperature": 0, "system": "Be brief."}),
+    ("/v1/messages/count_tokens", {"messages": USER, "system": "Be brief."}),
+]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    require_server()
+    return write_tool_chat(tmp_path_factory.mktemp("passthrough-models") / "chat.gguf")
+
+
+class Door:
+    def __init__(self, data_dir: Path, port: int) -> None:
+        self.data_dir = data_dir
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def server_port(self) -> int:
+        (instance,) = [i for i in await instances(self.data_dir) if i["state"] == "ready"]
+        return int(instance["port"])
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def door(tmp_path_factory: pytest.TempPathFactory, chat_model: Path) -> AsyncIterator[Door]:
+    data_dir = tmp_path_factory.mktemp("passthrough") / "node"
+    write_catalog(data_dir, {"chat": {"path": str(chat_model), "ctx": 65536}})  # slots of 32k: long answers
+    port = free_port()
+    async with node(
+        data_dir, "door", *QUIET, "--http", str(port), "--api-key", KEY, "--model-root", str(chat_model.parent)
+    ):
+        await wait_nodes(data_dir, "door")
+        front = Door(data_dir, port)
+        await client(port).chat.completions.create(model="chat", messages=USER, max_tokens=1)  # loads the model
+        yield front
+
+
+def normalized(value: Any) -> Any:
+    """An answer without what differs between two answers to one body: ids, clocks, timings, the model's name,
+    and the prompt cache's share of the prompt (each usage keeps its totals)."""
+    if isinstance(value, dict):
+        out = {k: normalized(v) for k, v in value.items() if k not in VOLATILE}
+        if "usage" in value and isinstance(value["usage"], dict):
+            usage = value["usage"]
+            cached = int(usage.get("cache_read_input_tokens", 0) or 0)
+            out["usage"] = {k: v for k, v in usage.items() if "cache" not in k and not k.endswith("_details")}
+            if "input_tokens" in usage:
+                out["usage"]["input_tokens"] = usage["input_tokens"] + cached
+        return out
+    if isinstance(value, list):
+        return [normalized(v) for v in value]
+    return value
+
+
+def assert_same(front: Any, direct: Any, where: str = "$") -> None:
+    """Equal, field by field; floats (log-probabilities) to the last digits a different batch can change."""
+    if isinstance(front, float) or isinstance(direct, float):
+        assert isinstance(front, (int, float)) and isinstance(direct, (int, float)), where
+        assert math.isclose(front, direct, rel_tol=1e-3, abs_tol=1e-3), (where, front, direct)
+        return
+    assert type(front) is type(direct), (where, front, direct)
+    if isinstance(front, dict):
+        assert front.keys() == direct.keys(), (where, sorted(front), sorted(direct))
+        for key in front:
+            assert_same(front[key], direct[key], f"{where}.{key}")
+    elif isinstance(front, list):
+        assert len(front) == len(direct), (where, len(front), len(direct))
+        for i, (a, b) in enumerate(zip(front, direct, strict=True)):
+            assert_same(a, b, f"{where}[{i}]")
+    else:
+        assert front == direct, (where, front, direct)
+
+
+async def post(url: str, path: str, body: dict[str, Any], *, key: str | None = KEY) -> tuple[int, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with aiohttp.ClientSession() as session, session.post(url + path, json=body, headers=headers) as reply:
+        data = await reply.read()
+        if reply.content_type == "text/event-stream":
+            return reply.status, [
+                json.loads(line[5:])
+                for line in data.decode().splitlines()
+                if line.startswith("data:") and line[5:].strip() != "[DONE]"
+            ]
+        return reply.status, json.loads(data)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), MATRIX, ids=[f"{p.rsplit('/', 1)[-1]}-{i}" for i, (p, _) in enumerate(MATRIX)]
+)
+async def test_the_same_body_answers_alike_through_the_front_door_and_directly(
+    door: Door, path: str, body: dict[str, Any]
+) -> None:
+    direct_url = f"http://127.0.0.1:{await door.server_port()}"
+    for streamed in (False, True) if path.endswith(("completions", "messages", "responses")) else (False,):
+        sent = {"model": "chat", **body, **({"stream": True} if streamed else {})}
+        if streamed and path.endswith("completions"):
+            sent["stream_options"] = {"include_usage": True}
+        direct_status, direct = await post(direct_url, path, sent, key=None)
+        front_status, front = await post(door.url, path, sent)
+        assert (front_status, direct_status) == (200, 200), (front, direct)
+        assert_same(normalized(front), normalized(direct))
+        names = [a.get("model") for a in (front if isinstance(front, list) else [front])]
+        assert all(n in (None, "chat") for n in names), names  # never the server's file name
+
+
+async def test_tool_calls_are_real_and_the_front_door_names_its_model(door: Door) -> None:
+    body = {"model": "chat", **MATRIX[1][1]}
+    status, answer = await post(door.url, "/v1/chat/completions", body)
+    assert status == 200 and answer["model"] == "chat"
+    (choice,) = answer["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and isinstance(
+        json.loads(call["function"]["arguments"])["days"], int
+    )
+
+
+async def test_the_openai_client_parses_retrieves_calls_tools_and_streams_usage(door: Door) -> None:
+    api = client(door.port)
+
+    class Weather(pydantic.BaseModel):
+        days: int
+
+    closing = {str(3 + ord("}")): 20, str(IM_END): 30}  # close the object once the grammar allows, then end
+    parsed = await api.chat.completions.parse(
+        model="chat",
+        messages=USER,
+        response_format=Weather,
+        max_tokens=60,
+        temperature=0,
+        logit_bias=closing,  # type: ignore[arg-type]
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Weather)
+    assert (await api.models.retrieve("chat")).id == "chat"
+    with pytest.raises(openai.NotFoundError) as missing:
+        await api.models.retrieve("nope")
+    assert missing.value.code == "model_not_found"
+    tools = await api.chat.completions.create(
+        model="chat",
+        messages=USER,
+        tools=[WEATHER],
+        tool_choice="required",
+        logit_bias=TOOL_BIAS,  # type: ignore[list-item]
+        max_tokens=120,
+        temperature=0,
+    )
+    calls = tools.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    stream = await api.chat.completions.create(
+        model="chat",
+        messages=USER,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    assert all(c.model == "chat" for c in chunks)
+
+
+async def test_the_anthropic_client_creates_streams_and_counts(door: Door) -> None:
+    api = anthropic.AsyncAnthropic(base_url=door.url, api_key=KEY, max_retries=0, timeout=120)
+    greedy = {"temperature": 0}  # (this client sends no temperature of its own)
+    message = await api.messages.create(model="chat", max_tokens=8, messages=USER, extra_body=greedy)  # type: ignore[arg-type]
+    assert message.model == "chat" and message.role == "assistant" and message.usage.output_tokens >= 1
+    # The client's raw event stream (its accumulating helper needs `message_start`, which llama-server sends with
+    # its first decoded text: a random model's first bytes are often an incomplete character, so it sends none)
+    stream = await api.messages.create(model="chat", max_tokens=8, messages=USER, stream=True, extra_body=greedy)  # type: ignore[arg-type]
+    events = [event async for event in stream]
+    assert events[-1].type == "message_stop"
+    (delta,) = [e for e in events if e.type == "message_delta"]
+    assert delta.usage.output_tokens == message.usage.output_tokens and delta.delta.stop_reason == message.stop_reason
+    counted = await api.messages.count_tokens(model="chat", messages=USER)  # type: ignore[arg-type]
+    assert counted.input_tokens == message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        await api.messages.create(model="nope", max_tokens=8, messages=USER)  # type: ignore[arg-type]
+    body = missing.value.body
+    assert isinstance(body, dict) and body["type"] == "error" and body["error"]["type"] == "not_found_error"
+
+
+async def _slot_busy(server: str) -> bool:
+    async with aiohttp.ClientSession() as session, session.get(server + "/slots") as reply:
+        return any(s.get("is_processing") for s in await reply.json())
+
+
+async def _events(data_dir: Path, kind: str) -> list[dict[str, Any]]:
+    code, out, err = await cli("events", "--json", "--subject", kind, "--data-dir", str(data_dir))
+    assert code == 0, err
+    return [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+async def test_a_client_that_leaves_stops_its_generation(door: Door, streamed: bool) -> None:
+    server = f"http://127.0.0.1:{await door.server_port()}"
+    before = len(await _events(door.data_dir, "runner.generate_cancelled"))
+    # llama-server's own `ignore_eos`: the answer runs until the context is full, or the client leaves
+    body = {
+        "model": "chat",
+        "messages": USER,
+        "max_tokens": 30000,
+        "temperature": 0,
+        "stream": streamed,
+        "ignore_eos": True,
+    }
+    data = json.dumps(body).encode()
+    _, writer = await asyncio.open_connection("127.0.0.1", door.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: door\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(data) + data
+    )
+    await writer.drain()
+    async with asyncio.timeout(30):
+        while not await _slot_busy(server):
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)
+    writer.close()  # the client goes away
+    await writer.wait_closed()
+    left = time.monotonic()
+    # The runner notices within a stream ping (a quarter second); a whole answer's server then notices within its
+    # own one-second poll, which any result of another task restarts: the slot is read once, after both.
+    await asyncio.sleep(max(0.0, left + 1.5 - time.monotonic()))
+    assert not await _slot_busy(server)
+    async with asyncio.timeout(10):
+        while len(cancelled := await _events(door.data_dir, "runner.generate_cancelled")) == before:
+            await asyncio.sleep(0.2)
+    assert cancelled[-1]["endpoint"] == "chat" and cancelled[-1]["tokens_generated"] > 0
+
+
+async def test_bad_input_gets_the_endpoints_error_shape_and_the_node_keeps_serving(door: Door) -> None:
+    server = f"http://127.0.0.1:{await door.server_port()}"
+    async with aiohttp.ClientSession(door.url) as session:
+        auth = {"Authorization": f"bearer {KEY}"}  # the scheme in any case
+        for path, data, status in (
+            ("/v1/chat/completions", b"not json", 400),
+            ("/v1/chat/completions", b"[1, 2]", 400),
+            ("/v1/chat/completions", b'{"messages": []}', 400),  # no model
+            ("/v1/chat/completions", b'{"model": "nope", "messages": []}', 404),
+            ("/v1/chat/completions", b'{"model": "chat", "prompt": "' + b"x" * (2 << 20) + b'"}', 413),
+            ("/v1/nowhere", b"{}", 404),
+            ("/v1/messages", b"not json", 400),
+            ("/v1/messages", b'{"model": "nope", "messages": []}', 404),
+        ):
+            async with session.post(path, data=data, headers=auth) as reply:
+                error = await reply.json()
+            assert reply.status == status, (path, data[:40], error)
+            if path.startswith("/v1/messages"):
+                assert error["type"] == "error" and set(error["error"]) >= {"type", "message"}
+            else:
+                assert set(error["error"]) >= {"message", "type", "param", "code"}
+            assert "mesh." not in json.dumps(error)  # no internal subject leaks
+        async with session.post(
+            "/v1/chat/completions", json={"model": "chat", "messages": USER}, headers={"x-api-key": "wrong"}
+        ) as reply:
+            assert reply.status == 401 and reply.headers["x-should-retry"] == "false"
+        async with session.get("/v1/models", headers={"x-api-key": KEY}) as reply:
+            assert reply.status == 200
+    # a body the server refuses keeps its status and fields: a prompt longer than the context
+    long = {"model": "chat", "prompt": "word " * 9000, "max_tokens": 2}
+    direct_status, direct = await post(server, "/v1/completions", long, key=None)
+    front_status, front = await post(door.url, "/v1/completions", long)
+    assert front_status == direct_status == 400 and front == direct
+    assert front["error"]["type"] == "exceed_context_size_error" and front["error"]["n_ctx"] > 0
+    anthropic_long = {"model": "chat", "messages": [{"role": "user", "content": "word " * 9000}], "max_tokens": 2}
+    status, error = await post(door.url, "/v1/messages", anthropic_long)
+    assert status == 400 and error["type"] == "error" and error["error"]["n_ctx"] > 0
+    status, fine = await post(door.url, "/v1/chat/completions", {"model": "chat", "messages": USER, "max_tokens": 2})
+    assert status == 200 and fine["choices"]
