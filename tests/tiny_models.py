@@ -55,6 +55,8 @@ class ModelSpec:
     kv: dict[str, Any]
     tensors: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)
     negative: set[str] = field(default_factory=set)  # tensors whose values must be negative (ssm_a)
+    values: dict[str, np.ndarray] = field(default_factory=dict)  # tensors with fixed f32 values (rope factors)
+    std: float = 0.02  # of the random weights; larger makes attention sharp, so positions change the output
 
     def add(self, name: str, shape: Sequence[int], dtype: str = "f32") -> None:
         self.tensors.append((name, tuple(int(d) for d in shape), dtype))
@@ -134,13 +136,18 @@ def write_model(spec: ModelSpec, path: str | os.PathLike[str], *, sparse: bool =
         rng = np.random.default_rng(seed)
         for name, shape, dtype in spec.tensors:
             n_bytes = _n_bytes(shape, dtype)
-            if dtype == "f32":
-                data = rng.normal(0.0, 0.02, size=int(np.prod(shape))).astype(np.float32)
+            if name in spec.values:
+                data = np.asarray(spec.values[name], dtype=np.float32)
+                if dtype != "f32" or data.size != int(np.prod(shape)):
+                    raise ValueError(f"fixed values of {name} must be {int(np.prod(shape))} f32 numbers")
+                fout.write(data.tobytes())
+            elif dtype == "f32":
+                data = rng.normal(0.0, spec.std, size=int(np.prod(shape))).astype(np.float32)
                 if name in spec.negative:
                     data = (-np.abs(data) - np.float32(0.5)).astype(np.float32)
                 fout.write(data.tobytes())
             elif dtype == "f16":
-                fout.write(rng.normal(0.0, 0.02, size=int(np.prod(shape))).astype(np.float16).tobytes())
+                fout.write(rng.normal(0.0, spec.std, size=int(np.prod(shape))).astype(np.float16).tobytes())
             else:
                 fout.write(bytes(n_bytes))
             writer.write_padding(fout, n_bytes)
@@ -1393,13 +1400,29 @@ def write_phi3(
     n_ff: int = 128,
     n_vocab: int = 259,
     n_swa: int | None = 128,
+    original_context: int | None = None,
+    std: float = 0.02,
 ) -> Path:
     """A phi3 model with a fused gate/up projection; its header may name a sliding window (as converted
-    Phi-3 models do), which llama.cpp ignores."""
+    Phi-3 models do), which llama.cpp ignores.
+
+    With `original_context`, the model carries LongRoPE factors as Phi-3 128k models do: llama.cpp rotates
+    with the short factors (here all 1) while a slot's context is at most `original_context`, with the long
+    ones (here 1 rising to 16 over the rotated dimensions) above it. `std` is the random weights' spread:
+    a large one (0.5) makes attention sharp enough that the rotation of the keys changes the text."""
     # a name containing "phi3" makes the vocabulary loader look up Phi-3's own special tokens
     header = _transformer(n_layer, n_embd, n_head, n_head_kv, n_ff)
-    spec = _spec("phi3", n_vocab, header, {"attention.sliding_window": n_swa}, name="tiny-phi-three")
-    return _write(path, spec, _attention_dims(n_embd, n_head, n_head_kv) | _ffn_dims(n_ff), [_PHI3] * n_layer)
+    keys = {"attention.sliding_window": n_swa, "rope.scaling.original_context_length": original_context}
+    spec = _spec("phi3", n_vocab, header, keys, name="tiny-phi-three")
+    spec.std = std
+    dims = _attention_dims(n_embd, n_head, n_head_kv) | _ffn_dims(n_ff)
+    globals_ = _GLOBALS
+    if original_context is not None:
+        half = n_embd // n_head // 2  # one factor per rotated pair of a head
+        globals_ = _table(_GLOBALS, f"rope_factors_long.weight {half}", f"rope_factors_short.weight {half}")
+        spec.values["rope_factors_long.weight"] = np.geomspace(1.0, 16.0, half)
+        spec.values["rope_factors_short.weight"] = np.ones(half)
+    return _write(path, spec, dims, [_PHI3] * n_layer, globals_=globals_)
 
 
 def write_arwkv7(

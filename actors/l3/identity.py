@@ -4,9 +4,13 @@ Rules this module keeps:
 
 * Two states share an identity only if everything that shapes their bytes is the same: the model file's
   *content* digest (so a requantized or republished file behind the same name never shares state), the
-  llama.cpp build, the K and V cache types, flash attention, unified KV, a full or window-sized SWA cache
-  (a window-sized one keeps only the last window's cells), the draft/MTP settings (spec type,
-  draft depth, draft cache types), the payload kind and the platform (machine, byte order).
+  llama.cpp build, the K and V cache types, flash attention, unified KV, the per-slot context (`n_ctx_seq`:
+  llama.cpp rotates keys with a model's long or short RoPE factors by whether it exceeds the original
+  context, and K is cached after the rotation), the number of KV streams (a slot file records it and
+  restores only into as many), a full or window-sized SWA cache (a window-sized one keeps only the last
+  window's cells), the draft/MTP settings (spec type, draft depth, draft cache types), the payload kind and
+  the platform (machine, byte order). What was considered and left out, and why, is in
+  docs/architecture.md ("What the exact-state identity covers").
 * Where the state was made is not part of it: there is no node, port or slot field, and decoding refuses
   unknown fields, so such a field cannot slip in from the wire.
 * The identity is blake3 over a canonical encoding. Each field is written as its name (length-prefixed) and
@@ -26,7 +30,9 @@ from actors.l3.layout import check_digest
 
 __all__ = ["DraftSettings", "Platform", "StateInputs", "canonical_encoding", "exact_state_identity"]
 
-_DOMAIN: Final = b"mesh-actor/l3/exact-state-identity/v2\x00"
+# v3 added the per-slot context and the stream count. Entries stored under v2 identities are never matched
+# again (their entry ids differ); they stay valid entries of another identity until eviction takes them.
+_DOMAIN: Final = b"mesh-actor/l3/exact-state-identity/v3\x00"
 _INT_LIMIT: Final = 1 << 63
 
 
@@ -53,6 +59,10 @@ class StateInputs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     cache_type_v: str | None
     flash_attention: bool | None
     unified_kv: bool | None
+    # Cells one slot can use, as llama.cpp resolves -c, -np and -kvu (/props' per-slot n_ctx): above the
+    # model's original context it rotates keys with the long RoPE factors, and K is cached rotated.
+    n_ctx_seq: int
+    n_stream: int  # KV streams (1 unified, else one per slot): a slot file restores only into as many
     swa_full: bool | None  # --swa-full (None: the model has no sliding-window layers)
     draft: DraftSettings | None  # None: no speculative decoding configured
     payload_kind: str
@@ -70,6 +80,8 @@ _FIELDS: Final[dict[type[_Record], tuple[str, ...]]] = {
         "cache_type_v",
         "flash_attention",
         "unified_kv",
+        "n_ctx_seq",
+        "n_stream",
         "swa_full",
         "draft",
         "payload_kind",

@@ -291,7 +291,13 @@ class RunnerActor(Actor):
             self._identities.pop(path, None)  # tried again on the next pass
             return None
         sliding_window = any(a.kind == "kv_swa" for a in driver.allocations)
-        return state_identity(driver.reservation, future.result(), self.engine_version, sliding_window=sliding_window)
+        return state_identity(
+            driver.reservation,
+            future.result(),
+            self.engine_version,
+            context=driver.predicted.context,  # verified against the server before it was ready
+            sliding_window=sliding_window,
+        )
 
     async def _start(self, ctx: ActorContext, request: StartInstance, api: ServerApi) -> RunnerAck:
         rid = request.reservation_id

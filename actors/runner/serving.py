@@ -59,6 +59,7 @@ from messages.generate import (
     StopReason,
 )
 from messages.l3 import PrefixSource
+from messages.memory import ContextShape
 from messages.placement import Reservation
 from messages.subjects import Subjects
 from runtime.actor import RequestError
@@ -83,10 +84,17 @@ class ServingLimits:
 
 
 def state_identity(
-    reservation: Reservation, model_digest: str, engine_version: str | None, *, sliding_window: bool
+    reservation: Reservation,
+    model_digest: str,
+    engine_version: str | None,
+    *,
+    context: ContextShape,
+    sliding_window: bool,
 ) -> str:
-    """The exact-state identity of the slot states an instance of `reservation` saves (`sliding_window`: the
-    model has sliding-window layers, so a full or window-sized SWA cache shapes the state)."""
+    """The exact-state identity of the slot states an instance of `reservation` saves. `context` is the
+    context llama.cpp builds from the stamp (the prediction the runner verified against /props and the log
+    before the instance was ready); `sliding_window`: the model has sliding-window layers, so a full or
+    window-sized SWA cache shapes the state."""
     s = reservation.stamp.settings
     draft = None
     if s.spec_type != "none":
@@ -103,6 +111,8 @@ def state_identity(
         cache_type_v=s.cache_type_v,
         flash_attention=s.flash_attn == "on",
         unified_kv=s.kv_unified,
+        n_ctx_seq=context.n_ctx_seq,
+        n_stream=context.n_stream,
         swa_full=s.swa_full if sliding_window else None,
         draft=draft,
         payload_kind=PAYLOAD_KIND,

@@ -1,12 +1,17 @@
-"""Exact-state identity: every field counts, absent is not empty, fields cannot trade places, no node/slot."""
+"""Exact-state identity: every field counts, absent is not empty, fields cannot trade places, no node/slot; and
+what an instance's identity is built from (`state_identity`): every serving setting is either in it, through
+the field it changes, or out of it for a stated reason."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from actors.l3 import identity
 from actors.l3.identity import (
     _FIELDS,
     DraftSettings,
@@ -16,6 +21,14 @@ from actors.l3.identity import (
     exact_state_identity,
 )
 from actors.l3.layout import DigestError, is_digest
+from actors.placement.context import resolve_context
+from actors.placement.geometry import geometry_from_header
+from actors.placement.gguf_header import read_header
+from actors.runner.serving import state_identity
+from messages.model import ModelGeometry
+from messages.placement import Reservation, Stamp
+from messages.settings import ServingSettings
+from tests.tiny_models import write_phi3
 
 MODEL = "ab" * 32
 OTHER_MODEL = "cd" * 32
@@ -29,6 +42,8 @@ def _inputs(**changes: object) -> StateInputs:
         cache_type_v="q8_0",
         flash_attention=True,
         unified_kv=False,
+        n_ctx_seq=4096,
+        n_stream=2,
         swa_full=None,
         draft=DraftSettings(spec_type="draft-mtp", draft_depth=3, cache_type_k="f16", cache_type_v="f16"),
         payload_kind="llama_slot",
@@ -51,6 +66,8 @@ CHANGES: dict[str, dict[str, object]] = {
     "cache_type_v": {"cache_type_v": "f16"},
     "flash_attention": {"flash_attention": False},
     "unified_kv": {"unified_kv": True},
+    "n_ctx_seq": {"n_ctx_seq": 32768},
+    "n_stream": {"n_stream": 4},
     "swa_full": {"swa_full": True},
     "swa_full (window)": {"swa_full": False},
     "draft.spec_type": {"draft": _draft(spec_type="draft-eagle3")},
@@ -155,3 +172,189 @@ def test_node_port_and_slot_are_not_part_of_it() -> None:
 def test_a_model_digest_that_is_not_blake3_hex_is_refused(bad: str) -> None:
     with pytest.raises(DigestError):
         exact_state_identity(_inputs(model_digest=bad))
+
+
+def test_the_encoding_is_pinned_by_a_known_identity() -> None:
+    # Any change to the encoding or the field table changes this value: bump `_DOMAIN` with it, so entries
+    # stored under the old rules are never taken for entries of the new ones.
+    assert exact_state_identity(_inputs()) == "d50bddd55aa3c13eb13a45a0e31bbb1d60dfe19cd20a86dafa2102ac53a0e089"
+
+
+#: What the identity was before the per-slot context and the stream count joined it (v2), for the same inputs.
+V2_DOMAIN = b"mesh-actor/l3/exact-state-identity/v2\x00"
+V2_FIELDS = tuple(n for n in _FIELDS[StateInputs] if n not in ("n_ctx_seq", "n_stream"))
+V2_IDENTITY = "2d9dbb2f6c6a4adc06f511cae8d44383309b4527cd4370f09be28a822747c919"  # computed by the v2 code
+
+
+def v2_identity(inputs: StateInputs, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The identity the v2 code gave `inputs` (less its new fields): what entries stored before carry."""
+    with monkeypatch.context() as patch:
+        patch.setattr(identity, "_DOMAIN", V2_DOMAIN)
+        patch.setitem(identity._FIELDS, StateInputs, V2_FIELDS)
+        return exact_state_identity(inputs)
+
+
+def test_no_identity_of_the_previous_version_is_an_identity_of_this_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert v2_identity(_inputs(), monkeypatch) == V2_IDENTITY  # the reconstruction is faithful
+    now = {exact_state_identity(_inputs(n_ctx_seq=n, n_stream=k)) for n in (256, 4096, 131072) for k in (1, 2, 8)}
+    assert V2_IDENTITY not in now and len(now) == 9
+
+
+@given(
+    a=st.tuples(st.integers(0, 1 << 20), st.integers(1, 256)), b=st.tuples(st.integers(0, 1 << 20), st.integers(1, 256))
+)
+def test_the_context_and_the_streams_never_share_an_encoding(a: tuple[int, int], b: tuple[int, int]) -> None:
+    def make(v: tuple[int, int]) -> bytes:
+        return canonical_encoding(_inputs(n_ctx_seq=v[0], n_stream=v[1]))
+
+    assert (make(a) == make(b)) == (a == b)
+
+
+# --- an instance's identity (`state_identity`): what of its settings is in, and what is out ----------------------
+
+ORIGINAL_CONTEXT = 4096  # the tiny model's original (short-factor) context
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory: pytest.TempPathFactory) -> ModelGeometry:
+    """A model with LongRoPE factors: the keys it caches depend on the per-slot context."""
+    path = write_phi3(tmp_path_factory.mktemp("identity") / "phi3.gguf", original_context=ORIGINAL_CONTEXT)
+    return geometry_from_header(read_header(path))
+
+
+BASE = ServingSettings(slots=2, kv_unified=False, cache_type_k="f16", cache_type_v="f16", flash_attn="on")
+BASE_CTX = 8192  # 4096 cells per slot: the original context, short factors
+
+
+def _reservation(settings: ServingSettings = BASE, *, ctx: int = BASE_CTX, **stamp: Any) -> Reservation:
+    return Reservation(
+        reservation_id="r1",
+        decision_id="d1",
+        node_id="n1",
+        state="running",
+        model_path="/models/phi3.gguf",
+        stamp=Stamp(settings=settings, ctx=ctx, n_gpu_layers=stamp.pop("n_gpu_layers", 0), **stamp),
+        layers=(0, 4),
+        devices=(),
+        held={},
+        created_at=0.0,
+    )
+
+
+def _identity_of(
+    geometry: ModelGeometry, reservation: Reservation, *, build: str = "b11434", sliding_window: bool = False
+) -> str:
+    """As the runner builds it: the context its prediction resolved (and the server was verified against)."""
+    stamp = reservation.stamp
+    context = resolve_context(geometry, stamp.settings, stamp.ctx)
+    return state_identity(reservation, MODEL, build, context=context, sliding_window=sliding_window)
+
+
+#: Every setting of a stamp, and how it reaches the identity. A new setting must be decided on here (and in
+#: docs/architecture.md, "What the exact-state identity covers") before this test passes.
+SETTINGS_IN = {
+    "slots": "the stream count and the per-slot context (per-slot KV); nothing with unified KV",
+    "kv_unified": "unified_kv, the stream count and the per-slot context",
+    "cache_type_k": "cache_type_k",
+    "cache_type_v": "cache_type_v",
+    "flash_attn": "flash_attention (V is cached transposed without it)",
+    "swa_full": "swa_full (models with sliding-window layers)",
+    "spec_type": "draft",
+    "spec_draft_n_max": "draft (the recurrent rollback rows follow it)",
+    "spec_draft_type_k": "draft",
+    "spec_draft_type_v": "draft",
+    "ctx": "n_ctx_seq, as llama.cpp resolves it (padded to 256 cells)",
+}
+SETTINGS_OUT = {
+    "batch": "how a prompt is split into batches: the same function, rounding at most (a server's own states "
+    "come from varying splits: a cached prefix is extended in other chunks than a cold prompt)",
+    "ubatch": "as batch",
+    "threads": "which core computes which rows: rounding at most",
+    "ctx_checkpoints": "host-memory copies beside the slot; a slot file carries none",
+    "cache_ram_mib": "the host prompt cache; not in a slot file",
+    "n_gpu_layers": "where a layer runs: the slot file is read from any backend in the same types",
+    "gpu_split": "as n_gpu_layers",
+    "llama_server_version": "in through the runner's engine build (a stamp naming another build is drift)",
+}
+#: A changed value for each setting, from BASE and BASE_CTX.
+CHANGED: dict[str, object] = {
+    "slots": 4,
+    "kv_unified": True,
+    "cache_type_k": "q8_0",
+    "cache_type_v": "q8_0",
+    "flash_attn": "off",
+    "swa_full": True,
+    "spec_type": "ngram-simple",
+    "spec_draft_n_max": 5,
+    "spec_draft_type_k": "q8_0",
+    "spec_draft_type_v": "q8_0",
+    "ctx": 16384,
+    "batch": 1024,
+    "ubatch": 256,
+    "threads": 3,
+    "ctx_checkpoints": 4,
+    "cache_ram_mib": 0,
+    "n_gpu_layers": 99,
+    "gpu_split": (1.0, 1.0),
+    "llama_server_version": "b99999",
+}
+
+
+def _changed(field: str, value: object, base: ServingSettings = BASE) -> Reservation:
+    if field in ServingSettings.__struct_fields__:
+        return _reservation(msgspec.structs.replace(base, **{field: value}))
+    if field == "ctx":
+        assert isinstance(value, int)
+        return _reservation(base, ctx=value)
+    stamp: dict[str, Any] = {field: value}
+    return _reservation(base, **stamp)
+
+
+def test_every_setting_of_a_stamp_is_decided_in_or_out() -> None:
+    fields = (set(ServingSettings.__struct_fields__) | set(Stamp.__struct_fields__)) - {"settings"}
+    assert set(SETTINGS_IN) | set(SETTINGS_OUT) == fields == set(CHANGED)
+    assert not set(SETTINGS_IN) & set(SETTINGS_OUT)
+
+
+@pytest.mark.parametrize("field", sorted(SETTINGS_IN))
+def test_a_setting_that_changes_a_states_numbers_or_layout_changes_the_identity(
+    phi3: ModelGeometry, field: str
+) -> None:
+    # the draft's settings count once speculation is on (the base runs none); swa_full on a model with a window
+    base = msgspec.structs.replace(BASE, spec_type="draft-mtp") if field.startswith("spec_draft") else BASE
+    window = field == "swa_full"
+    before = _identity_of(phi3, _reservation(base), sliding_window=window)
+    assert _identity_of(phi3, _changed(field, CHANGED[field], base), sliding_window=window) != before
+
+
+@pytest.mark.parametrize("field", sorted(SETTINGS_OUT))
+def test_a_setting_that_changes_neither_leaves_the_identity(phi3: ModelGeometry, field: str) -> None:
+    assert _identity_of(phi3, _changed(field, CHANGED[field])) == _identity_of(phi3, _reservation())
+
+
+def test_contexts_on_either_side_of_the_original_context_never_share_states(phi3: ModelGeometry) -> None:
+    # 2 slots, per-slot KV: 8192 gives 4096 cells a slot (short factors), 8704 gives 4352 (long ones)
+    short, long = _identity_of(phi3, _reservation(ctx=8192)), _identity_of(phi3, _reservation(ctx=8704))
+    assert short != long
+    # the per-slot context is in exactly, not only its side of the original context: a new engine build may
+    # read it elsewhere, and a wrong state is worse than a state computed again
+    assert _identity_of(phi3, _reservation(ctx=4096)) != short
+    # it is the context llama.cpp resolves: -c is padded to 256 cells
+    assert _identity_of(phi3, _reservation(ctx=8000)) == short
+
+
+def test_slots_count_only_through_what_they_change(phi3: ModelGeometry) -> None:
+    per_slot = _identity_of(phi3, _reservation(ctx=8192))  # 2 streams of 4096
+    # the same cells per slot in twice the streams: a slot file restores only into as many streams
+    assert _identity_of(phi3, _reservation(msgspec.structs.replace(BASE, slots=4), ctx=16384)) != per_slot
+    # unified KV: one stream whatever the slots, and each slot may use the whole context
+    unified = msgspec.structs.replace(BASE, kv_unified=True)
+    assert _identity_of(phi3, _reservation(unified)) == _identity_of(
+        phi3, _reservation(msgspec.structs.replace(unified, slots=7))
+    )
+
+
+def test_where_an_instance_runs_is_not_part_of_its_identity(phi3: ModelGeometry) -> None:
+    elsewhere = msgspec.structs.replace(_reservation(), node_id="n2", reservation_id="r2", model_path="/m/x.gguf")
+    assert _identity_of(phi3, elsewhere) == _identity_of(phi3, _reservation())
+    assert _identity_of(phi3, _reservation(), build="b11435") != _identity_of(phi3, _reservation())
