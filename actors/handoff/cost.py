@@ -2,16 +2,20 @@
 
 Rules this module keeps:
 
-* Local time is `n / local_rate`. Remote time is `n / remote_rate` plus the part of the transfer that the
-  remote prefill does not hide (`1 - overlap` of `state_bytes(n) / link_rate`: segments stream while later
-  ones are still being prefilled) plus a fixed per-handoff cost (open, commit, restore).
-* The state moved is `floor + bytes_per_token * n`: KV bytes per token from the memory model, and the
-  recurrent floor of hybrid models, a constant state size whatever the token count (a pure recurrent model
-  moves only the floor).
+* `n` is the length of the state the decoding node needs (the prompt but its last token). Each side computes
+  only what it does not already hold: local time is `(n - local_held) / local_rate`; remote time is
+  `(n - remote_held) / remote_rate` plus the part of the transfer that the remote prefill does not hide
+  (`1 - overlap` of `state_bytes(n) / link_rate`: segments stream while later ones are still being
+  prefilled) plus a fixed per-handoff cost (open, commit, restore). The prefix the decoding node holds saves
+  nothing on the remote path: the state handed over is the whole prompt's, computed where it is sent from
+  (pricing the remote side with the local holding chose a remote prefill estimated at 10 s that took 160 s).
+* The state moved is `floor + bytes_per_token * n`, all `n` tokens of it: KV bytes per token from the memory
+  model, and the recurrent floor of hybrid models, a constant state size whatever the token count (a pure
+  recurrent model moves only the floor).
 * Arithmetic is exact (`fractions.Fraction` of the float inputs), so a crossover that falls on an integer is
   found as that integer: break-even is the first token count that strictly wins, `floor(crossover) + 1`, never
-  "none" because a float rounded the wrong way. Equal nodes never disaggregate: with the same prefill rate
-  the transfer can only add time.
+  "none" because a float rounded the wrong way. Equal nodes never disaggregate: with the same prefill rate,
+  and no more of the prompt held there than here, the transfer can only add time.
 * Rates are measured and smoothed (`observe`: an exponentially weighted moving average, seeded by the first
   sample), from llama-server's own timings (prefill tokens/s per instance). A link (node pair) is a line,
   `seconds = fixed_s + bytes / bytes_per_s`, fitted by least squares on measured handoffs (`fit_link`): a
@@ -95,64 +99,81 @@ def _q(value: float) -> Fraction:
     return Fraction(value)
 
 
-def _local(n: int, rates: Rates) -> Fraction:
-    return Fraction(n) / _q(rates.local_tokens_per_s)
+def _to_compute(n: int, held: int) -> int:
+    if n < 0 or held < 0:
+        raise ValueError("token counts cannot be negative")
+    return n - min(held, n)
 
 
-def _remote(n: int, size: StateSize, rates: Rates) -> Fraction:
-    moved = _q(size.floor_bytes) + _q(size.bytes_per_token) * n
+def _local(n: int, rates: Rates, held: int = 0) -> Fraction:
+    return Fraction(_to_compute(n, held)) / _q(rates.local_tokens_per_s)
+
+
+def _remote(n: int, size: StateSize, rates: Rates, held: int = 0) -> Fraction:
+    moved = _q(size.floor_bytes) + _q(size.bytes_per_token) * n  # the whole state, whatever either side held
     exposed = (1 - _q(rates.overlap)) * moved / _q(rates.link_bytes_per_s)
-    return Fraction(n) / _q(rates.remote_tokens_per_s) + exposed + _q(rates.fixed_s)
+    return Fraction(_to_compute(n, held)) / _q(rates.remote_tokens_per_s) + exposed + _q(rates.fixed_s)
 
 
-def local_seconds(n_tokens: int, rates: Rates) -> float:
-    return float(_local(n_tokens, rates))
+def local_seconds(n_tokens: int, rates: Rates, *, held: int = 0) -> float:
+    """Prefilling a state of `n_tokens` where it decodes, `held` of them already there."""
+    return float(_local(n_tokens, rates, held))
 
 
-def remote_seconds(n_tokens: int, size: StateSize, rates: Rates) -> float:
-    return float(_remote(n_tokens, size, rates))
+def remote_seconds(n_tokens: int, size: StateSize, rates: Rates, *, held: int = 0) -> float:
+    """Prefilling a state of `n_tokens` remotely, `held` of them already there, and handing all of it over."""
+    return float(_remote(n_tokens, size, rates, held))
 
 
-def remote_wins(n_tokens: int, size: StateSize, rates: Rates) -> bool:
-    """Whether prefilling `n_tokens` remotely and handing the state over is strictly faster (exactly)."""
-    return _remote(n_tokens, size, rates) < _local(n_tokens, rates)
+def remote_wins(n_tokens: int, size: StateSize, rates: Rates, *, local_held: int = 0, remote_held: int = 0) -> bool:
+    """Whether prefilling a state of `n_tokens` remotely and handing it over is strictly faster (exactly), each
+    side computing what it does not hold."""
+    return _remote(n_tokens, size, rates, remote_held) < _local(n_tokens, rates, local_held)
 
 
-def breakeven(size: StateSize, rates: Rates) -> int | None:
-    """The first token count (>= 1) from which the remote path strictly wins, or None when it never does.
+def breakeven(size: StateSize, rates: Rates, *, local_held: int = 0, remote_held: int = 0) -> int | None:
+    """The first state length (>= 1, and >= the longer holding) from which the remote path strictly wins for
+    every longer one, or None when there is none.
 
-    local - remote = n * slope - intercept, slope = 1/local - 1/remote - (1 - overlap) * per_token / link,
-    intercept = (1 - overlap) * floor / link + fixed: the remote path wins for n > intercept / slope when the
-    slope is positive, and never otherwise."""
+    From the longer holding on, local - remote = n * slope - intercept, slope = 1/local - 1/remote -
+    (1 - overlap) * per_token / link, intercept = local_held/local - remote_held/remote + (1 - overlap) *
+    floor / link + fixed: the remote path wins for n > intercept / slope when the slope is positive, and
+    not for every longer n otherwise."""
+    if local_held < 0 or remote_held < 0:
+        raise ValueError("token counts cannot be negative")
     exposed = 1 - _q(rates.overlap)
     link = _q(rates.link_bytes_per_s)
-    slope = (
-        1 / _q(rates.local_tokens_per_s) - 1 / _q(rates.remote_tokens_per_s) - exposed * _q(size.bytes_per_token) / link
-    )
-    intercept = exposed * _q(size.floor_bytes) / link + _q(rates.fixed_s)
+    local, remote = _q(rates.local_tokens_per_s), _q(rates.remote_tokens_per_s)
+    slope = 1 / local - 1 / remote - exposed * _q(size.bytes_per_token) / link
+    intercept = local_held / local - remote_held / remote + exposed * _q(size.floor_bytes) / link + _q(rates.fixed_s)
     if slope <= 0:
         return None
-    return max(1, math.floor(intercept / slope) + 1)
+    return max(1, local_held, remote_held, math.floor(intercept / slope) + 1)
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     path: Literal["local", "disaggregated"]
-    n_tokens: int
+    n_tokens: int  # the state's length
     local_s: float
     remote_s: float
     breakeven: int | None
+    local_tokens: int = 0  # what each side computes: the state less what it holds
+    remote_tokens: int = 0
 
 
-def decide(n_tokens: int, size: StateSize, rates: Rates) -> Decision:
-    """Where to prefill `n_tokens`: remotely only when that strictly wins."""
-    wins = remote_wins(n_tokens, size, rates)
+def decide(n_tokens: int, size: StateSize, rates: Rates, *, local_held: int = 0, remote_held: int = 0) -> Decision:
+    """Where to prefill a state of `n_tokens` (`local_held` of them held where it decodes, `remote_held` where
+    it would be prefilled): remotely only when that strictly wins."""
+    wins = remote_wins(n_tokens, size, rates, local_held=local_held, remote_held=remote_held)
     return Decision(
         path="disaggregated" if wins else "local",
         n_tokens=n_tokens,
-        local_s=local_seconds(n_tokens, rates),
-        remote_s=remote_seconds(n_tokens, size, rates),
-        breakeven=breakeven(size, rates),
+        local_s=local_seconds(n_tokens, rates, held=local_held),
+        remote_s=remote_seconds(n_tokens, size, rates, held=remote_held),
+        breakeven=breakeven(size, rates, local_held=local_held, remote_held=remote_held),
+        local_tokens=_to_compute(n_tokens, local_held),
+        remote_tokens=_to_compute(n_tokens, remote_held),
     )
 
 

@@ -26,8 +26,9 @@ from messages.generate import Candidate, RouteDecision, RouteWeights, Scored
 
 __all__ = ["DEFAULT_WEIGHTS", "ROUTER_VERSION", "Candidate", "RouteDecision", "RouteWeights", "Scored", "choose"]
 
-#: Named in every routing event; bump it when `choose` changes what it decides.
-ROUTER_VERSION: Final = "route-2"
+#: Named in every routing event; bump it when `choose` or `place_phases` changes what it decides.
+#: route-3: a prefill elsewhere is priced with what that instance holds, not with what the chosen one holds.
+ROUTER_VERSION: Final = "route-3"
 #: Open, commit and restore of one handoff, on top of the bytes moved (seconds), for a link whose own fixed
 #: cost has not been measured (events recorded before links were fitted).
 HANDOFF_FIXED_S: Final = 0.05
@@ -74,6 +75,12 @@ def link_key(src: str, dst: str) -> str:
     return f"{src}>{dst}"
 
 
+def _held_for_prefill(c: Candidate, n_state: int) -> int:
+    """What a prefill node need not compute: only a prefix resident in one of its slots (a prefill there reuses
+    its slot's cache; it restores nothing from L3)."""
+    return min(c.held_tokens, n_state) if c.source == "resident" else 0
+
+
 def place_phases(
     n_prompt: int,
     decision: RouteDecision,
@@ -82,15 +89,20 @@ def place_phases(
     link_fixed_s: Mapping[str, float] | None = None,
 ) -> RouteDecision:
     """Whether to prefill elsewhere than the chosen instance: on another node's instance of the same identity,
-    when the handoff cost model (`actors.handoff.cost`) says that strictly wins for the tokens still to be
-    computed, with measured rates only (an unmeasured instance or link never disaggregates). `links`: each
-    pair's handoff bytes/s; `link_fixed_s`: its fixed cost per handoff (`HANDOFF_FIXED_S` where not given)."""
+    when the handoff cost model (`actors.handoff.cost`) says that strictly wins, with measured rates only (an
+    unmeasured instance or link never disaggregates). `links`: each pair's handoff bytes/s; `link_fixed_s`: its
+    fixed cost per handoff (`HANDOFF_FIXED_S` where not given).
+
+    Each side is priced by what it would compute: here, the prompt less what the chosen instance holds; there,
+    the prompt less what that instance holds resident, and the whole state crosses the link (the prefix held
+    here is not used on that path: the decoding node restores the state it is sent)."""
     fixed = link_fixed_s or {}
     chosen = next((c for c in candidates if c.instance_id == decision.chosen), None)
     if chosen is None or chosen.identity is None or chosen.prefill_tokens_per_s <= 0:
         return decision
-    n_new = n_prompt - min(chosen.held_tokens, n_prompt) - 1  # the last token is always computed where it decodes
-    if n_new <= 0:
+    n_state = n_prompt - 1  # the last token is always computed where it decodes
+    held_here = min(chosen.held_tokens, n_prompt)
+    if n_state - held_here <= 0:
         return decision
     size = cost.StateSize(bytes_per_token=chosen.state_bytes_per_token, floor_bytes=chosen.state_floor_bytes)
     best: tuple[float, str, cost.Decision] | None = None
@@ -104,16 +116,23 @@ def place_phases(
             link_bytes_per_s=link,
             fixed_s=fixed.get(link_key(c.node, chosen.node), HANDOFF_FIXED_S),
         )
-        verdict = cost.decide(n_new, size, rates)
+        verdict = cost.decide(n_state, size, rates, local_held=held_here, remote_held=_held_for_prefill(c, n_state))
         if verdict.path == "disaggregated" and (best is None or (verdict.remote_s, c.node) < best[:2]):
             best = (verdict.remote_s, c.node, verdict)
     if best is None:
         return decision
     remote_s, node, verdict = best
-    reason = (
-        f"prefill {n_new} tokens on {node}: {remote_s:.3f}s with the handoff vs {verdict.local_s:.3f}s here "
-        f"(break-even {verdict.breakeven} tokens)"
+    # Worded as before this change when both sides compute the same tokens, so older decisions replay alike.
+    here = f"{verdict.local_s:.3f}s here"
+    if verdict.local_tokens != verdict.remote_tokens:
+        here = f"{verdict.local_s:.3f}s for the {verdict.local_tokens} tokens not held here"
+    crossover = (
+        f"break-even {verdict.breakeven} tokens"
+        if verdict.breakeven is not None
+        else f"{node} holds {verdict.n_tokens - verdict.remote_tokens} of them"
     )
+    there = f"prefill {verdict.remote_tokens} tokens on {node}: {remote_s:.3f}s with the handoff"
+    reason = f"{there} vs {here} ({crossover})"
     return msgspec.structs.replace(decision, prefill_node=node, prefill_reason=reason)
 
 

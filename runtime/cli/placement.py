@@ -23,7 +23,7 @@ from actors.placement.geometry import GeometryError, geometry_from_header
 from actors.placement.gguf_header import GGUFFormatError, parse_header, read_header
 from actors.placement.registry import RegistryUntrusted, public_key_of, sign
 from actors.placement.replay import differences, inputs_of, recompute
-from actors.router.routing import route
+from actors.router.routing import ROUTER_VERSION, route
 from messages.events import DecisionInputs, GenerateRouted, PlacementDecided
 from messages.model import ModelGeometry
 from messages.placement import ModelRef, PlacementDecision, PlacementRequest
@@ -250,6 +250,8 @@ async def cmd_replay(args: argparse.Namespace) -> int:
                         "decision_id": routed.id,
                         "model": routed.model,
                         "kind": "routing",
+                        # A decision made by an older router differs where that version's rules changed.
+                        "versions": {"recorded": routed.router_version, "now": ROUTER_VERSION},
                         "differences": [{"path": d.path, "recorded": d.recorded, "now": d.now} for d in diff],
                     }
                 )
@@ -259,7 +261,9 @@ async def cmd_replay(args: argparse.Namespace) -> int:
         emit_json({"replayed": replayed, "changed": changed, "skipped": skipped})
     else:
         for item in changed:
-            print(f"decision {item['decision_id']} (seq {item['seq']}, {item['model']}) would now differ:")
+            versions = item.get("versions")
+            by = f", router {versions['recorded']} -> {versions['now']}" if versions else ""
+            print(f"decision {item['decision_id']} (seq {item['seq']}, {item['model']}{by}) would now differ:")
             for d in item["differences"]:
                 print(f"  {d['path']}: {d['recorded']!r} -> {d['now']!r}")
         for item in skipped:

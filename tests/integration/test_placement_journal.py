@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -14,7 +15,9 @@ import pytest
 from actors.placement import decision_records
 from actors.placement.actor import PlacementActor
 from actors.placement.replay import differences, inputs_of, recompute
-from messages.events import PlacementDecided
+from actors.router.routing import choose, link_key, route
+from messages.events import GenerateRouted, PlacementDecided
+from messages.generate import Candidate, RouteWeights
 from runtime import buckets
 from runtime.bus import Bus, encode
 from runtime.cli import placement as placement_cli
@@ -101,3 +104,42 @@ async def test_a_small_decision_keeps_its_inputs_inline(
     inputs = inputs_of(event)
     assert inputs is not None and inputs.geometry is not None
     assert differences(event.decision, recompute(inputs, inputs.geometry)) == []
+
+
+def _candidate(iid: str, node: str, rate: float, **fields: object) -> Candidate:
+    base: dict[str, object] = {
+        "instance_id": iid, "node": node, "slots": 2, "busy": 0, "queued": 0, "identity": "ef" * 32,
+        "prefill_tokens_per_s": rate, "state_bytes_per_token": 100_000.0,
+    }  # fmt: skip
+    return Candidate(**{**base, **fields})  # type: ignore[arg-type]
+
+
+async def test_replay_re_decides_an_older_routers_events_and_names_both_versions(
+    bus: Bus, nats_server: NatsServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    links = {link_key("n2", "n1"): 1e9}
+    # route-2 priced the prefill node with the decoder's holding: 2,000 tokens (10 s) where it computes 32,000.
+    held = [_candidate("a", "n1", 100.0, held_tokens=30_000, source="resident"), _candidate("b", "n2", 200.0)]
+    mispriced = msgspec.structs.replace(
+        choose(32_001, held),
+        prefill_node="n2",
+        prefill_reason="prefill 2000 tokens on n2: 10.250s with the handoff vs 20.000s here (break-even 3 tokens)",
+    )
+    cold = [_candidate("a", "n1", 100.0), _candidate("b", "n2", 1000.0, busy=2, queued=1)]
+    recorded = [(held, 32_001, mispriced), (cold, 4001, route(4001, cold, links=links))]
+    for i, (candidates, n_prompt, decision) in enumerate(recorded):
+        event = GenerateRouted(
+            id=f"routed-{i}", time=0.0, node="n1", actor="router", request_id=f"r{i}", model="m",
+            n_prompt=n_prompt, candidates=tuple(candidates), weights=RouteWeights(), decision=decision,
+            router_version="route-2", links=links,
+        )  # fmt: skip
+        await bus.js.publish(SUBJECTS.event("router", "generate_routed", "n1"), encode(event))
+
+    result = await replay_cli(nats_server, capsys)
+    assert result["replayed"] == 2 and result["skipped"] == [] and result["exit_code"] == 3
+    changes = result["changed"]
+    assert isinstance(changes, list) and len(changes) == 1
+    changed: dict[str, Any] = changes[0]
+    assert changed["decision_id"] == "routed-0" and changed["versions"] == {"recorded": "route-2", "now": "route-3"}
+    paths = {d["path"]: (d["recorded"], d["now"]) for d in changed["differences"]}
+    assert paths["$.prefill_node"] == ("n2", None)

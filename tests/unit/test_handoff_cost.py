@@ -1,5 +1,6 @@
 """The phase placement cost model: break-even at an exact integer crossover, no break-even, equal nodes, the
-recurrent floor of hybrid models, and the smoothing of measured rates (hypothesis)."""
+recurrent floor of hybrid models, each side priced by what it holds, and the smoothing of measured rates
+(hypothesis)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from actors.handoff.cost import (
     breakeven,
     decide,
     fit_link,
+    local_seconds,
     observe,
+    remote_seconds,
     remote_wins,
 )
 from actors.router.links import LinkBook
@@ -97,6 +100,76 @@ def test_no_breakeven_when_the_link_is_slower_than_what_a_token_saves() -> None:
     fast = Rates(local_tokens_per_s=1000, remote_tokens_per_s=2000, link_bytes_per_s=1e9, overlap=0.5)
     first = breakeven(size, fast)
     assert first is not None and decide(first - 1, size, fast).path == "local"
+
+
+def test_the_prefix_held_where_it_decodes_saves_nothing_on_the_remote_path() -> None:
+    # Issue 17: the decoding instance held 30,000 of a 32,001-token prompt; a node twice as fast held nothing.
+    # Priced with the local holding, the remote side looked like 2,000 tokens (10 s); it computes 32,000 (160 s)
+    # and moves the whole state.
+    size = StateSize(bytes_per_token=100_000.0)
+    rates = Rates(local_tokens_per_s=100, remote_tokens_per_s=200, link_bytes_per_s=1e9, fixed_s=0.05)
+    verdict = decide(32_000, size, rates, local_held=30_000)
+    assert verdict.path == "local"
+    assert (verdict.local_tokens, verdict.remote_tokens) == (2_000, 32_000)
+    assert verdict.local_s == 20.0 and verdict.remote_s == 160.0 + 3.2 + 0.05
+    # what the remote side itself holds it does not compute, but the whole state still crosses the link
+    held_there = decide(32_000, size, rates, local_held=30_000, remote_held=31_000)
+    assert held_there.path == "disaggregated" and held_there.remote_tokens == 1_000
+    assert held_there.remote_s == 5.0 + 3.2 + 0.05
+
+
+@given(
+    local=rates_st,
+    remote=rates_st,
+    link=link_st,
+    per_token=bytes_st,
+    floor=bytes_st,
+    n=st.integers(1, 10**7),
+    local_held=st.integers(0, 10**7),
+    remote_held=st.integers(0, 10**7),
+)
+def test_each_side_is_priced_by_what_it_holds_itself(
+    local: float, remote: float, link: float, per_token: float, floor: float, n: int, local_held: int, remote_held: int
+) -> None:
+    size = StateSize(bytes_per_token=per_token, floor_bytes=floor)
+    rates = Rates(local_tokens_per_s=local, remote_tokens_per_s=remote, link_bytes_per_s=link)
+    verdict = decide(n, size, rates, local_held=local_held, remote_held=remote_held)
+    # the local holding never changes the remote side's price, nor the remote holding the local side's
+    assert (
+        verdict.remote_s
+        == remote_seconds(n, size, rates, held=remote_held)
+        == decide(n, size, rates, remote_held=remote_held).remote_s
+    )
+    assert verdict.local_s == local_seconds(n, rates, held=local_held)
+    # the remote side always moves the whole state and computes what it does not hold
+    moved = size.at(n) / link
+    assert verdict.remote_s >= (n - min(n, remote_held)) / remote * (1 - 1e-9) + moved * (1 - 1e-9)
+    assert verdict.local_tokens == n - min(n, local_held) and verdict.remote_tokens == n - min(n, remote_held)
+
+
+@given(
+    local=rates_st,
+    remote=rates_st,
+    link=link_st,
+    per_token=bytes_st,
+    floor=bytes_st,
+    local_held=st.integers(0, 10**6),
+    remote_held=st.integers(0, 10**6),
+)
+def test_breakeven_with_holdings_is_where_the_remote_path_wins_from_then_on(
+    local: float, remote: float, link: float, per_token: float, floor: float, local_held: int, remote_held: int
+) -> None:
+    size = StateSize(bytes_per_token=per_token, floor_bytes=floor)
+    rates = Rates(local_tokens_per_s=local, remote_tokens_per_s=remote, link_bytes_per_s=link)
+    held = {"local_held": local_held, "remote_held": remote_held}
+    first = breakeven(size, rates, **held)
+    longer = max(1, local_held, remote_held)
+    if first is None:
+        assert not remote_wins(10**13, size, rates, **held)
+    else:
+        assert first >= longer
+        assert remote_wins(first, size, rates, **held) and remote_wins(first * 2 + 7, size, rates, **held)
+        assert first == longer or not remote_wins(first - 1, size, rates, **held)
 
 
 @given(samples=st.lists(st.floats(1e-3, 1e9), min_size=1, max_size=50), alpha=st.floats(0.01, 1.0))

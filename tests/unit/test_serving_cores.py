@@ -196,6 +196,38 @@ def test_a_links_measured_fixed_cost_moves_the_break_even() -> None:
     assert route(300, [here, fast], links=links, link_fixed_s={key: 2.0}).prefill_node == "n2"
 
 
+def test_a_prefill_elsewhere_is_priced_with_what_that_instance_holds_not_with_what_the_decoder_holds() -> None:
+    from actors.router.routing import ROUTER_VERSION, link_key, route
+
+    # Issue 17: the decoder held 30,000 of 32,001 tokens (2,000 left: 20 s here); a node twice as fast held
+    # nothing. Priced with the decoder's holding, its prefill looked like 10 s; it computes 32,000 tokens (160 s).
+    here = _measured("a", "n1", 100.0, held_tokens=30_000, source="resident")
+    fast = _measured("b", "n2", 200.0)
+    links = {link_key("n2", "n1"): 1e9}
+    decision = route(32_001, [here, fast], links=links)
+    assert decision.chosen == "a" and decision.prefill_node is None
+    assert ROUTER_VERSION == "route-3"  # decisions changed: replay names both versions
+    # What the prefill node holds resident it reuses (its slot's cache); the whole state still crosses.
+    warm = _measured("b", "n2", 200.0, held_tokens=31_000, source="resident", busy=2, queued=40)  # decodes no more
+    moved = route(32_001, [here, warm], links=links)
+    assert moved.chosen == "a" and moved.prefill_node == "n2"
+    assert moved.prefill_reason.startswith("prefill 1000 tokens on n2: 8.250s with the handoff vs 20.000s for the 2000")
+    # A prefix the prefill node holds only in L3 is not restored there for a prefill: nothing is credited.
+    stored = _measured("b", "n2", 200.0, held_tokens=31_000, source="l3_local")
+    assert route(32_001, [here, stored], links=links).prefill_node is None
+
+
+def test_a_cold_prompt_is_priced_and_worded_as_before() -> None:
+    from actors.router.routing import link_key, route
+
+    here, fast = _measured("a", "n1", 100.0), _measured("b", "n2", 1000.0, busy=2, queued=1)
+    decision = route(4001, [here, fast], links={link_key("n2", "n1"): 1e9})
+    assert decision.prefill_node == "n2"
+    assert decision.prefill_reason == (
+        "prefill 4000 tokens on n2: 4.450s with the handoff vs 40.000s here (break-even 6 tokens)"
+    )
+
+
 def test_unmeasured_equal_or_unlinked_candidates_never_disaggregate() -> None:
     from actors.router.routing import link_key, route
 
