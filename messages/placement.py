@@ -53,8 +53,9 @@ class ModelRef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 
 class PreferredSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Settings the client requires. They never override a node's advertisement: a node whose advertised
-    value differs is refused with `settings_mismatch` and named fields."""
+    """Per-model settings the client asks for, in place of a node's advertised defaults. A node accepts them
+    within the bounds it advertises (`SettingsBounds`); outside them it is refused with `settings_mismatch`,
+    naming the fields and the bound. The instance runs with exactly the resulting settings (the stamp)."""
 
     slots: Annotated[int, msgspec.Meta(ge=1, le=1024)] | None = None
     kv_unified: bool | None = None
@@ -64,6 +65,8 @@ class PreferredSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     spec_type: str | None = None
     spec_draft_n_max: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
     swa_full: bool | None = None
+    spec_draft_type_k: CacheType | None = None
+    spec_draft_type_v: CacheType | None = None
 
 
 class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

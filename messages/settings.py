@@ -1,8 +1,10 @@
 """Serving settings: every llama-server setting that changes what the server allocates (and its thread count).
 
-A node advertises the settings it is configured with (telemetry), placement stamps them onto an admitted
-instance, and the runner pins each one on the llama-server command line. Field names follow llama-server's
-own long flags where one exists.
+A node advertises its default settings and the bounds it accepts (telemetry). A placement request (or a front
+door catalog entry) may ask for other per-model settings within those bounds (`PerModel` fields); admission
+computes memory with exactly the resulting settings, stamps them onto the admitted instance, and the runner
+pins each one on the llama-server command line. Field names follow llama-server's own long flags where one
+exists.
 """
 
 from __future__ import annotations
@@ -13,6 +15,13 @@ import msgspec
 
 #: KV cache element types llama-server accepts for -ctk/-ctv (and -ctkd/-ctvd).
 CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
+ALL_CACHE_TYPES: tuple[CacheType, ...] = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+#: The settings a model may set for itself within a node's bounds; the rest are the node's own (its batch
+#: sizes, host-RAM extras and threads are shared by every server it runs).
+PER_MODEL: tuple[str, ...] = (
+    "slots", "kv_unified", "cache_type_k", "cache_type_v", "flash_attn", "swa_full", "spec_type",
+    "spec_draft_n_max", "spec_draft_type_k", "spec_draft_type_v",
+)  # fmt: skip
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -42,3 +51,16 @@ class ServingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # -t and -tb (0: llama-server's default, every core). The one field that changes no allocation: pinned so
     # servers sharing a machine do not oversubscribe its cores, and so a node's prefill rate is what it says.
     threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+
+
+class SettingsBounds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The per-model settings a node accepts (defaults: everything llama-server accepts). A model's settings
+    outside them are refused at placement (`settings_mismatch`, naming the bound) and at start (drift)."""
+
+    max_slots: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1024
+    cache_types: tuple[CacheType, ...] = ALL_CACHE_TYPES  # for K and V, target and draft
+    flash_attn: tuple[Literal["on", "off"], ...] = ("on", "off")
+    kv_unified: tuple[bool, ...] = (False, True)
+    swa_full: tuple[bool, ...] = (False, True)
+    spec_types: tuple[Annotated[str, msgspec.Meta(min_length=1, max_length=64)], ...] | None = None  # None: any
+    max_spec_draft_n_max: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 1024

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import msgspec
 
-from messages.settings import ServingSettings
+from messages.settings import ServingSettings, SettingsBounds
 
 #: Sizes and counts a peer reports: never negative (a lying or broken peer is refused at decoding).
 Bytes = Annotated[int, msgspec.Meta(ge=0, le=1 << 60)]
@@ -53,7 +53,9 @@ class NodeResources(msgspec.Struct, frozen=True, kw_only=True):
     """One node's telemetry report.
 
     `settings` is None when the node cannot serve (no llama-server found): such a node has not advertised
-    serving settings, and placement refuses models whose footprint depends on them.
+    serving settings, and placement refuses models whose footprint depends on them. `settings` are its
+    defaults; `bounds` what it accepts of a model's own settings (None: a node that predates bounds accepts
+    only its defaults).
     """
 
     node_id: str
@@ -69,3 +71,4 @@ class NodeResources(msgspec.Struct, frozen=True, kw_only=True):
     llama_server: LlamaServerInfo | None = None
     llama_server_error: str | None = None
     settings: ServingSettings | None = None
+    bounds: SettingsBounds | None = None

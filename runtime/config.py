@@ -3,6 +3,8 @@
 The data dir itself comes from `--data-dir`, else `MESH_ACTOR_HOME`, else `~/.local/share/mesh-actor`.
 Serving settings (what this node advertises and runs llama-server with) live in the `[serving]` table of
 the TOML file, in `MESH_ACTOR_SERVING_<FIELD>` variables, or in llama-server-named flags of `mesh-actor run`.
+The bounds of a model's own settings live in the `[bounds]` table, `MESH_ACTOR_BOUNDS_<FIELD>` variables
+(lists comma-separated) or `--max-slots`/`--allow-*` flags.
 Every value is validated once, here; an invalid one is a `ConfigError` naming its source.
 """
 
@@ -18,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from messages.settings import ServingSettings
+from messages.settings import ServingSettings, SettingsBounds
 from messages.subjects import DEFAULT_PREFIX, Subjects, check_token
 from runtime.sizes import parse_size
 
@@ -60,6 +62,7 @@ class NodeConfig:
     models_dir: Path | None = None  # where relative model paths (registry entries) are found; default data_dir/models
     model_roots: tuple[Path, ...] = ()  # where else model files may be (placement refuses paths outside them all)
     serving: ServingSettings = field(default_factory=ServingSettings)
+    bounds: SettingsBounds = field(default_factory=SettingsBounds)
     registry_keys: tuple[str, ...] = ()  # nkey public keys whose registry entries placement trusts
     journal_max_age_s: float = 7 * 24 * 3600.0
     journal_max_bytes: int = 1 << 30
@@ -261,7 +264,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
             if name not in _OPTIONS:
                 raise ConfigError(f"{path}: unknown key {key!r} in [nats]")
             data[name] = value
-    unknown = sorted(set(data) - set(_OPTIONS) - {"serving"})
+    unknown = sorted(set(data) - set(_OPTIONS) - {"serving", "bounds"})
     if unknown:
         raise ConfigError(f"{path}: unknown key(s) {', '.join(map(repr, unknown))}")
     return data
@@ -328,6 +331,7 @@ def load_config(
     flags: Mapping[str, Any],
     env: Mapping[str, str] | None = None,
     serving_flags: Mapping[str, Any] | None = None,
+    bounds_flags: Mapping[str, Any] | None = None,
 ) -> NodeConfig:
     """Builds the node configuration. `flags` maps option names to values (None = not given)."""
     env = os.environ if env is None else env
@@ -351,6 +355,7 @@ def load_config(
 
     l3_on = values.get("l3_budget") != 0
     serving = _serving_settings(file_values.get("serving"), env, serving_flags or {}, toml_path, l3_on=l3_on)
+    bounds = _settings_bounds(file_values.get("bounds"), env, bounds_flags or {}, toml_path)
     nats = NatsOptions(
         urls=values.get("nats", ()),
         user=values.get("nats_user"),
@@ -382,6 +387,7 @@ def load_config(
         models_dir=Path(values["models_dir"]) if values.get("models_dir") else None,
         model_roots=tuple(Path(p) for p in values.get("model_roots", ())),
         serving=serving,
+        bounds=bounds,
         journal_max_age_s=values.get("journal_max_age", 7 * 24 * 3600.0),
         journal_max_bytes=values.get("journal_max_bytes", 1 << 30),
         log_level=values.get("log_level", "info"),
@@ -437,3 +443,24 @@ def _serving_settings(
         return msgspec.convert(merged, ServingSettings, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"serving settings: {exc}") from exc
+
+
+def _settings_bounds(table: Any, env: Mapping[str, str], flags: Mapping[str, Any], toml_path: Path) -> SettingsBounds:
+    """What this node accepts of a model's own settings (default: everything llama-server accepts)."""
+    merged: dict[str, Any] = {}
+    if table is not None:
+        if not isinstance(table, dict):
+            raise ConfigError(f"{toml_path}: [bounds] must be a table")
+        merged.update(table)
+    for name in SettingsBounds.__struct_fields__:
+        raw = env.get(f"{ENV_PREFIX}BOUNDS_{name.upper()}")
+        if raw is not None:
+            merged[name] = raw
+    merged.update({k: v for k, v in flags.items() if v is not None})
+    for name, value in list(merged.items()):
+        if isinstance(value, str) and name != "max_slots" and name != "max_spec_draft_n_max":
+            merged[name] = [v.strip() for v in value.split(",") if v.strip()]  # a list given as "a,b"
+    try:
+        return msgspec.convert(merged, SettingsBounds, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"bounds: {exc}") from exc

@@ -34,7 +34,7 @@ from actors.runner.limits import RunnerLimits
 from actors.telemetry.actor import TelemetryActor
 from actors.telemetry.resources import NodeFacts
 from messages.events import NodeStarted, NodeStopped
-from messages.settings import ServingSettings
+from messages.settings import ServingSettings, SettingsBounds
 from messages.telemetry import LlamaServerInfo
 from runtime.actor import Actor, ActorGaveUpError, Supervisor
 from runtime.bus import Bus, ConnectFailed
@@ -126,15 +126,21 @@ def _signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, reload: Calla
 
 
 class ServingSettingsHolder:
-    """The node's serving settings now. SIGHUP reloads them (the operator edited config.toml); telemetry
-    advertises the new ones, and instances admitted under the old ones are refused at start (drift)."""
+    """The node's serving settings and bounds now. SIGHUP reloads them (the operator edited config.toml);
+    telemetry advertises the new ones, and instances admitted outside them are refused at start (drift)."""
 
-    def __init__(self, settings: ServingSettings, reload: Callable[[], ServingSettings] | None) -> None:
+    def __init__(
+        self, settings: ServingSettings, bounds: SettingsBounds, reload: Callable[[], NodeConfig] | None
+    ) -> None:
         self.settings = settings
+        self.bounds = bounds
         self._reload = reload
 
     def get(self) -> ServingSettings:
         return self.settings
+
+    def get_bounds(self) -> SettingsBounds:
+        return self.bounds
 
     def reload(self) -> None:
         log = get_logger(component="config")
@@ -142,13 +148,14 @@ class ServingSettingsHolder:
             log.warning("settings_reload_unavailable")
             return
         try:
-            new = self._reload()
+            config = self._reload()
         except (ConfigError, OSError) as exc:
             log.error("settings_reload_failed", error=str(exc))  # keep running with the old settings
             return
-        if new != self.settings:
-            log.info("settings_reloaded", settings=msgspec.to_builtins(new))
-        self.settings = new
+        if (config.serving, config.bounds) != (self.settings, self.bounds):
+            log.info("settings_reloaded", settings=msgspec.to_builtins(config.serving),
+                     bounds=msgspec.to_builtins(config.bounds))  # fmt: skip
+        self.settings, self.bounds = config.serving, config.bounds
 
 
 def load_catalog(data_dir: Path) -> Catalog:
@@ -171,7 +178,7 @@ async def run_node(
     *,
     announce: Callable[[str], None],
     stop: asyncio.Event | None = None,
-    reload_settings: Callable[[], ServingSettings] | None = None,
+    reload_settings: Callable[[], NodeConfig] | None = None,
     handle_signals: bool = False,
 ) -> int:
     """Runs the node until `stop` is set; with `handle_signals` (the `mesh-actor run` process), SIGINT and
@@ -181,7 +188,7 @@ async def run_node(
     lock = lock_data_dir(config.data_dir)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    serving = ServingSettingsHolder(config.serving, reload_settings)
+    serving = ServingSettingsHolder(config.serving, config.bounds, reload_settings)
     try:
         async with contextlib.AsyncExitStack() as stack:
             if handle_signals:
@@ -245,7 +252,12 @@ async def run_node(
             l3 = L3Actor(config.node_id, config.data_dir, budget_bytes=config.l3_budget_bytes)
             handoff = HandoffActor(config.node_id, config.data_dir, restore=into_l3(l3))
             actors: list[Actor] = [
-                TelemetryActor(facts, settings_source=serving.get, interval_s=config.telemetry_interval_s),
+                TelemetryActor(
+                    facts,
+                    settings_source=serving.get,
+                    bounds_source=serving.get_bounds,
+                    interval_s=config.telemetry_interval_s,
+                ),
                 PlacementActor(
                     trusted_registry_keys=config.registry_keys,
                     models_dir=models_dir,
@@ -258,6 +270,7 @@ async def run_node(
                     config.data_dir,
                     Path(engine.path) if engine else None,
                     lambda: serving.get() if engine is not None else None,  # what telemetry advertises
+                    bounds_source=serving.get_bounds,
                     engine_version=engine.version if engine else None,
                     models_dir=models_dir,
                     digests=digests,

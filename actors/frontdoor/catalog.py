@@ -4,7 +4,7 @@
 [models.qwen-0_5b]
 path = "qwen2.5-0.5b-instruct-q4_k_m.gguf"   # a file (relative: in the models dir) or a registry entry name
 ctx = 8192                                  # -c for its instances (default: 4096)
-parallel = 4                                # slots it needs (the node must advertise that many)
+parallel = 4                                # -np for its instances (within the node's bounds)
 pinned = true                               # never stopped to make room
 priority = 10                               # higher stays longer when memory is short
 idle_ttl_s = 600                            # stopped after this long without a request

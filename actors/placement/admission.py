@@ -1,8 +1,10 @@
 """Admission (placement core, pure): a request, the cluster view and the ledgers in; one decision out.
 
 Rules this module keeps:
-- Settings are stamped from what a node advertises, never from the request. A client may *require*
-  settings; a node advertising something else is refused with `settings_mismatch` naming the fields.
+- Settings are the node's advertised defaults with the per-model settings the request asks for in their
+  place (`bounds.effective`), accepted only within the bounds the node advertises; outside them the node is
+  refused with `settings_mismatch` naming the fields and the bound. The model is sized with exactly those
+  settings and they are stamped: nothing runs with settings admission did not use.
 - A node is eligible only with fresh telemetry and advertised serving settings. Fresh means its latest
   report arrived at the placement actor at most `ttl_s` ago, on the placement actor's own clock (the shell
   passes each report's age): a node's `sent_at` is its own clock and is never compared with ours.
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from actors.placement.bounds import effective, invalid, out_of_bounds
 from actors.placement.ledger import available
 from actors.placement.memory import (
     CELL_PAD,
@@ -105,15 +108,10 @@ def _mib(n_bytes: int) -> str:
     return f"{n_bytes / (1 << 20):.1f} MiB"
 
 
-def _mismatch(required: PreferredSettings | None, advertised: ServingSettings) -> tuple[str, ...]:
-    if required is None:
-        return ()
-    fields = []
-    for name in PreferredSettings.__struct_fields__:
-        wanted = getattr(required, name)
-        if wanted is not None and getattr(advertised, name) != wanted:
-            fields.append(name)
-    return tuple(fields)
+def settings_on(node: NodeResources, wanted: PreferredSettings | None) -> ServingSettings:
+    """What the model runs with on `node` (which advertises settings: `refusal_of` refused it otherwise)."""
+    assert node.settings is not None
+    return effective(node.settings, wanted)
 
 
 def _eligible(
@@ -158,11 +156,13 @@ def refusal_of(
             reason="settings_unknown",
             message=f"the node has not advertised serving settings ({why})",
         )
-    if fields := _mismatch(request.settings, node.settings):
-        detail = ", ".join(
-            f"{f}: node {getattr(node.settings, f)!r}, required {getattr(request.settings, f)!r}" for f in fields
-        )
+    settings = effective(node.settings, request.settings)
+    fields, detail = out_of_bounds(settings, node.settings, node.bounds)
+    if fields:
         return NodeRejection(node_id=name, reason="settings_mismatch", message=detail, fields=fields)
+    refused = invalid(settings) if request.settings is not None else None  # a node's own: the memory model's
+    if refused is not None:
+        return NodeRejection(node_id=name, reason="unsupported_settings", message=refused)
     return None
 
 
@@ -315,8 +315,7 @@ def decide(
     haves = {e.resources.node_id: available(e.resources, ledgers.get(e.resources.node_id), now) for e in eligible}
     fits: list[Fit] = []
     for entry in eligible:
-        settings = entry.resources.settings
-        assert settings is not None  # _eligible keeps only nodes that advertise settings
+        settings = settings_on(entry.resources, request.settings)  # _eligible kept nodes that advertise settings
         have = haves[entry.resources.node_id]
         result = fit_node(request, geometry, entry, settings, have, layers=(0, geometry.n_layer))
         if isinstance(result, NodeRejection):
@@ -429,4 +428,15 @@ def rejected(
     )
 
 
-__all__ = ["Fit", "ModelFacts", "ModelRef", "Outcome", "ViewEntry", "conclude", "decide", "fit_node", "rejected"]
+__all__ = [
+    "Fit",
+    "ModelFacts",
+    "ModelRef",
+    "Outcome",
+    "ViewEntry",
+    "conclude",
+    "decide",
+    "fit_node",
+    "rejected",
+    "settings_on",
+]

@@ -51,13 +51,14 @@ from actors.placement.admission import (
     insufficient,
     natural_key,
     refusal_of,
+    settings_on,
     split_of,
 )
 from actors.placement.ledger import available
 from actors.placement.memory import MemoryModelError, estimate
 from actors.placement.weights import layer_devices
 from messages.model import ModelGeometry
-from messages.placement import DeviceShortfall, NodeLedger, NodeRejection, PlacementRequest
+from messages.placement import DeviceShortfall, NodeLedger, NodeRejection, PlacementRequest, PreferredSettings
 from messages.settings import ServingSettings
 from messages.telemetry import NodeResources
 
@@ -98,8 +99,8 @@ class _NodeState:
     epoch: int
     have: dict[str, int]
     profile: int  # interned (settings, CPU features)
-    # the last question asked of this node and its answer: (model, -ngl, ctx, sizing epoch) -> headroom
-    asked: tuple[int, int, int, int] | None = None
+    # the last question asked of this node and its answer: (model, -ngl, ctx, settings, sizing epoch) -> headroom
+    asked: tuple[int, int, int, PreferredSettings | None, int] | None = None
     headroom: int = 0
     refusal: NodeRejection | None = None  # when the model does not fit (or cannot run) there
 
@@ -211,7 +212,7 @@ class FleetIndex:
     _profiles: dict[tuple[ServingSettings, tuple[str, ...] | None], int] = field(default_factory=dict)
     _layouts: dict[tuple[int, int, tuple[float, ...]], int] = field(default_factory=dict)
     _layout_ids: dict[tuple[tuple[int, ...], bool], int] = field(default_factory=dict)
-    _sizings: dict[tuple[int, int, int, int], Sizing] = field(default_factory=dict)
+    _sizings: dict[tuple[int, int, int, int, PreferredSettings | None], Sizing] = field(default_factory=dict)
     _epoch: int = 0  # bumped when profiles or layouts are dropped: node states re-intern
     _sizing_epoch: int = 0  # bumped when sizings are dropped: nodes' remembered answers are stale
     _sized: int = 0
@@ -274,8 +275,7 @@ class FleetIndex:
         fits: list[Fit] = []
         if best is not None:
             state, headroom = best
-            settings = state.entry.resources.settings
-            assert settings is not None  # refusal_of refused it otherwise
+            settings = settings_on(state.entry.resources, request.settings)  # refusal_of refused it otherwise
             chosen = fit_node(request, geometry, state.entry, settings, state.have, layers=(0, geometry.n_layer))
             assert isinstance(chosen, Fit) and chosen.headroom == headroom, "sizing disagrees with fit_node"
             fits.append(chosen)
@@ -347,10 +347,10 @@ class FleetIndex:
                 state.entry = entry  # a report that only says the node is alive: every answer stands
             else:
                 state = self._state(name, entry, ledger)
-        asked = (q.token, q.n_gpu_layers, q.ctx, self._sizing_epoch)
+        asked = (q.token, q.n_gpu_layers, q.ctx, q.request.settings, self._sizing_epoch)
         if state.asked != asked:
-            self._answer(state, q.token, q.geometry, q.n_gpu_layers, q.ctx)
-            state.asked = (q.token, q.n_gpu_layers, q.ctx, self._sizing_epoch)  # the epoch may have moved
+            self._answer(state, q)
+            state.asked = (q.token, q.n_gpu_layers, q.ctx, q.request.settings, self._sizing_epoch)  # epoch may move
         if state.refusal is not None:
             return _MISFIT, state.refusal, state
         return _FITS, None, state
@@ -420,10 +420,11 @@ class FleetIndex:
         if len(standing.best) > 4 * len(standing.fits) + 64:
             standing.rebuild_best(self._natural)
 
-    def _answer(self, state: _NodeState, token: int, geometry: ModelGeometry, n_gpu_layers: int, ctx: int) -> None:
+    def _answer(self, state: _NodeState, q: _Question) -> None:
         """Sizes the model on `state`'s node (from a shared sizing): its headroom, or its refusal."""
         name = state.entry.resources.node_id
-        sizing = self._sizing(token, geometry, state, n_gpu_layers, ctx)
+        ctx = q.ctx
+        sizing = self._sizing(q.token, q.geometry, state, q.n_gpu_layers, ctx, q.request.settings)
         state.refusal = None
         if sizing.error is not None:
             state.headroom = -1
@@ -546,15 +547,22 @@ class FleetIndex:
     def _layout_id(self, devices: tuple[int, ...], has_split: bool) -> int:
         return self._layout_ids.setdefault((devices, has_split), len(self._layout_ids))
 
-    def _sizing(self, token: int, geometry: ModelGeometry, state: _NodeState, n_gpu_layers: int, ctx: int) -> Sizing:
+    def _sizing(
+        self,
+        token: int,
+        geometry: ModelGeometry,
+        state: _NodeState,
+        n_gpu_layers: int,
+        ctx: int,
+        wanted: PreferredSettings | None,
+    ) -> Sizing:
         layout = self._layout(token, geometry, state, n_gpu_layers)
-        key = (token, state.profile, layout, ctx)
+        key = (token, state.profile, layout, ctx, wanted)
         sizing = self._sizings.get(key)
         if sizing is not None:
             return sizing
         node = state.entry.resources
-        settings = node.settings
-        assert settings is not None
+        settings = settings_on(node, wanted)
         ngl, split = split_of(node, state.have, n_gpu_layers)
         features = node.host.cpu_features
         try:

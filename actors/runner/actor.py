@@ -83,7 +83,7 @@ from messages.generate import (
 from messages.memory import MemoryBreakdown
 from messages.placement import NodeLedger, Reservation
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
-from messages.settings import ServingSettings
+from messages.settings import ServingSettings, SettingsBounds
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext, RequestError
@@ -134,8 +134,10 @@ class RunnerActor(Actor):
         serving_limits: ServingLimits | None = None,
         handoff: HandoffActor | None = None,
         booking_check_s: float = 5.0,
+        bounds_source: Callable[[], SettingsBounds | None] = lambda: None,
     ) -> None:
-        """`settings_source` gives the node's serving settings now (None: none advertised); `engine_version`
+        """`settings_source` gives the node's serving settings now (None: none advertised), `bounds_source` the
+        bounds of a model's own settings it accepts (None: only its own settings); `engine_version`
         is its llama-server's `--version` as telemetry advertises it. `rewrite_command`, `driver_fault` and
         `signal_filter` are test seams (see `driver.py`): a real server that drifts, a driver that fails, a
         server that does not die. `l3` is the node's store of slot states (None: nothing is restored or
@@ -148,6 +150,7 @@ class RunnerActor(Actor):
         self.engine_path = engine_path
         self.engine_version = engine_version
         self.settings_source = settings_source
+        self.bounds_source = bounds_source
         self.limits = limits or RunnerLimits()
         self._policy = restart_policy
         self._clock = clock
@@ -309,7 +312,10 @@ class RunnerActor(Actor):
         try:
             read = await self._node.ledger(ctx)
             reservation = find(read.ledger, rid, self.node_id)
-            drift = settings_drift(reservation.stamp, self.settings_source(), engine_version=self.engine_version)
+            drift = settings_drift(
+                reservation.stamp, self.settings_source(), engine_version=self.engine_version,
+                bounds=self.bounds_source(),
+            )  # fmt: skip
             check_reservation(
                 reservation,
                 node_id=self.node_id,

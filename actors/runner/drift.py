@@ -2,9 +2,11 @@
 
 Two checks, each returning one `FieldDrift` per differing field (empty when everything agrees):
 
-* `settings_drift`, before start: the stamp against the node's current serving settings and engine build.
-  Admission sized the instance for the stamped settings; if the node has since been reconfigured (or its
-  llama-server replaced), starting it would run something nobody admitted.
+* `settings_drift`, before start: the stamp against the node's current serving settings, bounds and engine
+  build. Admission sized the instance for the stamped settings; a model's own settings must still be within
+  the node's bounds, and the node's own (batch sizes, host-RAM extras, threads) still equal its current ones.
+  If the node has since been reconfigured (or its llama-server replaced), starting it would run something
+  nobody admitted.
 * `server_drift`, after start: the running server against the stamp, from what it reports about itself.
   `/props` gives the slot count (`total_slots`) and the per-slot context (`default_generation_settings.n_ctx`);
   `/slots` lists every slot with its context and whether it can speculate. This build's `/props` does not
@@ -21,11 +23,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from actors.placement.bounds import out_of_bounds
 from actors.runner.allocation_log import AllocationLog
 from messages.memory import ContextShape
 from messages.placement import Stamp
 from messages.runner import FieldDrift
-from messages.settings import ServingSettings
+from messages.settings import PER_MODEL, ServingSettings, SettingsBounds
 
 __all__ = ["ServerReport", "server_drift", "settings_drift", "speculative_types"]
 
@@ -46,17 +49,23 @@ def speculative_types(settings: ServingSettings) -> tuple[str, ...]:
 
 
 def settings_drift(
-    stamp: Stamp, current: ServingSettings | None, *, engine_version: str | None = None
+    stamp: Stamp,
+    current: ServingSettings | None,
+    *,
+    engine_version: str | None = None,
+    bounds: SettingsBounds | None = None,
 ) -> tuple[FieldDrift, ...]:
-    """Differences between the stamped settings and the node's current ones (and engine build)."""
+    """Where the stamped settings leave what the node now accepts (its settings and `bounds`; None: a node
+    without bounds accepts only its own settings), and its engine build."""
     out: list[FieldDrift] = []
     if current is None:
         out.append(FieldDrift(field="settings", stamped="advertised", current="not advertised"))
     else:
-        for name in ServingSettings.__struct_fields__:
-            stamped, now = getattr(stamp.settings, name), getattr(current, name)
-            if stamped != now:
-                out.append(FieldDrift(field=name, stamped=_text(stamped), current=_text(now)))
+        fields, _ = out_of_bounds(stamp.settings, current, bounds)
+        for name in fields:
+            stamped = getattr(stamp.settings, name)
+            now = getattr(current, name) if name not in PER_MODEL or bounds is None else "outside the node's bounds"
+            out.append(FieldDrift(field=name, stamped=_text(stamped), current=_text(now)))
     if stamp.llama_server_version is not None and engine_version != stamp.llama_server_version:
         out.append(
             FieldDrift(field="llama_server_version", stamped=stamp.llama_server_version, current=_text(engine_version))

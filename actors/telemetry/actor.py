@@ -17,7 +17,7 @@ import nats.errors
 from actors.telemetry.probes import Nvml, read_host
 from actors.telemetry.resources import HostReading, NodeFacts, NvmlReading, build_report, material_change, usable_moved
 from messages.events import TelemetryChanged
-from messages.settings import ServingSettings
+from messages.settings import ServingSettings, SettingsBounds
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext
@@ -35,6 +35,7 @@ class TelemetryActor(Actor):
         facts: NodeFacts,
         settings_source: Callable[[], ServingSettings] | None = None,
         *,
+        bounds_source: Callable[[], SettingsBounds | None] | None = None,
         interval_s: float,
         probe_interval_s: float = 1.0,
         read_host_fn: Callable[[], HostReading] = read_host,
@@ -44,6 +45,7 @@ class TelemetryActor(Actor):
         self.facts = facts
         # The node's serving settings may be reloaded while it runs (SIGHUP): read them at every report.
         self._settings = settings_source or (lambda: facts.settings)
+        self._bounds = bounds_source or (lambda: facts.bounds)
         self.interval_s = interval_s
         self.probe_interval_s = min(probe_interval_s, interval_s)
         self._read_host = read_host_fn
@@ -66,7 +68,7 @@ class TelemetryActor(Actor):
             while True:
                 host, nvml = await asyncio.to_thread(self._read)
                 self._seq += 1
-                facts = dataclasses.replace(self.facts, settings=self._settings())
+                facts = dataclasses.replace(self.facts, settings=self._settings(), bounds=self._bounds())
                 report = build_report(facts, seq=self._seq, now=self._clock(), host=host, nvml=nvml)
                 last = self._last_sent
                 due = last is None or report.sent_at - last.sent_at >= self.interval_s

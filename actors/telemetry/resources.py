@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from messages.settings import ServingSettings
+from messages.settings import ServingSettings, SettingsBounds
 from messages.telemetry import GpuInfo, HostInfo, LlamaServerInfo, NodeResources
 
 
@@ -85,6 +85,7 @@ class NodeFacts:
     llama_server: LlamaServerInfo | None
     llama_server_error: str | None
     settings: ServingSettings
+    bounds: SettingsBounds | None = None  # what it accepts of a model's own settings
 
 
 def _cap(value: int, limit: int | None) -> int:
@@ -125,6 +126,7 @@ def build_report(facts: NodeFacts, *, seq: int, now: float, host: HostReading, n
         llama_server=facts.llama_server,
         llama_server_error=facts.llama_server_error,
         settings=facts.settings if facts.llama_server is not None else None,
+        bounds=facts.bounds if facts.llama_server is not None else None,
     )
 
 
@@ -134,6 +136,8 @@ def material_change(previous: NodeResources | None, current: NodeResources) -> s
         return "first report"
     if previous.settings != current.settings:
         return "serving settings changed"
+    if previous.bounds != current.bounds:
+        return "settings bounds changed"
     if [(g.index, g.uuid, g.total_bytes) for g in previous.gpus] != [
         (g.index, g.uuid, g.total_bytes) for g in current.gpus
     ]:

@@ -15,7 +15,7 @@ from actors.placement.registry import RegistryUntrusted, check_public_key
 from messages.frontdoor import FrontDoorReport
 from messages.placement import NodeLedger, Reservation
 from messages.runner import InstanceStatus
-from messages.settings import CacheType, ServingSettings
+from messages.settings import CacheType
 from messages.subjects import Subjects
 from messages.telemetry import NodeResources
 from runtime import buckets
@@ -37,7 +37,7 @@ from runtime.cli.common import (
 from runtime.cli.l3 import fetch_l3_totals
 from runtime.cli.models import fetch_frontdoors
 from runtime.cli.runner import fetch_instances
-from runtime.config import ConfigError, load_config
+from runtime.config import ConfigError, NodeConfig, load_config
 from runtime.embedded import EmbeddedNatsError
 from runtime.launcher import DataDirBusy, JetStreamUnavailable, StartupInterrupted, load_catalog, run_node
 from runtime.logging import configure_logging
@@ -67,6 +67,13 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ctx-checkpoints", dest="ctx_checkpoints", type=int, metavar="N")
     group.add_argument("--cache-ram", dest="cache_ram_mib", type=int, metavar="MiB")
     group.add_argument("-t", "--threads", dest="threads", type=int, metavar="N", help="CPU threads (0: all cores)")
+    bounds = parser.add_argument_group("bounds of a model's own settings (default: whatever llama-server accepts)")
+    bounds.add_argument("--max-slots", dest="bound_max_slots", type=int, metavar="N", help="most slots a model may ask")
+    bounds.add_argument("--allow-cache-types", dest="bound_cache_types", metavar="LIST", help="e.g. f16,q8_0")
+    bounds.add_argument("--allow-flash-attn", dest="bound_flash_attn", metavar="LIST", help="on, off or on,off")
+    bounds.add_argument(
+        "--allow-spec-types", dest="bound_spec_types", metavar="LIST", help="e.g. draft-mtp,ngram-simple"
+    )
 
 
 SERVING_DESTS = (
@@ -222,8 +229,9 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "nats_tls_key": args.nats_tls_key,
     }
     serving = {name: getattr(args, name) for name in SERVING_DESTS}
+    bounds = {name: getattr(args, f"bound_{name}") for name in ("max_slots", "cache_types", "flash_attn", "spec_types")}
     try:
-        config = load_config(flags, os.environ, serving)
+        config = load_config(flags, os.environ, serving, bounds)
         for key in config.registry_keys:
             check_public_key(key)
         if config.http is not None:
@@ -239,8 +247,8 @@ async def cmd_run(args: argparse.Namespace) -> int:
         else:
             print(line, flush=True)
 
-    def reload_settings() -> ServingSettings:
-        return load_config(flags, os.environ, serving).serving
+    def reload_settings() -> NodeConfig:
+        return load_config(flags, os.environ, serving, bounds)
 
     try:
         return await run_node(config, announce=announce, reload_settings=reload_settings, handle_signals=True)

@@ -304,45 +304,52 @@ async def test_a_server_whose_completions_fail_while_health_says_ok_is_restarted
         assert later.choices and later.usage is not None and later.usage.completion_tokens == 2
 
 
-async def test_a_catalog_models_cache_types_are_required_of_placement_and_stamped_on_its_server(
+async def test_one_default_node_serves_two_models_with_their_own_slots_and_cache_types_at_once(
     tmp_path: Path, models: dict[str, Path]
 ) -> None:
+    """Per-model settings within the node's bounds: a node started with defaults runs `alpha` with 2 slots and
+    q8_0 caches beside `beta` with 6 slots and f16 caches; each is sized, stamped and pinned with exactly its
+    own, and its observed KV equals the prediction. A model asking beyond the node's bounds is refused, the
+    bound named."""
     data_dir = tmp_path / "node"
     write_catalog(
         data_dir,
         {
-            "alpha": {"path": str(models["wide"]), "ctx": 2048, "cache_type_k": "q8_0", "cache_type_v": "q8_0",
-                      "flash_attn": "on", "max_queue": 4},
-            "beta": {"path": str(models["beta"]), "ctx": 2048, "cache_type_k": "q4_0"},
+            "alpha": {"path": str(models["wide"]), "ctx": 2048, "parallel": 2, "cache_type_k": "q8_0",
+                      "cache_type_v": "q8_0", "flash_attn": "on", "max_queue": 4},
+            "beta": {"path": str(models["beta"]), "ctx": 3072, "parallel": 6},
+            "greedy": {"path": str(models["alpha"]), "ctx": 2048, "parallel": 16},
         },
     )  # fmt: skip
     port = free_port()
-    node_settings = ("-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on")  # what this node advertises
-    async with node(data_dir, "quant", *QUIET, *node_settings, "--http", str(port), "--api-key", KEY):
-        await wait_nodes(data_dir, "quant")
+    async with node(data_dir, "mixed", *QUIET, "--max-slots", "8", "--http", str(port), "--api-key", KEY):
+        await wait_nodes(data_dir, "mixed")
         api = client(port)
-        done = await api.completions.create(model="alpha", prompt="Hello there", max_tokens=4, temperature=0)
-        assert done.usage is not None and done.usage.completion_tokens == 4
-        (instance,) = await instances(data_dir)
-        stamped = instance["settings"]["settings"]
-        assert (stamped["cache_type_k"], stamped["cache_type_v"], stamped["flash_attn"]) == ("q8_0", "q8_0", "on")
-        (decided,) = [e for e in await _events(data_dir, "placement.placement_decided")
-                      if e["request"]["request_id"] == "frontdoor-alpha"]  # fmt: skip
-        required = decided["request"]["settings"]
-        assert (required["cache_type_k"], required["cache_type_v"], required["flash_attn"]) == ("q8_0", "q8_0", "on")
-        (starting,) = await _events(data_dir, "runner.instance_starting")
-        command = starting["command"]
-        assert command[command.index("-ctk") + 1] == "q8_0" and command[command.index("-ctv") + 1] == "q8_0"
-        # the server was verified against the stamp (its log's K/V types included) before it was ready
-        # a model that requires what the node does not advertise is refused, the field named
-        with pytest.raises(openai.APIStatusError) as mismatch:
-            await api.completions.create(model="beta", prompt="x", max_tokens=2)
-        assert mismatch.value.status_code == 503 and mismatch.value.code == "settings_mismatch"
-        assert "cache_type_k" in mismatch.value.message
+        for name in ("alpha", "beta"):
+            done = await api.completions.create(model=name, prompt="Hello there", max_tokens=4, temperature=0)
+            assert done.usage is not None and done.usage.completion_tokens == 4
+        running = {Path(i["model_path"]).name: i for i in await instances(data_dir)}
+        assert set(running) == {"wide.gguf", "beta.gguf"}  # both at once on one node
+        for file, (slots, k, v) in {"wide.gguf": (2, "q8_0", "q8_0"), "beta.gguf": (6, "f16", "f16")}.items():
+            instance = running[file]
+            stamped = instance["settings"]["settings"]
+            assert (stamped["slots"], stamped["cache_type_k"], stamped["cache_type_v"]) == (slots, k, v)
+            observed, predicted = instance["observed_memory"], instance["predicted_memory"]
+            assert observed["kv_bytes"] == sum(d["kv_bytes"] for d in predicted["devices"]) > 0, file
+        commands = [e["command"] for e in await _events(data_dir, "runner.instance_starting")]
+        by_file = {Path(c[c.index("-m") + 1]).name: c for c in commands}
+        wide, beta = by_file["wide.gguf"], by_file["beta.gguf"]
+        assert wide[wide.index("-np") + 1] == "2" and wide[wide.index("-ctk") + 1] == "q8_0"
+        assert beta[beta.index("-np") + 1] == "6" and beta[beta.index("-ctk") + 1] == "f16"
+        with pytest.raises(openai.APIStatusError) as beyond:
+            await api.completions.create(model="greedy", prompt="x", max_tokens=2)
+        assert beyond.value.status_code == 500 and beyond.value.response.headers["x-should-retry"] == "false"
+        body = beyond.value.body
+        assert isinstance(body, dict) and body["reason"] == "settings_mismatch" and "max_slots 8" in body["message"]
         code, out, err = await cli("models", "--json", "--data-dir", str(data_dir))
         assert code == 0, err
         (door,) = json.loads(out)
         alpha = next(m for m in door["models"] if m["name"] == "alpha")
         assert alpha["settings"]["cache_type_k"] == "q8_0" and alpha["max_queue"] == 4
         code, out, _ = await cli("models", "--data-dir", str(data_dir))
-        assert code == 0 and "requires -ctk q8_0 -ctv q8_0 -fa on" in out
+        assert code == 0 and "-ctk q8_0 -ctv q8_0 -fa on" in out

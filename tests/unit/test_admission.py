@@ -12,7 +12,7 @@ from actors.placement.ledger import available, with_reservation
 from actors.placement.memory import estimate
 from messages.model import ModelGeometry
 from messages.placement import ModelRef, NodeLedger, PlacementRequest, PreferredSettings, Reservation, Stamp
-from messages.settings import ServingSettings
+from messages.settings import ServingSettings, SettingsBounds
 from messages.telemetry import HostInfo, LlamaServerInfo, NodeResources
 from tests.tiny_models import write_llama, write_qwen35
 
@@ -20,6 +20,7 @@ NOW = 1_000_000.0
 GIB = 1 << 30
 QUIET = {"cache_ram_mib": 0, "ctx_checkpoints": 0}  # no host extras: keeps the arithmetic readable
 DEFAULT = ServingSettings(cache_ram_mib=0, ctx_checkpoints=0)
+OPEN = SettingsBounds()  # everything llama-server accepts
 
 
 def node(
@@ -30,6 +31,7 @@ def node(
     settings: ServingSettings | None = DEFAULT,
     sent_at: float = NOW - 1,
     limit: int | None = None,
+    bounds: SettingsBounds | None = None,
 ) -> NodeResources:
     return NodeResources(
         node_id=node_id,
@@ -42,6 +44,7 @@ def node(
         llama_server=LlamaServerInfo(path="llama-server", version="test", build_info="") if settings else None,
         llama_server_error=None if settings else "not installed",
         settings=settings,
+        bounds=bounds,
     )
 
 
@@ -134,11 +137,47 @@ def test_stale_node_is_excluded_and_a_fresh_one_chosen(dense: ModelFacts) -> Non
     assert [(r.node_id, r.reason) for r in decision.rejections] == [("old", "telemetry_stale")]
 
 
-def test_required_settings_never_override_the_advertisement(dense: ModelFacts) -> None:
+def test_a_node_without_bounds_accepts_only_its_own_settings(dense: ModelFacts) -> None:
     req = request(settings=msgspec.to_builtins(PreferredSettings(slots=8, cache_type_k="q8_0")))
     decision = run(req, dense, view(node("a", 32 * GIB))).decision
     assert not decision.admitted and decision.reason == "settings_mismatch"
     assert decision.rejections[0].fields == ("slots", "cache_type_k")
+    assert "the node advertises no bounds" in decision.rejections[0].message
+
+
+def test_a_models_own_settings_within_the_bounds_are_sized_stamped_and_booked_exactly(dense: ModelFacts) -> None:
+    wanted = PreferredSettings(slots=2, cache_type_k="q8_0", cache_type_v="q8_0", flash_attn="on")
+    outcome = run(request(settings=msgspec.to_builtins(wanted)), dense, view(node("a", 32 * GIB, bounds=OPEN)))
+    decision = outcome.decision
+    assert decision.admitted and decision.stamp is not None
+    ran = decision.stamp.settings
+    assert (ran.slots, ran.cache_type_k, ran.cache_type_v) == (2, "q8_0", "q8_0")
+    assert ran.batch == DEFAULT.batch and ran.cache_ram_mib == 0  # the node's own settings stay its own
+    expected = estimate(dense.geometry, ran, 4096)
+    assert decision.placements[0].breakdown.devices[0].kv_bytes == expected.devices[0].kv_bytes
+    assert outcome.reservations[0].held["CPU"] == expected.devices[0].total_bytes
+    # the same request without settings runs with the node's defaults: 4 slots, f16 caches, more KV
+    plain = run(request(), dense, view(node("a", 32 * GIB, bounds=OPEN))).decision
+    assert plain.stamp is not None and plain.stamp.settings == DEFAULT
+    assert plain.placements[0].breakdown.devices[0].kv_bytes > expected.devices[0].kv_bytes
+
+
+def test_settings_outside_the_bounds_are_refused_naming_the_bound(dense: ModelFacts) -> None:
+    tight = SettingsBounds(max_slots=4, cache_types=("f16", "q8_0"), spec_types=("ngram-simple",))
+    cases = (
+        (PreferredSettings(slots=6), ("slots",), "max_slots 4"),
+        (PreferredSettings(cache_type_v="q4_0"), ("cache_type_v",), "cache_types (f16, q8_0)"),
+        (PreferredSettings(spec_type="draft-mtp"), ("spec_type",), "spec_types (ngram-simple)"),
+    )
+    for wanted, fields, bound in cases:
+        decision = run(request(settings=msgspec.to_builtins(wanted)), dense, view(node("a", 32 * GIB, bounds=tight)))
+        assert not decision.decision.admitted and decision.decision.reason == "settings_mismatch", wanted
+        (refusal,) = decision.decision.rejections
+        assert refusal.fields == fields and bound in refusal.message, refusal
+    # what llama-server itself refuses is refused whatever the bounds
+    quantized_v = PreferredSettings(cache_type_v="q8_0", flash_attn="off")
+    refused = run(request(settings=msgspec.to_builtins(quantized_v)), dense, view(node("a", 32 * GIB, bounds=OPEN)))
+    assert refused.decision.reason == "unsupported_settings" and "flash_attn" in refused.decision.message
 
 
 def test_unknown_requested_node_is_not_found(dense: ModelFacts) -> None:

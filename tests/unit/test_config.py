@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 
+from messages.settings import SettingsBounds
 from runtime.config import ConfigError, load_config
 from runtime.sizes import format_size, parse_size
 
@@ -117,3 +118,15 @@ def test_a_password_given_twice_or_a_missing_file_is_refused(tmp_path: Path) -> 
         load_config({"data_dir": str(tmp_path), "nats_password_file": str(secret)}, {"MESH_ACTOR_NATS_PASSWORD": "b"})
     with pytest.raises(ConfigError, match="cannot read"):
         load_config({"data_dir": str(tmp_path), "nats_password_file": str(tmp_path / "missing")}, {})
+
+
+def test_bounds_of_a_models_own_settings_come_from_flags_environment_and_file(tmp_path: Path) -> None:
+    assert load_config({"data_dir": str(tmp_path)}, {}).bounds == SettingsBounds()  # everything by default
+    (tmp_path / "config.toml").write_text('[bounds]\nmax_slots = 8\ncache_types = ["f16", "q8_0"]\n')
+    config = load_config({"data_dir": str(tmp_path)}, {"MESH_ACTOR_BOUNDS_SPEC_TYPES": "draft-mtp, ngram-simple"})
+    assert config.bounds.max_slots == 8 and config.bounds.cache_types == ("f16", "q8_0")
+    assert config.bounds.spec_types == ("draft-mtp", "ngram-simple")
+    flagged = load_config({"data_dir": str(tmp_path)}, {}, None, {"max_slots": 2, "flash_attn": "on"})
+    assert flagged.bounds.max_slots == 2 and flagged.bounds.flash_attn == ("on",)
+    with pytest.raises(ConfigError, match="bounds"):
+        load_config({"data_dir": str(tmp_path)}, {"MESH_ACTOR_BOUNDS_CACHE_TYPES": "f16,q3"})

@@ -14,7 +14,7 @@ from actors.runner.drift import ServerReport, server_drift, settings_drift, spec
 from messages.memory import ContextShape
 from messages.placement import Stamp
 from messages.runner import FieldDrift
-from messages.settings import ServingSettings
+from messages.settings import ServingSettings, SettingsBounds
 
 DATA = Path(__file__).parent.parent / "data"
 # The captured server: -c 4096 -np 2 (2 streams), draft-mtp with n_max 3, flash attention left on auto.
@@ -79,6 +79,21 @@ def test_any_single_changed_field_is_reported_alone(name: str, data: st.DataObje
     current = msgspec.structs.replace(SETTINGS, **{name: changed})
     (drift,) = settings_drift(_stamp(), current)
     assert drift.field == name and drift.current != drift.stamped
+
+
+def test_a_models_own_settings_are_drift_only_outside_the_nodes_current_bounds() -> None:
+    own = msgspec.structs.replace(SETTINGS, slots=6, cache_type_k="q8_0", cache_type_v="q8_0")
+    stamp = Stamp(settings=own, ctx=4096, n_gpu_layers=0)
+    assert settings_drift(stamp, SETTINGS, bounds=SettingsBounds()) == ()  # the node's defaults differ: fine
+    tightened = SettingsBounds(max_slots=4, cache_types=("f16",))
+    assert _fields(settings_drift(stamp, SETTINGS, bounds=tightened)) == {
+        "slots": ("6", "outside the node's bounds"),
+        "cache_type_k": ("q8_0", "outside the node's bounds"),
+        "cache_type_v": ("q8_0", "outside the node's bounds"),
+    }
+    # the node's own settings (batch sizes, host-RAM extras, threads) must still be what it runs
+    rebatched = msgspec.structs.replace(SETTINGS, ubatch=256)
+    assert _fields(settings_drift(stamp, rebatched, bounds=SettingsBounds())) == {"ubatch": ("512", "256")}
 
 
 def test_a_node_without_advertised_settings_is_drift() -> None:
