@@ -102,12 +102,18 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
         "every `placement.request` decision with its inputs (replayable); `placement.fit` is not journaled",
     ),
     ev.ReservationReleased: (
-        (PLACEMENT,),
+        (PLACEMENT, RUNNER),
         "a reservation was removed; `reason`: stopped, failed, rejected, refused (runner events or the instance's "
-        "final record), expired (never claimed within its hold), instance_gone (its instance record vanished), "
-        "node_restarted, rolled_back",
+        "final record), expired (never claimed within its hold), instance_gone (its instance record vanished; or "
+        "the node's runner, starting, released its predecessor's claims), node_restarted, rolled_back, "
+        "undelivered (its decision could not reach the requester)",
     ),
     ev.ReservationObserved: ((PLACEMENT,), "the instance is ready: the reservation now holds the observed footprint"),
+    ev.ReservationRebooked: (
+        (RUNNER,),
+        "an instance ran without its reservation (released while its runner could not refresh its records) and was "
+        "booked again; `outcome` `stopping`: it no longer fitted and is being stopped, booked until it is gone",
+    ),
     ev.InstanceStarting: ((RUNNER,), "a llama-server process was spawned (every generation, restarts included)"),
     ev.InstanceReady: ((RUNNER,), "healthy and verified against the stamp; predicted and observed memory"),
     ev.DriftRejected: (

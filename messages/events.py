@@ -377,6 +377,19 @@ class L3EvictionBlocked(Event, frozen=True, kw_only=True, tag="l3_eviction_block
     budget_bytes: int
 
 
+class ReservationRebooked(Event, frozen=True, kw_only=True, tag="reservation_rebooked"):
+    """A runner found an instance it runs without its reservation (released while the runner could not refresh
+    its records) and booked it again; `outcome` `stopping` when it no longer fitted and is being stopped (its
+    memory stays booked until the server is gone)."""
+
+    instance_id: str
+    reservation_id: str
+    state: str  # the booking written: "starting" or "running"
+    held: dict[str, int]  # device -> bytes booked
+    outcome: Literal["rebooked", "stopping"]
+    reason: str = ""
+
+
 AnyEvent = (
     ActorStarted
     | ActorCrashed
@@ -415,17 +428,5 @@ AnyEvent = (
     | HandoffAborted
     | LinkMeasured
     | L3EvictionBlocked
+    | ReservationRebooked
 )
-
-
-class ReservationRebooked(Event, frozen=True, kw_only=True, tag="reservation_rebooked"):
-    """A runner found an instance it runs without its reservation (released while the runner could not refresh
-    its records) and booked it again; `outcome` `stopping` when it no longer fitted and is being stopped (its
-    memory stays booked until the server is gone)."""
-
-    instance_id: str
-    reservation_id: str
-    state: str  # the booking written: "starting" or "running"
-    held: dict[str, int]  # device -> bytes booked
-    outcome: Literal["rebooked", "stopping"]
-    reason: str = ""
