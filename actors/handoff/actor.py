@@ -77,6 +77,8 @@ from runtime.bus import (
     encode,
     error_headers,
     parse_reply,
+    refuse_reply,
+    reply_allowed,
 )
 from runtime.logging import get_logger
 
@@ -211,7 +213,7 @@ class _Session:
         self.fd: int | None = fd
         self.queue: asyncio.Queue[_Item] = asyncio.Queue()
         self.hasher: Any = None
-        self.commit_reply: str | None = None
+        self.commit: Msg | None = None  # the commit request, answered with the result (inboxes only)
         # Held by the worker thread while it writes: the fd is closed only between writes (a write still running
         # when the session is cancelled must not land in a reused descriptor).
         self.writing = threading.Lock()
@@ -365,6 +367,12 @@ class HandoffActor(Actor):
                 )
             return
         if verb == "commit":
+            if not reply_allowed(msg.reply):
+                # Dropped before any work, as an endpoint drops it: a commit names where its result goes, and a
+                # result (or refusal) aimed at a bucket key or an event subject would be written there with this
+                # node's rights. The session goes on waiting for a commit it may answer, within its deadlines.
+                refuse_reply(ctx.log, msg.subject, msg.reply, session=session_id)
+                return
             try:
                 commit = decode_checked(msg.data, HandoffCommit, f"message on {msg.subject!r}")
             except BadMessage as exc:
@@ -377,11 +385,11 @@ class HandoffActor(Actor):
             if session is None:
                 await _reply_error(ctx, msg, ErrorReply(code=NOT_FOUND, message=f"no open session {session_id}"))
                 return
-            if session.commit_reply is not None:
+            if session.commit is not None:
                 reply = BadMessage("commit", "this session's commit was already received").to_reply()
                 await _reply_error(ctx, msg, reply)
                 return
-            session.commit_reply = msg.reply or None
+            session.commit = msg
             self._perform(ctx, session, session.core.handle(rx.CommitArrived(commit, now)))
             return
         if verb == "abort":
@@ -406,8 +414,8 @@ class HandoffActor(Actor):
             elif isinstance(action, rx.Restore):
                 session.queue.put_nowait(_RestoreNow(action))
             elif isinstance(action, rx.Answer):
-                if session.commit_reply is not None:
-                    self._publish(ctx, session.commit_reply, action.result)
+                if session.commit is not None:
+                    ctx.spawn(_answer(ctx, session.commit, encode(action.result)), "answer")
                 session.queue.put_nowait(_Stop())
             elif isinstance(action, rx.Abort):
                 if action.notify_sender:
@@ -819,10 +827,15 @@ async def _publish_quietly(ctx: ActorContext, subject: str, payload: bytes) -> N
         await ctx.bus.nc.publish(subject, payload)
 
 
+async def _answer(ctx: ActorContext, msg: Msg, payload: bytes, headers: dict[str, str] | None = None) -> None:
+    """Answers `msg` only on an inbox (`Bus.respond`): a requester names the reply subject, and this node would
+    write there with its own rights."""
+    await ctx.bus.respond(msg, payload, headers=headers)
+
+
 async def _reply_error(ctx: ActorContext, msg: Msg, reply: ErrorReply) -> None:
-    if msg.reply:
-        with contextlib.suppress(nats.errors.Error):
-            await ctx.bus.nc.publish(msg.reply, encode(reply), headers=error_headers(reply))
+    if msg.reply:  # a message that asks for no answer gets none (a chunk, an abort)
+        await _answer(ctx, msg, encode(reply), error_headers(reply))
 
 
 def _fresh_dir(path: Path) -> None:  # worker thread

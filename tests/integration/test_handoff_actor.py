@@ -307,6 +307,43 @@ async def test_malformed_messages_get_structured_errors_and_the_actor_keeps_serv
         assert report.bytes == len(data) and restores.calls[-1][1] == data
 
 
+async def test_a_commit_and_every_refusal_are_answered_only_on_an_inbox(bus: Bus, tmp_path: Path) -> None:
+    # A commit names where its result goes; answered anywhere, the receiving node would write its result (or a
+    # refusal) into a ledger, an instance record or the journal with its own rights (issue 17).
+    forged = (
+        f"$KV.{S.reservations_bucket}.node.node-b",
+        f"$KV.{S.instances_bucket}.{S.instance_key('node-b', 'x')}",
+        S.event("handoff", "forged", "node-b"),
+    )
+    landed: list[str] = []
+
+    async def record(msg: Any) -> None:
+        landed.append(msg.subject)
+
+    for subject in forged:
+        await bus.nc.subscribe(subject, cb=record)
+    async with two_nodes(bus, tmp_path) as (_, b, restores):
+        hand = HandSender(bus, _segments())
+        opened = await hand.open()
+        for i in range(len(hand.segments)):
+            await hand.segment(i)
+        commit = HandoffCommit(
+            session=opened.session, n_segments=len(hand.refs), total_bytes=hand.total, n_tokens=2,
+            payload_digest=layout.payload_root(hand.refs),
+        )  # fmt: skip
+        for reply in forged:
+            await bus.nc.publish(opened.subject + ".commit", encode(commit), reply=reply)  # a valid commit
+            await bus.nc.publish(opened.subject + ".commit", b"{not json", reply=reply)  # a refusal
+            await bus.nc.publish(opened.subject + ".nonsense", b"{}", reply=reply)  # an unknown verb
+        # Dropped before any work: the session still takes the commit it may answer.
+        result = await hand.commit()
+        assert result.committed and result.bytes == hand.total and len(restores.calls) == 1
+        await _until(lambda: _staging_empty(b))
+        await bus.nc.flush(timeout=5)
+        await asyncio.sleep(0)  # let the callbacks of anything delivered run
+        assert landed == []
+
+
 async def test_concurrent_sessions_all_commit_and_opens_past_the_bound_are_refused_busy(
     bus: Bus, tmp_path: Path
 ) -> None:
