@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats
 import nats.errors
 import nats.js.errors
@@ -26,7 +27,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from actors.placement import decision_records
+from messages.events import DecisionInputs
 from messages.generate import STREAM_PING_HEADER, GenerateChunk, GenerateRequest, GenerateResult
+from messages.placement import ModelRef, PlacementDecision
 from messages.subjects import Subjects
 from runtime import embedded, tls
 from runtime.bus import Bus, ConnectFailed, encode
@@ -38,6 +42,7 @@ from runtime.generate_client import generate
 from runtime.journal import ensure_events_stream
 from runtime.roles import Role, inbox_prefix
 from tests.conftest import node_process, run_cli
+from tests.integration.test_placement import GIB, ask, report
 from tests.tiny_models import write_llama
 
 S = Subjects()
@@ -324,6 +329,35 @@ async def test_a_client_reads_and_follows_the_journal_without_a_consumer(server:
     assert (await bus.js.stream_info(S.events_stream)).state.consumer_count == 0
     await client.close()
     await bus.close()
+
+
+async def test_a_client_reads_a_decision_record_without_a_consumer(server: EmbeddedNats) -> None:
+    """`mesh-actor replay` on client credentials: the complete inputs of a large decision, kept in the decisions
+    object store, are read through the imported direct gets (they were read through a consumer, which a
+    client's account cannot create: every such decision was skipped as `record unavailable`)."""
+    bus = await admin_bus(server)
+    view = tuple(report(f"node-{i}", (4 + i % 7) * GIB) for i in range(800))  # several 128 KiB chunks
+    decision = PlacementDecision(decision_id="d1", admitted=False, dry_run=False, model=ModelRef(path="/m.gguf"))
+    inputs = DecisionInputs(
+        request=ask(), view=view, view_revisions={n.node_id: 1 for n in view}, ledgers=(), geometry=None,
+        model_path="/m.gguf", decision=decision,
+    )  # fmt: skip
+    data, ref = decision_records.encode_record(inputs)
+    assert len(data) > 3 * 128 * 1024
+    await decision_records.store(await decision_records.open_store(bus, S), data, ref)
+    client = await bus_when_loaded(issued(server, Role("client")), "client")
+    try:
+        assert await decision_records.fetch(client, S, ref) == inputs
+        missing = msgspec.structs.replace(ref, blake3="ab" * 32)
+        with pytest.raises(decision_records.RecordUnavailable, match="not stored"):
+            await decision_records.fetch(client, S, missing)
+        with pytest.raises(decision_records.RecordUnavailable, match="not the"):  # a size its event does not name
+            await decision_records.fetch(client, S, msgspec.structs.replace(ref, size_bytes=ref.size_bytes - 1))
+        stream = f"OBJ_{decision_records.store_name(S)}"
+        assert (await bus.js.stream_info(stream)).state.consumer_count == 0
+    finally:
+        await client.close()
+        await bus.close()
 
 
 async def test_creds_issue_with_a_relative_data_dir_reloads_the_running_server(server: EmbeddedNats) -> None:
