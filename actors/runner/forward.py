@@ -4,16 +4,18 @@ For a `RunnerGenerate` whose request carries `api` (an endpoint and the client's
 
 1. for a `generate` endpoint, takes the prompt's tokens the router sent or renders them on the instance
    (`passthrough.render_plan`: `/apply-template` and `/tokenize`, as the server itself would), acquires the
-   free slot holding the longest prefix, restores a longer one from L3 and, for a prompt long enough to keep,
-   prefills and captures it one token short (as the prompt path does: the same prompt again then evaluates one
-   token on any model kind);
+   free slot holding the longest prefix, and follows the serving plan (`plan.ServingPlan`, pure): a longer
+   prefix restored from L3, and on a model that cannot roll back, a prompt long enough to keep prefilled and
+   captured one token short before the answer;
 2. forwards the body with that slot pinned (`passthrough.forward_body`) to the endpoint, and relays the
    server's status, content type and body (whole, or its server-sent events as they come) to the request's
    `stream` subject, while checking that the requester still listens: when it does not, the connection to the
    server is closed (the server stops at once), the slot freed and `generate_cancelled` journaled with what was
    generated;
-3. after a completed answer long enough to keep, saves the slot and captures the state into L3, indexed by the
-   tokens the state file itself lists (`state_file.state_tokens`), holding the slot until the save is done.
+3. after a completed answer, as the plan says and off the reply's path: saves the whole slot and captures it
+   into L3 under the tokens its state file lists (`state_file.state_tokens`), then on a model that can roll
+   back cuts the slot back to the prompt less a token (one token evaluated) and captures that; the slot is
+   given back holding what the plan knows it holds.
 
 `count` and `pooled` endpoints (token counts, embeddings, rerank) are forwarded and relayed as they came.
 Any HTTP answer, error statuses included, is the server's answer and is relayed as it is; only a server that
@@ -29,9 +31,8 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-import msgspec
-
 from actors.runner import passthrough
+from actors.runner.plan import Held, ServingPlan, Step
 from actors.runner.server_api import MAX_EVENT_BYTES, MAX_JSON_BYTES, ServerApiError
 from actors.runner.state_file import PAYLOAD_KIND, SaveFailed, StateFileError, remove_file, state_tokens
 from actors.runner.stream import ChunkStream, ClientGone
@@ -106,53 +107,64 @@ class Forwarder:
         tokens = list(order.tokens) if order.tokens else await self.render(instance, call.endpoint, body)
         grant = await serving.acquire(instance, tokens or ())
         slot = grant.slot
+        identity = instance.identity
+        plan = ServingPlan(
+            len(tokens) if tokens else None,
+            grant.resident,
+            store=serving.l3 is not None and identity is not None,
+            capture=request.capture and not passthrough.has_media(call.endpoint, body),
+            rollback=instance.table.rollback,
+            capture_min_tokens=serving.limits.capture_min_tokens,
+        )
+        source: PrefixSource = "resident" if grant.resident > 0 else "cold"
         handed_over = False
         try:
-            held = grant.resident
-            source: PrefixSource = "resident" if held > 0 else "cold"
-            restored = 0
-            identity = instance.identity
-            capture_on = request.capture and serving.l3 is not None and identity is not None
-            capture_on = capture_on and not passthrough.has_media(call.endpoint, body)
-            if tokens and serving.l3 is not None and identity is not None and held < len(tokens) - 1:
-                hit = await serving.l3.lookup(identity, tokens, max_tokens=len(tokens) - 1)
-                if hit is not None and hit.n_tokens > held and await serving.restore(instance, slot, hit):
-                    restored = held = hit.n_tokens
-                    source = hit.source
-                    instance.table.update(slot, tokens[:held])
-            capture = "off" if not request.capture else "no_l3" if serving.l3 is None else "no_identity"
-            if capture_on:
-                capture = "media" if passthrough.has_media(call.endpoint, body) else "short"
-            if capture_on and tokens and len(tokens) - 1 >= serving.limits.capture_min_tokens:
-                capture = "held"
-                if held < len(tokens) - 1:
-                    try:
-                        await serving.prefill_and_save(instance, slot, tokens[:-1], order.request_id)
-                        capture = "queued"
-                    except RequestError as exc:  # e.g. over the context: the server's own answer says so
-                        _log.info("prefix_capture_skipped", instance_id=instance.id, error=str(exc))
-                        instance.table.update(slot, ())
-                        capture = "prefill_refused"
-            forwarded = passthrough.forward_body(body, slot)
-            exchange = await self._exchange(instance, path, forwarded, relay, order, slot=slot)
+            action = plan.action
+            if action.step is Step.LOOK_UP:
+                assert tokens and serving.l3 is not None and identity is not None  # the plan looks up only then
+                hit = await serving.l3.lookup(identity, tokens, max_tokens=action.n_tokens)
+                action = plan.looked_up(hit.n_tokens if hit is not None else 0)
+                if action.step is Step.RESTORE:
+                    assert hit is not None
+                    ok = await serving.restore(instance, slot, hit)
+                    if ok:
+                        source = hit.source
+                        instance.table.update(slot, tokens[: hit.n_tokens])
+                    action = plan.restored(ok)
+            if action.step is Step.CAPTURE_BEFORE:
+                assert tokens is not None
+                action = plan.prefilled(await self._capture_prefix(instance, slot, tokens[: action.n_tokens], order))
+            exchange = await self._exchange(
+                instance, path, passthrough.forward_body(body, slot), relay, order, slot=slot
+            )  # fmt: skip
             counts = passthrough.answer_tokens(exchange.answers or [])
-            completed = exchange.status == 200 and not exchange.cancelled
-            # what the slot holds, as far as the mesh knows without reading it: the rendered prompt, when the
-            # server counted as many prompt tokens (else the rendering differed: nothing is credited)
-            known = tuple(tokens) if completed and tokens and counts.prompt == len(tokens) else ()
+            action = plan.answered(
+                completed=exchange.status == 200 and not exchange.cancelled, prompt_counted=counts.prompt,
+                generated=counts.generated,
+            )  # fmt: skip
             result = self._result(instance, order, started, exchange, relay, slot=slot, source=source,
-                                  restored=restored, capture=capture)  # fmt: skip
-            keep = counts.prompt + counts.generated - 1 >= serving.limits.capture_min_tokens
-            if capture_on and completed and keep:
-                result = msgspec.structs.replace(result, capture="queued")
-                serving.spawn(self._capture_after(instance, slot, order.request_id), f"capture:{order.request_id}")
-            else:
-                serving.release(instance, slot, known)
+                                  restored=plan.restored_tokens, capture=plan.capture_note)  # fmt: skip
+            if action.step is Step.RELEASE:
+                serving.release(instance, slot, _held(plan, tokens, None))
+            else:  # the captures after the answer run off the reply's path; they give the slot back
+                serving.spawn(self._after_answer(instance, slot, plan, tokens, order), f"capture:{order.request_id}")
             handed_over = True
             return result
         finally:
             if not handed_over:
                 serving.release(instance, slot, None)
+
+    async def _capture_prefix(
+        self, instance: ServedInstance, slot: int, prefix: list[int], order: RunnerGenerate
+    ) -> bool:
+        """Prefills `prefix` into the slot and captures it; False when the server refused the prefill."""
+        try:
+            await self._serving.prefill_and_save(instance, slot, prefix, order.request_id)
+            return True
+        except RequestError as exc:  # e.g. over the context: the server's own answer says so
+            _log.info("prefix_capture_skipped", instance_id=instance.id, error=str(exc))
+            instance.table.update(slot, ())
+            return False
 
     async def _exchange(
         self,
@@ -295,28 +307,63 @@ class Forwarder:
             relayed=relay.seq,
         )
 
-    async def _capture_after(self, instance: ServedInstance, slot: int, request_id: str) -> None:
-        """After the reply: the slot saved and captured under the tokens its state file lists, then given back
-        holding them (a state holding media is not captured)."""
+    async def _after_answer(
+        self, instance: ServedInstance, slot: int, plan: ServingPlan, tokens: list[int] | None, order: RunnerGenerate
+    ) -> None:
+        """The plan's steps after a completed answer (save the whole slot, cut back to the prompt less a token),
+        then the slot given back. A capture failing is the capture's problem, never the runner's."""
+        listed: list[int] | None = None
+        action = plan.action
+        try:
+            if action.step is Step.SAVE:
+                listed = await self._save_whole(instance, slot, order.request_id)
+                action = plan.saved(listed is not None)
+            if action.step is Step.CAPTURE_AFTER:
+                assert tokens is not None
+                action = plan.captured_after(
+                    await self._capture_prefix(instance, slot, tokens[: action.n_tokens], order)
+                )
+        except Exception as exc:
+            _log.warning("capture_failed", instance_id=instance.id, error=repr(exc))
+            self._serving.release(instance, slot, None)
+            return
+        self._serving.release(instance, slot, _held(plan, tokens, listed))
+
+    async def _save_whole(self, instance: ServedInstance, slot: int, request_id: str) -> list[int] | None:
+        """Saves the slot and captures it under the tokens its state file lists (None: not saved). A state
+        holding media is not captured."""
         serving = self._serving
-        held: tuple[int, ...] | None = None
         owned = False  # the store took the file
         path = instance.slot_dir / f"capture-{request_id}-{uuid.uuid4().hex[:8]}.bin"
         try:
             await serving.save_slot(instance, slot, path, MAX_PROMPT_TOKENS)
             listed = await asyncio.to_thread(state_tokens, path, max_tokens=MAX_PROMPT_TOKENS)
-            held = tuple(listed.tokens)
             if listed.tokens and not listed.media and serving.l3 is not None and instance.identity is not None:
                 serving.l3.capture(path, identity=instance.identity, tokens=listed.tokens, payload_kind=PAYLOAD_KIND)
                 owned = True
+            return listed.tokens
         except (SaveFailed, StateFileError, OSError) as exc:
             _log.warning("capture_failed", instance_id=instance.id, error=str(exc))
-        except Exception as exc:  # a capture failing is the capture's problem, never the runner's
-            _log.warning("capture_failed", instance_id=instance.id, error=repr(exc))
+            return None
         finally:
             if not owned:
                 await remove_file(path)
-            serving.release(instance, slot, held)
+
+
+def _held(plan: ServingPlan, tokens: list[int] | None, listed: list[int] | None) -> tuple[int, ...]:
+    """The tokens the slot holds when it is given back, as the plan knows them."""
+    held = plan.held_after
+    if held is Held.SAVED and listed is not None:
+        return tuple(listed)
+    if tokens is None:
+        return ()
+    if held is Held.PREFIX:
+        return tuple(tokens[:-1])
+    if held is Held.PROMPT:
+        return tuple(tokens)
+    if held is Held.RESTORED:
+        return tuple(tokens[: plan.held])
+    return ()
 
 
 def _json(data: bytes) -> Any:

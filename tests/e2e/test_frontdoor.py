@@ -112,7 +112,9 @@ async def test_completions_and_chat_whole_and_streamed_with_usage(tmp_path: Path
         assert "".join(p.choices[0].text for p in pieces if p.choices) == done.choices[0].text
 
 
-async def test_bad_requests_get_openai_errors(tmp_path: Path, models: dict[str, Path]) -> None:
+async def test_bad_requests_get_openai_errors_and_what_the_server_accepts_passes(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
     data_dir = tmp_path / "node"
     write_catalog(data_dir, {"alpha": {"path": str(models["alpha"]), "ctx": 2048}})
     port = free_port()
@@ -125,20 +127,16 @@ async def test_bad_requests_get_openai_errors(tmp_path: Path, models: dict[str, 
         with pytest.raises(openai.NotFoundError) as missing:
             await api.completions.create(model="nope", prompt="x")
         assert missing.value.code == "model_not_found"
-        with pytest.raises(openai.BadRequestError) as many:
-            await api.completions.create(model="alpha", prompt="x", n=2)
-        assert many.value.param == "n"
+        two = await api.completions.create(model="alpha", prompt="x", n=2, max_tokens=2, temperature=0)
+        assert [c.index for c in two.choices] == [0, 1]  # the server's own n, passed through
         async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as raw:
             headers = {"Authorization": f"Bearer {KEY}"}
             for body, status in (
                 (b"not json", 400),
-                (b'{"model": "alpha"}', 400),  # no prompt
-                (b'{"model": "alpha", "prompt": "x", "max_tokens": -1}', 400),
-                (b'{"model": "alpha", "messages": [{"role": "robot", "content": "x"}]}', 400),
+                (b'{"prompt": "x"}', 400),  # no model
                 (b'{"model": "alpha", "prompt": "' + b"x" * (9 << 20) + b'"}', 413),
             ):
-                path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
-                async with raw.post(path, data=body, headers=headers) as reply:
+                async with raw.post("/v1/completions", data=body, headers=headers) as reply:
                     error = await reply.json()
                     assert reply.status == status, (body[:60], error)
                 assert set(error["error"]) >= {"message", "type", "param", "code"}
