@@ -39,12 +39,12 @@ from pathlib import Path
 from typing import Any, Final
 
 import blake3
-import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
 from actors.handoff import receiver as rx
 from actors.handoff import sender as tx
+from actors.handoff.api import HandoffFailed, HandoffReport
 from actors.handoff.probe import probe
 from actors.l3 import layout
 from actors.l3.layout import SegmentRef
@@ -166,29 +166,6 @@ Restore = Callable[[CommittedHandoff], Awaitable[str | None]]
 
 async def _keep_nothing(state: CommittedHandoff) -> str | None:
     return None
-
-
-class HandoffFailed(Exception):
-    """A send did not commit: `reason` is the sender core's (`sender.Reason`) and `detail` says why."""
-
-    def __init__(self, reason: str, detail: str, *, session: str = "") -> None:
-        super().__init__(f"handoff {reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-        self.session = session
-
-
-class HandoffReport(msgspec.Struct, frozen=True, kw_only=True):
-    """What a send moved, and how long it took."""
-
-    session: str
-    peer: str
-    bytes: int
-    segments: int
-    payload_digest: str
-    transfer_ms: float  # open to result, the receiver's restore included
-    restored: str | None
-    restore_ms: float
 
 
 # ---- receiving ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Final
 import blake3
 
 from actors.handoff import cost
+from actors.handoff.api import HandoffFailed
 from actors.l3 import layout
 from messages.errors import BAD_REQUEST, UNAVAILABLE
 from messages.events import LinkMeasured
@@ -36,8 +37,6 @@ PROBE_IDENTITY: Final = blake3.blake3(b"mesh-actor/handoff/link-probe/v1").hexdi
 
 
 async def probe(actor: HandoffActor, ctx: ActorContext, request: LinkProbe) -> LinkProbeResult:
-    from actors.handoff.actor import HandoffFailed
-
     if request.peer == actor.node_id:
         raise RequestError(BAD_REQUEST, "a node does not probe a link to itself", {"path": "peer"})
     segment = min(request.bytes, layout.DEFAULT_SEGMENT_BYTES)

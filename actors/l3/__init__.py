@@ -10,3 +10,12 @@ chunks, committing a fetched entry). The actor on the bus: `actor` (`L3Actor`: l
 materialize, inventory), with `keeper` (the one writer of the store and its catalog), `peer` (fetching an
 entry from a peer) and `serve` (the endpoints for peers and `mesh-actor l3`). `api` is what the runner sees.
 """
+
+from typing import Final
+
+#: The pure cores: no I/O, no clock, no randomness, all of it passed in (`tests/test_import_rules.py` holds
+#: them, and everything else, to the import rules of the design).
+CORES: Final = frozenset({"identity", "layout", "commit", "budget", "prefix", "catalog"})
+#: What another actor's shell may import besides the cores: the in-process interface the runner and the
+#: handoff actor use.
+INTERFACES: Final = frozenset({"api"})

@@ -1,0 +1,23 @@
+"""Placement: admission and reservations, answered from any node (`mesh.placement.request`, `.fit`).
+
+Pure cores: `gguf_header` (a bounded, hostile-input-safe GGUF header reader, fed a file object), `geometry`
+(header to `ModelGeometry`), `matmul_weights`, the memory model (`memory`, with `context`, `caches`,
+`weights`, `compute`), `bounds` (per-model settings within a node's bounds), `ledger` (what a node can still
+offer), `admission` (eligibility, node choice, stamp), `fleet` (the same decisions at fleet scale),
+`reservations` (the reservation lifecycle), `registry` (signed entries), `replay` (recomputing a recorded
+decision). Shells: `actor` (the view, CAS ledgers, the endpoints), `model_reader` (model files and registry
+entries, in worker threads), `decision_records` (large decisions' inputs in the object store).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+#: The pure cores: no I/O, no clock, no randomness, all of it passed in (`tests/test_import_rules.py` holds
+#: them, and everything else, to the import rules of the design).
+CORES: Final = frozenset(
+    {
+        "gguf_header", "geometry", "matmul_weights", "memory", "context", "caches", "weights", "compute", "bounds",
+        "ledger", "admission", "fleet", "reservations", "registry", "replay",
+    }
+)  # fmt: skip

@@ -1,0 +1,23 @@
+"""Runner: llama-server instances on this node (`mesh.runner.<node>.*`), supervised, verified and served.
+
+Pure cores: `command` (the command line, every allocating flag pinned), `drift` (settings drift before and
+after start), `lifecycle` (the instance state machine), `limits` (deadlines and bounds), `allocation_log`
+(llama.cpp's allocation lines), `observed` (the observed footprint), `health` (liveness by inference),
+`admission` (worker-side admission), `booking` (what a starting runner releases, what runs unbooked), `slots`
+(which slot serves a request), `passthrough` (what the mesh does around a client's own body). Shells: `actor`
+(endpoints, one driver per instance), `driver`, `process`, `reaper`, `engine`, `preflight`, `records`,
+`upkeep`, and the serving path (`serving`, `forward`, `stream`, `state_file`, `server_api`).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+#: The pure cores: no I/O, no clock, no randomness, all of it passed in (`tests/test_import_rules.py` holds
+#: them, and everything else, to the import rules of the design).
+CORES: Final = frozenset(
+    {
+        "command", "drift", "lifecycle", "limits", "allocation_log", "observed", "health", "admission", "booking",
+        "slots", "passthrough",
+    }
+)  # fmt: skip
