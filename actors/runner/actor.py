@@ -31,6 +31,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Final
 
 import aiohttp
 import msgspec
@@ -108,6 +109,9 @@ __all__ = [
     "RunnerLimits",
     "default_restart_policy",
 ]
+
+#: The shortest time between two serving reports: the changes of a burst go out together.
+_REPORT_GAP_S: Final = 0.1
 
 
 class RunnerActor(Actor):
@@ -240,19 +244,22 @@ class RunnerActor(Actor):
 
     async def _serve(self, ctx: ActorContext, serving: Serving, session: aiohttp.ClientSession) -> None:
         """Keeps serving's view of the ready instances current and publishes the node's serving report on
-        every change (at most every 0.1 s) and every `report_interval_s`; closes the HTTP session at the end."""
+        every change (at most every `_REPORT_GAP_S`) and every `report_interval_s`; closes the HTTP session at
+        the end. It waits on `serving.changed`, which serving sets on every load change and the runner on every
+        change of an instance (its driver's state, its digest hashed, its driver gone): no polling."""
         loop = asyncio.get_running_loop()
-        last = -1e9
         try:
             while True:
                 self._sync_serving(serving)
-                now = loop.time()
-                if serving.changed.is_set() or now - last >= self.serving_limits.report_interval_s:
-                    serving.changed.clear()
-                    last = now
-                    with contextlib.suppress(nats.errors.Error):
-                        await ctx.bus.nc.publish(ctx.subjects.serving(self.node_id), encode(serving.report()))
-                await asyncio.sleep(0.1)
+                serving.changed.clear()  # after the sync, whose own changes this report carries
+                with contextlib.suppress(nats.errors.Error):
+                    await ctx.bus.nc.publish(ctx.subjects.serving(self.node_id), encode(serving.report()))
+                published = loop.time()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout_at(published + self.serving_limits.report_interval_s):
+                        await serving.changed.wait()
+                # Paces the reports: a burst of changes (slots taken and freed) goes out as one.
+                await asyncio.sleep(max(0.0, published + _REPORT_GAP_S - loop.time()))
         finally:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(5):
@@ -287,6 +294,8 @@ class RunnerActor(Actor):
         if future is None:
             future = asyncio.get_running_loop().run_in_executor(None, self._models.digests.digest, Path(path))
             self._identities[path] = future
+            serving = self._serving
+            future.add_done_callback(lambda _: serving.changed.set())  # the identity is known: sync again
             return None
         if not future.done():
             return None
@@ -383,6 +392,7 @@ class RunnerActor(Actor):
         self._drivers[instance_id] = driver
         serving = self._serving
         driver.busy = lambda: serving.busy(instance_id)  # no probe behind a running generation
+        driver.changed = serving.changed.set  # ready, restarted, stopping: the serving view follows at once
         self._identity(driver)  # the model file's digest, hashed while the server loads
         ctx.spawn(self._supervise(ctx, driver), f"instance:{instance_id}")
         with contextlib.suppress(TimeoutError):  # spawning takes milliseconds; the ack says where it stands
@@ -458,6 +468,7 @@ class RunnerActor(Actor):
             ctx.log.error("instance_driver_escaped", instance_id=driver.id, error=repr(exc))
         finally:
             self._drivers.pop(driver.id, None)
+            self._serving.changed.set()  # the instance is gone from the serving view
             self._finished[driver.id] = driver.status()
             while len(self._finished) > 256:
                 self._finished.popitem(last=False)

@@ -120,6 +120,9 @@ class InstanceDriver:
         self._stuck = ""  # set while the driver's own reap finds the server stuck
         self.health = InferenceHealth(failures=limits.timings.liveness_failures)
         self.busy: Callable[[], bool] = lambda: False  # whether a generation runs on it (set by the runner)
+        # Called after each change of what others read (state, port, restarts): the runner's serving view is
+        # brought up to date then, rather than by looking every few milliseconds (set by the runner).
+        self.changed: Callable[[], None] = lambda: None
         self._generation = -1
         self._bound = ctx.log.bind(instance_id=instance_id, reservation_id=reservation.reservation_id)
 
@@ -199,6 +202,7 @@ class InstanceDriver:
                     if isinstance(event, lc.Spawned | lc.SpawnFailed):
                         self.spawned.set()
                     if actions:  # something changed (state, pid, port, observed memory): rewrite the record
+                        self.changed()
                         await self._write_status()
                     if self.machine.done or self.machine.phase is lc.Phase.STUCK:
                         self.settled.set()

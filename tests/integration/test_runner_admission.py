@@ -24,6 +24,7 @@ import pytest
 
 from actors.runner.actor import RunnerActor, RunnerLimits
 from actors.runner.lifecycle import Timings
+from actors.runner.serving import Serving, ServingLimits
 from messages.placement import NodeLedger
 from messages.runner import StopInstance
 from runtime import buckets
@@ -297,3 +298,39 @@ async def test_the_exec_wrapper_refuses_to_run_the_server_when_its_parent_is_alr
     assert not marker.exists()
     ours = await asyncio.create_subprocess_exec(*dying_with_parent(program, signal.SIGKILL, os.getpid()))
     assert await ours.wait() == 0 and marker.exists()
+
+
+# --- the serving report ----------------------------------------------------------------------------------------
+
+
+async def test_an_instances_change_reaches_the_serving_report_at_once_and_an_idle_runner_does_not_poll(
+    bus: Bus, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The serving loop waits on changes: it looked every 0.1 s, and published only load changes or every
+    # report_interval_s (here a minute), so a starting or stopping instance waited for the next look at best.
+    syncs: list[int] = []
+    sync = RunnerActor._sync_serving
+
+    def counted(self: RunnerActor, serving: Serving) -> None:
+        syncs.append(1)
+        sync(self, serving)
+
+    monkeypatch.setattr(RunnerActor, "_sync_serving", counted)
+    await _put_ledger(bus, _reservation("r-report", model, SETTINGS, 512))
+    await _put_telemetry(bus)
+    reports = await bus.nc.subscribe(SUBJECTS.serving(NODE))
+    actor = RunnerActor(
+        NODE, tmp_path / "data", Path(sys.executable), lambda: SETTINGS, limits=QUICK,
+        rewrite_command=lambda argv: SLEEPER, serving_limits=ServingLimits(report_interval_s=60.0),
+    )  # fmt: skip
+    async with supervised(bus, [actor], node_id=NODE):
+        await reports.next_msg(timeout=10)  # the first report, at start
+        ack = await _start(bus, "r-report")
+        await reports.next_msg(timeout=10)  # the instance is starting
+        stopped = await _request(bus, "stop", StopInstance(instance_id=ack.instance_id))
+        assert stopped.state == "stopped"
+        await reports.next_msg(timeout=10)  # and gone
+        # A sync per change (the start, the spawn, the digest hashed, the stop, the driver's end), not ten a
+        # second: the generous bound holds on a loaded machine, where the old loop looked dozens of times.
+        assert len(syncs) <= 12, len(syncs)
+    await reports.unsubscribe()
