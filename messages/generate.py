@@ -110,8 +110,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     api: ApiCall | None = None
     n_predict: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 128
     sampling: Sampling = Sampling()
-    # The subject for chunks: an inbox (`_INBOX.` and tokens), so no request can make a runner publish elsewhere
+    # The subject for chunks: an inbox (`_INBOX.` and tokens), so no request can make a runner publish elsewhere.
+    # Its pings also tell the runner the requester is still there: one that left stops the generation.
     stream: Annotated[str, msgspec.Meta(max_length=256, pattern=r"^_INBOX(\.[A-Za-z0-9_-]+)+$")] | None = None
+    chunks: bool = True  # False: no chunks on `stream`, only its pings (a whole reply whose requester is watched)
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 300.0  # the whole generation, routing included
     request_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
     capture: bool = True  # False: do not store this request's states in L3

@@ -10,6 +10,7 @@ Every value is validated once, here; an invalid one is a `ConfigError` naming it
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import tomllib
@@ -126,9 +127,6 @@ def _budget(text: Any) -> int:
     return 0 if str(text).strip() in ("0", "0B", "0b") else parse_size(str(text))
 
 
-_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
 def _http(text: Any) -> tuple[str, int]:
     """`HOST:PORT`, or a bare `PORT` (loopback)."""
     value = str(text).strip()
@@ -141,7 +139,14 @@ def _http(text: Any) -> tuple[str, int]:
 
 
 def is_loopback(host: str) -> bool:
-    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+    """Whether `host` names this machine's loopback interface: `localhost`, or an address in 127.0.0.0/8 or
+    ::1 (a name that merely begins with "127." is any host)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _listen(text: Any) -> tuple[str, int | None]:
@@ -228,6 +233,7 @@ _OPTIONS: dict[str, Callable[[Any], Any]] = {
     "l3_budget": _budget,
     "http": _http,
     "api_key": str,
+    "api_key_file": str,
     "cluster_listen": _address,
     "join": _routes,
     "cluster_secret": str,
@@ -270,16 +276,21 @@ def _read_toml(path: Path) -> dict[str, Any]:
     return data
 
 
-def read_password_file(path: str) -> str:
-    """The NATS password kept in a file (its first line), so it never appears in a process's argv."""
+def read_secret_file(path: str, what: str) -> str:
+    """A secret kept in a file (its first line), so it never appears in a process's argv."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read the NATS password file {path}: {exc}") from exc
-    password = text.splitlines()[0] if text else ""
-    if not password:
-        raise ConfigError(f"the NATS password file {path} is empty")
-    return password
+        raise ConfigError(f"cannot read the {what} file {path}: {exc}") from exc
+    secret = text.splitlines()[0] if text else ""
+    if not secret:
+        raise ConfigError(f"the {what} file {path} is empty")
+    return secret
+
+
+def read_password_file(path: str) -> str:
+    """The NATS password kept in a file (its first line)."""
+    return read_secret_file(path, "NATS password")
 
 
 def _password(values: Mapping[str, Any]) -> str | None:
@@ -405,11 +416,19 @@ def load_config(
 
 
 def _api_key(values: Mapping[str, Any]) -> str | None:
+    """The front door's key: from a file (`--api-key-file`, its first line) or `MESH_ACTOR_API_KEY` or the config
+    file, never from the command line (every user of the host can read a process's argv)."""
     key: str | None = values.get("api_key")
+    path = values.get("api_key_file")
+    if path is not None:
+        if key is not None:
+            raise ConfigError("give the API key once: --api-key-file or MESH_ACTOR_API_KEY, not both")
+        key = read_secret_file(str(path), "API key")
     http = values.get("http")
     if http is not None and not is_loopback(http[0]) and not key:
         raise ConfigError(
-            f"the front door listens on {http[0]}, beyond loopback: set an API key (--api-key or MESH_ACTOR_API_KEY)"
+            f"the front door listens on {http[0]}, beyond loopback: set an API key (--api-key-file FILE or "
+            "MESH_ACTOR_API_KEY)"
         )
     return key
 

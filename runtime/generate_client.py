@@ -1,10 +1,10 @@
 """The client side of `mesh.generate`: one call, optionally streamed (used by the CLI and the front door).
 
-With `on_chunk`, the call subscribes to a fresh inbox subject, names it as the request's `stream`, answers the
-runner's liveness pings, and hands chunks to `on_chunk` in `seq` order (a chunk that arrives early waits for
-the ones before it; at most `max_pending` wait). The reply ends the stream: chunks still missing then are
-reported as a gap (`StreamGap`), never silently dropped. Cancelling the call unsubscribes, so the runner's next
-ping finds no listener and stops the generation.
+Every call subscribes to a fresh inbox subject, names it as the request's `stream` and answers the runner's
+liveness pings there; with `on_chunk` it also asks for chunks and hands them to `on_chunk` in `seq` order (a
+chunk that arrives early waits for the ones before it; at most `max_pending` wait). The reply ends the stream:
+chunks still missing then are reported as a gap (`StreamGap`), never silently dropped. Cancelling the call
+unsubscribes, so the runner's next ping finds no listener and stops the generation, streamed or not.
 
 `forward` does the same for a pass-through request (`api`): the relayed answer's head goes to `on_head` and its
 data, in order, to `on_data`; it always subscribes, so a requester that leaves stops the server's work whether
@@ -52,9 +52,7 @@ async def generate(
     max_pending: int = 4096,
 ) -> GenerateResult:
     timeout = request.timeout_s + REPLY_SLACK_S
-    if on_chunk is None:
-        return await bus.request(subjects.generate, request, GenerateResult, timeout=timeout)
-    subject = bus.nc.new_inbox()
+    subject = bus.nc.new_inbox()  # even without chunks: its pings let the runner stop when this call is gone
     chunks: asyncio.Queue[GenerateChunk | None] = asyncio.Queue()  # None: the reply came
 
     async def on_message(msg: Msg) -> None:
@@ -81,12 +79,15 @@ async def generate(
             if len(early) > max_pending:
                 raise StreamGap(f"chunk {next_seq} is missing and {len(early)} later ones wait")
             while next_seq in early:
-                await on_chunk(early.pop(next_seq))
+                if on_chunk is not None:
+                    await on_chunk(early.pop(next_seq))
+                else:
+                    early.pop(next_seq)
                 next_seq += 1
 
     delivering = asyncio.create_task(deliver(), name="generate-stream")
     try:
-        streamed = msgspec.structs.replace(request, stream=subject)
+        streamed = msgspec.structs.replace(request, stream=subject, chunks=on_chunk is not None)
         try:
             result = await bus.request(subjects.generate, streamed, GenerateResult, timeout=timeout)
         except BaseException:

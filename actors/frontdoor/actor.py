@@ -40,6 +40,7 @@ from actors.frontdoor import shapes
 from actors.frontdoor.catalog import Catalog, CatalogModel
 from actors.frontdoor.lifecycle import ArrivalOrder, NeverFits, Running, Stop, Wait, idle_expired, plan_room
 from actors.placement.ledger import device_sizes
+from actors.runner import passthrough
 from actors.runner.records import TTL_HEADER
 from messages.errors import (
     BAD_REQUEST,
@@ -67,6 +68,11 @@ from runtime.generate_client import StreamGap, forward
 from runtime.model_files import ModelFileError, resolve
 
 __all__ = ["FrontDoorActor"]
+
+#: How long a connection may stay idle, or take to send a request's head, before it is closed.
+KEEPALIVE_TIMEOUT_S: Final = 20.0
+#: How long a request's body may take to arrive once its head has (and its key was checked).
+BODY_TIMEOUT_S: Final = 30.0
 
 
 class _Model:
@@ -126,7 +132,10 @@ class FrontDoorActor(Actor):
         ctx.spawn(self._watch_instances(ctx, kv, ready), "watch-instances")
         async with asyncio.timeout(10):
             await ready.wait()
-        runner = web.AppRunner(self._app(), handler_cancellation=True, access_log=None)
+        # keepalive_timeout also bounds a new connection that never completes its request's head
+        runner = web.AppRunner(
+            self._app(), handler_cancellation=True, access_log=None, keepalive_timeout=KEEPALIVE_TIMEOUT_S
+        )
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port, shutdown_timeout=5.0)
         await site.start()
@@ -234,13 +243,15 @@ class FrontDoorActor(Actor):
         and the server's answer comes back as it sent it (its model named as the client named it)."""
         endpoint = shapes.ENDPOINTS[request.path]
         shape = shapes.shape_of(request.path)
-        raw = await request.read()  # over the limit: 413 (answered by `_errors`)
         try:
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise shapes.ApiError(BAD_REQUEST, f"the body is not JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise shapes.ApiError(BAD_REQUEST, "the body is a JSON object")
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                raw = await request.read()  # over the limit: 413 (answered by `_errors`)
+        except TimeoutError as exc:
+            raise shapes.ApiError(BAD_REQUEST, f"the body did not arrive within {BODY_TIMEOUT_S:g}s") from exc
+        try:
+            body = passthrough.decode_body(raw)
+        except ValueError as exc:
+            raise shapes.ApiError(BAD_REQUEST, str(exc)) from exc
         name = body.get("model")
         if not isinstance(name, str) or not name:
             raise shapes.ApiError(BAD_REQUEST, "`model` is required: a model of /v1/models", param="model")

@@ -94,11 +94,9 @@ class Forwarder:
         call = request.api
         assert call is not None and request.stream is not None  # a pass-through names both (GenerateRequest)
         try:
-            body = json.loads(bytes(call.body))
+            body = passthrough.decode_body(bytes(call.body))
         except ValueError as exc:
-            raise RequestError(BAD_REQUEST, f"the body is not JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise RequestError(BAD_REQUEST, "the body is a JSON object")
+            raise RequestError(BAD_REQUEST, str(exc)) from exc
         relay = ChunkStream(serving.bus, request.stream, order.request_id, serving.limits.stream_silence_s)
         path = API_PATHS[call.endpoint]
         if passthrough.endpoint_kind(call.endpoint) != "generate":

@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+import msgspec
+
 from messages.generate import GENERATING_ENDPOINTS
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "Template",
     "Tokenize",
     "answer_tokens",
+    "decode_body",
     "endpoint_kind",
     "forward_body",
     "has_media",
@@ -71,6 +74,20 @@ class Given:
     """The prompt is these token ids."""
 
     tokens: tuple[int, ...]
+
+
+def decode_body(data: bytes) -> dict[str, Any]:
+    """A client's body as a JSON object; ValueError saying what is wrong with it otherwise (not JSON, not an
+    object, nested deeper than a decoder's recursion allows)."""
+    try:
+        body = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"the body is not JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ValueError("the body is nested too deeply") from exc
+    if not isinstance(body, dict):
+        raise ValueError("the body is a JSON object")
+    return body
 
 
 def render_plan(endpoint: str, body: Mapping[str, Any]) -> Template | Tokenize | Given | None:

@@ -27,7 +27,6 @@ nothing), and the slot is freed whatever happens.
 from __future__ import annotations
 
 import asyncio
-import json
 import platform
 import sys
 import time
@@ -42,12 +41,14 @@ from actors.handoff.actor import HandoffActor, HandoffFailed
 from actors.l3.api import L3Access, L3Hit, L3Unavailable
 from actors.l3.identity import DraftSettings, Platform, StateInputs, exact_state_identity
 from actors.router.prefixes import resident_prefixes
+from actors.runner import passthrough
 from actors.runner.forward import Forwarder
 from actors.runner.server_api import ServerApi, ServerApiError, sampling_body
 from actors.runner.slots import Grant, SlotTable
 from actors.runner.state_file import PAYLOAD_KIND, SaveFailed, remove_file
 from actors.runner.stream import ChunkStream, ClientGone
 from messages.errors import BAD_REQUEST, NOT_FOUND, TIMEOUT, UNAVAILABLE
+from messages.events import GenerateCancelled
 from messages.generate import (
     ApiCall,
     GenerateResult,
@@ -256,11 +257,9 @@ class Serving:
         """A pass-through body's prompt tokens as the instance renders them (none when it has no single prompt)."""
         instance = self.instance(instance_id)
         try:
-            body = json.loads(bytes(call.body))
+            body = passthrough.decode_body(bytes(call.body))
         except ValueError as exc:
-            raise RequestError(BAD_REQUEST, f"the body is not JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise RequestError(BAD_REQUEST, "the body is a JSON object")
+            raise RequestError(BAD_REQUEST, str(exc)) from exc
         return await self._forwarder.render(instance, call.endpoint, body) or []
 
     def busy(self, instance_id: str) -> bool:
@@ -421,21 +420,30 @@ class Serving:
                 if event.get("stop"):
                     final = event
 
+        async def whole() -> None:
+            # Whole: the reply lists every token id (a stream leaves out the ids of tokens whose bytes it held
+            # back as incomplete UTF-8). Closing the connection (a deadline, a requester gone) stops the server.
+            nonlocal final, generated, text
+            final = await self.api.json(instance.port, "POST", "/completion", body, timeout_s=request.timeout_s)
+            generated = [t for t in final.get("tokens") or () if isinstance(t, int)]
+            text = [str(final.get("content") or "")]
+
         try:
             if stream is None:
-                # Whole: the reply lists every token id (a stream leaves out the ids of tokens whose bytes it
-                # held back as incomplete UTF-8). Closing the connection at a deadline still stops the server.
-                final = await self.api.json(instance.port, "POST", "/completion", body, timeout_s=request.timeout_s)
-                generated = [t for t in final.get("tokens") or () if isinstance(t, int)]
-                text = [str(final.get("content") or "")]
-            else:
+                await whole()
+            else:  # the requester's subject: chunks there (unless it asked for none), and its liveness checked
                 async with asyncio.TaskGroup() as tg:
                     watcher = tg.create_task(stream.watch())
-                    await complete()
+                    await (complete() if request.chunks else whole())
                     watcher.cancel()
         except* ClientGone as group:
-            _log.info("stream_client_gone", request_id=order.request_id, reason=str(group.exceptions[0]))
+            reason = str(group.exceptions[0])
+            _log.info("stream_client_gone", request_id=order.request_id, reason=reason)
             stop = "cancelled"
+            self.emit(
+                GenerateCancelled, request_id=order.request_id, instance_id=instance.id, endpoint="",
+                tokens_generated=len(generated), reason=reason,
+            )  # fmt: skip
         except* ServerApiError as group:
             error = group.exceptions[0]
             status = getattr(error, "status", None)

@@ -151,7 +151,10 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     run.add_argument(
         "--http", metavar="[HOST:]PORT", help="serve the OpenAI-compatible front door there (HOST default: loopback)"
     )
-    run.add_argument("--api-key", metavar="KEY", help="bearer key the front door requires (needed beyond loopback)")
+    run.add_argument(
+        "--api-key-file", metavar="FILE",
+        help="file whose first line is the key the front door requires (needed beyond loopback; or MESH_ACTOR_API_KEY)",
+    )  # fmt: skip
     run.add_argument(
         "--health-probe-interval",
         type=float,
@@ -213,7 +216,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "log_level": args.log_level,
         "l3_budget": args.l3_budget,
         "http": args.http,
-        "api_key": args.api_key,
+        "api_key_file": args.api_key_file,
         "health_probe_interval": args.health_probe_interval,
         "health_probe_timeout": args.health_probe_timeout,
         "frontdoor_grouping": args.frontdoor_grouping,

@@ -31,6 +31,7 @@ from tests.tiny_models import write_llama
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 QUIET = ("--cache-ram", "0", "--ctx-checkpoints", "0", "--parallel", "2")
 KEY = "test-key-123"
+KEYED = {"MESH_ACTOR_API_KEY": KEY}  # the key in the environment: never on a command line
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ async def test_completions_and_chat_whole_and_streamed_with_usage(tmp_path: Path
     data_dir = tmp_path / "node"
     write_catalog(data_dir, {"alpha": {"path": str(models["alpha"]), "ctx": 2048}})
     port = free_port()
-    async with node(data_dir, "door", *QUIET, "--http", str(port), "--api-key", KEY):
+    async with node(data_dir, "door", *QUIET, "--http", str(port), env=KEYED):
         await wait_nodes(data_dir, "door")
         api = client(port)
         assert [m.id for m in (await api.models.list()).data] == ["alpha"]
@@ -118,7 +119,7 @@ async def test_bad_requests_get_openai_errors_and_what_the_server_accepts_passes
     data_dir = tmp_path / "node"
     write_catalog(data_dir, {"alpha": {"path": str(models["alpha"]), "ctx": 2048}})
     port = free_port()
-    async with node(data_dir, "strict", *QUIET, "--http", str(port), "--api-key", KEY):
+    async with node(data_dir, "strict", *QUIET, "--http", str(port), env=KEYED):
         await wait_nodes(data_dir, "strict")
         with pytest.raises(openai.AuthenticationError) as unauthorized:
             await client(port, "wrong").models.list()
@@ -158,7 +159,7 @@ async def test_two_models_take_turns_in_memory_for_one_and_no_request_is_lost(
     limit = max(need(models["alpha"]), need(models["beta"])) * 3 // 2  # one at a time
     assert need(models["alpha"]) + need(models["beta"]) > limit and need(models["huge"]) > limit
     port = free_port()
-    async with node(data_dir, "swap", *QUIET, "--memory-limit", str(limit), "--http", str(port), "--api-key", KEY):
+    async with node(data_dir, "swap", *QUIET, "--memory-limit", str(limit), "--http", str(port), env=KEYED):
         await wait_nodes(data_dir, "swap")
         api = client(port)
         with pytest.raises(openai.APIStatusError) as never:
@@ -198,7 +199,7 @@ async def test_pinned_stays_idle_stops_and_a_model_loaded_again_resumes_from_l3(
         },
     )
     port = free_port()
-    async with node(data_dir, "ttl", *QUIET, "--http", str(port), "--api-key", KEY):
+    async with node(data_dir, "ttl", *QUIET, "--http", str(port), env=KEYED):
         await wait_nodes(data_dir, "ttl")
         api = client(port)
         prompt = [1 + (i * 7) % 250 for i in range(300)]
@@ -257,7 +258,7 @@ async def test_a_server_whose_completions_fail_while_health_says_ok_is_restarted
     write_catalog(data_dir, {"alpha": {"path": str(models["alpha"]), "ctx": 2048}})
     port = free_port()
     probing = ("--health-probe-interval", "1", "--health-probe-timeout", "2")
-    async with node(data_dir, "wedge", *QUIET, *probing, "--http", str(port), "--api-key", KEY):
+    async with node(data_dir, "wedge", *QUIET, *probing, "--http", str(port), env=KEYED):
         await wait_nodes(data_dir, "wedge")
         api = client(port)
         assert (await api.completions.create(model="alpha", prompt="before", max_tokens=2)).choices
@@ -320,7 +321,7 @@ async def test_one_default_node_serves_two_models_with_their_own_slots_and_cache
         },
     )  # fmt: skip
     port = free_port()
-    async with node(data_dir, "mixed", *QUIET, "--max-slots", "8", "--http", str(port), "--api-key", KEY):
+    async with node(data_dir, "mixed", *QUIET, "--max-slots", "8", "--http", str(port), env=KEYED):
         await wait_nodes(data_dir, "mixed")
         api = client(port)
         for name in ("alpha", "beta"):

@@ -234,6 +234,24 @@ async def test_streamed_chunks_arrive_in_order_and_a_client_that_goes_away_frees
             after: GenerateResult = await generate(bus, subjects, quick)  # the one slot is free again
             assert len(after.tokens) == 2
 
+            # A whole (not streamed) generation whose requester leaves stops too: the call's inbox is pinged.
+            whole = asyncio.create_task(generate(bus, subjects, long))
+            async with asyncio.timeout(30):
+                while not await slot_busy(port):
+                    await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)
+            whole.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await whole
+            # llama-server notices a closed connection of a whole answer once it waited a second without any
+            # other result, which a /slots request is: the slot is read once, after that
+            await asyncio.sleep(1.5)
+            assert not await slot_busy(port)
+            async with asyncio.timeout(10):
+                while not (gone := await events(data_dir, "runner.generate_cancelled")):
+                    await asyncio.sleep(0.2)
+            assert gone[-1]["endpoint"] == "" and gone[-1]["reason"]
+
 
 def loop_time() -> float:
     return asyncio.get_running_loop().time()
@@ -385,3 +403,9 @@ async def test_prefill_on_one_node_and_decode_on_another_gives_the_local_output(
             for bad in (("--size-mib", "1"), ("--rounds", "0")):  # refused here, before any node is asked
                 code, out, err = await cli(*probe[:5], *bad, env=env)
                 assert code == 2 and "bad probe" in err, (bad, code, err)
+
+
+async def events(data_dir: Path, kind: str) -> list[dict[str, Any]]:
+    code, out, err = await cli("events", "--json", "--subject", kind, "--data-dir", str(data_dir))
+    assert code == 0, err
+    return [json.loads(line)["event"] for line in out.splitlines() if line.strip()]

@@ -26,7 +26,7 @@ import pytest
 import pytest_asyncio
 
 from runtime.children import free_port
-from tests.e2e.test_frontdoor import KEY, client, instances, write_catalog
+from tests.e2e.test_frontdoor import KEY, KEYED, client, instances, write_catalog
 from tests.e2e.test_mesh import cli, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.tiny_chat_models import IM_END, TOOL_BIAS, write_tool_chat
@@ -143,9 +143,7 @@ async def door(tmp_path_factory: pytest.TempPathFactory, chat_model: Path) -> As
     data_dir = tmp_path_factory.mktemp("passthrough") / "node"
     write_catalog(data_dir, {"chat": {"path": str(chat_model), "ctx": 65536}})  # slots of 32k: long answers
     port = free_port()
-    async with node(
-        data_dir, "door", *QUIET, "--http", str(port), "--api-key", KEY, "--model-root", str(chat_model.parent)
-    ):
+    async with node(data_dir, "door", *QUIET, "--http", str(port), "--model-root", str(chat_model.parent), env=KEYED):
         await wait_nodes(data_dir, "door")
         front = Door(data_dir, port)
         await client(port).chat.completions.create(model="chat", messages=USER, max_tokens=1)  # loads the model
@@ -352,6 +350,7 @@ async def test_bad_input_gets_the_endpoints_error_shape_and_the_node_keeps_servi
             ("/v1/chat/completions", b"not json", 400),
             ("/v1/chat/completions", b"[1, 2]", 400),
             ("/v1/chat/completions", b'{"messages": []}', 400),  # no model
+            ("/v1/chat/completions", b'{"model": "chat", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
             ("/v1/chat/completions", b'{"model": "nope", "messages": []}', 404),
             ("/v1/chat/completions", b'{"model": "chat", "prompt": "' + b"x" * (2 << 20) + b'"}', 413),
             ("/v1/nowhere", b"{}", 404),

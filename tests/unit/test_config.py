@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from messages.settings import SettingsBounds
-from runtime.config import ConfigError, load_config
+from runtime.config import ConfigError, is_loopback, load_config
 from runtime.sizes import format_size, parse_size
 
 
@@ -130,3 +130,24 @@ def test_bounds_of_a_models_own_settings_come_from_flags_environment_and_file(tm
     assert flagged.bounds.max_slots == 2 and flagged.bounds.flash_attn == ("on",)
     with pytest.raises(ConfigError, match="bounds"):
         load_config({"data_dir": str(tmp_path)}, {"MESH_ACTOR_BOUNDS_CACHE_TYPES": "f16,q3"})
+
+
+def test_the_api_key_comes_from_a_file_or_the_environment_never_argv(tmp_path: Path) -> None:
+    keyfile = tmp_path / "key"
+    keyfile.write_text("s3cret\n")
+    beyond = {"data_dir": str(tmp_path), "http": "0.0.0.0:8080"}
+    assert load_config({**beyond, "api_key_file": str(keyfile)}, {}).api_key == "s3cret"
+    assert load_config(beyond, {"MESH_ACTOR_API_KEY": "env"}).api_key == "env"
+    with pytest.raises(ConfigError, match="once"):
+        load_config({**beyond, "api_key_file": str(keyfile)}, {"MESH_ACTOR_API_KEY": "env"})
+    with pytest.raises(ConfigError, match="beyond loopback"):
+        load_config(beyond, {})
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("127.0.0.1", True), ("127.4.5.6", True), ("::1", True), ("localhost", True),
+     ("127.evil.example.com", False), ("0.0.0.0", False), ("10.0.0.1", False), ("example.com", False)],
+)  # fmt: skip
+def test_only_loopback_addresses_are_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback

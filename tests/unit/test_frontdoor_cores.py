@@ -126,6 +126,14 @@ def test_a_relayed_answer_names_the_catalog_model_and_nothing_else_changes() -> 
 # ---- pass-through (runner core) ----
 
 
+def test_a_body_is_a_json_object_and_deep_nesting_is_a_clear_error() -> None:
+    assert passthrough.decode_body(b'{"model": "m", "x": [1]}') == {"model": "m", "x": [1]}
+    for data, why in ((b"{", "not JSON"), (b"[1]", "JSON object"), (b'{"x":' + b"[" * 10**5 + b"]" * 10**5 + b"}",
+                                                                         "nested too deeply")):  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            passthrough.decode_body(data)
+
+
 def test_only_the_slot_is_set_in_a_forwarded_body() -> None:
     body = {"model": "m", "messages": [], "tools": [{"x": 1}], "id_slot": 3, "n": 2, "logprobs": True}
     forwarded = passthrough.forward_body(body, 1)
