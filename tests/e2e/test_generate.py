@@ -11,13 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 
-from messages.generate import GenerateChunk, GenerateRequest, GenerateResult
+from messages.generate import GenerateChunk, GenerateRequest, GenerateResult, InstanceLoad, ServingReport
 from messages.subjects import Subjects
 from runtime.bus import Bus
 from runtime.config import NatsOptions
@@ -118,7 +120,7 @@ async def test_routing_sends_a_prompt_to_the_instance_that_holds_it(tmp_path: Pa
         served = await gen(data_dir, "dense", PROMPT, 4, "--no-capture")
         holder = served["instance"]
         assert holder in (first, second)
-        await asyncio.sleep(0.5)  # the runner's serving report (resident prefixes) reaches the router
+        await wait_serving(data_dir, lambda loads: holder in loads and bool(loads[holder].resident))
         for _ in range(3):
             again = await gen(data_dir, "dense", PROMPT, 4, "--no-capture")
             assert again["instance"] == holder and again["source"] == "resident", again
@@ -153,6 +155,18 @@ async def client(data_dir: Path) -> Any:
         yield bus
     finally:
         await bus.close()
+
+
+async def wait_serving(data_dir: Path, holds: Callable[[dict[str, InstanceLoad]], bool]) -> None:
+    """Until the runners' serving reports, which every router reads, say what `holds` wants (the latest load of
+    each instance, by id). A router hears a report as this test does; the next request comes after."""
+    async with client(data_dir) as bus:
+        reports = await bus.nc.subscribe(Subjects().serving_all)
+        latest: dict[str, InstanceLoad] = {}
+        async with asyncio.timeout(30):
+            while not holds(latest):
+                report = msgspec.json.decode((await reports.next_msg(timeout=30)).data, type=ServingReport)
+                latest.update({load.instance_id: load for load in report.instances})
 
 
 async def test_malformed_generate_requests_get_structured_errors_and_the_node_keeps_serving(
@@ -338,9 +352,12 @@ async def test_routing_prefers_the_node_whose_store_holds_the_prefix(tmp_path: P
             await wait_captured(first, len(PROMPT) - 1)
             code, _, err = await cli("stop", on_a, "--data-dir", str(first))
             assert code == 0, err
-            await start_on("node-b")  # nothing resident anywhere now; node-a's store holds the prefix
-            await start_on("node-a")
-            await asyncio.sleep(0.5)  # both runners' serving reports reach the router
+            on_b = await start_on("node-b")  # nothing resident anywhere now; node-a's store holds the prefix
+            on_a = await start_on("node-a")
+            # Both runners' serving reports name their instances' identities (what L3 credit needs).
+            await wait_serving(
+                first, lambda loads: all(i in loads and loads[i].identity is not None for i in (on_a, on_b))
+            )
             routed = await gen(first, model.name, PROMPT, 4)
             assert routed["node"] == "node-a" and routed["source"] == "l3_local", routed
             assert routed["tokens_evaluated"] == 1

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 from nats.js.api import StreamConfig
 
 from messages.subjects import Subjects
+from runtime import direct_get
 from runtime.bus import Bus
 from runtime.direct_get import DirectGetFailed, StoredMessage, follow_stored, read_batch, read_stored
 from runtime.journal import ensure_events_stream
@@ -72,7 +74,17 @@ async def test_following_yields_what_is_stored_later_as_it_comes(bus: Bus) -> No
     assert [m.seq for m in got] == first + later
 
 
-async def test_following_from_a_time_with_nothing_stored_since_waits_for_new_messages(bus: Bus) -> None:
+async def test_following_from_a_time_with_nothing_stored_since_waits_for_new_messages(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first_read = asyncio.Event()
+
+    async def watched(*args: Any, **kwargs: Any) -> tuple[list[StoredMessage], int]:
+        found = await read_batch(*args, **kwargs)
+        first_read.set()
+        return found
+
+    monkeypatch.setattr(direct_get, "read_batch", watched)
     await _publish(bus, 2)
     await asyncio.sleep(0.01)
     since = datetime.now(UTC)
@@ -84,7 +96,8 @@ async def test_following_from_a_time_with_nothing_stored_since_waits_for_new_mes
 
     task = asyncio.create_task(follow())
     try:
-        await asyncio.sleep(0.2)  # the first read found nothing: it must not fall back to the stream's start
+        async with asyncio.timeout(10):
+            await first_read.wait()  # it found nothing: the next must not fall back to the stream's start
         later = await _publish(bus, 1, start=2)
         async with asyncio.timeout(10):
             while not got:

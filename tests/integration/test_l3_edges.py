@@ -10,7 +10,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -188,9 +188,22 @@ async def test_an_entry_evicted_a_moment_before_a_restore_is_gone_not_corrupt(
     assert not [e for e in journal_reader.events if e.get("type") == "l3_quarantined"]  # no false quarantine
 
 
+class _WatchedLock(asyncio.Lock):
+    """An `asyncio.Lock` that says when an acquire had to wait."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = asyncio.Event()
+
+    async def acquire(self) -> Literal[True]:
+        if self.locked():
+            self.waited.set()
+        return await super().acquire()
+
+
 @pytest.mark.timeout(60)
 async def test_gc_beside_a_fetch_leaves_the_fetch_whole(
-    bus: Bus, journal_reader: JournalReader, tmp_path: Path
+    bus: Bus, journal_reader: JournalReader, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tokens = list(range(1, 41))
     async with l3_node(bus, tmp_path / "a", "node-a") as a, l3_node(bus, tmp_path / "b", "node-b") as b:
@@ -204,9 +217,12 @@ async def test_gc_beside_a_fetch_leaves_the_fetch_whole(
 
         hit = await _until(from_a)
         incoming = tmp_path / "b" / "l3" / layout.INCOMING_DIR
-        async with b._keeper.mutate:  # a long ingest holds the store: gc waits for it, the fetch starts
+        lock = _WatchedLock()
+        monkeypatch.setattr(b._keeper, "mutate", lock)  # the store's lock, telling when someone waits for it
+        async with lock:  # a long ingest holds the store: gc waits for it, the fetch starts
             gc = asyncio.create_task(bus.request(S.l3("node-b", "gc"), GcRequest(), GcReply, timeout=20))
-            await asyncio.sleep(0.2)  # the gc request is in, waiting for the lock
+            async with asyncio.timeout(10):
+                await lock.waited.wait()  # the gc request is in, waiting for the lock
             fill = asyncio.create_task(b.materialize(hit, tmp_path / "b.bin", deadline_s=20))
 
             def fetched_all() -> bool:

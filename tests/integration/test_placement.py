@@ -29,6 +29,7 @@ from messages.settings import ServingSettings
 from messages.subjects import Subjects
 from messages.telemetry import HostInfo, LlamaServerInfo, NodeResources
 from runtime import buckets
+from runtime.actor import ActorContext
 from runtime.bus import Bus, NoResponders, decode, encode
 from runtime.cli.placement import _build_entry
 from runtime.journal import Journal
@@ -404,7 +405,7 @@ async def test_replay_finds_a_changed_decision_after_a_core_change_and_none_othe
 
 
 async def test_an_unreadable_ledger_refuses_its_node_and_placement_keeps_serving(
-    bus: Bus, placement: PlacementActor, models: dict[str, Path]
+    bus: Bus, placement: PlacementActor, models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await put_telemetry(bus, report("broken", 8 * GIB))
     await put_telemetry(bus, report("fine", 2 * GIB))
@@ -417,7 +418,17 @@ async def test_an_unreadable_ledger_refuses_its_node_and_placement_keeps_serving
     only = await place(bus, ask(models["dense"], nodes=["broken"]))
     assert not only.admitted and only.reason == "ledger_unreadable"
     assert (await kv.get(ledger_key("broken"))).value == b'{"node_id": "broken", "reservations": [{"oops": 1}]}'
-    await asyncio.sleep(0.5)  # a few sweeps over the broken ledger: the actor is still up and answering
+    sweeps = asyncio.Semaphore(0)
+    sweep = placement.reconcile
+
+    async def counted(ctx: ActorContext) -> None:
+        await sweep(ctx)
+        sweeps.release()
+
+    monkeypatch.setattr(placement, "reconcile", counted)
+    async with asyncio.timeout(10):
+        for _ in range(2):  # a few sweeps over the broken ledger: the actor is still up and answering
+            await sweeps.acquire()
     assert (await place(bus, ask(models["dense"]), fit=True)).admitted
 
 
@@ -451,8 +462,13 @@ async def test_lying_telemetry_and_malformed_runner_events_change_nothing(
     liar["host"]["usable_bytes"] = -1  # negative memory
     await nodes.put("liar", json.dumps(liar).encode())
     await nodes.put("impostor", encode(report("honest", 64 * GIB)))  # claims another node's id
-    await wait_view(placement, "honest")
-    await asyncio.sleep(0.3)  # the bad reports have been seen (and refused) by now
+    # The watch applies the bucket in order: once a later report is in the view, the bad ones were handled.
+    await nodes.put("marker", encode(report("marker", 4 * GIB)))
+    await wait_view(placement, "honest", "marker")
+    await nodes.delete("marker")
+    async with asyncio.timeout(10):
+        while "marker" in placement._view:
+            await asyncio.sleep(0.02)
     assert set(placement._view) == {"honest"}
 
     decision = await place(bus, ask(models["dense"]))
