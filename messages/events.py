@@ -107,6 +107,7 @@ class DecisionInputs(msgspec.Struct, frozen=True, kw_only=True):
     model_path: str | None
     unreadable_ledgers: tuple[str, ...] = ()  # nodes whose reservation ledger did not decode
     decision: PlacementDecision
+    draft_geometry: ModelGeometry | None = None  # the draft model's header facts (`model.draft`), as read
 
 
 class DecisionRecordRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -133,6 +134,7 @@ class PlacementDecided(Event, frozen=True, kw_only=True, tag="placement_decided"
     unreadable_ledgers: tuple[str, ...] = ()
     decision: PlacementDecision
     record: DecisionRecordRef | None = None
+    draft_geometry: ModelGeometry | None = None
 
 
 class ReservationReleased(Event, frozen=True, kw_only=True, tag="reservation_released"):

@@ -33,6 +33,8 @@ class DeviceMemory(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     output_bytes: NonNegative  # logits/embeddings output buffer (host)
     repack_bytes: NonNegative = 0  # CPU_REPACK model buffer (host): repacked copies of quantized weights
     compute_margin_bytes: NonNegative = 0  # the measured compute error bound: ceil(ratio x compute_bytes)
+    draft_weights_bytes: NonNegative = 0  # the draft model's tensors placed here (`--model-draft`)
+    projector_weights_bytes: NonNegative = 0  # the multimodal projector's tensors (`--mmproj`)
     host_extra_bytes: NonNegative  # context checkpoints and prompt cache (host)
     total_bytes: NonNegative
     layers: tuple[int, int] | None = None  # [first, last) block indices placed here
@@ -74,5 +76,15 @@ class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     compute_error_ratio: float  # largest relative error of the compute model seen in validation
     repack_bytes: NonNegative = 0  # CPU_REPACK buffer, see DeviceMemory
     compute_margin_bytes: NonNegative = 0  # sum of the devices' compute margins, included in total_bytes
+    # A draft model (`--model-draft`): its tensor bytes as its file declares them, exact; the parts of
+    # repack_bytes and output_bytes that are its own (its repacked weights; its context's logits, also an
+    # MTP context's). Its context's KV is draft_kv_bytes.
+    draft_weights_bytes: NonNegative = 0
+    draft_repack_bytes: NonNegative = 0
+    draft_output_bytes: NonNegative = 0
+    # A multimodal projector (`--mmproj`): its tensor bytes, exact, and the part of compute_bytes that is its
+    # graph (modelled; llama-server allocates it at the first image when it starts without a warm-up).
+    projector_weights_bytes: NonNegative = 0
+    projector_compute_bytes: NonNegative = 0
     fits: bool | None = None
     max_context: NonNegative | None = None

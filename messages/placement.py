@@ -45,11 +45,22 @@ RejectReason = Literal[
 ]
 
 
+#: A file name as a request gives it (a model's companion): bounded like a path the node will resolve.
+CompanionPath = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+
+
 class ModelRef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A model: a GGUF path readable by the placement actor, or a signed registry entry (by name)."""
+    """A model: a GGUF path readable by the placement actor, or a signed registry entry (by name).
+
+    Companions are files llama-server loads beside the model, named like `path` (relative: in the node's
+    models dir; absolute: in one of its model directories): `draft`, a draft model for `spec_type =
+    "draft-simple"` (`--model-draft`), which must share the model's vocabulary; `mmproj`, a multimodal
+    projector (`--mmproj`). Admission sizes both from their own headers."""
 
     path: str | None = None
     registry: RegistryName | None = None
+    draft: CompanionPath | None = None
+    mmproj: CompanionPath | None = None
 
 
 class PreferredSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -84,6 +95,14 @@ class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     request_id: RequestId | None = None  # the client's own correlation id, echoed in the decision
 
 
+class Companion(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A file the server loads beside its model, as admitted: its name and the blake3 of the file admission
+    read. The runner starts only that file (another digest is `model_mismatch`)."""
+
+    path: str
+    digest: str | None = None
+
+
 class Stamp(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Exactly how the instance must run: the runner pins every field on llama-server's command line."""
 
@@ -92,6 +111,8 @@ class Stamp(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     n_gpu_layers: int  # -ngl as passed (0 on a node without GPUs)
     gpu_split: tuple[float, ...] = ()  # --tensor-split, one weight per GPU
     llama_server_version: str | None = None  # the node's engine build at admission
+    draft: Companion | None = None  # --model-draft (with -ngld as -ngl), sized from its own header
+    mmproj: Companion | None = None  # --mmproj, sized from its own header
 
 
 class DeviceShortfall(msgspec.Struct, frozen=True, kw_only=True):

@@ -55,6 +55,11 @@ class ObservedMemory(msgspec.Struct, frozen=True, kw_only=True):
     output_bytes: int
     total_bytes: int
     devices: dict[str, int] = msgspec.field(default_factory=dict)  # buffer name -> bytes
+    draft_weights_bytes: int = 0  # the draft model's buffers (`--model-draft`); weights_bytes is the model's
+    projector_weights_bytes: int = 0  # the multimodal projector's tensors (`--mmproj`)
+    # What the server allocates only later, counted at its prediction (in total_bytes, not in devices): the
+    # projector's compute buffer, reserved at the first image since the server starts without a warm-up.
+    pending_bytes: int = 0
 
 
 class InstanceStatus(msgspec.Struct, frozen=True, kw_only=True):

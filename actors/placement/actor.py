@@ -446,6 +446,7 @@ class PlacementActor(Actor):
             model_path=facts.path if facts else request.model.path,
             unreadable_ledgers=tuple(sorted(unreadable or ())),
             decision=decision,
+            draft_geometry=facts.draft if facts else None,
         )
         data, ref = decision_records.encode_record(inputs)
         if ref.size_bytes <= self._inline_event_bytes:

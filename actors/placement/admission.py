@@ -41,6 +41,7 @@ from actors.placement.memory import (
 from messages.memory import DeviceMemory, MemoryBreakdown
 from messages.model import ModelGeometry
 from messages.placement import (
+    Companion,
     DeviceShortfall,
     ModelRef,
     NodeLedger,
@@ -62,11 +63,14 @@ _SUMMARY_NODES = 8  # nodes named in the message of a refusal
 
 @dataclass(frozen=True, slots=True)
 class ModelFacts:
-    """The model as admission needs it: its geometry, where nodes find the file, its digest if known."""
+    """The model as admission needs it: its geometry, where nodes find the file, its digest if known; and its
+    companions' facts: a draft model's geometry (`model.draft`) with the file as it is stamped."""
 
     geometry: ModelGeometry
     path: str
     digest: str | None = None
+    draft: ModelGeometry | None = None
+    draft_file: Companion | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +221,9 @@ def fit_node(
     have: Mapping[str, int],
     *,
     layers: tuple[int, int],
+    draft: ModelGeometry | None = None,
 ) -> Fit | NodeRejection:
+    """Sizes the model (with its draft model, if any) on one node against what it has (`have`)."""
     node = entry.resources
     gpus = _gpu_names(node)
     n_gpu_layers, split = split_of(node, have, request.n_gpu_layers)
@@ -226,8 +232,9 @@ def fit_node(
     try:
         features = node.host.cpu_features  # which quantized weights its CPU backend repacks
         ceiling = max_context(
-            geometry, settings, budgets, n_gpu_layers=n_gpu_layers, gpu_split=split, cpu_features=features
-        )
+            geometry, settings, budgets, n_gpu_layers=n_gpu_layers, gpu_split=split, cpu_features=features,
+            draft=draft,
+        )  # fmt: skip
         if request.ctx is not None and not request.max_ctx:
             ctx = request.ctx
         elif ceiling is None:
@@ -237,7 +244,9 @@ def fit_node(
             if geometry.n_ctx_train >= step:
                 ctx = min(ctx, max((geometry.n_ctx_train // step) * step, request.ctx or 0))
             ctx = max(ctx, request.ctx or 0)
-        breakdown = estimate(geometry, settings, ctx, n_gpu_layers=n_gpu_layers, gpu_split=split, cpu_features=features)
+        breakdown = estimate(
+            geometry, settings, ctx, n_gpu_layers=n_gpu_layers, gpu_split=split, cpu_features=features, draft=draft
+        )
     except MemoryModelError as exc:
         return NodeRejection(node_id=node.node_id, reason="unsupported_settings", message=str(exc))
     breakdown, short = _with_budgets(breakdown, have)
@@ -317,7 +326,7 @@ def decide(
     for entry in eligible:
         settings = settings_on(entry.resources, request.settings)  # _eligible kept nodes that advertise settings
         have = haves[entry.resources.node_id]
-        result = fit_node(request, geometry, entry, settings, have, layers=(0, geometry.n_layer))
+        result = fit_node(request, geometry, entry, settings, have, layers=(0, geometry.n_layer), draft=model.draft)
         if isinstance(result, NodeRejection):
             rejections.append(result)
         else:
@@ -372,6 +381,7 @@ def conclude(
         n_gpu_layers=chosen.n_gpu_layers,
         gpu_split=chosen.gpu_split,
         llama_server_version=node.llama_server.version if node.llama_server else None,
+        draft=model.draft_file,
     )
     placement = NodePlacement(
         node_id=node.node_id, layers=chosen.layers, breakdown=chosen.breakdown, telemetry_revision=chosen.entry.revision

@@ -1,6 +1,7 @@
 """The caches llama-server allocates, byte for byte, and the host RAM they may grow into (placement core).
 
-This module owns the KV cache of the target context and of the MTP draft context and the recurrent state:
+This module owns the KV cache of the target context and of the draft context (an MTP context over the model's
+nextn blocks, or a draft model's own context) and the recurrent state:
 exact sums of llama.cpp's cache tensor sizes, computed from the `ModelGeometry` the way `llama_kv_cache`,
 `llama_kv_cache_iswa` and `llama_memory_recurrent` size their tensors, both per layer (for placing them on
 devices) and per logged cache line (`cache_allocations`, which the runner compares with the server's log).
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from actors.placement.context import cache_row_bytes, draft_settings, resolve_context, validate
+from actors.placement.context import cache_row_bytes, draft_model_settings, draft_settings, resolve_context, validate
 from messages.memory import ContextShape
 from messages.model import LayerGeometry, ModelGeometry
 from messages.settings import ServingSettings
@@ -24,6 +25,7 @@ __all__ = [
     "Caches",
     "cache_allocations",
     "draft_caches",
+    "draft_model_caches",
     "host_extras",
     "kv_layers",
     "recurrent_layers",
@@ -137,9 +139,22 @@ def draft_caches(
     return caches, draft_shape
 
 
-def cache_allocations(geometry: ModelGeometry, settings: ServingSettings, n_ctx: int) -> tuple[CacheAllocation, ...]:
-    """Every cache the server allocates, in the order it logs them (target context first)."""
-    mtp = validate(geometry, settings)
+def draft_model_caches(
+    draft: ModelGeometry, settings: ServingSettings, shape: ContextShape
+) -> tuple[Caches, ContextShape]:
+    """A draft model's context (`--model-draft`): built like a target context over the draft model's own
+    layers, with the target's n_ctx, slots and unified setting, the draft cache types and no rollback rows."""
+    own = draft_model_settings(settings)
+    draft_shape = resolve_context(draft, own, shape.n_ctx)
+    return target_caches(draft, own, draft_shape), draft_shape
+
+
+def cache_allocations(
+    geometry: ModelGeometry, settings: ServingSettings, n_ctx: int, draft: ModelGeometry | None = None
+) -> tuple[CacheAllocation, ...]:
+    """Every cache the server allocates, in the order it logs them (target context first); `draft` is a
+    draft model's geometry (`--model-draft`), whose context comes second."""
+    mtp = validate(geometry, settings, draft)
     shape = resolve_context(geometry, settings, n_ctx)
     out: list[CacheAllocation] = []
     caches = target_caches(geometry, settings, shape)
@@ -162,14 +177,17 @@ def cache_allocations(geometry: ModelGeometry, settings: ServingSettings, n_ctx:
             )
         )
     if mtp:
-        draft, draft_shape = draft_caches(geometry, settings, shape)
+        mtp_caches, mtp_shape = draft_caches(geometry, settings, shape)
         # the qwen/nemotron MTP context is a plain cache; a dense model's follows its SWA split
         mtp_geometry = (
             geometry if geometry.recurrent_kind == "none" else msgspec.structs.replace(geometry, swa_type="none")
         )
-        out.extend(
-            _kv_lines("draft", mtp_geometry, draft, draft_shape, settings.spec_draft_type_k, settings.spec_draft_type_v)
-        )
+        types = (settings.spec_draft_type_k, settings.spec_draft_type_v)
+        out.extend(_kv_lines("draft", mtp_geometry, mtp_caches, mtp_shape, *types))
+    if draft is not None:
+        model_caches, model_shape = draft_model_caches(draft, settings, shape)
+        types = (settings.spec_draft_type_k, settings.spec_draft_type_v)
+        out.extend(_kv_lines("draft", draft, model_caches, model_shape, *types))
     return tuple(out)
 
 

@@ -24,8 +24,10 @@ __all__ = [
     "NGRAM_SPEC_N_MAX",
     "ROLLBACK_SPEC_TYPES",
     "SPEC_TYPES",
+    "SPEC_VOCAB_MAX_SIZE_DIFFERENCE",
     "MemoryModelError",
     "cache_row_bytes",
+    "draft_model_settings",
     "draft_settings",
     "resolve_context",
     "spec_n_max",
@@ -51,8 +53,12 @@ CACHE_TYPES: dict[str, tuple[int, int]] = {
 
 #: Speculative types that make llama.cpp keep per-token recurrent snapshots (`need_n_rs_seq`).
 ROLLBACK_SPEC_TYPES = frozenset({"draft-mtp", "draft-eagle3", "draft-dflash", "draft-dspark"})
-#: Speculative types that need a separate draft model file; the memory model does not size that model.
+#: Speculative types that need a separate draft model file. The memory model sizes "draft-simple" with a
+#: draft model given (`DRAFT_SIMPLE`); the others read special draft heads it does not size.
 DRAFT_MODEL_SPEC_TYPES = frozenset({"draft-simple", "draft-eagle3", "draft-dflash", "draft-dspark"})
+DRAFT_SIMPLE = "draft-simple"
+#: How far a draft model's vocabulary size may be from the model's (`common_speculative_are_compatible`).
+SPEC_VOCAB_MAX_SIZE_DIFFERENCE = 128
 #: Draft lengths (`common_speculative_n_max`) of the n-gram speculators at llama-server's defaults.
 NGRAM_SPEC_N_MAX = {"ngram-simple": 48, "ngram-map-k": 48, "ngram-map-k4v": 48, "ngram-mod": 64, "ngram-cache": 8}
 SPEC_TYPES = frozenset({"none", "draft-mtp"} | DRAFT_MODEL_SPEC_TYPES | set(NGRAM_SPEC_N_MAX))
@@ -146,8 +152,17 @@ def draft_settings(settings: ServingSettings) -> ServingSettings:
     return msgspec.structs.replace(settings, spec_type="none")
 
 
-def validate(geometry: ModelGeometry, settings: ServingSettings) -> bool:
-    """Refuses what llama-server would refuse; returns whether an MTP draft context is created."""
+def draft_model_settings(settings: ServingSettings) -> ServingSettings:
+    """A draft model's context (`common_base_params_to_speculative`): the target's slots, unified setting,
+    batch sizes and flash attention, the draft cache types (-ctkd/-ctvd), no speculation of its own."""
+    return msgspec.structs.replace(
+        settings, spec_type="none", cache_type_k=settings.spec_draft_type_k, cache_type_v=settings.spec_draft_type_v
+    )
+
+
+def validate(geometry: ModelGeometry, settings: ServingSettings, draft: ModelGeometry | None = None) -> bool:
+    """Refuses what llama-server would refuse; returns whether an MTP draft context is created. `draft` is
+    the draft model's geometry (`--model-draft`), which only "draft-simple" speculation uses."""
     flash_attn = settings.flash_attn == "on"
     for name in ("cache_type_k", "cache_type_v", "spec_draft_type_k", "spec_draft_type_v"):
         if getattr(settings, name) not in CACHE_TYPES:
@@ -155,10 +170,15 @@ def validate(geometry: ModelGeometry, settings: ServingSettings) -> bool:
     if not flash_attn and CACHE_TYPES[settings.cache_type_v][0] > 1:
         raise MemoryModelError("a quantized V cache requires flash attention (llama-server refuses it)")
     types = spec_types(settings)
-    if any(t in DRAFT_MODEL_SPEC_TYPES for t in types):
+    unsized = sorted(t for t in types if t in DRAFT_MODEL_SPEC_TYPES and t != DRAFT_SIMPLE)
+    if unsized:
         raise MemoryModelError(
-            f"speculative type {settings.spec_type!r} needs a separate draft model, which this estimate does not size"
+            f"speculative type {unsized[0]!r} needs a special draft head, which this estimate does not size"
         )
+    if DRAFT_SIMPLE in types and draft is None:
+        raise MemoryModelError(f"speculative type {DRAFT_SIMPLE!r} needs a draft model (model.draft)")
+    if draft is not None:
+        _validate_draft(geometry, settings, draft, types)
     mtp = "draft-mtp" in types
     if mtp and not geometry.mtp_context:
         raise MemoryModelError(
@@ -171,6 +191,35 @@ def validate(geometry: ModelGeometry, settings: ServingSettings) -> bool:
     if mtp:  # the MTP context is created by the same llama_init_from_model, with the draft types
         _validate_cache_types(geometry, settings.spec_draft_type_k, settings.spec_draft_type_v, flash_attn=flash_attn)
     return mtp
+
+
+def _validate_draft(
+    geometry: ModelGeometry, settings: ServingSettings, draft: ModelGeometry, types: Sequence[str]
+) -> None:
+    """What llama-server refuses or drops of a draft model: one it would not use (without "draft-simple", or
+    beside an MTP context), draft cache types its heads cannot hold (the server exits), and a vocabulary it
+    finds incompatible (the sizes may differ by at most 128 tokens; the tokens themselves are compared at
+    start): then it frees the draft and serves without speculation, which is not what was admitted (the
+    runner's check of `/slots` catches the token comparison). A draft with recurrent layers is refused too:
+    its state is not sized here."""
+    if DRAFT_SIMPLE not in types:
+        raise MemoryModelError(f"a draft model is used only with spec_type {DRAFT_SIMPLE!r}")
+    if "draft-mtp" in types:
+        raise MemoryModelError("a draft model and draft-mtp cannot be combined (both want the draft context)")
+    if draft.memory != "kv":
+        raise MemoryModelError(
+            f"the draft model is a {draft.memory} {draft.architecture} model: only attention-only drafts are sized"
+        )
+    difference = abs(geometry.n_vocab - draft.n_vocab)
+    if difference > SPEC_VOCAB_MAX_SIZE_DIFFERENCE:
+        raise MemoryModelError(
+            f"the draft model's vocabulary ({draft.n_vocab} tokens) is not the model's ({geometry.n_vocab}): "
+            f"over {SPEC_VOCAB_MAX_SIZE_DIFFERENCE} apart, llama-server drops the draft and does not speculate"
+        )
+    flash_attn = settings.flash_attn == "on"
+    if not flash_attn and CACHE_TYPES[settings.spec_draft_type_v][0] > 1:
+        raise MemoryModelError("a quantized draft V cache requires flash attention")
+    _validate_cache_types(draft, settings.spec_draft_type_k, settings.spec_draft_type_v, flash_attn=flash_attn)
 
 
 def _validate_cache_types(geometry: ModelGeometry, type_k: str, type_v: str, *, flash_attn: bool) -> None:

@@ -225,8 +225,10 @@ class FleetIndex:
 
     @staticmethod
     def covers(request: PlacementRequest) -> bool:
-        """Whether `decide` answers `request` from sizings (a fixed context), not by a full scan."""
-        return request.ctx is not None and not request.max_ctx and not request.allow_multi_node
+        """Whether `decide` answers `request` from sizings (a fixed context), not by a full scan. A model with
+        companion files is sized by a full scan: sizings are kept per model geometry alone."""
+        plain = request.model.draft is None and request.model.mmproj is None
+        return request.ctx is not None and not request.max_ctx and not request.allow_multi_node and plain
 
     def stats(self) -> IndexStats:
         return IndexStats(

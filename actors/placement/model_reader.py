@@ -8,12 +8,14 @@ inside the node's models dir (as the runner resolves it), and may not climb out 
 in one of the node's model directories (`roots`) when the node has them. No refusal echoes a file's bytes: a
 file that is not a GGUF header this reader accepts is named with where the problem is, and the problem itself
 (which may quote the file) goes to the node's log. Header facts are cached per file version (device, inode,
-size, mtime); registry files are hashed once per version.
+size, mtime); registry files are hashed once per version. A model's companion files (a draft model) are read
+by the same rules, and hashed (once per version) so that the stamp names the very file admission sized.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import threading
@@ -29,7 +31,7 @@ from actors.placement.geometry import GeometryError, UnsupportedArchitecture, ge
 from actors.placement.gguf_header import GGUFFormatError, parse_header
 from actors.placement.registry import RegistryUntrusted, check_file, verify
 from messages.model import ModelGeometry
-from messages.placement import ModelRef, RejectReason
+from messages.placement import Companion, ModelRef, RejectReason
 from messages.registry import RegistryEntry
 from runtime.bus import BadMessage, decode_checked
 from runtime.logging import get_logger
@@ -80,10 +82,25 @@ class ModelReader:
         if ref.path is None and ref.registry is None:
             raise ModelProblem("model_unreadable", "the request names no model: give model.path or model.registry")
         if ref.registry is not None:
-            return await self._registry_facts(registry, ref.registry, ref.path)
-        assert ref.path is not None
-        geometry = await asyncio.to_thread(self.load_geometry, ref.path)
-        return ModelFacts(geometry=geometry, path=ref.path)
+            facts = await self._registry_facts(registry, ref.registry, ref.path)
+        else:
+            assert ref.path is not None
+            geometry = await asyncio.to_thread(self.load_geometry, ref.path)
+            facts = ModelFacts(geometry=geometry, path=ref.path)
+        if ref.draft is not None:
+            draft, digest = await asyncio.to_thread(self._companion, ref.draft, "draft")
+            facts = dataclasses.replace(facts, draft=draft, draft_file=Companion(path=ref.draft, digest=digest))
+        return facts
+
+    def _companion(self, path: str, role: str) -> tuple[ModelGeometry, str]:
+        """A companion file's header facts and blake3 (blocking: worker thread); refusals name its role."""
+        try:
+            geometry = self.load_geometry(path)
+            return geometry, self._digests.digest(self._resolve(path))
+        except ModelProblem as exc:
+            raise ModelProblem(exc.reason, f"{role}: {exc}") from exc
+        except ModelFileError as exc:
+            raise ModelProblem("model_unreadable", f"{role}: {exc}") from exc
 
     def _resolve(self, path: str) -> Path:
         """The file `path` names here (blocking: worker thread). Relative paths live in the models dir."""

@@ -18,7 +18,7 @@ import msgspec
 from actors.placement.admission import ModelFacts, Outcome, ViewEntry, decide
 from messages.events import DecisionInputs, PlacementDecided
 from messages.model import ModelGeometry
-from messages.placement import PlacementDecision
+from messages.placement import Companion, PlacementDecision
 
 _IGNORED = frozenset({"decision_id", "decided_at", "estimator_version", "llama_cpp_version", "compute_error_ratio"})
 
@@ -46,6 +46,7 @@ def inputs_of(event: PlacementDecided) -> DecisionInputs | None:
         model_path=event.model_path,
         unreadable_ledgers=event.unreadable_ledgers,
         decision=event.decision,
+        draft_geometry=event.draft_geometry,
     )
 
 
@@ -64,7 +65,13 @@ def recompute(
         for n in inputs.view
     }
     ledgers = {ledger.node_id: ledger for ledger in inputs.ledgers}
-    facts = ModelFacts(geometry=geometry, path=inputs.model_path or "", digest=decision.model_digest)
+    facts = ModelFacts(
+        geometry=geometry,
+        path=inputs.model_path or "",
+        digest=decision.model_digest,
+        draft=inputs.draft_geometry,
+        draft_file=_companion(decision.stamp.draft if decision.stamp else None, inputs.request.model.draft),
+    )
     outcome = decide_fn(
         inputs.request,
         facts,
@@ -77,6 +84,13 @@ def recompute(
         unreadable=frozenset(inputs.unreadable_ledgers),
     )
     return outcome.decision
+
+
+def _companion(stamped: Companion | None, requested: str | None) -> Companion | None:
+    """A companion file as the decision stamped it, or as the request named it (a refusal stamps nothing)."""
+    if stamped is not None:
+        return stamped
+    return Companion(path=requested) if requested is not None else None
 
 
 def differences(recorded: msgspec.Struct, now: msgspec.Struct) -> list[Difference]:

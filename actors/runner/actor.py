@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Final
 
 import aiohttp
-import msgspec
 import nats.errors
 
 from actors.handoff import cost
@@ -62,6 +61,7 @@ from actors.runner.admission import (
     find,
 )
 from actors.runner.booking import Live
+from actors.runner.command import with_files
 from actors.runner.drift import settings_drift
 from actors.runner.driver import CommandRewrite, DriverFault, InstanceDriver, SignalFilter
 from actors.runner.limits import RunnerLimits, default_restart_policy
@@ -335,6 +335,9 @@ class RunnerActor(Actor):
             )
             model = await self._models.read(reservation.model_path, reservation.model_digest, self.limits.file_budget_s)
             stamp = reservation.stamp
+            draft = None  # the draft model's file, checked against the digest admission stamped
+            if stamp.draft is not None:
+                draft = await self._models.read(stamp.draft.path, stamp.draft.digest, self.limits.file_budget_s)
             telemetry = await self._node.telemetry(ctx)  # its CPU features decide the repacked weights
             try:
                 predicted = estimate(
@@ -344,8 +347,11 @@ class RunnerActor(Actor):
                     n_gpu_layers=stamp.n_gpu_layers,
                     gpu_split=stamp.gpu_split,
                     cpu_features=telemetry.host.cpu_features if telemetry else None,
+                    draft=draft.geometry if draft else None,
                 )
-                allocations = cache_allocations(model.geometry, stamp.settings, stamp.ctx)
+                allocations = cache_allocations(
+                    model.geometry, stamp.settings, stamp.ctx, draft.geometry if draft else None
+                )
             except MemoryModelError as exc:
                 raise Refusal(UNSUPPORTED, f"llama-server would refuse these settings: {exc}", releases=True) from exc
             try:
@@ -374,8 +380,8 @@ class RunnerActor(Actor):
             ctx,
             node_id=self.node_id,
             instance_id=instance_id,
-            # the file this node runs: a relative name resolved inside the models dir
-            reservation=msgspec.structs.replace(claimed, model_path=str(model.path)),
+            # the files this node runs: relative names resolved inside the models dir
+            reservation=with_files(claimed, str(model.path), draft=str(draft.path) if draft else None),
             predicted=predicted,
             allocations=allocations,
             directory=directory,

@@ -1,6 +1,7 @@
 """llama-server allocation log parsing (runner core).
 
-This module owns reading what llama-server says it allocated: model buffers per buffer type, and for each
+This module owns reading what llama-server says it allocated: model buffers per buffer type (the model's, and a
+draft model's, which the server loads second), and for each
 llama context it creates (the serving context first, then an MTP/draft context if any) its resolved
 parameters (n_ctx, n_ctx_seq, n_seq_max, n_ubatch, n_rs_seq, …), its KV caches (one line per cache; a
 sliding-window model has a non-SWA and a SWA cache), its recurrent state, output and compute buffers, and
@@ -96,6 +97,7 @@ class ContextAllocation:
     n_batch: int | None = None
     n_ubatch: int | None = None
     n_rs_seq: int | None = None
+    n_outputs_max: int | None = None  # outputs one batch may have: its whole batch on an embedding server
     flash_attn: str | None = None
     kv_unified: bool | None = None
     kv: list[KvCacheLine] = field(default_factory=list)
@@ -134,6 +136,8 @@ class AllocationLog:
     """The parsed allocation facts of one llama-server run."""
 
     model_buffers: dict[str, Decimal] = field(default_factory=dict)
+    # a draft model's buffers (`--model-draft`: the second model the server loads)
+    draft_model_buffers: dict[str, Decimal] = field(default_factory=dict)
     contexts: list[ContextAllocation] = field(default_factory=list)
     breakdown: list[BreakdownRow] | None = None
     build_info: str | None = None
@@ -157,8 +161,11 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _PREFIX = re.compile(r"^\s*\d+\.\d{2}\.\d{3}\.\d{3}\s+[IWEDT]\s+")
 _NUM = r"([0-9]+(?:\.[0-9]+)?)"
 _MODEL_BUF = re.compile(rf"^load_tensors:\s+(\S+) model buffer size\s*=\s*{_NUM} MiB")
+_MODEL_LOADER = re.compile(r"^llama_model_loader: loaded meta data with")
 _CTX_START = re.compile(r"^llama_context: constructing llama_context")
-_CTX_PARAM = re.compile(r"^llama_context: (n_seq_max|n_ctx|n_ctx_seq|n_batch|n_ubatch|n_rs_seq)\s+=\s+(\d+)\s*$")
+_CTX_PARAM = re.compile(
+    r"^llama_context: (n_seq_max|n_ctx|n_ctx_seq|n_batch|n_ubatch|n_rs_seq|n_outputs_max)\s+=\s+(\d+)\s*$"
+)
 _CTX_FLAG = re.compile(r"^llama_context: (flash_attn|kv_unified)\s+=\s+(\S+)\s*$")
 _OUTPUT_BUF = re.compile(rf"^llama_context:\s+(\S+)\s+output buffer size\s*=\s*{_NUM} MiB")
 _ISWA = re.compile(r"^llama_kv_cache_iswa: creating\s+(non-SWA|SWA) KV cache")
@@ -235,6 +242,7 @@ def parse_allocation_log(text: str) -> AllocationLog:
     pending_swa: bool | None = None
     kv_buffers: list[tuple[str, Decimal]] = []
     rs_buffers: list[tuple[str, Decimal]] = []
+    models_loaded = 0  # llama models whose loading began: the first is the model, the second a draft
 
     def current() -> ContextAllocation:
         nonlocal ctx
@@ -250,7 +258,10 @@ def parse_allocation_log(text: str) -> AllocationLog:
                 result.breakdown = rows
             continue
         if m := _MODEL_BUF.match(line):
-            result.model_buffers[m.group(1)] = result.model_buffers.get(m.group(1), Decimal(0)) + Decimal(m.group(2))
+            buffers = result.draft_model_buffers if models_loaded > 1 else result.model_buffers
+            buffers[m.group(1)] = buffers.get(m.group(1), Decimal(0)) + Decimal(m.group(2))
+        elif _MODEL_LOADER.match(line):
+            models_loaded += 1
         elif _CTX_START.match(line):
             ctx = ContextAllocation()
             result.contexts.append(ctx)

@@ -6,7 +6,10 @@ different engine build (or an environment variable) cannot silently change the a
 slots (`-np`), unified KV or not (`-kvu`/`-no-kvu`), cache types (`-ctk`/`-ctv`, and `-ctkd`/`-ctvd` of the
 draft context), flash attention (`-fa`), batch sizes (`-b`/`-ub`), sliding-window cache (`--swa-full`),
 speculation (`--spec-type`, `--spec-draft-n-max`), GPU layers and split (`-ngl`, `-ts`), host extras
-(`--ctx-checkpoints`, `--cache-ram`) and `--fit off` (llama-server's own fitting would change `-c`).
+(`--ctx-checkpoints`, `--cache-ram`) and `--fit off` (llama-server's own fitting would change `-c`). The
+stamp's companion files are passed as admitted: a draft model (`--model-draft`, its layers offloaded as the
+model's: `-ngld` equal to `-ngl`, since its default "auto" would fit them by llama-server's own rule) and a
+multimodal projector (`--mmproj`).
 
 The rest serves supervision: loopback only on the given port, `-lv 4` so the allocation lines are logged,
 `--slot-save-path` for slot state, and `--no-warmup` (a warmup run allocates nothing the reservation does
@@ -19,9 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import msgspec
+
 from messages.placement import Reservation
 
-__all__ = ["LOOPBACK", "build_command", "server_environment"]
+__all__ = ["LOOPBACK", "build_command", "server_environment", "with_files"]
 
 LOOPBACK = "127.0.0.1"
 #: llama-server's verbosity that logs the allocation lines (`llama_kv_cache: size = …` and friends).
@@ -70,7 +75,22 @@ def build_command(engine: str, reservation: Reservation, *, port: int, slot_save
         argv.append("--swa-full")  # llama-server has no negative form; its default is a window-sized cache
     if stamp.gpu_split:
         argv += ["-ts", _split(stamp.gpu_split)]
+    if stamp.draft is not None:
+        argv += ["--model-draft", stamp.draft.path, "-ngld", str(stamp.n_gpu_layers)]
     return tuple(argv)
+
+
+def with_files(
+    reservation: Reservation, model: str, *, draft: str | None = None, mmproj: str | None = None
+) -> Reservation:
+    """`reservation` naming the files this node runs (relative names resolved inside its models dir); the
+    companions' digests stay as admission stamped them."""
+    stamp = reservation.stamp
+    if draft is not None and stamp.draft is not None:
+        stamp = msgspec.structs.replace(stamp, draft=msgspec.structs.replace(stamp.draft, path=draft))
+    if mmproj is not None and stamp.mmproj is not None:
+        stamp = msgspec.structs.replace(stamp, mmproj=msgspec.structs.replace(stamp.mmproj, path=mmproj))
+    return msgspec.structs.replace(reservation, model_path=model, stamp=stamp)
 
 
 def server_environment(environ: Mapping[str, str]) -> dict[str, str]:

@@ -137,7 +137,7 @@ def server_drift(stamp: Stamp, shape: ContextShape, report: ServerReport) -> tup
     for line in target.kv:
         diff.check("log.cache_type_k", s.cache_type_k, line.k_type)
         diff.check("log.cache_type_v", s.cache_type_v, line.v_type)
-    draft_wanted = "draft-mtp" in types
+    draft_wanted = "draft-mtp" in types or stamp.draft is not None  # an MTP context, or a draft model's
     diff.check("log.draft_context", draft_wanted, log.draft is not None)
     if log.draft is not None:
         for line in log.draft.kv:

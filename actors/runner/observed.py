@@ -15,9 +15,10 @@ change by one element (one block for a quantized type). So:
   MiB times 2^20, and the figure is not exact.
 
 Weights follow the same rule for a single model buffer (beside the CPU backend's `CPU_REPACK` buffer of
-repacked quantized weights, which must print as predicted too), and the output (logits) buffer for each context
-(`printed_mib`, double rounding). Compute buffers have no exact counterpart and are always printed MiB
-times 2^20. `Observation.exact` names the figures that were recovered exactly. Pure core.
+repacked quantized weights, which must print as predicted too), for the model and for a draft model alike,
+and the output (logits) buffer for each context (`printed_mib`, double rounding). Compute buffers have no
+exact counterpart and are always printed MiB times 2^20. `Observation.exact` names the figures that were
+recovered exactly. Pure core.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def mib_to_bytes(mib: Decimal) -> int:
 @dataclass(frozen=True)
 class Observation:
     memory: ObservedMemory
-    exact: frozenset[str]  # which of kv, recurrent, draft_kv, weights and output bytes are exact
+    exact: frozenset[str]  # which of kv, recurrent, draft_kv, (draft) weights and output bytes are exact
 
 
 def _line_matches(line: KvCacheLine | RecurrentLine, want: CacheAllocation) -> bool:
@@ -83,19 +84,19 @@ def _sum_mib(values: Iterable[Decimal]) -> int:
     return sum((mib_to_bytes(v) for v in values), 0)
 
 
-def _weights(log: AllocationLog, predicted: MemoryBreakdown) -> int | None:
-    """The weights recovered exactly: the mapped (or loaded) buffer prints as the predicted tensor bytes
-    and, with the CPU backend's repacked copies, a `CPU_REPACK` buffer prints as the predicted repack bytes;
-    None otherwise. The observed weights include the repacked copies, as the server's buffers do."""
-    buffers = dict(log.model_buffers)
+def _weights(logged: dict[str, Decimal], weights_bytes: int, repack_bytes: int) -> int | None:
+    """One model's weights recovered exactly: the mapped (or loaded) buffer prints as the predicted tensor
+    bytes and, with the CPU backend's repacked copies, a `CPU_REPACK` buffer prints as the predicted repack
+    bytes; None otherwise. The observed weights include the repacked copies, as the server's buffers do."""
+    buffers = dict(logged)
     repack = buffers.pop(REPACK_BUFFER, None)
-    if (repack is None) != (predicted.repack_bytes == 0):
+    if (repack is None) != (repack_bytes == 0):
         return None
-    if repack is not None and repack != printed_mib(predicted.repack_bytes):
+    if repack is not None and repack != printed_mib(repack_bytes):
         return None
-    if len(buffers) != 1 or next(iter(buffers.values())) != printed_mib(predicted.weights_bytes):
+    if len(buffers) != 1 or next(iter(buffers.values())) != printed_mib(weights_bytes):
         return None
-    return predicted.weights_bytes + predicted.repack_bytes
+    return weights_bytes + repack_bytes
 
 
 def observed_memory(
@@ -115,21 +116,33 @@ def observed_memory(
         if ok:
             exact.add(name)
 
-    weights = _weights(log, predicted)
+    draft_repack = predicted.draft_repack_bytes
+    weights = _weights(log.model_buffers, predicted.weights_bytes, predicted.repack_bytes - draft_repack)
     if weights is not None:
         exact.add("weights_bytes")
     else:
         weights = _sum_mib(log.model_buffers.values())
+    draft_weights = 0
+    if predicted.draft_weights_bytes or log.draft_model_buffers:
+        recovered = _weights(log.draft_model_buffers, predicted.draft_weights_bytes, draft_repack)
+        if recovered is not None:
+            draft_weights = recovered
+            exact.add("draft_weights_bytes")
+        else:
+            draft_weights = _sum_mib(log.draft_model_buffers.values())
 
     compute = sum((_sum_mib(c.compute_buffers.values()) for c in log.contexts), 0)
-    # each context has one logits buffer of the same predicted size (the draft context mirrors the target's)
+    # one logits buffer per context: the target's, then the draft context's (a breakdown made before the
+    # draft's part was kept splits them evenly, as an MTP context mirrors the target's)
     n_predicted = 2 if any(a.context == "draft" for a in allocations) else 1
-    per_context = predicted.output_bytes // n_predicted
+    draft_output = predicted.draft_output_bytes or (predicted.output_bytes // 2 if n_predicted == 2 else 0)
+    per_context = [predicted.output_bytes - draft_output, draft_output][:n_predicted]
     output, output_exact = 0, len(log.contexts) == n_predicted
-    for context in log.contexts:
+    for i, context in enumerate(log.contexts):
+        want = per_context[i] if i < len(per_context) else None
         printed = sum(context.output_buffers.values(), Decimal(0))
-        if len(context.output_buffers) == 1 and printed == printed_mib(per_context):
-            output += per_context
+        if want is not None and len(context.output_buffers) == 1 and printed == printed_mib(want):
+            output += want
         else:
             output += mib_to_bytes(printed)
             output_exact = False
@@ -141,7 +154,7 @@ def observed_memory(
     def add(name: str, mib: Decimal) -> None:
         devices[name] = devices.get(name, 0) + mib_to_bytes(mib)
 
-    for name, mib in log.model_buffers.items():
+    for name, mib in [*log.model_buffers.items(), *log.draft_model_buffers.items()]:
         add(name, mib)
     for context in log.contexts:
         lines: list[KvCacheLine | RecurrentLine] = [*context.kv, *context.recurrent]
@@ -158,7 +171,8 @@ def observed_memory(
         weights_bytes=weights,
         compute_bytes=compute,
         output_bytes=output,
-        total_bytes=kv + recurrent + draft_kv + weights + compute + output,
+        total_bytes=kv + recurrent + draft_kv + weights + draft_weights + compute + output,
         devices=devices,
+        draft_weights_bytes=draft_weights,
     )
     return Observation(memory=memory, exact=frozenset(exact))

@@ -26,7 +26,7 @@ from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from actors.runner.serving import state_identity
 from messages.model import ModelGeometry
-from messages.placement import Reservation, Stamp
+from messages.placement import Companion, Reservation, Stamp
 from messages.settings import ServingSettings
 from tests.tiny_models import write_phi3
 
@@ -275,6 +275,10 @@ SETTINGS_OUT = {
     "n_gpu_layers": "where a layer runs: the slot file is read from any backend in the same types",
     "gpu_split": "as n_gpu_layers",
     "llama_server_version": "in through the runner's engine build (a stamp naming another build is drift)",
+    "draft": "a draft model's context is not in a slot file (the server saves the target context only), and "
+    "greedy verification gives the same tokens with any draft; the speculation settings are in",
+    "mmproj": "the projector computes image embeddings; states holding media are never captured, and a text "
+    "state is the same with or without a projector",
 }
 #: A changed value for each setting, from BASE and BASE_CTX.
 CHANGED: dict[str, object] = {
@@ -297,6 +301,8 @@ CHANGED: dict[str, object] = {
     "n_gpu_layers": 99,
     "gpu_split": (1.0, 1.0),
     "llama_server_version": "b99999",
+    "draft": Companion(path="draft.gguf", digest="ab" * 32),
+    "mmproj": Companion(path="mmproj.gguf", digest="cd" * 32),
 }
 
 

@@ -184,8 +184,10 @@ def test_settings_llama_server_refuses_are_refused() -> None:
         estimate(llama(), serving(cache_type_v="q8_0", flash_attn="off"), 4096)
     with pytest.raises(MemoryModelError, match="nextn"):
         estimate(llama(), serving(spec_type="draft-mtp"), 4096)
-    with pytest.raises(MemoryModelError, match="separate draft model"):
+    with pytest.raises(MemoryModelError, match="needs a draft model"):
         estimate(llama(), serving(spec_type="draft-simple"), 4096)
+    with pytest.raises(MemoryModelError, match="special draft head"):
+        estimate(llama(), serving(spec_type="draft-eagle3"), 4096)
     with pytest.raises(MemoryModelError, match="unknown speculative type"):
         estimate(llama(), serving(spec_type="telepathy"), 4096)
     with pytest.raises(MemoryModelError, match="positive"):
