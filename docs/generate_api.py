@@ -480,6 +480,9 @@ def render() -> str:
             f"{_link('PlacementDecision')} | placement (every node; one answers) |",
             f"| `{S.placement_fit}` | req/reply, queue group `{QUEUE_GROUP}` | {_link('PlacementRequest')} → "
             f"{_link('PlacementDecision')} with `dry_run: true`: nothing reserved, not journaled | placement |",
+            f"| `{S.client_placement_request}` | req/reply, queue group `{QUEUE_GROUP}` | a client's "
+            f"`{S.placement_request}`, as it arrives from the clients' account (nats-server names the client in "
+            "`Nats-Request-Info`): held to the client share (`over_client_share`) | placement |",
             f"| `{S.runner(node, 'start')}` | req/reply | {_link('StartInstance')} → {_link('RunnerAck')} | "
             "the runner of that node |",
             f"| `{S.runner(node, 'stop')}` | req/reply | {_link('StopInstance')} → {_link('RunnerAck')} | "

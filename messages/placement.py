@@ -42,6 +42,7 @@ RejectReason = Literal[
     "ledger_unreadable",  # the node's reservation ledger does not decode: nothing is booked there
     "multi_node_unsupported",  # the request allows a split over nodes: split (RPC) serving is not built
     "hold_too_long",  # hold_s is over the placement node's maximum (`--max-hold`)
+    "over_client_share",  # the requesting client would hold more of the node than its share (`--client-share`)
 ]
 
 
@@ -191,6 +192,9 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     running_since: float | None = None
     node_started_at: float | None = None  # the node process that runs it (its telemetry's started_at)
     instance_id: str | None = None  # set by the runner's claim (state starting): the instance that uses it
+    # The client user it was booked for (a request from the clients' account, named by nats-server), which
+    # its share counts; None for the mesh's own requests (the front door, an admin).
+    requester: str | None = None
 
 
 class NodeLedger(msgspec.Struct, frozen=True, kw_only=True):

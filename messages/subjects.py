@@ -81,6 +81,13 @@ class Subjects:
     def placement_fit(self) -> str:
         return f"{self.prefix}.placement.fit"
 
+    @property
+    def client_placement_request(self) -> str:
+        """Where a client's `placement.request` arrives in the mesh's account: the clients' account imports
+        this subject under the name `placement_request`, so a request here came from a client (nats-server
+        names which one in its `Nats-Request-Info` header) and is held to the client share."""
+        return f"{self.prefix}.clients.placement.request"
+
     def runner(self, node: str, verb: str) -> str:
         return f"{self.prefix}.runner.{node}.{verb}"
 

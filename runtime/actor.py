@@ -27,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from contextvars import ContextVar
+from types import MappingProxyType
 from typing import Any, ClassVar, TypeVar
 
 import nats.errors
@@ -201,6 +203,7 @@ class ActorContext:
         limit: float,
     ) -> None:
         """Answers one request: its reply, or an error reply. Never raises but for cancellation of the actor."""
+        headers_of = _REQUEST_HEADERS.set(MappingProxyType(dict(request.headers or {})))
         try:
             message = decode_checked(request.data, request_type, f"request on {request.subject!r}")
             async with asyncio.timeout_at(arrived + limit):
@@ -230,6 +233,8 @@ class ActorContext:
             self.log.exception("request_failed", endpoint=name, error=repr(exc))
             await _respond_error(request, ErrorReply(code=INTERNAL, message=f"{self.actor} failed: {exc!r}"))
             return
+        finally:
+            _REQUEST_HEADERS.reset(headers_of)
         with contextlib.suppress(nats.errors.Error):
             await request.respond(payload, headers=headers)
 
@@ -276,6 +281,16 @@ class ActorContext:
         for sub in self._subscriptions:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
+
+
+#: The headers of the request an endpoint's handler is answering (its worker task's context).
+_REQUEST_HEADERS: ContextVar[Mapping[str, str]] = ContextVar("request_headers", default=MappingProxyType({}))
+
+
+def request_headers() -> Mapping[str, str]:
+    """The headers of the request the calling endpoint handler answers (empty outside one): what the requester
+    sent, and what nats-server adds (`Nats-Request-Info` on a shared import: who asked)."""
+    return _REQUEST_HEADERS.get()
 
 
 def _reply_of(request: Request) -> str | None:

@@ -78,6 +78,7 @@ class NodeConfig:
     health_probe_timeout_s: float = 30.0  # a probe (one token) must answer within this
     frontdoor_grouping: bool = True  # group a model's requests while a swap is pending (off: arrival order)
     max_hold_s: float = 3600.0  # the longest unclaimed hold placement grants a request (longer: hold_too_long)
+    client_share: float = 0.5  # of each node's devices, what one client may hold booked at once
 
     @property
     def subjects(self) -> Subjects:
@@ -93,6 +94,13 @@ def _positive_float(text: Any) -> float:
     value = float(text)
     if not value > 0:
         raise ValueError(f"{text!r} is not a positive number")
+    return value
+
+
+def _share(text: Any) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise ValueError(f"{text!r} is not a share in (0, 1]")
     return value
 
 
@@ -242,6 +250,7 @@ _OPTIONS: dict[str, Callable[[Any], Any]] = {
     "health_probe_timeout": _positive_float,
     "frontdoor_grouping": _bool,
     "max_hold": _positive_float,
+    "client_share": _share,
     "nats": _urls,
     "nats_user": str,
     "nats_password": str,
@@ -412,6 +421,7 @@ def load_config(
         health_probe_timeout_s=values.get("health_probe_timeout", 30.0),
         frontdoor_grouping=values.get("frontdoor_grouping", True),
         max_hold_s=values.get("max_hold", 3600.0),
+        client_share=values.get("client_share", 0.5),
     )
 
 

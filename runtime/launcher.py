@@ -263,6 +263,7 @@ async def run_node(
                     models_dir=models_dir,
                     digests=digests,
                     max_hold_s=config.max_hold_s,
+                    client_share=config.client_share,  # what one client (its own NATS user) may hold booked
                     model_roots=config.model_roots,  # with the models dir: no client names a file elsewhere
                 ),
                 RunnerActor(

@@ -13,9 +13,12 @@ Across the boundary (`accounts`):
 - `MESH` exports as services, to `CLIENTS` only, what a client may request: `placement.request`,
   `placement.fit`, `generate`, and the read-only JetStream calls on the mesh's streams (account and stream
   info, stored-message and direct gets; a batched direct get answers with a stream of messages). Answers go
-  back through nats-server's reply mapping (`_R_.…` on the mesh's side). No consumer API is exported: a
-  consumer's deliver subject is a publish target in `MESH`, and durable consumers are the mesh's. So a client
-  creates, changes and deletes no consumer at all.
+  back through nats-server's reply mapping (`_R_.…` on the mesh's side). A client's `placement.request`
+  arrives in `MESH` as `clients.placement.request` (imported under the usual name, with `share`): placement
+  knows it came from a client, and nats-server names the client user in a `Nats-Request-Info` header it
+  writes itself, so the client share (what one client may hold booked) is counted per user. No consumer API
+  is exported: a consumer's deliver subject is a publish target in `MESH`, and durable consumers are the
+  mesh's. So a client creates, changes and deletes no consumer at all.
 - `MESH` exports the journal's subjects (`<prefix>.events.>`) as a stream: a client following the journal
   hears new events live (and reads what is stored through direct gets).
 - The clients' inboxes, `_INBOX.clients.>`, are exported by `CLIENTS` to `MESH` and imported there under the
@@ -46,7 +49,8 @@ client can read another's replies and the mesh's users' inboxes stay out of the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -158,17 +162,55 @@ def _reading(streams: list[str]) -> list[str]:
     return rights
 
 
-def client_requests(subjects: Subjects) -> list[tuple[str, str | None, str | None]]:
-    """What `CLIENTS` imports from `MESH` as services: (subject, response type, reply threshold), None for
-    nats-server's defaults (one answer, within two minutes)."""
-    services: list[tuple[str, str | None, str | None]] = [
-        (subjects.placement_request, None, PLACEMENT_REPLY_WITHIN),
-        (subjects.placement_fit, None, PLACEMENT_REPLY_WITHIN),
-        (subjects.generate, None, GENERATE_REPLY_WITHIN),
+@dataclass(frozen=True, slots=True)
+class ClientService:
+    """A service `CLIENTS` imports from `MESH`: `subject` as clients request it, `exported` as it arrives in
+    the mesh's account; `response` and `threshold` None for nats-server's defaults (one answer, within two
+    minutes); `share`: nats-server tells the responder which user asked (a `Nats-Request-Info` header)."""
+
+    subject: str
+    exported: str
+    response: str | None = None
+    threshold: str | None = None
+    share: bool = False
+
+
+def client_requests(subjects: Subjects) -> list[ClientService]:
+    """What `CLIENTS` imports from `MESH` as services."""
+    services = [
+        ClientService(
+            subjects.placement_request, subjects.client_placement_request, None, PLACEMENT_REPLY_WITHIN, share=True
+        ),
+        ClientService(subjects.placement_fit, subjects.placement_fit, None, PLACEMENT_REPLY_WITHIN),
+        ClientService(subjects.generate, subjects.generate, None, GENERATE_REPLY_WITHIN),
     ]
     for subject, batched in _gets(list(_streams(subjects).values())):
-        services.append((subject, "stream", BATCH_REPLY_WITHIN) if batched else (subject, None, None))
+        services.append(
+            ClientService(subject, subject, "stream", BATCH_REPLY_WITHIN)
+            if batched
+            else ClientService(subject, subject)
+        )
     return services
+
+
+#: The header nats-server writes on a request it forwards through a shared service import: who asked.
+REQUEST_INFO_HEADER: Final = "Nats-Request-Info"
+
+
+def requesting_client(headers: Mapping[str, str] | None) -> str | None:
+    """The client user nats-server names in a request's `Nats-Request-Info` (set by the server on a `share`d
+    import, whatever the client sent), or None when it names no user of the clients' account."""
+    raw = (headers or {}).get(REQUEST_INFO_HEADER)
+    if not raw or len(raw) > 64 * 1024:
+        return None
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        return None
+    user = info.get("user") if isinstance(info, dict) else None
+    if not isinstance(user, str) or not user or info.get("acc") != CLIENT_ACCOUNT:
+        return None
+    return user[:256]
 
 
 def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | None:
@@ -181,7 +223,7 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
     if role.kind == "client":
         # What its account imports, named again: a second wall if an import were ever widened by mistake.
         return {
-            "publish": {"allow": [subject for subject, _, _ in client_requests(subjects)]},
+            "publish": {"allow": [service.subject for service in client_requests(subjects)]},
             "subscribe": {"allow": [inbox, subjects.events_all]},
             "allow_responses": True,  # answering a generate's stream pings (a reply to a request received)
         }
@@ -230,6 +272,7 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
         f"{p}.l3.{node}.>",
         f"{p}.handoff.{node}.>",
         subjects.placement_request,
+        subjects.client_placement_request,  # what clients request, held to their share
         subjects.placement_fit,
         subjects.generate,
         subjects.serving_all,  # routers read every node's serving reports
@@ -255,13 +298,22 @@ def user_entry(subjects: Subjects, role: Role, user: str, password: str) -> dict
     return entry
 
 
-def _service(subject: str, response: str | None, threshold: str | None, account: str) -> dict[str, Any]:
-    export: dict[str, Any] = {"service": subject, "accounts": [account]}
-    if response is not None:
-        export["response_type"] = response
-    if threshold is not None:
-        export["response_threshold"] = threshold
+def _export(service: ClientService) -> dict[str, Any]:
+    export: dict[str, Any] = {"service": service.exported, "accounts": [CLIENT_ACCOUNT]}
+    if service.response is not None:
+        export["response_type"] = service.response
+    if service.threshold is not None:
+        export["response_threshold"] = service.threshold
     return export
+
+
+def _import(service: ClientService) -> dict[str, Any]:
+    imported: dict[str, Any] = {"service": {"account": MESH_ACCOUNT, "subject": service.exported}}
+    if service.subject != service.exported:
+        imported["to"] = service.subject
+    if service.share:
+        imported["share"] = True
+    return imported
 
 
 def accounts(subjects: Subjects, users: Sequence[tuple[Role, str, str]]) -> dict[str, Any]:
@@ -273,11 +325,9 @@ def accounts(subjects: Subjects, users: Sequence[tuple[Role, str, str]]) -> dict
     mesh_users = [user_entry(subjects, role, user, pw) for role, user, pw in users if role.account == MESH_ACCOUNT]
     clients = [(role, user, pw) for role, user, pw in users if role.account == CLIENT_ACCOUNT]
     requests = client_requests(subjects)
-    mesh_exports = [_service(subject, rt, within, CLIENT_ACCOUNT) for subject, rt, within in requests]
+    mesh_exports = [_export(service) for service in requests]
     mesh_exports.append({"stream": subjects.events_all, "accounts": [CLIENT_ACCOUNT]})
-    client_imports: list[dict[str, Any]] = [
-        {"service": {"account": MESH_ACCOUNT, "subject": subject}} for subject, _, _ in requests
-    ]
+    client_imports: list[dict[str, Any]] = [_import(service) for service in requests]
     client_imports.append({"stream": {"account": MESH_ACCOUNT, "subject": subjects.events_all}})
     inboxes = f"{CLIENT_INBOXES}.>"
     return {

@@ -4,9 +4,10 @@ Pure cores: `gguf_header` (a bounded, hostile-input-safe GGUF header reader, fed
 (header to `ModelGeometry`), `matmul_weights`, the memory model (`memory`, with `context`, `caches`,
 `weights`, `compute`), `bounds` (per-model settings within a node's bounds), `ledger` (what a node can still
 offer), `admission` (eligibility, node choice, stamp), `fleet` (the same decisions at fleet scale),
-`reservations` (the reservation lifecycle), `registry` (signed entries), `replay` (recomputing a recorded
-decision). Shells: `actor` (the view, CAS ledgers, the endpoints), `model_reader` (model files and registry
-entries, in worker threads), `decision_records` (large decisions' inputs in the object store).
+`reservations` (the reservation lifecycle), `shares` (what one client may hold booked), `registry` (signed
+entries), `replay` (recomputing a recorded decision). Shells: `actor` (the view, CAS ledgers, the endpoints),
+`model_reader` (model files and registry entries, in worker threads), `decision_records` (large decisions'
+inputs in the object store).
 """
 
 from __future__ import annotations
@@ -18,6 +19,6 @@ from typing import Final
 CORES: Final = frozenset(
     {
         "gguf_header", "geometry", "matmul_weights", "memory", "context", "caches", "weights", "compute", "bounds",
-        "ledger", "admission", "fleet", "reservations", "registry", "replay",
+        "ledger", "admission", "fleet", "reservations", "registry", "replay", "shares",
     }
 )  # fmt: skip

@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -35,8 +36,8 @@ import nats.js.errors
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.object_store import ObjectStore
 
-from actors.placement import decision_records
-from actors.placement.admission import ModelFacts, Outcome, ViewEntry, decide, rejected
+from actors.placement import decision_records, shares
+from actors.placement.admission import ModelFacts, Outcome, ViewEntry, decide, natural_key, rejected
 from actors.placement.fleet import NO_LEDGER, FleetIndex, IndexStats, Inputs, LedgerEntry, snapshot
 from actors.placement.ledger import with_reservation
 from actors.placement.model_reader import ModelProblem, ModelReader
@@ -65,6 +66,7 @@ from messages.events import (
 from messages.placement import (
     LEDGER_KEY_PREFIX,
     NodeLedger,
+    NodeRejection,
     PlacementDecision,
     PlacementRequest,
     Reservation,
@@ -72,10 +74,11 @@ from messages.placement import (
 from messages.runner import InstanceStatus
 from messages.telemetry import NodeResources
 from runtime import buckets
-from runtime.actor import Actor, ActorContext, RequestError
+from runtime.actor import Actor, ActorContext, RequestError, request_headers
 from runtime.bus import BadMessage, PayloadTooLarge, decode_checked, encode
 from runtime.logging import get_logger
 from runtime.model_files import FileDigests
+from runtime.roles import requesting_client
 
 QUEUE_GROUP = "placement"
 RUNNER_EVENTS_CONSUMER = "placement-reservations"
@@ -95,6 +98,8 @@ _LEDGER_REASONS = frozenset({"insufficient_memory", "ledger_unreadable"})
 _CHANGE_DEADLINE_S = 10.0
 #: The longest unclaimed hold a request may ask for, unless the node says otherwise (`--max-hold`).
 MAX_HOLD_S = 3600.0
+#: Whom a request on the clients' subject is counted for when nats-server named no client (an admin's).
+UNNAMED_CLIENT = "clients"
 
 
 #: The runner events that change a reservation.
@@ -146,14 +151,20 @@ class PlacementActor(Actor):
         inline_event_bytes: int = INLINE_EVENT_BYTES,
         max_hold_s: float = MAX_HOLD_S,
         model_roots: tuple[Path, ...] | None = None,
+        client_share: float | None = None,
     ) -> None:
         """`models_dir`: where relative model paths live (as for the runner); without one they are refused.
         `sweep_interval_s`: how often reservations are reconciled. `claim_grace_s`: how long a claimed
         reservation is held before its instance's record first appears. `max_hold_s`: the longest unclaimed
         hold a request may ask for (longer: refused with `hold_too_long`). `model_roots`: the directories model
         files may be in besides `models_dir` (None: an absolute path may be anywhere; `mesh-actor run` always
-        gives the node's directories, so no client can read a file outside them)."""
+        gives the node's directories, so no client can read a file outside them). `client_share`: the share of
+        each node's devices one client may hold booked at once (`shares.py`; None: clients are not bounded,
+        `mesh-actor run` always gives one)."""
+        if client_share is not None and not 0 < client_share <= 1:
+            raise ValueError("client_share is in (0, 1]")
         self._max_hold_s = max_hold_s
+        self._client_share = client_share
         self._clock = clock
         self._monotonic = monotonic
         self._max_attempts = max_attempts
@@ -206,6 +217,16 @@ class PlacementActor(Actor):
             "fit", subjects.placement_fit, PlacementRequest, lambda r: self.place(ctx, r, dry_run=True),
             queue_group=QUEUE_GROUP,
         )  # fmt: skip
+
+        async def from_client(request: PlacementRequest) -> PlacementDecision:
+            # Only the clients' account reaches this subject, and nats-server names the user who asked (it
+            # writes the header itself); a request without one came from an admin posing as a client.
+            requester = requesting_client(request_headers()) or UNNAMED_CLIENT
+            return await self.place(ctx, request, dry_run=False, requester=requester)
+
+        await ctx.add_endpoint(
+            "client-request", subjects.client_placement_request, PlacementRequest, from_client, queue_group=QUEUE_GROUP
+        )
 
     async def _watch_nodes(self, ctx: ActorContext) -> None:
         async for entry in buckets.watch(self._nodes, self._view_ready):
@@ -271,7 +292,11 @@ class PlacementActor(Actor):
 
     # --- decisions ------------------------------------------------------------------------------------
 
-    async def place(self, ctx: ActorContext, request: PlacementRequest, *, dry_run: bool) -> PlacementDecision:
+    async def place(
+        self, ctx: ActorContext, request: PlacementRequest, *, dry_run: bool, requester: str | None = None
+    ) -> PlacementDecision:
+        """Decides (and books, unless a dry run) `request`; `requester`: the client it is for (held to the client
+        share), None for the mesh's own requests."""
         decision_id = uuid.uuid4().hex
         now = self._clock()
         if request.hold_s > self._max_hold_s:
@@ -294,16 +319,43 @@ class PlacementActor(Actor):
             return decision
 
         reservation_id = uuid.uuid4().hex[:16]
+        share = self._client_share if requester is not None and not dry_run else None
+        # A client's booking stays within its share of every node (`shares.py`): nodes where it holds its share
+        # are not considered, and a node a booking would overfill is dropped and the decision taken again. What
+        # is decided (and journaled, so replay decides alike) is the request with the nodes left.
+        over_share: dict[str, NodeRejection] = {}
+        if requester is not None and share is not None:
+            ledgers = {name: ledger for name, (ledger, _) in self._ledger_cache.items()}
+            over_share = shares.exhausted((e.resources for e in self._view.values()), ledgers, requester, share)
+        asked = request
+        booking: tuple[Reservation, ...] = ()
         # The local copy first; after a lost compare-and-set or a refusal, the bucket itself (`fresh`).
         fresh: dict[str, LedgerEntry] = {}
         from_bucket = False
         decided: _Decided | None = None
         for _ in range(self._max_attempts):
             now = self._clock()
-            decided = await self._decide(request, facts, fresh, now, decision_id, reservation_id, dry_run)
+            if over_share:
+                left = [n for n in (request.nodes or sorted(self._view, key=natural_key)) if n not in over_share]
+                if not left:
+                    ctx.log.info("placement_over_client_share", requester=requester, nodes=len(over_share))
+                    return self._over_share(request, requester, over_share, decision_id, now)
+                asked = msgspec.structs.replace(request, nodes=tuple(left))
+            decided = await self._decide(asked, facts, fresh, now, decision_id, reservation_id, dry_run)
             outcome = decided.outcome
             if outcome.reservations:
-                if await self._commit(ctx, outcome.reservations, decided.ledgers):
+                booking = outcome.reservations
+                if requester is not None and share is not None:
+                    over = {
+                        r.node_id: rejection
+                        for r in outcome.reservations
+                        if (rejection := self._breach(r, decided.ledgers, requester, share)) is not None
+                    }
+                    if over:
+                        over_share.update(over)
+                        continue
+                    booking = shares.booked_for(outcome.reservations, requester)
+                if await self._commit(ctx, booking, decided.ledgers):
                     break
                 names = [name for name in (request.nodes or self._view) if name in self._view]
                 fresh, from_bucket = await self._read_ledgers(names), True
@@ -329,14 +381,14 @@ class PlacementActor(Actor):
             )
             if not dry_run and decided is not None and decided.inputs is not None:
                 inputs = decided.inputs
-                await self._journal(ctx, request, inputs.view, inputs.held, facts, conflict, inputs.unreadable)
+                await self._journal(ctx, asked, inputs.view, inputs.held, facts, conflict, inputs.unreadable)
             return conflict
         assert decided is not None  # max_attempts >= 1
-        booked = outcome.reservations if not dry_run else ()
+        booked = booking if not dry_run else ()
         try:
             if not dry_run and decided.inputs is not None:
                 inputs = decided.inputs
-                await self._journal(ctx, request, inputs.view, inputs.held, facts, outcome.decision, inputs.unreadable)
+                await self._journal(ctx, asked, inputs.view, inputs.held, facts, outcome.decision, inputs.unreadable)
                 ctx.log.info(
                     "placement_decided",
                     decision=decision_id,
@@ -344,6 +396,12 @@ class PlacementActor(Actor):
                     reason=outcome.decision.reason,
                     message=outcome.decision.message,
                 )
+            if over_share:  # said to the client, not journaled: the share is this node's policy, as the hold is
+                rejections = (*sorted(over_share.values(), key=lambda r: natural_key(r.node_id)),)
+                answer = msgspec.structs.replace(
+                    outcome.decision, rejections=(*rejections, *outcome.decision.rejections)
+                )
+                outcome = dataclasses.replace(outcome, decision=answer)
             # Checked here, where the booking can still be taken back: the shell would only fail to send it.
             ctx.bus.check_size(ctx.subjects.placement_request, encode(outcome.decision))
         except PayloadTooLarge as exc:
@@ -355,6 +413,38 @@ class PlacementActor(Actor):
             self._undo_later(ctx, booked, decision_id)
             raise
         return outcome.decision
+
+    def _breach(
+        self, reservation: Reservation, ledgers: Mapping[str, LedgerEntry], requester: str, share: float
+    ) -> NodeRejection | None:
+        """Whether booking `reservation` takes `requester` past its share of the node, judged on the ledger the
+        booking's compare-and-set writes over (a concurrent booking of the same client is seen on retry)."""
+        entry = self._view.get(reservation.node_id)
+        if entry is None:
+            return None
+        ledger, _ = ledgers.get(reservation.node_id, NO_LEDGER)
+        return shares.breach(entry.resources, ledger, requester, share, reservation.held)
+
+    def _over_share(
+        self,
+        request: PlacementRequest,
+        requester: str | None,
+        over: Mapping[str, NodeRejection],
+        decision_id: str,
+        now: float,
+    ) -> PlacementDecision:
+        """A refusal because the client holds its share of every node it could use (not journaled: the share
+        is this node's policy, which replay does not know)."""
+        message = (
+            f"client {requester} holds its share ({self._client_share:g} of each device) of every node it could "
+            f"use: stop an instance or let a reservation go first"
+        )
+        refused = rejected(
+            request, "over_client_share", message, decision_id=decision_id, now=now, dry_run=False, view=self._view
+        )
+        return msgspec.structs.replace(
+            refused, rejections=tuple(sorted(over.values(), key=lambda r: natural_key(r.node_id)))
+        )
 
     def _undo_later(self, ctx: ActorContext, booked: tuple[Reservation, ...], decision_id: str) -> None:
         """Releases `booked` in a task of its own (the caller may be cancelled: it must not wait)."""

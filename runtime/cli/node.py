@@ -142,6 +142,12 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         metavar="S",
         help="the longest a placement request may hold memory unclaimed (default 3600; longer: hold_too_long)",
     )
+    run.add_argument(
+        "--client-share",
+        type=float,
+        metavar="FRACTION",
+        help="of each node's devices, what one client may hold booked at once (default 0.5; more: over_client_share)",
+    )
     run.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     run.add_argument(
         "--l3-budget",
@@ -221,6 +227,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "health_probe_timeout": args.health_probe_timeout,
         "frontdoor_grouping": args.frontdoor_grouping,
         "max_hold": args.max_hold,
+        "client_share": args.client_share,
         "prefix": args.prefix,
         "nats": ",".join(args.nats) if args.nats else None,
         "nats_user": args.nats_user,

@@ -1,6 +1,7 @@
 """What a hostile client sends to placement, through the real subjects: oversized or malformed fields are
 `bad_request`s at decode, a hold over the node's maximum is refused by name, and a booking whose decision never
-reaches its requester does not stay booked. The actor keeps serving throughout."""
+reaches its requester does not stay booked. The actor keeps serving throughout. What one client holds booked at
+once is its share of each node."""
 
 from __future__ import annotations
 
@@ -10,14 +11,18 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats.errors
 import pytest
 
 from actors.placement.actor import PlacementActor
 from messages.placement import MAX_REQUEST_NODES
 from runtime.bus import Bus
+from runtime.embedded import EmbeddedNats
+from runtime.roles import Role
 from tests.conftest import JournalReader, of_type, put_telemetry, supervised
 from tests.integration.test_placement import GIB, SUBJECTS, ledger, report, wait_view
+from tests.integration.test_roles import admin_bus, bus_when_loaded, issued
 from tests.tiny_models import write_llama
 
 
@@ -126,3 +131,66 @@ async def test_a_booking_whose_request_deadline_passed_is_released(
         (released,) = await journal_reader.wait_for(of_type("reservation_released", reason="undelivered"))
         assert await booked(bus) == []
         assert released["node_id_released"] == "a"
+
+
+# --- what one client may hold: its share, through the accounts of a real embedded server ----------------------
+
+
+@pytest.fixture
+async def accounts_server(tmp_path: Path) -> AsyncIterator[EmbeddedNats]:
+    server = EmbeddedNats(tmp_path / "node", preferred_port=0, node_id="n1")
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+async def _as(bus: Bus, body: dict[str, Any], headers: dict[str, str] | None = None) -> dict[str, Any]:
+    msg = await bus.nc.request(SUBJECTS.placement_request, json.dumps(body).encode(), timeout=10, headers=headers)
+    reply: dict[str, Any] = json.loads(msg.data)
+    return reply
+
+
+async def test_one_client_holds_at_most_its_share_of_a_node_and_cannot_speak_for_another(
+    accounts_server: EmbeddedNats, model: Path
+) -> None:
+    # Issue 17: 19 requests of one client booked every byte of a node for a day. Each client (its own NATS user)
+    # now holds at most its share of each node booked at once; the mesh's own requests are not counted.
+    admin = await admin_bus(accounts_server)
+    body = {"model": {"path": str(model)}, "ctx": 2048}
+    try:
+        actor = PlacementActor(client_share=0.5)
+        async with supervised(admin, [actor], node_id="p1"):
+            await put_telemetry(admin, report("sizer", 8 * GIB))
+            await wait_view(actor, "sizer")
+            need = (await answer(admin, {**body, "nodes": ["sizer"]}, fit=True))["placements"][0]["breakdown"]
+            total = int(need["total_bytes"])
+            # A node of three bookings' size: each client's half holds one and a half.
+            room = 3 * total
+            await put_telemetry(admin, msgspec.structs.replace(report("a", room), memory_limit_bytes=room))
+            await wait_view(actor, "a")
+            user_one, user_two = issued(accounts_server, Role("client")), issued(accounts_server, Role("client"))
+            one, two = await bus_when_loaded(user_one, "one"), await bus_when_loaded(user_two, "two")
+            try:
+                first = await _as(one, {**body, "nodes": ["a"]})
+                assert first["admitted"] is True, first
+                (held,) = [r for r in (await ledger(admin, "a")).reservations]
+                assert held.requester == user_one.user and held.reservation_id == first["reservation_id"]
+                # Its second booking would take it past half the node; claiming to be another client changes
+                # nothing (nats-server writes who asked).
+                forged = json.dumps({"acc": "CLIENTS", "user": user_two.user})
+                again = await _as(one, {**body, "nodes": ["a"]}, headers={"Nats-Request-Info": forged})
+                assert again["admitted"] is False and again["reason"] == "over_client_share", again
+                (refused,) = again["rejections"]
+                assert refused["node_id"] == "a" and refused["shortfalls"][0]["have_bytes"] == room // 2
+                # Another client has a share of its own, and the mesh's own requests are not counted at all.
+                assert (await _as(two, {**body, "nodes": ["a"]}))["admitted"] is True
+                assert (await answer(admin, {**body, "nodes": ["a"]}))["admitted"] is True
+                requesters = sorted(str(r.requester) for r in (await ledger(admin, "a")).reservations)
+                assert requesters == sorted([user_one.user, user_two.user, "None"])
+            finally:
+                await one.close()
+                await two.close()
+    finally:
+        await admin.close()

@@ -151,3 +151,12 @@ def test_the_api_key_comes_from_a_file_or_the_environment_never_argv(tmp_path: P
 )  # fmt: skip
 def test_only_loopback_addresses_are_loopback(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
+
+
+def test_the_client_share_is_a_fraction_of_each_node_half_by_default(tmp_path: Path) -> None:
+    assert load_config({"data_dir": str(tmp_path)}, {}).client_share == 0.5
+    assert load_config({"data_dir": str(tmp_path), "client_share": "0.25"}, {}).client_share == 0.25
+    assert load_config({"data_dir": str(tmp_path)}, {"MESH_ACTOR_CLIENT_SHARE": "1"}).client_share == 1.0
+    for bad in ("0", "1.5", "-0.1", "half"):
+        with pytest.raises(ConfigError, match="--client-share"):
+            load_config({"data_dir": str(tmp_path), "client_share": bad}, {})

@@ -15,6 +15,7 @@ from runtime.roles import (
     inbox_prefix,
     is_client_user,
     permissions,
+    requesting_client,
     user_entry,
 )
 
@@ -86,8 +87,17 @@ def test_clients_live_in_their_own_account_and_import_only_what_they_may_request
     assert [u["user"] for u in mesh["users"]] == ["mesh", "node-n1"]
     assert [u["user"] for u in clients["users"]] == ["client-1", "client-2"]
     assert mesh["jetstream"] == "enabled" and "jetstream" not in clients  # no consumers, no streams of its own
-    imported = {i["service"]["subject"] for i in clients["imports"] if "service" in i}
-    assert all(i["service"]["account"] == MESH_ACCOUNT for i in clients["imports"] if "service" in i)
+    services = [i for i in clients["imports"] if "service" in i]
+    imported = {i.get("to", i["service"]["subject"]) for i in services}  # as clients name them
+    assert all(i["service"]["account"] == MESH_ACCOUNT for i in services)
+    # A client's placement.request arrives on its own subject in MESH, with the client named by the server.
+    (booking,) = [i for i in services if i.get("to") == S.placement_request]
+    assert booking == {
+        "service": {"account": MESH_ACCOUNT, "subject": S.client_placement_request},
+        "to": S.placement_request,
+        "share": True,
+    }
+    assert [i for i in services if "to" in i or "share" in i] == [booking]
     # What a client requested before the accounts: placement, generate, the reads of the mesh's streams.
     assert {S.placement_request, S.placement_fit, S.generate, "$JS.API.INFO"} <= imported
     assert "$JS.API.DIRECT.GET.LAB_A_EVENTS" in imported
@@ -97,7 +107,9 @@ def test_clients_live_in_their_own_account_and_import_only_what_they_may_request
     streams = [i["stream"] for i in clients["imports"] if "stream" in i]
     assert streams == [{"account": MESH_ACCOUNT, "subject": S.events_all}]
     exported = {e["service"]: e for e in mesh["exports"] if "service" in e}
-    assert set(exported) == imported and all(e["accounts"] == [CLIENT_ACCOUNT] for e in mesh["exports"])
+    assert set(exported) == {i["service"]["subject"] for i in services}
+    assert all(e["accounts"] == [CLIENT_ACCOUNT] for e in mesh["exports"])
+    assert S.placement_request not in exported  # only the clients' own subject: no way around the share
     assert exported["$JS.API.DIRECT.GET.LAB_A_EVENTS"]["response_type"] == "stream"  # batches answer many times
     assert "response_type" not in exported[S.placement_fit]
     # Long enough for the longest generation (timeout_s up to an hour) to be answered.
@@ -155,8 +167,10 @@ def test_a_node_publishes_only_its_own_telemetry_events_and_keys() -> None:
     )
     for subject in others:
         assert not allowed(rights, "publish", subject), subject
+    # A node never poses as a client: what arrives on the clients' subject came through their account.
+    assert not allowed(rights, "publish", S.client_placement_request)
     serves = (S.runner("n1", "start"), S.l3("n1", "segment"), S.handoff("n1", "probe"), S.generate, S.placement_request)
-    for subject in (*serves, S.event("handoff", "link_measured", "n2"), "$SRV.PING"):
+    for subject in (*serves, S.client_placement_request, S.event("handoff", "link_measured", "n2"), "$SRV.PING"):
         assert allowed(rights, "subscribe", subject), subject
     assert allowed(rights, "subscribe", S.events_all)  # `events --follow` hears new events live
     for subject in (S.runner("n2", "start"), S.l3("n2", "segment"), "_INBOX.client-1.x"):
@@ -179,3 +193,18 @@ def test_roles_parse_and_refuse_what_is_not_a_role() -> None:
     assert inbox_prefix("node-n1") == "_INBOX.node-n1" and inbox_prefix("client-1") == "_INBOX.clients.client-1"
     with pytest.raises(ValueError):
         inbox_prefix("a.b")
+
+
+def test_the_requesting_client_is_the_user_the_server_names_in_its_request_info() -> None:
+    info = '{"acc": "CLIENTS", "user": "client-ab12", "host": "127.0.0.1"}'
+    assert requesting_client({"Nats-Request-Info": info}) == "client-ab12"
+    for headers in (
+        None,
+        {},
+        {"Nats-Request-Info": '{"acc": "MESH", "user": "node-n1"}'},  # not a client
+        {"Nats-Request-Info": '{"acc": "CLIENTS"}'},
+        {"Nats-Request-Info": '{"acc": "CLIENTS", "user": 7}'},
+        {"Nats-Request-Info": "not json"},
+        {"Nats-Request-Info": "[1, 2]"},
+    ):
+        assert requesting_client(headers) is None, headers
