@@ -5,7 +5,8 @@ after start), `lifecycle` (the instance state machine), `limits` (deadlines and 
 (llama.cpp's allocation lines), `observed` (the observed footprint), `health` (liveness by inference),
 `admission` (worker-side admission), `booking` (what a starting runner releases, what runs unbooked), `slots`
 (which slot serves a request), `passthrough` (what the mesh does around a client's own body), `plan` (one
-generation's serving plan: what to restore, when to capture). Shells: `actor`
+generation's serving plan: what to restore, when to capture), `chat_shapes` (Messages and Responses bodies as
+the chat bodies the server renders). Shells: `actor`
 (endpoints, one driver per instance), `driver`, `process`, `reaper`, `engine`, `preflight`, `records`,
 `upkeep`, and the serving path (`serving`, `forward`, `stream`, `state_file`, `server_api`).
 """
@@ -19,6 +20,6 @@ from typing import Final
 CORES: Final = frozenset(
     {
         "command", "drift", "lifecycle", "limits", "allocation_log", "observed", "health", "admission", "booking",
-        "slots", "passthrough", "plan",
+        "slots", "passthrough", "plan", "chat_shapes",
     }
 )  # fmt: skip

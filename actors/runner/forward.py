@@ -80,7 +80,7 @@ class Forwarder:
             if isinstance(plan, passthrough.Tokenize):
                 return await serving.api.tokenize(instance.port, plan.text, timeout_s=timeout)
             if isinstance(plan, passthrough.Template):
-                reply = await serving.api.json(instance.port, "POST", "/apply-template", body, timeout_s=timeout)
+                reply = await serving.api.json(instance.port, "POST", "/apply-template", plan.body, timeout_s=timeout)
                 prompt = reply.get("prompt") if isinstance(reply, dict) else None
                 if isinstance(prompt, str) and prompt:
                     return await serving.api.tokenize(instance.port, prompt, timeout_s=timeout)

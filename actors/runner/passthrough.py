@@ -11,10 +11,11 @@ Rules this module keeps:
   and `cache_prompt` (true, unless the client said otherwise). Every other field (tools, grammars, schemas,
   samplers, `n`, logprobs, stream options, reasoning fields) reaches the server unchanged.
 * A body is rendered the way the server renders it for that endpoint: a chat through its `/apply-template`
-  (same body: tools and template arguments count), a completion's single text through `/tokenize` with the
-  specials the server adds, token ids as given. Anything else (several prompts, Responses and Messages shapes)
-  is not rendered: it is routed by load and decoded cold, which costs time, never correctness (the server
-  itself reuses only what a slot's tokens share with the prompt it renders).
+  (same body: tools and template arguments count), a Messages or Responses body likewise once converted to the
+  chat body the server converts it to (`chat_shapes`), a completion's single text through `/tokenize` with the
+  specials the server adds, token ids as given. Anything else (several prompts, a body the server refuses) is
+  not rendered: it is routed by load and decoded cold, which costs time, never correctness (the server itself
+  reuses only what a slot's tokens share with the prompt it renders).
 * Server-sent events are relayed whole: `SseCutter` cuts a byte stream only after an event's blank line.
 * What an answer says of its tokens (`usage`, `timings`) is read for the journal and the result, never changed.
 """
@@ -27,6 +28,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
+from actors.runner import chat_shapes
 from messages.generate import GENERATING_ENDPOINTS
 
 __all__ = [
@@ -59,7 +61,10 @@ def endpoint_kind(endpoint: str) -> EndpointKind:
 
 @dataclass(frozen=True)
 class Template:
-    """Render with the instance's `/apply-template` (the body as the client sent it), then tokenize the prompt."""
+    """Render `body` with the instance's `/apply-template`, then tokenize the prompt. `body` is a chat body: the
+    client's own, or the one the server converts a Messages or Responses body to."""
+
+    body: Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -90,10 +95,25 @@ def decode_body(data: bytes) -> dict[str, Any]:
     return body
 
 
+#: Endpoints whose bodies the server converts to a chat body before rendering (their token counts too).
+_CHAT_SHAPES: Final = {
+    "messages": chat_shapes.anthropic_to_chat,
+    "count_tokens": chat_shapes.anthropic_to_chat,
+    "responses": chat_shapes.responses_to_chat,
+    "responses_input_tokens": chat_shapes.responses_to_chat,
+}
+
+
 def render_plan(endpoint: str, body: Mapping[str, Any]) -> Template | Tokenize | Given | None:
     """How the instance renders this body's prompt, or None when it has no single prompt the mesh can render."""
+    if endpoint in _CHAT_SHAPES:
+        try:
+            body = _CHAT_SHAPES[endpoint](body)
+        except chat_shapes.ShapeError:
+            return None  # the server refuses it too, and says why
+        endpoint = "chat"
     if endpoint == "chat":
-        return Template() if isinstance(body.get("messages"), list) and body["messages"] else None
+        return Template(body) if isinstance(body.get("messages"), list) and body["messages"] else None
     if endpoint != "completions":
         return None
     prompt = body.get("prompt")

@@ -144,7 +144,7 @@ def test_only_the_slot_is_set_in_a_forwarded_body() -> None:
 
 def test_bodies_are_rendered_the_way_the_server_renders_them_or_not_at_all() -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}]}
-    assert passthrough.render_plan("chat", chat) == passthrough.Template()
+    assert passthrough.render_plan("chat", chat) == passthrough.Template(chat)
     assert passthrough.render_plan("completions", {"prompt": "hi"}) == passthrough.Tokenize("hi")
     assert passthrough.render_plan("completions", {"prompt": ["hi"]}) == passthrough.Tokenize("hi")
     assert passthrough.render_plan("completions", {"prompt": [1, 2]}) == passthrough.Given((1, 2))
@@ -154,7 +154,7 @@ def test_bodies_are_rendered_the_way_the_server_renders_them_or_not_at_all() -> 
         ("completions", {"prompt": [1, -2]}),
         ("completions", {"prompt": [True]}),
         ("chat", {"messages": []}),
-        ("messages", chat),
+        ("messages", {"system": "x"}),  # no messages: the server refuses it
         ("embeddings", {"input": "x"}),
     ):
         assert passthrough.render_plan(endpoint, body) is None, (endpoint, body)
@@ -272,3 +272,20 @@ def test_without_grouping_requests_go_in_arrival_order_across_models() -> None:
     order.leave(b2)
     order.leave(b2)  # leaving twice is harmless
     assert order.may_go(a3) and len(order) == 1
+
+
+def test_messages_and_responses_bodies_are_rendered_as_the_chat_body_the_server_converts_them_to() -> None:
+    messages = {"model": "m", "system": "Be brief.", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    converted = {
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+    }
+    assert passthrough.render_plan("messages", messages) == passthrough.Template(converted)
+    assert passthrough.render_plan("count_tokens", messages) == passthrough.Template(converted)
+    responses = {"model": "m", "input": "hi", "instructions": "Be brief."}
+    chat = {"model": "m", "messages": converted["messages"]}
+    assert passthrough.render_plan("responses", responses) == passthrough.Template(chat)
+    assert passthrough.render_plan("responses_input_tokens", responses) == passthrough.Template(chat)
+    # a body the server refuses, or one with nothing to render, is not rendered: routed by load, decoded cold
+    assert passthrough.render_plan("responses", {"input": [{"type": "item_reference", "id": "x"}]}) is None
+    assert passthrough.render_plan("messages", {"messages": []}) is None
