@@ -170,12 +170,16 @@ async def test_settings_changed_after_admission_refuse_the_start_with_drift(
         decision = json.loads(out)
         assert code == 0 and decision["stamp"]["settings"]["slots"] == 2, err
 
-        config.write_text("[serving]\nslots = 3\ncache_ram_mib = 0\nctx_checkpoints = 0\n")
-        process.send_signal(signal.SIGHUP)  # the operator reloads the node's settings
+        # the operator narrows the bounds below the stamp and changes a setting of the node's own, then reloads:
+        # a model's own settings are drift only outside the bounds, the node's own whenever they change
+        config.write_text(
+            "[serving]\nslots = 3\ncache_ram_mib = 0\nctx_checkpoints = 0\nubatch = 256\n[bounds]\nmax_slots = 1\n"
+        )
+        process.send_signal(signal.SIGHUP)
         async with asyncio.timeout(20):
             while True:
                 status = await wait_nodes(data_dir, "drifty")
-                if status["nodes"][0]["settings"]["slots"] == 3:
+                if status["nodes"][0]["settings"]["ubatch"] == 256:
                     break
                 await asyncio.sleep(0.2)
 
@@ -202,7 +206,8 @@ async def test_settings_changed_after_admission_refuse_the_start_with_drift(
         assert "slots" in str(refused.value.reply.details)
         code, out, _ = await cli("events", "--json", "--subject", "runner.drift_rejected", "--data-dir", str(data_dir))
         (event,) = [json.loads(line)["event"] for line in out.splitlines()]
-        assert {"field": "slots", "stamped": "2", "current": "3"} in event["drift"]
+        assert {"field": "slots", "stamped": "2", "current": "outside the node's bounds"} in event["drift"]
+        assert {"field": "ubatch", "stamped": "512", "current": "256"} in event["drift"]
         assert not _servers_of(models["dense"])
 
 
