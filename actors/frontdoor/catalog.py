@@ -14,6 +14,11 @@ cache_type_v = "q8_0"                       # -ctv (a quantized V cache needs fl
 flash_attn = "on"                           # -fa
 spec_type = "draft-mtp"                     # --spec-type (speculation)
 spec_draft_n_max = 3                        # --spec-draft-n-max
+
+[models.qwen-7b]
+path = "qwen2.5-7b-instruct-q4_k_m.gguf"
+draft = "qwen2.5-0.5b-instruct-q4_k_m.gguf"  # --model-draft (same vocabulary); spec_type "draft-simple"
+mmproj = "mmproj-qwen2.5-vl-7b-f16.gguf"     # --mmproj: image parts pass through to the server
 ```
 
 Names are what `/v1/models` lists and what requests name (`model`); each is one subject-safe token. Every
@@ -23,6 +28,11 @@ Serving settings (`parallel`, the cache types, flash attention, speculation) are
 they travel in the placement request (`PreferredSettings`), a node advertising other settings is refused
 (`settings_mismatch`, the fields named), and the instance runs with the settings admission stamped from the
 node's advertisement, which then equal them. An instance of the same file with other settings is not used.
+
+Companion files (`draft`, `mmproj`) are named like `path` and travel in the placement request's model
+(`model_ref`); admission sizes each from its own header and stamps it with its digest, and an instance runs
+the model only with exactly these companions (`runs_on` given its stamp). A `draft` without `spec_type`
+speculates with it ("draft-simple"), the one speculation type a draft model serves here.
 """
 
 from __future__ import annotations
@@ -32,8 +42,8 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
-from actors.placement.context import CACHE_TYPES, SPEC_TYPES
-from messages.placement import PreferredSettings
+from actors.placement.context import CACHE_TYPES, DRAFT_SIMPLE, SPEC_TYPES
+from messages.placement import Companion, ModelRef, PreferredSettings, Stamp
 from messages.settings import CacheType, ServingSettings
 from messages.subjects import check_token
 
@@ -62,6 +72,8 @@ class CatalogModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     spec_type: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     spec_draft_n_max: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
     kind: Literal["generate", "embedding", "rerank"] = "generate"
+    draft: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = None  # --model-draft
+    mmproj: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = None  # --mmproj
 
     def required_settings(self) -> PreferredSettings | None:
         """What its instances must run with (None: whatever the node advertises)."""
@@ -70,13 +82,27 @@ class CatalogModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             cache_type_k=self.cache_type_k,
             cache_type_v=self.cache_type_v,
             flash_attn=self.flash_attn,
-            spec_type=self.spec_type,
+            spec_type=self.spec_type or (DRAFT_SIMPLE if self.draft else None),
             spec_draft_n_max=self.spec_draft_n_max,
         )
         return None if settings == PreferredSettings() else settings
 
-    def runs_on(self, settings: ServingSettings) -> bool:
-        """Whether an instance running with `settings` meets this model's requirements."""
+    def model_ref(self, path: str | None = None) -> ModelRef:
+        """The model a placement request names: the file (`path` as the front door resolved it, else the name
+        given here) or the registry entry, with its companion files as named here (a relative name is found in
+        the placing node's models dir, as `path` is)."""
+        if self.registry:
+            return ModelRef(registry=self.path, draft=self.draft, mmproj=self.mmproj)
+        return ModelRef(path=path or self.path, draft=self.draft, mmproj=self.mmproj)
+
+    def runs_on(self, settings: ServingSettings | Stamp) -> bool:
+        """Whether an instance running with `settings` meets this model's requirements; given its whole
+        stamp, also whether it runs exactly this model's companion files (an instance of the same file with
+        another draft, or none, serves another model)."""
+        if isinstance(settings, Stamp):
+            if not (_is(settings.draft, self.draft) and _is(settings.mmproj, self.mmproj)):
+                return False
+            settings = settings.settings
         required = self.required_settings()
         if required is None:
             return True
@@ -96,6 +122,21 @@ class CatalogModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         v = self.cache_type_v
         if self.flash_attn == "off" and v is not None and CACHE_TYPES[v][0] > 1:
             raise ValueError(f'cache_type_v: a quantized V cache ({v}) needs flash_attn = "on"')
+        if self.draft is not None and self.spec_type not in (None, DRAFT_SIMPLE):
+            raise ValueError(
+                f'draft: a draft model speculates with spec_type = "{DRAFT_SIMPLE}", not "{self.spec_type}"'
+            )
+
+
+def _is(stamped: Companion | None, named: str | None) -> bool:
+    """Whether the companion an instance was stamped with is the file named in the catalog: the same name, or
+    the file a relative name resolves to (the runner stamps the path it resolved inside its models dir)."""
+    if stamped is None or named is None:
+        return stamped is None and named is None
+    if stamped.path == named:
+        return True
+    parts = [part for part in named.split("/") if part not in ("", ".")]
+    return not named.startswith("/") and bool(parts) and stamped.path.split("/")[-len(parts) :] == parts
 
 
 class Catalog(msgspec.Struct, frozen=True, kw_only=True):

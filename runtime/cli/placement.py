@@ -45,6 +45,10 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     add_client_options(place)
     place.add_argument("model", nargs="?", metavar="MODEL.gguf", help="GGUF path as the placement nodes see it")
     place.add_argument("--registry", metavar="NAME", help="a signed registry entry instead of (or beside) a path")
+    place.add_argument(
+        "--draft", metavar="DRAFT.gguf", help="a draft model sharing the model's vocabulary (draft-simple speculation)"
+    )
+    place.add_argument("--mmproj", metavar="MMPROJ.gguf", help="a multimodal projector (images)")
     size = place.add_mutually_exclusive_group()
     size.add_argument("-c", "--ctx", type=int, metavar="N", help="context (-c) to admit")
     size.add_argument("--max-ctx", action="store_true", help="the largest context that fits")
@@ -88,8 +92,11 @@ def _request(args: argparse.Namespace) -> PlacementRequest:
     if not args.model and not args.registry:
         raise CliError("name a model: MODEL.gguf and/or --registry NAME", EXIT_USAGE)
     path = str(Path(args.model).resolve()) if args.model else None
+    companions = {name: str(Path(value).resolve()) for name in ("draft", "mmproj") if (value := getattr(args, name))}
     raw: dict[str, Any] = {
-        "model": {"path": path, "registry": args.registry},
+        "model": {"path": path, "registry": args.registry, **companions},
+        # a draft model speculates with draft-simple, the one type that uses it
+        "settings": {"spec_type": "draft-simple"} if args.draft else None,
         "ctx": args.ctx,
         "max_ctx": args.max_ctx,
         "nodes": args.node,
