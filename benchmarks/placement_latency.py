@@ -45,7 +45,6 @@ from actors.placement.actor import PlacementActor, ledger_key
 from actors.placement.admission import ModelFacts, ViewEntry, decide
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
-from actors.telemetry.actor import TTL_HEADER
 from benchmarks.bus_roundtrip import (
     Call,
     Summary,
@@ -65,6 +64,7 @@ from messages.settings import ServingSettings
 from messages.subjects import Subjects
 from messages.telemetry import GpuInfo, HostInfo, LlamaServerInfo, NodeResources
 from runtime import buckets
+from runtime.buckets import TTL_HEADER
 from runtime.bus import Bus, encode
 from runtime.logging import configure_logging
 from tests import tiny_models

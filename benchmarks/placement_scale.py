@@ -57,7 +57,6 @@ from actors.placement.admission import ModelFacts, Outcome, decide
 from actors.placement.fleet import FleetIndex, snapshot
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
-from actors.telemetry.actor import TTL_HEADER
 from benchmarks.bus_roundtrip import (
     Summary,
     bare_echo,
@@ -76,6 +75,7 @@ from messages.settings import ServingSettings
 from messages.subjects import Subjects
 from messages.telemetry import GpuInfo, HostInfo, LlamaServerInfo, NodeResources
 from runtime import buckets
+from runtime.buckets import TTL_HEADER
 from runtime.bus import Bus, encode
 from runtime.config import NatsOptions
 from runtime.embedded import find_nats_server

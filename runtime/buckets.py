@@ -43,6 +43,9 @@ L3 = BucketSpec("mesh-actor: each live node's L3 inventory (per-key TTL)", marke
 
 
 MAX_REPLICAS = 3
+#: The header giving one message of a bucket its own time to live (nats-server 2.11+): records that say a node,
+#: an instance or a front door is alive expire with it.
+TTL_HEADER = "Nats-TTL"
 # JetStream's answers when it cannot place that many replicas. "Replicas > 1 not supported in non-clustered
 # mode" is final. "No suitable peers for placement" and "insufficient resources" are also what a cluster
 # says in its first seconds, before its meta group knows every server (seen: a 3-node cluster refusing R3

@@ -39,25 +39,9 @@ NOT_IN_CORES = frozenset(
 #: What an interface may not import: it describes calls, it makes none.
 NOT_IN_INTERFACES = frozenset({"nats", "asyncio", "aiohttp", "subprocess", "socket", "threading", "structlog"})
 
-#: The front door has no package map: `actors/frontdoor/` has no `__init__.py` (the lead owns that package).
-#: Its cores, as docs/architecture.md lists them, until it has one.
-UNDECLARED = {"frontdoor": (frozenset({"catalog", "lifecycle", "shapes"}), frozenset[str]())}
 
 #: (importing module, imported module) -> why it is allowed for now.
-EXCEPTIONS = {
-    ("actors.frontdoor.actor", "actors.runner.records"): (
-        "the front door reads instance records with the runner's `TTL_HEADER` from its records shell; the front "
-        "door is the lead's (a runner interface holding the records' format would end it)"
-    ),
-    ("actors.runner.serving", "actors.handoff.actor"): (
-        "`Serving` (the lead's file) takes a `HandoffActor` and catches its `HandoffFailed`: it switches to "
-        "`actors.handoff.api` (`HandoffAccess`, `HandoffFailed`, the same classes)"
-    ),
-    ("actors.runner.actor", "actors.handoff.actor"): (
-        "the runner passes its `HandoffActor` to `Serving`, typed there as such: it switches to `HandoffAccess` "
-        "with the line above"
-    ),
-}
+EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +74,7 @@ def _modules() -> dict[str, Module]:
         if not package.is_dir() or package.name.startswith(("_", ".")):
             continue
         actor = package.name
-        cores, interfaces = UNDECLARED.get(actor) or (_declared(package, "CORES"), _declared(package, "INTERFACES"))
+        cores, interfaces = _declared(package, "CORES"), _declared(package, "INTERFACES")
         files = {p.stem for p in package.glob("*.py")}
         assert cores | interfaces <= files, (
             f"actors/{actor}: declared modules that do not exist: {(cores | interfaces) - files}"

@@ -41,7 +41,6 @@ from actors.frontdoor.catalog import Catalog, CatalogModel
 from actors.frontdoor.lifecycle import ArrivalOrder, NeverFits, Running, Stop, Wait, idle_expired, plan_room
 from actors.placement.ledger import device_sizes
 from actors.runner import passthrough
-from actors.runner.records import TTL_HEADER
 from messages.errors import (
     BAD_REQUEST,
     INSUFFICIENT_MEMORY,
@@ -63,6 +62,7 @@ from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstan
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext
+from runtime.buckets import TTL_HEADER
 from runtime.bus import BadMessage, BusError, RemoteError
 from runtime.generate_client import StreamGap, forward
 from runtime.model_files import ModelFileError, resolve

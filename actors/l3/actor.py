@@ -56,12 +56,12 @@ from messages.events import L3Captured, L3CaptureDropped
 from messages.l3 import L3Inventory
 from runtime import buckets
 from runtime.actor import Actor, ActorContext
+from runtime.buckets import TTL_HEADER
 from runtime.bus import BadMessage, BusError, encode
 from runtime.logging import get_logger
 
 __all__ = ["TTL_HEADER", "L3Actor", "L3Limits"]
 
-TTL_HEADER: Final = "Nats-TTL"
 _STAGING: Final = "staging"
 
 

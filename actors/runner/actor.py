@@ -37,7 +37,7 @@ import aiohttp
 import nats.errors
 
 from actors.handoff import cost
-from actors.handoff.actor import HandoffActor
+from actors.handoff.api import HandoffAccess
 from actors.l3.api import L3Access
 from actors.placement.memory import MemoryModelError, cache_allocations, estimate
 from actors.runner import lifecycle as lc
@@ -136,7 +136,7 @@ class RunnerActor(Actor):
         signal_filter: SignalFilter | None = None,
         l3: L3Access | None = None,
         serving_limits: ServingLimits | None = None,
-        handoff: HandoffActor | None = None,
+        handoff: HandoffAccess | None = None,
         booking_check_s: float = 5.0,
         bounds_source: Callable[[], SettingsBounds | None] = lambda: None,
     ) -> None:

@@ -13,11 +13,11 @@ import nats.errors
 
 from messages.runner import InstanceStatus
 from runtime.actor import ActorContext
+from runtime.buckets import TTL_HEADER
 from runtime.bus import encode
 
 __all__ = ["FINAL_STATES", "TTL_HEADER", "write_status"]
 
-TTL_HEADER = "Nats-TTL"
 FINAL_STATES = frozenset({"stopped", "failed", "rejected"})
 
 

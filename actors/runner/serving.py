@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from actors.handoff import cost
-from actors.handoff.actor import HandoffActor, HandoffFailed
+from actors.handoff.api import HandoffAccess, HandoffFailed
 from actors.l3.api import L3Access, L3Hit, L3Unavailable
 from actors.l3.identity import DraftSettings, Platform, StateInputs, exact_state_identity
 from actors.router.prefixes import resident_prefixes
@@ -156,7 +156,7 @@ class Serving:
         l3: L3Access | None,
         spawn: Callable[[Any, str], asyncio.Task[None]],
         limits: ServingLimits = ServingLimits(),
-        handoff: HandoffActor | None = None,
+        handoff: HandoffAccess | None = None,
         subjects: Subjects | None = None,
         on_outcome: Callable[[str, bool, str], None] | None = None,
         emit: Callable[..., Any] | None = None,

@@ -21,9 +21,8 @@ from messages.settings import ServingSettings, SettingsBounds
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext
+from runtime.buckets import TTL_HEADER
 from runtime.bus import encode
-
-TTL_HEADER = "Nats-TTL"
 
 
 class TelemetryActor(Actor):
