@@ -24,6 +24,8 @@ SwaType = Literal["none", "standard", "chunked", "symmetric"]
 MemoryKind = Literal["kv", "hybrid", "recurrent"]
 #: What a recurrent layer computes; it shapes the compute buffer, not the state size.
 RecurrentKind = Literal["none", "mamba", "gated_delta", "rwkv", "shortconv"]
+#: The pooling type a header declares (`{arch}.pooling_type`, llama.cpp's `llama_pooling_type`); "" when none.
+HeaderPooling = Literal["", "none", "mean", "cls", "last", "rank"]
 
 
 class RepackGroup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -114,3 +116,9 @@ class ModelGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # quantized matmul weights of the output layer (output.weight, or the tied token embeddings that
     # llama.cpp duplicates as the output matrix) that the CPU backend may repack
     output_repack: tuple[RepackGroup, ...] = ()
+    # An embedding or rerank model: the pooling type its header declares ("" when none), the width of its output
+    # embeddings (`embedding_length_out`; 0: n_embd), and whether it has a classification head (`cls`,
+    # `cls.output`), which rank pooling scores with (without one llama.cpp ranks by a raw hidden state).
+    pooling: HeaderPooling = ""
+    n_embd_out: NonNegative = 0
+    rank_head: bool = False

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from messages.memory import DeviceMemory, MemoryBreakdown
-from messages.settings import CacheType, ServingSettings
+from messages.settings import CacheType, Pooling, ServingKind, ServingSettings
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 #: A node id as a request names it: one subject token (what `messages.subjects.check_token` accepts).
@@ -79,6 +79,9 @@ class PreferredSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     swa_full: bool | None = None
     spec_draft_type_k: CacheType | None = None
     spec_draft_type_v: CacheType | None = None
+    # An embedding or rerank server's batch holds a whole input (the per-slot context).
+    kind: ServingKind | None = None  # what the server is for; None: the header's (a pooling type, rank: rerank)
+    pooling: Pooling | None = None  # how an embedding or rerank model pools; None: its header's (else mean)
 
 
 class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -5,6 +5,12 @@ door catalog entry) may ask for other per-model settings within those bounds (`P
 computes memory with exactly the resulting settings, stamps them onto the admitted instance, and the runner
 pins each one on the llama-server command line. Field names follow llama-server's own long flags where one
 exists.
+
+What a server is for is a setting too (`kind`): a generation server, an embedding server (`--embeddings`) or a
+reranker (`--rerank`). An embedding or rerank model pools each input's hidden states into one vector
+(`pooling`); its batch and micro-batch hold a whole input (the per-slot context), since llama.cpp cannot split
+the input of a mean or first-token pooling over micro-batches. Those batch sizes are the model's own, not the
+node's.
 """
 
 from __future__ import annotations
@@ -16,11 +22,17 @@ import msgspec
 #: KV cache element types llama-server accepts for -ctk/-ctv (and -ctkd/-ctvd).
 CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
 ALL_CACHE_TYPES: tuple[CacheType, ...] = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+#: What a server is for: generation, embeddings (`--embeddings`) or reranking (`--rerank`).
+ServingKind = Literal["generate", "embedding", "rerank"]
+ALL_KINDS: tuple[ServingKind, ...] = ("generate", "embedding", "rerank")
+#: How an embedding or rerank model pools an input's hidden states (`--pooling`; llama.cpp's pooling types).
+Pooling = Literal["none", "mean", "cls", "last", "rank"]
 #: The settings a model may set for itself within a node's bounds; the rest are the node's own (its batch
-#: sizes, host-RAM extras and threads are shared by every server it runs).
+#: sizes, host-RAM extras and threads are shared by every server it runs), except the batch sizes of an
+#: embedding or rerank model, which are its whole input.
 PER_MODEL: tuple[str, ...] = (
     "slots", "kv_unified", "cache_type_k", "cache_type_v", "flash_attn", "swa_full", "spec_type",
-    "spec_draft_n_max", "spec_draft_type_k", "spec_draft_type_v",
+    "spec_draft_n_max", "spec_draft_type_k", "spec_draft_type_v", "kind", "pooling",
 )  # fmt: skip
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -51,6 +63,8 @@ class ServingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # -t and -tb (0: llama-server's default, every core). The one field that changes no allocation: pinned so
     # servers sharing a machine do not oversubscribe its cores, and so a node's prefill rate is what it says.
     threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+    kind: ServingKind = "generate"  # --embeddings (embedding), --rerank (rerank)
+    pooling: Pooling | None = None  # --pooling of an embedding or rerank server (None: a generation server)
 
 
 class SettingsBounds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -64,3 +78,4 @@ class SettingsBounds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     swa_full: tuple[bool, ...] = (False, True)
     spec_types: tuple[Annotated[str, msgspec.Meta(min_length=1, max_length=64)], ...] | None = None  # None: any
     max_spec_draft_n_max: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 1024
+    kinds: tuple[ServingKind, ...] = ALL_KINDS  # generation, embedding and rerank servers

@@ -183,4 +183,8 @@ def server_args(settings: ServingSettings, n_ctx: int, *, extra: Sequence[str] =
     if settings.spec_type != "none":
         args += ["--spec-type", settings.spec_type, "--spec-draft-n-max", str(settings.spec_draft_n_max)]
         args += ["-ctkd", settings.spec_draft_type_k, "-ctvd", settings.spec_draft_type_v]
+    if settings.kind != "generate":
+        args.append("--embeddings" if settings.kind == "embedding" else "--rerank")
+    if settings.pooling is not None:
+        args += ["--pooling", settings.pooling]
     return [*args, *extra]

@@ -19,15 +19,26 @@ spec_draft_n_max = 3                        # --spec-draft-n-max
 path = "qwen2.5-7b-instruct-q4_k_m.gguf"
 draft = "qwen2.5-0.5b-instruct-q4_k_m.gguf"  # --model-draft (same vocabulary); spec_type "draft-simple"
 mmproj = "mmproj-qwen2.5-vl-7b-f16.gguf"     # --mmproj: image parts pass through to the server
+
+[models.embed]
+path = "qwen3-embedding-0.6b-q8_0.gguf"
+kind = "embedding"                          # --embeddings (default: what the header's pooling type says)
+pooling = "last"                            # --pooling (default: the header's, else mean)
+
+[models.rerank]
+path = "qwen3-reranker-0.6b-q8_0.gguf"
+kind = "rerank"                             # --rerank: /v1/rerank (the model needs a classification head)
 ```
 
 Names are what `/v1/models` lists and what requests name (`model`); each is one subject-safe token. Every
 value is validated here; an error names the model and the field.
 
-Serving settings (`parallel`, the cache types, flash attention, speculation) are requirements, not overrides:
-they travel in the placement request (`PreferredSettings`), a node advertising other settings is refused
-(`settings_mismatch`, the fields named), and the instance runs with the settings admission stamped from the
-node's advertisement, which then equal them. An instance of the same file with other settings is not used.
+Serving settings (`parallel`, the cache types, flash attention, speculation, `kind` and `pooling`) are the
+model's own: they travel in the placement request (`PreferredSettings`), a node accepts them within its bounds
+(else `settings_mismatch`, the bound named), and the instance runs with exactly them (its stamp). An instance
+of the same file with other settings is not used. Without `kind`, the model's header decides: a pooling type
+makes an embedding model, rank pooling a reranker, none a generation model. An embedding or rerank model's
+batch holds a whole input (admission sizes that batch), and its answers are never captured into L3.
 
 Companion files (`draft`, `mmproj`) are named like `path` and travel in the placement request's model
 (`model_ref`); admission sizes each from its own header and stamps it with its digest, and an instance runs
@@ -44,7 +55,7 @@ import msgspec
 
 from actors.placement.context import CACHE_TYPES, DRAFT_SIMPLE, SPEC_TYPES
 from messages.placement import Companion, ModelRef, PreferredSettings, Stamp
-from messages.settings import CacheType, ServingSettings
+from messages.settings import CacheType, Pooling, ServingKind, ServingSettings
 from messages.subjects import check_token
 
 __all__ = ["CATALOG_FILE", "Catalog", "CatalogError", "CatalogModel", "parse_catalog"]
@@ -71,7 +82,8 @@ class CatalogModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     flash_attn: Literal["on", "off"] | None = None
     spec_type: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     spec_draft_n_max: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
-    kind: Literal["generate", "embedding", "rerank"] = "generate"
+    kind: ServingKind | None = None  # None: what the model's header says (its pooling type)
+    pooling: Pooling | None = None  # an embedding or rerank model's (None: the header's, else mean)
     draft: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = None  # --model-draft
     mmproj: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = None  # --mmproj
 
@@ -84,6 +96,8 @@ class CatalogModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             flash_attn=self.flash_attn,
             spec_type=self.spec_type or (DRAFT_SIMPLE if self.draft else None),
             spec_draft_n_max=self.spec_draft_n_max,
+            kind=self.kind,
+            pooling=self.pooling,
         )
         return None if settings == PreferredSettings() else settings
 
@@ -122,6 +136,10 @@ class CatalogModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         v = self.cache_type_v
         if self.flash_attn == "off" and v is not None and CACHE_TYPES[v][0] > 1:
             raise ValueError(f'cache_type_v: a quantized V cache ({v}) needs flash_attn = "on"')
+        if self.pooling is not None and self.kind == "generate":
+            raise ValueError(f'pooling: a generation model (kind = "generate") does not pool ("{self.pooling}")')
+        if self.kind == "rerank" and self.pooling not in (None, "rank"):
+            raise ValueError(f'pooling: a reranker pools by rank, not "{self.pooling}"')
         if self.draft is not None and self.spec_type not in (None, DRAFT_SIMPLE):
             raise ValueError(
                 f'draft: a draft model speculates with spec_type = "{DRAFT_SIMPLE}", not "{self.spec_type}"'

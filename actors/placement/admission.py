@@ -16,6 +16,9 @@ Rules this module keeps:
   (`multi_node_unsupported`) rather than admitted to something no runner can start.
 - Without `ctx`, or with `max_ctx`, the context is the largest that fits, capped at the model's
   training context; it is always one llama-server can build (multiples of 256 cells per stream).
+- What the server is for (generation, embeddings, reranking) is asked for or read from the model's header
+  (`pooled.resolved_request`) before anything else, so bounds, sizing and the stamp see one explicit kind;
+  an embedding or rerank server's stamp pins its batch sizes, a whole input (`pooled.whole_input`).
 Nothing here reads a clock, a file or the bus: `now` and the ids are passed in, which is what lets
 `mesh-actor replay` recompute a recorded decision.
 """
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from actors.placement import pooled
 from actors.placement.bounds import effective, invalid, out_of_bounds
 from actors.placement.ledger import available
 from actors.placement.memory import (
@@ -254,6 +258,7 @@ def fit_node(
     if short:
         return insufficient(node.node_id, ctx, short)
     headroom = min(have.get(d.device, 0) - d.total_bytes for d in breakdown.devices)
+    settings = pooled.whole_input(settings, breakdown.context)  # the stamp pins an embedding server's batch
     return Fit(entry, settings, breakdown, ctx, ceiling, headroom, n_gpu_layers, split, layers)
 
 
@@ -311,6 +316,7 @@ def decide(
 ) -> Outcome:
     """`unreadable` names nodes whose ledger could not be read: nothing is booked on them."""
     geometry = model.geometry
+    request = pooled.resolved_request(request, geometry)  # an embedding or rerank model by its header
     if request.allow_multi_node:
         message = (
             "allow_multi_node: splitting a model over several nodes (llama.cpp RPC serving) is not built, and "

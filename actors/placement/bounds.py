@@ -11,7 +11,9 @@ Rules this module keeps:
 * A node that advertises no bounds (an older node) accepts only its own settings: a request for anything
   else is out of its bounds, as `settings_mismatch` was before bounds existed.
 * `invalid` says what llama-server itself would refuse (a quantized V cache without flash attention, an
-  unknown speculation type), whatever the bounds.
+  unknown speculation type, a pooling that does not go with the model's kind), whatever the bounds.
+* An embedding or rerank model's batch sizes are its own (a whole input, `actors.placement.pooled`), not the
+  node's: they are not compared with the node's defaults.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Iterator
 
 import msgspec
 
+from actors.placement import pooled
 from actors.placement.context import SPEC_TYPES
 from messages.placement import PreferredSettings
 from messages.settings import PER_MODEL, ServingSettings, SettingsBounds
@@ -27,6 +30,8 @@ from messages.settings import PER_MODEL, ServingSettings, SettingsBounds
 __all__ = ["effective", "invalid", "out_of_bounds"]
 
 _UNQUANTIZED = frozenset({"f32", "f16", "bf16"})
+#: The node's own settings that an embedding or rerank model sets for itself: its batch holds a whole input.
+_POOLED_OWN = ("batch", "ubatch")
 
 
 def effective(defaults: ServingSettings, wanted: PreferredSettings | None) -> ServingSettings:
@@ -59,6 +64,8 @@ def _breaks(settings: ServingSettings, bounds: SettingsBounds) -> Iterator[tuple
         for spec in _spec_types(settings):
             if spec not in allowed:
                 yield "spec_type", f"spec_type {spec} not in spec_types ({', '.join(bounds.spec_types) or 'none'})"
+    if settings.kind not in bounds.kinds:
+        yield "kind", f"kind {settings.kind} not in kinds ({', '.join(bounds.kinds)})"
     if settings.spec_type != "none" and settings.spec_draft_n_max > bounds.max_spec_draft_n_max:
         yield (
             "spec_draft_n_max",
@@ -74,7 +81,10 @@ def out_of_bounds(
     defaults: a model cannot change them."""
     fields: list[str] = []
     messages: list[str] = []
+    own = _POOLED_OWN if settings.kind in pooled.POOLED_KINDS else ()
     for name in ServingSettings.__struct_fields__:
+        if name in own:
+            continue
         fixed = name not in PER_MODEL or bounds is None
         if fixed and getattr(settings, name) != getattr(defaults, name):
             fields.append(name)
@@ -97,4 +107,4 @@ def invalid(settings: ServingSettings) -> str | None:
     unknown = [t for t in _spec_types(settings) if t not in SPEC_TYPES]
     if unknown:
         return f"unknown spec_type {', '.join(unknown)} (accepted: {', '.join(sorted(SPEC_TYPES))})"
-    return None
+    return pooled.settings_refusal(settings)

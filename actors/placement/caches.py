@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from actors.placement import pooled
 from actors.placement.context import cache_row_bytes, draft_model_settings, draft_settings, resolve_context, validate
 from messages.memory import ContextShape
 from messages.model import LayerGeometry, ModelGeometry
@@ -217,12 +218,15 @@ def _kv_lines(
 
 
 def host_extras(geometry: ModelGeometry, settings: ServingSettings, shape: ContextShape, target: Caches) -> int:
-    """Context checkpoints and the prompt cache, as upper bounds (host RAM the server may fill at run time).
+    """Context checkpoints, the prompt cache and a pooled server's output rows, as upper bounds (host RAM the
+    server may fill at run time).
 
     A checkpoint holds one sequence's part of the memory that cannot be rolled back: its recurrent state
     (one cell per recurrent layer) and its sliding-window KV cells. The server makes them only for hybrid,
     recurrent and (non-full) SWA models, up to `ctx_checkpoints` per slot. The prompt cache is bounded by
-    `--cache-ram` MiB; unlimited (-1) is bounded by its token limit, the context size.
+    `--cache-ram` MiB; unlimited (-1) is bounded by its token limit, the context size. An embedding or rerank
+    server's output buffer grows from a row per slot to a row per token of its largest batch
+    (`pooled.output_growth_bytes`).
     """
     per_seq_recurrent = sum(
         4 * (layer.r_width + layer.s_width) for layer in geometry.layers if layer.recurrent and not layer.nextn
@@ -244,4 +248,4 @@ def host_extras(geometry: ModelGeometry, settings: ServingSettings, shape: Conte
     else:
         per_token = target.kv_total() // max(1, shape.n_ctx_seq * shape.n_stream)
         prompt_cache = per_token * shape.n_ctx + per_seq_recurrent * shape.n_seq_max
-    return checkpoints + prompt_cache
+    return checkpoints + prompt_cache + pooled.output_growth_bytes(geometry, settings, shape)

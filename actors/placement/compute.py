@@ -52,6 +52,9 @@ cohere2 keeps it), RWKV-6's time mix is 15 rows (Finch was over by 27-36%) and Q
 of that mix and its SwiGLU stage (tiny QRWKV6 was +29%); those families are checked by
 `tests/e2e/test_memory_exact_dense.py` and `tests/e2e/test_memory_exact_moe_rwkv6.py` at released widths
 (every case within 10%), the other rows of the 149-case run are unchanged by it.
+compute-8: embedding and rerank graphs (`--embeddings`), whose every token is an output: their end is the
+logits of the whole micro-batch above the normed hidden states (`POOLED_OUTPUT_EMBD_ROWS`); generation graphs
+are unchanged.
 Warm-up routes every expert; the runner disables it (`--no-warmup`), so it is not modelled.
 GPU compute buffers (per-device graph splits, the host-side buffer) are not validated: no GPU build was
 available.
@@ -66,7 +69,7 @@ from messages.model import LayerGeometry, ModelGeometry
 
 __all__ = ["CALIBRATION_VERSION", "MEASURED_ERROR_RATIO", "ComputeEstimate", "compute_buffers"]
 
-CALIBRATION_VERSION = "compute-7"
+CALIBRATION_VERSION = "compute-8"
 #: Largest relative error of the model against llama-server's reported compute buffers in calibration.
 MEASURED_ERROR_RATIO = 0.25
 
@@ -129,6 +132,14 @@ INPLACE_OPS = frozenset({"add", "mul", "rms_norm", "rope", "unary", "scale", "so
 #: Architectures whose MTP draft graph `_gated_mtp_draft` describes (Qwen3.5's dense `graph_mtp`).
 GATED_MTP_DRAFT = frozenset({"qwen35"})
 HOST_EMBD_FACTOR = 2  # with GPUs: token embeddings looked up on the host, and their copy for upload
+#: An embedding or rerank graph (`--embeddings`) outputs every token of the micro-batch: the final norm's output
+#: (an output tensor, kept to the end for the pooling) and, above it, the logits of every token (llama.cpp
+#: computes them for a pooled model too), where a generation graph has only a few outputs. The norm's output
+#: lies where the last layer's residual stream was: with flash attention above four more n_embd-wide rows the
+#: last layer left (with all tokens as outputs, its two output-row gathers are full-size copies), without it
+#: above six (the attention stage's rows). Measured on llama and qwen3 shapes, n_embd 64-1024 and n_vocab
+#: 259-32000, micro-batches of 512-2048, mean/cls/last/rank pooling (compute-8; `benchmarks/pooled_compute.py`).
+POOLED_OUTPUT_EMBD_ROWS = {True: 5, False: 7}
 
 
 @dataclass(frozen=True)
@@ -195,6 +206,7 @@ def _layer_peak(
     *,
     flash_attn: bool,
     n_outputs: int,
+    pooled: bool = False,
 ) -> int:
     t = shape.n_ubatch
     n_embd = geometry.n_embd
@@ -248,12 +260,22 @@ def _layer_peak(
         kv_width = max(layer.k_width for layer in attention)
         n_kv = max(shape.swa_cells if layer.swa else shape.n_ctx_seq for layer in attention)
         scores = 4 * n_kv * t * n_head + 4 * t * (SCORE_EMBD_FACTOR * n_embd + SCORE_KV_FACTOR * kv_width)
-    return max(activation, scores, _output_stage(geometry, t, n_outputs))
+    if pooled:
+        output = _pooled_output_stage(geometry, t, flash_attn=flash_attn)
+    else:
+        output = _output_stage(geometry, t, n_outputs)
+    return max(activation, scores, output)
 
 
 def _output_stage(geometry: ModelGeometry, n_ubatch: int, n_outputs: int) -> int:
     """The logits of the reserved outputs plus two embedding-sized rows per token."""
     return 4 * geometry.n_vocab * n_outputs + 4 * n_ubatch * 2 * geometry.n_embd
+
+
+def _pooled_output_stage(geometry: ModelGeometry, n_ubatch: int, *, flash_attn: bool) -> int:
+    """An embedding or rerank graph's end: every token's logits above its normed hidden state and the rows
+    the last layer left (`POOLED_OUTPUT_EMBD_ROWS`). The pooled vectors themselves are one per sequence."""
+    return 4 * n_ubatch * (geometry.n_vocab + POOLED_OUTPUT_EMBD_ROWS[flash_attn] * geometry.n_embd)
 
 
 def _masks(layers: list[LayerGeometry], shape: ContextShape, *, flash_attn: bool) -> int:
@@ -459,12 +481,14 @@ def compute_buffers(
     n_outputs: int,
     draft_shape: ContextShape | None = None,
     offloaded: bool = False,
+    pooled: bool = False,
 ) -> ComputeEstimate:
-    """The modelled compute buffers of the target context (and of the MTP context, if `draft_shape`)."""
+    """The modelled compute buffers of the target context (and of the MTP context, if `draft_shape`).
+    `pooled`: an embedding or rerank server's graph, every token an output."""
     trunk = [layer for layer in geometry.layers if not layer.nextn]
     attention = [layer for layer in trunk if layer.attention]
     target = _masks(attention, shape, flash_attn=flash_attn) + _layer_peak(
-        geometry, trunk, shape, flash_attn=flash_attn, n_outputs=n_outputs
+        geometry, trunk, shape, flash_attn=flash_attn, n_outputs=n_outputs, pooled=pooled
     )
     draft = 0
     if draft_shape is not None:

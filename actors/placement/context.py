@@ -3,7 +3,8 @@
 This module owns the settings side of the memory model: the cache element types and their row sizes, the
 speculative types and their draft lengths, the refusals llama-server would make (`validate`), and the
 context shape `llama_context` derives (`resolve_context`): n_ctx padded to 256, per-slot streams or one
-unified stream, the sliding-window cache size, rollback rows and the effective micro-batch. Pure core.
+unified stream, the sliding-window cache size, rollback rows and the effective micro-batch (an embedding or
+rerank server's holds a whole input: `actors.placement.pooled`). Pure core.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from actors.placement import pooled
 from messages.memory import ContextShape
 from messages.model import LayerGeometry, ModelGeometry
 from messages.settings import ServingSettings
@@ -120,6 +122,12 @@ def resolve_context(geometry: ModelGeometry, settings: ServingSettings, n_ctx: i
             raise MemoryModelError("n_ctx_seq == 0")
         padded = n_ctx_seq * n_seq
         n_stream = n_seq
+    refused = pooled.refusal(geometry, settings)
+    if refused is not None:
+        raise MemoryModelError(refused)
+    if settings.kind in pooled.POOLED_KINDS:
+        # an embedding or rerank server's batch holds a whole input: the per-slot context, within -c
+        n_ubatch = min(n_ctx, n_ctx_seq)
     types = spec_types(settings)
     rollback = any(t in ROLLBACK_SPEC_TYPES for t in types) and geometry.rollback
     n_rs_seq = settings.spec_draft_n_max if rollback else 0

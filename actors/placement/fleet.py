@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from actors.placement import pooled
 from actors.placement.admission import (
     Fit,
     ModelFacts,
@@ -258,6 +259,7 @@ class FleetIndex:
         """The decision `admission.decide` makes over `view` aged at `monotonic_now` and the ledgers of the
         nodes it considers (`fresh` first: read from the bucket, newer than `ledgers`)."""
         fresh = fresh or {}
+        request = pooled.resolved_request(request, model.geometry)  # as admission.decide reads it
         if not self.covers(request):
             return self._full_scan(
                 request, model, view, arrived, ledgers, fresh, now, monotonic_now, decision_id, reservation_id, dry_run

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from actors.placement.gguf_header import GGUFHeader, KVValue, SkippedArray
 from actors.placement.matmul_weights import repack_groups
-from messages.model import LayerGeometry, MemoryKind, ModelGeometry, RecurrentKind, SwaType
+from messages.model import HeaderPooling, LayerGeometry, MemoryKind, ModelGeometry, RecurrentKind, SwaType
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -598,6 +598,9 @@ def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
         raise GeometryError(f"{arch} declares a sliding window but no layer slides")
 
     input_bytes, output_bytes, token_embd_bytes, has_output = _global_tensor_bytes(header)
+    pooling = meta.uint("pooling_type", _NO_POOLING)
+    if pooling != _NO_POOLING and pooling not in _POOLING_TYPES:
+        raise GeometryError(f"{arch}.pooling_type {pooling} is not a llama.cpp pooling type (0-4)")
     return ModelGeometry(
         architecture=arch,
         memory=family.memory,
@@ -625,6 +628,9 @@ def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
         token_embd_bytes=token_embd_bytes,
         file_size=header.file_size,
         output_repack=output_repack,
+        pooling=_POOLING_TYPES.get(pooling, ""),
+        n_embd_out=meta.uint("embedding_length_out", 0),
+        rank_head=any(t.name.startswith(_CLASSIFIER_TENSORS) for t in header.tensors),
     )
 
 
@@ -675,6 +681,13 @@ def _layer_tensor_bytes(header: GGUFHeader, n_layer_all: int) -> list[int]:
             raise GeometryError(f"tensor block blk.{index} is beyond block_count ({n_layer_all})")
         out[index] = n_bytes
     return out
+
+
+#: llama.cpp's pooling types as a header stores them (`llama_pooling_type`), and the value meaning none given.
+_POOLING_TYPES: dict[int, HeaderPooling] = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+_NO_POOLING = -1
+#: The classification head rank pooling applies (`build_pooling`: `cls` then `cls.output`, either optional).
+_CLASSIFIER_TENSORS = ("cls.weight", "cls.output.weight")
 
 
 def _global_tensor_bytes(header: GGUFHeader) -> tuple[int, int, int, bool]:

@@ -29,6 +29,7 @@ from typing import TypeVar
 import msgspec
 
 from actors.placement import compute as compute_model
+from actors.placement import pooled
 from actors.placement.caches import (
     CacheAllocation,
     Caches,
@@ -236,8 +237,9 @@ def _estimate(
         n_outputs=min(shape.n_ubatch, max(1, n_outputs_max)),
         draft_shape=draft_shape,
         offloaded=bool(gpu_with_layers),
+        pooled=settings.kind in pooled.POOLED_KINDS,
     )
-    output_bytes = 4 * geometry.n_vocab * shape.n_seq_max
+    output_bytes = pooled.output_row_bytes(geometry, settings) * shape.n_seq_max
     draft_output = 4 * geometry.n_vocab * shape.n_seq_max if draft_shape is not None else 0
     host_extra = host_extras(geometry, settings, shape, target)
 

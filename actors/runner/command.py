@@ -5,7 +5,8 @@ allocates is pinned from the reservation's stamp, including the ones equal to ll
 different engine build (or an environment variable) cannot silently change the allocation: context (`-c`),
 slots (`-np`), unified KV or not (`-kvu`/`-no-kvu`), cache types (`-ctk`/`-ctv`, and `-ctkd`/`-ctvd` of the
 draft context), flash attention (`-fa`), batch sizes (`-b`/`-ub`), sliding-window cache (`--swa-full`),
-speculation (`--spec-type`, `--spec-draft-n-max`), GPU layers and split (`-ngl`, `-ts`), host extras
+speculation (`--spec-type`, `--spec-draft-n-max`), what the server is for and how it pools (`--embeddings` or
+`--rerank`, `--pooling`), GPU layers and split (`-ngl`, `-ts`), host extras
 (`--ctx-checkpoints`, `--cache-ram`) and `--fit off` (llama-server's own fitting would change `-c`). The
 stamp's companion files are passed as admitted: a draft model (`--model-draft`, its layers offloaded as the
 model's: `-ngld` equal to `-ngl`, since its default "auto" would fit them by llama-server's own rule) and a
@@ -31,6 +32,8 @@ __all__ = ["LOOPBACK", "build_command", "server_environment", "with_files"]
 LOOPBACK = "127.0.0.1"
 #: llama-server's verbosity that logs the allocation lines (`llama_kv_cache: size = …` and friends).
 LOG_VERBOSITY = 4
+#: What makes a server an embedding server or a reranker (`--rerank` is `--embeddings` with rank pooling).
+_KIND_FLAGS = {"embedding": "--embeddings", "rerank": "--rerank"}
 
 
 def _split(weights: tuple[float, ...]) -> str:
@@ -71,6 +74,10 @@ def build_command(engine: str, reservation: Reservation, *, port: int, slot_save
     ]  # fmt: skip
     if s.threads:
         argv += ["-t", str(s.threads), "-tb", str(s.threads)]
+    if s.kind in _KIND_FLAGS:  # an embedding or rerank server, pooling as stamped (its -b/-ub: a whole input)
+        argv.append(_KIND_FLAGS[s.kind])
+    if s.pooling is not None:
+        argv += ["--pooling", s.pooling]
     if s.swa_full:
         argv.append("--swa-full")  # llama-server has no negative form; its default is a window-sized cache
     if stamp.gpu_split:

@@ -12,7 +12,8 @@ Two checks, each returning one `FieldDrift` per differing field (empty when ever
   `/slots` lists every slot with its context and whether it can speculate. This build's `/props` does not
   describe speculation (its `speculative.types` is a default-constructed request field, always "none"), so
   the speculative type and draft length come from the server's log, which also gives the resolved context
-  (n_ctx, streams, micro-batch, rollback rows), unified KV, flash attention and every cache's element types.
+  (n_ctx, streams, micro-batch, rollback rows), unified KV, flash attention and every cache's element types;
+  for an embedding or rerank server also its batch and that every token of it is an output (embeddings on).
 
 Field names say where the current value was read: `props.*`, `slots.*`, `log.*`; before start they are the
 `ServingSettings` field names. Values are rendered as text (`true`/`false` for booleans). Pure core.
@@ -24,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from actors.placement.bounds import out_of_bounds
+from actors.placement.pooled import POOLED_KINDS
 from actors.runner.allocation_log import AllocationLog
 from messages.memory import ContextShape
 from messages.placement import Stamp
@@ -130,6 +132,11 @@ def server_drift(stamp: Stamp, shape: ContextShape, report: ServerReport) -> tup
     diff.check("log.n_ctx_seq", shape.n_ctx_seq, target.n_ctx_seq)
     diff.check("log.n_seq_max", shape.n_seq_max, target.n_seq_max)
     diff.check("log.n_ubatch", shape.n_ubatch, target.n_ubatch)
+    if s.kind in POOLED_KINDS:
+        # an embedding or rerank server: its batch (a whole input), every token of it an output, which llama-server
+        # sets up only with --embeddings (or a pooling): its output limit is then the whole batch
+        diff.check("log.n_batch", s.batch, target.n_batch)
+        diff.check("log.n_outputs_max", s.batch, target.n_outputs_max)
     diff.check("log.n_rs_seq", shape.n_rs_seq, target.n_rs_seq)
     diff.check("log.kv_unified", s.kv_unified, target.kv_unified)
     flash = {"enabled": "on", "disabled": "off"}.get(target.flash_attn or "", target.flash_attn)

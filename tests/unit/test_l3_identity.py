@@ -275,6 +275,9 @@ SETTINGS_OUT = {
     "n_gpu_layers": "where a layer runs: the slot file is read from any backend in the same types",
     "gpu_split": "as n_gpu_layers",
     "llama_server_version": "in through the runner's engine build (a stamp naming another build is drift)",
+    "kind": "embeddings on computes the same layers into the same KV cells; only what is read after them differs "
+    "(an embedding server's own answers, pooled, are never captured)",
+    "pooling": "as kind: pooling reads the hidden states after the last layer, never the cache",
     "draft": "a draft model's context is not in a slot file (the server saves the target context only), and "
     "greedy verification gives the same tokens with any draft; the speculation settings are in",
     "mmproj": "the projector computes image embeddings; states holding media are never captured, and a text "
@@ -301,12 +304,17 @@ CHANGED: dict[str, object] = {
     "n_gpu_layers": 99,
     "gpu_split": (1.0, 1.0),
     "llama_server_version": "b99999",
+    "kind": "embedding",
+    "pooling": "mean",
     "draft": Companion(path="draft.gguf", digest="ab" * 32),
     "mmproj": Companion(path="mmproj.gguf", digest="cd" * 32),
 }
 
 
 def _changed(field: str, value: object, base: ServingSettings = BASE) -> Reservation:
+    if field in ("kind", "pooling"):  # an embedding server pools: the two change together
+        pooled = {"kind": "embedding", "pooling": "mean", field: value}
+        return _reservation(msgspec.structs.replace(base, **pooled))
     if field in ServingSettings.__struct_fields__:
         return _reservation(msgspec.structs.replace(base, **{field: value}))
     if field == "ctx":

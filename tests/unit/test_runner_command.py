@@ -27,6 +27,8 @@ FLAGS = {
     "ctx_checkpoints": "--ctx-checkpoints",
     "cache_ram_mib": "--cache-ram",
     "threads": "-t/-tb",
+    "kind": "--embeddings/--rerank",
+    "pooling": "--pooling",
 }
 
 
@@ -156,3 +158,23 @@ def test_server_environment_drops_llama_arg_variables_that_would_set_unpinned_fl
         "CUDA_VISIBLE_DEVICES": "0",
     }
     assert server_environment(env) == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0"}
+
+
+@pytest.mark.parametrize(
+    ("kind", "pooling", "flag"), [("embedding", "mean", "--embeddings"), ("rerank", "rank", "--rerank")]
+)
+def test_an_embedding_or_rerank_server_is_pinned_with_its_kind_pooling_and_whole_input_batch(
+    kind: str, pooling: str, flag: str
+) -> None:
+    settings = msgspec.convert({"kind": kind, "pooling": pooling, "batch": 4096, "ubatch": 4096}, ServingSettings)
+    argv = build_command("s", _reservation(settings, ctx=8192), port=4, slot_save_dir="/d")
+    assert flag in argv and _value(argv, "--pooling") == pooling
+    assert _value(argv, "-b") == _value(argv, "-ub") == "4096"
+    other = "--rerank" if flag == "--embeddings" else "--embeddings"
+    assert other not in argv
+    assert server_args(settings, 8192)[-3:] == [flag, "--pooling", pooling]  # the harness runs what the runner runs
+
+
+def test_a_generation_server_passes_neither_embeddings_nor_pooling() -> None:
+    argv = build_command("s", _reservation(ServingSettings()), port=5, slot_save_dir="/d")
+    assert not {"--embeddings", "--rerank", "--pooling"} & set(argv)
