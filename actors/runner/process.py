@@ -34,6 +34,7 @@ MIB = 1 << 20
 
 # Substrings of the lines `parse_allocation_log` and the drift check read; everything else stays in the file.
 _ALLOCATION_MARKERS = (
+    "llama_model_loader: loaded meta data",  # where each model's buffers begin (the model's, then a draft's)
     "load_tensors:",
     "llama_context:",
     "llama_kv_cache",
