@@ -87,6 +87,12 @@ class ModelReader:
             assert ref.path is not None
             geometry = await asyncio.to_thread(self.load_geometry, ref.path)
             facts = ModelFacts(geometry=geometry, path=ref.path)
+        if ref.mmproj is not None:
+            # Refused rather than ignored: a server started without the projector would take images nobody
+            # admitted, and one started with it would hold memory nobody sized.
+            raise ModelProblem(
+                "unsupported_settings", "mmproj: multimodal projectors are not sized yet; ask without model.mmproj"
+            )
         if ref.draft is not None:
             draft, digest = await asyncio.to_thread(self._companion, ref.draft, "draft")
             facts = dataclasses.replace(facts, draft=draft, draft_file=Companion(path=ref.draft, digest=digest))

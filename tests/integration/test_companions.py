@@ -20,7 +20,7 @@ import pytest
 
 from actors.placement.actor import PlacementActor
 from actors.runner.actor import RunnerActor
-from messages.placement import Companion, PlacementRequest, Reservation
+from messages.placement import Companion, ModelRef, PlacementRequest, Reservation
 from messages.runner import StopInstance
 from messages.settings import ServingSettings, SettingsBounds
 from messages.telemetry import HostInfo, LlamaServerInfo, NodeResources
@@ -87,6 +87,11 @@ async def test_placement_reads_stamps_and_journals_a_draft_and_refuses_one_it_ma
             refused = await place(bus, _ask(draft), fit=True)
             assert not refused.admitted and refused.reason == "model_unreadable", (draft, refused)
             assert refused.message.startswith("draft: ") and needle in refused.message, (draft, refused.message)
+        # a projector is refused, not ignored: it is not sized yet
+        projector = msgspec.structs.replace(_ask("draft.gguf"), model=msgspec.convert(
+            {"path": "model.gguf", "draft": "draft.gguf", "mmproj": "draft.gguf"}, ModelRef))  # fmt: skip
+        refused = await place(bus, projector, fit=True)
+        assert (refused.reason, refused.message.split(":")[0]) == ("unsupported_settings", "mmproj")
         # still serving
         assert (await place(bus, _ask("draft.gguf"), fit=True)).admitted
 
