@@ -264,6 +264,28 @@ async def test_the_mesh_renders_as_many_tokens_as_the_server_counts(
     assert len(rendered) == counted["input_tokens"], (len(rendered), counted)
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [("messages", b) for _, b in MESSAGES] + [("responses", b) for _, b in RESPONSES],
+    ids=[f"messages-{n}" for n, _ in MESSAGES] + [f"responses-{n}" for n, _ in RESPONSES],
+)
+async def test_the_server_reuses_every_token_the_mesh_rendered(
+    shapes_node: Node, endpoint: str, body: dict[str, Any]
+) -> None:
+    """Token for token, not only as many: both slots hold the mesh's tokens (the server picks a Messages body's
+    slot itself), then the server's own endpoint reuses all of them but the last, whose logits it computes."""
+    tokens = await shapes_node.render(endpoint, body)
+    for slot in (0, 1):
+        prefill = {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True, "temperature": 0}
+        reply = await call_server(shapes_node.port, "POST", "/completion", prefill, timeout_s=60)
+        assert reply.status == 200, reply.body
+    limit = {"max_tokens": 1} if endpoint == "messages" else {"max_output_tokens": 1}
+    path = {"messages": "/v1/messages", "responses": "/v1/responses"}[endpoint]
+    reply = await call_server(shapes_node.port, "POST", path, {**body, **limit, "temperature": 0}, timeout_s=60)
+    assert reply.status == 200, reply.body
+    assert _cached(reply.json()) == len(tokens) - 1, (len(tokens), reply.json()["usage"])
+
+
 @pytest.mark.parametrize(("endpoint", "body"), REFUSED, ids=[f"{e}-{i}" for i, (e, _) in enumerate(REFUSED)])
 async def test_a_body_the_server_refuses_to_count_is_not_rendered(
     shapes_node: Node, endpoint: str, body: dict[str, Any]
