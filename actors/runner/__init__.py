@@ -6,7 +6,7 @@ after start), `lifecycle` (the instance state machine), `limits` (deadlines and 
 `admission` (worker-side admission), `booking` (what a starting runner releases, what runs unbooked), `slots`
 (which slot serves a request), `passthrough` (what the mesh does around a client's own body), `plan` (one
 generation's serving plan: what to restore, when to capture), `chat_shapes` (Messages and Responses bodies as
-the chat bodies the server renders). Shells: `actor`
+the chat bodies the server renders), `server_json` (JSON as the server writes it). Shells: `actor`
 (endpoints, one driver per instance), `driver`, `process`, `reaper`, `engine`, `preflight`, `records`,
 `upkeep`, and the serving path (`serving`, `forward`, `stream`, `state_file`, `server_api`).
 """
@@ -20,6 +20,6 @@ from typing import Final
 CORES: Final = frozenset(
     {
         "command", "drift", "lifecycle", "limits", "allocation_log", "observed", "health", "admission", "booking",
-        "slots", "passthrough", "plan", "chat_shapes",
+        "slots", "passthrough", "plan", "chat_shapes", "server_json",
     }
 )  # fmt: skip

@@ -17,7 +17,7 @@ Rules this module keeps:
   than `function` skipped). A difference would only cost a cold prefill (the server renders the body it is sent
   itself, and reuses only what a slot shares with that), never a wrong answer; but it would cost it every turn.
 * The one string the server writes itself is a tool call's `arguments` (a Messages `tool_use` input, dumped):
-  `dump_json` writes JSON as llama.cpp's JSON library does (keys in their order, no spaces, its number format).
+  `server_json.dump_json` writes it byte for byte as the server does.
 * Claude Code's `x-anthropic-billing-header` system prompt carries a `cch=` stamp that changes on every
   request; the server overwrites it (with `fffff`) so that a conversation's prefix stays cacheable. So does
   this port, on the prompt's UTF-8 bytes as the server does.
@@ -27,20 +27,20 @@ Rules this module keeps:
 
 from __future__ import annotations
 
-import decimal
-import json
 import math
 from collections.abc import Mapping
 from typing import Any, Final
 
-__all__ = ["ShapeError", "anthropic_to_chat", "dump_json", "responses_to_chat"]
+from actors.runner.server_json import dump_json
+
+__all__ = ["ShapeError", "anthropic_to_chat", "responses_to_chat"]
 
 
 class ShapeError(ValueError):
     """The server refuses this body (it answers 400 with this message)."""
 
 
-# ---- llama.cpp's JSON, as its server reads and writes it ------------------------------------------------------
+# ---- llama.cpp's JSON, as its server reads it ------------------------------------------------------------------
 
 
 def _value(obj: Any, key: str) -> Any:
@@ -71,87 +71,6 @@ def _int(obj: Any, key: str, default: int) -> int:
     if isinstance(value, float) and math.isfinite(value):
         return int(value)
     return default
-
-
-#: The integers llama.cpp's JSON parser keeps as integers (int64 and uint64); others it reads as doubles.
-_INT_MIN: Final = -(1 << 63)
-_INT_MAX: Final = (1 << 64) - 1
-
-
-def _number(value: float) -> str:
-    """A double as llama.cpp's JSON library (nlohmann's) writes it: the shortest digits that read back to it,
-    in fixed notation when the decimal point falls within 15 digits before or 4 zeros after, else as `d.ddde+XX`.
-    (Python's `repr` differs from it only at 16 digits before the point: 1e15 is `1e+15` there, not
-    `1000000000000000.0`.) Non-finite numbers are written as `null`."""
-    if not math.isfinite(value):
-        return "null"
-    sign = "-" if math.copysign(1.0, value) < 0 else ""
-    if value == 0:
-        return sign + "0.0"
-    digits_tuple = decimal.Decimal(repr(abs(value))).normalize().as_tuple()
-    digits = "".join(map(str, digits_tuple.digits))
-    assert isinstance(digits_tuple.exponent, int)  # a finite number
-    k = len(digits)
-    n = k + digits_tuple.exponent  # the decimal point's place after the first digit
-    if k <= n <= 15:
-        text = digits + "0" * (n - k) + ".0"
-    elif 0 < n <= 15:
-        text = digits[:n] + "." + digits[n:]
-    elif -4 < n <= 0:
-        text = "0." + "0" * -n + digits
-    else:
-        mantissa = digits if k == 1 else digits[0] + "." + digits[1:]
-        exponent = n - 1
-        text = f"{mantissa}e{'-' if exponent < 0 else '+'}{abs(exponent):02d}"
-    return sign + text
-
-
-def _scalar(value: Any) -> str:
-    if value is None:
-        return "null"
-    if value is True:
-        return "true"
-    if value is False:
-        return "false"
-    if isinstance(value, int):
-        return str(value) if _INT_MIN <= value <= _INT_MAX else _number(float(value))
-    if isinstance(value, float):
-        return _number(value)
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # the same escapes, and \u00XX in lower case
-    raise TypeError(f"not a JSON value: {type(value).__name__}")
-
-
-class _Text(str):
-    """Output written as it is (punctuation and keys), among the values still to write."""
-
-
-def dump_json(value: Any) -> str:
-    """`value` as llama.cpp's `json::dump()` writes it: no whitespace, object keys in their order, strings with
-    only `"`, `\\` and control characters escaped (not ASCII-only), numbers in its format. Iterative: a body
-    nested as deeply as a decoder allows is written without running out of stack."""
-    out: list[str] = []
-    todo: list[Any] = [value]  # a stack: what is written next is on top
-    while todo:
-        item = todo.pop()
-        if isinstance(item, _Text):
-            out.append(item)
-        elif isinstance(item, Mapping):
-            todo.append(_Text("}"))
-            for i, (key, child) in enumerate(list(item.items())[::-1]):
-                todo.append(child)
-                todo.append(_Text(("" if i == len(item) - 1 else ",") + json.dumps(str(key), ensure_ascii=False) + ":"))
-            todo.append(_Text("{"))
-        elif isinstance(item, list | tuple):
-            todo.append(_Text("]"))
-            for i, child in enumerate(reversed(item)):
-                todo.append(child)
-                if i != len(item) - 1:
-                    todo.append(_Text(","))
-            todo.append(_Text("["))
-        else:
-            out.append(_scalar(item))
-    return "".join(out)
 
 
 # ---- Anthropic Messages (server_chat_convert_anthropic_to_oai) --------------------------------------------------

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.runner import passthrough
-from actors.runner.chat_shapes import ShapeError, anthropic_to_chat, dump_json, responses_to_chat
+from actors.runner.chat_shapes import ShapeError, anthropic_to_chat, responses_to_chat
+from actors.runner.server_json import dump_json
 
 USER = {"role": "user", "content": "What is the weather in Paris?"}
 
@@ -367,6 +368,10 @@ def test_a_responses_body_the_server_refuses_is_refused_with_its_reason(body: di
         ),
         ({}, "{}"),
         ([[], {}], "[[],{}]"),
+        # Grisu2's digits, not the shortest (Python's repr): what the vendored library printed for these
+        ([7.036870839547745e177, 5.299064834871378e16], "[7.0368708395477454e+177,5.2990648348713776e+16]"),
+        ([-6016.951217939863, 5.890036180278533e-255], "[-6016.9512179398635,5.8900361802785335e-255]"),
+        ([-1.738457356755671e-288, 2.225073858507201e-308], "[-1.7384573567556708e-288,2.225073858507201e-308]"),
     ],
 )
 def test_json_is_written_as_llama_cpp_writes_it(value: Any, written: str) -> None:
