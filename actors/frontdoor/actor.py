@@ -57,7 +57,7 @@ from messages.errors import (
 from messages.events import IdleStopped, ModelLoaded, ModelLoading, ModelRefused, RoomMade
 from messages.frontdoor import FrontDoorModel, FrontDoorReport, ModelState
 from messages.generate import MAX_API_BODY_BYTES, ApiCall, GenerateRequest, RelayHead
-from messages.placement import ModelRef, NodeLedger, PlacementDecision, PlacementRequest
+from messages.placement import NodeLedger, PlacementDecision, PlacementRequest
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
 from messages.telemetry import NodeResources
 from runtime import buckets
@@ -353,7 +353,7 @@ class FrontDoorActor(Actor):
         """Places and starts one instance of `model`, making room when memory is short."""
         ctx = self._ctx
         entry = model.entry
-        ref = ModelRef(registry=entry.path) if entry.registry else ModelRef(path=self._path_of(entry) or entry.path)
+        ref = entry.model_ref(self._path_of(entry))
         placement = PlacementRequest(
             model=ref, ctx=entry.ctx, settings=entry.required_settings(), request_id=f"frontdoor-{model.name}"
         )
@@ -540,7 +540,7 @@ class FrontDoorActor(Actor):
 
 def _same_model(status: InstanceStatus, entry: CatalogModel, path: str | None) -> bool:
     """Whether `status` is an instance of the catalog model: its file, run with the settings it requires."""
-    if not entry.runs_on(status.settings.settings):
+    if not entry.runs_on(status.settings):
         return False
     if path is not None:
         return status.model_path == path

@@ -27,18 +27,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from actors.runner import passthrough
-from actors.runner.plan import Held, ServingPlan, Step
+from actors.runner import captures, passthrough
+from actors.runner.plan import ServingPlan, Step
 from actors.runner.server_api import MAX_EVENT_BYTES, MAX_JSON_BYTES, ServerApiError
-from actors.runner.state_file import PAYLOAD_KIND, SaveFailed, StateFileError, remove_file, state_tokens
 from actors.runner.stream import ChunkStream, ClientGone
 from messages.errors import BAD_REQUEST, UNAVAILABLE
 from messages.events import GenerateCancelled
-from messages.generate import API_PATHS, MAX_PROMPT_TOKENS, GenerateResult, RunnerGenerate
+from messages.generate import API_PATHS, GenerateResult, RunnerGenerate
 from messages.l3 import PrefixSource
 from runtime.actor import RequestError
 from runtime.logging import get_logger
@@ -114,24 +112,9 @@ class Forwarder:
             rollback=instance.table.rollback,
             capture_min_tokens=serving.limits.capture_min_tokens,
         )
-        source: PrefixSource = "resident" if grant.resident > 0 else "cold"
         handed_over = False
         try:
-            action = plan.action
-            if action.step is Step.LOOK_UP:
-                assert tokens and serving.l3 is not None and identity is not None  # the plan looks up only then
-                hit = await serving.l3.lookup(identity, tokens, max_tokens=action.n_tokens)
-                action = plan.looked_up(hit.n_tokens if hit is not None else 0)
-                if action.step is Step.RESTORE:
-                    assert hit is not None
-                    ok = await serving.restore(instance, slot, hit)
-                    if ok:
-                        source = hit.source
-                        instance.table.update(slot, tokens[: hit.n_tokens])
-                    action = plan.restored(ok)
-            if action.step is Step.CAPTURE_BEFORE:
-                assert tokens is not None
-                action = plan.prefilled(await self._capture_prefix(instance, slot, tokens[: action.n_tokens], order))
+            source, _ = await captures.before_answer(serving, instance, slot, plan, tokens, order.request_id)
             exchange = await self._exchange(
                 instance, path, passthrough.forward_body(body, slot), relay, order, slot=slot
             )  # fmt: skip
@@ -143,26 +126,15 @@ class Forwarder:
             result = self._result(instance, order, started, exchange, relay, slot=slot, source=source,
                                   restored=plan.restored_tokens, capture=plan.capture_note)  # fmt: skip
             if action.step is Step.RELEASE:
-                serving.release(instance, slot, _held(plan, tokens, None))
+                serving.release(instance, slot, captures.held_tokens(plan, tokens, None))
             else:  # the captures after the answer run off the reply's path; they give the slot back
-                serving.spawn(self._after_answer(instance, slot, plan, tokens, order), f"capture:{order.request_id}")
+                after = captures.after_answer(serving, instance, slot, plan, tokens, order.request_id)
+                serving.spawn(after, f"capture:{order.request_id}")
             handed_over = True
             return result
         finally:
             if not handed_over:
                 serving.release(instance, slot, None)
-
-    async def _capture_prefix(
-        self, instance: ServedInstance, slot: int, prefix: list[int], order: RunnerGenerate
-    ) -> bool:
-        """Prefills `prefix` into the slot and captures it; False when the server refused the prefill."""
-        try:
-            await self._serving.prefill_and_save(instance, slot, prefix, order.request_id)
-            return True
-        except RequestError as exc:  # e.g. over the context: the server's own answer says so
-            _log.info("prefix_capture_skipped", instance_id=instance.id, error=str(exc))
-            instance.table.update(slot, ())
-            return False
 
     async def _exchange(
         self,
@@ -304,64 +276,6 @@ class Forwarder:
             status=exchange.status,
             relayed=relay.seq,
         )
-
-    async def _after_answer(
-        self, instance: ServedInstance, slot: int, plan: ServingPlan, tokens: list[int] | None, order: RunnerGenerate
-    ) -> None:
-        """The plan's steps after a completed answer (save the whole slot, cut back to the prompt less a token),
-        then the slot given back. A capture failing is the capture's problem, never the runner's."""
-        listed: list[int] | None = None
-        action = plan.action
-        try:
-            if action.step is Step.SAVE:
-                listed = await self._save_whole(instance, slot, order.request_id)
-                action = plan.saved(listed is not None)
-            if action.step is Step.CAPTURE_AFTER:
-                assert tokens is not None
-                action = plan.captured_after(
-                    await self._capture_prefix(instance, slot, tokens[: action.n_tokens], order)
-                )
-        except Exception as exc:
-            _log.warning("capture_failed", instance_id=instance.id, error=repr(exc))
-            self._serving.release(instance, slot, None)
-            return
-        self._serving.release(instance, slot, _held(plan, tokens, listed))
-
-    async def _save_whole(self, instance: ServedInstance, slot: int, request_id: str) -> list[int] | None:
-        """Saves the slot and captures it under the tokens its state file lists (None: not saved). A state
-        holding media is not captured."""
-        serving = self._serving
-        owned = False  # the store took the file
-        path = instance.slot_dir / f"capture-{request_id}-{uuid.uuid4().hex[:8]}.bin"
-        try:
-            await serving.save_slot(instance, slot, path, MAX_PROMPT_TOKENS)
-            listed = await asyncio.to_thread(state_tokens, path, max_tokens=MAX_PROMPT_TOKENS)
-            if listed.tokens and not listed.media and serving.l3 is not None and instance.identity is not None:
-                serving.l3.capture(path, identity=instance.identity, tokens=listed.tokens, payload_kind=PAYLOAD_KIND)
-                owned = True
-            return listed.tokens
-        except (SaveFailed, StateFileError, OSError) as exc:
-            _log.warning("capture_failed", instance_id=instance.id, error=str(exc))
-            return None
-        finally:
-            if not owned:
-                await remove_file(path)
-
-
-def _held(plan: ServingPlan, tokens: list[int] | None, listed: list[int] | None) -> tuple[int, ...]:
-    """The tokens the slot holds when it is given back, as the plan knows them."""
-    held = plan.held_after
-    if held is Held.SAVED and listed is not None:
-        return tuple(listed)
-    if tokens is None:
-        return ()
-    if held is Held.PREFIX:
-        return tuple(tokens[:-1])
-    if held is Held.PROMPT:
-        return tuple(tokens)
-    if held is Held.RESTORED:
-        return tuple(tokens[: plan.held])
-    return ()
 
 
 def _json(data: bytes) -> Any:

@@ -7,18 +7,18 @@ node) the runner:
    already did;
 2. takes the free slot holding the longest prefix of those tokens (`slots.SlotTable`; requests queue in
    arrival order when every slot is busy, up to the request's deadline);
-3. when the node's L3 holds a longer prefix than the slot (at most one token short of the prompt: the server
-   must compute the last position's logits), writes it into the instance's `--slot-save-path` and restores it
-   into the slot (`/slots/{id}?action=restore`);
-4. when the prompt is long enough to keep and neither the slot nor L3 held all but its last token, first
-   prefills the prompt one token short and saves that state (`capture`): the same prompt again, on any
-   model kind, then evaluates one token, where a state saved after the prompt could not be rolled back on a
-   hybrid model (see the reference: a recurrent state cannot be rewound);
-5. runs `/completion` with `id_slot` and `cache_prompt`, streamed from the server; with a client `stream`
-   subject, publishes each piece as a `GenerateChunk` and checks every `STREAM_PING_S` that someone still
-   listens (no responders: the generation stops and the slot is freed);
-6. answers, then saves the slot's state after the completion (prompt and generated tokens: the next turn of
-   a conversation extends it) and hands it to L3, holding the slot until the save is done, off the reply's path.
+3. follows the serving plan (`plan.ServingPlan`, pure; its steps in `captures.py`, shared with the
+   pass-through): when the node's L3 holds a longer prefix than the slot (at most one token short of the
+   prompt: the server must compute the last position's logits), writes it into the instance's
+   `--slot-save-path` and restores it into the slot (`/slots/{id}?action=restore`); on a model that cannot
+   roll its state back, a prompt long enough to keep is first prefilled one token short and captured;
+4. runs `/completion` with `id_slot` and `cache_prompt`, streamed from the server; with a client `stream`
+   subject, publishes each piece as a `GenerateChunk` (unless the client asked for none) and checks every
+   `STREAM_PING_S` that someone still listens (no responders: the generation stops and the slot is freed);
+5. answers, then, off the reply's path and holding the slot, saves its state (prompt and generated tokens: the
+   next turn of a conversation extends it) into L3 and, on a model that can roll back, cuts it back to the
+   prompt less a token (one token evaluated) and captures that too: the same prompt again then evaluates one
+   token, on every model kind.
 
 A server error is the request's error, never the runner's; the slot's contents are then unknown (it holds
 nothing), and the slot is freed whatever happens.
@@ -41,8 +41,9 @@ from actors.handoff.api import HandoffAccess, HandoffFailed
 from actors.l3.api import L3Access, L3Hit, L3Unavailable
 from actors.l3.identity import DraftSettings, Platform, StateInputs, exact_state_identity
 from actors.router.prefixes import resident_prefixes
-from actors.runner import passthrough
+from actors.runner import captures, passthrough
 from actors.runner.forward import Forwarder
+from actors.runner.plan import ServingPlan, Step
 from actors.runner.server_api import ServerApi, ServerApiError, sampling_body
 from actors.runner.slots import Grant, SlotTable
 from actors.runner.state_file import PAYLOAD_KIND, SaveFailed, remove_file
@@ -59,7 +60,6 @@ from messages.generate import (
     ServingReport,
     StopReason,
 )
-from messages.l3 import PrefixSource
 from messages.memory import ContextShape
 from messages.placement import Reservation
 from messages.subjects import Subjects
@@ -304,15 +304,23 @@ class Serving:
         if not tokens:
             raise RequestError(BAD_REQUEST, "the prompt has no tokens")
         grant = await self.acquire(instance, tokens)
+        plan = ServingPlan(
+            len(tokens),
+            grant.resident,
+            store=self.l3 is not None and instance.identity is not None,
+            capture=request.capture,
+            rollback=instance.table.rollback,
+            capture_min_tokens=self.limits.capture_min_tokens,
+        )
         handed_over = False
         try:
-            result, held, saved = await self._run(instance, grant, order, tokens, started)
-            if saved is not None:  # the save runs after the reply; it gives the slot back itself
-                self.spawn(self._save_after(instance, grant.slot, saved), f"capture:{order.request_id}")
-                handed_over = True
-            else:
-                self.release(instance, grant.slot, held)
-                handed_over = True
+            result, answer = await self._run(instance, grant, plan, order, tokens, started)
+            if plan.action.step is Step.RELEASE:
+                self.release(instance, grant.slot, captures.held_tokens(plan, tokens, None, answer))
+            else:  # the captures after the answer run off the reply's path; they give the slot back
+                after = captures.after_answer(self, instance, grant.slot, plan, tokens, order.request_id, answer=answer)
+                self.spawn(after, f"capture:{order.request_id}")
+            handed_over = True
             return result
         finally:
             if not handed_over:
@@ -348,27 +356,25 @@ class Serving:
         self.changed.set()
 
     async def _run(
-        self, instance: ServedInstance, grant: Grant, order: RunnerGenerate, tokens: list[int], started: float
-    ) -> tuple[GenerateResult, list[int] | None, tuple[list[int], str] | None]:
-        """The generation on an acquired slot: its result, what the slot holds after it, and what to save."""
+        self,
+        instance: ServedInstance,
+        grant: Grant,
+        plan: ServingPlan,
+        order: RunnerGenerate,
+        tokens: list[int],
+        started: float,
+    ) -> tuple[GenerateResult, list[int] | None]:
+        """The generation on an acquired slot, its plan followed up to the answer: its result, and the generated
+        token ids when all are known."""
         request = order.request
         slot = grant.slot
-        source: PrefixSource = "resident" if grant.resident > 0 else "cold"
-        held = grant.resident
-        restored = 0
-        identity = instance.identity
-        capture_on = request.capture and self.l3 is not None and identity is not None
         remote: PrefillResult | None = None
         asked = time.perf_counter()
-        if request.prefill_node not in (None, self.node_id) and held < len(tokens) - 1:
+        if request.prefill_node not in (None, self.node_id) and grant.resident < len(tokens) - 1:
             remote = await self._remote_prefill(instance, order, tokens[:-1])  # lands in this node's L3
-        if self.l3 is not None and identity is not None and held < len(tokens) - 1:
-            hit = await self.l3.lookup(identity, tokens, max_tokens=len(tokens) - 1)
-            if hit is not None and hit.n_tokens > held and await self.restore(instance, slot, hit):
-                restored = held = hit.n_tokens
-                source = hit.source
-                instance.table.update(slot, tokens[:held])
-        evaluated = remote.tokens_evaluated if remote is not None else 0
+        source, evaluated = await captures.before_answer(self, instance, slot, plan, tokens, order.request_id)
+        restored = plan.restored_tokens
+        evaluated += remote.tokens_evaluated if remote is not None else 0
         # What the handoff added beyond the remote server's prompt computation (what the cost model counts as
         # the remote prefill, from the same timings): the requests between, the remote slot save, the transfer,
         # this store's commit, the restore into this slot (and, once the completion is back, the last prompt
@@ -377,12 +383,6 @@ class Serving:
         handoff_ms = (time.perf_counter() - asked) * 1000 - remote_compute_ms if remote is not None else 0.0
         if remote is not None and restored < remote.n_tokens:
             raise RequestError(UNAVAILABLE, f"the state prefilled on {remote.node} could not be restored here")
-        capture = "off" if not request.capture else "no_l3" if self.l3 is None else "no_identity"
-        if capture_on:
-            capture = "short" if len(tokens) - 1 < self.limits.capture_min_tokens else "held"
-            if capture == "held" and held < len(tokens) - 1:
-                evaluated += await self.prefill_and_save(instance, slot, tokens[:-1], order.request_id)
-                capture = "queued"
         body = {
             "prompt": tokens,
             "n_predict": request.n_predict,
@@ -463,13 +463,8 @@ class Serving:
         if remote is not None:  # + the prompt's last token: a decode step of its own here, batched by a local prefill
             handoff_ms = max(0.0, handoff_ms + float(timings.get("prompt_ms", 0) or 0))
         now = time.perf_counter()
-        after = tokens + generated[:-1] if stop != "cancelled" and exact else None
-        save = None
-        if capture_on and not exact:
-            capture = "token_ids_unknown"  # the stream left some ids out: the state cannot be indexed
-        elif capture_on and after is not None and len(after) >= self.limits.capture_min_tokens:
-            save = (tokens + generated, order.request_id)
-            capture = "queued"
+        n_generated = int(final.get("tokens_predicted", len(generated)) or len(generated))
+        plan.answered(completed=stop != "cancelled", prompt_counted=len(tokens), generated=n_generated)
         result = GenerateResult(
             request_id=order.request_id,
             text="".join(text),
@@ -486,15 +481,15 @@ class Serving:
             slot=slot,
             stop_reason=stop,
             tokens_exact=exact,
-            tokens_generated=int(final.get("tokens_predicted", len(generated)) or len(generated)),
+            tokens_generated=n_generated,
             path="disaggregated" if remote is not None else "local",
             prefill_node=remote.node if remote is not None else None,
             handoff_bytes=remote.bytes if remote is not None else 0,
             handoff_ms=round(handoff_ms, 3),
             decision_id=order.route.decision_id if order.route else "",
-            capture=capture,
+            capture=plan.capture_note,
         )
-        return result, after, save
+        return result, generated if exact and stop != "cancelled" else None
 
     async def _remote_prefill(
         self, instance: ServedInstance, order: RunnerGenerate, prefix: list[int]
@@ -602,31 +597,15 @@ class Serving:
     async def prefill_and_save(self, instance: ServedInstance, slot: int, prefix: list[int], request_id: str) -> int:
         """Prefills `prefix` into the slot and captures it; returns the tokens the server evaluated."""
         timings = await self._prefill(instance, slot, prefix)
-        await self.capture(instance, slot, prefix, f"{request_id}-prefix")
-        return int(timings.get("prompt_n", 0) or 0)
-
-    async def capture(self, instance: ServedInstance, slot: int, tokens: list[int], tag: str) -> None:
-        """Saves the slot and hands the file to L3 (what the slot holds is `tokens[:n_saved]`)."""
         assert self.l3 is not None and instance.identity is not None
-        path = instance.slot_dir / f"capture-{tag}-{uuid.uuid4().hex[:8]}.bin"
+        path = instance.slot_dir / f"capture-{request_id}-prefix-{uuid.uuid4().hex[:8]}.bin"
         try:
-            n_saved = await self.save_slot(instance, slot, path, len(tokens))
+            n_saved = await self.save_slot(instance, slot, path, len(prefix))
         except SaveFailed as exc:
             _log.warning(exc.kind, instance_id=instance.id, error=str(exc))
-            return
-        self.l3.capture(path, identity=instance.identity, tokens=tokens[:n_saved], payload_kind=PAYLOAD_KIND)
-
-    async def _save_after(self, instance: ServedInstance, slot: int, saved: tuple[list[int], str]) -> None:
-        """After the reply: the slot's state saved into L3, then the slot given back."""
-        tokens, request_id = saved
-        held: list[int] | None = tokens[:-1]
-        try:
-            await self.capture(instance, slot, tokens, request_id)
-        except Exception as exc:  # a capture failing is the capture's problem, never the runner's
-            _log.warning("capture_failed", instance_id=instance.id, error=repr(exc))
-            held = None
-        finally:
-            self.release(instance, slot, held)
+        else:
+            self.l3.capture(path, identity=instance.identity, tokens=prefix[:n_saved], payload_kind=PAYLOAD_KIND)
+        return int(timings.get("prompt_n", 0) or 0)
 
 
 #: 5xx answers that say the request met a full cache (a unified KV cache shared by busy slots), not that the

@@ -17,7 +17,6 @@ import blake3
 import openai
 import pytest
 
-from actors.frontdoor import actor as frontdoor_actor
 from runtime.children import free_port
 from tests.e2e.test_frontdoor import KEYED, _events, client, write_catalog
 from tests.e2e.test_generate import gen
@@ -98,18 +97,6 @@ async def test_a_model_placed_with_a_draft_runs_with_it_and_its_observed_buffers
         assert len(reply["tokens"]) == 16
 
 
-def _front_door_passes_companions() -> bool:
-    """Whether the front door puts a catalog entry's companions in its placement request (`model_ref`)."""
-    import inspect
-
-    return "model_ref(" in inspect.getsource(frontdoor_actor)
-
-
-@pytest.mark.xfail(
-    not _front_door_passes_companions(),
-    reason="the front door (actors/frontdoor/actor.py) does not yet ask placement with entry.model_ref(...)",
-    strict=True,
-)
 async def test_a_catalog_model_with_a_draft_is_served_with_it(tmp_path: Path, models: dict[str, Path]) -> None:
     data_dir = tmp_path / "node"
     write_catalog(
