@@ -15,6 +15,8 @@ from typing import Any
 
 import msgspec
 
+from actors.placement import pooled
+from actors.placement.bounds import effective
 from actors.placement.geometry import GeometryError, geometry_from_header
 from actors.placement.gguf_header import GGUFFormatError, read_header
 from actors.placement.memory import (
@@ -28,6 +30,7 @@ from actors.telemetry.probes import read_host
 from actors.telemetry.resources import ggml_cpu_features
 from messages.memory import MemoryBreakdown
 from messages.model import ModelGeometry
+from messages.placement import PreferredSettings
 from messages.settings import ServingSettings
 from runtime.sizes import format_size, parse_size
 
@@ -129,6 +132,10 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         help="llama.cpp CPU features of the node (decide which weights the CPU backend repacks; "
         "default: this host's; 'unknown' for the upper bound)",
     )
+    fit.add_argument("--kind", choices=("generate", "embedding", "rerank"), default=None,
+                     help="what the server is for (default: what the header's pooling type says)")  # fmt: skip
+    fit.add_argument("--pooling", choices=("none", "mean", "cls", "last", "rank"), default=None,
+                     help="an embedding or rerank server's pooling (default: the header's, else mean)")  # fmt: skip
     fit.add_argument("--json", action="store_true", help="print one JSON object")
     fit.set_defaults(func=run_fit)
 
@@ -249,6 +256,9 @@ def run_fit(args: argparse.Namespace) -> int:
     try:
         geometry = _load(args.model)
         n_ctx = args.ctx or geometry.n_ctx_train
+        # an embedding or rerank model is sized as placement sizes it: its kind and pooling, its whole-input batch
+        asked = PreferredSettings(kind=args.kind, pooling=args.pooling)
+        settings = effective(settings, pooled.resolved(None if asked == PreferredSettings() else asked, geometry))
         breakdown = estimate(
             geometry,
             settings,

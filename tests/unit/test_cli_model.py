@@ -9,6 +9,7 @@ import pytest
 
 from runtime.cli import main
 from tests import tiny_models
+from tests.tiny_pooled_models import write_llama_embedding
 
 REQUIRED_KEYS = {
     "kv_bytes",
@@ -144,3 +145,19 @@ def test_settings_the_model_cannot_serve_are_a_model_error(capsys: pytest.Captur
     code, _, err = run(capsys, "fit", llama, "--spec-type", "draft-mtp")
     assert code == 1
     assert "nextn" in err
+
+
+def test_fit_sizes_an_embedding_model_as_placement_does(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    model = str(write_llama_embedding(tmp_path / "embed.gguf"))
+    base = ("fit", model, "--ctx", "4096", "-np", "2", "--cache-ram", "0", "--json")
+    code, out, _ = run(capsys, *base)  # the header's mean pooling: an embedding server
+    assert code == 0
+    embedding = json.loads(out)
+    assert embedding["context"]["n_ubatch"] == 2048  # a whole input: the per-slot context
+    assert embedding["output_bytes"] == 4 * (259 + 64) * 2 and embedding["host_extra_bytes"] > 0
+    code, out, _ = run(capsys, *base, "--kind", "generate")
+    assert code == 0
+    generate = json.loads(out)
+    assert generate["context"]["n_ubatch"] == 512 and generate["output_bytes"] == 4 * 259 * 2
+    code, _, err = run(capsys, *base, "--kind", "rerank")  # no classification head
+    assert code != 0 and "classification head" in err
