@@ -449,6 +449,11 @@ def default_node_id() -> str:
     return name or "node"
 
 
+#: Serving settings only a model has: what its server is for and how it pools (a node serves generation unless
+#: a model is an embedding or rerank model).
+_MODELS_OWN = frozenset({"kind", "pooling"})
+
+
 def _serving_settings(
     table: Any, env: Mapping[str, str], flags: Mapping[str, Any], toml_path: Path, *, l3_on: bool = False
 ) -> ServingSettings:
@@ -466,6 +471,12 @@ def _serving_settings(
         if raw is not None:
             merged[name] = raw  # msgspec's lax mode turns "4"/"true" into the field's type
     merged.update({k: v for k, v in flags.items() if v is not None})
+    own = sorted(set(merged) & _MODELS_OWN)
+    if own:
+        raise ConfigError(
+            f"serving settings: {', '.join(own)} is a model's own (a catalog entry's or a placement request's), "
+            "not a node's: every model would be served so"
+        )
     if l3_on:
         merged.setdefault("swa_full", True)
     try:

@@ -74,6 +74,9 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     bounds.add_argument(
         "--allow-spec-types", dest="bound_spec_types", metavar="LIST", help="e.g. draft-mtp,ngram-simple"
     )
+    bounds.add_argument(
+        "--allow-kinds", dest="bound_kinds", metavar="LIST", help="what servers are for: generate,embedding,rerank"
+    )
 
 
 SERVING_DESTS = (
@@ -239,7 +242,8 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "nats_tls_key": args.nats_tls_key,
     }
     serving = {name: getattr(args, name) for name in SERVING_DESTS}
-    bounds = {name: getattr(args, f"bound_{name}") for name in ("max_slots", "cache_types", "flash_attn", "spec_types")}
+    named = ("max_slots", "cache_types", "flash_attn", "spec_types", "kinds")
+    bounds = {name: getattr(args, f"bound_{name}") for name in named}
     try:
         config = load_config(flags, os.environ, serving, bounds)
         for key in config.registry_keys:

@@ -132,6 +132,16 @@ def test_bounds_of_a_models_own_settings_come_from_flags_environment_and_file(tm
         load_config({"data_dir": str(tmp_path)}, {"MESH_ACTOR_BOUNDS_CACHE_TYPES": "f16,q3"})
 
 
+def test_what_a_server_is_for_is_a_models_setting_not_a_nodes(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="kind is a model's own"):
+        load_config({"data_dir": str(tmp_path)}, {"MESH_ACTOR_SERVING_KIND": "embedding"})
+    (tmp_path / "config.toml").write_text('[serving]\npooling = "mean"\n')
+    with pytest.raises(ConfigError, match="pooling is a model's own"):
+        load_config({"data_dir": str(tmp_path)}, {})
+    (tmp_path / "config.toml").write_text('[bounds]\nkinds = ["generate"]\n')  # a node may serve no embeddings
+    assert load_config({"data_dir": str(tmp_path)}, {}).bounds.kinds == ("generate",)
+
+
 def test_the_api_key_comes_from_a_file_or_the_environment_never_argv(tmp_path: Path) -> None:
     keyfile = tmp_path / "key"
     keyfile.write_text("s3cret\n")
