@@ -64,5 +64,7 @@ def _required(settings: PreferredSettings) -> str:
     """The settings a model's instances must run with, as llama-server flags."""
     flags = (("slots", "-np"), ("cache_type_k", "-ctk"), ("cache_type_v", "-ctv"), ("flash_attn", "-fa"),
              ("kv_unified", "-kvu"), ("spec_type", "--spec-type"), ("spec_draft_n_max", "--spec-draft-n-max"),
-             ("swa_full", "--swa-full"))  # fmt: skip
-    return " ".join(f"{flag} {getattr(settings, name)}" for name, flag in flags if getattr(settings, name) is not None)
+             ("swa_full", "--swa-full"), ("pooling", "--pooling"))  # fmt: skip
+    kind = {"embedding": "--embeddings", "rerank": "--rerank"}.get(settings.kind or "")
+    given = [f"{flag} {getattr(settings, name)}" for name, flag in flags if getattr(settings, name) is not None]
+    return " ".join([kind, *given] if kind else given)
