@@ -219,9 +219,12 @@ class FrontDoorActor(Actor):
             return _error_response(shapes.ApiError(INTERNAL, "the front door failed on this request"), shape)
 
     def _model_object(self, name: str, m: _Model) -> dict[str, Any]:
+        ready = self._ready_of(m)
+        # the catalog's kind, else what the running instance was stamped with (read from the model's header)
+        kind = m.entry.kind or (ready.settings.settings.kind if ready is not None else None)
         return {"id": name, "object": "model", "created": 0, "owned_by": "mesh-actor",
-                "state": "ready" if self._ready_of(m) else "starting" if m.starting else "stopped",
-                "queued": m.waiting + m.held, "pinned": m.entry.pinned, "kind": m.entry.kind}  # fmt: skip
+                "state": "ready" if ready else "starting" if m.starting else "stopped",
+                "queued": m.waiting + m.held, "pinned": m.entry.pinned, "kind": kind}  # fmt: skip
 
     async def _list_models(self, request: web.Request) -> web.Response:
         data = [self._model_object(name, m) for name, m in sorted(self._models.items())]
