@@ -488,6 +488,13 @@ class EmbeddedNats:
                 tails.append((self.data_dir / name).read_text(errors="replace")[-1500:].strip())
         return " | ".join(t for t in tails if t) or "(no output)"
 
+    async def exited(self) -> int:
+        """Waits until the started server exits, whatever ended it; its exit code (-9: SIGKILL)."""
+        process = self._process
+        if process is None:
+            raise EmbeddedNatsError("the embedded nats-server was not started")
+        return await process.wait()
+
     async def stop(self, timeout_s: float = 10.0) -> None:
         process, self._process = self._process, None
         if process is None or process.returncode is not None:

@@ -13,9 +13,9 @@ import fcntl
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import IO, Any, TypeVar
 
 import msgspec
 import nats.errors
@@ -199,6 +199,7 @@ async def run_node(
                 raise ConnectFailed(str(exc)) from exc
             embedded = not options.urls
             admin = options
+            server: EmbeddedNats | None = None
             if embedded:
                 cluster = _cluster_spec(config)
                 server = EmbeddedNats(
@@ -305,7 +306,9 @@ async def run_node(
                 embedded_nats=embedded,
                 actors=tuple(a.name for a in actors),
             )
-            return await _serve(config, journal, supervisor, actors, stop, announce, url, embedded)
+            return await _serve(
+                config, journal, supervisor, actors, stop, announce, url, server.exited if server else None
+            )
     finally:
         lock.close()
 
@@ -364,21 +367,33 @@ async def _serve(
     stop: asyncio.Event,
     announce: Callable[[str], None],
     url: str,
-    embedded: bool,
+    nats_exited: Callable[[], Coroutine[Any, Any, int]] | None,
 ) -> int:
+    """Runs until a stop signal, an actor that gives up, or (`nats_exited`: the embedded server's exit) the
+    embedded NATS server's death: a node without its server cannot reach the bus again, and the others on that
+    bus wait for it, so it stops with exit code 1 for its service manager to restart it (server included)."""
     log = get_logger(node=config.node_id)
     code, reason = 0, "signal"
     async with asyncio.TaskGroup() as tg:
         journal_task = tg.create_task(journal.run(), name="journal")
         supervised = tg.create_task(_supervise(supervisor, actors), name="supervisor")
         stopped = tg.create_task(stop.wait(), name="stop-signal")
-        where = "embedded" if embedded else "external"
+        watched = {supervised, stopped}
+        server_gone = tg.create_task(nats_exited(), name="embedded-nats") if nats_exited else None
+        if server_gone is not None:
+            watched.add(server_gone)
+        where = "external" if nats_exited is None else "embedded"
         announce(f"mesh-actor node {config.node_id} running; NATS {url} ({where}); data dir {config.data_dir}")
-        await asyncio.wait({supervised, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
         if supervised.done():
             code, reason = 1, supervised.result()
             log.error("node_stopping", reason=reason)
+        elif server_gone is not None and server_gone.done() and not stopped.done():
+            code, reason = 1, f"the embedded NATS server exited (code {server_gone.result()})"
+            log.error("embedded_nats_exited", returncode=server_gone.result(), hint="restart the node")
         stopped.cancel()
+        if server_gone is not None:
+            server_gone.cancel()
         supervised.cancel()
         await _finish(supervised)
         journal.emit(NodeStopped, "node", reason=reason)

@@ -115,6 +115,18 @@ async def test_killed_node_leaves_no_nats_server_behind(tmp_path: Path) -> None:
     await _wait_gone(str(data_dir / "nats-server.conf"))
 
 
+async def test_node_whose_embedded_nats_server_dies_stops_with_exit_code_1(tmp_path: Path) -> None:
+    # Without its server the node can never reach the bus again (it would wait forever, and so would every node
+    # on that bus): it stops, so that its service manager restarts it and the server with it.
+    data_dir = tmp_path / "node"
+    async with node_process(data_dir, "--node-id", "delta") as (process, _):
+        os.kill(int((data_dir / "nats-server.pid").read_text().strip()), signal.SIGKILL)
+        async with asyncio.timeout(30):
+            assert await process.wait() == 1
+        assert process.stderr is not None
+        assert b"embedded_nats_exited" in await process.stderr.read()
+
+
 async def test_second_node_on_the_same_data_dir_is_refused(tmp_path: Path) -> None:
     data_dir = tmp_path / "node"
     async with node_process(data_dir, "--node-id", "gamma"):
