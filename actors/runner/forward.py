@@ -128,6 +128,7 @@ class Forwarder:
             if action.step is Step.RELEASE:
                 serving.release(instance, slot, captures.held_tokens(plan, tokens, None))
             else:  # the captures after the answer run off the reply's path; they give the slot back
+                instance.table.finishing(slot, captures.held_tokens(plan, tokens, None))
                 after = captures.after_answer(serving, instance, slot, plan, tokens, order.request_id)
                 serving.spawn(after, f"capture:{order.request_id}")
             handed_over = True

@@ -318,6 +318,7 @@ class Serving:
             if plan.action.step is Step.RELEASE:
                 self.release(instance, grant.slot, captures.held_tokens(plan, tokens, None, answer))
             else:  # the captures after the answer run off the reply's path; they give the slot back
+                instance.table.finishing(grant.slot, captures.held_tokens(plan, tokens, None, answer))
                 after = captures.after_answer(self, instance, grant.slot, plan, tokens, order.request_id, answer=answer)
                 self.spawn(after, f"capture:{order.request_id}")
             handed_over = True
@@ -337,16 +338,16 @@ class Serving:
         self.changed.set()
         loop = asyncio.get_running_loop()
         try:
-            while not table.my_turn(ticket):
+            # its turn with a slot free, unless a finishing slot holding much more of the prompt is worth waiting
+            # for (`SlotTable.acquire` says None then): woken on every release
+            while not table.my_turn(ticket) or (grant := table.acquire(tokens, ticket)) is None:
                 waiter: asyncio.Future[None] = loop.create_future()
                 instance.wakeups.append(waiter)
                 await waiter
-            grant = table.acquire(tokens, ticket)
         except BaseException:
             table.withdraw(ticket)
             self.changed.set()
             raise
-        assert grant is not None
         self.changed.set()
         return grant
 

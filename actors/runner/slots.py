@@ -11,6 +11,9 @@ Rules this module keeps:
   holding more would be re-evaluated from the start by the server. A slot whose state is unknown (the
   server restarted, a request failed) holds nothing.
 * Waiting requests are served in arrival order: a release hands the slot to the oldest waiter.
+* A busy slot that is only finishing (its answer sent, its state being captured: `finishing`) is worth waiting
+  for when it holds at least `wait_gain` more tokens of the request than the best free slot: the next turn of
+  a conversation, sent as soon as its answer arrived, then extends its own prefix instead of starting cold.
 * No clock and no I/O: "recently" is a counter of releases.
 """
 
@@ -45,12 +48,14 @@ class Grant:
 
 
 class SlotTable:
-    def __init__(self, n_slots: int, *, rollback: bool = True) -> None:
+    def __init__(self, n_slots: int, *, rollback: bool = True, wait_gain: int = 256) -> None:
         if n_slots < 1:
             raise ValueError("an instance has at least one slot")
         self.rollback = rollback
+        self.wait_gain = wait_gain
         self._held: list[tuple[int, ...]] = [() for _ in range(n_slots)]
         self._busy = [False] * n_slots
+        self._finishing = [False] * n_slots
         self._used = [0] * n_slots  # release counter at last release: lower is older
         self._clock = 0
         self._waiting: deque[object] = deque()
@@ -99,13 +104,16 @@ class SlotTable:
         if ticket is not None and not self.my_turn(ticket):
             return None
         best: tuple[int, int, int] | None = None  # (-shared prefix, last used, slot)
+        finishing = 0  # the most a finishing slot could reuse
         for slot, busy in enumerate(self._busy):
             if busy:
+                if self._finishing[slot]:
+                    finishing = max(finishing, self.reusable(slot, tokens))
                 continue
             key = (-self.reusable(slot, tokens), self._used[slot], slot)
             if best is None or key < best:
                 best = key
-        if best is None:
+        if best is None or finishing - -best[0] >= self.wait_gain:
             return None
         if ticket is not None:
             self._waiting.popleft()
@@ -127,11 +135,17 @@ class SlotTable:
             raise ValueError(f"slot {slot} is not acquired")
         self._held[slot] = tuple(tokens)
 
+    def finishing(self, slot: int, tokens: Sequence[int]) -> None:
+        """A busy slot's answer is done and only its capture runs: it holds `tokens` and is given back soon."""
+        self.update(slot, tokens)
+        self._finishing[slot] = True
+
     def release(self, slot: int, tokens: Sequence[int] | None) -> None:
         """Gives a slot back; `tokens` is what the server's cache holds for it now (None: unknown)."""
         if not self._busy[slot]:
             raise ValueError(f"slot {slot} is not acquired")
         self._busy[slot] = False
+        self._finishing[slot] = False
         self._held[slot] = tuple(tokens) if tokens is not None else ()
         self._clock += 1
         self._used[slot] = self._clock

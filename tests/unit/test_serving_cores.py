@@ -48,6 +48,24 @@ def test_waiters_are_served_in_arrival_order_and_a_withdrawn_one_loses_its_turn(
     assert grant is not None and grant.resident == 1 and table.queued == 0
 
 
+def test_a_finishing_slot_holding_much_more_of_the_prompt_is_waited_for_and_a_small_gain_is_not() -> None:
+    table = SlotTable(2, wait_gain=100)
+    turn = list(range(1, 501))
+    grant = table.acquire(turn)
+    assert grant is not None
+    table.finishing(grant.slot, turn)  # answered; its state is being captured
+    next_turn = [*turn, 7, 8, 9]
+    assert table.acquire(next_turn) is None  # 500 tokens held there against 0 free: worth the wait
+    other = table.acquire(turn[:50] + [0] * 10)  # 50 in common only: not worth waiting, the free slot serves
+    assert other is not None and other.slot != grant.slot
+    table.release(other.slot, None)
+    table.release(grant.slot, turn)
+    again = table.acquire(next_turn)
+    assert again is not None and (again.slot, again.resident) == (grant.slot, 500)
+    with pytest.raises(ValueError):
+        table.finishing(1 - grant.slot, turn)  # only a busy slot finishes
+
+
 def test_release_of_a_slot_not_acquired_is_refused_and_a_restart_forgets_what_slots_held() -> None:
     table = SlotTable(2)
     with pytest.raises(ValueError):
