@@ -118,6 +118,7 @@ class FrontDoorActor(Actor):
         self._on_listening = on_listening
         self._models = {name: _Model(name, entry) for name, entry in catalog.models.items()}
         self._instances: dict[str, InstanceStatus] = {}
+        self._instances_moved = asyncio.Event()  # set (then replaced) on every change of an instance record
         self._instance_used: dict[str, float] = {}
         self._starts: set[asyncio.Task[InstanceStatus]] = set()  # shared by a model's waiters; cancelled at the end
         self.bound_port: int | None = None
@@ -164,14 +165,22 @@ class FrontDoorActor(Actor):
         async for entry in buckets.watch(kv, ready):
             if buckets.removed(entry):
                 self._instances.pop(entry.key, None)
-                continue
-            try:
-                self._instances[entry.key] = buckets.decode_keyed(
-                    entry, InstanceStatus, lambda s: ctx.subjects.instance_key(s.node, s.id), "instance"
-                )
-            except BadMessage as exc:
-                ctx.log.warning("bad_instance_record", key=entry.key, error=str(exc))
-                self._instances.pop(entry.key, None)
+            else:
+                try:
+                    self._instances[entry.key] = buckets.decode_keyed(
+                        entry, InstanceStatus, lambda s: ctx.subjects.instance_key(s.node, s.id), "instance"
+                    )
+                except BadMessage as exc:
+                    ctx.log.warning("bad_instance_record", key=entry.key, error=str(exc))
+                    self._instances.pop(entry.key, None)
+            self._instances_moved.set()  # wake what waits for an instance to change, then a fresh event
+            self._instances_moved = asyncio.Event()
+
+    async def _instances_change(self, timeout_s: float | None = None) -> None:
+        """Returns once an instance record changes (or `timeout_s` passed)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._instances_moved.wait()
 
     # --- HTTP ----------------------------------------------------------------------------------------------
 
@@ -413,8 +422,8 @@ class FrontDoorActor(Actor):
                 ctx.log.info("frontdoor_making_room", model=model.name, node=plan.node, stopping=plan.instances)
                 await asyncio.gather(*(self._stop_instance(i) for i in plan.instances))
                 ctx.emit(RoomMade, model=model.name, stopped_on=plan.node, stopped=plan.instances, frees=plan.frees)
-            elif isinstance(plan, Wait):
-                await asyncio.sleep(0.2)
+            elif isinstance(plan, Wait):  # busy instances finish, or a stop lands, or placement's view catches up
+                await self._instances_change(timeout_s=0.5)
         raise shapes.ApiError(TIMEOUT, f"{model.name!r} did not load in {entry.timeout_s:g}s")
 
     async def _until_ready(self, instance_id: str, deadline: float) -> InstanceStatus:
@@ -426,7 +435,7 @@ class FrontDoorActor(Actor):
                 if status is not None and status.state in ("failed", "rejected", "stopped"):
                     raise shapes.ApiError(UNAVAILABLE, f"instance {instance_id} ended {status.state}: "
                                           f"{status.message}")  # fmt: skip
-                await asyncio.sleep(0.05)
+                await self._instances_change()
 
     def _by_id(self, instance_id: str) -> InstanceStatus | None:
         return next((s for s in self._instances.values() if s.id == instance_id), None)
