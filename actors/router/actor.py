@@ -170,9 +170,14 @@ class RouterActor(Actor):
         if report.node_id != node:
             return  # a report must come from the node it names
         previous = self._reports.get(node)
-        if previous is not None and report.seq <= previous[0].seq and report.seq != 1:
-            return  # late (a restarted runner starts again at 1)
-        self._reports[node] = (report, self._monotonic())
+        now = self._monotonic()
+        # Late, while the report held is current. Once that one has expired, a lower number is a runner that started
+        # again (it numbers from 1) whose first report this router missed: taken, or the node would stay unseen
+        # until the new numbers passed the old (a minute after a restart in benchmarks/chaos.py).
+        late = previous is not None and report.seq <= previous[0].seq and report.seq != 1
+        if late and previous is not None and now - previous[1] <= previous[0].ttl_s:
+            return
+        self._reports[node] = (report, now)
         self._holdings = None
 
     def _fresh_nodes(self) -> set[str]:
