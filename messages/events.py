@@ -13,7 +13,7 @@ import msgspec
 
 from messages.generate import Candidate, RouteDecision, RouteWeights
 from messages.memory import MemoryBreakdown
-from messages.model import ModelGeometry
+from messages.model import ModelGeometry, ProjectorGeometry
 from messages.placement import NodeLedger, PlacementDecision, PlacementRequest
 from messages.runner import FieldDrift, ObservedMemory
 from messages.telemetry import NodeResources
@@ -108,6 +108,7 @@ class DecisionInputs(msgspec.Struct, frozen=True, kw_only=True):
     unreadable_ledgers: tuple[str, ...] = ()  # nodes whose reservation ledger did not decode
     decision: PlacementDecision
     draft_geometry: ModelGeometry | None = None  # the draft model's header facts (`model.draft`), as read
+    projector_geometry: ProjectorGeometry | None = None  # the projector's header facts (`model.mmproj`), as read
 
 
 class DecisionRecordRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -135,6 +136,7 @@ class PlacementDecided(Event, frozen=True, kw_only=True, tag="placement_decided"
     decision: PlacementDecision
     record: DecisionRecordRef | None = None
     draft_geometry: ModelGeometry | None = None
+    projector_geometry: ProjectorGeometry | None = None
 
 
 class ReservationReleased(Event, frozen=True, kw_only=True, tag="reservation_released"):

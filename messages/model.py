@@ -122,3 +122,38 @@ class ModelGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     pooling: HeaderPooling = ""
     n_embd_out: NonNegative = 0
     rank_head: bool = False
+
+
+#: The projector types the memory model sizes (`clip.projector_type`): LLaVA's two-layer MLP.
+ProjectorType = Literal["mlp"]
+
+
+class ProjectorGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Everything the memory model needs from a multimodal projector's header (`--mmproj`, a `clip` GGUF).
+
+    A LLaVA projector is a CLIP vision tower (`n_layer` transformer blocks `n_embd` wide, `n_ff` wide FFNs,
+    over the patches of an `image_size` square image cut into `patch_size` squares, plus a class token
+    when `class_embedding`) and a two-layer MLP (`mm_hidden` wide, then `n_mmproj_embd`, which must be the
+    text model's n_embd). `tensor_bytes` is the sum of its tensors' sizes, what llama-server prints as its
+    model size; `buffer_bytes` those sizes each rounded up to 32 bytes, the CPU buffer the loader reads
+    them into (it does not map the file). `patch_kernel_type` is the patch embedding's ggml type (in
+    lower case), which decides the type of the convolution's unrolled input.
+    """
+
+    projector_type: ProjectorType
+    n_embd: Annotated[int, msgspec.Meta(ge=1)]
+    n_head: Annotated[int, msgspec.Meta(ge=1)]
+    n_ff: Annotated[int, msgspec.Meta(ge=1)]
+    n_layer: Annotated[int, msgspec.Meta(ge=1)]
+    image_size: Annotated[int, msgspec.Meta(ge=1, le=8192)]
+    patch_size: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    mm_hidden: Annotated[int, msgspec.Meta(ge=1)]
+    n_mmproj_embd: Annotated[int, msgspec.Meta(ge=1)]
+    class_embedding: bool
+    pre_norm: bool
+    post_norm: bool
+    patch_kernel_type: str
+    tensor_bytes: NonNegative
+    buffer_bytes: NonNegative
+    n_tensors: NonNegative
+    file_size: NonNegative

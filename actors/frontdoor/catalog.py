@@ -18,7 +18,10 @@ spec_draft_n_max = 3                        # --spec-draft-n-max
 [models.qwen-7b]
 path = "qwen2.5-7b-instruct-q4_k_m.gguf"
 draft = "qwen2.5-0.5b-instruct-q4_k_m.gguf"  # --model-draft (same vocabulary); spec_type "draft-simple"
-mmproj = "mmproj-qwen2.5-vl-7b-f16.gguf"     # --mmproj (not sized yet: placement refuses the model)
+
+[models.llava]
+path = "llava-v1.5-7b-q4_k_m.gguf"
+mmproj = "llava-v1.5-7b-mmproj-f16.gguf"     # --mmproj: image parts in chat bodies (a LLaVA "mlp" projector)
 
 [models.embed]
 path = "qwen3-embedding-0.6b-q8_0.gguf"
@@ -43,8 +46,9 @@ batch holds a whole input (admission sizes that batch), and its answers are neve
 Companion files (`draft`, `mmproj`) are named like `path` and travel in the placement request's model
 (`model_ref`); admission sizes each from its own header and stamps it with its digest, and an instance runs
 the model only with exactly these companions (`runs_on` given its stamp). A `draft` without `spec_type`
-speculates with it ("draft-simple"), the one speculation type a draft model serves here. A projector is not
-sized yet: placement refuses a model that names one (`unsupported_settings`) rather than ignore it.
+speculates with it ("draft-simple"), the one speculation type a draft model serves here. A projector is sized
+for the types the memory model knows (LLaVA's "mlp"); placement refuses one it does not size
+(`unsupported_architecture`, naming mmproj) rather than ignore it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Pure cores: `gguf_header` (a bounded, hostile-input-safe GGUF header reader, fed a file object), `geometry`
 (header to `ModelGeometry`), `matmul_weights`, the memory model (`memory`, with `context`, `caches`,
-`weights`, `compute`), `pooled` (embedding and rerank models: their kind, pooling and whole-input batch),
+`weights`, `compute`, `projector`: a multimodal projector's weights, image graph and embeddings), `pooled`
+(embedding and rerank models: their kind, pooling and whole-input batch),
 `bounds` (per-model settings within a node's bounds), `ledger` (what a node can still
 offer), `admission` (eligibility, node choice, stamp), `fleet` (the same decisions at fleet scale),
 `reservations` (the reservation lifecycle), `shares` (what one client may hold booked), `registry` (signed
@@ -20,6 +21,6 @@ from typing import Final
 CORES: Final = frozenset(
     {
         "gguf_header", "geometry", "matmul_weights", "memory", "context", "caches", "weights", "compute", "bounds",
-        "ledger", "admission", "fleet", "reservations", "registry", "replay", "shares", "pooled",
+        "ledger", "admission", "fleet", "reservations", "registry", "replay", "shares", "pooled", "projector",
     }
 )  # fmt: skip

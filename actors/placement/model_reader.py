@@ -8,8 +8,9 @@ inside the node's models dir (as the runner resolves it), and may not climb out 
 in one of the node's model directories (`roots`) when the node has them. No refusal echoes a file's bytes: a
 file that is not a GGUF header this reader accepts is named with where the problem is, and the problem itself
 (which may quote the file) goes to the node's log. Header facts are cached per file version (device, inode,
-size, mtime); registry files are hashed once per version. A model's companion files (a draft model) are read
-by the same rules, and hashed (once per version) so that the stamp names the very file admission sized.
+size, mtime); registry files are hashed once per version. A model's companion files (a draft model, a
+multimodal projector) are read by the same rules, and hashed (once per version) so that the stamp names the
+very file admission sized; a refusal names the companion (`draft: …`, `mmproj: …`).
 """
 
 from __future__ import annotations
@@ -20,17 +21,20 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import nats.js.errors
 from nats.js.kv import KeyValue
 
 from actors.placement.admission import ModelFacts
 from actors.placement.geometry import GeometryError, UnsupportedArchitecture, geometry_from_header
-from actors.placement.gguf_header import GGUFFormatError, parse_header
+from actors.placement.gguf_header import GGUFFormatError, GGUFHeader, parse_header
+from actors.placement.projector import ProjectorError, UnsupportedProjector, projector_from_header
 from actors.placement.registry import RegistryUntrusted, check_file, verify
-from messages.model import ModelGeometry
+from messages.model import ModelGeometry, ProjectorGeometry
 from messages.placement import Companion, ModelRef, RejectReason
 from messages.registry import RegistryEntry
 from runtime.bus import BadMessage, decode_checked
@@ -40,6 +44,8 @@ from runtime.model_files import FileDigests, FileKey, ModelFileError, check_name
 #: KV key characters (nats-py refuses others); a registry name outside them names no entry.
 _REGISTRY_NAME = re.compile(r"^[-/_=.a-zA-Z0-9]{1,255}$")
 _CACHE_ENTRIES = 256
+
+_Facts = TypeVar("_Facts", ModelGeometry, ProjectorGeometry)
 
 
 class ModelProblem(Exception):
@@ -87,22 +93,20 @@ class ModelReader:
             assert ref.path is not None
             geometry = await asyncio.to_thread(self.load_geometry, ref.path)
             facts = ModelFacts(geometry=geometry, path=ref.path)
-        if ref.mmproj is not None:
-            # Refused rather than ignored: a server started without the projector would take images nobody
-            # admitted, and one started with it would hold memory nobody sized.
-            raise ModelProblem(
-                "unsupported_settings", "mmproj: multimodal projectors are not sized yet; ask without model.mmproj"
-            )
         if ref.draft is not None:
-            draft, digest = await asyncio.to_thread(self._companion, ref.draft, "draft")
+            draft, digest = await asyncio.to_thread(self._companion, ref.draft, "draft", self.load_geometry)
             facts = dataclasses.replace(facts, draft=draft, draft_file=Companion(path=ref.draft, digest=digest))
+        if ref.mmproj is not None:
+            projector, digest = await asyncio.to_thread(self._companion, ref.mmproj, "mmproj", self.load_projector)
+            mmproj = Companion(path=ref.mmproj, digest=digest)
+            facts = dataclasses.replace(facts, projector=projector, projector_file=mmproj)
         return facts
 
-    def _companion(self, path: str, role: str) -> tuple[ModelGeometry, str]:
+    def _companion(self, path: str, role: str, load: Callable[[str], _Facts]) -> tuple[_Facts, str]:
         """A companion file's header facts and blake3 (blocking: worker thread); refusals name its role."""
         try:
-            geometry = self.load_geometry(path)
-            return geometry, self._digests.digest(self._resolve(path))
+            facts = load(path)
+            return facts, self._digests.digest(self._resolve(path))
         except ModelProblem as exc:
             raise ModelProblem(exc.reason, f"{role}: {exc}") from exc
         except ModelFileError as exc:
@@ -131,25 +135,47 @@ class ModelReader:
                 if cached is not None and cached.key == key:
                     return cached.geometry
                 geometry = geometry_from_header(parse_header(handle, key.size, source=str(resolved)))
-        except ModelFileError as exc:
-            raise ModelProblem("model_unreadable", str(exc)) from exc
-        except UnsupportedArchitecture as exc:
-            raise ModelProblem("unsupported_architecture", str(exc)) from exc
-        except GGUFFormatError as exc:
-            # Its problem may quote the file (a bad magic is the file's first bytes): logged here, not answered.
-            self._log.info("model_not_gguf", path=str(resolved), offset=exc.offset, problem=exc.problem)
-            raise ModelProblem(
-                "model_unreadable", f"{path} is not a GGUF file this node can read (a problem at byte {exc.offset})"
-            ) from exc
-        except GeometryError as exc:
-            raise ModelProblem("model_unreadable", f"{path}: {exc}") from exc
-        except OSError as exc:
-            raise ModelProblem("model_unreadable", f"cannot read {path}: {exc.strerror or exc}") from exc
+        except (ModelFileError, UnsupportedArchitecture, GGUFFormatError, GeometryError, OSError) as exc:
+            raise self._problem(path, resolved, exc) from exc
         with self._lock:
             self._cache[str(resolved)] = _Cached(key=key, geometry=geometry)
             while len(self._cache) > _CACHE_ENTRIES:
                 self._cache.popitem(last=False)
         return geometry
+
+    def load_projector(self, path: str) -> ProjectorGeometry:
+        """A multimodal projector's facts (blocking: worker thread). Its header is small (no vocabulary), so
+        it is read again each time rather than cached; its digest is cached per file version."""
+        resolved = self._resolve(path)
+        try:
+            fd, key = open_regular(resolved)
+            with os.fdopen(fd, "rb") as handle:
+                header: GGUFHeader = parse_header(handle, key.size, source=str(resolved))
+            return projector_from_header(header)
+        except UnsupportedProjector as exc:
+            raise ModelProblem("unsupported_architecture", f"{path}: {exc}") from exc
+        except ProjectorError as exc:
+            raise ModelProblem("model_unreadable", f"{path}: {exc}") from exc
+        except (ModelFileError, GGUFFormatError, OSError) as exc:
+            raise self._problem(path, resolved, exc) from exc
+
+    def _problem(self, path: str, resolved: Path, exc: Exception) -> ModelProblem:
+        """The refusal for a file that could not be read as a model. A header's problem may quote the file (a
+        bad magic is the file's first bytes): it is logged here, not answered."""
+        if isinstance(exc, ModelFileError):
+            return ModelProblem("model_unreadable", str(exc))
+        if isinstance(exc, UnsupportedArchitecture):
+            return ModelProblem("unsupported_architecture", str(exc))
+        if isinstance(exc, GGUFFormatError):
+            self._log.info("model_not_gguf", path=str(resolved), offset=exc.offset, problem=exc.problem)
+            return ModelProblem(
+                "model_unreadable", f"{path} is not a GGUF file this node can read (a problem at byte {exc.offset})"
+            )
+        if isinstance(exc, GeometryError):
+            return ModelProblem("model_unreadable", f"{path}: {exc}")
+        if isinstance(exc, OSError):
+            return ModelProblem("model_unreadable", f"cannot read {path}: {exc.strerror or exc}")
+        return ModelProblem("model_unreadable", f"cannot read {path}: {exc}")
 
     async def _registry_facts(self, registry: KeyValue, name: str, path: str | None) -> ModelFacts:
         if not _REGISTRY_NAME.match(name):

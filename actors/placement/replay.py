@@ -47,6 +47,7 @@ def inputs_of(event: PlacementDecided) -> DecisionInputs | None:
         unreadable_ledgers=event.unreadable_ledgers,
         decision=event.decision,
         draft_geometry=event.draft_geometry,
+        projector_geometry=event.projector_geometry,
     )
 
 
@@ -71,6 +72,8 @@ def recompute(
         digest=decision.model_digest,
         draft=inputs.draft_geometry,
         draft_file=_companion(decision.stamp.draft if decision.stamp else None, inputs.request.model.draft),
+        projector=inputs.projector_geometry,
+        projector_file=_companion(decision.stamp.mmproj if decision.stamp else None, inputs.request.model.mmproj),
     )
     outcome = decide_fn(
         inputs.request,

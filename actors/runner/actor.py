@@ -338,6 +338,11 @@ class RunnerActor(Actor):
             draft = None  # the draft model's file, checked against the digest admission stamped
             if stamp.draft is not None:
                 draft = await self._models.read(stamp.draft.path, stamp.draft.digest, self.limits.file_budget_s)
+            mmproj = None  # the projector's file, likewise
+            if stamp.mmproj is not None:
+                mmproj = await self._models.read_projector(
+                    stamp.mmproj.path, stamp.mmproj.digest, self.limits.file_budget_s
+                )
             telemetry = await self._node.telemetry(ctx)  # its CPU features decide the repacked weights
             try:
                 predicted = estimate(
@@ -348,6 +353,7 @@ class RunnerActor(Actor):
                     gpu_split=stamp.gpu_split,
                     cpu_features=telemetry.host.cpu_features if telemetry else None,
                     draft=draft.geometry if draft else None,
+                    projector=mmproj.projector if mmproj else None,
                 )
                 allocations = cache_allocations(
                     model.geometry, stamp.settings, stamp.ctx, draft.geometry if draft else None
@@ -381,7 +387,12 @@ class RunnerActor(Actor):
             node_id=self.node_id,
             instance_id=instance_id,
             # the files this node runs: relative names resolved inside the models dir
-            reservation=with_files(claimed, str(model.path), draft=str(draft.path) if draft else None),
+            reservation=with_files(
+                claimed,
+                str(model.path),
+                draft=str(draft.path) if draft else None,
+                mmproj=str(mmproj.path) if mmproj else None,
+            ),
             predicted=predicted,
             allocations=allocations,
             directory=directory,
@@ -394,6 +405,7 @@ class RunnerActor(Actor):
             rewrite=self._rewrite,
             fault=self._fault,
             signal_filter=self._signal_filter,
+            projector=mmproj.projector if mmproj else None,
         )
         self._drivers[instance_id] = driver
         serving = self._serving

@@ -6,8 +6,10 @@ llama context it creates (the serving context first, then an MTP/draft context i
 parameters (n_ctx, n_ctx_seq, n_seq_max, n_ubatch, n_rs_seq, …), its KV caches (one line per cache; a
 sliding-window model has a non-SWA and a SWA cache), its recurrent state, output and compute buffers, and
 the `fit_memory_breakdown` JSON record that `--log-jsonl` adds at shutdown, and the speculative
-implementations the server set up (type and draft length), which its `/props` does not report, and the
-CPU backend's features from its `system_info` line (they decide which weights it repacks).
+implementations the server set up (type and draft length), which its `/props` does not report, the
+CPU backend's features from its `system_info` line (they decide which weights it repacks), and a multimodal
+projector's lines (`--mmproj`: which backend its CLIP context uses, its type, its tensors' size, and its
+compute buffer once an image reserved it).
 
 Input is the log text as the server wrote it: plain lines with or without the `M.SS.mmm.uuu L ` time and
 level prefix, ANSI colours, or `--log-jsonl` records (whose `msg` is parsed the same way). Anything else is
@@ -32,6 +34,7 @@ __all__ = [
     "BreakdownRow",
     "ContextAllocation",
     "KvCacheLine",
+    "ProjectorAllocation",
     "RecurrentLine",
     "SpeculativeImpl",
     "parse_allocation_log",
@@ -132,6 +135,17 @@ class SpeculativeImpl:
 
 
 @dataclass
+class ProjectorAllocation:
+    """What llama-server printed about a multimodal projector (`clip_ctx`, `load_hparams`)."""
+
+    backend: str | None = None  # "CPU", or the GPU backend's name ("CUDA0")
+    projector_type: str | None = None
+    model_mib: Decimal | None = None  # the sum of the file's tensors
+    # buffer name -> largest size reported: reserved at the first image when the server started without warm-up
+    compute_buffers: dict[str, Decimal] = field(default_factory=dict)
+
+
+@dataclass
 class AllocationLog:
     """The parsed allocation facts of one llama-server run."""
 
@@ -145,6 +159,7 @@ class AllocationLog:
     speculative: list[SpeculativeImpl] = field(default_factory=list)
     # the CPU backend's features from the `system_info` line ("AVX2", "REPACK", …), None when not logged
     cpu_features: frozenset[str] | None = None
+    projector: ProjectorAllocation | None = None  # None when no projector was loaded
 
     @property
     def target(self) -> ContextAllocation | None:
@@ -184,6 +199,10 @@ _BUILD = re.compile(r"common_params_print_info: (build .*)$")
 _UNUSED = re.compile(r"model has unused tensor (\S+)")
 _SPEC_IMPL = re.compile(r"adding speculative implementation '([A-Za-z0-9_-]+)'")
 _SPEC_N_MAX = re.compile(r": - n_max=(\d+)")
+_CLIP_BACKEND = re.compile(r"^clip_ctx: CLIP using (\S+) backend")
+_CLIP_TYPE = re.compile(r"^load_hparams: projector:\s+(\S+)\s*$")
+_CLIP_SIZE = re.compile(rf"^load_hparams: model size:\s+{_NUM} MiB")
+_CLIP_COMPUTE = re.compile(rf"^reserve_compute_meta:\s+(\S+) compute buffer size\s*=\s*{_NUM} MiB")
 _SYSTEM_INFO = re.compile(r"system_info: .*?\| CPU : (.*)$")
 _FEATURE = re.compile(r"([A-Z0-9_]+) = 1\b")
 
@@ -243,6 +262,11 @@ def parse_allocation_log(text: str) -> AllocationLog:
     kv_buffers: list[tuple[str, Decimal]] = []
     rs_buffers: list[tuple[str, Decimal]] = []
     models_loaded = 0  # llama models whose loading began: the first is the model, the second a draft
+
+    def projector() -> ProjectorAllocation:
+        if result.projector is None:
+            result.projector = ProjectorAllocation()
+        return result.projector
 
     def current() -> ContextAllocation:
         nonlocal ctx
@@ -326,6 +350,15 @@ def parse_allocation_log(text: str) -> AllocationLog:
             c = current()
             size = Decimal(m.group(2))
             c.compute_buffers[m.group(1)] = max(size, c.compute_buffers.get(m.group(1), Decimal(0)))
+        elif m := _CLIP_BACKEND.match(line):
+            projector().backend = m.group(1)
+        elif m := _CLIP_TYPE.match(line):
+            projector().projector_type = m.group(1)
+        elif m := _CLIP_SIZE.match(line):
+            projector().model_mib = Decimal(m.group(1))
+        elif m := _CLIP_COMPUTE.match(line):
+            buffers = projector().compute_buffers
+            buffers[m.group(1)] = max(Decimal(m.group(2)), buffers.get(m.group(1), Decimal(0)))
         elif m := _SYSTEM_INFO.search(line):
             result.cpu_features = frozenset(_FEATURE.findall(m.group(1)))
         elif m := _BUILD.search(line):

@@ -10,7 +10,8 @@ speculation (`--spec-type`, `--spec-draft-n-max`), what the server is for and ho
 (`--ctx-checkpoints`, `--cache-ram`) and `--fit off` (llama-server's own fitting would change `-c`). The
 stamp's companion files are passed as admitted: a draft model (`--model-draft`, its layers offloaded as the
 model's: `-ngld` equal to `-ngl`, since its default "auto" would fit them by llama-server's own rule) and a
-multimodal projector (`--mmproj`).
+multimodal projector (`--mmproj`, on the first GPU exactly when the model's layers are offloaded:
+`--mmproj-offload` or `--no-mmproj-offload`, since the server's default offloads it whenever it finds a GPU).
 
 The rest serves supervision: loopback only on the given port, `-lv 4` so the allocation lines are logged,
 `--slot-save-path` for slot state, and `--no-warmup` (a warmup run allocates nothing the reservation does
@@ -25,6 +26,7 @@ from collections.abc import Mapping
 
 import msgspec
 
+from actors.placement.projector import projector_device
 from messages.placement import Reservation
 
 __all__ = ["LOOPBACK", "build_command", "server_environment", "with_files"]
@@ -84,6 +86,9 @@ def build_command(engine: str, reservation: Reservation, *, port: int, slot_save
         argv += ["-ts", _split(stamp.gpu_split)]
     if stamp.draft is not None:
         argv += ["--model-draft", stamp.draft.path, "-ngld", str(stamp.n_gpu_layers)]
+    if stamp.mmproj is not None:
+        offload = projector_device(stamp.n_gpu_layers, stamp.gpu_split) >= 0
+        argv += ["--mmproj", stamp.mmproj.path, "--mmproj-offload" if offload else "--no-mmproj-offload"]
     return tuple(argv)
 
 

@@ -13,7 +13,9 @@ Two checks, each returning one `FieldDrift` per differing field (empty when ever
   describe speculation (its `speculative.types` is a default-constructed request field, always "none"), so
   the speculative type and draft length come from the server's log, which also gives the resolved context
   (n_ctx, streams, micro-batch, rollback rows), unified KV, flash attention and every cache's element types;
-  for an embedding or rerank server also its batch and that every token of it is an output (embeddings on).
+  for an embedding or rerank server also its batch and that every token of it is an output (embeddings on);
+  with a multimodal projector (`--mmproj`), that one was loaded, of the stamped type, on the host or a GPU as
+  admission placed it.
 
 Field names say where the current value was read: `props.*`, `slots.*`, `log.*`; before start they are the
 `ServingSettings` field names. Values are rendered as text (`true`/`false` for booleans). Pure core.
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 
 from actors.placement.bounds import out_of_bounds
 from actors.placement.pooled import POOLED_KINDS
+from actors.placement.projector import projector_device
 from actors.runner.allocation_log import AllocationLog
 from messages.memory import ContextShape
 from messages.placement import Stamp
@@ -150,6 +153,12 @@ def server_drift(stamp: Stamp, shape: ContextShape, report: ServerReport) -> tup
         for line in log.draft.kv:
             diff.check("log.spec_draft_type_k", s.spec_draft_type_k, line.k_type)
             diff.check("log.spec_draft_type_v", s.spec_draft_type_v, line.v_type)
+    projector = log.projector
+    diff.check("log.mmproj", stamp.mmproj is not None, projector is not None)
+    if stamp.mmproj is not None and projector is not None:
+        offloaded = projector_device(stamp.n_gpu_layers, stamp.gpu_split) >= 0
+        where = None if projector.backend is None else "host" if projector.backend == "CPU" else "gpu"
+        diff.check("log.mmproj_backend", "gpu" if offloaded else "host", where)
     running = sorted({i.type for i in log.speculative})
     diff.check("log.spec_type", ",".join(sorted(set(types))) or "none", ",".join(running) or "none")
     for impl in log.speculative:

@@ -49,6 +49,7 @@ from messages.events import (
     InstanceStuck,
 )
 from messages.memory import MemoryBreakdown
+from messages.model import ProjectorGeometry
 from messages.placement import Reservation
 from messages.runner import InstanceState, InstanceStatus, ObservedMemory
 from runtime.actor import ActorContext
@@ -89,6 +90,7 @@ class InstanceDriver:
         rewrite: CommandRewrite | None = None,
         fault: DriverFault | None = None,
         signal_filter: SignalFilter | None = None,
+        projector: ProjectorGeometry | None = None,
     ) -> None:
         self.ctx = ctx
         self.node_id = node_id
@@ -96,6 +98,7 @@ class InstanceDriver:
         self.reservation = reservation
         self.predicted = predicted
         self.allocations = allocations
+        self.projector = projector  # the multimodal projector it runs (`--mmproj`), as its header says
         self.directory = directory
         self.log = log
         self.machine = machine
@@ -342,7 +345,7 @@ class InstanceDriver:
         log = parse_allocation_log(self.log.allocation_text())
         drift = server_drift(self.reservation.stamp, self.predicted.context, ServerReport(props, slots, log))
         if not drift:
-            observation = observed_memory(log, self.predicted, self.allocations)
+            observation = observed_memory(log, self.predicted, self.allocations, self.projector)
             self.observed, self.exact = observation.memory, observation.exact
         await self.events.put(lc.Verified(generation, drift))
 

@@ -18,7 +18,14 @@ Weights follow the same rule for a single model buffer (beside the CPU backend's
 repacked quantized weights, which must print as predicted too), for the model and for a draft model alike,
 and the output (logits) buffer for each context (`printed_mib`, double rounding). Compute buffers have no
 exact counterpart and are always printed MiB times 2^20. `Observation.exact` names the figures that were
-recovered exactly. Pure core.
+recovered exactly.
+
+A multimodal projector's weights print as the sum of its file's tensors (`load_hparams: model size`): when
+that prints as the projector's predicted tensor bytes, the observed weights are its predicted buffer (each
+tensor rounded up to the buffer's alignment), otherwise the printed MiB times 2^20. Its compute buffer is
+reserved at the first image (the server starts without a warm-up), so at start it is not in the log: it is
+counted at its prediction plus its compute margin as `pending_bytes` (in the total, not in the buffers),
+until a log that shows it says otherwise. Pure core.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 
-from actors.placement.memory import CacheAllocation
+from actors.placement.memory import CacheAllocation, compute_margin
 from actors.runner.allocation_log import (
     AllocationLog,
     KvCacheLine,
@@ -36,6 +43,7 @@ from actors.runner.allocation_log import (
     printed_mib_f32,
 )
 from messages.memory import MemoryBreakdown
+from messages.model import ProjectorGeometry
 from messages.runner import ObservedMemory
 
 __all__ = ["Observation", "mib_to_bytes", "observed_memory"]
@@ -52,7 +60,7 @@ def mib_to_bytes(mib: Decimal) -> int:
 @dataclass(frozen=True)
 class Observation:
     memory: ObservedMemory
-    exact: frozenset[str]  # which of kv, recurrent, draft_kv, (draft) weights and output bytes are exact
+    exact: frozenset[str]  # which of kv, recurrent, draft_kv, (draft, projector) weights and output bytes are exact
 
 
 def _line_matches(line: KvCacheLine | RecurrentLine, want: CacheAllocation) -> bool:
@@ -100,9 +108,13 @@ def _weights(logged: dict[str, Decimal], weights_bytes: int, repack_bytes: int) 
 
 
 def observed_memory(
-    log: AllocationLog, predicted: MemoryBreakdown, allocations: Sequence[CacheAllocation]
+    log: AllocationLog,
+    predicted: MemoryBreakdown,
+    allocations: Sequence[CacheAllocation],
+    projector: ProjectorGeometry | None = None,
 ) -> Observation:
-    """The observed footprint of a server whose log is `log`, predicted as `predicted` / `allocations`."""
+    """The observed footprint of a server whose log is `log`, predicted as `predicted` / `allocations`;
+    `projector` is the multimodal projector it was started with, if any."""
     exact: set[str] = set()
 
     def by(context: str, keep: Callable[[CacheAllocation], bool]) -> list[CacheAllocation]:
@@ -154,6 +166,23 @@ def observed_memory(
     def add(name: str, mib: Decimal) -> None:
         devices[name] = devices.get(name, 0) + mib_to_bytes(mib)
 
+    projector_weights = pending = 0
+    clip = log.projector
+    if clip is not None and clip.model_mib is not None:
+        if projector is not None and clip.model_mib == printed_mib(projector.tensor_bytes):
+            projector_weights = predicted.projector_weights_bytes
+            exact.add("projector_weights_bytes")
+        else:
+            projector_weights = mib_to_bytes(clip.model_mib)
+        where = clip.backend or "CPU"
+        devices[where] = devices.get(where, 0) + projector_weights
+    if clip is not None and clip.compute_buffers:
+        compute += _sum_mib(clip.compute_buffers.values())
+        for name, mib in clip.compute_buffers.items():
+            add(name, mib)
+    elif predicted.projector_compute_bytes:
+        pending = predicted.projector_compute_bytes + compute_margin(predicted.projector_compute_bytes)
+
     for name, mib in [*log.model_buffers.items(), *log.draft_model_buffers.items()]:
         add(name, mib)
     for context in log.contexts:
@@ -164,6 +193,7 @@ def observed_memory(
         for name, mib in [*context.output_buffers.items(), *context.compute_buffers.items()]:
             add(name, mib)
 
+    total = kv + recurrent + draft_kv + weights + draft_weights + projector_weights + compute + output + pending
     memory = ObservedMemory(
         kv_bytes=kv,
         recurrent_bytes=recurrent,
@@ -171,8 +201,10 @@ def observed_memory(
         weights_bytes=weights,
         compute_bytes=compute,
         output_bytes=output,
-        total_bytes=kv + recurrent + draft_kv + weights + draft_weights + compute + output,
+        total_bytes=total,
         devices=devices,
         draft_weights_bytes=draft_weights,
+        projector_weights_bytes=projector_weights,
+        pending_bytes=pending,
     )
     return Observation(memory=memory, exact=frozenset(exact))

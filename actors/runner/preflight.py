@@ -6,25 +6,30 @@ and opened by `runtime.model_files` (no NUL, no 200 KB name, no `../` out of the
 regular file, never a blocking open of a FIFO), in a worker thread, and every failure is a
 `Refusal(model_unreadable)`, never an exception. A registry-admitted file's blake3 is checked with
 `FileDigests` (each file version hashed once); a hash that outlasts the request's budget keeps running, and
-a retry waits for the same one. The decisions are `actors.runner.admission`'s; this module moves bytes.
+a retry waits for the same one. A stamp's companion files (a draft model, a multimodal projector) are read
+the same way, always against the digest admission stamped. The decisions are `actors.runner.admission`'s;
+this module moves bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
 from actors.placement.geometry import GeometryError, geometry_from_header
-from actors.placement.gguf_header import GGUFFormatError, parse_header
+from actors.placement.gguf_header import GGUFFormatError, GGUFHeader, parse_header
+from actors.placement.projector import ProjectorError, projector_from_header
 from actors.runner.admission import LEDGER_UNREADABLE, MODEL_MISMATCH, MODEL_UNREADABLE, Refusal
 from messages.errors import UNAVAILABLE
-from messages.model import ModelGeometry
+from messages.model import ModelGeometry, ProjectorGeometry
 from messages.placement import LEDGER_KEY_PREFIX, NodeLedger
 from messages.telemetry import NodeResources
 from runtime import buckets
@@ -32,7 +37,9 @@ from runtime.actor import ActorContext
 from runtime.bus import BadMessage, decode_checked, encode
 from runtime.model_files import FileDigests, ModelFileError, open_regular, resolve
 
-__all__ = ["LedgerRead", "ModelFiles", "NodeState"]
+__all__ = ["LedgerRead", "ModelFiles", "NodeState", "ProjectorFile"]
+
+_Facts = TypeVar("_Facts", ModelGeometry, ProjectorGeometry)
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,12 @@ class ModelFile:
     geometry: ModelGeometry
 
 
+@dataclass(frozen=True)
+class ProjectorFile:
+    path: Path  # the projector this node runs (`--mmproj`)
+    projector: ProjectorGeometry
+
+
 class ModelFiles:
     """Reads model files named by reservations: which file, its header facts, its digest."""
 
@@ -116,16 +129,27 @@ class ModelFiles:
     async def read(self, name: str, digest: str | None, budget_s: float) -> ModelFile:
         """The model `name` names, its header read; with `digest`, the file must have that blake3. The header
         and the digest share `budget_s`, so a start answers within the request deadline."""
+        path, geometry = await self._read(name, digest, budget_s, geometry_from_header, "model")
+        return ModelFile(path, geometry)
+
+    async def read_projector(self, name: str, digest: str | None, budget_s: float) -> ProjectorFile:
+        """A multimodal projector (`--mmproj`), read like a model: its header's facts, its digest checked."""
+        path, projector = await self._read(name, digest, budget_s, projector_from_header, "mmproj")
+        return ProjectorFile(path, projector)
+
+    async def _read(
+        self, name: str, digest: str | None, budget_s: float, facts: Callable[[GGUFHeader], _Facts], role: str
+    ) -> tuple[Path, _Facts]:
         until = asyncio.get_running_loop().time() + budget_s
         try:
             async with asyncio.timeout_at(until):
-                path, geometry = await asyncio.to_thread(_read_geometry, name, self.models_dir)
+                path, found = await asyncio.to_thread(_read_facts, name, self.models_dir, facts)
         except TimeoutError as exc:
             raise Refusal(
                 UNAVAILABLE, f"reading the header of {name[:200]!r} took over {budget_s:g}s; retry", releases=False
             ) from exc
-        except (ModelFileError, GGUFFormatError, GeometryError, OSError, ValueError) as exc:
-            raise Refusal(MODEL_UNREADABLE, f"cannot use model {_short(name)}: {exc}", releases=True) from exc
+        except (ModelFileError, GGUFFormatError, GeometryError, ProjectorError, OSError, ValueError) as exc:
+            raise Refusal(MODEL_UNREADABLE, f"cannot use {role} {_short(name)}: {exc}", releases=True) from exc
         if digest is not None:
             actual = await self._digest(path, until, budget_s)
             if actual != digest:
@@ -134,7 +158,7 @@ class ModelFiles:
                     f"{path} is not the file admission was made for (blake3 {actual[:16]}…, expected {digest[:16]}…)",
                     releases=True,
                 )
-        return ModelFile(path, geometry)
+        return path, found
 
     async def _digest(self, path: Path, until: float, budget_s: float) -> str:
         future = self._hashing.get(path)
@@ -162,13 +186,13 @@ class ModelFiles:
             done.exception()  # retrieved: a hash nobody waited for any more must not warn when it failed
 
 
-def _read_geometry(name: str, models_dir: Path) -> tuple[Path, ModelGeometry]:
-    """Worker thread: resolves `name`, opens it without blocking on a FIFO, reads its header."""
+def _read_facts(name: str, models_dir: Path, facts: Callable[[GGUFHeader], _Facts]) -> tuple[Path, _Facts]:
+    """Worker thread: resolves `name`, opens it without blocking on a FIFO, reads its header's facts."""
     path = resolve(name, models_dir)
     fd, key = open_regular(path)
     with os.fdopen(fd, "rb") as handle:
         header = parse_header(handle, key.size, source=str(path))
-    return path, geometry_from_header(header)
+    return path, facts(header)
 
 
 def _short(name: str) -> str:

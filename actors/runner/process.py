@@ -44,6 +44,10 @@ _ALLOCATION_MARKERS = (
     "- n_max=",
     "common_params_print_info",
     "fit_memory_breakdown",
+    "clip_ctx: CLIP using",  # a multimodal projector: its backend, type and size
+    "load_hparams: projector:",
+    "load_hparams: model size:",
+    "reserve_compute_meta:",
 )
 #: Printed once the model and every context are allocated (right after /health turns 200).
 LOADED_MARKER = "model loaded"

@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     place.add_argument(
         "--draft", metavar="DRAFT.gguf", help="a draft model sharing the model's vocabulary (draft-simple speculation)"
     )
-    place.add_argument("--mmproj", metavar="MMPROJ.gguf", help="a multimodal projector (not sized yet: refused)")
+    place.add_argument("--mmproj", metavar="MMPROJ.gguf", help="a multimodal projector (a LLaVA 'mlp' projector)")
     size = place.add_mutually_exclusive_group()
     size.add_argument("-c", "--ctx", type=int, metavar="N", help="context (-c) to admit")
     size.add_argument("--max-ctx", action="store_true", help="the largest context that fits")
