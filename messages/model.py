@@ -91,6 +91,7 @@ class ModelGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     n_layer_nextn: NonNegative
     n_embd: NonNegative
     n_vocab: NonNegative
+    longest_token_bytes: NonNegative = 0  # the longest token's text (0: unknown): bounds the text a token covers
     n_ctx_train: NonNegative
     n_expert: NonNegative
     n_expert_used: NonNegative

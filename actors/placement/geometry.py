@@ -501,6 +501,17 @@ def _vocab_size(header: GGUFHeader, meta: _Meta) -> int:
     return 0
 
 
+def _longest_token(header: GGUFHeader) -> int:
+    """The longest token's text in bytes (0: no vocabulary listed): an upper bound on the text one token covers,
+    so a prompt of more bytes than the context times this can never fit it."""
+    tokens = header.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, SkippedArray):
+        return tokens.longest
+    if isinstance(tokens, tuple):
+        return max((len(str(t).encode()) for t in tokens), default=0)
+    return 0
+
+
 def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
     """The model's geometry, or `UnsupportedArchitecture` / `GeometryError` naming what is wrong."""
     arch = header.architecture
@@ -608,6 +619,7 @@ def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
         n_layer_nextn=n_nextn,
         n_embd=n_embd,
         n_vocab=_vocab_size(header, meta),
+        longest_token_bytes=_longest_token(header),
         n_ctx_train=n_ctx_train,
         n_expert=n_expert,
         n_expert_used=n_expert_used,

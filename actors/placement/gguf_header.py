@@ -106,6 +106,7 @@ class SkippedArray:
 
     element_type: GGUFValueType
     count: int
+    longest: int = 0  # of a string array: the longest element's length in bytes (read with the lengths)
 
 
 Scalar = int | float | bool | str
@@ -311,14 +312,16 @@ class _Reader:
         except UnicodeDecodeError as e:
             raise self.error(data_start + e.start, f"{what}: invalid UTF-8 ({e.reason})") from None
 
-    def skip_strings(self, count: int, what: str) -> None:
-        """Step over ``count`` strings reading only their lengths (each checked against limit and EOF)."""
+    def skip_strings(self, count: int, what: str) -> int:
+        """Step over ``count`` strings reading only their lengths (each checked against limit and EOF); returns the
+        longest length."""
         limit = self.limits.max_string_bytes
         end = self.end
         unpack = _U64.unpack_from
         pos = self.pos
         buf = self.buf
         base = self.buf_start
+        longest = 0
         # The hot loop of the whole reader (a tokenizer has ~150k entries): locals only, no method calls
         # except when the 8-byte length is outside the current window.
         for k in range(count):
@@ -334,7 +337,10 @@ class _Reader:
             if pos + 8 + n > end:
                 raise self.past_end(pos, f"{what}: element {k} of length {n}", 8 + n)
             pos += 8 + n
+            if n > longest:
+                longest = n
         self.pos = pos
+        return longest
 
     def value(self, vtype: int, key: str) -> KVValue:
         if vtype == GGUFValueType.STRING:
@@ -364,8 +370,8 @@ class _Reader:
         if etype == GGUFValueType.STRING:
             if count <= lim.materialize_string_max:
                 return tuple(self.string(lim.max_string_bytes, f"{what}: element {k}") for k in range(count))
-            self.skip_strings(count, what)
-            return SkippedArray(GGUFValueType(etype), count)
+            longest = self.skip_strings(count, what)
+            return SkippedArray(GGUFValueType(etype), count, longest)
         code, size = _FIXED[etype]
         n_bytes = count * size
         if count <= lim.materialize_numeric_max:

@@ -70,6 +70,7 @@ from actors.runner.process import ServerLog
 from actors.runner.records import TTL_HEADER
 from actors.runner.server_api import ServerApi
 from actors.runner.serving import Serving, ServingLimits, state_identity
+from actors.runner.slots import PromptLimit
 from messages.errors import NOT_FOUND, UNAVAILABLE
 from messages.events import DriftRejected, InstanceRefused
 from messages.generate import (
@@ -169,6 +170,7 @@ class RunnerActor(Actor):
         self.handoff = handoff  # sends prefilled states to the decoding node (`mesh.runner.<node>.prefill`)
         self.serving_limits = serving_limits or ServingLimits()
         self._identities: dict[str, asyncio.Future[str]] = {}  # model path -> its digest, computing or done
+        self._longest_token: dict[str, int] = {}  # instance -> its vocabulary's longest token, bytes (prompt bounds)
         self._booking_check_s = booking_check_s
 
     # --- endpoints -----------------------------------------------------------------------------------
@@ -280,7 +282,12 @@ class RunnerActor(Actor):
                 ready[driver.id] = (driver.port, slots, driver.directory / "slots", generation, rollback)
         serving.sync(ready)
         for iid in ready:
-            serving.set_state_size(iid, cost.StateSize.of_slot(self._drivers[iid].predicted))
+            driver = self._drivers[iid]
+            serving.set_state_size(iid, cost.StateSize.of_slot(driver.predicted))
+            longest = self._longest_token.get(iid, 0)
+            serving.set_prompt_limit(
+                iid, PromptLimit(n_ctx_seq=driver.predicted.context.n_ctx_seq, longest_token_bytes=longest)
+            )
             if serving.identity_of(iid) is None:
                 identity = self._identity(self._drivers[iid])
                 if identity is not None:
@@ -382,6 +389,7 @@ class RunnerActor(Actor):
         except Refusal as refusal:
             raise self._refused(ctx, rid, reservation, instance_id, refusal) from refusal
         assert self.engine_path is not None  # check_reservation refused a node without one
+        self._longest_token[instance_id] = model.geometry.longest_token_bytes
         driver = InstanceDriver(
             ctx,
             node_id=self.node_id,
@@ -486,6 +494,7 @@ class RunnerActor(Actor):
             ctx.log.error("instance_driver_escaped", instance_id=driver.id, error=repr(exc))
         finally:
             self._drivers.pop(driver.id, None)
+            self._longest_token.pop(driver.id, None)
             self._serving.changed.set()  # the instance is gone from the serving view
             self._finished[driver.id] = driver.status()
             while len(self._finished) > 256:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 from actors.runner import captures, passthrough
 from actors.runner.plan import ServingPlan, Step
 from actors.runner.server_api import MAX_EVENT_BYTES, MAX_JSON_BYTES, ServerApiError
+from actors.runner.slots import oversize
 from actors.runner.stream import ChunkStream, ClientGone
 from messages.errors import BAD_REQUEST, UNAVAILABLE
 from messages.events import GenerateCancelled
@@ -43,6 +44,7 @@ from runtime.logging import get_logger
 
 if TYPE_CHECKING:
     from actors.runner.serving import ServedInstance, Serving
+
 
 __all__ = ["Forwarder"]
 
@@ -68,7 +70,8 @@ class Forwarder:
 
     async def render(self, instance: ServedInstance, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's tokens as the instance renders and tokenizes this body, or None (not renderable, or the
-        server refused to render it: the forwarded request then gets the server's own answer)."""
+        server refused to render it: the forwarded request then gets the server's own answer). A prompt text its
+        slot could never hold is refused here (`bad_request`), before the server spends time tokenizing it."""
         serving = self._serving
         plan = passthrough.render_plan(endpoint, body)
         timeout = serving.limits.tokenize_timeout_s
@@ -76,11 +79,13 @@ class Forwarder:
             if isinstance(plan, passthrough.Given):
                 return list(plan.tokens)
             if isinstance(plan, passthrough.Tokenize):
+                _refuse_oversize(instance, plan.text)
                 return await serving.api.tokenize(instance.port, plan.text, timeout_s=timeout)
             if isinstance(plan, passthrough.Template):
                 reply = await serving.api.json(instance.port, "POST", "/apply-template", plan.body, timeout_s=timeout)
                 prompt = reply.get("prompt") if isinstance(reply, dict) else None
                 if isinstance(prompt, str) and prompt:
+                    _refuse_oversize(instance, prompt)
                     return await serving.api.tokenize(instance.port, prompt, timeout_s=timeout)
         except ServerApiError as exc:
             _log.info("render_refused", instance_id=instance.id, endpoint=endpoint, error=str(exc))
@@ -277,6 +282,12 @@ class Forwarder:
             status=exchange.status,
             relayed=relay.seq,
         )
+
+
+def _refuse_oversize(instance: ServedInstance, text: str) -> None:
+    refused = oversize(instance.context, text=text)
+    if refused is not None:
+        raise RequestError(BAD_REQUEST, *refused)
 
 
 def _json(data: bytes) -> Any:

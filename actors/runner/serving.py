@@ -45,7 +45,7 @@ from actors.runner import captures, passthrough
 from actors.runner.forward import Forwarder
 from actors.runner.plan import ServingPlan, Step
 from actors.runner.server_api import ServerApi, ServerApiError, sampling_body
-from actors.runner.slots import Grant, SlotTable
+from actors.runner.slots import Grant, PromptLimit, SlotTable, oversize
 from actors.runner.state_file import PAYLOAD_KIND, SaveFailed, remove_file
 from actors.runner.stream import ChunkStream, ClientGone
 from messages.errors import BAD_REQUEST, NOT_FOUND, TIMEOUT, UNAVAILABLE
@@ -67,9 +67,16 @@ from runtime.actor import RequestError
 from runtime.bus import Bus, BusError, RemoteError
 from runtime.logging import get_logger
 
-__all__ = ["ServedInstance", "Serving", "ServingLimits", "state_identity"]
+__all__ = ["ServedInstance", "Serving", "ServingLimits", "refuse_oversize", "state_identity"]
 
 _log = get_logger(component="serving")
+
+
+def refuse_oversize(limit: PromptLimit, *, text: str | None = None, tokens: int | None = None) -> None:
+    """A prompt its slot can never hold is a client error before any work (`slots.oversize`)."""
+    refused = oversize(limit, text=text, tokens=tokens)
+    if refused is not None:
+        raise RequestError(BAD_REQUEST, *refused)
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,7 @@ class ServedInstance:
         self.table = SlotTable(slots, rollback=rollback)
         self.wakeups: list[asyncio.Future[None]] = []  # waiters for a slot, woken on every release
         self.identity: str | None = None
+        self.context = PromptLimit()
 
     def wake(self) -> None:
         for waiter in self.wakeups:
@@ -178,6 +186,11 @@ class Serving:
         self._seq = 0
 
     # --- the instances ---------------------------------------------------------------------------------
+
+    def set_prompt_limit(self, instance_id: str, limit: PromptLimit) -> None:
+        instance = self._instances.get(instance_id)
+        if instance is not None:
+            instance.context = limit
 
     def set_state_size(self, instance_id: str, size: cost.StateSize) -> None:
         instance = self._instances.get(instance_id)
@@ -248,6 +261,7 @@ class Serving:
 
     async def tokenize(self, instance_id: str, text: str) -> list[int]:
         instance = self.instance(instance_id)
+        refuse_oversize(instance.context, text=text)  # before the server spends a second on it
         try:
             return await self.api.tokenize(instance.port, text, timeout_s=self.limits.tokenize_timeout_s)
         except ServerApiError as exc:
@@ -303,6 +317,7 @@ class Serving:
             tokens = list(prompt or ())
         if not tokens:
             raise RequestError(BAD_REQUEST, "the prompt has no tokens")
+        refuse_oversize(instance.context, tokens=len(tokens))
         grant = await self.acquire(instance, tokens)
         plan = ServingPlan(
             len(tokens),

@@ -22,8 +22,9 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-__all__ = ["Grant", "SlotTable", "common_prefix"]
+__all__ = ["Grant", "PromptLimit", "SlotTable", "common_prefix", "oversize"]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -32,6 +33,33 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+@dataclass(frozen=True)
+class PromptLimit:
+    """What a slot of an instance can hold: `n_ctx_seq` tokens, each covering at most `longest_token_bytes` of text
+    (the vocabulary's longest token). 0: not known, nothing refused."""
+
+    n_ctx_seq: int = 0
+    longest_token_bytes: int = 0
+
+
+def oversize(
+    limit: PromptLimit, *, text: str | None = None, tokens: int | None = None
+) -> tuple[str, dict[str, int]] | None:
+    """Why a prompt can never fit its slot (a message and details), or None: token ids over the context, or text
+    longer than the context's tokens could cover (tokenizing a megabyte costs a server a minute of both cores)."""
+    if limit.n_ctx_seq and tokens is not None and tokens > limit.n_ctx_seq:
+        why = f"the prompt has {tokens} tokens, over the context of {limit.n_ctx_seq}"
+        return why, {"n_prompt_tokens": tokens, "n_ctx": limit.n_ctx_seq}
+    if limit.n_ctx_seq and limit.longest_token_bytes and text is not None:
+        most = limit.n_ctx_seq * limit.longest_token_bytes
+        size = len(text.encode("utf-8", errors="surrogatepass"))
+        if size > most:
+            why = (f"the prompt is {size} bytes: its context of {limit.n_ctx_seq} tokens holds at most {most} bytes "
+                   f"of text (no token covers more than {limit.longest_token_bytes})")  # fmt: skip
+            return why, {"prompt_bytes": size, "n_ctx": limit.n_ctx_seq}
+    return None
 
 
 class Grant:

@@ -380,5 +380,12 @@ async def test_bad_input_gets_the_endpoints_error_shape_and_the_node_keeps_servi
     anthropic_long = {"model": "chat", "messages": [{"role": "user", "content": "word " * 9000}], "max_tokens": 2}
     status, error = await post(door.url, "/v1/messages", anthropic_long)
     assert status == 400 and error["type"] == "error" and error["error"]["n_ctx"] > 0
+    # a prompt text its slot could never hold (32,768 tokens of at most 12 bytes) is refused before any work:
+    # llama-server would spend a minute of both cores tokenizing it
+    huge = {"model": "chat", "messages": [{"role": "user", "content": "w" * 600_000}], "max_tokens": 2}
+    started = time.monotonic()
+    status, refused = await post(door.url, "/v1/chat/completions", huge)
+    assert status == 400 and "holds at most" in refused["error"]["message"], refused
+    assert time.monotonic() - started < 5 and not await _slot_busy(server)
     status, fine = await post(door.url, "/v1/chat/completions", {"model": "chat", "messages": USER, "max_tokens": 2})
     assert status == 200 and fine["choices"]

@@ -321,8 +321,10 @@ def test_tokenizer_arrays_over_the_limit_are_skipped_with_their_count(tmp_path: 
     write_with_gguf_writer(path, fill)
     h = read_header(path)
     assert h.get("tokenizer.ggml.model") == "gpt2"
-    assert h.get("tokenizer.ggml.tokens") == SkippedArray(T.STRING, n_vocab)
-    assert h.get("tokenizer.ggml.merges") == SkippedArray(T.STRING, n_vocab - 1)
+    longest = max(len(f"tok{i}" * (i % 5)) for i in range(n_vocab))  # read with the lengths it skipped
+    assert h.get("tokenizer.ggml.tokens") == SkippedArray(T.STRING, n_vocab, longest)
+    last = n_vocab - 2
+    assert h.get("tokenizer.ggml.merges") == SkippedArray(T.STRING, n_vocab - 1, len(f"a{last} b{last}"))
     assert h.get("tokenizer.ggml.scores") == SkippedArray(T.FLOAT32, n_vocab)
     assert h.get("tokenizer.ggml.token_type") == SkippedArray(T.INT32, n_vocab)
     assert h.get("after.tokenizer") == 42
@@ -335,7 +337,7 @@ def test_materialize_limits_decide_what_is_skipped() -> None:
     assert parse(data).get("s") == ("a", "b", "c")
     tight = HeaderLimits(materialize_string_max=2, materialize_numeric_max=1)
     h = parse(data, limits=tight)
-    assert h.get("s") == SkippedArray(T.STRING, 3)
+    assert h.get("s") == SkippedArray(T.STRING, 3, 1)
     assert h.get("n") == SkippedArray(T.INT32, 2)
 
 
@@ -439,7 +441,7 @@ def test_reads_stay_near_the_header_and_never_reread_it() -> None:
     built = b.tensor("blk.0.w", (1 << 20,)).tensor("blk.1.w", (1 << 20,)).build()  # 8 MiB of tensor data
     f = CountingFile(built.data)
     h = parse_header(f, len(built.data))
-    assert h.get("tokenizer.ggml.tokens") == SkippedArray(T.STRING, 50_000)
+    assert h.get("tokenizer.ggml.tokens") == SkippedArray(T.STRING, 50_000, max(len(t) for t in tokens))
     # One bounded read-ahead window past the header at most, and each header byte read about once.
     window = 1 << 20
     assert f.furthest <= built.header_end + window

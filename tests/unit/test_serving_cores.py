@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from actors.l3.layout import entry_id
 from actors.router.prefixes import Holdings, marks, resident_prefixes
 from actors.router.routing import choose
-from actors.runner.slots import SlotTable, common_prefix
+from actors.runner.slots import PromptLimit, SlotTable, common_prefix, oversize
 from messages.generate import Candidate, RouteWeights
 from messages.l3 import L3Item
 
@@ -64,6 +64,17 @@ def test_a_finishing_slot_holding_much_more_of_the_prompt_is_waited_for_and_a_sm
     assert again is not None and (again.slot, again.resident) == (grant.slot, 500)
     with pytest.raises(ValueError):
         table.finishing(1 - grant.slot, turn)  # only a busy slot finishes
+
+
+def test_a_prompt_its_slot_can_never_hold_is_refused_before_any_work() -> None:
+    limit = PromptLimit(n_ctx_seq=1024, longest_token_bytes=16)
+    assert oversize(limit, tokens=1024) is None and oversize(limit, text="x" * 16384) is None
+    over_tokens = oversize(limit, tokens=1025)
+    assert over_tokens is not None and over_tokens[1] == {"n_prompt_tokens": 1025, "n_ctx": 1024}
+    over_text = oversize(limit, text="é" * 8193)  # 16,386 bytes: more than 1,024 tokens of at most 16 bytes
+    assert over_text is not None and "16386 bytes" in over_text[0]
+    assert oversize(PromptLimit(), text="x" * (1 << 20), tokens=1 << 20) is None  # unknown: nothing refused
+    assert oversize(PromptLimit(n_ctx_seq=1024), text="x" * (1 << 20)) is None  # no vocabulary listed
 
 
 def test_release_of_a_slot_not_acquired_is_refused_and_a_restart_forgets_what_slots_held() -> None:
