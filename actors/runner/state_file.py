@@ -4,9 +4,11 @@ llama.cpp's `llama_state_seq_save_file` writes, little-endian: the magic `ggsq` 
 (u32, 4 in the pinned build), a count of 32-bit words (u32) and those words, then the state itself. llama-server
 packs its slot's prompt into the words (`server_tokens::serialize`): a -1 marker, its own version (u32, 1), the
 token ids (a u32 count, then i32 each), the positions of media chunks (a u32 count, then u32 each), then the
-media chunks; words without the marker are a plain list of token ids (older servers). A pass-through's tokens
-are rendered by the server, so after its completion the file is the one exact record of what the slot holds:
-the capture is indexed by it, and a state holding media (an image) is not captured at all.
+media chunks; words without the marker are a plain list of token ids (older servers). A media chunk's positions
+hold no token id (llama.cpp's LLAMA_TOKEN_NULL, -1), so -1 is read as such a position when the file lists media
+and refused otherwise. A pass-through's tokens are rendered by the server, so after its completion the file is
+the one exact record of what the slot holds: the capture is indexed by it, and a state holding media (an image)
+is not captured at all.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ __all__ = ["PAYLOAD_KIND", "SaveFailed", "SlotTokens", "StateFileError", "remove
 PAYLOAD_KIND: Final = "llama_slot"
 
 MAGIC: Final = 0x67677371  # "ggsq"
+#: What a media chunk's positions hold in the token list (llama.cpp's LLAMA_TOKEN_NULL).
+MEDIA_POSITION: Final = -1
 VERSION: Final = 4
 SERVER_TOKENS_VERSION: Final = 1
 _U32 = struct.Struct("<I")
@@ -30,7 +34,7 @@ _HEAD = struct.Struct("<III")
 
 
 class SlotTokens(NamedTuple):
-    tokens: list[int]
+    tokens: list[int]  # with MEDIA_POSITION where a media chunk's tokens are
     media: int  # media chunks (images, audio) among them
 
 
@@ -67,8 +71,10 @@ def state_tokens(path: Path, *, max_tokens: int) -> SlotTokens:
         if packing != SERVER_TOKENS_VERSION:
             raise StateFileError(f"{path.name}: server tokens of version {packing}, not {SERVER_TOKENS_VERSION}")
         (n_tokens,) = _unpack(f, _U32, path)
-        tokens = _ids(f, n_tokens, max_tokens, path)
+        tokens = _ids(f, n_tokens, max_tokens, path, media=True)
         (n_media,) = _unpack(f, _U32, path)
+    if not n_media and MEDIA_POSITION in tokens:
+        raise StateFileError(f"{path.name}: a media position in a state that lists no media")
     return SlotTokens(tokens, n_media)
 
 
@@ -79,13 +85,16 @@ def _unpack(f: BinaryIO, layout: struct.Struct, path: Path) -> tuple[int, ...]:
     return layout.unpack(data)
 
 
-def _ids(f: BinaryIO, n: int, max_tokens: int, path: Path) -> list[int]:
+def _ids(f: BinaryIO, n: int, max_tokens: int, path: Path, *, media: bool = False) -> list[int]:
+    """`n` token ids; with `media`, also the media chunks' positions (MEDIA_POSITION), which only the server's
+    own packing has."""
     if n > max_tokens:
         raise StateFileError(f"{path.name}: {n} tokens, over the ceiling of {max_tokens}")
     data = f.read(4 * n)
     if len(data) < 4 * n:
         raise StateFileError(f"{path.name}: cut short inside its {n} token ids")
     tokens = list(struct.unpack(f"<{n}i", data))
-    if any(t < 0 for t in tokens):
+    lowest = MEDIA_POSITION if media else 0
+    if any(t < lowest for t in tokens):
         raise StateFileError(f"{path.name}: a negative token id")
     return tokens
