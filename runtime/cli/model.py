@@ -3,8 +3,9 @@
 `mesh-actor inspect MODEL.gguf` prints a model's geometry (architecture, one row per block: attention,
 recurrent, sliding-window, nextn; KV and state widths; tensor bytes). `mesh-actor fit MODEL.gguf …` prints
 what llama-server would allocate with the given settings, per device and in total, and with `--memory` the
-largest context that fits. Flags and defaults are llama-server's own. Errors are one line on stderr: exit
-code 2 for a usage problem, 1 for a model that cannot be read, is not supported or cannot be served so.
+largest context that fits (`--mmproj` adds a multimodal projector). Flags and defaults are llama-server's own.
+Errors are one line on stderr: exit code 2 for a usage problem, 1 for a model that cannot be read, is not
+supported or cannot be served so.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from actors.placement.memory import (
     MemoryModelError,
     estimate,
 )
+from actors.placement.projector import ProjectorError, projector_from_header
 from actors.telemetry.probes import read_host
 from actors.telemetry.resources import ggml_cpu_features
 from messages.memory import MemoryBreakdown
@@ -136,6 +138,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                      help="what the server is for (default: what the header's pooling type says)")  # fmt: skip
     fit.add_argument("--pooling", choices=("none", "mean", "cls", "last", "rank"), default=None,
                      help="an embedding or rerank server's pooling (default: the header's, else mean)")  # fmt: skip
+    fit.add_argument("--mmproj", metavar="MMPROJ.gguf", default=None,
+                     help="a multimodal projector served beside the model (a LLaVA 'mlp' projector)")  # fmt: skip
     fit.add_argument("--json", action="store_true", help="print one JSON object")
     fit.set_defaults(func=run_fit)
 
@@ -253,6 +257,12 @@ def run_fit(args: argparse.Namespace) -> int:
             raise _UsageError("--n-gpu-layers must be -1 (all) or a non-negative count")
     except _UsageError as exc:
         return _fail(EXIT_USAGE, str(exc))
+    projector = None
+    if args.mmproj is not None:
+        try:
+            projector = projector_from_header(read_header(args.mmproj))
+        except (OSError, GGUFFormatError, ProjectorError) as exc:
+            return _model_error(args.mmproj, exc)
     try:
         geometry = _load(args.model)
         n_ctx = args.ctx or geometry.n_ctx_train
@@ -267,6 +277,7 @@ def run_fit(args: argparse.Namespace) -> int:
             gpu_split=split,
             budgets=budgets,
             cpu_features=_host_features() if args.cpu_features is None else args.cpu_features or None,
+            projector=projector,
         )
     except (OSError, GGUFFormatError, GeometryError, MemoryModelError) as exc:
         return _model_error(args.model, exc)
@@ -334,6 +345,12 @@ def _fit_table(b: MemoryBreakdown) -> str:
         f"weights {b.weights_bytes} B, repack {b.repack_bytes} B; compute modelled, with a margin of its "
         f"measured error bound ({b.compute_error_ratio:.0%}: {b.compute_margin_bytes} B) included in the total"
     )
+    if b.projector_weights_bytes:
+        where = next(d.device for d in b.devices if d.projector_weights_bytes)
+        lines.append(
+            f"projector ({where}): weights {b.projector_weights_bytes} B (in the total), its image graph "
+            f"{b.projector_compute_bytes} B of the compute (reserved at the first image)"
+        )
     if b.fits is not None:
         ceiling = f"{b.max_context} tokens" if b.max_context else "none (even the smallest context does not fit)"
         lines.append(f"fits: {'yes' if b.fits else 'NO'}; largest context that fits: {ceiling}")

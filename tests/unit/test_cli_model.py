@@ -10,6 +10,7 @@ import pytest
 from runtime.cli import main
 from tests import tiny_models
 from tests.tiny_pooled_models import write_llama_embedding
+from tests.tiny_projectors import write_llava_projector
 
 REQUIRED_KEYS = {
     "kv_bytes",
@@ -161,3 +162,16 @@ def test_fit_sizes_an_embedding_model_as_placement_does(capsys: pytest.CaptureFi
     assert generate["context"]["n_ubatch"] == 512 and generate["output_bytes"] == 4 * 259 * 2
     code, _, err = run(capsys, *base, "--kind", "rerank")  # no classification head
     assert code != 0 and "classification head" in err
+
+
+def test_fit_sizes_a_projector_beside_the_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    model = str(tiny_models.write_llama(tmp_path / "m.gguf"))
+    mmproj = str(write_llava_projector(tmp_path / "p.gguf", text_embd=64))
+    code, out, _ = run(capsys, "fit", model, "-c", "4096", "-cram", "0", "--mmproj", mmproj, "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["projector_weights_bytes"] > 0 and data["projector_compute_bytes"] > 0
+    code, out, _ = run(capsys, "fit", model, "-c", "4096", "-cram", "0", "--mmproj", mmproj)
+    assert code == 0 and "projector (CPU): weights" in out
+    code, _, err = run(capsys, "fit", model, "--mmproj", model)  # a model is not a projector
+    assert code != 0 and "architecture is 'clip'" in err
