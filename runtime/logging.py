@@ -46,5 +46,7 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
 
 
 def get_logger(**context: Any) -> Any:
-    """A logger with `context` bound to every line it writes."""
-    return structlog.get_logger().bind(**context)
+    """A logger with `context` bound to every line it writes. Lazy: it takes the configuration in force when it
+    writes, so a module's logger made at import follows `configure_logging` called later (binding the context
+    at once would fix the defaults then: stdout, console format, no level)."""
+    return structlog.get_logger(**context)
