@@ -33,7 +33,7 @@ from actors.runner.command import build_command, server_environment
 from actors.runner.drift import ServerReport, server_drift
 from actors.runner.health import InferenceHealth, out_of_memory
 from actors.runner.limits import RunnerLimits
-from actors.runner.observed import observed_memory
+from actors.runner.observed import mib_to_bytes, observed_memory
 from actors.runner.process import MIB, ServerLog, ServerProcess
 from actors.runner.reaper import reap
 from actors.runner.records import write_status
@@ -311,6 +311,7 @@ class InstanceDriver:
         failures = 0
         while True:
             await asyncio.sleep(min(t.liveness_interval_s, self.limits.probe_interval_s))
+            self._observe_late_allocations()
             if self.health.should_probe(loop.time(), busy=self.busy()):
                 why = await self._probe(port)
                 if why is None:
@@ -329,6 +330,25 @@ class InstanceDriver:
             if failures >= t.liveness_failures:
                 await self.events.put(lc.Unresponsive(generation, f"{failures} checks in a row: {detail}"))
                 return
+
+    def _observe_late_allocations(self) -> None:
+        """Once a projector's image graph is reserved (at the first image), it is observed, no longer pending:
+        the observation is taken again with the lines printed since the load, and the buffer compared with its
+        prediction. The ledger keeps what was booked (the prediction plus its margin)."""
+        observed = self.observed
+        if observed is None or not observed.pending_bytes or not self.log.late_text():
+            return
+        log = parse_allocation_log(self.log.allocation_text() + "\n" + self.log.late_text())
+        if log.projector is None or not log.projector.compute_buffers:
+            return
+        observation = observed_memory(log, self.predicted, self.allocations, self.projector)
+        measured = sum(mib_to_bytes(mib) for mib in log.projector.compute_buffers.values())
+        predicted = self.predicted.projector_compute_bytes
+        within = measured <= observed.pending_bytes  # the prediction plus its margin, as booked
+        report = self._bound.info if within else self._bound.warning
+        report("projector_graph_reserved", predicted=predicted, measured=measured, booked=observed.pending_bytes)
+        self.observed, self.exact = observation.memory, observation.exact
+        self.changed()
 
     async def _verify(self, generation: int) -> None:
         port = self.port

@@ -8,8 +8,9 @@
   belong to someone else).
 * Its output goes through a pipe we drain into a `ServerLog`: a file in the data dir (written from a worker
   thread, never on the event loop) that is rotated at a size limit (one old file kept), the allocation
-  lines kept in memory until the model has loaded (for the verification and the observed footprint), and
-  the last lines for crash reports.
+  lines kept in memory until the model has loaded (for the verification and the observed footprint), the
+  few allocations a server makes later (a projector's image graph, reserved at the first image), and the
+  last lines for crash reports.
 
 Talking to the server over HTTP is `actors.runner.server_api` (aiohttp), not this module.
 """
@@ -51,6 +52,10 @@ _ALLOCATION_MARKERS = (
 )
 #: Printed once the model and every context are allocated (right after /health turns 200).
 LOADED_MARKER = "model loaded"
+#: Allocations a server makes after it has loaded, kept for the observed footprint: a multimodal projector's
+#: compute buffer, reserved at the first image (the server runs without a warm-up).
+_LATE_MARKERS = ("reserve_compute_meta:",)
+_MAX_LATE_LINES = 64
 
 
 class ServerLog:
@@ -73,6 +78,7 @@ class ServerLog:
         self._size = self._file.tell()
         self._partial = b""
         self._kept: list[str] = []
+        self._late: list[str] = []
         self._tail: deque[str] = deque(maxlen=tail_lines)
         self.loaded = asyncio.Event()
         self._lock = threading.Lock()  # the file is written from worker threads
@@ -81,6 +87,7 @@ class ServerLog:
         """Starts a new generation in memory: fresh allocation lines and tail (event loop)."""
         self._partial = b""
         self._kept = []
+        self._late = []
         self._tail.clear()
         self.loaded = asyncio.Event()
 
@@ -116,6 +123,8 @@ class ServerLog:
     def _line(self, line: str) -> None:
         self._tail.append(line)
         if self.loaded.is_set():
+            if len(self._late) < _MAX_LATE_LINES and any(marker in line for marker in _LATE_MARKERS):
+                self._late.append(line)
             return
         if LOADED_MARKER in line:
             self.loaded.set()
@@ -141,6 +150,10 @@ class ServerLog:
 
     def allocation_text(self) -> str:
         return "\n".join(self._kept)
+
+    def late_text(self) -> str:
+        """The allocation lines printed after the model loaded (in order; empty when none)."""
+        return "\n".join(self._late)
 
     def tail(self, max_chars: int = 4000) -> str:
         return "\n".join(self._tail)[-max_chars:]

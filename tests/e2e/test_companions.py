@@ -25,6 +25,8 @@ import openai
 import pytest
 
 from actors.placement.memory import compute_margin
+from actors.runner.allocation_log import printed_mib
+from actors.runner.observed import mib_to_bytes
 from actors.runner.state_file import state_tokens
 from runtime.children import free_port
 from tests.e2e.test_frontdoor import KEYED, _events, client, write_catalog
@@ -143,6 +145,13 @@ async def test_a_catalog_model_with_a_draft_is_served_with_it(tmp_path: Path, mo
         await client(port).models.list()
 
 
+async def _instance(data_dir: Path, instance_id: str) -> dict[str, Any]:
+    code, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
+    assert code == 0
+    (instance,) = [i for i in json.loads(out)["instances"] if i["id"] == instance_id]
+    return dict(instance)
+
+
 def _assert_projector_observed(instance: dict[str, Any], *, pending: bool) -> None:
     observed, predicted = instance["observed_memory"], instance["predicted_memory"]
     assert observed["projector_weights_bytes"] == predicted["projector_weights_bytes"] > 0
@@ -212,6 +221,13 @@ async def test_a_catalog_model_with_a_projector_passes_images_through_and_captur
             front_status, front_answer = await post(door, "/v1/chat/completions", sent)
             assert (front_status, direct_status) == (200, 200), (front_answer, direct_answer)
             assert_same(normalized(front_answer), normalized(direct_answer))
+        # the image reserved the projector's graph: the runner observes it, nothing is pending any more
+        async with asyncio.timeout(60):
+            while (now := await _instance(data_dir, instance["id"]))["observed_memory"]["pending_bytes"]:
+                await asyncio.sleep(0.5)
+        observed, graph = now["observed_memory"], now["predicted_memory"]["projector_compute_bytes"]
+        assert observed["compute_bytes"] >= mib_to_bytes(printed_mib(graph)) > 0
+        _assert_projector_observed(now, pending=False)
         # a text-only body on the same instance is served and captured as usual (its whole slot, and its prompt
         # one token short); once that is journaled, no capture holds as many tokens as an image prompt (the image
         # bodies, answered before it, captured nothing, though their text alone is as long)

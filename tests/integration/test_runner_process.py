@@ -78,6 +78,20 @@ def test_allocation_lines_are_kept_until_the_model_has_loaded(tmp_path: Path) ->
     assert "=== generation 2" in (tmp_path / "server.log").read_text()
 
 
+def test_a_projectors_graph_reserved_after_the_load_is_kept_apart(tmp_path: Path) -> None:
+    log = ServerLog(tmp_path / "server.log")
+    log.begin("generation 1")
+    log.feed(b"clip_ctx: CLIP using CPU backend\nsrv  llama_server: model loaded\n")
+    assert log.late_text() == ""
+    log.feed(b"slot encode_mtmd_: id  0 | task 0 | encoding mtmd batch\n")
+    log.feed(b"reserve_compute_meta:        CPU compute buffer size =     0.02 MiB\n")
+    assert log.allocation_text() == "clip_ctx: CLIP using CPU backend"
+    assert log.late_text() == "reserve_compute_meta:        CPU compute buffer size =     0.02 MiB"
+    log.begin("generation 2")  # a restart starts over: the new server reserves it again at its first image
+    assert log.late_text() == ""
+    log.close()
+
+
 def test_a_runaway_line_is_cut_and_the_tail_is_bounded(tmp_path: Path) -> None:
     log = ServerLog(tmp_path / "server.log", max_line_bytes=100, tail_lines=3)
     log.feed(b"llama_context: " + b"y" * 10_000)
