@@ -105,7 +105,7 @@ from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstan
 from messages.subjects import Subjects
 from messages.telemetry import NodeResources
 from runtime import buckets
-from runtime.bus import Bus, BusError, RemoteError
+from runtime.bus import Bus, BusError, NoResponders, RemoteError
 from runtime.children import free_port
 from runtime.config import NatsOptions
 from runtime.generate_client import REPLY_SLACK_S, StreamGap, generate
@@ -132,8 +132,10 @@ QUIET_AFTER_S = 45.0  # a failure this long after the last fault ended is a viol
 PROCESS_GRACE_S = 5.0  # a server whose node died must be gone by then (parent-death signal)
 RSS_LIMIT_MIB = 1024
 SAMPLE_S = 6.0
+HOLD_S = 60.0  # how long the run's bookings wait for their start
 TMPFS_MIB = 128
 STOP_S = 40.0  # node_stop: longer than every TTL above
+PEER_STALL_S = 15.0  # peer_stall: three chunk deadlines (5 s), shorter than the TTLs (c stays in the view)
 FAULTS = ("llama_kill", "l3_corrupt", "peer_stall", "disk_full", "node_kill", "node_stop", "nats_kill")
 
 
@@ -155,6 +157,8 @@ class Outcome:
     source: str = ""  # where the reused prefix came from (mesh.generate answers)
     path: str = ""  # local or disaggregated
     detail: str = ""  # the error's own words
+    capture: str = ""  # what the runner said of the state's capture (queued, held, short, …)
+    node: str = ""  # the node that answered
 
 
 @dataclass
@@ -324,18 +328,27 @@ class ChaosRun:
         await self.refresh_instances()
         return bool(self.ready_of(model, node))
 
-    async def place(self, model: str, node: str, ctx: int, hold_s: float = 120) -> str:
+    async def place(self, model: str, node: str, ctx: int, hold_s: float = HOLD_S) -> str:
         """Places `model` on `node` and starts it; its instance id (RuntimeError with the reason otherwise)."""
         assert self.bus is not None
         request = PlacementRequest(model=ModelRef(path=self.path(model)), ctx=ctx, nodes=(node,), hold_s=hold_s)
         decision = await self.bus.request(self.subjects.placement_request, request, PlacementDecision, timeout=30)
         if not decision.admitted or decision.reservation_id is None:
             raise RuntimeError(f"refused: {decision.reason}")
-        ack = await self.bus.request(
-            self.subjects.runner(node, "start"), StartInstance(reservation_id=decision.reservation_id), RunnerAck,
-            timeout=60,
-        )  # fmt: skip
-        return ack.instance_id
+        began = time.monotonic()
+        while True:
+            try:
+                ack = await self.bus.request(
+                    self.subjects.runner(node, "start"), StartInstance(reservation_id=decision.reservation_id),
+                    RunnerAck, timeout=60,
+                )  # fmt: skip
+                return ack.instance_id
+            except NoResponders:
+                # A node reports (and is admitted to) before its runner listens: a client retries a start that
+                # nobody heard, as the error says at once (the booking waits for it, up to its hold).
+                if time.monotonic() - began > 30:
+                    raise
+                await asyncio.sleep(0.5)
 
     async def place_gen(self, node: str) -> None:
         await self.place("gen", node, CTX)
@@ -396,7 +409,8 @@ class ChaosRun:
                     reason = "wrong_answer"
         return self.record(
             Outcome(kind, started, seconds, reason, request_id, result.source if result else "",
-                    result.path if result else "", detail[:300]),
+                    result.path if result else "", detail[:300], result.capture if result else "",
+                    result.node if result else ""),
         ), result  # fmt: skip
 
     async def ask_door(self, mode: int, text: str) -> Outcome:
@@ -524,7 +538,12 @@ class ChaosRun:
         return {n.pid: name for name, n in self.nodes.items() if n.pid is not None}
 
     async def check_processes(self) -> None:
-        """No llama-server or nats-server outlives its node by more than PROCESS_GRACE_S."""
+        """No node exits unless the run made it; no llama-server or nats-server outlives its node by more than
+        PROCESS_GRACE_S."""
+        for name, node in self.nodes.items():
+            if node.process is not None and node.process.returncode is not None and not node.exit_expected:
+                node.exit_expected = True  # reported once
+                self.violations.add(f"node {name} exited by itself with {node.process.returncode}")
         pids = self.node_pids()
         now = self.now()
         live = set()
@@ -599,7 +618,7 @@ class ChaosRun:
         for key in keys:
             self.mismatches_seen[key.split()[0]] += key not in self.mismatch_since
             first = self.mismatch_since.setdefault(key, now)
-            limit = 60 + 30 if key.startswith("unclaimed") else CONVERGE_S  # hold_s of the cycle's bookings
+            limit = HOLD_S + 30 if key.startswith("unclaimed") else CONVERGE_S  # a booking nobody claims expires
             if (now - first > limit or key.startswith("booked_twice") or key.startswith("overbooked")) and (
                 key not in self.reported
             ):
@@ -712,18 +731,28 @@ class ChaosRun:
         f = self.fault("peer_stall", "c stalled, a fetching")
         on_c, on_a = self.gen_on("c"), self.gen_on("a")
         assert on_c is not None and on_a is not None, "gen is not ready on a and c"
-        prompt = fresh_prompt(self.rng)
-        first, _ = await self.ask("probe", on_c.id, prompt)
-        assert first.reason == "ok", first.reason
-        await self.stored("c", prompt)
+        prompts = [fresh_prompt(self.rng) for _ in range(3)]
+        for prompt in prompts:  # stored on c only
+            first, _ = await self.ask("probe", on_c.id, prompt)
+            assert first.reason == "ok", first.reason
+            await self.stored("c", prompt)
+        # Three at once, so that some reach a router on a or b (the queue group may hand one to c's, which waits
+        # for c): a's runner asks c for the state, c does not answer, and a computes the prompt instead.
         self.nodes["c"].signal(signal.SIGSTOP)
+        stalled_at = self.now()
+        probes = [asyncio.create_task(self.ask("probe", on_a.id, p)) for p in prompts]
         try:
-            outcome, _ = await self.ask("probe", on_a.id, prompt)
+            await asyncio.wait(probes, timeout=PEER_STALL_S)
         finally:
             self.nodes["c"].signal(signal.SIGCONT)
-        f.notes.append(f"a answered {outcome.reason} in {outcome.seconds:.1f} s, source {outcome.source}")
-        f.recovered_s = outcome.seconds
-        f.ok = outcome.reason == "ok" and outcome.source != "l3_peer"
+        outcomes = [o for o, _ in await asyncio.gather(*probes)]
+        early = [o for o in outcomes if o.reason == "ok" and o.started + o.seconds < stalled_at + PEER_STALL_S]
+        f.notes.append(
+            f"c stalled {PEER_STALL_S:g} s; a's answers: "
+            + ", ".join(f"{o.reason} {o.seconds:.1f} s {o.source or '-'}" for o in outcomes)
+        )
+        f.recovered_s = max(o.seconds for o in outcomes)
+        f.ok = all(o.reason == "ok" for o in outcomes) and bool(early) and all(o.source != "l3_peer" for o in early)
 
     async def disk_full(self) -> None:
         c = self.nodes["c"]
@@ -741,6 +770,7 @@ class ChaosRun:
                         handle.write(b"\0" * 65536)
                         handle.flush()
             f.notes.append(f"filled {shutil.disk_usage(c.data_dir).free} bytes left")
+        warned = self.log_events("c", ("save_failed", "capture_failed"))
         answered = 0
         try:
             for _ in range(4):
@@ -749,7 +779,8 @@ class ChaosRun:
                 await asyncio.sleep(5)
         finally:
             filler.unlink(missing_ok=True)
-        f.notes.append(f"{answered} of 4 fresh prompts answered on the full disk")
+        failed_saves = self.log_events("c", ("save_failed", "capture_failed")) - warned
+        f.notes.append(f"{answered} of 4 fresh prompts answered on the full disk, {failed_saves} failed saves logged")
         began = time.monotonic()
         prompt = fresh_prompt(self.rng)
         outcome, _ = await self.ask("probe", instance.id, prompt)
@@ -760,6 +791,17 @@ class ChaosRun:
         except TimeoutError:
             f.notes.append("space back, but the next prompt was not captured")
         f.ok = answered == 4 and outcome.reason == "ok" and f.recovered_s is not None and c.alive
+        if self.small_fs is None and not failed_saves:
+            f.ok = False  # a full disk that failed nothing: the fault did not happen, or its failures went unsaid
+
+    def log_events(self, node: str, kinds: tuple[str, ...]) -> int:
+        """How many lines of `node`'s log (JSON on stderr) are events of `kinds`."""
+        count = 0
+        with contextlib.suppress(OSError), (self.logs / f"{node}.log").open() as handle:
+            for line in handle:
+                if line.startswith("{") and any(f'"event": "{kind}"' in line for kind in kinds):
+                    count += 1
+        return count
 
     async def node_kill(self) -> None:
         b = self.nodes["b"]
@@ -801,6 +843,7 @@ class ChaosRun:
         f = self.fault("nats_kill", "a's embedded nats-server")
         pid = int((a.data_dir / "nats-server.pid").read_text().strip())
         assert any(p.pid == pid and p.kind == "nats-server" for p in processes_of(self.root)), "no nats-server"
+        a.exit_expected = True  # decided: a node whose embedded server dies stops
         os.kill(pid, signal.SIGKILL)
         began = time.monotonic()
         code = await a.wait_exit(20)

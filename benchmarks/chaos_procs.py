@@ -116,6 +116,7 @@ class NodeProcess:
     process: asyncio.subprocess.Process | None = None
     starts: int = 0
     stopped: bool = False  # SIGSTOPped by the run
+    exit_expected: bool = False  # the run killed or stopped it (or its NATS server): an exit is no surprise
     exits: list[int] = field(default_factory=list)  # exit codes of earlier incarnations
 
     @property
@@ -137,6 +138,7 @@ class NodeProcess:
                 start_new_session=True,  # a Ctrl-C reaches the run, which stops the nodes itself
             )  # fmt: skip
         self.stopped = False
+        self.exit_expected = False
         async with asyncio.timeout(ready_s):
             while f"node {self.name} running" not in out.read_text(errors="replace"):
                 if self.process.returncode is not None:
@@ -166,6 +168,7 @@ class NodeProcess:
 
     async def kill(self) -> None:
         """SIGKILL, no cleanup: what a crash or the OOM killer does."""
+        self.exit_expected = True
         if self.pid is not None:
             self.signal(signal.SIGCONT)
             self.signal(signal.SIGKILL)
@@ -173,6 +176,7 @@ class NodeProcess:
 
     async def stop(self, timeout_s: float = 30.0) -> int | None:
         """A graceful stop (SIGTERM), SIGKILL past `timeout_s`; its exit code."""
+        self.exit_expected = True
         if self.pid is None:
             return None
         self.signal(signal.SIGCONT)
