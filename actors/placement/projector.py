@@ -14,9 +14,10 @@ allocates for it (llama.cpp's `tools/mtmd`, `clip.cpp`), for the projector types
   A fixed-size projector resizes every image to `image_size` square, so the graph has one shape, and it is
   placed here node by node as ggml-alloc places it (`compute._graph_peak`: inputs first, in place over a
   source only it reads where the op allows, every tensor freed after its last reader). Measured against
-  llama-server on 13 shapes (towers 64-1024 wide, 224-448 pixel images, patches of 8-16, with and without a
-  class token, pre- and post-norms, flash attention on and off): every case equal to the printed figure
-  (0.01 MiB). Admission still adds the compute margin to it, as to every modelled compute buffer.
+  llama-server on 16 cases (`benchmarks/projector_compute.py`: towers 64-1024 wide and LLaVA-1.5-7B's at
+  released widths, 32-448 pixel images, patches of 8-16, with and without a class token, pre- and post-norms,
+  flash attention on and off): every case equal to the printed figure (0.01 MiB). Admission still adds the
+  compute margin to it, as to every modelled compute buffer.
 * the **image embeddings**: mtmd keeps the last image's embeddings (`n_image_tokens x n_mmproj_embd`
   floats) in host memory until the next image; a host extra, filled at the first image.
 
