@@ -594,6 +594,7 @@ class _Relay:
         self._head: RelayHead | None = None
         self._stream: web.StreamResponse | None = None
         self._whole = bytearray()
+        self._renamer = shapes.ModelRenamer(name)
 
     async def head(self, head: RelayHead) -> None:
         self._head = head
@@ -604,7 +605,7 @@ class _Relay:
 
     async def data(self, data: bytes) -> None:
         if self._stream is not None:
-            await self._stream.write(shapes.rename_events(data, self._name))
+            await self._stream.write(self._renamer.events(data))
             return
         if len(self._whole) + len(data) > _MAX_ANSWER_BYTES:
             raise StreamGap(f"an answer over {_MAX_ANSWER_BYTES} bytes")

@@ -28,6 +28,7 @@ from messages.errors import http_status, retryable
 __all__ = [
     "ENDPOINTS",
     "ApiError",
+    "ModelRenamer",
     "Shape",
     "error_body",
     "error_headers",
@@ -165,3 +166,37 @@ def rename_events(events: bytes, name: str) -> bytes:
                 line = b"data: " + renamed
         out.append(line)
     return b"\n".join(out)
+
+
+class ModelRenamer:
+    """Renames the model in a stream's events, parsing JSON only until it has seen the name the server writes:
+    from then on the server's own `"model":"NAME"` bytes are replaced as they are (llama-server writes compact
+    JSON), which keeps a streamed token's relay free of JSON work. An event naming the model some other way
+    is parsed as before."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._to = json.dumps({"model": name}, ensure_ascii=False, separators=(",", ":"))[1:-1].encode()
+        self._from: bytes | None = None
+
+    def events(self, data: bytes) -> bytes:
+        if b'"model"' not in data:
+            return data
+        if self._from is not None and self._from in data:
+            replaced = data.replace(self._from, self._to)
+            if replaced.count(b'"model"') == replaced.count(self._to):
+                return replaced
+        self._learn(data)
+        return rename_events(data, self._name)
+
+    def _learn(self, data: bytes) -> None:
+        for line in data.split(b"\n"):
+            if line.startswith(b"data:") and b'"model"' in line:
+                try:
+                    parsed = json.loads(line[5:])
+                except ValueError:
+                    continue
+                model = parsed.get("model") if isinstance(parsed, dict) else None
+                if isinstance(model, str):
+                    self._from = json.dumps({"model": model}, ensure_ascii=False, separators=(",", ":"))[1:-1].encode()
+                    return

@@ -123,6 +123,19 @@ def test_a_relayed_answer_names_the_catalog_model_and_nothing_else_changes() -> 
     assert out.startswith(b"event: message_start\ndata: ")
 
 
+def test_a_streams_model_is_renamed_by_bytes_once_its_name_is_known_and_alike_to_parsing() -> None:
+    renamer = shapes.ModelRenamer("alpha")
+    first = b'data: {"choices":[{"delta":{"role":"assistant"}}],"model":"/m/a.gguf","id":"c1"}\n\n'
+    later = b'data: {"choices":[{"delta":{"content":"\\u00e9 x"}}],"model":"/m/a.gguf","id":"c1"}\n\n'
+    assert renamer.events(first) == shapes.rename_events(first, "alpha")  # parsed: learns the server's name
+    fast = renamer.events(later)
+    assert json.loads(fast[6:]) == json.loads(shapes.rename_events(later, "alpha")[6:])
+    assert fast == later.replace(b'"/m/a.gguf"', b'"alpha"')  # the bytes as they came, but for the name
+    nested = b'event: message_start\ndata: {"type":"message_start","message":{"model":"/m/a.gguf"}}\n\n'
+    assert b"/m/a.gguf" not in renamer.events(nested)
+    assert renamer.events(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
+
+
 # ---- pass-through (runner core) ----
 
 
