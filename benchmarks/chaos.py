@@ -130,7 +130,7 @@ REQUEST_TIMEOUT_S = 45.0  # mesh.generate's `timeout_s` and the catalog's `timeo
 GUARD_S = 10.0  # past its deadline and this, a request is `hung`
 QUIET_AFTER_S = 45.0  # a failure this long after the last fault ended is a violation
 PROCESS_GRACE_S = 5.0  # a server whose node died must be gone by then (parent-death signal)
-RSS_LIMIT_MIB = 1024
+RSS_LIMIT_MIB = 512  # a node process measured 80-140 MiB here
 SAMPLE_S = 6.0
 HOLD_S = 60.0  # how long the run's bookings wait for their start
 TMPFS_MIB = 128
@@ -543,7 +543,7 @@ class ChaosRun:
         for name, node in self.nodes.items():
             if node.process is not None and node.process.returncode is not None and not node.exit_expected:
                 node.exit_expected = True  # reported once
-                self.violations.add(f"node {name} exited by itself with {node.process.returncode}")
+                self.violations.add(f"node exit: {name} exited by itself with {node.process.returncode}")
         pids = self.node_pids()
         now = self.now()
         live = set()
@@ -553,7 +553,7 @@ class ChaosRun:
                 first = self.orphans_since.setdefault(proc.pid, now)
                 if now - first > PROCESS_GRACE_S:
                     self.violations.add(
-                        f"orphan {proc.kind} pid {proc.pid} (parent {proc.ppid}) for {now - first:.0f} s"
+                        f"orphan: {proc.kind} pid {proc.pid} (parent {proc.ppid}) for {now - first:.0f} s"
                     )
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(proc.pid, signal.SIGKILL)
@@ -974,7 +974,7 @@ class ChaosRun:
                 self.violations.add(f"l3: corrupted entry {entry[:12]} was fetched by a peer")
         gave_up = [e for e in events if e.get("type") == "actor_gave_up"]
         for e in gave_up:
-            self.violations.add(f"actor_gave_up on {e.get('node')}: {e.get('actor')}")
+            self.violations.add(f"actor_gave_up: {e.get('actor')} on {e.get('node')}")
         return {
             "answered": len(answered), "missing": len(missing), "door_ok": door_ok, "door_routed": door_routed,
             "corrupted": len(self.corrupted), "quarantined": len(quarantined & self.corrupted),
@@ -1012,6 +1012,15 @@ def report(run: ChaosRun, events: list[dict[str, Any]], journal: dict[str, Any],
     print("  answered per 30 s: " + " ".join(
         str(sum(1 for o in ok if b * 30 <= o.started < (b + 1) * 30)) for b in range(int(duration // 30) + 1)
     ))  # fmt: skip
+    # Load held: the answer rate while a fault or its recovery runs, over the rate in quiet periods (the warm-up,
+    # the gaps between faults, the tail): the same machine, the same run.
+    in_faults = sum(1 for o in ok if failed_during(run, o) is not None)
+    span = sum(min(f.ended + QUIET_AFTER_S, duration) - f.started for f in run.faults)  # windows may overlap
+    quiet_s = max(1.0, duration - min(span, duration))
+    rate_quiet = (len(ok) - in_faults) / quiet_s
+    rate_faults = in_faults / max(1.0, min(span, duration))
+    print(f"  load held: {rate_faults:.2f} answered/s in fault windows vs {rate_quiet:.2f} in quiet periods "
+          f"= {rate_faults / rate_quiet if rate_quiet else 0:.2f}x")  # fmt: skip
     sources = Counter(o.source for o in run.outcomes if o.reason == "ok" and o.source)
     paths = Counter(o.path for o in run.outcomes if o.reason == "ok" and o.path)
     print("  mesh.generate sources: " + ", ".join(f"{s} {n}" for s, n in sources.most_common())
@@ -1036,12 +1045,12 @@ def report(run: ChaosRun, events: list[dict[str, Any]], journal: dict[str, Any],
         print("      requests failed meanwhile: "
               + (", ".join(f"{r} {n}" for r, n in failed.most_common()) if failed else "none"))  # fmt: skip
         if not f.ok:
-            run.violations.add(f"fault {f.name} not survived")
+            run.violations.add(f"fault not survived: {f.name}")
     for o in quiet:
-        run.violations.add(f"{o.kind} failed in a quiet period at t={o.started:.0f} s: {o.reason}")
+        run.violations.add(f"failed in a quiet period: {o.kind} {o.reason} at t={o.started:.0f} s")
     for o in run.outcomes:
         if o.reason in ("hung", "wrong_answer", "mesh:internal"):
-            run.violations.add(f"{o.kind} at t={o.started:.0f} s: {o.reason}")
+            run.violations.add(f"{o.reason}: {o.kind} at t={o.started:.0f} s")
 
     kinds_of = Counter(e.get("type") for e in events)
     released = Counter(e.get("reason") for e in events if e.get("type") == "reservation_released")
@@ -1069,12 +1078,16 @@ def report(run: ChaosRun, events: list[dict[str, Any]], journal: dict[str, Any],
         growth = f", {after[0] / 2**20:.0f} -> {after[-1] / 2**20:.0f} MiB after its first minute" if after else ""
         print(f"  RSS node {name} (pid {pid}): peak {peak / 2**20:.0f} MiB over {len(samples)} samples{growth}")
         if peak > RSS_LIMIT_MIB * 2**20:
-            run.violations.add(f"RSS of node {name} peaked at {peak / 2**20:.0f} MiB (> {RSS_LIMIT_MIB} MiB)")
+            run.violations.add(f"RSS: node {name} peaked at {peak / 2**20:.0f} MiB (> {RSS_LIMIT_MIB} MiB)")
     for error in run.script_errors:
         run.violations.add(f"the run's own error (a bug of the script): {error}")
     print(f"\ninvariant violations = {len(run.violations.items)}")
+    groups: dict[str, list[str]] = defaultdict(list)
     for v in run.violations.items:
-        print(f"  - {v}")
+        kind, _, what = v.partition(": ")
+        groups[kind].append(what or kind)
+    for kind, items in groups.items():
+        print(f"  - {kind}: {len(items)}  (" + "; ".join(items[:3]) + ("; …" if len(items) > 3 else "") + ")")
 
 
 async def main_async(args: argparse.Namespace) -> int:
