@@ -1,0 +1,180 @@
+"""Mutual-TLS tunnels for llama.cpp's RPC traffic between nodes (runtime shell).
+
+llama.cpp's RPC protocol has no authentication (its own docs: never expose `ggml-rpc-server` on an open
+network). A node lending memory runs its RPC server on loopback only; the bytes between nodes travel inside TLS
+with both ends verified under the cluster's route CA (`runtime.tls.ensure_route_certificates`: derived from the
+cluster secret every node already shares, so nothing is distributed), terminated next to each end:
+
+    llama-server --rpc 127.0.0.1:A  ->  TunnelEntrance (head node, loopback :A)
+        ==TLS, client certificate==>  TunnelExit (member node, cluster address :B, certificate required)
+        ->  ggml-rpc-server (member node, loopback :C)
+
+A peer without a certificate issued under that CA completes no handshake and reaches nothing; the exit opens
+its connection to the RPC server only once the handshake succeeded. Every connect and handshake has a deadline;
+the two directions of a connection are copied until either side closes, and a failure of one closes both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from runtime.logging import get_logger
+from runtime.tls import TlsFiles
+
+__all__ = ["TunnelEntrance", "TunnelExit", "client_context", "server_context"]
+
+_log = get_logger(component="rpc-tunnel")
+CHUNK: Final = 1 << 18  # a read's most; RPC moves weights in large messages, tokens in small ones
+CONNECT_TIMEOUT_S: Final = 10.0
+HANDSHAKE_TIMEOUT_S: Final = 10.0
+
+
+def server_context(files: TlsFiles) -> ssl.SSLContext:
+    """The exit's side: its certificate, and a client certificate under the cluster CA required."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(files.ca))
+    context.load_cert_chain(str(files.cert), str(files.key))
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    return context
+
+
+def client_context(files: TlsFiles) -> ssl.SSLContext:
+    """The entrance's side: its certificate, and the exit's verified under the cluster CA. Any member's
+    certificate names that member's own addresses; membership is what is proven (only the cluster secret
+    issues under this CA), so the peer's host name is not checked against the address dialled."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(files.ca))
+    context.load_cert_chain(str(files.cert), str(files.key))
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    return context
+
+
+async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while data := await reader.read(CHUNK):
+        writer.write(data)
+        await writer.drain()
+
+
+async def _splice(
+    a: tuple[asyncio.StreamReader, asyncio.StreamWriter], b: tuple[asyncio.StreamReader, asyncio.StreamWriter]
+) -> None:
+    """Copies both ways until either side ends (or fails), then closes both. No half-close is carried: TLS
+    streams here cannot send one, and an RPC client that stops sending is done with its connection."""
+    copies = [asyncio.create_task(_copy(a[0], b[1])), asyncio.create_task(_copy(b[0], a[1]))]
+    try:
+        done, _ = await asyncio.wait(copies, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if (error := task.exception()) is not None:
+                _log.info("rpc_tunnel_connection_ended", error=repr(error))
+    finally:
+        for task in copies:
+            task.cancel()
+        await asyncio.gather(*copies, return_exceptions=True)
+        for _, writer in (a, b):
+            writer.close()
+            with contextlib.suppress(OSError, ssl.SSLError, TimeoutError):
+                async with asyncio.timeout(2):
+                    await writer.wait_closed()
+
+
+class _Listener:
+    """A TCP listener whose connections are each handled by `handle`, all of them closed with it."""
+
+    def __init__(self) -> None:
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    async def _listen(
+        self,
+        host: str,
+        port: int,
+        handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+        context: ssl.SSLContext | None,
+    ) -> None:
+        async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            self._connections.add(task)
+            try:
+                await handle(reader, writer)
+            finally:
+                self._connections.discard(task)
+
+        self._server = await asyncio.start_server(
+            accepted, host, port, ssl=context, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if context else None
+        )
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        if self._connections:
+            await asyncio.wait(self._connections, timeout=5)
+        if self._server is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5):
+                    await self._server.wait_closed()
+
+    async def __aenter__(self) -> _Listener:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class TunnelExit(_Listener):
+    """On a member node: accepts TLS connections from other members (a client certificate under the cluster CA
+    required) on `host:port` and carries each to the RPC server on loopback `target_port`."""
+
+    def __init__(self, files: TlsFiles, target_port: int) -> None:
+        super().__init__()
+        self._context = server_context(files)
+        self._target = target_port
+
+    async def start(self, host: str, port: int = 0) -> TunnelExit:
+        await self._listen(host, port, self._carry, self._context)
+        return self
+
+    async def _carry(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                target = await asyncio.open_connection("127.0.0.1", self._target)
+        except (OSError, TimeoutError) as exc:
+            _log.warning("rpc_tunnel_target_unreachable", port=self._target, peer=str(peer), error=repr(exc))
+            writer.close()
+            return
+        await _splice((reader, writer), target)
+
+
+class TunnelEntrance(_Listener):
+    """On the head node: accepts llama-server's RPC connections on loopback and carries each over TLS (with this
+    node's certificate) to a member's `TunnelExit` at `host:port`."""
+
+    def __init__(self, files: TlsFiles, host: str, port: int) -> None:
+        super().__init__()
+        self._context = client_context(files)
+        self._remote = (host, port)
+
+    async def start(self, port: int = 0) -> TunnelEntrance:
+        await self._listen("127.0.0.1", port, self._carry, None)
+        return self
+
+    async def _carry(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host, port = self._remote
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S + HANDSHAKE_TIMEOUT_S):
+                remote = await asyncio.open_connection(host, port, ssl=self._context, server_hostname=host)
+        except (OSError, ssl.SSLError, TimeoutError) as exc:
+            _log.warning("rpc_tunnel_exit_unreachable", host=host, port=port, error=repr(exc))
+            writer.close()
+            return
+        await _splice((reader, writer), remote)
