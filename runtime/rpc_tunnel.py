@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import Final
+from typing import Final, Self
 
 from runtime.logging import get_logger
 from runtime.tls import TlsFiles
@@ -123,7 +123,7 @@ class _Listener:
                 async with asyncio.timeout(5):
                     await self._server.wait_closed()
 
-    async def __aenter__(self) -> _Listener:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
