@@ -75,6 +75,9 @@ class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     s_width: NonNegative
     n_ff: NonNegative
     tensor_bytes: NonNegative
+    # The same tensors each rounded up to 32 bytes, as a buffer they are copied into holds them (an RPC device's;
+    # the host maps them from the file instead); 0: unknown (a geometry encoded before it existed).
+    padded_bytes: NonNegative = 0
     head_k: NonNegative = 0  # n_embd_head_k(il); 0: unknown
     head_v: NonNegative = 0  # n_embd_head_v(il), an MLA model's kv_lora_rank; 0: unknown
     n_ff_exp: NonNegative = 0  # width of each routed expert; 0: a dense FFN (or unknown)
@@ -114,6 +117,10 @@ class ModelGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     tied_output: bool
     token_embd_bytes: NonNegative
     file_size: NonNegative
+    # The output tensors and token_embd with each tensor rounded up to 32 bytes, as an RPC device's buffer holds
+    # them (0: unknown, a geometry encoded before they existed).
+    output_padded_bytes: NonNegative = 0
+    token_embd_padded_bytes: NonNegative = 0
     # quantized matmul weights of the output layer (output.weight, or the tied token embeddings that
     # llama.cpp duplicates as the output matrix) that the CPU backend may repack
     output_repack: tuple[RepackGroup, ...] = ()

@@ -62,14 +62,15 @@ available.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from messages.memory import ContextShape
 from messages.model import LayerGeometry, ModelGeometry
 
-__all__ = ["CALIBRATION_VERSION", "MEASURED_ERROR_RATIO", "ComputeEstimate", "compute_buffers"]
+__all__ = ["CALIBRATION_VERSION", "MEASURED_ERROR_RATIO", "ComputeEstimate", "compute_buffers", "split_compute_buffers"]
 
-CALIBRATION_VERSION = "compute-8"
+CALIBRATION_VERSION = "compute-9"
 #: Largest relative error of the model against llama-server's reported compute buffers in calibration.
 MEASURED_ERROR_RATIO = 0.25
 
@@ -132,6 +133,14 @@ INPLACE_OPS = frozenset({"add", "mul", "rms_norm", "rope", "unary", "scale", "so
 #: Architectures whose MTP draft graph `_gated_mtp_draft` describes (Qwen3.5's dense `graph_mtp`).
 GATED_MTP_DRAFT = frozenset({"qwen35"})
 HOST_EMBD_FACTOR = 2  # with GPUs: token embeddings looked up on the host, and their copy for upload
+#: A split over RPC devices (compute-9): a member's graph starts from the residual stream the previous device
+#: sent, so it holds three n_embd-wide rows fewer than the host's, which looks the token embeddings up
+#: (fitted on llama widths 128-512 wide, n_ff 256-1024: exact to 0.01 MiB on every member with two blocks or more).
+REMOTE_FEWER_EMBD_ROWS = 3
+#: A member holding one dense block frees its mask copy after the attention (its last reader), so its peak is
+#: the larger of the mask with the attention's rows and the FFN's rows without the mask (fitted as above).
+SINGLE_BLOCK_ATTENTION_ROWS = 4
+SINGLE_BLOCK_FFN_ROWS = 2
 #: An embedding or rerank graph (`--embeddings`) outputs every token of the micro-batch: the final norm's output
 #: (an output tensor, kept to the end for the pooling) and, above it, the logits of every token (llama.cpp
 #: computes them for a pooled model too), where a generation graph has only a few outputs. The norm's output
@@ -207,7 +216,11 @@ def _layer_peak(
     flash_attn: bool,
     n_outputs: int,
     pooled: bool = False,
+    fewer_embd_rows: int = 0,
+    with_output: bool = True,
 ) -> int:
+    """The largest per-layer stage over `layers`. `fewer_embd_rows`: n_embd-wide rows a split's member does
+    not hold (`REMOTE_FEWER_EMBD_ROWS`); `with_output`: whether the output stage is in this graph."""
     t = shape.n_ubatch
     n_embd = geometry.n_embd
     attention = [layer for layer in layers if layer.attention or layer.nextn]
@@ -218,7 +231,7 @@ def _layer_peak(
         ungated = geometry.architecture in UNGATED_EXPERTS and not geometry.n_expert
         factor = SEQUENTIAL_FFN_ROWS.get(geometry.architecture, UNGATED_FFN_FACTOR if ungated else FFN_FACTOR)
         ffn_rows = factor * _legacy_n_ff(geometry, layers)
-    embd_rows = EMBD_FACTOR + (1 if geometry.architecture in PARALLEL_BLOCK else 0)
+    embd_rows = EMBD_FACTOR + (1 if geometry.architecture in PARALLEL_BLOCK else 0) - fewer_embd_rows
     activation = 4 * t * (ffn_rows + embd_rows * n_embd)
     if geometry.recurrent_kind == "mamba" and any(layer.recurrent for layer in layers):
         width = 2 * geometry.ssm_d_inner + 2 * geometry.ssm_n_group * geometry.ssm_d_state + geometry.ssm_dt_rank
@@ -259,8 +272,11 @@ def _layer_peak(
         n_head = max(layer.n_head for layer in attention)
         kv_width = max(layer.k_width for layer in attention)
         n_kv = max(shape.swa_cells if layer.swa else shape.n_ctx_seq for layer in attention)
-        scores = 4 * n_kv * t * n_head + 4 * t * (SCORE_EMBD_FACTOR * n_embd + SCORE_KV_FACTOR * kv_width)
-    if pooled:
+        score_rows = SCORE_EMBD_FACTOR - fewer_embd_rows
+        scores = 4 * n_kv * t * n_head + 4 * t * (score_rows * n_embd + SCORE_KV_FACTOR * kv_width)
+    if not with_output:
+        output = 0
+    elif pooled:
         output = _pooled_output_stage(geometry, t, flash_attn=flash_attn)
     else:
         output = _output_stage(geometry, t, n_outputs)
@@ -471,6 +487,61 @@ def _gated_mtp_draft(geometry: ModelGeometry, nextn: list[LayerGeometry], shape:
         ("logits", "mul_mat", 4 * n_out * geometry.n_vocab, ("head_rows",)),
     ]
     return _graph_peak(inputs, nodes, frozenset({"h_nextn", "logits"}))
+
+
+def split_compute_buffers(
+    geometry: ModelGeometry,
+    shape: ContextShape,
+    devices: Sequence[int],
+    *,
+    flash_attn: bool,
+    n_outputs: int,
+) -> dict[int, int]:
+    """The modelled compute buffer of each device of a split over RPC devices (compute-9), by device index of
+    `devices` (a block's device, then the output layer's, as `weights.layer_devices` gives them; -1 the host).
+
+    `ggml_backend_sched` gives each device the part of the graph whose weights it holds, and copies into it the
+    inputs that part reads. The host creates every graph input, so its buffer holds every mask, beside the
+    stage of its own blocks (the token embedding rows with them). A member holds its blocks' stage without
+    the host's input rows (`REMOTE_FEWER_EMBD_ROWS`) and a copy of the masks its attention layers read; with a
+    single dense block, its mask is freed after the attention, before the FFN rows are placed
+    (`SINGLE_BLOCK_*`). The output stage is on the output layer's device. Measured on dense, SWA and hybrid
+    tiny models, 1-3 members, 1-4 slots, flash attention on and off (`tests/e2e/test_memory_exact_rpc.py`).
+    """
+    t = shape.n_ubatch
+    loaded = [layer for layer in geometry.layers if not layer.nextn]
+    out_dev = devices[geometry.n_layer]
+    result: dict[int, int] = {}
+    for dev in sorted(set(devices)):
+        blocks = [layer for layer in loaded if devices[layer.index] == dev]
+        has_output = dev == out_dev
+        if dev < 0:
+            attention = [layer for layer in loaded if layer.attention]
+            masks = _masks(attention, shape, flash_attn=flash_attn)
+            if not blocks:
+                result[dev] = masks + 4 * t * HOST_EMBD_FACTOR * 2 * geometry.n_embd
+                continue
+            result[dev] = masks + _layer_peak(
+                geometry, blocks, shape, flash_attn=flash_attn, n_outputs=n_outputs, with_output=has_output
+            )
+            continue
+        if not blocks:
+            if has_output:
+                result[dev] = _output_stage(geometry, t, n_outputs)
+            continue
+        masks = _masks([layer for layer in blocks if layer.attention], shape, flash_attn=flash_attn)
+        first = blocks[0]
+        if len(blocks) == 1 and flash_attn and first.attention and not first.recurrent and not first.n_ff_exp:
+            attention_stage = masks + 4 * t * SINGLE_BLOCK_ATTENTION_ROWS * geometry.n_embd
+            ffn_stage = 4 * t * (SINGLE_BLOCK_FFN_ROWS * first.n_ff + SINGLE_BLOCK_ATTENTION_ROWS * geometry.n_embd)
+            output = _output_stage(geometry, t, n_outputs) if has_output else 0
+            result[dev] = max(attention_stage, ffn_stage, output)
+            continue
+        result[dev] = masks + _layer_peak(
+            geometry, blocks, shape, flash_attn=flash_attn, n_outputs=n_outputs,
+            fewer_embd_rows=REMOTE_FEWER_EMBD_ROWS, with_output=has_output,
+        )  # fmt: skip
+    return result
 
 
 def compute_buffers(

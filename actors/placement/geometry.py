@@ -569,6 +569,7 @@ def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
         raise GeometryError(f"{arch} has an empty recurrent state (check its ssm/wkv keys)")
 
     layer_bytes = _layer_tensor_bytes(header, n_layer_all)
+    layer_padded = _layer_padded_bytes(header, n_layer_all)
     layer_repack, output_repack = repack_groups(header, n_layer_all)
     layers: list[LayerGeometry] = []
     for il in range(n_layer_all):
@@ -598,6 +599,7 @@ def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
                 s_width=draft.s_width if recurrent else 0,
                 n_ff=draft.n_ff[il],
                 tensor_bytes=layer_bytes[il],
+                padded_bytes=layer_padded[il],
                 head_k=layer_head_k,
                 head_v=layer_head_v,
                 n_ff_exp=draft.n_ff_exp[il],
@@ -609,6 +611,7 @@ def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
         raise GeometryError(f"{arch} declares a sliding window but no layer slides")
 
     input_bytes, output_bytes, token_embd_bytes, has_output = _global_tensor_bytes(header)
+    output_padded, token_embd_padded = _global_padded_bytes(header)
     pooling = meta.uint("pooling_type", _NO_POOLING)
     if pooling != _NO_POOLING and pooling not in _POOLING_TYPES:
         raise GeometryError(f"{arch}.pooling_type {pooling} is not a llama.cpp pooling type (0-4)")
@@ -638,6 +641,8 @@ def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
         output_tensor_bytes=output_bytes,
         tied_output=not has_output,
         token_embd_bytes=token_embd_bytes,
+        output_padded_bytes=output_padded,
+        token_embd_padded_bytes=token_embd_padded,
         file_size=header.file_size,
         output_repack=output_repack,
         pooling=_POOLING_TYPES.get(pooling, ""),
@@ -693,6 +698,39 @@ def _layer_tensor_bytes(header: GGUFHeader, n_layer_all: int) -> list[int]:
             raise GeometryError(f"tensor block blk.{index} is beyond block_count ({n_layer_all})")
         out[index] = n_bytes
     return out
+
+
+#: The alignment of an allocated CPU buffer (`TENSOR_ALIGNMENT`): where weights are copied into a buffer rather
+#: than mapped (an RPC server's device), each tensor takes its bytes rounded up to it.
+BUFFER_ALIGNMENT = 32
+
+
+def _padded(n_bytes: int) -> int:
+    return -(-n_bytes // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
+
+
+def _layer_padded_bytes(header: GGUFHeader, n_layer_all: int) -> list[int]:
+    """Per block, the sum of its tensors' bytes each rounded up to `BUFFER_ALIGNMENT`."""
+    out = [0] * n_layer_all
+    for t in header.tensors:
+        m = _LAYER_TENSOR.match(t.name)
+        if m is not None and int(m.group(1)) < n_layer_all:  # beyond block_count: refused by _layer_tensor_bytes
+            out[int(m.group(1))] += _padded(t.n_bytes)
+    return out
+
+
+def _global_padded_bytes(header: GGUFHeader) -> tuple[int, int]:
+    """(output tensors, token_embd) with each tensor's bytes rounded up to `BUFFER_ALIGNMENT`."""
+    output = token_embd = 0
+    for t in header.tensors:
+        if _LAYER_TENSOR.match(t.name):
+            continue
+        if _INPUT_TENSOR.match(t.name):
+            if t.name == "token_embd.weight":
+                token_embd = _padded(t.n_bytes)
+        else:
+            output += _padded(t.n_bytes)
+    return output, token_embd
 
 
 #: llama.cpp's pooling types as a header stores them (`llama_pooling_type`), and the value meaning none given.

@@ -107,6 +107,7 @@ class Budgets:
 
     gpus: tuple[int, ...] = ()
     host: int | None = None
+    rpc: tuple[int, ...] = ()  # one per RPC device of a split (a member's memory), in `--rpc` order
 
 
 def estimate(
@@ -120,6 +121,7 @@ def estimate(
     cpu_features: Iterable[str] | None = None,
     draft: ModelGeometry | None = None,
     projector: ProjectorGeometry | None = None,
+    rpc_devices: int = 0,
 ) -> MemoryBreakdown:
     """The breakdown for `-c n_ctx` with `settings`; with `budgets`, also `fits` and `max_context`.
 
@@ -129,15 +131,20 @@ def estimate(
     decide the repacked weights of a CPU-only layout; None (unknown) sizes the largest repack any CPU needs.
     `draft` is a draft model's geometry (`--model-draft`), for "draft-simple" speculation; `projector` a
     multimodal projector's (`--mmproj`).
+
+    `rpc_devices` > 0 sizes a split over llama.cpp's RPC backend (`--rpc`): llama.cpp puts RPC devices before
+    the node's GPUs, so the first `rpc_devices` weights of `gpu_split` are theirs (`-ts`, in `--rpc` order) and
+    their figures are the breakdown's devices "RPC0", "RPC1", …; each is a member's host memory, where its
+    `ggml-rpc-server` allocates a buffer per kind (model, KV, recurrent state, compute).
     """
     features = None if cpu_features is None else frozenset(cpu_features)
-    breakdown = _estimate(geometry, settings, n_ctx, n_gpu_layers, gpu_split, features, draft, projector)
+    breakdown = _estimate(geometry, settings, n_ctx, n_gpu_layers, gpu_split, features, draft, projector, rpc_devices)
     if budgets is None:
         return breakdown
     devices = tuple(_with_budget(d, budgets) for d in breakdown.devices)
     fits = all(d.fits is not False for d in devices)
     ceiling = _max_context_cached(
-        geometry, settings, budgets, n_gpu_layers, tuple(gpu_split), features, draft, projector
+        geometry, settings, budgets, n_gpu_layers, tuple(gpu_split), features, draft, projector, rpc_devices
     )
     return _replace(breakdown, devices=devices, fits=fits, max_context=ceiling)
 
@@ -147,8 +154,9 @@ def _with_budget(device: DeviceMemory, budgets: Budgets) -> DeviceMemory:
     if device.device == "CPU":
         budget = budgets.host
     else:
+        pool = budgets.rpc if device.device.startswith("RPC") else budgets.gpus
         index = int(device.device[3:])
-        budget = budgets.gpus[index] if index < len(budgets.gpus) else None
+        budget = pool[index] if index < len(pool) else None
     if budget is None:
         return device
     return _replace(device, budget_bytes=budget, fits=device.total_bytes <= budget)
@@ -172,6 +180,7 @@ def max_context(
     cpu_features: Iterable[str] | None = None,
     draft: ModelGeometry | None = None,
     projector: ProjectorGeometry | None = None,
+    rpc_devices: int = 0,
 ) -> int | None:
     """The largest `-c` llama-server would accept that fits every budget, or None if none does.
 
@@ -179,7 +188,9 @@ def max_context(
     node's budgets stay put (between telemetry reports and ledger changes), so answers are memoised.
     """
     features = None if cpu_features is None else frozenset(cpu_features)
-    return _max_context_cached(geometry, settings, budgets, n_gpu_layers, tuple(gpu_split), features, draft, projector)
+    return _max_context_cached(
+        geometry, settings, budgets, n_gpu_layers, tuple(gpu_split), features, draft, projector, rpc_devices
+    )
 
 
 @functools.lru_cache(maxsize=512)
@@ -192,6 +203,7 @@ def _max_context_cached(
     cpu_features: frozenset[str] | None,
     draft: ModelGeometry | None = None,
     projector: ProjectorGeometry | None = None,
+    rpc_devices: int = 0,
 ) -> int | None:
     """Candidates are the contexts llama.cpp can actually build: multiples of 256 when unified, multiples
     of 256 x slots otherwise (each slot's stream is padded to 256 cells). Memory grows with the context, so
@@ -199,7 +211,9 @@ def _max_context_cached(
     step = CELL_PAD if settings.kv_unified else CELL_PAD * settings.slots
 
     def fits(k: int) -> bool:
-        breakdown = _estimate(geometry, settings, k * step, n_gpu_layers, gpu_split, cpu_features, draft, projector)
+        breakdown = _estimate(
+            geometry, settings, k * step, n_gpu_layers, gpu_split, cpu_features, draft, projector, rpc_devices
+        )
         return _fits(breakdown, budgets)
 
     if not fits(1):
@@ -218,6 +232,40 @@ def _max_context_cached(
     return lo * step
 
 
+def device_name(index: int, rpc_devices: int = 0) -> str:
+    """A device's name in a breakdown: -1 is the host ("CPU"), then the RPC devices ("RPC0", …) and the GPUs
+    ("GPU0", …), in llama.cpp's device order."""
+    if index < 0:
+        return "CPU"
+    return f"RPC{index}" if index < rpc_devices else f"GPU{index - rpc_devices}"
+
+
+def _validate_split(
+    geometry: ModelGeometry,
+    settings: ServingSettings,
+    n_gpu_layers: int,
+    gpu_split: Sequence[float],
+    rpc_devices: int,
+    mtp: bool,
+    draft_model: ModelGeometry | None,
+    projector: ProjectorGeometry | None,
+) -> None:
+    """What a split over RPC devices is sized for: the host keeps its first block, so llama.cpp does not turn
+    pipeline parallelism on (it does when every layer is offloaded, with graph copies that are not modelled);
+    no draft, MTP context, projector or pooled server (their buffers over a split are not measured)."""
+    if len(gpu_split) < rpc_devices:
+        raise MemoryModelError(f"a split over {rpc_devices} RPC devices needs a tensor split weight for each")
+    if not 0 < n_gpu_layers <= geometry.n_layer:
+        raise MemoryModelError(
+            f"a split over RPC devices offloads 1 to {geometry.n_layer} layers (-ngl), not {n_gpu_layers}: the host "
+            "keeps its first block (with every layer offloaded llama.cpp copies the graph for pipeline parallelism)"
+        )
+    if mtp or draft_model is not None or projector is not None:
+        raise MemoryModelError("a split over RPC devices is not sized with a draft, an MTP context or a projector")
+    if settings.kind in pooled.POOLED_KINDS:
+        raise MemoryModelError("a split over RPC devices is not sized for an embedding or rerank server")
+
+
 def compute_margin(compute_bytes: int) -> int:
     """The named margin for a device's modelled compute buffers: the measured error bound times them."""
     return math.ceil(compute_bytes * compute_model.MEASURED_ERROR_RATIO)
@@ -232,11 +280,14 @@ def _estimate(
     cpu_features: frozenset[str] | None = None,
     draft_model: ModelGeometry | None = None,
     projector: ProjectorGeometry | None = None,
+    rpc_devices: int = 0,
 ) -> MemoryBreakdown:
     flash_attn = settings.flash_attn == "on"
     mtp = validate(geometry, settings, draft_model)
     if projector is not None:
         validate_projector(geometry, projector)
+    if rpc_devices:
+        _validate_split(geometry, settings, n_gpu_layers, gpu_split, rpc_devices, mtp, draft_model, projector)
     types = spec_types(settings)
 
     shape = resolve_context(geometry, settings, n_ctx)
@@ -244,9 +295,16 @@ def _estimate(
     draft, draft_shape = draft_caches(geometry, settings, shape) if mtp else (Caches(), None)
 
     devices = layer_devices(geometry, n_gpu_layers, gpu_split)
-    weights = weights_per_device(geometry, devices, load_nextn=mtp)
-    # with a GPU device the host's weights go to its host buffer type (then, mmap'd, to the plain CPU one)
-    repack = 0 if gpu_split else repack_bytes(geometry, cpu_features, load_nextn=mtp, output_on_host=True)
+    weights = weights_per_device(geometry, devices, load_nextn=mtp, copied=range(rpc_devices))
+    # with a GPU device the host's weights go to its host buffer type (then, mmap'd, to the plain CPU one); RPC
+    # devices have no host buffer type, so with only those the host repacks its own blocks as it would alone
+    repack = 0
+    if len(gpu_split) == rpc_devices:
+        on_host = {il for il in range(geometry.n_layer) if devices[il] < 0}
+        repack = repack_bytes(
+            geometry, cpu_features, load_nextn=mtp, output_on_host=devices[geometry.n_layer] < 0,
+            host_layers=on_host if rpc_devices else None,
+        )  # fmt: skip
 
     n_outputs_max = min(min(n_ctx, settings.batch), settings.slots * (1 + spec_n_max(settings, types)))
     gpu_with_layers = sorted({d for d in devices if d >= 0})
@@ -305,7 +363,8 @@ def _estimate(
     def add(dev: int, key: str, n_bytes: int, alignment: int | None = None) -> None:
         if n_bytes <= 0:
             return
-        align = alignment or (CPU_ALIGNMENT if dev < 0 else GPU_ALIGNMENT)
+        # an RPC device is a member's host memory: its CPU backend's alignment
+        align = alignment or (CPU_ALIGNMENT if dev < rpc_devices else GPU_ALIGNMENT)
         slot = per_device.setdefault(dev, {})
         slot[key] = slot.get(key, 0) + pad(n_bytes, align)
 
@@ -327,7 +386,15 @@ def _estimate(
     for table in (target.recurrent_r, target.recurrent_s):  # R and S are separate tensors
         for il, n_bytes in table.items():
             add(devices[il], "recurrent", n_bytes)
-    if gpu_with_layers:
+    if rpc_devices:
+        # a split: each device reserves the part of the graph whose weights it holds (`split_compute_buffers`)
+        n_outputs = min(shape.n_ubatch, max(1, n_outputs_max))
+        split = compute_model.split_compute_buffers(
+            geometry, shape, devices, flash_attn=flash_attn, n_outputs=n_outputs
+        )
+        for dev, n_bytes in split.items():
+            add(dev, "compute", n_bytes)
+    elif gpu_with_layers:
         # each GPU holding layers reserves the graph for them; the host keeps the embedding lookup
         for dev in gpu_with_layers:
             add(dev, "compute", compute.device)
@@ -352,7 +419,7 @@ def _estimate(
         placed = [il for il in range(geometry.n_layer) if devices[il] == dev]
         device_list.append(
             DeviceMemory(
-                device="CPU" if dev < 0 else f"GPU{dev}",
+                device=device_name(dev, rpc_devices),
                 weights_bytes=slot.get("weights", 0),
                 repack_bytes=slot.get("repack", 0),
                 kv_bytes=slot.get("kv", 0),

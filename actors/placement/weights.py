@@ -20,7 +20,7 @@ Pure core: no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 import numpy as np
 
@@ -76,18 +76,24 @@ def repacked(group: RepackGroup, cpu_features: frozenset[str]) -> bool:
 
 
 def repack_bytes(
-    geometry: ModelGeometry, cpu_features: Iterable[str] | None, *, load_nextn: bool, output_on_host: bool
+    geometry: ModelGeometry,
+    cpu_features: Iterable[str] | None,
+    *,
+    load_nextn: bool,
+    output_on_host: bool,
+    host_layers: Container[int] | None = None,
 ) -> int:
-    """Bytes of the `CPU_REPACK` model buffer for a model whose layers are all on the host.
+    """Bytes of the `CPU_REPACK` model buffer for the blocks on the host (`host_layers`; None: all of them).
 
     `cpu_features` are the llama.cpp CPU backend's features; None means unknown, sized as the largest any
-    CPU could need. A build made without the repack buffer (`GGML_CPU_REPACK=OFF`) allocates less.
+    CPU could need. A build made without the repack buffer (`GGML_CPU_REPACK=OFF`) allocates less. A split
+    over RPC devices (which have no host buffer type) repacks the host's own blocks, as a host alone does.
     """
     features = ANY_CPU if cpu_features is None else frozenset(cpu_features)
     total = 0
     groups: list[RepackGroup] = []
     for layer in geometry.layers:
-        if layer.nextn and not load_nextn:
+        if (layer.nextn and not load_nextn) or (host_layers is not None and layer.index not in host_layers):
             continue
         groups.extend(layer.repack)
     if output_on_host:
@@ -123,19 +129,28 @@ def layer_devices(geometry: ModelGeometry, n_gpu_layers: int, gpu_split: Sequenc
     return [-1] * start + [int(d) for d in offloaded] + [-1] * (n_all + 1 - start - act)
 
 
-def weights_per_device(geometry: ModelGeometry, devices: Sequence[int], *, load_nextn: bool) -> dict[int, int]:
+def weights_per_device(
+    geometry: ModelGeometry, devices: Sequence[int], *, load_nextn: bool, copied: Container[int] = ()
+) -> dict[int, int]:
     """Tensor bytes per device: blocks where their layer lives, embeddings on the host, output tensors on
-    the output layer's device (plus a copy of tied embeddings there when that is a GPU)."""
+    the output layer's device (plus a copy of tied embeddings there when that is a GPU or an RPC device).
+
+    Devices in `copied` hold their tensors in a buffer allocated for them (an RPC server's), where each tensor
+    takes its bytes rounded up to the buffer's 32-byte alignment; the host maps its tensors from the file."""
+
+    def size(dev: int, exact: int, padded: int) -> int:
+        return padded if dev in copied and padded else exact
+
     out: dict[int, int] = {-1: geometry.input_tensor_bytes}
     for layer in geometry.layers:
         if layer.nextn and not load_nextn:
             continue  # llama.cpp skips the MTP tensors unless an MTP context is requested
         dev = devices[layer.index]
-        out[dev] = out.get(dev, 0) + layer.tensor_bytes
+        out[dev] = out.get(dev, 0) + size(dev, layer.tensor_bytes, layer.padded_bytes)
     out_dev = devices[geometry.n_layer]
-    out[out_dev] = out.get(out_dev, 0) + geometry.output_tensor_bytes
+    out[out_dev] = out.get(out_dev, 0) + size(out_dev, geometry.output_tensor_bytes, geometry.output_padded_bytes)
     if geometry.tied_output and out_dev >= 0:
-        out[out_dev] += geometry.token_embd_bytes
+        out[out_dev] += size(out_dev, geometry.token_embd_bytes, geometry.token_embd_padded_bytes)
     return out
 
 

@@ -10,6 +10,8 @@ implementations the server set up (type and draft length), which its `/props` do
 CPU backend's features from its `system_info` line (they decide which weights it repacks), and a multimodal
 projector's lines (`--mmproj`: which backend its CLIP context uses, its type, its tensors' size, and its
 compute buffer once an image reserved it).
+A split over llama.cpp's RPC backend (`--rpc`) names each remote device's buffers `RPC<d>[HOST:PORT]` (`d`: the
+device's index on that server); `remote_devices` gathers them per endpoint.
 
 Input is the log text as the server wrote it: plain lines with or without the `M.SS.mmm.uuu L ` time and
 level prefix, ANSI colours, or `--log-jsonl` records (whose `msg` is parsed the same way). Anything else is
@@ -36,10 +38,12 @@ __all__ = [
     "KvCacheLine",
     "ProjectorAllocation",
     "RecurrentLine",
+    "RemoteDevice",
     "SpeculativeImpl",
     "parse_allocation_log",
     "printed_mib",
     "printed_mib_f32",
+    "remote_devices",
 ]
 
 MIB = 1 << 20
@@ -170,6 +174,52 @@ class AllocationLog:
     def draft(self) -> ContextAllocation | None:
         """The MTP/draft context, when the server created one."""
         return self.contexts[1] if len(self.contexts) > 1 else None
+
+
+@dataclass
+class RemoteDevice:
+    """What a split's server printed for one RPC device (a member's `ggml-rpc-server`), MiB as printed: its model
+    buffer, each cache's buffer in order (KV caches, a sliding-window model's SWA cache second, then the
+    recurrent state), and its compute buffer (the largest the serving context reserved)."""
+
+    endpoint: str  # HOST:PORT as given to --rpc
+    device: int  # the device's index on that server
+    model_mib: Decimal = Decimal(0)
+    cache_mib: list[Decimal] = field(default_factory=list)
+    compute_mib: Decimal | None = None
+
+    @property
+    def caches_mib(self) -> Decimal:
+        return sum(self.cache_mib, Decimal(0))
+
+
+_RPC_BUFFER = re.compile(r"^RPC(\d+)\[([^\]\s]+)\]$")
+
+
+def remote_devices(log: AllocationLog) -> dict[str, RemoteDevice]:
+    """The RPC devices of a split, by buffer name (`RPC0[127.0.0.1:50052]`), from the model's buffers and the
+    serving context's caches and compute buffers; a draft or MTP context is not counted here."""
+    out: dict[str, RemoteDevice] = {}
+
+    def device(name: str) -> RemoteDevice | None:
+        m = _RPC_BUFFER.match(name)
+        if m is None:
+            return None
+        return out.setdefault(name, RemoteDevice(endpoint=m.group(2), device=int(m.group(1))))
+
+    for name, mib in log.model_buffers.items():
+        if (remote := device(name)) is not None:
+            remote.model_mib += mib
+    target = log.target
+    if target is not None:
+        buffers = [line.buffers for line in target.kv] + [line.buffers for line in target.recurrent]
+        for name, mib in (buffer for line in buffers for buffer in line):
+            if (remote := device(name)) is not None:
+                remote.cache_mib.append(mib)
+        for name, mib in target.compute_buffers.items():
+            if (remote := device(name)) is not None:
+                remote.compute_mib = mib
+    return out
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
