@@ -9,7 +9,10 @@ The decisions are `actors.runner.booking`'s; this module reads and writes the bu
   node's ledger (`reservation_released`, reason `instance_gone`) instead of when placement's reconcile notices.
 - `keep_booked`, every few seconds while the runner lives: an instance whose reservation is missing from the
   ledger (released while the runner could not refresh its records) is booked again, or stopped when it no
-  longer fits (see `booking.py` for which and why).
+  longer fits (see `booking.py` for which and why); and a record of this node that says an instance is live
+  when this runner drives no such instance is removed (`drop_phantoms`): records normally go by their TTL,
+  but a NATS server killed with -9 brought records purged before its crash back from its store, their TTLs
+  no longer running (benchmarks/chaos.py), and they would have listed a dead instance for ever.
 
 Both are best effort against a bus that may be away: a failure is logged and tried again (the next
 incarnation, the next pass), never a crash of the runner.
@@ -28,12 +31,15 @@ from actors.placement.reservations import apply
 from actors.runner.admission import Refusal
 from actors.runner.booking import Live, Rebook, lapsed, orphaned, rebook
 from actors.runner.preflight import NodeState
+from actors.runner.records import FINAL_STATES
 from messages.events import ReservationRebooked, ReservationReleased
+from messages.runner import InstanceStatus
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import ActorContext
+from runtime.bus import BadMessage, decode_checked
 
-__all__ = ["MARKER_TTL_S", "check_bookings", "clear_predecessor", "keep_booked"]
+__all__ = ["MARKER_TTL_S", "check_bookings", "clear_predecessor", "drop_phantoms", "keep_booked"]
 
 #: How long the delete marker of a predecessor's record stays (watchers see it, then it goes).
 MARKER_TTL_S = 60.0
@@ -107,15 +113,50 @@ async def keep_booked(
     *,
     interval_s: float,
 ) -> None:
-    """Every `interval_s`: books again what runs without a booking, or stops it (`stop(instance, reason)`)."""
+    """Every `interval_s`: books again what runs without a booking, or stops it (`stop(instance, reason)`), and
+    removes this node's records of instances it does not drive."""
     while True:
         await asyncio.sleep(interval_s)
+        try:
+            dropped = await drop_phantoms(ctx, node.node_id, lambda: {i.instance_id for i in live()})
+        except (nats.errors.Error, TimeoutError) as exc:  # the bus is away: the next pass tries again
+            ctx.log.warning("records_not_checked", error=repr(exc))
+        else:
+            if dropped:
+                ctx.log.warning("phantom_records_removed", records=dropped)
         if not any(True for _ in live()):
             continue  # nothing runs here: nothing to book (and no bucket read on an idle node)
         try:
             await check_bookings(ctx, node, live, stop, clock)
         except (nats.errors.Error, TimeoutError, Refusal) as exc:  # the bus is away: the next pass tries again
             ctx.log.warning("bookings_not_checked", error=repr(exc))
+
+
+async def drop_phantoms(ctx: ActorContext, node_id: str, driven: Callable[[], set[str]]) -> list[str]:
+    """Removes the records of this node in a live state (not stopped, failed or rejected) whose instance this
+    runner does not drive; returns their keys. A final record is kept (it says how an instance ended, for its
+    TTL). `driven` is asked after each record is read: a driver writes its record only once it exists."""
+    kv = await buckets.instances(ctx.bus, ctx.subjects)
+    root = f"$KV.{ctx.subjects.instances_bucket}."
+    prefix = ctx.subjects.instance_key(node_id, "")
+    info = await ctx.bus.js.stream_info(f"KV_{ctx.subjects.instances_bucket}", subjects_filter=f"{root}{prefix}*")
+    phantoms: list[str] = []
+    for key in sorted(subject.removeprefix(root) for subject in info.state.subjects or {}):
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:  # deleted, purged or expired meanwhile
+            continue
+        if not entry.value:
+            continue
+        try:
+            status = decode_checked(entry.value, InstanceStatus, f"instance record {key}")
+        except BadMessage:  # not a record this runner can judge: left for an operator (and its TTL)
+            continue
+        if status.state not in FINAL_STATES and status.id not in driven():
+            phantoms.append(key)
+    for key in phantoms:
+        await kv.purge(key, msg_ttl=MARKER_TTL_S)
+    return phantoms
 
 
 async def check_bookings(
