@@ -752,7 +752,12 @@ class ChaosRun:
             + ", ".join(f"{o.reason} {o.seconds:.1f} s {o.source or '-'}" for o in outcomes)
         )
         f.recovered_s = max(o.seconds for o in outcomes)
-        f.ok = all(o.reason == "ok" for o in outcomes) and bool(early) and all(o.source != "l3_peer" for o in early)
+        # Those answered while c was stalled went through a's fetch from c, which gave up: computed, not fetched.
+        # One that reached c's own router waited for c; back, that router held no current report of a (its
+        # clock ran on, the reports had queued) and refused it at once (`no_instance`): clear, not hung.
+        f.ok = (
+            bool(early) and all(o.source != "l3_peer" for o in early) and not any(o.reason == "hung" for o in outcomes)
+        )
 
     async def disk_full(self) -> None:
         c = self.nodes["c"]
@@ -992,6 +997,16 @@ def failed_during(run: ChaosRun, outcome: Outcome) -> str | None:
     return None
 
 
+def covered(windows: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of the windows (they overlap: a fault's recovery time with the next)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(windows):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def report(run: ChaosRun, events: list[dict[str, Any]], journal: dict[str, Any], settled: float | None) -> None:
     outcomes = [o for o in run.outcomes if o.kind not in ("probe", "filler")]
     duration = max((o.started + o.seconds for o in run.outcomes), default=0.0)
@@ -1015,10 +1030,9 @@ def report(run: ChaosRun, events: list[dict[str, Any]], journal: dict[str, Any],
     # Load held: the answer rate while a fault or its recovery runs, over the rate in quiet periods (the warm-up,
     # the gaps between faults, the tail): the same machine, the same run.
     in_faults = sum(1 for o in ok if failed_during(run, o) is not None)
-    span = sum(min(f.ended + QUIET_AFTER_S, duration) - f.started for f in run.faults)  # windows may overlap
-    quiet_s = max(1.0, duration - min(span, duration))
-    rate_quiet = (len(ok) - in_faults) / quiet_s
-    rate_faults = in_faults / max(1.0, min(span, duration))
+    span = covered([(f.started, min(f.ended + QUIET_AFTER_S, duration)) for f in run.faults])
+    rate_quiet = (len(ok) - in_faults) / max(1.0, duration - span)
+    rate_faults = in_faults / max(1.0, span)
     print(f"  load held: {rate_faults:.2f} answered/s in fault windows vs {rate_quiet:.2f} in quiet periods "
           f"= {rate_faults / rate_quiet if rate_quiet else 0:.2f}x")  # fmt: skip
     sources = Counter(o.source for o in run.outcomes if o.reason == "ok" and o.source)
