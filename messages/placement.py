@@ -40,7 +40,7 @@ RejectReason = Literal[
     "no_nodes",  # no node is eligible at all
     "reservation_conflict",  # another placement took the memory first, repeatedly
     "ledger_unreadable",  # the node's reservation ledger does not decode: nothing is booked there
-    "multi_node_unsupported",  # the request allows a split over nodes: split (RPC) serving is not built
+    "multi_node_unsupported",  # no longer given (split serving is admitted); kept so old journals decode
     "hold_too_long",  # hold_s is over the placement node's maximum (`--max-hold`)
     "over_client_share",  # the requesting client would hold more of the node than its share (`--client-share`)
 ]
@@ -91,7 +91,7 @@ class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     nodes: Annotated[tuple[NodeId, ...], msgspec.Meta(max_length=MAX_REQUEST_NODES)] = ()  # only these (default: any)
     settings: PreferredSettings | None = None
     n_gpu_layers: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -ngl; -1 = all layers on GPUs when there are GPUs
-    allow_multi_node: bool = False  # true is refused (multi_node_unsupported): split serving is not built
+    allow_multi_node: bool = False  # split over nodes (llama.cpp RPC) when no node holds the model alone
     # A reservation no runner claimed within this many seconds (on each placement actor's own clock, from when
     # it first saw the reservation) expires; a claimed one is held while its instance lives. Each placement node
     # refuses a hold over its own maximum (`hold_too_long`; `--max-hold`, default 3600 s).
@@ -107,16 +107,33 @@ class Companion(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     digest: str | None = None
 
 
+class RpcMember(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A node lending memory to a split instance: its `ggml-rpc-server` is one RPC device of the head's
+    llama-server (`--rpc`), allocating in that node's `device` (its host memory, "CPU": the server runs with
+    `-d CPU`). `layers`: the [first, last) blocks it holds; `last` equal to the model's block count means it
+    holds the output layer too."""
+
+    node_id: NodeId
+    device: Literal["CPU"] = "CPU"
+    layers: tuple[int, int]
+
+
 class Stamp(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Exactly how the instance must run: the runner pins every field on llama-server's command line."""
+    """Exactly how the instance must run: the runner pins every field on llama-server's command line.
+
+    A split instance (`rpc` not empty) runs on its head node with `--rpc` naming each member's RPC server in
+    `rpc` order, `-ngl n_gpu_layers` and `-ts gpu_split` (one weight per RPC device, in the same order, then
+    one per GPU of the head): llama.cpp then puts exactly the blocks each member's `layers` names on it and
+    keeps the first blocks, the token embeddings, the logits and the compute of its own part on the head."""
 
     settings: ServingSettings
     ctx: NonNegative  # -c as passed to llama-server (total cells over all streams)
     n_gpu_layers: int  # -ngl as passed (0 on a node without GPUs)
-    gpu_split: tuple[float, ...] = ()  # --tensor-split, one weight per GPU
+    gpu_split: tuple[float, ...] = ()  # --tensor-split: one weight per GPU (after one per RPC member, if any)
     llama_server_version: str | None = None  # the node's engine build at admission
     draft: Companion | None = None  # --model-draft (with -ngld as -ngl), sized from its own header
     mmproj: Companion | None = None  # --mmproj, sized from its own header
+    rpc: tuple[RpcMember, ...] = ()  # a split's members in --rpc order (empty: the model runs on one node)
 
 
 class DeviceShortfall(msgspec.Struct, frozen=True, kw_only=True):
@@ -134,7 +151,8 @@ class NodeRejection(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class NodePlacement(msgspec.Struct, frozen=True, kw_only=True):
-    """One node's share of an admitted model."""
+    """One node's share of an admitted model. In a split the head comes first (its host and GPUs), then each
+    member, whose breakdown names the device its RPC server allocates in ("CPU": its host memory)."""
 
     node_id: str
     layers: tuple[int, int]  # [first, last) blocks on this node
@@ -172,6 +190,15 @@ ReservationState = Literal["reserved", "starting", "running"]
 LEDGER_KEY_PREFIX = "node."
 
 
+class SplitPart(msgspec.Struct, frozen=True, kw_only=True):
+    """Which split a reservation belongs to: every node of it holds a reservation with the same id in its own
+    ledger, booked together (all or none). The head's part follows the instance (claimed by the head's runner);
+    each member's part is held while the head's part is, and is running once it is."""
+
+    head: str
+    members: tuple[str, ...]  # in --rpc order
+
+
 class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     """Memory held on one node for one admitted instance (or one node's share of a multi-node one)."""
 
@@ -198,6 +225,7 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     # The client user it was booked for (a request from the clients' account, named by nats-server), which
     # its share counts; None for the mesh's own requests (the front door, an admin).
     requester: str | None = None
+    split: SplitPart | None = None  # set on every part of a split instance's booking (multi_node too)
 
 
 class NodeLedger(msgspec.Struct, frozen=True, kw_only=True):

@@ -6,9 +6,10 @@
   the node wrote into it.
 - Ledgers (memory held per node) live in the reservations KV bucket, key `node.<id>`. A decision reads the
   ledgers of the nodes it considers from a watched local copy, decides with the pure core, and writes the
-  chosen node's ledger with compare-and-set on the revision it read. If another placement actor wrote
-  first, it re-reads the bucket and decides again, so two actors never book the same memory; a refusal
-  decided from the local copy is re-checked against the bucket before it is answered.
+  chosen node's ledger with compare-and-set on the revision it read (a split's: every node's, in the order
+  `booking.py` gives, all or none). If another placement actor wrote first, it re-reads the bucket and
+  decides again, so two actors never book the same memory; a refusal decided from the local copy is
+  re-checked against the bucket before it is answered.
 - Everything that happens to a reservation afterwards is decided by `reservations.py` (pure) and written
   with compare-and-set: runner events through a durable JetStream consumer shared by every placement actor
   are the fast path, and a periodic reconcile compares the ledgers with the instance records of the
@@ -38,6 +39,7 @@ from nats.js.object_store import ObjectStore
 
 from actors.placement import decision_records, shares
 from actors.placement.admission import ModelFacts, Outcome, ViewEntry, decide, natural_key, rejected
+from actors.placement.booking import Booking, booking_order
 from actors.placement.fleet import NO_LEDGER, FleetIndex, IndexStats, Inputs, LedgerEntry, snapshot
 from actors.placement.ledger import with_reservation
 from actors.placement.model_reader import ModelProblem, ModelReader
@@ -456,8 +458,9 @@ class PlacementActor(Actor):
             ctx.log.warning("undelivered_release_skipped", decision=decision_id)
 
     async def _undo(self, ctx: ActorContext, booked: tuple[Reservation, ...]) -> None:
-        """Releases the reservations of a decision that was not delivered (only while still unclaimed)."""
-        for done in booked:
+        """Releases the reservations of a decision that was not delivered (only while still unclaimed): a split's
+        members first, its head last, so no member's part is ever left without its head's."""
+        for done in reversed(booking_order(booked)):
             release = Release(done.node_id, done.reservation_id, "undelivered", seen=("reserved", None))
             try:
                 await self._make(ctx, release)
@@ -595,21 +598,34 @@ class PlacementActor(Actor):
         reservations: tuple[Reservation, ...],
         ledgers: Mapping[str, LedgerEntry],
     ) -> bool:
-        written: list[Reservation] = []
-        for reservation in reservations:
+        """Books every part of a decision (`booking.py`: the head's first, all or none). False when another
+        placement wrote one of the ledgers first (what was written is taken back; the caller decides again).
+        A write that fails for another reason is taken back too (it may have landed), then raised."""
+        booking = Booking(reservations)
+        while (reservation := booking.next_write()) is not None:
             node = reservation.node_id
             ledger, revision = ledgers.get(node, (None, 0))
-            new_revision = await self._write_ledger(node, with_reservation(ledger, node, reservation), revision)
+            try:
+                new_revision = await self._write_ledger(node, with_reservation(ledger, node, reservation), revision)
+            except BaseException:
+                await self._take_back(ctx, booking.failed(reservation, uncertain=True))
+                raise
             if new_revision is None:
-                # Lost the race on this node: take back what this booking already wrote (only while still
-                # unclaimed), then let the caller retry.
-                for done in written:
-                    rollback = Release(done.node_id, done.reservation_id, "rolled_back", seen=("reserved", None))
-                    if not await self._make(ctx, rollback, emit=False):
-                        ctx.log.error("rollback_failed", node=done.node_id, reservation=done.reservation_id)
+                await self._take_back(ctx, booking.failed(reservation, uncertain=False))
                 return False
-            written.append(reservation)
+            booking.wrote(reservation)
         return True
+
+    async def _take_back(self, ctx: ActorContext, releases: tuple[Release, ...]) -> None:
+        """Releases what a failed booking wrote (each only while unclaimed); one that fails is left to the
+        reconcile (an orphaned member part) or to its hold (a head part)."""
+        for rollback in releases:
+            try:
+                if not await self._make(ctx, rollback, emit=False):
+                    ctx.log.info("rollback_not_needed", node=rollback.node, reservation=rollback.reservation_id)
+            except (nats.errors.Error, TimeoutError) as exc:
+                ctx.log.error("rollback_failed", node=rollback.node, reservation=rollback.reservation_id,
+                              error=repr(exc))  # fmt: skip
 
     # --- reservation lifecycle ------------------------------------------------------------------------
 
@@ -698,6 +714,9 @@ class PlacementActor(Actor):
     async def reconcile(self, ctx: ActorContext) -> None:
         """One pass: compares every ledger with the instance records and the view, and writes what the
         core says should change. Failures are logged and retried by the next pass."""
+        # a split's parts are judged against each other: every ledger as watched (in the bucket's order, so a
+        # member's part is never seen without the head's part it was booked after)
+        ledgers = {name: ledger for name, (ledger, revision) in self._ledger_cache.items() if revision >= 0}
         for node, (ledger, revision) in list(self._ledger_cache.items()):
             if ledger is None or revision < 0:
                 continue
@@ -708,6 +727,8 @@ class PlacementActor(Actor):
                 node_started_at=entry.resources.started_at if entry else None,
                 now=self._monotonic(),
                 records_complete=self._records_ready.is_set(),
+                ledgers=ledgers,
+                node_sent_at=entry.resources.sent_at if entry else None,
             )
             for change in changes:
                 try:

@@ -11,9 +11,10 @@ Rules this module keeps:
 - Each node is sized with the memory model against what its ledger says is available on each device
   (`actors.placement.ledger`); the decision carries the breakdown per device, need and have.
 - One node is chosen: among the nodes that fit, the one left with the most headroom on its tightest
-  device (ties by node id in natural order: gpu-1 < gpu-2 < gpu-10), so load spreads. A model is never
-  split over nodes: split (RPC) serving is not built, so a request that allows it is refused
-  (`multi_node_unsupported`) rather than admitted to something no runner can start.
+  device (ties by node id in natural order: gpu-1 < gpu-2 < gpu-10), so load spreads. A model is split over
+  nodes (llama.cpp's RPC backend, `actors.placement.split`) only when the request allows it and no node fits
+  alone: the decision then names the head and its members, a breakdown per node, and books a reservation on
+  every member's ledger with the same id (`Reservation.split`), all of them or none (`booking.py`).
 - Without `ctx`, or with `max_ctx`, the context is the largest that fits, capped at the model's
   training context; it is always one llama-server can build (multiples of 256 cells per stream).
 - What the server is for (generation, embeddings, reranking) is asked for or read from the model's header
@@ -42,6 +43,7 @@ from actors.placement.memory import (
     estimate,
     max_context,
 )
+from actors.placement.split import Lender, SplitFit, best_split, node_share
 from messages.memory import DeviceMemory, MemoryBreakdown
 from messages.model import ModelGeometry, ProjectorGeometry
 from messages.placement import (
@@ -56,6 +58,8 @@ from messages.placement import (
     PreferredSettings,
     RejectReason,
     Reservation,
+    RpcMember,
+    SplitPart,
     Stamp,
 )
 from messages.settings import ServingSettings
@@ -322,15 +326,6 @@ def decide(
     """`unreadable` names nodes whose ledger could not be read: nothing is booked on them."""
     geometry = model.geometry
     request = pooled.resolved_request(request, geometry)  # an embedding or rerank model by its header
-    if request.allow_multi_node:
-        message = (
-            "allow_multi_node: splitting a model over several nodes (llama.cpp RPC serving) is not built, and "
-            "no runner would start such a placement; ask without allow_multi_node"
-        )
-        refusal = rejected(
-            request, "multi_node_unsupported", message, decision_id=decision_id, now=now, dry_run=dry_run, view=view
-        )
-        return Outcome(msgspec.structs.replace(refusal, architecture=geometry.architecture, model_digest=model.digest))
     eligible, rejections = _eligible(request, view, now, unreadable)
     haves = {e.resources.node_id: available(e.resources, ledgers.get(e.resources.node_id), now) for e in eligible}
     fits: list[Fit] = []
@@ -346,10 +341,126 @@ def decide(
         else:
             fits.append(result)
 
+    if not fits and request.allow_multi_node:
+        split, why = _split(request, model, eligible, haves)
+        if split is not None:
+            return conclude_split(
+                request, model, view, split, rejections, now=now, decision_id=decision_id,
+                reservation_id=reservation_id, dry_run=dry_run,
+            )  # fmt: skip
+        outcome = conclude(
+            request, model, view, fits, rejections, now=now, decision_id=decision_id, reservation_id=reservation_id,
+            dry_run=dry_run,
+        )  # fmt: skip
+        message = f"{outcome.decision.message}; and no split: {why}"
+        return Outcome(msgspec.structs.replace(outcome.decision, message=message))
+
     return conclude(
         request, model, view, fits, rejections, now=now, decision_id=decision_id, reservation_id=reservation_id,
         dry_run=dry_run,
     )  # fmt: skip
+
+
+def _split(
+    request: PlacementRequest, model: ModelFacts, eligible: Sequence[ViewEntry], haves: Mapping[str, Mapping[str, int]]
+) -> tuple[SplitFit | None, str]:
+    """The best split over the eligible nodes, or None and why there is none."""
+    if model.draft is not None or model.projector is not None:
+        return None, "a split is not sized with a draft model or a projector"
+    # the request's n_gpu_layers is for one node: a split plans its own -ngl (the members take what the head does not)
+    lenders = [Lender(e.resources, haves[e.resources.node_id], e.revision) for e in eligible]
+    settings_of = {e.resources.node_id: settings_on(e.resources, request.settings) for e in eligible}
+    return best_split(model.geometry, settings_of, lenders, ctx=request.ctx, max_ctx=request.max_ctx)
+
+
+def conclude_split(
+    request: PlacementRequest,
+    model: ModelFacts,
+    view: Mapping[str, ViewEntry],
+    split: SplitFit,
+    rejections: Sequence[NodeRejection],
+    *,
+    now: float,
+    decision_id: str,
+    reservation_id: str,
+    dry_run: bool,
+) -> Outcome:
+    """An admitted split: the stamp the head runs with, a placement and a reservation per node (the head first)."""
+    geometry = model.geometry
+    head = split.head.node
+    members = tuple(
+        RpcMember(node_id=m.node.node_id, layers=layers)
+        for m, layers in zip(split.members, split.layers[1:], strict=True)
+    )
+    stamp = Stamp(
+        settings=pooled.whole_input(split.settings, split.breakdown.context),
+        ctx=split.ctx,
+        n_gpu_layers=split.n_gpu_layers,
+        gpu_split=split.tensor_split,
+        llama_server_version=head.llama_server.version if head.llama_server else None,
+        rpc=members,
+    )
+    devices = {d.device: d for d in split.breakdown.devices}
+    shares: list[tuple[Lender, tuple[int, int], MemoryBreakdown]] = [
+        (split.head, split.layers[0], node_share(split.breakdown, [devices["CPU"]]))
+    ]
+    for index, (member, layers) in enumerate(zip(split.members, split.layers[1:], strict=True)):
+        lent = msgspec.structs.replace(devices[f"RPC{index}"], device="CPU")  # the member's own host memory
+        shares.append((member, layers, node_share(split.breakdown, [lent])))
+    placements = tuple(
+        NodePlacement(node_id=lender.node.node_id, layers=layers, breakdown=share, telemetry_revision=lender.revision)
+        for lender, layers, share in shares
+    )
+    part = SplitPart(head=head.node_id, members=tuple(m.node_id for m in members))
+    reservations: tuple[Reservation, ...] = ()
+    if not dry_run:
+        reservations = tuple(
+            Reservation(
+                reservation_id=reservation_id,
+                decision_id=decision_id,
+                node_id=lender.node.node_id,
+                state="reserved",
+                model_path=model.path,
+                model_digest=model.digest,
+                stamp=stamp,
+                layers=layers,
+                devices=share.devices,
+                held={d.device: d.total_bytes for d in share.devices},
+                multi_node=True,
+                created_at=now,
+                expires_at=now + request.hold_s,
+                hold_s=request.hold_s,
+                split=part,
+            )
+            for lender, layers, share in shares
+        )
+
+    def held(p: NodePlacement) -> str:
+        output = " and the output" if p.layers[1] == geometry.n_layer else ""
+        return f"{p.node_id} (blocks {p.layers[0]}-{p.layers[1] - 1}{output})"
+
+    where = ", ".join(held(p) for p in placements)
+    decision = PlacementDecision(
+        decision_id=decision_id,
+        admitted=True,
+        dry_run=dry_run,
+        model=request.model,
+        architecture=geometry.architecture,
+        model_digest=model.digest,
+        ctx=split.ctx,
+        context_ceiling=split.ceiling,
+        stamp=stamp,
+        placements=placements,
+        multi_node=True,
+        reservation_id=None if dry_run else reservation_id,
+        message=f"split over {where}",
+        rejections=tuple(rejections),
+        view={name: entry.revision for name, entry in view.items()},
+        estimator_version=ESTIMATOR_VERSION,
+        decided_at=now,
+        request_id=request.request_id,
+    )
+    return Outcome(decision, reservations)
 
 
 def best_of(fits: Sequence[Fit]) -> Fit:

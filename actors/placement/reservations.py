@@ -21,6 +21,15 @@ buckets, feeds what it saw, and writes the ledgers this module returns, with com
   is booked again.
 - Runner events (`instance_ready`, `instance_stopped`, ...) are the fast path to the same outcomes; an event
   about another instance than the one that claimed the reservation changes nothing.
+- A split instance holds one reservation per node, all with one id (`Reservation.split`). The head's part
+  follows the rules above (the head's runner claims it). A member's part follows its head's part: it is held
+  while the head's part is in the head's ledger, becomes `running` (with the head's instance) once the head's
+  part is, on the member's own clock (the sent time of the member's latest report: a later report sees the
+  memory), and is released once the head's part is gone (`head_released`); it never expires on its own and
+  is not released for its node's restart (the head's runner restarts the instance on the member's new RPC
+  server). A head part still unclaimed whose members are not all booked `claim_grace_s` after it was first seen
+  belongs to a booking that failed half-way: it is released (`split_incomplete`). The booking writes the head's
+  part first (`booking.py`), so the members' parts are never seen without it while it is being booked.
 - Every change names the state it was decided on, and `apply` re-checks it against the ledger revision it
   is about to overwrite: a sweep never removes a reservation a runner just claimed or that became running,
   and a late `instance_ready` never revives a released reservation (it is no longer there to change).
@@ -33,6 +42,7 @@ written with compare-and-set (on a conflict: re-read, `apply` again). Every pass
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -54,6 +64,8 @@ ReleaseReason = Literal[
     "node_restarted",  # the node process that ran it has restarted (its runner took its servers down)
     "instance_gone",  # the instance's record disappeared or never appeared: its runner is gone
     "rolled_back",  # the booking that made it failed half-way
+    "head_released",  # a member's part of a split whose head's part is gone
+    "split_incomplete",  # a split's head part whose members were not all booked (the booking failed half-way)
     "undelivered",  # its decision could not be sent (too large, or the request's deadline passed first)
 ]
 
@@ -121,8 +133,9 @@ def apply(change: Change, ledger: NodeLedger | None) -> NodeLedger | None:
 
 def observed_held(reservation: Reservation, observed_total: int | None) -> dict[str, int]:
     """Held memory once running: the observed footprint plus the host extras (prompt cache, checkpoints)
-    that grow at run time and are not in the startup figures. Multi-device layouts keep the prediction."""
-    if len(reservation.devices) != 1 or not observed_total or observed_total <= 0:
+    that grow at run time and are not in the startup figures. Multi-device layouts keep the prediction, and so
+    does every part of a split (the head's observation counts its members' buffers too)."""
+    if reservation.split is not None or len(reservation.devices) != 1 or not observed_total or observed_total <= 0:
         return dict(reservation.held)
     device = reservation.devices[0]
     return {device.device: observed_total + device.host_extra_bytes}
@@ -193,12 +206,23 @@ class Reconciler:
         node_started_at: float | None,
         now: float,
         records_complete: bool,
+        ledgers: Mapping[str, NodeLedger | None] | None = None,
+        node_sent_at: float | None = None,
     ) -> tuple[Change, ...]:
         """What should change in `ledger` now. `node_started_at` is the start time in the node's latest
         report (None when the node is not in the view); `records_complete` says the instance records have
-        all been read once (until then, a missing record proves nothing)."""
+        all been read once (until then, a missing record proves nothing). `ledgers`: every node's ledger as
+        watched, which a split's parts are judged on (None for a deleted ledger; a node left out is not known,
+        and a member part whose head is not known is left alone; None: nothing known); `node_sent_at`:
+        when the node's latest report was sent, on its own clock."""
         out: list[Change] = []
         for r in ledger.reservations:
+            if r.split is not None:
+                change = self._split_change(node, r, now, ledgers, node_sent_at)
+                if change is not None or node != r.split.head:
+                    if change is not None:
+                        out.append(change)
+                    continue
             change = self._change(node, r, node_started_at, now, records_complete)
             if change is not None:
                 out.append(change)
@@ -235,6 +259,37 @@ class Reconciler:
             return Promote(node, rid, r.instance_id, observed, record.updated_at, node_started_at)
         return None  # starting, restarting, stopping or ready: the instance lives, its memory stays held
 
+    def _split_change(
+        self,
+        node: str,
+        r: Reservation,
+        now: float,
+        ledgers: Mapping[str, NodeLedger | None] | None,
+        node_sent_at: float | None,
+    ) -> Change | None:
+        """A split's part judged against the other parts (None: nothing to do, or, for the head's part, judge it
+        as any reservation)."""
+        split = r.split
+        assert split is not None
+        seen = (r.state, r.instance_id)
+        first = self._saw(node, r, now)
+        if ledgers is None:
+            return None
+        if node != split.head:
+            if split.head not in ledgers:
+                return None  # the head's ledger is not known (unreadable, or not delivered yet): nothing is judged
+            head = _part(ledgers, split.head, r.reservation_id)
+            if head is None:
+                return Release(node, r.reservation_id, "head_released", seen)
+            if head.state == "running" and r.state != "running" and head.instance_id and node_sent_at is not None:
+                # reports the member sends after this one see the memory its RPC server holds
+                return Promote(node, r.reservation_id, head.instance_id, None, node_sent_at, None)
+            return None
+        incomplete = any(_part(ledgers, member, r.reservation_id) is None for member in split.members)
+        if r.state == "reserved" and incomplete and now - first >= self.claim_grace_s:
+            return Release(node, r.reservation_id, "split_incomplete", seen)
+        return None
+
     def _saw(self, node: str, r: Reservation, now: float) -> float:
         """Records a sighting; returns when this reservation was first seen in its current state (a
         reserved entry keeps its first sighting across rewrites of the ledger; a claim starts its own)."""
@@ -245,3 +300,11 @@ class Reconciler:
         first = known[2] if known is not None and known[0] == r.state == "reserved" else now
         self._seen[key] = (r.state, r.instance_id, first)
         return first
+
+
+def _part(ledgers: Mapping[str, NodeLedger | None], node: str, reservation_id: str) -> Reservation | None:
+    """The part of a split that `node`'s ledger holds, or None."""
+    ledger = ledgers.get(node)
+    if ledger is None:
+        return None
+    return next((r for r in ledger.reservations if r.reservation_id == reservation_id), None)

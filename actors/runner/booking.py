@@ -74,13 +74,15 @@ class Stop:
 
 
 def orphaned(ledger: NodeLedger | None, node_id: str) -> tuple[Release, ...]:
-    """The releases a starting runner makes: every claimed reservation of its node (none is this incarnation's)."""
+    """The releases a starting runner makes: every claimed reservation of its node (none is this incarnation's).
+    A member's part of a split is not this node's instance (its head's runner runs it, and placement releases
+    the part with the head's): it stays."""
     if ledger is None:
         return ()
     return tuple(
         Release(node_id, r.reservation_id, "instance_gone", seen=(r.state, r.instance_id))
         for r in ledger.reservations
-        if r.state != "reserved"
+        if r.state != "reserved" and (r.split is None or r.split.head == node_id)
     )
 
 

@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     place.add_argument(
         "--multi-node",
         action="store_true",
-        help="allow a split over nodes (refused: split serving is not built; the default never splits)",
+        help="allow a split over nodes (llama.cpp RPC) when no single node holds the model; the default never splits",
     )
     place.add_argument("--no-multi-node", action="store_true", help=argparse.SUPPRESS)  # the default; kept for scripts
     place.add_argument("--hold", type=float, default=600.0, metavar="S", help="reservation expiry if never started")

@@ -191,7 +191,7 @@ async def test_a_node_with_a_skewed_clock_stays_eligible_while_it_reports_and_go
             await asyncio.sleep(0.1)
 
 
-async def test_placement_never_admits_a_multi_node_split_the_runner_would_refuse(
+async def test_placement_splits_a_model_over_nodes_only_when_allowed(
     bus: Bus, placement: PlacementActor, models: dict[str, Path]
 ) -> None:
     total = need(models["dense"])
@@ -200,12 +200,12 @@ async def test_placement_never_admits_a_multi_node_split_the_runner_would_refuse
     await wait_view(placement, "x", "y")
     decision = await place(bus, ask(models["dense"]))
     assert not decision.admitted and decision.reason == "insufficient_memory" and not decision.multi_node
-    asked = await place(bus, ask(models["dense"], allow_multi_node=True))
-    assert not asked.admitted and asked.reason == "multi_node_unsupported" and "not built" in asked.message
     kv = await buckets.reservations(bus, SUBJECTS)
     for name in ("x", "y"):
         with pytest.raises(nats.js.errors.KeyNotFoundError):
             await kv.get(ledger_key(name))
+    asked = await place(bus, ask(models["dense"], allow_multi_node=True))  # tests/integration/test_placement_split.py
+    assert asked.admitted and asked.multi_node and {p.node_id for p in asked.placements} == {"x", "y"}
 
 
 async def test_two_placement_actors_never_over_commit(

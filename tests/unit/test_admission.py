@@ -199,15 +199,9 @@ def test_a_model_no_single_node_holds_is_refused_not_split(dense: ModelFacts) ->
     assert not outcome.decision.multi_node and not outcome.reservations
 
 
-def test_a_request_that_allows_a_multi_node_split_is_refused_because_split_serving_is_not_built(
-    dense: ModelFacts,
-) -> None:
-    assert PlacementRequest(model=ModelRef(path="m.gguf")).allow_multi_node is False  # the default
-    for usable in (8 * GIB, 1):  # whether or not one node would fit alone
-        outcome = run(request(allow_multi_node=True), dense, view(node("a", usable), node("b", usable)))
-        decision = outcome.decision
-        assert not decision.admitted and decision.reason == "multi_node_unsupported" and not outcome.reservations
-        assert "not built" in decision.message
+def test_multi_node_is_not_allowed_by_default() -> None:
+    """A split is admitted only when asked for (`tests/unit/test_admission_split.py`)."""
+    assert PlacementRequest(model=ModelRef(path="m.gguf")).allow_multi_node is False
 
 
 def test_ties_go_to_the_node_first_in_natural_order(dense: ModelFacts) -> None:

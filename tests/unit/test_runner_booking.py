@@ -7,7 +7,7 @@ import msgspec
 
 from actors.placement.reservations import Release, apply
 from actors.runner.booking import Live, Rebook, Stop, lapsed, orphaned, rebook
-from messages.placement import NodeLedger, Reservation, ReservationState
+from messages.placement import NodeLedger, Reservation, ReservationState, SplitPart
 from tests.unit.test_reservations import GIB, STARTED, device, reservation
 
 NOW = STARTED + 1000.0  # the node's clock
@@ -37,6 +37,15 @@ def test_a_starting_runner_releases_every_claim_of_its_node_and_leaves_unclaimed
         after = apply(release, after) or after
     assert after == ledger(reservation("r3"))  # a booking a placement just made stays for its start
     assert orphaned(None, "a") == () and orphaned(ledger(reservation("r3")), "a") == ()
+
+
+def test_a_starting_runner_leaves_the_parts_it_lends_to_a_split() -> None:
+    """A member's part of a split runs on its head (whose runner restarts it on this node's new RPC server):
+    placement releases it with the head's part; the head's own part on its node is released as any claim."""
+    split = SplitPart(head="h", members=("a",))
+    lent = msgspec.structs.replace(claimed("r1", "i1", "running"), split=split, multi_node=True)
+    headed = msgspec.structs.replace(claimed("r2", "i2"), split=SplitPart(head="a", members=("m",)), multi_node=True)
+    assert [r.reservation_id for r in orphaned(ledger(lent, headed), "a")] == ["r2"]
 
 
 def test_a_release_decided_at_start_does_not_touch_a_claim_made_since() -> None:
