@@ -6,10 +6,11 @@ Pure cores: `gguf_header` (a bounded, hostile-input-safe GGUF header reader, fed
 (embedding and rerank models: their kind, pooling and whole-input batch),
 `bounds` (per-model settings within a node's bounds), `ledger` (what a node can still
 offer), `admission` (eligibility, node choice, stamp), `fleet` (the same decisions at fleet scale),
-`reservations` (the reservation lifecycle), `shares` (what one client may hold booked), `registry` (signed
-entries), `replay` (recomputing a recorded decision). Shells: `actor` (the view, CAS ledgers, the endpoints),
-`model_reader` (model files and registry entries, in worker threads), `decision_records` (large decisions'
-inputs in the object store).
+`split` (a model over several nodes with llama.cpp's RPC backend), `booking` (one decision's reservations
+over several ledgers, all or none), `reservations` (the reservation lifecycle), `shares` (what one client may
+hold booked), `registry` (signed entries), `replay` (recomputing a recorded decision). Shells: `actor` (the
+view, CAS ledgers, the endpoints), `model_reader` (model files and registry entries, in worker threads),
+`decision_records` (large decisions' inputs in the object store).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Final
 CORES: Final = frozenset(
     {
         "gguf_header", "geometry", "matmul_weights", "memory", "context", "caches", "weights", "compute", "bounds",
-        "ledger", "admission", "fleet", "reservations", "registry", "replay", "shares", "pooled", "projector",
+        "ledger", "admission", "fleet", "reservations", "registry", "replay", "shares", "pooled", "projector", "split",
+        "booking",
     }
 )  # fmt: skip
