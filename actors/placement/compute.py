@@ -55,6 +55,10 @@ of that mix and its SwiGLU stage (tiny QRWKV6 was +29%); those families are chec
 compute-8: embedding and rerank graphs (`--embeddings`), whose every token is an output: their end is the
 logits of the whole micro-batch above the normed hidden states (`POOLED_OUTPUT_EMBD_ROWS`); generation graphs
 are unchanged.
+compute-9: a split over RPC devices (`split_compute_buffers`): the host holds every mask beside its blocks' stage,
+a member its blocks' stage with three fewer n_embd-wide rows and its own mask copy, one dense block the larger of
+mask plus attention rows and the FFN rows (measured against the members' exact allocations on dense, SWA and
+hybrid tiny models, 1-3 members: within 0.2% on most devices, worst -14.5%); unsplit graphs are unchanged.
 Warm-up routes every expert; the runner disables it (`--no-warmup`), so it is not modelled.
 GPU compute buffers (per-device graph splits, the host-side buffer) are not validated: no GPU build was
 available.

@@ -14,6 +14,10 @@ import nats.js.errors
 import pytest
 
 from actors.placement.actor import PlacementActor, ledger_key
+from actors.placement.geometry import geometry_from_header
+from actors.placement.gguf_header import read_header
+from actors.placement.replay import differences, recompute
+from messages.events import PlacementDecided
 from messages.memory import MemoryBreakdown
 from messages.placement import NodeLedger, PlacementDecision, Reservation
 from messages.runner import InstanceState, InstanceStatus, ObservedMemory
@@ -115,6 +119,9 @@ async def test_a_model_no_node_holds_is_split_and_booked_on_every_member(
         lambda e: of_type("placement_decided")(e) and e["decision"]["decision_id"] == decision.decision_id
     )
     assert event["decision"]["multi_node"] and event["decision"]["stamp"]["rpc"]
+    recorded = msgspec.convert(event, PlacementDecided)
+    geometry = geometry_from_header(read_header(model))
+    assert differences(recorded.decision, recompute(recorded, geometry)) == []  # replay decides the same split
 
 
 async def test_a_lost_compare_and_set_on_a_member_takes_the_head_back_and_decides_again(
