@@ -9,7 +9,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.runner.allocation_log import parse_allocation_log, printed_mib, printed_mib_f32
+from actors.runner.allocation_log import parse_allocation_log, printed_mib, printed_mib_f32, remote_devices
 
 DATA = Path(__file__).parent.parent / "data"
 
@@ -152,3 +152,27 @@ def test_repack_model_buffer_is_read_beside_the_mapped_one() -> None:
         "load_tensors:   CPU_REPACK model buffer size =     1.88 MiB\n"
     )
     assert log.model_buffers == {"CPU_Mapped": Decimal("3.73"), "CPU_REPACK": Decimal("1.88")}
+
+
+def test_a_split_log_gives_each_rpc_device_its_model_caches_and_compute() -> None:
+    """gemma3 over two RPC members (-ngl 5 -ts 1,1): each member's buffers on their `RPC<d>[host:port]` lines, a
+    sliding-window model's two caches apart (a member whose layers are all global holds no SWA cache)."""
+    log = parse_allocation_log((DATA / "llama_server_gemma3_rpc_split.log").read_text())
+    remote = remote_devices(log)
+    assert set(remote) == {"RPC0[127.0.0.1:50052]", "RPC0[127.0.0.1:50053]"}
+    first, second = remote["RPC0[127.0.0.1:50052]"], remote["RPC0[127.0.0.1:50053]"]
+    assert (first.endpoint, first.device, first.model_mib) == ("127.0.0.1:50052", 0, Decimal("1.69"))
+    assert first.cache_mib == [Decimal("4.00"), Decimal("1.50")] and first.caches_mib == Decimal("5.50")
+    assert second.cache_mib == [Decimal("4.00")] and second.model_mib == Decimal("0.69")
+    assert first.compute_mib == Decimal("6.27") and second.compute_mib is not None
+    assert log.model_buffers["CPU_Mapped"] == Decimal("1.26")
+
+
+@given(
+    st.lists(st.sampled_from(["RPC0[", "RPC1[1.2.3.4:5]", "]", " model buffer size = ", "1.00 MiB", "x"]), max_size=12)
+)
+@settings(max_examples=200, deadline=None)
+def test_remote_devices_never_raise_on_garbled_buffer_names(parts: list[str]) -> None:
+    line = "load_tensors: " + "".join(parts)
+    for remote in remote_devices(parse_allocation_log(line + "\nllama_kv_cache: " + "".join(parts))).values():
+        assert remote.endpoint and remote.model_mib >= 0
