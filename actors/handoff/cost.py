@@ -137,8 +137,9 @@ def breakeven(size: StateSize, rates: Rates, *, local_held: int = 0, remote_held
 
     From the longer holding on, local - remote = n * slope - intercept, slope = 1/local - 1/remote -
     (1 - overlap) * per_token / link, intercept = local_held/local - remote_held/remote + (1 - overlap) *
-    floor / link + fixed: the remote path wins for n > intercept / slope when the slope is positive, and
-    not for every longer n otherwise."""
+    floor / link + fixed: the remote path wins for n > intercept / slope when the slope is positive, for every
+    n when the slope is zero and the intercept negative (the remote side wins by what it holds), and not for
+    every longer n otherwise."""
     if local_held < 0 or remote_held < 0:
         raise ValueError("token counts cannot be negative")
     exposed = 1 - _q(rates.overlap)
@@ -146,8 +147,10 @@ def breakeven(size: StateSize, rates: Rates, *, local_held: int = 0, remote_held
     local, remote = _q(rates.local_tokens_per_s), _q(rates.remote_tokens_per_s)
     slope = 1 / local - 1 / remote - exposed * _q(size.bytes_per_token) / link
     intercept = local_held / local - remote_held / remote + exposed * _q(size.floor_bytes) / link + _q(rates.fixed_s)
-    if slope <= 0:
+    if slope < 0 or (slope == 0 and intercept >= 0):
         return None
+    if slope == 0:
+        return max(1, local_held, remote_held)
     return max(1, local_held, remote_held, math.floor(intercept / slope) + 1)
 
 
