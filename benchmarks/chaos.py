@@ -25,10 +25,12 @@ The faults, one after another, each with what the mesh is expected to do (the ch
   asked again of a's instance once its slots hold other prompts. The restore re-hashes the segments, fails,
   quarantines the entry and computes the prompt instead. (Source not l3_local, the same tokens, the manifest in
   l3/quarantine/, and the entry healthy again once re-captured: the same prompt later restores from L3.)
-- peer_stall: a fresh prompt stored on c, c SIGSTOPped, the prompt asked of a's instance (a must fetch it from
-  c). The fetch gives up on the stalled peer after its chunk deadline (5 s) and a computes the prompt. (Answered
-  within its deadline, the same tokens; c continued.) The state is tiny, so the peer is stalled before the fetch
-  begins, not in the middle of a segment: the same deadline guards both.
+- peer_stall: three fresh prompts stored on c, c SIGSTOPped for 15 s, the prompts asked of a's instance at once
+  (a must fetch them from c). The fetch gives up on the stalled peer after its chunk deadline (5 s) and a
+  computes the prompt. (Those answered while c was stalled: computed, the same tokens, none fetched.) A request
+  the queue group hands to c's own router waits for c, and is refused `no_instance` when c resumes (that router's
+  reports of a are stale until the next arrive): clear, within its deadline. The state is tiny, so the peer is
+  stalled before the fetch begins, not in the middle of a segment: the same deadline guards both.
 - disk_full: c's tmpfs filled to the last byte for 25 s while c serves fresh prompts. Captures fail with a
   clear reason (`l3_capture_dropped`), requests are still answered, no actor gives up; once space is back,
   captures resume. Without root (no tmpfs) the stand-in is a 1 MiB `--l3-budget` on c, over which captures are
@@ -47,7 +49,12 @@ The faults, one after another, each with what the mesh is expected to do (the ch
   restarted by its service manager (here the script), which brings the server back on the same port and
   credentials from its data dir; b and c reconnect by themselves (their clients reconnect forever). While the
   bus is away, requests fail with clear errors (no responders, timeouts at their deadlines, 503s from the front
-  door); journal events wait in each node's outbox; afterwards reservations converge as after node_stop.
+  door); journal events wait in each node's outbox; afterwards reservations converge as after node_stop. The
+  JetStream store may bring back records purged shortly before the crash, with TTLs that no longer run: each
+  runner removes its node's records of instances it does not drive (`phantom_records_removed`).
+
+Handoffs decode on a or b: c's staging disk (the tmpfs) is under the handoff receiver's 1 GiB free-space floor, so
+c refuses every handoff at open (`unavailable`, at once).
 
 Invariants, checked every few seconds and at the end (each failure is a violation; the run exits 1 on any):
 
