@@ -66,7 +66,7 @@ from messages.generate import (
 )
 from messages.placement import NodeLedger, PlacementDecision, PlacementRequest, RejectReason
 from messages.registry import RegistryEntry
-from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
+from messages.runner import InstanceStatus, LendRequest, Lent, RunnerAck, StartInstance, StopInstance
 from messages.subjects import DEFAULT_PREFIX, Subjects
 from messages.telemetry import NodeResources
 from runtime import buckets
@@ -115,6 +115,19 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
         "booked again; `outcome` `stopping`: it no longer fitted and is being stopped, booked until it is gone",
     ),
     ev.InstanceStarting: ((RUNNER,), "a llama-server process was spawned (every generation, restarts included)"),
+    ev.RpcLent: (
+        (RUNNER,),
+        "a split's member started serving its part: a ggml-rpc-server on loopback behind a tunnel exit (`port`)",
+    ),
+    ev.RpcServerExited: (
+        (RUNNER,),
+        "a member's ggml-rpc-server exited unasked: restarted after `restart_in_s` (None: the part is given up); "
+        "the head's instance crashes naming the member (`instance_crashed.member`)",
+    ),
+    ev.RpcLendEnded: (
+        (RUNNER,),
+        "a member stopped serving its part: its booking left the ledger, its RPC server gave up, or the runner stopped",
+    ),
     ev.InstanceReady: ((RUNNER,), "healthy and verified against the stamp; predicted and observed memory"),
     ev.DriftRejected: (
         (RUNNER,),
@@ -487,6 +500,9 @@ def render() -> str:
             "the runner of that node |",
             f"| `{S.runner(node, 'stop')}` | req/reply | {_link('StopInstance')} → {_link('RunnerAck')} | "
             "the runner of that node |",
+            f"| `{S.runner(node, 'lend')}` | req/reply | {_link('LendRequest')} → {_link('Lent')}: a split's head asks "
+            "a member for its part (answered only for a part the member's ledger books for that head) | "
+            "the runner of that node (a lending member) |",
             f"| `{S.generate}` | req/reply, queue group `{ROUTER_QUEUE}` | {_link('GenerateRequest')} → "
             f"{_link('GenerateResult')}; with `stream`, {_link('GenerateChunk')}s on that subject (a pass-through "
             f"`api` request: a {_link('RelayHead')}, then the server's body as raw data, headers `{RELAY_HEADER}` "
@@ -785,6 +801,8 @@ def render() -> str:
         StartInstance,
         StopInstance,
         RunnerAck,
+        LendRequest,
+        Lent,
         NodeResources,
         NodeLedger,
         RegistryEntry,

@@ -194,6 +194,7 @@ class InstanceCrashed(InstanceEvent, frozen=True, kw_only=True, tag="instance_cr
     log_tail: str
     # its log ends in an allocation failure, or it was SIGKILLed (what the kernel's OOM killer sends)
     out_of_memory: bool = False
+    member: str | None = None  # a split's member whose RPC server was lost (the cause of the crash)
 
 
 class InstanceRestarted(InstanceEvent, frozen=True, kw_only=True, tag="instance_restarted"):
@@ -394,6 +395,35 @@ class ReservationRebooked(Event, frozen=True, kw_only=True, tag="reservation_reb
     reason: str = ""
 
 
+# --- split serving: a member's lending ---------------------------------------------------------------------
+
+
+class LendEvent(Event, frozen=True, kw_only=True):
+    reservation_id: str
+    head: str  # the split's head node, whose llama-server uses this member's RPC server
+
+
+class RpcLent(LendEvent, frozen=True, kw_only=True, tag="rpc_lent"):
+    """A member started serving its part of a split: its RPC server on loopback, behind its tunnel exit."""
+
+    port: int  # the tunnel exit's port
+    command: tuple[str, ...]
+
+
+class RpcServerExited(LendEvent, frozen=True, kw_only=True, tag="rpc_server_exited"):
+    """A member's RPC server ended without being asked to: the head's instance loses its devices there."""
+
+    exit_code: int | None
+    restart_in_s: float | None  # None: the restart limit is reached (the part is given up: rpc_lend_ended)
+    log_tail: str
+
+
+class RpcLendEnded(LendEvent, frozen=True, kw_only=True, tag="rpc_lend_ended"):
+    """A member stopped serving its part (its booking is gone, its RPC server gave up, or the runner stops)."""
+
+    reason: str
+
+
 AnyEvent = (
     ActorStarted
     | ActorCrashed
@@ -433,4 +463,7 @@ AnyEvent = (
     | LinkMeasured
     | L3EvictionBlocked
     | ReservationRebooked
+    | RpcLent
+    | RpcServerExited
+    | RpcLendEnded
 )

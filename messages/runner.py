@@ -7,7 +7,7 @@ the `MESH_INSTANCES` KV bucket (key = instance id, refreshed with a TTL while th
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -21,6 +21,25 @@ class StartInstance(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 class StopInstance(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     instance_id: str
+
+
+class LendRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A split's head asks a member for its part (`mesh.runner.<member>.lend`): the member serves a
+    `ggml-rpc-server` of its own for that reservation, reached through its tunnel exit. Idempotent: asked
+    again (each start of the head's server asks), it answers with the same exit."""
+
+    reservation_id: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    head: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]  # the head node (checked against the ledger)
+
+
+class Lent(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the head's tunnel entrance dials: the member's tunnel exit (mutual TLS under the cluster CA)."""
+
+    node_id: str
+    reservation_id: str
+    host: str
+    port: int
+    restarts: int = 0  # how often the member's RPC server for this part was restarted
 
 
 #: `stuck`: SIGKILL did not reap the server in time; it may still hold its memory (not final: the runner keeps

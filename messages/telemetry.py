@@ -49,6 +49,17 @@ class LlamaServerInfo(msgspec.Struct, frozen=True, kw_only=True):
     build_info: str  # the rest of the version output (compiler, target, backends)
 
 
+class SplitServing(msgspec.Struct, frozen=True, kw_only=True):
+    """This node's part in split serving (llama.cpp RPC between nodes). Present only on a node that holds the
+    cluster's certificates: it can head a split (its llama-server reaches members through mutual TLS). It lends
+    its host memory to other nodes' splits when `lend_host` is set: for each part a `ggml-rpc-server` of its own
+    on loopback, reached through a tunnel exit on `lend_host`, allocating in `lend_devices` (its host memory,
+    "CPU", whose usable bytes are `host.usable_bytes`)."""
+
+    lend_host: str | None = None
+    lend_devices: tuple[str, ...] = ()
+
+
 class NodeResources(msgspec.Struct, frozen=True, kw_only=True):
     """One node's telemetry report.
 
@@ -72,3 +83,4 @@ class NodeResources(msgspec.Struct, frozen=True, kw_only=True):
     llama_server_error: str | None = None
     settings: ServingSettings | None = None
     bounds: SettingsBounds | None = None
+    split: SplitServing | None = None  # None: it neither heads nor lends to a split (no cluster certificates)

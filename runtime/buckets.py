@@ -205,14 +205,15 @@ async def read_all(bus: Bus, name: str, value_type: type[T]) -> tuple[list[tuple
     return values, warnings
 
 
-async def watch(kv: KeyValue, ready: asyncio.Event) -> AsyncIterator[KeyValue.Entry]:
-    """Every entry of `kv`, its current values first (then `ready` is set), then each change as it happens.
-    The watcher is stopped when the caller stops iterating (or is cancelled)."""
-    watcher = await kv.watchall()
+async def watch(kv: KeyValue, ready: asyncio.Event | None, *, key: str | None = None) -> AsyncIterator[KeyValue.Entry]:
+    """Every entry of `kv` (or only `key`'s), its current values first (then `ready` is set), then each change
+    as it happens. The watcher is stopped when the caller stops iterating (or is cancelled)."""
+    watcher = await (kv.watch(key) if key is not None else kv.watchall())
     try:
         async for entry in watcher:
             if entry is None:  # the initial values are all in
-                ready.set()
+                if ready is not None:
+                    ready.set()
                 continue
             yield entry
     finally:

@@ -79,6 +79,11 @@ class NodeConfig:
     frontdoor_grouping: bool = True  # group a model's requests while a swap is pending (off: arrival order)
     max_hold_s: float = 3600.0  # the longest unclaimed hold placement grants a request (longer: hold_too_long)
     client_share: float = 0.5  # of each node's devices, what one client may hold booked at once
+    # Split serving: whether this node lends its host memory to other nodes' splits (it needs the cluster
+    # secret's certificates and ggml-rpc-server), and the address those nodes reach it on (default: the
+    # cluster listener's host; a wildcard listener advertises the host's name).
+    lend: bool = True
+    lend_host: str | None = None
 
     @property
     def subjects(self) -> Subjects:
@@ -251,6 +256,8 @@ _OPTIONS: dict[str, Callable[[Any], Any]] = {
     "frontdoor_grouping": _bool,
     "max_hold": _positive_float,
     "client_share": _share,
+    "lend": _bool,
+    "lend_host": str,
     "nats": _urls,
     "nats_user": str,
     "nats_password": str,
@@ -422,6 +429,8 @@ def load_config(
         frontdoor_grouping=values.get("frontdoor_grouping", True),
         max_hold_s=values.get("max_hold", 3600.0),
         client_share=values.get("client_share", 0.5),
+        lend=values.get("lend", True),
+        lend_host=values.get("lend_host"),
     )
 
 

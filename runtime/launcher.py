@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import os
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -30,12 +31,14 @@ from actors.placement.actor import PlacementActor
 from actors.router.actor import RouterActor
 from actors.runner.actor import RunnerActor
 from actors.runner.engine import EngineNotFound, find_llama_server, probe_llama_server
+from actors.runner.lending import LendingConfig
 from actors.runner.limits import RunnerLimits
 from actors.telemetry.actor import TelemetryActor
 from actors.telemetry.resources import NodeFacts
 from messages.events import NodeStarted, NodeStopped
 from messages.settings import ServingSettings, SettingsBounds
-from messages.telemetry import LlamaServerInfo
+from messages.telemetry import LlamaServerInfo, SplitServing
+from runtime import tls
 from runtime.actor import Actor, ActorGaveUpError, Supervisor
 from runtime.bus import Bus, ConnectFailed
 from runtime.config import ConfigError, NatsOptions, NodeConfig
@@ -44,6 +47,7 @@ from runtime.embedded import ClusterSpec, EmbeddedNats
 from runtime.journal import Journal, ensure_events_stream
 from runtime.logging import get_logger
 from runtime.model_files import FileDigests
+from runtime.tls import TlsFiles
 
 VERSION = "0.1.0"
 T = TypeVar("T")
@@ -76,6 +80,38 @@ async def describe_engine(config: NodeConfig) -> tuple[LlamaServerInfo | None, s
         return await probe_llama_server(find_llama_server(config.llama_server)), None
     except (EngineNotFound, OSError) as exc:
         return None, str(exc)
+
+
+def split_serving(config: NodeConfig, engine: LlamaServerInfo | None) -> tuple[TlsFiles | None, LendingConfig | None]:
+    """This node's part in split serving (llama.cpp RPC between nodes): its certificates under the cluster CA,
+    derived from the cluster secret (None without one: it can neither head nor lend), and how it lends its
+    memory (None: `--no-lend`, no certificates, or no `ggml-rpc-server` beside its llama-server)."""
+    log = get_logger(node=config.node_id)
+    if config.cluster_secret is None:
+        return None, None
+    host = config.lend_host or (config.cluster_listen[0] if config.cluster_listen else "127.0.0.1")
+    bind = host
+    if host in ("0.0.0.0", "::", ""):  # a wildcard listener: heads dial this host's name
+        host = socket.getfqdn()
+    names = sorted({*tls.local_names(bind), host})
+    route_tls = tls.ensure_route_certificates(config.data_dir, config.cluster_secret, names)
+    if not config.lend:
+        return route_tls, None
+    rpc_server = Path(engine.path).with_name("ggml-rpc-server") if engine else None
+    if rpc_server is None or not os.access(rpc_server, os.X_OK):
+        log.info("not_lending", reason="no ggml-rpc-server beside llama-server (the llama extra built without RPC)")
+        return route_tls, None
+    threads = config.serving.threads or None
+    return route_tls, LendingConfig(rpc_server=rpc_server, tls=route_tls, host=host, bind=bind, threads=threads)
+
+
+def split_role(route_tls: TlsFiles | None, lending: LendingConfig | None) -> SplitServing | None:
+    """What telemetry says of this node's part in split serving."""
+    if route_tls is None:
+        return None
+    if lending is None:
+        return SplitServing()
+    return SplitServing(lend_host=lending.host, lend_devices=("CPU",))
 
 
 class JetStreamUnavailable(RuntimeError):
@@ -238,6 +274,7 @@ async def run_node(
             engine, engine_error = await _unless_stopped(describe_engine(config), stop)
             if engine_error:
                 log.warning("no_llama_server", reason=engine_error)
+            route_tls, lending = await asyncio.to_thread(split_serving, config, engine)
             facts = NodeFacts(
                 node_id=config.node_id,
                 started_at=time.time(),
@@ -246,6 +283,7 @@ async def run_node(
                 llama_server=engine,
                 llama_server_error=engine_error,
                 settings=config.serving,
+                split=split_role(route_tls, lending),
             )
             # Relative model names (registry entries) mean the same file to placement and to the runner.
             models_dir = config.models_dir or config.data_dir / "models"
@@ -282,6 +320,8 @@ async def run_node(
                         probe_interval_s=config.health_probe_interval_s,
                         probe_timeout_s=config.health_probe_timeout_s,
                     ),
+                    route_tls=route_tls,
+                    lending=lending,
                 ),
                 l3,
                 RouterActor(),

@@ -34,12 +34,12 @@ Within an account, each user's `permissions`:
 - `node:<id>` publishes only its own telemetry, serving reports, events (`<prefix>.events.*.*.<id>`) and
   bucket keys (`MESH_NODES.<id>`, `MESH_L3.<id>`, `MESH_INSTANCES.<id>.>`), serves its own runner, L3 and
   handoff subjects and the queue groups every node serves (placement, generate), and requests other nodes'
-  runner `generate`/`tokenize`/`render`/`start`/`stop` (router and front door), L3 peer fetch and handoff
-  subjects (but not another node's link probe, `handoff.<id>.probe`: an admin's request). Placement runs on
-  every node and books memory on any node by compare-and-set, so a node may write every reservation ledger
-  (and start or stop instances anywhere): that is the trust that remains between nodes. It may create the
-  mesh's streams and buckets (an idempotent create cannot alter an existing one) but not update, delete or
-  purge them (the decisions object store excepted: replacing an object purges its old chunks).
+  runner `generate`/`tokenize`/`render`/`start`/`stop` (router and front door), `lend` (a split's head), L3
+  peer fetch and handoff subjects (but not another node's link probe, `handoff.<id>.probe`: an admin's
+  request). Placement runs on every node and books memory on any node by compare-and-set, so a node may write
+  every reservation ledger (and start or stop instances anywhere): that is the trust that remains between nodes.
+  It may create the mesh's streams and buckets (an idempotent create cannot alter an existing one) but not
+  update, delete or purge them (the decisions object store excepted: replacing an object purges its old chunks).
 - `admin` may do everything (stream and bucket management, registry writes, L3 admin).
 
 Every user receives its replies on its own inbox prefix (the bus sets it from the user name, `inbox_prefix`):
@@ -253,6 +253,7 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
         f"{p}.runner.*.prefill",  # a decoding node asks another to prefill and hand the state off
         f"{p}.runner.*.start",  # the front door starts models on demand, and makes room, on any node
         f"{p}.runner.*.stop",
+        f"{p}.runner.*.lend",  # a split's head asks each member for its part
         f"{p}.l3.*.manifests",  # peer fetch
         f"{p}.l3.*.manifest",
         f"{p}.l3.*.segment",

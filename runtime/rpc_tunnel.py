@@ -54,23 +54,37 @@ def client_context(files: TlsFiles) -> ssl.SSLContext:
     return context
 
 
-async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str | None:
+    """Copies until the reader's side ends (None; a failing read raises), or writing fails (returns why: the
+    writer's side is gone)."""
     while data := await reader.read(CHUNK):
-        writer.write(data)
-        await writer.drain()
+        try:
+            writer.write(data)
+            await writer.drain()
+        except (OSError, ssl.SSLError) as exc:
+            return repr(exc)
+    return None
 
 
 async def _splice(
     a: tuple[asyncio.StreamReader, asyncio.StreamWriter], b: tuple[asyncio.StreamReader, asyncio.StreamWriter]
-) -> None:
-    """Copies both ways until either side ends (or fails), then closes both. No half-close is carried: TLS
-    streams here cannot send one, and an RPC client that stops sending is done with its connection."""
+) -> str | None:
+    """Copies both ways until either side ends (or fails), then closes both. Returns None when `a`'s side
+    ended or failed first, else how `b`'s did. No half-close is carried: TLS streams here cannot send one, and
+    an RPC client that stops sending is done with its connection."""
     copies = [asyncio.create_task(_copy(a[0], b[1])), asyncio.create_task(_copy(b[0], a[1]))]
     try:
         done, _ = await asyncio.wait(copies, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            if (error := task.exception()) is not None:
-                _log.info("rpc_tunnel_connection_ended", error=repr(error))
+        task = copies[0] if copies[0] in done else copies[1]
+        error = task.exception()
+        if error is not None:
+            _log.info("rpc_tunnel_connection_ended", error=repr(error))
+        written = None if error is not None else task.result()  # a failed write: the other side is gone
+        if task is copies[0]:  # a's reads ended (a's side) or writing to b failed (b's side)
+            return f"failed: {written}" if written is not None else None
+        if written is not None:  # writing to a failed: a's side
+            return None
+        return f"failed: {error!r}" if error is not None else "closed by the far end"
     finally:
         for task in copies:
             task.cancel()
@@ -159,10 +173,14 @@ class TunnelEntrance(_Listener):
     """On the head node: accepts llama-server's RPC connections on loopback and carries each over TLS (with this
     node's certificate) to a member's `TunnelExit` at `host:port`."""
 
-    def __init__(self, files: TlsFiles, host: str, port: int) -> None:
+    def __init__(self, files: TlsFiles, host: str, port: int, on_end: Callable[[str], None] | None = None) -> None:
+        """`on_end` is told why whenever the member's side of a carried connection ends or fails, or the
+        exit cannot be reached (not when llama-server closes its own side): a split's head learns so that a
+        member is gone."""
         super().__init__()
         self._context = client_context(files)
         self._remote = (host, port)
+        self._on_end = on_end or (lambda reason: None)
 
     async def start(self, port: int = 0) -> TunnelEntrance:
         await self._listen("127.0.0.1", port, self._carry, None)
@@ -176,5 +194,8 @@ class TunnelEntrance(_Listener):
         except (OSError, ssl.SSLError, TimeoutError) as exc:
             _log.warning("rpc_tunnel_exit_unreachable", host=host, port=port, error=repr(exc))
             writer.close()
+            self._on_end(f"its tunnel exit {host}:{port} is unreachable: {exc!r}")
             return
-        await _splice((reader, writer), remote)
+        ended = await _splice((reader, writer), remote)
+        if ended is not None:
+            self._on_end(f"its RPC connection through {host}:{port} was {ended}")

@@ -8,8 +8,8 @@ Rules this module keeps:
   llama.cpp rotates keys with a model's long or short RoPE factors by whether it exceeds the original
   context, and K is cached after the rotation), the number of KV streams (a slot file records it and
   restores only into as many), a full or window-sized SWA cache (a window-sized one keeps only the last
-  window's cells), the draft/MTP settings (spec type, draft depth, draft cache types), the payload kind and
-  the platform (machine, byte order). What was considered and left out, and why, is in
+  window's cells), the draft/MTP settings (spec type, draft depth, draft cache types), the payload kind, the
+  platform (machine, byte order) and a split's layer layout over nodes. What was considered and left out, and why, is in
   docs/architecture.md ("What the exact-state identity covers").
 * Where the state was made is not part of it: there is no node, port or slot field, and decoding refuses
   unknown fields, so such a field cannot slip in from the wire.
@@ -30,9 +30,10 @@ from actors.l3.layout import check_digest
 
 __all__ = ["DraftSettings", "Platform", "StateInputs", "canonical_encoding", "exact_state_identity"]
 
-# v3 added the per-slot context and the stream count. Entries stored under v2 identities are never matched
-# again (their entry ids differ); they stay valid entries of another identity until eviction takes them.
-_DOMAIN: Final = b"mesh-actor/l3/exact-state-identity/v3\x00"
+# v3 added the per-slot context and the stream count, v4 the split. Entries stored under earlier identities are
+# never matched again (their entry ids differ); they stay valid entries of another identity until eviction
+# takes them.
+_DOMAIN: Final = b"mesh-actor/l3/exact-state-identity/v4\x00"
 _INT_LIMIT: Final = 1 << 63
 
 
@@ -67,6 +68,9 @@ class StateInputs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     draft: DraftSettings | None  # None: no speculative decoding configured
     payload_kind: str
     platform: Platform | None
+    # A split over nodes (llama.cpp RPC): each device's [first, last) blocks in device order, the head's first,
+    # as "0-4,4-8" (None: the model runs on one node). States are shared only within one layout.
+    split: str | None
 
 
 _Record = StateInputs | DraftSettings | Platform
@@ -86,6 +90,7 @@ _FIELDS: Final[dict[type[_Record], tuple[str, ...]]] = {
         "draft",
         "payload_kind",
         "platform",
+        "split",
     ),
     DraftSettings: ("spec_type", "draft_depth", "cache_type_k", "cache_type_v"),
     Platform: ("machine", "byte_order"),

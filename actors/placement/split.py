@@ -10,8 +10,9 @@ Rules this module keeps:
   pipeline parallelism, whose copies of the graph are not modelled. It also keeps the token embeddings, the
   logits, the host extras and every mask (`compute.split_compute_buffers`).
 - Only a node without GPUs is a head: a GPU head's host buffer type and its GPUs' share of the layers are not
-  planned (they would change what the host repacks and where the output goes). Any eligible node may lend
-  its host memory as a member.
+  planned (they would change what the host repacks and where the output goes). A head must hold the cluster's
+  certificates (its telemetry's `split`), which reach the members; a member must lend (`split.lend_host`:
+  it runs `ggml-rpc-server` behind a tunnel exit), its host memory ("CPU") only.
 - Layers are assigned in device order, each device taking as many of the next blocks as it holds: the head
   first, then the members, the one with the most memory available first (ties by node id). The member that
   takes the last block with tensors takes the output layer with it; a member holding only the output layer
@@ -42,7 +43,7 @@ from messages.model import ModelGeometry
 from messages.settings import ServingSettings
 from messages.telemetry import NodeResources
 
-__all__ = ["MAX_HEADS", "MAX_MEMBERS", "Lender", "SplitFit", "best_split", "node_share", "plan_split"]
+__all__ = ["MAX_HEADS", "MAX_MEMBERS", "Lender", "SplitFit", "best_split", "lends", "node_share", "plan_split"]
 
 #: The most nodes tried as the head of one split, and the most members one split may have.
 MAX_HEADS = 8
@@ -159,6 +160,11 @@ class _Planner:
         return counts, tuple(used)
 
 
+def lends(node: NodeResources) -> bool:
+    """Whether `node` lends its host memory to splits (its telemetry names where it lends)."""
+    return node.split is not None and node.split.lend_host is not None and "CPU" in node.split.lend_devices
+
+
 def plan_split(
     geometry: ModelGeometry,
     settings: ServingSettings,
@@ -172,7 +178,7 @@ def plan_split(
 
     Raises `MemoryModelError` when the model and settings cannot be split at all (a draft, an MTP context, …)."""
     members = sorted(
-        (c for c in candidates if c.node.node_id != head.node.node_id and c.host > 0),
+        (c for c in candidates if c.node.node_id != head.node.node_id and c.host > 0 and lends(c.node)),
         key=lambda c: (-c.host, _natural(c.node.node_id)),
     )[:MAX_MEMBERS]
     if not members or geometry.n_layer < 2:
@@ -255,11 +261,15 @@ def best_split(
     """The best split over `lenders` (heads: those without GPUs, `settings_of` naming what each would run with),
     or None and why none was found."""
     heads = sorted(
-        (lender for lender in lenders if not lender.node.gpus and lender.node.node_id in settings_of),
+        (
+            lender
+            for lender in lenders
+            if not lender.node.gpus and lender.node.node_id in settings_of and lender.node.split is not None
+        ),
         key=lambda lender: (-lender.host, _natural(lender.node.node_id)),
     )[:MAX_HEADS]
     if not heads:
-        return None, "no eligible node without GPUs can head a split"
+        return None, "no eligible node without GPUs and with the cluster's certificates can head a split"
     if len(lenders) < 2:
         return None, "a split needs at least two eligible nodes"
     found: list[SplitFit] = []

@@ -40,6 +40,7 @@ from actors.handoff import cost
 from actors.handoff.api import HandoffAccess
 from actors.l3.api import L3Access
 from actors.placement.memory import MemoryModelError, cache_allocations, estimate
+from actors.placement.split import node_share
 from actors.runner import lifecycle as lc
 from actors.runner import upkeep
 from actors.runner.admission import (
@@ -64,7 +65,9 @@ from actors.runner.booking import Live
 from actors.runner.command import with_files
 from actors.runner.drift import settings_drift
 from actors.runner.driver import CommandRewrite, DriverFault, InstanceDriver, SignalFilter
+from actors.runner.lending import Lending, LendingConfig
 from actors.runner.limits import RunnerLimits, default_restart_policy
+from actors.runner.members import MemberLinks
 from actors.runner.preflight import ModelFiles, NodeState
 from actors.runner.process import ServerLog
 from actors.runner.records import TTL_HEADER
@@ -84,14 +87,15 @@ from messages.generate import (
 )
 from messages.memory import MemoryBreakdown
 from messages.placement import NodeLedger, Reservation
-from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
+from messages.runner import InstanceStatus, LendRequest, Lent, RunnerAck, StartInstance, StopInstance
 from messages.settings import ServingSettings, SettingsBounds
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext, RequestError
-from runtime.bus import encode
+from runtime.bus import BadMessage, decode_checked, encode
 from runtime.model_files import FileDigests
 from runtime.restart import RestartPolicy
+from runtime.tls import TlsFiles
 
 __all__ = [
     "DATA_DIR_UNWRITABLE",
@@ -113,6 +117,13 @@ __all__ = [
 
 #: The shortest time between two serving reports: the changes of a burst go out together.
 _REPORT_GAP_S: Final = 0.1
+
+
+def own_share(predicted: MemoryBreakdown) -> MemoryBreakdown:
+    """What this node itself holds of an instance: a split's RPC devices (`RPC0`, …) are its members' memory,
+    booked and checked on their own ledgers."""
+    own = [d for d in predicted.devices if not d.device.startswith("RPC")]
+    return predicted if len(own) == len(predicted.devices) else node_share(predicted, own)
 
 
 class RunnerActor(Actor):
@@ -140,13 +151,18 @@ class RunnerActor(Actor):
         handoff: HandoffAccess | None = None,
         booking_check_s: float = 5.0,
         bounds_source: Callable[[], SettingsBounds | None] = lambda: None,
+        route_tls: TlsFiles | None = None,
+        lending: LendingConfig | None = None,
     ) -> None:
         """`settings_source` gives the node's serving settings now (None: none advertised), `bounds_source` the
         bounds of a model's own settings it accepts (None: only its own settings); `engine_version`
         is its llama-server's `--version` as telemetry advertises it. `rewrite_command`, `driver_fault` and
         `signal_filter` are test seams (see `driver.py`): a real server that drifts, a driver that fails, a
         server that does not die. `l3` is the node's store of slot states (None: nothing is restored or
-        captured). `booking_check_s`: how often the runner checks that what it runs is booked (`upkeep.py`)."""
+        captured). `booking_check_s`: how often the runner checks that what it runs is booked (`upkeep.py`).
+        Split serving: `route_tls` are this node's certificates under the cluster CA, with which a split's head
+        reaches its members (None: it cannot head a split); `lending` how this node lends its memory to other
+        nodes' splits (None: it does not)."""
         self.node_id = node_id
         self.data_dir = data_dir
         # A reservation made from a registry entry alone names the file, not where it is: relative model
@@ -172,6 +188,8 @@ class RunnerActor(Actor):
         self._identities: dict[str, asyncio.Future[str]] = {}  # model path -> its digest, computing or done
         self._longest_token: dict[str, int] = {}  # instance -> its vocabulary's longest token, bytes (prompt bounds)
         self._booking_check_s = booking_check_s
+        self.route_tls = route_tls
+        self.lending_config = lending
 
     # --- endpoints -----------------------------------------------------------------------------------
 
@@ -199,6 +217,8 @@ class RunnerActor(Actor):
         )  # fmt: skip
         self._serving = serving
         ctx.spawn(self._serve(ctx, serving, session), "serving")
+        if self.lending_config is not None:
+            await self._lend_endpoint(ctx, self.lending_config)
 
         async def start(request: StartInstance) -> RunnerAck:
             return await self._start(ctx, request, api)
@@ -243,6 +263,30 @@ class RunnerActor(Actor):
             "prefill", ctx.subjects.runner(self.node_id, "prefill"), Prefill, prefill, workers=8,
             deadline_s=3600.0 + 60.0,
         )  # fmt: skip
+
+    async def _lend_endpoint(self, ctx: ActorContext, config: LendingConfig) -> None:
+        """`mesh.runner.<node>.lend`: this node's parts of other nodes' splits (`lending.py`), each ended when
+        its booking leaves the ledger (watched: no polling) or the runner stops."""
+        lending = Lending(self.node_id, self.data_dir, config, policy=self._policy)
+
+        async def lend(request: LendRequest) -> Lent:
+            read = await self._node.ledger(ctx)
+            return await lending.lend(ctx, request, read.ledger)
+
+        async def follow_ledger() -> None:
+            try:
+                kv = await buckets.reservations(ctx.bus, ctx.subjects)
+                async for entry in buckets.watch(kv, None, key=self._node.key):
+                    ledger = None
+                    if entry.value:
+                        with contextlib.suppress(BadMessage):
+                            ledger = decode_checked(entry.value, NodeLedger, "ledger")
+                    lending.reconcile(ledger)
+            finally:
+                await lending.close()
+
+        ctx.spawn(follow_ledger(), "lending")
+        await ctx.add_endpoint("lend", ctx.subjects.runner(self.node_id, "lend"), LendRequest, lend, workers=4)
 
     async def _serve(self, ctx: ActorContext, serving: Serving, session: aiohttp.ClientSession) -> None:
         """Keeps serving's view of the ready instances current and publishes the node's serving report on
@@ -339,6 +383,7 @@ class RunnerActor(Actor):
                 running=len(self._drivers),
                 max_instances=self.limits.max_instances,
                 drift=drift,
+                can_head_split=self.route_tls is not None,
             )
             model = await self._models.read(reservation.model_path, reservation.model_digest, self.limits.file_budget_s)
             stamp = reservation.stamp
@@ -361,6 +406,7 @@ class RunnerActor(Actor):
                     cpu_features=telemetry.host.cpu_features if telemetry else None,
                     draft=draft.geometry if draft else None,
                     projector=mmproj.projector if mmproj else None,
+                    rpc_devices=len(stamp.rpc),
                 )
                 allocations = cache_allocations(
                     model.geometry, stamp.settings, stamp.ctx, draft.geometry if draft else None
@@ -370,7 +416,7 @@ class RunnerActor(Actor):
             try:
                 async with asyncio.timeout(self.limits.claim_budget_s):
                     claimed = await self._claim(
-                        ctx, reservation, predicted, instance_id, read.ledger, read.revision, telemetry
+                        ctx, reservation, own_share(predicted), instance_id, read.ledger, read.revision, telemetry
                     )
             except TimeoutError as exc:
                 # a claim may have landed unseen: give the reservation up rather than leave it claimed by nobody
@@ -415,6 +461,8 @@ class RunnerActor(Actor):
             signal_filter=self._signal_filter,
             projector=mmproj.projector if mmproj else None,
         )
+        if stamp.rpc:  # a split: the driver reaches the members before each start of its server
+            driver.links = MemberLinks(ctx, self.node_id, claimed, self.route_tls, driver.member_lost)
         self._drivers[instance_id] = driver
         serving = self._serving
         driver.busy = lambda: serving.busy(instance_id)  # no probe behind a running generation

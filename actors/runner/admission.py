@@ -108,12 +108,20 @@ def check_reservation(
     running: int,
     max_instances: int,
     drift: Sequence[FieldDrift],
+    can_head_split: bool = False,
 ) -> None:
-    """The checks that need no file and no memory reading, in the order a person would want to hear them."""
+    """The checks that need no file and no memory reading, in the order a person would want to hear them.
+    `can_head_split`: this node has the cluster certificates that reach a split's members."""
     rid = reservation.reservation_id
     if reservation.multi_node:
-        message = f"reservation {rid} is one node's share of a multi-node placement; split (RPC) serving is not built"
-        raise Refusal(UNSUPPORTED, message, releases=True)
+        split = reservation.split
+        if split is None or split.head != node_id or not reservation.stamp.rpc:
+            head = split.head if split is not None else "its head"
+            message = f"reservation {rid} is this node's part of a split headed by {head}: the head starts it"
+            raise Refusal(UNSUPPORTED, message, releases=False)
+        if not can_head_split:
+            message = f"node {node_id} has no cluster certificates (--cluster-secret-file): it cannot head a split"
+            raise Refusal(UNSUPPORTED, message, releases=True)
     if reservation.state != "reserved":
         raise Refusal(RESERVATION_STATE, f"reservation {rid} is {reservation.state}, not reserved", releases=False)
     if not has_engine:

@@ -6,7 +6,7 @@ different engine build (or an environment variable) cannot silently change the a
 slots (`-np`), unified KV or not (`-kvu`/`-no-kvu`), cache types (`-ctk`/`-ctv`, and `-ctkd`/`-ctvd` of the
 draft context), flash attention (`-fa`), batch sizes (`-b`/`-ub`), sliding-window cache (`--swa-full`),
 speculation (`--spec-type`, `--spec-draft-n-max`), what the server is for and how it pools (`--embeddings` or
-`--rerank`, `--pooling`), GPU layers and split (`-ngl`, `-ts`), host extras
+`--rerank`, `--pooling`), GPU layers and split (`-ngl`, `-ts`, and a split's members, `--rpc`), host extras
 (`--ctx-checkpoints`, `--cache-ram`) and `--fit off` (llama-server's own fitting would change `-c`). The
 stamp's companion files are passed as admitted: a draft model (`--model-draft`, its layers offloaded as the
 model's: `-ngld` equal to `-ngl`, since its default "auto" would fit them by llama-server's own rule) and a
@@ -43,11 +43,16 @@ def _split(weights: tuple[float, ...]) -> str:
     return ",".join(repr(float(w)) for w in weights)
 
 
-def build_command(engine: str, reservation: Reservation, *, port: int, slot_save_dir: str) -> tuple[str, ...]:
-    """The argv that runs `reservation` exactly as stamped, listening on `LOOPBACK:port`."""
+def build_command(
+    engine: str, reservation: Reservation, *, port: int, slot_save_dir: str, rpc: tuple[str, ...] = ()
+) -> tuple[str, ...]:
+    """The argv that runs `reservation` exactly as stamped, listening on `LOOPBACK:port`. A split instance's
+    members are reached at `rpc` (`HOST:PORT` of each member's link, in the stamp's member order)."""
     if not 0 < port < 65536:
         raise ValueError(f"port {port} is not a TCP port")
     stamp = reservation.stamp
+    if len(rpc) != len(stamp.rpc):
+        raise ValueError(f"the stamp names {len(stamp.rpc)} split members, {len(rpc)} RPC endpoints were given")
     s = stamp.settings
     argv = [
         engine,
@@ -82,6 +87,8 @@ def build_command(engine: str, reservation: Reservation, *, port: int, slot_save
         argv += ["--pooling", s.pooling]
     if s.swa_full:
         argv.append("--swa-full")  # llama-server has no negative form; its default is a window-sized cache
+    if rpc:  # the members' RPC devices come first in llama.cpp's device order, then the head's GPUs
+        argv += ["--rpc", ",".join(rpc)]
     if stamp.gpu_split:
         argv += ["-ts", _split(stamp.gpu_split)]
     if stamp.draft is not None:

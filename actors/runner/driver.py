@@ -33,6 +33,7 @@ from actors.runner.command import build_command, server_environment
 from actors.runner.drift import ServerReport, server_drift
 from actors.runner.health import InferenceHealth, out_of_memory
 from actors.runner.limits import RunnerLimits
+from actors.runner.members import MemberLinks, SplitUnavailable
 from actors.runner.observed import mib_to_bytes, observed_memory
 from actors.runner.process import MIB, ServerLog, ServerProcess
 from actors.runner.reaper import reap
@@ -91,6 +92,7 @@ class InstanceDriver:
         fault: DriverFault | None = None,
         signal_filter: SignalFilter | None = None,
         projector: ProjectorGeometry | None = None,
+        links: MemberLinks | None = None,
     ) -> None:
         self.ctx = ctx
         self.node_id = node_id
@@ -99,6 +101,7 @@ class InstanceDriver:
         self.predicted = predicted
         self.allocations = allocations
         self.projector = projector  # the multimodal projector it runs (`--mmproj`), as its header says
+        self.links = links  # a split instance's links to its members (None: it runs on this node alone)
         self.directory = directory
         self.log = log
         self.machine = machine
@@ -232,7 +235,15 @@ class InstanceDriver:
     async def _spawn(self, generation: int, tg: asyncio.TaskGroup) -> lc.Event:
         self._cancel_pollers()
         port = self.port if self.port is not None and port_free(self.port) else free_port()
-        argv = build_command(str(self.engine), self.reservation, port=port, slot_save_dir=str(self.directory / "slots"))
+        rpc: tuple[str, ...] = ()
+        if self.links is not None:  # a split: each member lends its part before the server starts
+            try:
+                rpc = await self.links.open()
+            except SplitUnavailable as exc:
+                return lc.SpawnFailed(generation, str(exc))
+        argv = build_command(
+            str(self.engine), self.reservation, port=port, slot_save_dir=str(self.directory / "slots"), rpc=rpc
+        )
         if self._rewrite is not None:
             argv = tuple(self._rewrite(argv))
         self.port, self.command, self.observed = port, argv, None
@@ -256,6 +267,12 @@ class InstanceDriver:
         if self._signal_filter is not None and not self._signal_filter(self.reservation.reservation_id, sig):
             return
         self.process.signal(sig)
+
+    def member_lost(self, member: str, detail: str) -> None:
+        """A member's side of its link ended (`members.MemberLinks`): the machine decides what it means."""
+        self._bound.warning("split_member_lost", member=member, detail=detail)
+        with contextlib.suppress(asyncio.QueueFull):
+            self.events.put_nowait(lc.MemberLost(self.machine.generation, member, detail))
 
     def _cancel_pollers(self) -> None:
         for task in self._pollers:
@@ -397,6 +414,8 @@ class InstanceDriver:
         for helper in self._helpers:
             helper.cancel()
         self._helpers.clear()
+        if self.links is not None:  # the server is gone: its links to the members go too
+            await self.links.close()
 
     async def _on_stuck(self, why: str) -> None:
         if not self._stuck:
@@ -482,6 +501,7 @@ class InstanceDriver:
                 reason=action.reason,
                 log_tail=self.log.tail(),
                 out_of_memory=out_of_memory(action.exit_code, self.log.tail(), killed_by_runner=action.killed),
+                member=action.member,
             )
         elif isinstance(action, lc.ReportStopped):
             self.ctx.emit(InstanceStopped, **ids, reason=action.reason)

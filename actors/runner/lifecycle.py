@@ -46,6 +46,7 @@ __all__ = [
     "Finish",
     "Healthy",
     "Lifecycle",
+    "MemberLost",
     "Phase",
     "ReportCrashed",
     "ReportDrift",
@@ -130,6 +131,16 @@ class Unresponsive:
 
 
 @dataclass(frozen=True)
+class MemberLost:
+    """A split's member stopped serving its part while the server was loaded (its RPC connection ended): the
+    server has lost devices that hold its layers, so it is a crash naming the member."""
+
+    generation: int
+    member: str
+    detail: str
+
+
+@dataclass(frozen=True)
 class Verified:
     """The verdict on a healthy server: `drift` (empty when it runs as stamped), or `error` when the
     comparison itself failed (e.g. `/props` did not answer)."""
@@ -155,7 +166,18 @@ class DeadlinePassed:
     pass
 
 
-Event = Start | Spawned | SpawnFailed | Healthy | Verified | Unresponsive | Exited | StopRequested | DeadlinePassed
+Event = (
+    Start
+    | Spawned
+    | SpawnFailed
+    | Healthy
+    | Verified
+    | Unresponsive
+    | MemberLost
+    | Exited
+    | StopRequested
+    | DeadlinePassed
+)
 
 # --- actions (outputs) -----------------------------------------------------------------------------------
 
@@ -208,6 +230,7 @@ class ReportCrashed:
     restart_in_s: float | None  # None: not restarted
     reason: str
     killed: bool = False  # the machine itself sent SIGKILL (a stop that SIGTERM did not end): not the kernel's
+    member: str | None = None  # a split's member whose loss caused the crash
 
 
 @dataclass(frozen=True)
@@ -283,6 +306,7 @@ class Lifecycle:
         self._killed = False
         self._pending_stop: str | None = None
         self._drift: tuple[FieldDrift, ...] = ()
+        self._member: str | None = None  # the member whose loss made this generation crash
 
     @property
     def state(self) -> InstanceState:
@@ -322,6 +346,7 @@ class Lifecycle:
         self.generation += 1
         self.phase = Phase.SPAWNING
         self.pid = None
+        self._member = None
         return [SetDeadline(None), Spawn(self.generation)]
 
     def _spawned(self, event: Event, now: float) -> list[Action]:
@@ -373,6 +398,11 @@ class Lifecycle:
         if event.by_inference:
             return self._terminate("crash", f"completions failed while /health answered: {event.detail}")
         return self._terminate("crash", f"stopped answering /health: {event.detail}")
+
+    def _member_lost(self, event: Event, now: float) -> list[Action]:
+        assert isinstance(event, MemberLost)
+        self._member = event.member
+        return self._terminate("crash", f"split member {event.member} is gone: {event.detail}")
 
     def _exited(self, event: Event, now: float) -> list[Action]:
         assert isinstance(event, Exited)
@@ -430,11 +460,12 @@ class Lifecycle:
         if isinstance(decision, GiveUp):
             window = f"{self._policy.window_s:g}s"
             why = f"gave up after {decision.crashes_in_window} crashes within {window} (last: {reason})"
-            return self._finish(Phase.FAILED, why, [ReportCrashed(code, None, reason, killed), ReportFailed(why)])
+            crashed = ReportCrashed(code, None, reason, killed, self._member)
+            return self._finish(Phase.FAILED, why, [crashed, ReportFailed(why)])
         self.phase = Phase.BACKOFF
         self.reason = reason
         self.restarts += 1
-        return [ReportCrashed(code, decision.delay_s, reason, killed), SetDeadline(decision.delay_s)]
+        return [ReportCrashed(code, decision.delay_s, reason, killed, self._member), SetDeadline(decision.delay_s)]
 
     def _finish(self, phase: Phase, reason: str, reports: list[Action]) -> list[Action]:
         self.phase, self.reason, self.stuck = phase, reason, ""
@@ -455,6 +486,10 @@ _TRANSITIONS: dict[tuple[Phase, type], _Transition] = {
     (Phase.VERIFYING, Verified): Lifecycle._verified,
     (Phase.VERIFYING, DeadlinePassed): Lifecycle._not_ready,
     (Phase.READY, Unresponsive): Lifecycle._unresponsive,
+    # while loading, llama-server's RPC client may open and close connections of its own; once loaded, its
+    # buffers hold one connection per member for the server's life
+    (Phase.VERIFYING, MemberLost): Lifecycle._member_lost,
+    (Phase.READY, MemberLost): Lifecycle._member_lost,
     **{(phase, Exited): Lifecycle._exited for phase in _RUNNING},
     **{(phase, StopRequested): Lifecycle._stop for phase in _RUNNING},
     (Phase.BACKOFF, DeadlinePassed): Lifecycle._spawn,

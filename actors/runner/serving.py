@@ -125,8 +125,17 @@ def state_identity(
         draft=draft,
         payload_kind=PAYLOAD_KIND,
         platform=Platform(machine=platform.machine(), byte_order="little" if sys.byteorder == "little" else "big"),
+        split=split_layout(reservation),
     )
     return exact_state_identity(inputs)
+
+
+def split_layout(reservation: Reservation) -> str | None:
+    """A split instance's layer layout, the head's blocks first (`0-4,4-8`); None when it runs on one node."""
+    members = reservation.stamp.rpc
+    if not members:
+        return None
+    return ",".join(f"{first}-{last}" for first, last in (reservation.layers, *(m.layers for m in members)))
 
 
 class ServedInstance:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from messages.settings import ServingSettings, SettingsBounds
-from messages.telemetry import GpuInfo, HostInfo, LlamaServerInfo, NodeResources
+from messages.telemetry import GpuInfo, HostInfo, LlamaServerInfo, NodeResources, SplitServing
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +86,7 @@ class NodeFacts:
     llama_server_error: str | None
     settings: ServingSettings
     bounds: SettingsBounds | None = None  # what it accepts of a model's own settings
+    split: SplitServing | None = None  # its part in split serving (None: no cluster certificates)
 
 
 def _cap(value: int, limit: int | None) -> int:
@@ -127,6 +128,7 @@ def build_report(facts: NodeFacts, *, seq: int, now: float, host: HostReading, n
         llama_server_error=facts.llama_server_error,
         settings=facts.settings if facts.llama_server is not None else None,
         bounds=facts.bounds if facts.llama_server is not None else None,
+        split=facts.split,
     )
 
 

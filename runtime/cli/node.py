@@ -180,6 +180,14 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         "--no-frontdoor-grouping", dest="frontdoor_grouping", action="store_false", default=None,
         help=argparse.SUPPRESS,
     )  # fmt: skip
+    run.add_argument(
+        "--no-lend", dest="lend", action="store_false", default=None,
+        help="lend none of this node's memory to other nodes' split instances (llama.cpp RPC)",
+    )  # fmt: skip
+    run.add_argument(
+        "--lend-host", metavar="HOST",
+        help="the address other nodes reach this node's split lending on (default: the --cluster-listen host)",
+    )  # fmt: skip
     run.add_argument("--json", action="store_true", help="print the ready line as one JSON object")
     run.add_argument(
         "--registry-key",
@@ -231,6 +239,8 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "frontdoor_grouping": args.frontdoor_grouping,
         "max_hold": args.max_hold,
         "client_share": args.client_share,
+        "lend": args.lend,
+        "lend_host": args.lend_host,
         "prefix": args.prefix,
         "nats": ",".join(args.nats) if args.nats else None,
         "nats_user": args.nats_user,

@@ -31,6 +31,7 @@ INSTANCE = StateInputs(
     draft=None,
     payload_kind=KIND,
     platform=Platform(machine="x86_64", byte_order="little"),
+    split=None,
 )
 
 

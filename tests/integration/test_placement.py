@@ -27,7 +27,7 @@ from messages.registry import RegistryEntry
 from messages.runner import ObservedMemory
 from messages.settings import ServingSettings
 from messages.subjects import Subjects
-from messages.telemetry import HostInfo, LlamaServerInfo, NodeResources
+from messages.telemetry import HostInfo, LlamaServerInfo, NodeResources, SplitServing
 from runtime import buckets
 from runtime.actor import ActorContext
 from runtime.bus import Bus, NoResponders, decode, encode
@@ -62,6 +62,7 @@ def report(
         llama_server=LlamaServerInfo(path="llama-server", version="test", build_info="") if settings else None,
         llama_server_error=None if settings else "llama-server not found",
         settings=settings,
+        split=SplitServing(lend_host="127.0.0.1", lend_devices=("CPU",)),  # holds the cluster's certificates; lends
     )
 
 

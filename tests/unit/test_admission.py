@@ -13,7 +13,7 @@ from actors.placement.memory import estimate
 from messages.model import ModelGeometry
 from messages.placement import ModelRef, NodeLedger, PlacementRequest, PreferredSettings, Reservation, Stamp
 from messages.settings import ServingSettings, SettingsBounds
-from messages.telemetry import HostInfo, LlamaServerInfo, NodeResources
+from messages.telemetry import HostInfo, LlamaServerInfo, NodeResources, SplitServing
 from tests.tiny_models import write_llama, write_qwen35
 
 NOW = 1_000_000.0
@@ -45,6 +45,7 @@ def node(
         llama_server_error=None if settings else "not installed",
         settings=settings,
         bounds=bounds,
+        split=SplitServing(lend_host="127.0.0.1", lend_devices=("CPU",)),  # holds the cluster's certificates; lends
     )
 
 

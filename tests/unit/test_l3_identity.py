@@ -26,7 +26,7 @@ from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from actors.runner.serving import state_identity
 from messages.model import ModelGeometry
-from messages.placement import Companion, Reservation, Stamp
+from messages.placement import Companion, Reservation, RpcMember, Stamp
 from messages.settings import ServingSettings
 from tests.tiny_models import write_phi3
 
@@ -48,6 +48,7 @@ def _inputs(**changes: object) -> StateInputs:
         draft=DraftSettings(spec_type="draft-mtp", draft_depth=3, cache_type_k="f16", cache_type_v="f16"),
         payload_kind="llama_slot",
         platform=Platform(machine="x86_64", byte_order="little"),
+        split=None,
     )
     return msgspec.structs.replace(base, **changes)
 
@@ -177,12 +178,17 @@ def test_a_model_digest_that_is_not_blake3_hex_is_refused(bad: str) -> None:
 def test_the_encoding_is_pinned_by_a_known_identity() -> None:
     # Any change to the encoding or the field table changes this value: bump `_DOMAIN` with it, so entries
     # stored under the old rules are never taken for entries of the new ones.
-    assert exact_state_identity(_inputs()) == "d50bddd55aa3c13eb13a45a0e31bbb1d60dfe19cd20a86dafa2102ac53a0e089"
+    assert exact_state_identity(_inputs()) == "070a18a30d74d6d67dd5eec1cbf271c144fe0dadaf89c2e18d2b91c4ed53b0b8"
+
+
+def test_a_split_is_shared_only_within_its_layout() -> None:
+    layouts = [None, "0-4,4-8", "0-3,3-8", "0-2,2-5,5-8"]
+    assert len({exact_state_identity(_inputs(split=layout)) for layout in layouts}) == len(layouts)
 
 
 #: What the identity was before the per-slot context and the stream count joined it (v2), for the same inputs.
 V2_DOMAIN = b"mesh-actor/l3/exact-state-identity/v2\x00"
-V2_FIELDS = tuple(n for n in _FIELDS[StateInputs] if n not in ("n_ctx_seq", "n_stream"))
+V2_FIELDS = tuple(n for n in _FIELDS[StateInputs] if n not in ("n_ctx_seq", "n_stream", "split"))
 V2_IDENTITY = "2d9dbb2f6c6a4adc06f511cae8d44383309b4527cd4370f09be28a822747c919"  # computed by the v2 code
 
 
@@ -264,6 +270,7 @@ SETTINGS_IN = {
     "spec_draft_type_k": "draft",
     "spec_draft_type_v": "draft",
     "ctx": "n_ctx_seq, as llama.cpp resolves it (padded to 256 cells)",
+    "rpc": "split: the layer layout over the head and its members (a state is shared only within one layout)",
 }
 SETTINGS_OUT = {
     "batch": "how a prompt is split into batches: the same function, rounding at most (a server's own states "
@@ -308,6 +315,7 @@ CHANGED: dict[str, object] = {
     "pooling": "mean",
     "draft": Companion(path="draft.gguf", digest="ab" * 32),
     "mmproj": Companion(path="mmproj.gguf", digest="cd" * 32),
+    "rpc": (RpcMember(node_id="n2", layers=(2, 4)),),
 }
 
 

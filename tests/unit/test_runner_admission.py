@@ -12,7 +12,7 @@ from actors.placement.gguf_header import read_header
 from actors.placement.memory import estimate
 from actors.runner.admission import Refusal, check_memory, check_reservation, claim, find
 from messages.memory import MemoryBreakdown
-from messages.placement import NodeLedger, Reservation, Stamp
+from messages.placement import NodeLedger, Reservation, RpcMember, SplitPart, Stamp
 from messages.runner import FieldDrift
 from messages.settings import ServingSettings
 from messages.telemetry import HostInfo, NodeResources
@@ -55,15 +55,41 @@ def refusal(excinfo: pytest.ExceptionInfo[Refusal]) -> tuple[str, bool]:
 
 
 def check(
-    checked: Reservation, *, has_engine: bool = True, running: int = 0, drift: tuple[FieldDrift, ...] = ()
+    checked: Reservation,
+    *,
+    has_engine: bool = True,
+    running: int = 0,
+    drift: tuple[FieldDrift, ...] = (),
+    can_head_split: bool = True,
 ) -> None:
-    check_reservation(checked, node_id="n", has_engine=has_engine, running=running, max_instances=4, drift=drift)
+    check_reservation(
+        checked, node_id="n", has_engine=has_engine, running=running, max_instances=4, drift=drift,
+        can_head_split=can_head_split,
+    )  # fmt: skip
+
+
+def test_a_split_is_started_by_its_head_only_and_only_where_the_cluster_certificates_are(
+    predicted: MemoryBreakdown,
+) -> None:
+    stamp = Stamp(
+        settings=SETTINGS, ctx=512, n_gpu_layers=2, gpu_split=(1.0,), rpc=(RpcMember(node_id="m", layers=(1, 2)),)
+    )
+    head = reservation("r", predicted, multi_node=True, stamp=stamp, split=SplitPart(head="n", members=("m",)))
+    check(head)  # the head's part, on a node that reaches its members
+    with pytest.raises(Refusal) as uncertified:
+        check(head, can_head_split=False)
+    assert refusal(uncertified) == ("unsupported", True)  # it never will here: released
+    member = msgspec.structs.replace(head, split=SplitPart(head="h", members=("n",)))
+    with pytest.raises(Refusal) as lent:
+        check(member)  # a part this node lends: its head starts the instance, the part stays booked
+    assert refusal(lent) == ("unsupported", False)
+    assert "headed by h" in str(lent.value)
 
 
 def test_checks_refuse_in_order_and_say_whether_the_reservation_is_released(predicted: MemoryBreakdown) -> None:
-    with pytest.raises(Refusal) as multi:
+    with pytest.raises(Refusal) as multi:  # a part of a split with no head named: not this node's to start
         check(reservation("r", predicted, multi_node=True, state="starting"))
-    assert refusal(multi) == ("unsupported", True)
+    assert refusal(multi) == ("unsupported", False)
     with pytest.raises(Refusal) as taken:
         check(reservation("r", predicted, state="starting"), has_engine=False)
     assert refusal(taken) == ("reservation_state", False)
