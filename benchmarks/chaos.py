@@ -1118,7 +1118,8 @@ async def main_async(args: argparse.Namespace) -> int:
     run = ChaosRun(root, args.minutes, args.faults.split(",") if args.faults else list(FAULTS))
     task = asyncio.current_task()
     assert task is not None
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)  # SIGTERM cleans up like Ctrl-C
+    for sig in (signal.SIGINT, signal.SIGTERM):  # either one cancels the run, whose teardown stops every node
+        asyncio.get_running_loop().add_signal_handler(sig, task.cancel)
     code = 1
     try:
         await run.setup()
@@ -1175,7 +1176,11 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the run's directory goes (default: the system temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the run's directory (logs, data dirs)")
     parser.add_argument("--faults", help=f"a comma-separated subset, in this order (default: {','.join(FAULTS)})")
-    raise SystemExit(asyncio.run(main_async(parser.parse_args())))
+    try:
+        code = asyncio.run(main_async(parser.parse_args()))
+    except (KeyboardInterrupt, asyncio.CancelledError):  # interrupted: the teardown ran (see main_async)
+        code = 130
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":
