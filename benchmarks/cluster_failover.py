@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from benchmarks.environment import print_environment
-from tests.integration.test_cluster import NODES, cluster, place, wait_nodes
+from tests.cluster_harness import NODES, cluster
+from tests.integration.test_cluster import place, wait_nodes
 from tests.tiny_models import write_llama
 
 TARGET_S = 10.0
