@@ -97,3 +97,4 @@ class InstanceStatus(msgspec.Struct, frozen=True, kw_only=True):
     pid: int | None = None
     message: str = ""
     updated_at: float = 0.0
+    members: tuple[str, ...] = ()  # a split instance's members (the nodes lending it memory), in --rpc order

@@ -32,6 +32,7 @@ class Cluster:
         self.root = root
         self.flags = dict(flags or {})
         self.ports = _route_ports(len(NODES))
+        root.mkdir(parents=True, exist_ok=True)
         self.secret = root / "cluster.secret"
         self.secret.write_text("s3cret-shared-by-every-node-" + os.urandom(8).hex() + "\n")
         self.processes: dict[str, asyncio.subprocess.Process] = {}

@@ -7,6 +7,8 @@ Two checks, each returning one `FieldDrift` per differing field (empty when ever
   the node's bounds, and the node's own (batch sizes, host-RAM extras, threads) still equal its current ones.
   If the node has since been reconfigured (or its llama-server replaced), starting it would run something
   nobody admitted.
+* `split_drift`, after start of a split instance: each member's buffers, as the head's log prints them, against
+  the prediction (the layers each member holds are the stamped ones, and its compute stays within what it booked).
 * `server_drift`, after start: the running server against the stamp, from what it reports about itself.
   `/props` gives the slot count (`total_slots`) and the per-slot context (`default_generation_settings.n_ctx`);
   `/slots` lists every slot with its context and whether it can speculate. This build's `/props` does not
@@ -25,17 +27,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 
 from actors.placement.bounds import out_of_bounds
 from actors.placement.pooled import POOLED_KINDS
 from actors.placement.projector import projector_device
-from actors.runner.allocation_log import AllocationLog
-from messages.memory import ContextShape
+from actors.runner.allocation_log import AllocationLog, printed_mib, remote_devices
+from messages.memory import ContextShape, MemoryBreakdown
 from messages.placement import Stamp
 from messages.runner import FieldDrift
 from messages.settings import PER_MODEL, ServingSettings, SettingsBounds
 
-__all__ = ["ServerReport", "server_drift", "settings_drift", "speculative_types"]
+__all__ = ["ServerReport", "server_drift", "settings_drift", "speculative_types", "split_drift"]
 
 _MISSING = "(missing)"
 
@@ -169,3 +172,33 @@ def server_drift(stamp: Stamp, shape: ContextShape, report: ServerReport) -> tup
     for item in diff.items:
         unique.setdefault((item.field, item.stamped, item.current), item)
     return tuple(unique.values())
+
+
+def split_drift(
+    stamp: Stamp, predicted: MemoryBreakdown, endpoints: Sequence[str], log: AllocationLog
+) -> tuple[FieldDrift, ...]:
+    """A split instance's members against the prediction, from the head's log (its `RPC<d>[HOST:PORT]` lines;
+    `endpoints` are the `--rpc` endpoints in the stamp's member order, so member `i` is the predicted device
+    `RPC<i>`). Each member's model buffer and caches must print as predicted (the layers it holds are the
+    stamped ones) and its compute buffer must stay within its prediction and margin (what its ledger booked).
+    Field names: `log.split.<member>.model_mib`, `.cache_mib`, `.compute_mib`."""
+    diff = _Diff()
+    printed = {device.endpoint: device for device in remote_devices(log).values()}
+    devices = {device.device: device for device in predicted.devices}
+    diff.check("log.split.members", len(stamp.rpc), len(printed))
+    for index, (member, endpoint) in enumerate(zip(stamp.rpc, endpoints, strict=True)):
+        field = f"log.split.{member.node_id}"
+        want, got = devices.get(f"RPC{index}"), printed.get(endpoint)
+        if want is None or got is None:
+            diff.check(field, "predicted and allocated", f"predicted {want is not None}, allocated {got is not None}")
+            continue
+        diff.check(f"{field}.model_mib", printed_mib(want.weights_bytes), got.model_mib)
+        caches = want.kv_bytes + want.recurrent_bytes
+        # each cache line rounds on its own: the sum may differ from the sum's rounding by a step per line
+        slack = Decimal("0.01") * max(1, len(got.cache_mib))
+        if abs(got.caches_mib - printed_mib(caches)) > slack:
+            diff.check(f"{field}.cache_mib", printed_mib(caches), got.caches_mib)
+        booked = want.compute_bytes + want.compute_margin_bytes
+        if got.compute_mib is None or got.compute_mib > printed_mib(booked):
+            diff.check(f"{field}.compute_mib", f"at most {printed_mib(booked)}", got.compute_mib)
+    return tuple(diff.items)

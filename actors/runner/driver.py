@@ -30,7 +30,7 @@ from actors.runner import lifecycle as lc
 from actors.runner.admission import describe_drift
 from actors.runner.allocation_log import parse_allocation_log
 from actors.runner.command import build_command, server_environment
-from actors.runner.drift import ServerReport, server_drift
+from actors.runner.drift import ServerReport, server_drift, split_drift
 from actors.runner.health import InferenceHealth, out_of_memory
 from actors.runner.limits import RunnerLimits
 from actors.runner.members import MemberLinks, SplitUnavailable
@@ -102,6 +102,7 @@ class InstanceDriver:
         self.allocations = allocations
         self.projector = projector  # the multimodal projector it runs (`--mmproj`), as its header says
         self.links = links  # a split instance's links to its members (None: it runs on this node alone)
+        self._endpoints: tuple[str, ...] = ()  # the --rpc endpoints of the current server, in member order
         self.directory = directory
         self.log = log
         self.machine = machine
@@ -157,6 +158,7 @@ class InstanceDriver:
             pid=self.machine.pid if self.process is None or self.process.returncode is None else None,
             message=self.message,
             updated_at=self._clock(),
+            members=tuple(m.node_id for m in self.reservation.stamp.rpc),
         )
 
     async def request_stop(self, reason: str, timeout_s: float) -> None:
@@ -244,6 +246,7 @@ class InstanceDriver:
         argv = build_command(
             str(self.engine), self.reservation, port=port, slot_save_dir=str(self.directory / "slots"), rpc=rpc
         )
+        self._endpoints = rpc
         if self._rewrite is not None:
             argv = tuple(self._rewrite(argv))
         self.port, self.command, self.observed = port, argv, None
@@ -380,7 +383,10 @@ class InstanceDriver:
             await self.events.put(lc.Verified(generation, error=str(exc) or "the server never logged its load"))
             return
         log = parse_allocation_log(self.log.allocation_text())
-        drift = server_drift(self.reservation.stamp, self.predicted.context, ServerReport(props, slots, log))
+        stamp = self.reservation.stamp
+        drift = server_drift(stamp, self.predicted.context, ServerReport(props, slots, log))
+        if stamp.rpc:  # each member's buffers, as the head's log prints them, against the prediction
+            drift += split_drift(stamp, self.predicted, self._endpoints, log)
         if not drift:
             observation = observed_memory(log, self.predicted, self.allocations, self.projector)
             self.observed, self.exact = observation.memory, observation.exact

@@ -363,9 +363,10 @@ async def cmd_status(args: argparse.Namespace) -> int:
     for inst in instances:
         observed = format_size(inst.observed_memory.total_bytes) if inst.observed_memory else "-"
         predicted = format_size(inst.predicted_memory.total_bytes)
+        split = f" (split: {inst.node} + {', '.join(inst.members)})" if inst.members else ""
         print(
             f"{inst.id:<18} {inst.node:<14} {inst.state:<10} {inst.port or '-':>6} {predicted:>11} {observed:>11} "
-            f"{inst.model_path}"
+            f"{inst.model_path}{split}"
         )
     if reservations:
         print(f"\n{'RESERVATION':<18} {'NODE':<14} {'STATE':<10} {'HELD':>11} EXPIRES")
