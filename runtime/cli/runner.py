@@ -1,4 +1,5 @@
-"""Runner commands: `stop` (an instance, wherever it runs) and `doctor` (is this node able to serve?).
+"""Runner commands: `stop` (an instance, wherever it runs) and `doctor` (is this node able to serve, and to lend
+memory to split instances?).
 
 `fetch_instances` reads every instance record from the instances bucket; `status` lists them.
 """
@@ -10,6 +11,7 @@ import asyncio
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -48,7 +50,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     add_client_options(stop)
     stop.set_defaults(func=cmd_stop)
 
-    doctor = sub.add_parser("doctor", help="check this node: llama-server, NVML, NATS and JetStream")
+    doctor = sub.add_parser("doctor", help="check this node: llama-server, ggml-rpc-server, NVML, NATS and JetStream")
     doctor.add_argument("--llama-server", metavar="PATH", help="llama-server binary to check (as `run` takes it)")
     add_client_options(doctor)
     doctor.set_defaults(func=cmd_doctor)
@@ -131,6 +133,27 @@ async def _check_engine(args: argparse.Namespace, checks: _Checks) -> dict[str, 
     return {"path": info.path, "version": info.version, "build_info": info.build_info}
 
 
+def _check_rpc_server(engine: dict[str, Any] | None, checks: _Checks) -> dict[str, Any] | None:
+    """`ggml-rpc-server` beside llama-server, where the runner looks for it (`launcher.split_serving`). Needed
+    only to lend this node's memory to other nodes' split instances, so its absence is no failure."""
+    if engine is None:
+        checks.add("ggml-rpc-server", False, "not looked for: no llama-server to look beside", required=False)
+        return None
+    path = Path(engine["path"]).with_name("ggml-rpc-server")
+    present = path.is_file()
+    executable = present and os.access(path, os.X_OK)
+    if executable:
+        detail = f"{path} (needed to lend this node's memory to split instances)"
+    else:
+        state = "not executable" if present else "not found"
+        detail = (
+            f"{state} at {path}: this node cannot lend memory to split instances "
+            "(build the llama extra with -DGGML_RPC=ON)"
+        )
+    checks.add("ggml-rpc-server", executable, detail, required=False)
+    return {"path": str(path), "present": present, "executable": executable}
+
+
 def _check_nvml(checks: _Checks) -> dict[str, Any] | None:
     nvml = Nvml()
     nvml.open()
@@ -178,6 +201,7 @@ async def _check_nats(args: argparse.Namespace, checks: _Checks) -> dict[str, An
 async def cmd_doctor(args: argparse.Namespace) -> int:
     checks = _Checks()
     engine = await _check_engine(args, checks)
+    rpc_server = _check_rpc_server(engine, checks)
     nvml = await asyncio.to_thread(_check_nvml, checks)
     nats_info = await _check_nats(args, checks)
     if args.json:
@@ -187,6 +211,7 @@ async def cmd_doctor(args: argparse.Namespace) -> int:
                 "data_dir": str(data_dir(args)),
                 "checks": checks.items,
                 "llama_server": engine,
+                "rpc_server": rpc_server,
                 "nvml": nvml,
                 "nats": nats_info,
             }
@@ -194,5 +219,5 @@ async def cmd_doctor(args: argparse.Namespace) -> int:
     else:
         for item in checks.items:
             mark = "ok" if item["ok"] else ("FAIL" if item["required"] else "-")
-            print(f"{item['name']:<13} {mark:<5} {item['detail']}")
+            print(f"{item['name']:<15} {mark:<5} {item['detail']}")
     return EXIT_OK if checks.ok else EXIT_FAILURE

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
 from pathlib import Path
 
@@ -111,3 +112,131 @@ async def test_a_stranger_cannot_pose_as_the_exit(tmp_path: Path) -> None:
                 writer.close()
         assert target.reached == 0
     assert client_context(head).verify_mode == ssl.CERT_REQUIRED
+
+
+# --- the head learns when a member's side ends ----------------------------------------------------------------
+
+
+class Target:
+    """A loopback server standing in for `ggml-rpc-server` behind the exit: each connection it accepts is handed
+    to the test, which closes it (the far end ends) or waits until the other side ended it."""
+
+    def __init__(self) -> None:
+        self.connections: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.Queue()
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> Target:
+        async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self.connections.put((reader, writer))
+
+        self._server = await asyncio.start_server(accepted, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self
+
+    async def stop(self) -> None:
+        """Stops listening (the RPC server is down): the exit can no longer reach it."""
+        if self._server is not None:
+            self._server.close()
+            async with asyncio.timeout(5):
+                await self._server.wait_closed()
+            self._server = None
+
+    async def __aenter__(self) -> Target:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+class WatchedEntrance(TunnelEntrance):
+    """A real entrance that also says when it finished with each connection: the moment by which an `on_end`
+    for that connection has come if it was going to, so that its absence can be asserted without sleeping."""
+
+    def __init__(self, files: TlsFiles, host: str, port: int) -> None:
+        self.reasons: list[str] = []
+        self.finished: asyncio.Queue[None] = asyncio.Queue()
+        super().__init__(files, host, port, on_end=self.reasons.append)
+
+    async def _carry(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await super()._carry(reader, writer)
+        finally:
+            self.finished.put_nowait(None)
+
+
+async def test_the_entrance_tells_when_the_far_end_closes_and_not_when_its_own_client_does(tmp_path: Path) -> None:
+    member, head = certificates(tmp_path / "m", SECRET), certificates(tmp_path / "h", SECRET)
+    async with Target() as target, TunnelExit(member, target.port) as exit_:
+        await exit_.start("127.0.0.1")
+        async with WatchedEntrance(head, "127.0.0.1", exit_.port) as entrance:
+            await entrance.start()
+            async with asyncio.timeout(10):
+                # llama-server closes its own connection first (it is done with it): nothing is lost.
+                reader, writer = await asyncio.open_connection("127.0.0.1", entrance.port)
+                writer.write(b"ping")
+                await writer.drain()
+                far_reader, far_writer = await target.connections.get()
+                assert await far_reader.readexactly(4) == b"ping"
+                far_writer.write(b"pong")
+                await far_writer.drain()
+                assert await reader.readexactly(4) == b"pong"
+                writer.close()
+                assert await far_reader.read(100) == b""  # the close went all the way through
+                far_writer.close()
+                await entrance.finished.get()
+            assert entrance.reasons == []
+
+            async with asyncio.timeout(10):
+                # The RPC server ends the connection (it exited): the head is told, and its client sees the end.
+                reader, writer = await asyncio.open_connection("127.0.0.1", entrance.port)
+                writer.write(b"ping")
+                await writer.drain()
+                far_reader, far_writer = await target.connections.get()
+                assert await far_reader.readexactly(4) == b"ping"
+                far_writer.close()
+                assert await reader.read(100) == b""
+                writer.close()
+                await entrance.finished.get()
+            assert entrance.reasons == [f"its RPC connection through 127.0.0.1:{exit_.port} was closed by the far end"]
+
+            async with asyncio.timeout(10):
+                # The RPC server is down (being restarted): the exit reaches nothing and ends the connection.
+                await target.stop()
+                reader, writer = await asyncio.open_connection("127.0.0.1", entrance.port)
+                assert await reader.read(100) == b""
+                writer.close()
+                await entrance.finished.get()
+            assert len(entrance.reasons) == 2
+            assert entrance.reasons[1].startswith(f"its RPC connection through 127.0.0.1:{exit_.port} was ")
+
+
+async def test_the_entrance_tells_when_the_exit_cannot_be_reached_or_verified(tmp_path: Path) -> None:
+    head, stranger = certificates(tmp_path / "h", SECRET), certificates(tmp_path / "x", "other")
+    with socket.socket() as bound:  # bound, never listening: connections to its port are refused
+        bound.bind(("127.0.0.1", 0))
+        port = int(bound.getsockname()[1])
+        async with WatchedEntrance(head, "127.0.0.1", port) as entrance:
+            await entrance.start()
+            async with asyncio.timeout(10):
+                reader, writer = await asyncio.open_connection("127.0.0.1", entrance.port)
+                assert await reader.read(100) == b""
+                writer.close()
+                await entrance.finished.get()
+            assert len(entrance.reasons) == 1
+            assert entrance.reasons[0].startswith(f"its tunnel exit 127.0.0.1:{port} is unreachable: ")
+            assert "ConnectionRefusedError" in entrance.reasons[0]
+
+    # An exit that is not a member of this cluster is as good as none.
+    async with Echo() as target, TunnelExit(stranger, target.port) as impostor:
+        await impostor.start("127.0.0.1")
+        async with WatchedEntrance(head, "127.0.0.1", impostor.port) as entrance:
+            await entrance.start()
+            async with asyncio.timeout(10):
+                reader, writer = await asyncio.open_connection("127.0.0.1", entrance.port)
+                assert await reader.read(100) == b""
+                writer.close()
+                await entrance.finished.get()
+            assert len(entrance.reasons) == 1
+            assert entrance.reasons[0].startswith(f"its tunnel exit 127.0.0.1:{impostor.port} is unreachable: ")
+        assert target.reached == 0

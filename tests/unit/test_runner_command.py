@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from actors.runner.command import build_command, server_environment
-from messages.placement import Reservation, Stamp
+from messages.placement import Reservation, RpcMember, Stamp
 from messages.settings import ServingSettings
 from tests.llama_harness import server_args
 
@@ -33,7 +33,12 @@ FLAGS = {
 
 
 def _reservation(
-    settings: ServingSettings, *, ctx: int = 8192, ngl: int = 0, split: tuple[float, ...] = ()
+    settings: ServingSettings,
+    *,
+    ctx: int = 8192,
+    ngl: int = 0,
+    split: tuple[float, ...] = (),
+    members: tuple[RpcMember, ...] = (),
 ) -> Reservation:
     return Reservation(
         reservation_id="r1",
@@ -41,7 +46,7 @@ def _reservation(
         node_id="n1",
         state="reserved",
         model_path="/models/my model.gguf",
-        stamp=Stamp(settings=settings, ctx=ctx, n_gpu_layers=ngl, gpu_split=split),
+        stamp=Stamp(settings=settings, ctx=ctx, n_gpu_layers=ngl, gpu_split=split, rpc=members),
         layers=(0, 4),
         devices=(),
         held={},
@@ -178,3 +183,47 @@ def test_an_embedding_or_rerank_server_is_pinned_with_its_kind_pooling_and_whole
 def test_a_generation_server_passes_neither_embeddings_nor_pooling() -> None:
     argv = build_command("s", _reservation(ServingSettings()), port=5, slot_save_dir="/d")
     assert not {"--embeddings", "--rerank", "--pooling"} & set(argv)
+
+
+# --- a split's members (--rpc) -------------------------------------------------------------------------------
+
+MEMBERS = (RpcMember(node_id="m2", layers=(8, 16)), RpcMember(node_id="m3", layers=(16, 24)))
+
+
+def test_a_split_names_its_members_endpoints_in_the_given_order_before_the_tensor_split() -> None:
+    """llama.cpp numbers the RPC devices in `--rpc` order, ahead of the head's GPUs; `-ts` weighs them in
+    that order, so the endpoints must be passed as given (the stamp's member order) and before `-ts`."""
+    reservation = _reservation(ServingSettings(), ngl=99, split=(1.0, 2.0, 3.0), members=MEMBERS)
+    rpc = ("127.0.0.1:4002", "127.0.0.1:4001")
+    argv = build_command("s", reservation, port=6, slot_save_dir="/d", rpc=rpc)
+    assert _value(argv, "--rpc") == "127.0.0.1:4002,127.0.0.1:4001"
+    assert argv.index("--rpc") < argv.index("-ts")
+    assert _value(argv, "-ts") == "1.0,2.0,3.0"
+
+
+def test_a_split_without_head_gpus_still_gets_its_members() -> None:
+    reservation = _reservation(ServingSettings(), ngl=99, members=MEMBERS[:1])
+    argv = build_command("s", reservation, port=6, slot_save_dir="/d", rpc=("127.0.0.1:4001",))
+    assert _value(argv, "--rpc") == "127.0.0.1:4001"
+    assert "-ts" not in argv
+
+
+@pytest.mark.parametrize(
+    ("members", "rpc"),
+    [
+        (MEMBERS, ("127.0.0.1:4001",)),  # fewer endpoints than members
+        (MEMBERS[:1], ("127.0.0.1:4001", "127.0.0.1:4002")),  # more
+        ((), ("127.0.0.1:4001",)),  # endpoints for an instance that is not split
+        (MEMBERS, ()),  # a split started without its members
+    ],
+)
+def test_endpoints_that_do_not_match_the_stamps_members_are_refused(
+    members: tuple[RpcMember, ...], rpc: tuple[str, ...]
+) -> None:
+    with pytest.raises(ValueError, match="split members"):
+        build_command("s", _reservation(ServingSettings(), members=members), port=7, slot_save_dir="/d", rpc=rpc)
+
+
+def test_an_instance_that_is_not_split_gets_no_rpc() -> None:
+    argv = build_command("s", _reservation(ServingSettings(), ngl=99, split=(1.0, 1.0)), port=8, slot_save_dir="/d")
+    assert "--rpc" not in argv

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +15,7 @@ from actors.runner.lifecycle import (
     Finish,
     Healthy,
     Lifecycle,
+    MemberLost,
     Phase,
     ReportCrashed,
     ReportDrift,
@@ -268,6 +271,90 @@ def test_abandon_records_a_running_instance_as_stopped() -> None:
     assert (m.state, m.reason, m.pid, m.done) == ("stopped", "runner stopped", None, True)
 
 
+# --- a split's member lost -----------------------------------------------------------------------------------
+
+
+def test_a_member_lost_while_ready_stops_the_server_and_reports_a_crash_naming_the_member() -> None:
+    m = machine()
+    ready(m)
+    assert m.handle(MemberLost(1, "m2", "its RPC connection was closed by the far end"), 5) == [
+        Signal("SIGTERM"),
+        SetDeadline(TIMINGS.stop_grace_s),
+    ]
+    assert m.state == "stopping"
+    assert m.handle(MemberLost(1, "m3", "also gone"), 5) == []  # already being stopped: the first one is named
+    reason = "split member m2 is gone: its RPC connection was closed by the far end"
+    assert m.handle(Exited(1, code=-15), 6) == [ReportCrashed(-15, 1, reason, member="m2"), SetDeadline(1)]
+    assert (m.state, m.restarts, m.reason) == ("restarting", 1, reason)
+    assert m.handle(DeadlinePassed(), 7) == [SetDeadline(None), Spawn(2)]
+
+
+def test_a_member_lost_that_sigterm_does_not_end_is_killed_and_still_names_the_member() -> None:
+    m = machine()
+    ready(m)
+    m.handle(MemberLost(1, "m2", "reset"), 0)
+    assert m.handle(DeadlinePassed(), 5) == [Signal("SIGKILL"), SetDeadline(TIMINGS.kill_grace_s)]
+    crashed = m.handle(Exited(1, code=-9), 6)[0]
+    assert crashed == ReportCrashed(-9, 1, "split member m2 is gone: reset", killed=True, member="m2")
+
+
+def test_a_member_lost_while_verifying_is_a_crash_too() -> None:
+    m = machine()
+    m.handle(Start(), 0)
+    m.handle(Spawned(1, pid=1), 0)
+    m.handle(Healthy(1), 0)
+    assert m.handle(MemberLost(1, "m2", "reset"), 0) == [Signal("SIGTERM"), SetDeadline(5)]
+    crashed = m.handle(Exited(1, code=0), 1)[0]
+    assert isinstance(crashed, ReportCrashed) and crashed.member == "m2"
+
+
+def test_a_member_lost_while_loading_is_ignored() -> None:
+    """While loading, llama-server's RPC client opens and closes connections of its own."""
+    m = machine()
+    m.handle(Start(), 0)
+    m.handle(Spawned(1, pid=1), 0)
+    assert m.handle(MemberLost(1, "m2", "closed by the far end"), 0) == []
+    assert (m.phase, m.reason) == (Phase.LOADING, "")
+    m.handle(Healthy(1), 0)
+    assert m.handle(Verified(1), 0) == [SetDeadline(None), ReportReady(1)]
+    assert m.handle(Exited(1, code=1), 1)[0] == ReportCrashed(1, 1, "llama-server exited with code 1")
+
+
+def test_a_member_lost_of_an_earlier_generation_is_ignored() -> None:
+    m = machine()
+    ready(m)
+    m.handle(Exited(1, code=1), 0)
+    m.handle(DeadlinePassed(), 1)
+    ready(m, generation=2, now=1)
+    assert m.handle(MemberLost(1, "m2", "the old server's link"), 2) == []
+    assert m.state == "ready"
+    assert m.handle(MemberLost(2, "m2", "reset"), 3) == [Signal("SIGTERM"), SetDeadline(5)]
+
+
+def test_after_a_member_crash_the_next_generations_plain_crash_names_no_member() -> None:
+    m = machine(max_restarts=3)
+    ready(m)
+    m.handle(MemberLost(1, "m2", "reset"), 0)
+    first = m.handle(Exited(1, code=-15), 1)[0]
+    assert isinstance(first, ReportCrashed) and first.member == "m2"
+    m.handle(DeadlinePassed(), 2)
+    ready(m, generation=2, now=2)
+    assert m.handle(Exited(2, code=139), 3) == [
+        ReportCrashed(139, 2, "llama-server exited with code 139", member=None),
+        SetDeadline(2),
+    ]
+
+
+def test_a_member_crash_past_the_restart_limit_fails_naming_the_member() -> None:
+    m = machine(max_restarts=0)
+    ready(m)
+    m.handle(MemberLost(1, "m2", "reset"), 0)
+    actions = m.handle(Exited(1, code=-15), 1)
+    assert actions[1] == ReportCrashed(-15, None, "split member m2 is gone: reset", member="m2")
+    assert isinstance(actions[2], ReportFailed) and "split member m2 is gone" in actions[2].reason
+    assert (m.state, m.done) == ("failed", True)
+
+
 # --- properties over arbitrary event sequences -------------------------------------------------------------
 
 
@@ -282,6 +369,7 @@ def _events(max_generation: int = 4) -> st.SearchStrategy[Event]:
         st.builds(Verified, gen, st.just(()), st.just("no answer")),
         st.builds(Exited, gen, st.sampled_from([0, 1, -9, None])),
         st.builds(Unresponsive, gen, st.just("hung")),
+        st.builds(MemberLost, gen, st.sampled_from(["m2", "m3"]), st.just("gone")),
         st.builds(StopRequested, st.just("asked")),
         st.just(DeadlinePassed()),
     )
@@ -293,10 +381,11 @@ def test_any_event_sequence_keeps_the_invariants(events: list[Event]) -> None:
     """Whatever arrives, in whatever order: a Finish exactly when the machine becomes final and nothing
     after it; never a second process while one may be alive; never an ending reported (stopped, failed,
     rejected, crashed: placement credits the memory back) while one may be alive; ready only after a clean
-    verification."""
+    verification; a crash names a split member exactly when that member's loss is what stopped its process."""
     m = machine(max_restarts=3)
     alive = False  # a process of the current generation exists (spawned and not yet exited)
     verified_clean = False
+    lost: str | None = None  # the member whose loss made the machine stop the current process
     for i, event in enumerate(events):
         was_done = m.done
         actions: list[Action] = m.handle(event, float(i))
@@ -310,7 +399,11 @@ def test_any_event_sequence_keeps_the_invariants(events: list[Event]) -> None:
         for action in actions:
             if isinstance(action, Spawn):
                 assert not alive, "spawned while a process may be alive"
-                verified_clean = False
+                verified_clean, lost = False, None
+            if isinstance(event, MemberLost) and action == Signal("SIGTERM"):
+                lost = event.member
+            if isinstance(action, ReportCrashed):
+                assert action.member == lost
             if isinstance(action, ReportReady):
                 assert isinstance(event, Verified) and not event.drift and event.error is None
                 verified_clean = True
@@ -319,3 +412,45 @@ def test_any_event_sequence_keeps_the_invariants(events: list[Event]) -> None:
         assert (Finish() in actions) == m.done
         if m.state == "ready":
             assert verified_clean
+
+
+@settings(max_examples=200)
+@given(st.data())
+def test_a_crash_names_a_member_exactly_when_that_members_loss_stopped_the_process(data: st.DataObject) -> None:
+    """A walk that mostly takes an event the machine acts on (so it gets past loading, often into a member's
+    loss and the restart after it), sometimes one it ignores (a stale generation, a loss while loading) or a
+    stop: every crash names the member whose loss made the machine stop that process, and no other crash does."""
+    m = machine(max_restarts=5)
+    lost: str | None = None
+    for i in range(data.draw(st.integers(min_value=10, max_value=60), label="steps")):
+        if m.done:
+            break
+        gen, member = m.generation, data.draw(st.sampled_from(["m2", "m3"]), label="member")
+        candidates: list[Event] = [
+            Start(),
+            Spawned(gen, pid=10 + gen),
+            SpawnFailed(gen, "boom"),
+            Healthy(gen),
+            Verified(gen),
+            Exited(gen, code=1),
+            Unresponsive(gen, "hung"),
+            MemberLost(gen, member, "gone"),
+            MemberLost(gen - 1, member, "an earlier process's link"),
+            DeadlinePassed(),
+        ]
+        acted = [e for e in candidates if copy.deepcopy(m).handle(e, float(i))]
+        ignored = [e for e in candidates if e not in acted]
+        roll = data.draw(st.integers(min_value=0, max_value=19), label="roll")
+        if roll == 0 or not acted:
+            event = data.draw(st.sampled_from(ignored), label="ignored")
+        elif roll == 1:
+            event = StopRequested("asked")
+        else:
+            event = data.draw(st.sampled_from(acted), label="acted")
+        for action in m.handle(event, float(i)):
+            if isinstance(action, Spawn):
+                lost = None
+            if isinstance(event, MemberLost) and action == Signal("SIGTERM"):
+                lost = event.member
+            if isinstance(action, ReportCrashed):
+                assert action.member == lost
