@@ -409,6 +409,10 @@ class FrontDoorActor(Actor):
                 "frontdoor_room", model=model.name, plan=msgspec.to_builtins(plan),
                 shortfalls=msgspec.to_builtins(shortfalls), running=msgspec.to_builtins(running),
             )  # fmt: skip
+            if isinstance(plan, NeverFits) and not placement.allow_multi_node:
+                # no single node will ever hold it: ask for a split over nodes (placement splits only then)
+                placement = msgspec.structs.replace(placement, allow_multi_node=True)
+                continue
             if isinstance(plan, NeverFits):
                 ctx.emit(
                     ModelRefused, model=model.name, reason="never_fits", need_bytes=plan.need, have_bytes=plan.have

@@ -5,7 +5,8 @@ too small for any of the test models alone.
 the head's llama-server reaches each member's own `ggml-rpc-server` through the mutual-TLS tunnel. Greedy output
 through the mesh equals an unsplit llama-server's for a dense, a sliding-window and a hybrid model; `status`
 lists the instance with its members; the head verified every member's buffers against the prediction (an
-instance that would not match is not ready). Killing a member's RPC server crashes the instance (journaled,
+instance that would not match is not ready). A front door loads a catalog model no node holds as a split, on
+demand (the `openai` client). Killing a member's RPC server crashes the instance (journaled,
 naming the member), which restarts and serves again; a stop ends every member's part, releases every ledger
 and leaves no process. A member's tunnel exit gives nothing to a peer without the cluster's certificate.
 """
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from runtime import tls
@@ -150,27 +152,32 @@ async def test_models_no_node_holds_are_served_split_and_answer_as_the_unsplit_s
         assert set(sizes.values()) == {2, 3}, sizes  # splits over two nodes and over three
 
 
-async def test_a_member_lost_crashes_the_instance_which_restarts_and_a_stranger_reaches_nothing(
-    tmp_path: Path,
-) -> None:
+async def test_the_front_door_loads_a_split_and_a_lost_member_is_a_crash_that_restarts(tmp_path: Path) -> None:
     rpc_server_present()
     model = models(tmp_path / "models")["dense"]
     flags = {name: ["--memory-limit", LIMIT, "--model-root", str(tmp_path / "models"), *SETTINGS] for name in NODES}
+    port = free_port()
+    flags["c1"] = [*flags["c1"], "--http", f"127.0.0.1:{port}"]
+    catalog = tmp_path / "mesh" / "c1" / "models.toml"
+    catalog.parent.mkdir(parents=True)
+    catalog.write_text(f'[models.big]\npath = "{model}"\nctx = 512\n')
     async with cluster(tmp_path / "mesh", flags) as mesh:
         first = mesh.data_dir("c1")
         await until(lambda: _nodes(first), "three nodes")
-        decision = await json_cli(first, "place", str(model), "-c", "512", "--multi-node", "--start")
-        assert decision["admitted"], decision
-        [member] = [m["node_id"] for m in decision["stamp"]["rpc"]]
+        # the catalog's model fits no node: the front door asks for a split, which it loads on demand
+        api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=120)
+        answer = await api.completions.create(model="big", prompt=PROMPT, max_tokens=N_PREDICT, temperature=0)
+        assert answer.usage is not None and answer.usage.completion_tokens == N_PREDICT
         instance = await split_instance(first, model)
+        [member] = instance["members"]
         before = await mesh_greedy(first, model)
+        rid = instance["reservation_id"]
 
         # a stranger (TLS without a certificate, or plain TCP) reaches nothing behind the member's exit
         [lent] = await events(first, "rpc_lent")
         await _refused(lent["port"], mesh)
 
         # kill the member's RPC server: the head's instance crashes, naming the member, and comes back
-        rid = decision["reservation_id"]
         [pid] = await rpc_servers(first, rid)
         os.kill(pid, signal.SIGKILL)
 
