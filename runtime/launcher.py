@@ -30,7 +30,7 @@ from actors.l3.actor import L3Actor
 from actors.placement.actor import PlacementActor
 from actors.router.actor import RouterActor
 from actors.runner.actor import RunnerActor
-from actors.runner.engine import EngineNotFound, find_llama_server, probe_llama_server
+from actors.runner.engine import EngineNotFound, find_llama_server, probe_llama_server, rpc_server_beside
 from actors.runner.lending import LendingConfig
 from actors.runner.limits import RunnerLimits
 from actors.telemetry.actor import TelemetryActor
@@ -97,11 +97,12 @@ def split_serving(config: NodeConfig, engine: LlamaServerInfo | None) -> tuple[T
     route_tls = tls.ensure_route_certificates(config.data_dir, config.cluster_secret, names)
     if not config.lend:
         return route_tls, None
-    rpc_server = Path(engine.path).with_name("ggml-rpc-server") if engine else None
+    rpc_server = rpc_server_beside(engine.path) if engine else None
     if rpc_server is None or not os.access(rpc_server, os.X_OK):
         log.info("not_lending", reason="no ggml-rpc-server beside llama-server (the llama extra built without RPC)")
         return route_tls, None
-    threads = config.serving.threads or None
+    # the node's threads, or every core: ggml-rpc-server's own default is one thread
+    threads = config.serving.threads or os.cpu_count() or 1
     return route_tls, LendingConfig(rpc_server=rpc_server, tls=route_tls, host=host, bind=bind, threads=threads)
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from actors.runner.engine import rpc_server_beside
 from tests.llama_harness import find_server
 
 __all__ = ["RpcServer", "alloc_sizes", "find_rpc_server", "require_rpc_server", "rpc_servers"]
@@ -38,7 +39,7 @@ def find_rpc_server() -> str | None:
     server = find_server()
     if server is None:
         return None
-    path = os.path.join(os.path.dirname(server), "ggml-rpc-server")
+    path = str(rpc_server_beside(server))
     return path if os.access(path, os.X_OK) else None
 
 

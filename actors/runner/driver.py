@@ -103,6 +103,7 @@ class InstanceDriver:
         self.projector = projector  # the multimodal projector it runs (`--mmproj`), as its header says
         self.links = links  # a split instance's links to its members (None: it runs on this node alone)
         self._endpoints: tuple[str, ...] = ()  # the --rpc endpoints of the current server, in member order
+        self._links_generation = 0  # the server generation the links were last opened for
         self.directory = directory
         self.log = log
         self.machine = machine
@@ -243,6 +244,7 @@ class InstanceDriver:
                 rpc = await self.links.open()
             except SplitUnavailable as exc:
                 return lc.SpawnFailed(generation, str(exc))
+            self._links_generation = generation  # the links' connections from now on are this server's
         argv = build_command(
             str(self.engine), self.reservation, port=port, slot_save_dir=str(self.directory / "slots"), rpc=rpc
         )
@@ -274,8 +276,8 @@ class InstanceDriver:
     def member_lost(self, member: str, detail: str) -> None:
         """A member's side of its link ended (`members.MemberLinks`): the machine decides what it means."""
         self._bound.warning("split_member_lost", member=member, detail=detail)
-        with contextlib.suppress(asyncio.QueueFull):
-            self.events.put_nowait(lc.MemberLost(self.machine.generation, member, detail))
+        with contextlib.suppress(asyncio.QueueFull):  # 64 events behind: the driver is ending anyway
+            self.events.put_nowait(lc.MemberLost(self._links_generation, member, detail))
 
     def _cancel_pollers(self) -> None:
         for task in self._pollers:

