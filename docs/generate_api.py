@@ -33,6 +33,7 @@ from actors.handoff import receiver as handoff_receiver
 from actors.handoff import sender as handoff_sender
 from actors.handoff.actor import HandoffActor, HandoffLimits
 from actors.l3.actor import L3Actor, L3Limits
+from actors.metrics.actor import MetricsActor
 from actors.placement import decision_records
 from actors.placement.actor import QUEUE_GROUP, RUNNER_EVENTS_CONSUMER, PlacementActor, ledger_key
 from actors.router.actor import QUEUE_GROUP as ROUTER_QUEUE
@@ -80,9 +81,10 @@ COMMAND = "python -m docs.generate_api"
 S = Subjects(DEFAULT_PREFIX)
 TELEMETRY, PLACEMENT, RUNNER, L3 = TelemetryActor.name, PlacementActor.name, RunnerActor.name, L3Actor.name
 ROUTER, FRONTDOOR = RouterActor.name, FrontDoorActor.name
-HANDOFF = HandoffActor.name
+HANDOFF, METRICS = HandoffActor.name, MetricsActor.name
 NODE = "node"  # the pseudo-actor of `mesh-actor run` itself (runtime/launcher.py)
-SUPERVISED = (TELEMETRY, PLACEMENT, RUNNER, L3, ROUTER, HANDOFF, FRONTDOOR)  # the front door only with --http
+# the front door only with --http, the metrics with --http or --metrics
+SUPERVISED = (TELEMETRY, PLACEMENT, RUNNER, L3, ROUTER, HANDOFF, FRONTDOOR, METRICS)
 
 #: Who publishes each event, and when. Every member of `AnyEvent` must be here (checked at render time).
 EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
@@ -139,6 +141,11 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
         "the server exited or missed a deadline; `restart_in_s` is null when it will not be restarted",
     ),
     ev.InstanceRestarted: ((RUNNER,), "the server was spawned again after a crash"),
+    ev.HealthCheckFailed: (
+        (RUNNER,),
+        "a ready server failed a liveness check (`check`: a one-token `probe`, its `/health`, or a real "
+        "`completion` the server failed); enough `consecutive` failures make it a crash",
+    ),
     ev.InstanceStopped: ((RUNNER,), "stopped on request or because the runner stopped; the server is gone"),
     ev.InstanceFailed: ((RUNNER,), "given up: too many crashes, or the driver of this instance failed"),
     ev.InstanceStuck: (
@@ -154,6 +161,11 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
         (RUNNER,),
         "a generation's requester left (an HTTP client disconnected, a stream's pings unanswered): the server "
         "stopped and freed the slot; `tokens_generated` says how far it got",
+    ),
+    ev.GenerateCompleted: (
+        (RUNNER,),
+        "a generation was answered: its prefix's source, token counts, time to first token and total time (the "
+        "figures of its `GenerateResult`); the metrics' request counters and latency histograms come from it",
     ),
     ev.ModelLoading: ((FRONTDOOR,), "a request found no ready instance of a catalog model: one is placed and started"),
     ev.ModelLoaded: ((FRONTDOOR,), "the instance started for a catalog model is ready (`load_ms` from the request)"),

@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from messages.generate import Candidate, RouteDecision, RouteWeights
+from messages.generate import Candidate, RouteDecision, RouteWeights, StopReason
+from messages.l3 import PrefixSource
 from messages.memory import MemoryBreakdown
 from messages.model import ModelGeometry, ProjectorGeometry
 from messages.placement import NodeLedger, PlacementDecision, PlacementRequest
@@ -209,6 +210,16 @@ class InstanceFailed(InstanceEvent, frozen=True, kw_only=True, tag="instance_fai
     reason: str
 
 
+class HealthCheckFailed(InstanceEvent, frozen=True, kw_only=True, tag="health_check_failed"):
+    """A ready server failed one check of its liveness: a probe (one token, nothing cached), its `/health`, or a
+    real completion the server failed (5xx, a dropped connection). `consecutive` failures in a row make it a crash
+    once they reach the runner's limit (an `instance_crashed` follows)."""
+
+    check: Literal["probe", "health", "completion"]
+    consecutive: int
+    reason: str
+
+
 class InstanceStuck(InstanceEvent, frozen=True, kw_only=True, tag="instance_stuck"):
     """The server did not go away when killed: its memory stays held, and the runner keeps killing it."""
 
@@ -243,6 +254,31 @@ class GenerateCancelled(Event, frozen=True, kw_only=True, tag="generate_cancelle
     endpoint: str  # the pass-through endpoint ("" for a prompt generation)
     tokens_generated: int  # what the server had generated when it stopped
     reason: str
+
+
+class GenerateCompleted(Event, frozen=True, kw_only=True, tag="generate_completed"):
+    """A generation this node's runner answered (a prompt generation or a pass-through to one of the server's
+    endpoints), with the figures of its result: where its prefix came from, its token counts and its timings.
+    Recorded once the answer is complete; a request refused or failed before an answer is not recorded here."""
+
+    request_id: str
+    decision_id: str  # its `generate_routed` event ("" when it came without a routing decision)
+    instance_id: str
+    endpoint: str  # the pass-through endpoint ("" for a prompt generation)
+    status: int  # the server's HTTP status (200 for a prompt generation)
+    stop_reason: StopReason
+    source: PrefixSource
+    prompt_tokens: int
+    tokens_cached: int  # reused by the server (restored ones included)
+    tokens_restored: int  # restored from L3 into the slot first
+    tokens_evaluated: int
+    tokens_generated: int
+    ttft_ms: float  # from the router's receipt to the first generated token
+    total_ms: float
+    path: Literal["local", "disaggregated"] = "local"
+    prefill_node: str | None = None
+    handoff_bytes: int = 0
+    handoff_ms: float = 0.0
 
 
 # ---- the front door (models on demand) ----
@@ -446,8 +482,10 @@ AnyEvent = (
     | InstanceStopped
     | InstanceFailed
     | InstanceStuck
+    | HealthCheckFailed
     | GenerateRouted
     | GenerateCancelled
+    | GenerateCompleted
     | ModelLoading
     | ModelLoaded
     | RoomMade

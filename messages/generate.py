@@ -246,6 +246,7 @@ class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True):
     prefill_tokens_per_s: float = 0.0  # measured (llama-server's timings, smoothed); 0: not measured yet
     state_bytes_per_token: float = 0.0  # a saved state's size: KV per token, and the recurrent floor
     state_floor_bytes: float = 0.0
+    kv_tokens: int = 0  # KV cells its slots hold (a busy one: its reused prefix); over the context's: KV usage
 
 
 class ServingReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -71,6 +71,7 @@ class NodeConfig:
     l3_budget_bytes: int | None = None  # None: a capped share of the disk (actors/l3/budget.py); 0: no capture
     http: tuple[str, int] | None = None  # the OpenAI-compatible front door's address (None: no front door)
     api_key: str | None = None  # the bearer key the front door requires (required beyond loopback)
+    metrics: tuple[str, int] | None = None  # a listener of its own for GET /metrics (None: only the front door's)
     cluster_listen: tuple[str, int] | None = None  # the embedded server's route listener (None: no cluster)
     cluster_routes: tuple[str, ...] = ()  # HOST:PORT of other servers' route listeners (--join)
     cluster_secret: str | None = None  # the route password every server of the cluster shares
@@ -245,6 +246,7 @@ _OPTIONS: dict[str, Callable[[Any], Any]] = {
     "log_level": _level,
     "l3_budget": _budget,
     "http": _http,
+    "metrics": _http,
     "api_key": str,
     "api_key_file": str,
     "cluster_listen": _address,
@@ -420,6 +422,7 @@ def load_config(
         log_level=values.get("log_level", "info"),
         l3_budget_bytes=values.get("l3_budget"),
         http=values.get("http"),
+        metrics=values.get("metrics"),
         api_key=_api_key(values),
         cluster_listen=cluster_listen,
         cluster_routes=cluster_routes,
@@ -435,20 +438,22 @@ def load_config(
 
 
 def _api_key(values: Mapping[str, Any]) -> str | None:
-    """The front door's key: from a file (`--api-key-file`, its first line) or `MESH_ACTOR_API_KEY` or the config
-    file, never from the command line (every user of the host can read a process's argv)."""
+    """The key of the node's HTTP listeners (the front door's and the metrics one): from a file (`--api-key-file`,
+    its first line) or `MESH_ACTOR_API_KEY` or the config file, never from the command line (every user of the host
+    can read a process's argv)."""
     key: str | None = values.get("api_key")
     path = values.get("api_key_file")
     if path is not None:
         if key is not None:
             raise ConfigError("give the API key once: --api-key-file or MESH_ACTOR_API_KEY, not both")
         key = read_secret_file(str(path), "API key")
-    http = values.get("http")
-    if http is not None and not is_loopback(http[0]) and not key:
-        raise ConfigError(
-            f"the front door listens on {http[0]}, beyond loopback: set an API key (--api-key-file FILE or "
-            "MESH_ACTOR_API_KEY)"
-        )
+    for option, what in (("http", "the front door"), ("metrics", "the metrics listener")):
+        address = values.get(option)
+        if address is not None and not is_loopback(address[0]) and not key:
+            raise ConfigError(
+                f"{what} listens on {address[0]}, beyond loopback: set an API key (--api-key-file FILE or "
+                "MESH_ACTOR_API_KEY)"
+            )
     return key
 
 

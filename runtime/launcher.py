@@ -27,6 +27,7 @@ from actors.frontdoor.catalog import CATALOG_FILE, Catalog, CatalogError, parse_
 from actors.handoff.actor import HandoffActor
 from actors.handoff.restore import into_l3
 from actors.l3.actor import L3Actor
+from actors.metrics.actor import MetricsActor
 from actors.placement.actor import PlacementActor
 from actors.router.actor import RouterActor
 from actors.runner.actor import RunnerActor
@@ -328,13 +329,21 @@ async def run_node(
                 RouterActor(),
                 handoff,
             ]
+            # Metrics are folded only where something serves them: the front door's listener, or --metrics.
+            metrics = (
+                MetricsActor(config.node_id, listen=config.metrics, api_key=config.api_key)
+                if config.http is not None or config.metrics is not None
+                else None
+            )
+            if metrics is not None:
+                actors.append(metrics)
             if config.http is not None:
                 catalog = load_catalog(config.data_dir)
                 host, port = config.http
                 actors.append(
                     FrontDoorActor(
                         host, port, catalog, models_dir=models_dir, api_key=config.api_key,
-                        group_swaps=config.frontdoor_grouping,
+                        group_swaps=config.frontdoor_grouping, metrics=metrics.exposition if metrics else None,
                     )
                 )  # fmt: skip
             supervisor = Supervisor(bus=bus, journal=journal, subjects=config.subjects, node_id=config.node_id)

@@ -18,7 +18,8 @@ are grouped while a swap is pending (`lifecycle`); `group_swaps=False` serves th
 the behaviour grouping is measured against (`benchmarks/frontdoor_swap.py`).
 
 Keys: with `api_key` set, every request needs `Authorization: Bearer <key>` (401 otherwise); the launcher
-refuses a non-loopback address without one.
+refuses a non-loopback address without one. `GET /metrics` (with `metrics`: the node's metrics actor's
+exposition) answers the node's Prometheus metrics under the same key rule.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class FrontDoorActor(Actor):
         min_idle_s: float = 1.0,
         group_swaps: bool = True,
         on_listening: Callable[[int], None] | None = None,
+        metrics: Callable[[str | None], Awaitable[tuple[bytes, str]]] | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -116,6 +118,7 @@ class FrontDoorActor(Actor):
         self._order = None if group_swaps else ArrivalOrder()
         self._order_moved = asyncio.Event()
         self._on_listening = on_listening
+        self._metrics = metrics  # the node's metrics, in the format a scraper's Accept header asks for
         self._models = {name: _Model(name, entry) for name, entry in catalog.models.items()}
         self._instances: dict[str, InstanceStatus] = {}
         self._instances_moved = asyncio.Event()  # set (then replaced) on every change of an instance record
@@ -190,7 +193,14 @@ class FrontDoorActor(Actor):
         app.router.add_get("/v1/models/{name}", self._get_model)
         for path in shapes.ENDPOINTS:
             app.router.add_post(path, self._api)
+        if self._metrics is not None:
+            app.router.add_get("/metrics", self._serve_metrics)
         return app
+
+    async def _serve_metrics(self, request: web.Request) -> web.Response:
+        assert self._metrics is not None
+        body, content_type = await self._metrics(request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     @property
     def _max_body(self) -> int:

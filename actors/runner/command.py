@@ -14,7 +14,8 @@ multimodal projector (`--mmproj`, on the first GPU exactly when the model's laye
 `--mmproj-offload` or `--no-mmproj-offload`, since the server's default offloads it whenever it finds a GPU).
 
 The rest serves supervision: loopback only on the given port, `-lv 4` so the allocation lines are logged,
-`--slot-save-path` for slot state, and `--no-warmup` (a warmup run allocates nothing the reservation does
+`--slot-save-path` for slot state, `--metrics` (its `/metrics`, which the node's metrics re-export), and
+`--no-warmup` (a warmup run allocates nothing the reservation does
 not already hold; it only delays readiness). llama-server also reads `LLAMA_ARG_*` environment variables for
 flags that are not given, so `server_environment` removes them. The result is an argument list, never a
 shell string. Pure core: no I/O.
@@ -78,6 +79,7 @@ def build_command(
         "--no-warmup",
         "-lv", str(LOG_VERBOSITY),
         "--slot-save-path", slot_save_dir,
+        "--metrics",
     ]  # fmt: skip
     if s.threads:
         argv += ["-t", str(s.threads), "-tb", str(s.threads)]

@@ -24,6 +24,7 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Literal
 
 from actors.placement.memory import CacheAllocation
 from actors.runner import lifecycle as lc
@@ -41,6 +42,7 @@ from actors.runner.records import write_status
 from actors.runner.server_api import ServerApi, ServerApiError
 from messages.events import (
     DriftRejected,
+    HealthCheckFailed,
     InstanceCrashed,
     InstanceFailed,
     InstanceReady,
@@ -304,10 +306,19 @@ class InstanceDriver:
         loop = asyncio.get_running_loop()
         if ok:
             self.health.success(loop.time())
-        elif self.health.failure(loop.time(), why):
+            return
+        crashed = self.health.failure(loop.time(), why)
+        self._check_failed("completion", self.health.consecutive_failures, why)
+        if crashed:
             reason = f"{self.health.consecutive_failures} completions failed in a row: {why}"
             with contextlib.suppress(asyncio.QueueFull):
                 self.events.put_nowait(lc.Unresponsive(self._generation, reason, by_inference=True))
+
+    def _check_failed(self, check: Literal["probe", "health", "completion"], consecutive: int, why: str) -> None:
+        self.ctx.emit(
+            HealthCheckFailed, instance_id=self.id, reservation_id=self.reservation.reservation_id, check=check,
+            consecutive=consecutive, reason=why[:500],
+        )  # fmt: skip
 
     async def _probe(self, port: int) -> str | None:
         """One tiny real completion; None when it worked, else why not."""
@@ -338,10 +349,13 @@ class InstanceDriver:
                 why = await self._probe(port)
                 if why is None:
                     self.health.success(loop.time())
-                elif self.health.failure(loop.time(), why):
-                    reason = f"{self.health.consecutive_failures} completions failed in a row: {why}"
-                    await self.events.put(lc.Unresponsive(generation, reason, by_inference=True))
-                    return
+                else:
+                    crashed = self.health.failure(loop.time(), why)
+                    self._check_failed("probe", self.health.consecutive_failures, why)
+                    if crashed:
+                        reason = f"{self.health.consecutive_failures} completions failed in a row: {why}"
+                        await self.events.put(lc.Unresponsive(generation, reason, by_inference=True))
+                        return
             try:
                 status = await self._api.status(port, "/health", timeout_s=self.limits.http_timeout_s)
                 detail = f"HTTP {status}"
@@ -349,6 +363,8 @@ class InstanceDriver:
             except ServerApiError as exc:
                 detail, ok = str(exc) or type(exc).__name__, False
             failures = 0 if ok else failures + 1
+            if not ok:
+                self._check_failed("health", failures, detail)
             if failures >= t.liveness_failures:
                 await self.events.put(lc.Unresponsive(generation, f"{failures} checks in a row: {detail}"))
                 return

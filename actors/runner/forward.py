@@ -60,6 +60,8 @@ class _Exchange:
     cancelled: str = ""  # why the requester was found gone ("" when it was not)
     decoded: int = 0  # what the server had generated when the requester was found gone
     first_data: float | None = None
+    sent: float = 0.0  # when the request went to the server
+    whole: bool = False  # the answer came whole (not as server-sent events)
 
 
 class Forwarder:
@@ -158,6 +160,7 @@ class Forwarder:
         data = json.dumps(body, ensure_ascii=False).encode()
 
         async def relay_answer() -> None:
+            exchange.sent = time.perf_counter()
             async with serving.api.exchange(
                 instance.port, path, data, connect_timeout_s=serving.limits.tokenize_timeout_s,
                 idle_timeout_s=serving.limits.idle_timeout_s,
@@ -168,7 +171,7 @@ class Forwarder:
                     exchange.answers = await self._relay_events(response.content, relay, exchange)
                 else:
                     whole = await _read(response.content, MAX_JSON_BYTES, path)
-                    exchange.first_data = time.perf_counter()
+                    exchange.first_data, exchange.whole = time.perf_counter(), True
                     await relay.data(whole)
                     exchange.answers = [_json(whole)]
 
@@ -260,6 +263,9 @@ class Forwarder:
                         and isinstance(a.get("timings"), dict)), None)  # fmt: skip
         if timings is not None and counts.evaluated >= 32:
             self._serving.measured(instance, timings)
+        first = exchange.first_data
+        if exchange.whole and timings is not None and counts.generated:  # the server's clock: prompt, then a token
+            first = exchange.sent + (_ms(timings.get("prompt_ms")) + _ms(timings.get("predicted_per_token_ms"))) / 1000
         return GenerateResult(
             request_id=order.request_id,
             text="",
@@ -269,7 +275,7 @@ class Forwarder:
             tokens_restored=restored,
             tokens_cached=counts.cached,
             tokens_evaluated=counts.evaluated,
-            ttft_ms=order.routed_ms + ((exchange.first_data or now) - started) * 1000,
+            ttft_ms=order.routed_ms + ((first or now) - started) * 1000,
             total_ms=order.routed_ms + (now - started) * 1000,
             node=self._serving.node_id,
             instance=instance.id,
@@ -288,6 +294,10 @@ def _refuse_oversize(instance: ServedInstance, text: str) -> None:
     refused = oversize(instance.context, text=text)
     if refused is not None:
         raise RequestError(BAD_REQUEST, *refused)
+
+
+def _ms(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0 else 0.0
 
 
 def _json(data: bytes) -> Any:

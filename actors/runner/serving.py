@@ -49,7 +49,7 @@ from actors.runner.slots import Grant, PromptLimit, SlotTable, oversize
 from actors.runner.state_file import PAYLOAD_KIND, SaveFailed, remove_file
 from actors.runner.stream import ChunkStream, ClientGone
 from messages.errors import BAD_REQUEST, NOT_FOUND, TIMEOUT, UNAVAILABLE
-from messages.events import GenerateCancelled
+from messages.events import GenerateCancelled, GenerateCompleted
 from messages.generate import (
     ApiCall,
     GenerateResult,
@@ -260,6 +260,7 @@ class Serving:
                     prefill_tokens_per_s=inst.prefill_rate.value if inst.prefill_rate else 0.0,
                     state_bytes_per_token=inst.state.bytes_per_token,
                     state_floor_bytes=inst.state.floor_bytes,
+                    kv_tokens=sum(len(held) for held in inst.table.holdings()),
                 )
             )
         return ServingReport(
@@ -308,12 +309,15 @@ class Serving:
         try:
             async with asyncio.timeout(request.timeout_s):
                 if request.api is not None:
-                    return await self._forwarder.forward(instance, order, started)
-                return await self._generate(instance, order, started)
+                    result = await self._forwarder.forward(instance, order, started)
+                else:
+                    result = await self._generate(instance, order, started)
         except TimeoutError as exc:
             raise RequestError(TIMEOUT, f"the generation did not finish within {request.timeout_s:g}s") from exc
         finally:
             self._active -= 1
+        self.emit(GenerateCompleted, **completed(result, request.api.endpoint if request.api else ""))
+        return result
 
     async def _generate(self, instance: ServedInstance, order: RunnerGenerate, started: float) -> GenerateResult:
         request = order.request
@@ -636,6 +640,19 @@ class Serving:
 #: 5xx answers that say the request met a full cache (a unified KV cache shared by busy slots), not that the
 #: server is broken: no evidence for health by inference, or a healthy server under load would be restarted.
 _LOAD_ERRORS: Final = ("context size has been exceeded",)
+
+
+def completed(result: GenerateResult, endpoint: str) -> dict[str, Any]:
+    """The fields of the `generate_completed` event that records `result` (the journal keeps no text or tokens)."""
+    return {
+        "request_id": result.request_id, "decision_id": result.decision_id, "instance_id": result.instance,
+        "endpoint": endpoint, "status": result.status, "stop_reason": result.stop_reason, "source": result.source,
+        "prompt_tokens": result.prompt_tokens, "tokens_cached": result.tokens_cached,
+        "tokens_restored": result.tokens_restored, "tokens_evaluated": result.tokens_evaluated,
+        "tokens_generated": result.tokens_generated, "ttft_ms": result.ttft_ms, "total_ms": result.total_ms,
+        "path": result.path, "prefill_node": result.prefill_node, "handoff_bytes": result.handoff_bytes,
+        "handoff_ms": result.handoff_ms,
+    }  # fmt: skip
 
 
 def _load_error(message: str) -> bool:

@@ -161,8 +161,14 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         "--http", metavar="[HOST:]PORT", help="serve the OpenAI-compatible front door there (HOST default: loopback)"
     )
     run.add_argument(
+        "--metrics", metavar="[HOST:]PORT",
+        help="serve the node's Prometheus metrics (GET /metrics) there too (HOST default: loopback; the front door "
+        "serves them on --http)",
+    )  # fmt: skip
+    run.add_argument(
         "--api-key-file", metavar="FILE",
-        help="file whose first line is the key the front door requires (needed beyond loopback; or MESH_ACTOR_API_KEY)",
+        help="file whose first line is the key the front door and --metrics require (needed beyond loopback; or "
+        "MESH_ACTOR_API_KEY)",
     )  # fmt: skip
     run.add_argument(
         "--health-probe-interval",
@@ -233,6 +239,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "log_level": args.log_level,
         "l3_budget": args.l3_budget,
         "http": args.http,
+        "metrics": args.metrics,
         "api_key_file": args.api_key_file,
         "health_probe_interval": args.health_probe_interval,
         "health_probe_timeout": args.health_probe_timeout,

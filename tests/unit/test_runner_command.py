@@ -110,6 +110,7 @@ def test_every_allocation_setting_is_pinned_with_the_stamped_value() -> None:
     assert {flag: _value(argv, flag) for flag in expected} == expected
     assert "-kvu" in argv and "-no-kvu" not in argv
     assert "--swa-full" in argv and "--no-warmup" in argv
+    assert "--metrics" in argv  # its /metrics, which the node's metrics re-export
     assert "-ts" not in argv
 
 
