@@ -280,7 +280,7 @@ class Forwarder:
             node=self._serving.node_id,
             instance=instance.id,
             slot=slot,
-            stop_reason="cancelled" if exchange.cancelled else "eos",
+            stop_reason="cancelled" if exchange.cancelled else passthrough.answer_stop(exchange.answers or []),
             tokens_exact=False,
             tokens_generated=counts.generated,
             decision_id=order.route.decision_id if order.route else "",

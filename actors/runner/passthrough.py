@@ -29,7 +29,7 @@ from typing import Any, Final, Literal
 import msgspec
 
 from actors.runner import chat_shapes
-from messages.generate import GENERATING_ENDPOINTS
+from messages.generate import GENERATING_ENDPOINTS, StopReason
 
 __all__ = [
     "AnswerTokens",
@@ -38,6 +38,7 @@ __all__ = [
     "SseCutter",
     "Template",
     "Tokenize",
+    "answer_stop",
     "answer_tokens",
     "decode_body",
     "endpoint_kind",
@@ -255,3 +256,32 @@ def answer_tokens(answers: Sequence[Any]) -> AnswerTokens:
     if prompt == 0 and (cached or evaluated):
         prompt = cached + evaluated
     return AnswerTokens(prompt=prompt, cached=cached, evaluated=evaluated, generated=generated)
+
+
+#: Why generation stopped, as each API says it (and llama-server's own `stop_type`), as a `StopReason`.
+_STOPS: Final[dict[str, StopReason]] = {
+    "length": "limit", "max_tokens": "limit", "max_output_tokens": "limit", "limit": "limit",
+    "stop": "eos", "end_turn": "eos", "eos": "eos", "tool_calls": "eos", "tool_use": "eos",
+    "stop_sequence": "stop_word", "word": "stop_word",
+}  # fmt: skip
+
+
+def answer_stop(answers: Sequence[Any]) -> StopReason:
+    """Why an answer's generation stopped, by its last word on it (the whole JSON, or a stream's counted events):
+    OpenAI's `finish_reason`, Anthropic's `stop_reason`, the Responses shape's `incomplete_details.reason`, or
+    llama-server's `stop_type`; `eos` when it says nothing."""
+    stop: StopReason = "eos"
+    for answer in answers:
+        if not isinstance(answer, dict):
+            continue
+        said: list[Any] = [c.get("finish_reason") for c in answer.get("choices") or () if isinstance(c, dict)]
+        for holder in (answer, answer.get("delta"), answer.get("message"), answer.get("response")):
+            if isinstance(holder, dict):
+                said += [holder.get("stop_reason"), holder.get("stop_type")]
+                details = holder.get("incomplete_details")
+                if isinstance(details, dict):
+                    said.append(details.get("reason"))
+        for reason in said:
+            if isinstance(reason, str) and reason in _STOPS:
+                stop = _STOPS[reason]
+    return stop

@@ -1,0 +1,497 @@
+"""The metrics cores: events, records and serving reports folded into Prometheus families (`actors/metrics/fold.py`),
+llama-server's own families relabelled (`engine.py`), every name documented, labels bounded. Every check reads the
+families back through prometheus-client's own exposition and parser, as a scraper would."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client.core import Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from actors.metrics.catalog import (
+    CATALOG,
+    E2E_BUCKETS,
+    INTER_TOKEN_BUCKETS,
+    TOKEN_BUCKETS,
+    TTFT_BUCKETS,
+    exported_name,
+)
+from actors.metrics.engine import relabel
+from actors.metrics.fold import BoundedLabel, NodeMetrics, model_name
+from actors.placement.ledger import available
+from actors.runner.passthrough import answer_stop
+from messages import events as ev
+from messages.frontdoor import FrontDoorModel, FrontDoorReport
+from messages.generate import InstanceLoad, RouteDecision, RouteWeights, ServingReport
+from messages.l3 import L3Inventory
+from messages.memory import ContextShape, DeviceMemory, MemoryBreakdown
+from messages.placement import ModelRef, NodeLedger, PlacementDecision, PlacementRequest, Reservation, Stamp
+from messages.runner import InstanceState, InstanceStatus, ObservedMemory
+from messages.settings import ServingSettings
+from messages.telemetry import GpuInfo, HostInfo, NodeResources
+from runtime.config import ConfigError, load_config
+
+NODE = "n1"
+ROOT = Path(__file__).resolve().parents[2]
+
+#: What llama-server 11434 answers on /metrics (`--metrics`), after one completion.
+ENGINE_TEXT = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 9
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 4
+# HELP llamacpp:n_tokens_max Largest observed sequence length (prompt + generation)
+# TYPE llamacpp:n_tokens_max counter
+llamacpp:n_tokens_max 12
+# HELP llamacpp:requests_processing Number of requests processing
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 1
+# HELP process_open_fds not the engine's own
+# TYPE process_open_fds gauge
+process_open_fds 9
+"""
+
+
+# --- building inputs -----------------------------------------------------------------------------------------
+
+
+def _device(name: str, **sizes: int) -> DeviceMemory:
+    fields = {k: 0 for k in ("weights_bytes", "kv_bytes", "recurrent_bytes", "draft_kv_bytes", "compute_bytes",
+                             "output_bytes", "host_extra_bytes")}  # fmt: skip
+    fields |= sizes
+    return DeviceMemory(device=name, **fields, total_bytes=sum(fields.values()))
+
+
+PREDICTED = MemoryBreakdown(
+    estimator_version="t", llama_cpp_version="t", architecture="llama",
+    context=ContextShape(n_ctx=4096, n_ctx_seq=2048, n_seq_max=2, n_stream=2, n_rs_seq=0, n_ubatch=512, swa_cells=0),
+    kv_bytes=1000, kv_k_bytes=500, kv_v_bytes=500, kv_swa_bytes=0, recurrent_bytes=0, draft_kv_bytes=0,
+    weights_bytes=5000, compute_bytes=300, output_bytes=40, host_extra_bytes=7, total_bytes=6422,
+    devices=(_device("CPU", weights_bytes=1000, kv_bytes=200, compute_bytes=100, output_bytes=40, host_extra_bytes=7),
+             _device("GPU0", weights_bytes=4000, kv_bytes=800, compute_bytes=200)),
+    compute_error_ratio=0.25, compute_margin_bytes=75,
+)  # fmt: skip
+OBSERVED = ObservedMemory(
+    kv_bytes=1000, recurrent_bytes=0, draft_kv_bytes=0, weights_bytes=5000, compute_bytes=290, output_bytes=40,
+    total_bytes=6330, devices={"CPU": 1330, "CUDA0": 5000},
+)  # fmt: skip
+
+
+def record(
+    instance: str = "i1",
+    state: InstanceState = "ready",
+    *,
+    node: str = NODE,
+    port: int | None = 8100,
+    model: str = "/models/qwen3-0.6b.gguf",
+    observed: ObservedMemory | None = OBSERVED,
+) -> InstanceStatus:
+    return InstanceStatus(
+        id=instance, node=node, reservation_id=f"r-{instance}", state=state, port=port, model_path=model,
+        settings=Stamp(settings=ServingSettings(slots=2), ctx=4096, n_gpu_layers=99), predicted_memory=PREDICTED,
+        observed_memory=observed,
+    )  # fmt: skip
+
+
+def envelope(node: str = NODE) -> dict[str, Any]:
+    return {"id": "e", "time": 0.0, "node": node, "actor": "runner"}
+
+
+def completed(
+    instance: str = "i1",
+    *,
+    prompt: int = 20,
+    generated: int = 8,
+    ttft_ms: float = 100.0,
+    total_ms: float = 450.0,
+    node: str = NODE,
+    **fields: Any,
+) -> ev.GenerateCompleted:
+    values: dict[str, Any] = {
+        "request_id": "q", "decision_id": "d", "instance_id": instance, "endpoint": "chat", "status": 200,
+        "stop_reason": "limit", "source": "cold", "prompt_tokens": prompt, "tokens_cached": 0, "tokens_restored": 0,
+        "tokens_evaluated": prompt, "tokens_generated": generated, "ttft_ms": ttft_ms, "total_ms": total_ms,
+    }  # fmt: skip
+    return ev.GenerateCompleted(**envelope(node), **(values | fields))
+
+
+def telemetry(**fields: Any) -> NodeResources:
+    host = HostInfo(ram_total_bytes=64 << 30, ram_available_bytes=40 << 30, usable_bytes=40 << 30, cpu_count=16)
+    gpu = GpuInfo(index=0, name="H200", uuid="u", total_bytes=140 << 30, free_bytes=100 << 30, used_bytes=40 << 30,
+                  usable_bytes=100 << 30)  # fmt: skip
+    base = NodeResources(node_id=NODE, seq=1, sent_at=1000.0, started_at=900.0, ttl_s=15.0, host=host, gpus=(gpu,))
+    return msgspec.structs.replace(base, **fields)
+
+
+def reservation(rid: str, state: Any, held: dict[str, int]) -> Reservation:
+    return Reservation(
+        reservation_id=rid, decision_id="d", node_id=NODE, state=state, model_path="m.gguf",
+        stamp=Stamp(settings=ServingSettings(), ctx=4096, n_gpu_layers=0), layers=(0, 4), devices=(), held=held,
+        created_at=0.0, running_since=500.0 if state == "running" else None,
+    )  # fmt: skip
+
+
+# --- reading them back as a scraper does -------------------------------------------------------------------------
+
+
+class _Families(Collector):
+    def __init__(self, families: Sequence[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Sequence[Metric]:
+        return self._families
+
+
+def scrape(metrics: NodeMetrics, now: float = 0.0, engines: dict[str, list[Metric] | None] | None = None) -> str:
+    return generate_latest(_Families(metrics.families(now, engines))).decode()
+
+
+def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    """The one sample of `name` whose labels include `labels` (summed when several match)."""
+    found = [v for n, ls, v in samples(text) if n == name and labels.items() <= ls.items()]
+    assert found, f"no sample {name} {labels}"
+    return sum(found)
+
+
+def absent(text: str, name: str, **labels: str) -> bool:
+    return not [v for n, ls, v in samples(text) if n == name and labels.items() <= ls.items()]
+
+
+def bucket_bounds(text: str, name: str) -> list[float]:
+    return sorted({float(ls["le"]) for n, ls, _ in samples(text) if n == f"{name}_bucket"})
+
+
+def served(*instances: InstanceStatus) -> NodeMetrics:
+    metrics = NodeMetrics(NODE)
+    for status in instances:
+        metrics.instance_record(status)
+    return metrics
+
+
+# --- requests ----------------------------------------------------------------------------------------------------
+
+
+def test_answered_requests_move_vllms_counters_and_fill_histograms_with_vllms_buckets() -> None:
+    metrics = served(record())
+    metrics.event(completed(prompt=20, generated=8, ttft_ms=100.0, total_ms=450.0))
+    metrics.event(completed(prompt=30, generated=6, ttft_ms=40.0, total_ms=140.0, endpoint="", stop_reason="eos",
+                            tokens_cached=12, source="l3_local", tokens_restored=12))  # fmt: skip
+    text = scrape(metrics)
+    instance = {"node": NODE, "model": "qwen3-0.6b", "instance": "i1"}
+    assert value(text, "mesh_prompt_tokens_total", **instance) == 50
+    assert value(text, "mesh_generation_tokens_total", **instance) == 14
+    assert value(text, "mesh_prefix_cache_queries_total", **instance) == 50
+    assert value(text, "mesh_prefix_cache_hits_total", **instance) == 12
+    assert value(text, "mesh_requests_total", endpoint="chat", status="200") == 1
+    assert value(text, "mesh_requests_total", endpoint="completion", status="200") == 1
+    assert value(text, "mesh_routed_requests_total", source="cold") == 1
+    assert value(text, "mesh_routed_requests_total", source="l3_local") == 1
+    assert value(text, "mesh_restored_tokens_total", source="l3_local") == 12
+    assert value(text, "mesh_request_success_total", finished_reason="length") == 1
+    assert value(text, "mesh_request_success_total", finished_reason="stop") == 1
+    model = {"node": NODE, "model": "qwen3-0.6b"}
+    assert value(text, "mesh_time_to_first_token_seconds_count", **model) == 2
+    assert value(text, "mesh_time_to_first_token_seconds_sum", **model) == pytest.approx(0.14)
+    assert value(text, "mesh_time_to_first_token_seconds_bucket", le="0.04") == 1  # 40 ms, cumulative
+    assert value(text, "mesh_time_to_first_token_seconds_bucket", le="0.1") == 2
+    assert value(text, "mesh_time_to_first_token_seconds_bucket", le="+Inf") == 2
+    assert bucket_bounds(text, "mesh_time_to_first_token_seconds") == [*TTFT_BUCKETS, math.inf]
+    assert bucket_bounds(text, "mesh_inter_token_latency_seconds") == [*INTER_TOKEN_BUCKETS, math.inf]
+    assert bucket_bounds(text, "mesh_e2e_request_latency_seconds") == [*E2E_BUCKETS, math.inf]
+    assert bucket_bounds(text, "mesh_request_prompt_tokens") == [*TOKEN_BUCKETS, math.inf]
+    assert value(text, "mesh_e2e_request_latency_seconds_sum") == pytest.approx(0.59)
+    assert value(text, "mesh_request_generation_tokens_sum") == 14
+
+
+def test_inter_token_latency_counts_one_observation_per_gap_between_tokens() -> None:
+    metrics = served(record())
+    metrics.event(completed(generated=11, ttft_ms=100.0, total_ms=600.0))  # 10 gaps of 50 ms
+    metrics.event(completed(generated=1, ttft_ms=30.0, total_ms=30.0))  # one token: no gap
+    text = scrape(metrics)
+    assert value(text, "mesh_inter_token_latency_seconds_count") == 10
+    assert value(text, "mesh_inter_token_latency_seconds_sum") == pytest.approx(0.5)
+    assert value(text, "mesh_inter_token_latency_seconds_bucket", le="0.025") == 0
+    assert value(text, "mesh_inter_token_latency_seconds_bucket", le="0.05") == 10
+
+
+def test_refusals_and_pooled_endpoints_count_as_requests_but_not_as_generations() -> None:
+    metrics = served(record())
+    metrics.event(completed(status=400, generated=0, prompt=0))
+    metrics.event(completed(endpoint="embeddings", generated=0, prompt=9, total_ms=12.0, ttft_ms=12.0))
+    text = scrape(metrics)
+    assert value(text, "mesh_requests_total", status="400") == 1
+    assert value(text, "mesh_requests_total", endpoint="embeddings") == 1
+    assert value(text, "mesh_e2e_request_latency_seconds_count") == 1  # the embeddings answer
+    assert absent(text, "mesh_time_to_first_token_seconds_count")
+    assert absent(text, "mesh_request_prompt_tokens_count")  # a generation's figure
+
+
+def test_a_model_name_a_client_invents_creates_no_series() -> None:
+    metrics = served(record())
+    invented = "made-up-model-0123"
+    decision = RouteDecision(chosen=None, reason="no instance")
+    routed = ev.GenerateRouted(**envelope(), request_id="q", model=invented, n_prompt=0, candidates=(),
+                               weights=RouteWeights(), decision=decision, router_version="1")  # fmt: skip
+    for _ in range(3):
+        metrics.event(routed)
+    text = scrape(metrics)
+    assert value(text, "mesh_routing_refusals_total", node=NODE) == 3
+    assert invented not in text
+    assert all(invented not in v for _, labels, _ in samples(text) for v in labels.values())
+
+
+def test_an_event_about_an_instance_without_a_record_makes_no_instance_series() -> None:
+    metrics = served()
+    metrics.event(completed("ghost"))
+    metrics.event(ev.InstanceRestarted(**envelope(), instance_id="ghost", reservation_id="r", attempt=2))
+    text = scrape(metrics)
+    assert "ghost" not in text
+    assert value(text, "mesh_time_to_first_token_seconds_count", model="unknown") == 1
+
+
+def test_an_instances_series_go_with_its_record() -> None:
+    metrics = served(record("i1"), record("i2"))
+    for instance in ("i1", "i2"):
+        metrics.event(completed(instance))
+        metrics.event(ev.InstanceRestarted(**envelope(), instance_id=instance, reservation_id="r", attempt=2))
+        metrics.event(ev.HealthCheckFailed(**envelope(), instance_id=instance, reservation_id="r", check="probe",
+                                           consecutive=1, reason="HTTP 503"))  # fmt: skip
+    metrics.event(ev.InstanceCrashed(**envelope(), instance_id="i1", reservation_id="r", exit_code=-9,
+                                     restart_in_s=1.0, log_tail="", out_of_memory=True))  # fmt: skip
+    text = scrape(metrics)
+    assert value(text, "mesh_instance_restarts_total", instance="i1") == 1
+    assert value(text, "mesh_health_check_failures_total", instance="i2", check="probe") == 1
+    assert value(text, "mesh_instance_crashes_total", instance="i1", out_of_memory="true") == 1
+    metrics.instance_removed("i1")
+    text = scrape(metrics)
+    assert '"i1"' not in text
+    assert value(text, "mesh_instance_restarts_total", instance="i2") == 1
+    assert value(text, "mesh_time_to_first_token_seconds_count") == 2  # per model: kept
+
+
+def test_events_recorded_by_another_node_are_left_to_that_nodes_metrics() -> None:
+    metrics = served(record())
+    metrics.event(completed(node="n2"))
+    metrics.event(ev.L3Captured(**envelope("n2"), entry="e", identity="i", n_tokens=5, bytes=10, new_bytes=10,
+                                ingest_ms=1.0))  # fmt: skip
+    text = scrape(metrics)
+    assert absent(text, "mesh_generation_tokens_total") and absent(text, "mesh_l3_captures_total")
+
+
+# --- memory ------------------------------------------------------------------------------------------------------
+
+
+def test_memory_gauges_are_the_records_predicted_and_observed_figures() -> None:
+    metrics = served(record("i1"), record("old", "stopped"))
+    text = scrape(metrics)
+    i1 = {"instance": "i1", "model": "qwen3-0.6b"}
+    for kind, expected in (("weights", 5000), ("kv", 1000), ("compute", 300), ("compute_margin", 75),
+                           ("total", 6422)):  # fmt: skip
+        assert value(text, "mesh_memory_predicted_bytes", **i1, kind=kind) == expected
+    assert value(text, "mesh_memory_predicted_device_bytes", **i1, device="GPU0", kind="kv") == 800
+    assert value(text, "mesh_memory_predicted_device_bytes", **i1, device="CPU", kind="total") == 1347
+    assert value(text, "mesh_memory_observed_bytes", **i1, kind="compute") == 290
+    assert value(text, "mesh_memory_observed_bytes", **i1, kind="total") == 6330
+    assert value(text, "mesh_memory_observed_buffer_bytes", **i1, buffer="CUDA0") == 5000
+    assert value(text, "mesh_instance_state", instance="old", state="stopped") == 1
+    assert value(text, "mesh_instance_state", instance="old", state="ready") == 0
+    assert absent(text, "mesh_memory_predicted_bytes", instance="old")  # its server is gone: holds nothing
+    assert value(text, "mesh_instance_context_tokens", instance="i1") == 4096
+
+
+def test_node_memory_is_the_ledgers_reservations_and_what_placement_would_offer() -> None:
+    metrics = NodeMetrics(NODE)
+    node = telemetry()
+    book = NodeLedger(node_id=NODE, reservations=(
+        reservation("a", "running", {"CPU": 1 << 30, "GPU0": 10 << 30}),
+        reservation("b", "reserved", {"GPU0": 20 << 30}),
+    ))  # fmt: skip
+    metrics.telemetry(node)
+    metrics.ledger(book)
+    text = scrape(metrics)
+    assert value(text, "mesh_node_memory_reserved_bytes", device="GPU0", state="running") == 10 << 30
+    assert value(text, "mesh_node_memory_reserved_bytes", device="GPU0", state="reserved") == 20 << 30
+    assert value(text, "mesh_node_memory_reserved_bytes", device="CPU", state="starting") == 0
+    assert value(text, "mesh_node_memory_size_bytes", device="GPU0") == 140 << 30
+    assert value(text, "mesh_node_memory_usable_bytes", device="CPU") == 40 << 30
+    for device, free in available(node, book).items():
+        assert value(text, "mesh_node_memory_available_bytes", device=device) == free
+    metrics.ledger(None)
+    metrics.telemetry(None)
+    assert absent(scrape(metrics), "mesh_node_memory_reserved_bytes")
+
+
+# --- serving reports, L3, the front door ----------------------------------------------------------------------
+
+
+def test_running_waiting_and_kv_usage_come_from_the_current_serving_report() -> None:
+    metrics = served(record())
+    load = InstanceLoad(instance_id="i1", slots=2, busy=2, queued=3, identity=None, kv_tokens=1024)
+    metrics.serving(ServingReport(node_id=NODE, seq=1, ttl_s=10.0, instances=(load,)), now=100.0)
+    text = scrape(metrics, now=105.0)
+    assert value(text, "mesh_num_requests_running", instance="i1") == 2
+    assert value(text, "mesh_num_requests_waiting", instance="i1") == 3
+    assert value(text, "mesh_kv_cache_usage_perc", instance="i1") == 0.25  # 1024 of 4096 cells
+    assert absent(scrape(metrics, now=110.5), "mesh_num_requests_running")  # the report is too old to say
+
+
+def test_store_and_front_door_gauges_and_their_events() -> None:
+    metrics = NodeMetrics(NODE)
+    metrics.l3(L3Inventory(node_id=NODE, entries=3, tokens=900, bytes=12345, budget_bytes=1 << 30, quarantined=1))
+    model = FrontDoorModel(name="alpha", path="alpha.gguf", state="starting", instances=(), held_bytes=0, queued=4,
+                           active=1, pinned=False, priority=0, idle_ttl_s=None)  # fmt: skip
+    metrics.frontdoor(FrontDoorReport(node_id=NODE, address="http://x", auth=True, models=(model,), sent_at=0.0))
+    for e in (
+        ev.L3Captured(**envelope(), entry="e", identity="i", n_tokens=5, bytes=100, new_bytes=60, ingest_ms=1.0),
+        ev.L3Evicted(**envelope(), entries=("a", "b"), freed_bytes=70, budget_bytes=1, stored_bytes=1),
+        ev.L3CaptureDropped(**envelope(), identity="i", n_tokens=5, reason="io_error: [Errno 28] No space left"),
+        ev.L3Fetched(**envelope(), entry="e", peer="n2", bytes=100, moved_bytes=40, fetch_ms=3.0),
+        ev.HandoffCommitted(**envelope(), session="s", sender_node="n2", identity="i", n_tokens=5, bytes=500,
+                            segments=1, payload_digest="d", restored=None, transfer_ms=250.0, restore_ms=1.0),
+        ev.ModelLoaded(**envelope(), model="alpha", instance_id="i9", instance_node=NODE, load_ms=3200.0),
+        ev.RoomMade(**envelope(), model="alpha", stopped_on=NODE, stopped=("i0",), frees={}),
+        ev.ModelRefused(**envelope(), model="alpha", reason="never_fits"),
+        ev.ModelRefused(**envelope(), model="alpha", reason="insufficient_memory: needs 9 GiB on GPU0"),
+    ):  # fmt: skip
+        metrics.event(e)
+    text = scrape(metrics)
+    assert value(text, "mesh_l3_stored_bytes") == 12345 and value(text, "mesh_l3_quarantined_entries") == 1
+    assert value(text, "mesh_l3_captured_bytes_total") == 100 and value(text, "mesh_l3_written_bytes_total") == 60
+    assert value(text, "mesh_l3_evictions_total") == 2 and value(text, "mesh_l3_evicted_bytes_total") == 70
+    assert value(text, "mesh_l3_capture_drops_total", reason="io_error") == 1
+    assert value(text, "mesh_l3_peer_fetched_bytes_total", peer="n2") == 40
+    assert value(text, "mesh_handoff_bytes_total", peer="n2") == 500
+    assert value(text, "mesh_handoff_seconds_bucket", peer="n2", le="0.25") == 1
+    assert value(text, "mesh_frontdoor_queued_requests", model="alpha") == 4
+    assert value(text, "mesh_frontdoor_inflight_requests", model="alpha") == 1
+    assert value(text, "mesh_frontdoor_model_state", model="alpha", state="starting") == 1
+    assert value(text, "mesh_frontdoor_model_loads_total", model="alpha") == 1
+    assert value(text, "mesh_frontdoor_model_load_seconds_sum", model="alpha") == pytest.approx(3.2)
+    assert value(text, "mesh_frontdoor_swaps_total", model="alpha") == 1
+    assert value(text, "mesh_frontdoor_refusals_total", reason="never_fits") == 1
+    assert value(text, "mesh_frontdoor_refusals_total", reason="insufficient_memory") == 1
+
+
+def test_placement_decisions_count_by_outcome_and_reason() -> None:
+    metrics = NodeMetrics(NODE)
+    request = PlacementRequest(model=ModelRef(path="/m.gguf"), ctx=4096)
+    for admitted, reason in ((True, None), (False, "insufficient_memory"), (False, "insufficient_memory")):
+        decision = PlacementDecision(decision_id="d", admitted=admitted, dry_run=False, model=request.model,
+                                     reason=reason)  # fmt: skip
+        metrics.event(ev.PlacementDecided(**envelope(), request=request, decision=decision))
+    text = scrape(metrics)
+    assert value(text, "mesh_placement_decisions_total", outcome="admitted", reason="none") == 1
+    assert value(text, "mesh_placement_decisions_total", outcome="rejected", reason="insufficient_memory") == 2
+
+
+def test_free_text_labels_are_cut_to_a_token_and_capped_in_number() -> None:
+    bounded = BoundedLabel(limit=4)
+    assert bounded("f", "refused: the tiling has a gap at 4096") == "refused"
+    assert bounded("f", "  Queue Full ") == "queue_full"
+    assert bounded("peer", "node-7", node_id=True) == "node-7"
+    assert bounded("peer", "not a node id!", node_id=True) == "other"
+    values = {bounded("g", f"reason{i}: detail") for i in range(100)}
+    assert values == {"reason0", "reason1", "reason2", "reason3", "other"}
+
+
+def test_model_label_is_the_file_name_without_gguf() -> None:
+    assert model_name("/models/Qwen3-0.6B-Q8_0.gguf") == "Qwen3-0.6B-Q8_0"
+    assert model_name("tiny") == "tiny"
+
+
+def test_a_pass_through_answer_says_why_it_stopped_in_its_own_apis_words() -> None:
+    # the runner's stop_reason of a pass-through (what finished_reason counts), read from the answer it relayed
+    assert answer_stop([{"choices": [{"finish_reason": "length"}], "usage": {}}]) == "limit"
+    assert answer_stop([{"choices": [{"delta": {}, "finish_reason": "stop"}], "timings": {}}, {"usage": {}}]) == "eos"
+    assert answer_stop([{"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": {}}]) == "limit"
+    assert answer_stop([{"stop_reason": "stop_sequence", "usage": {}}]) == "stop_word"
+    incomplete = {"status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}, "usage": {}}
+    assert answer_stop([{"type": "response.completed", "response": incomplete}]) == "limit"
+    assert answer_stop([{"content": "x", "stop_type": "word"}]) == "stop_word"
+    assert answer_stop([None, {"choices": "not a list of choices"}, {}]) == "eos"  # says nothing: eos
+
+
+# --- llama-server's own metrics ----------------------------------------------------------------------------------
+
+
+def test_llama_servers_families_are_relabelled_merged_and_kept_to_its_own() -> None:
+    metrics = served(record("i1", port=8100), record("i2", port=8101, model="/m/other.gguf"), record("i3", port=None))
+    targets = metrics.engine_targets()
+    assert [(t.instance_id, t.port) for t in targets] == [("i1", 8100), ("i2", 8101)]  # ready, with a port
+    engines = {t.instance_id: relabel(ENGINE_TEXT, t.labels) for t in targets}
+    engines["i2"] = None  # its /metrics did not answer
+    text = scrape(metrics, engines=engines)
+    assert value(text, "llamacpp:tokens_predicted_total", node=NODE, model="qwen3-0.6b", instance="i1") == 4
+    assert value(text, "llamacpp:n_tokens_max", instance="i1") == 12  # a counter without _total: a gauge
+    assert value(text, "mesh_engine_metrics_up", instance="i1") == 1
+    assert value(text, "mesh_engine_metrics_up", instance="i2") == 0
+    assert "process_open_fds" not in text  # not the engine's own
+    both = {"i1": relabel(ENGINE_TEXT, targets[0].labels), "i2": relabel(ENGINE_TEXT, targets[1].labels)}
+    families = [f for f in text_string_to_metric_families(scrape(metrics, engines=both))]
+    (predicted,) = [f for f in families if f.name == "llamacpp:tokens_predicted"]
+    assert {s.labels["instance"] for s in predicted.samples} == {"i1", "i2"}  # one family, a series each
+
+
+def test_an_engine_answer_that_is_not_prometheus_text_is_refused_whole() -> None:
+    with pytest.raises(ValueError):
+        relabel("llamacpp:tokens_predicted_total {{{ 4\n", {"instance": "i1"})
+
+
+@given(st.text(max_size=400))
+def test_relabel_takes_any_text_without_failing_other_than_by_refusing_it(text: str) -> None:
+    try:
+        families = relabel(text, {"node": NODE, "model": "m", "instance": "i1"})
+    except ValueError:
+        return
+    assert all(f.name.startswith("llamacpp:") for f in families)
+    assert all(s.labels["instance"] == "i1" for f in families for s in f.samples)
+
+
+# --- the exposition and the docs ---------------------------------------------------------------------------------
+
+
+def test_both_exposition_formats_parse_with_every_family_named() -> None:
+    metrics = served(record())
+    metrics.event(completed())
+    families = metrics.families(0.0, {"i1": relabel(ENGINE_TEXT, metrics.engine_targets()[0].labels)})
+    prometheus = {f.name for f in text_string_to_metric_families(generate_latest(_Families(families)).decode())}
+    openmetrics = {f.name for f in parse_openmetrics(generate_openmetrics(_Families(families)).decode())}
+    ours = {spec.name for spec in CATALOG}
+    assert ours <= prometheus and ours <= openmetrics
+    assert "llamacpp:tokens_predicted" in prometheus and "llamacpp:tokens_predicted" in openmetrics
+
+
+def test_every_family_is_documented_in_operations() -> None:
+    text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    missing = [exported_name(spec) for spec in CATALOG if f"`{exported_name(spec)}`" not in text]
+    assert not missing, f"docs/operations.md does not list {missing}"
+    assert len({spec.name for spec in CATALOG}) == len(CATALOG)
+    assert all(re.fullmatch(r"mesh_[a-z0-9_]+", spec.name) for spec in CATALOG)
+
+
+def test_a_metrics_listener_beyond_loopback_needs_the_api_key(tmp_path: Path) -> None:
+    flags = {"data_dir": str(tmp_path), "node_id": "n"}
+    assert load_config({**flags, "metrics": "9100"}, {}).metrics == ("127.0.0.1", 9100)
+    with pytest.raises(ConfigError, match=re.escape("metrics listener listens on 0.0.0.0")):
+        load_config({**flags, "metrics": "0.0.0.0:9100"}, {})
+    keyed = load_config({**flags, "metrics": "0.0.0.0:9100"}, {"MESH_ACTOR_API_KEY": "k"})
+    assert keyed.metrics == ("0.0.0.0", 9100) and keyed.api_key == "k"
