@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, cast
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
@@ -37,7 +38,7 @@ from prometheus_client.registry import Collector
 
 from actors.frontdoor import shapes
 from actors.metrics.engine import relabel
-from actors.metrics.fold import EngineTarget, NodeMetrics
+from actors.metrics.fold import EVENT_TYPES, EngineTarget, NodeMetrics
 from actors.runner.command import LOOPBACK
 from messages.errors import INVALID_API_KEY
 from messages.events import AnyEvent, Event
@@ -58,6 +59,7 @@ MAX_ENGINE_BYTES: Final = 1 << 20
 #: How long the watches may take to deliver the current records before the actor counts as failed to start.
 READY_S: Final = 10.0
 KEEPALIVE_TIMEOUT_S: Final = 20.0
+_EVENTS = cast(type[Event], AnyEvent)  # a tagged union decodes as any of its members
 
 
 class _Snapshot(Collector):
@@ -96,8 +98,8 @@ class MetricsActor(Actor):
     async def run(self, ctx: ActorContext) -> None:
         self._log = ctx.log
         node, subjects = ctx.node_id, ctx.subjects
-        events = cast(type[Event], AnyEvent)  # a tagged union decodes as any of its members
-        await ctx.subscribe(subjects.events_from(node), events, self._on_event)
+        # Taken raw: only the types that change a figure are decoded (the subject names the type).
+        await ctx.subscribe(subjects.events_from(node), msgspec.Raw, self._on_event)
         await ctx.subscribe(subjects.serving(node), ServingReport, self._on_serving)
         core = self.core
         follows: list[tuple[KeyValue, str, Callable[[str, bytes | None], None]]] = [
@@ -119,7 +121,14 @@ class MetricsActor(Actor):
 
     # --- what it follows -----------------------------------------------------------------------------------
 
-    async def _on_event(self, event: Event, msg: Msg) -> None:
+    async def _on_event(self, raw: msgspec.Raw, msg: Msg) -> None:
+        if msg.subject.rsplit(".", 2)[-2] not in EVENT_TYPES:  # <prefix>.events.<actor>.<type>.<node>
+            return
+        try:
+            event = decode_checked(bytes(raw), _EVENTS, f"event on {msg.subject!r}")
+        except BadMessage as exc:
+            self._log.warning("metrics_bad_event", subject=msg.subject, error=str(exc))
+            return
         self.core.event(event)
 
     async def _on_serving(self, report: ServingReport, msg: Msg) -> None:
@@ -209,7 +218,11 @@ class MetricsActor(Actor):
             error = shapes.ApiError(INVALID_API_KEY, "a valid API key is required (Authorization: Bearer KEY)")
             headers = {**shapes.error_headers(error.code), "WWW-Authenticate": "Bearer"}
             return web.json_response(shapes.error_body(error, "openai"), status=error.status, headers=headers)
-        body, content_type = await self.exposition(request.headers.get("Accept"))
+        try:
+            body, content_type = await self.exposition(request.headers.get("Accept"))
+        except Exception as exc:  # a bug met by one scrape: that scrape fails, the listener keeps serving
+            self._log.exception("metrics_scrape_failed", error=repr(exc))
+            return web.Response(status=500, text="the metrics could not be rendered\n")
         return web.Response(body=body, headers={"Content-Type": content_type})
 
 

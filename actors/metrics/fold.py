@@ -50,7 +50,7 @@ from messages.placement import NodeLedger
 from messages.runner import InstanceStatus
 from messages.telemetry import NodeResources
 
-__all__ = ["UNKNOWN", "BoundedLabel", "EngineTarget", "NodeMetrics", "model_name"]
+__all__ = ["EVENT_TYPES", "UNKNOWN", "BoundedLabel", "EngineTarget", "NodeMetrics", "model_name"]
 
 #: The model of an instance this node has no record of (an event that arrived before its record).
 UNKNOWN: Final = "unknown"
@@ -473,3 +473,6 @@ _ON_EVENT: Final[dict[type[ev.Event], Callable[[NodeMetrics, Any], None]]] = {
     ev.IdleStopped: NodeMetrics._idle_stopped,
     ev.ActorCrashed: NodeMetrics._actor_crashed,
 }
+
+#: The `type` tags of the events that change a figure: the shell decodes no other event.
+EVENT_TYPES: Final = frozenset(str(event_class.__struct_config__.tag) for event_class in _ON_EVENT)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from actors.metrics.catalog import (
     exported_name,
 )
 from actors.metrics.engine import relabel
-from actors.metrics.fold import BoundedLabel, NodeMetrics, model_name
+from actors.metrics.fold import EVENT_TYPES, BoundedLabel, NodeMetrics, model_name
 from actors.placement.ledger import available
 from actors.runner.passthrough import answer_stop
 from messages import events as ev
@@ -286,6 +287,15 @@ def test_an_instances_series_go_with_its_record() -> None:
     assert '"i1"' not in text
     assert value(text, "mesh_instance_restarts_total", instance="i2") == 1
     assert value(text, "mesh_time_to_first_token_seconds_count") == 2  # per model: kept
+
+
+def test_the_event_types_the_shell_decodes_are_journal_types_and_the_others_change_nothing() -> None:
+    tags = {str(t.__struct_config__.tag) for t in typing.get_args(ev.AnyEvent)}
+    assert {"generate_completed", "health_check_failed", "placement_decided", "l3_captured"} <= EVENT_TYPES <= tags
+    metrics = served(record())
+    before = scrape(metrics)
+    metrics.event(ev.InstanceStarting(**envelope(), instance_id="i1", reservation_id="r", command=("x",), port=1))
+    assert "instance_starting" not in EVENT_TYPES and scrape(metrics) == before
 
 
 def test_events_recorded_by_another_node_are_left_to_that_nodes_metrics() -> None:
