@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from actors.metrics.catalog import INTER_TOKEN_BUCKETS, TTFT_BUCKETS
 from runtime.children import free_port
 from tests.conftest import processes
-from tests.e2e.test_frontdoor import KEY, KEYED, QUIET, client, write_catalog
+from tests.e2e.test_frontdoor import _WEDGE, KEY, KEYED, QUIET, client, write_catalog
 from tests.e2e.test_mesh import cli, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.tiny_models import write_llama
@@ -65,9 +69,11 @@ def series(samples: Samples, name: str, **labels: str) -> list[dict[str, str]]:
     return [ls for n, ls, _ in samples if n == name and labels.items() <= ls.items()]
 
 
-async def scraped_until(port: int, done: Callable[[Samples], bool], key: str | None = KEY) -> Samples:
-    """Scrapes until `done` says the figures are in (events and reports arrive asynchronously), for 30 s at most."""
-    async with asyncio.timeout(30):
+async def scraped_until(
+    port: int, done: Callable[[Samples], bool], key: str | None = KEY, timeout_s: float = 30
+) -> Samples:
+    """Scrapes until `done` says the figures are in (events and reports arrive asynchronously), for `timeout_s`."""
+    async with asyncio.timeout(timeout_s):
         while True:
             status, _, text = await scrape(port, key)
             assert status == 200, text
@@ -242,4 +248,51 @@ async def test_a_node_without_a_front_door_serves_metrics_on_loopback_for_mesh_g
         (node_status,) = status["nodes"]
         ram, limit = node_status["host"]["ram_total_bytes"], node_status["memory_limit_bytes"]
         assert value(samples, "mesh_node_memory_size_bytes", node="plain", device="CPU") == min(ram, limit or ram)
+
+        os.kill(instance["pid"], signal.SIGKILL)  # what the kernel's OOM killer sends: a crash, then a restart
+        samples = await scraped_until(
+            port, lambda s: value(s, "mesh_instance_restarts_total", **labels) == 1
+            and value(s, "mesh_instance_state", **labels, state="ready") == 1, key=None,
+        )  # fmt: skip
+        assert value(samples, "mesh_instance_crashes_total", **labels, out_of_memory="true") == 1
+        assert value(samples, "mesh_instance_crashes_total", **labels, out_of_memory="false") == 0
+    assert processes("llama-server", str(model)) == []
+
+
+async def test_failed_probes_of_a_wedged_server_are_counted_then_its_restart(tmp_path: Path, model: Path) -> None:
+    """The front door's wedge (its main thread stopped with ptrace: completions hang, /health says ok): each failed
+    one-token probe is a `health_check_failed` event and a count, three make a crash, and the server restarts."""
+    data_dir = tmp_path / "node"
+    port = free_port()
+    probing = ("--health-probe-interval", "1", "--health-probe-timeout", "2")
+    async with node(data_dir, "wedged", *QUIET, *probing, "--metrics", str(port)):
+        await wait_nodes(data_dir, "wedged")
+        code, _, err = await cli("place", str(model), "-c", "2048", "--start", "--data-dir", str(data_dir))
+        assert code == 0, err
+        (instance,) = [i for i in (await status_json(data_dir))["instances"] if i["state"] == "ready"]
+        labels = {"node": "wedged", "model": "alpha", "instance": instance["id"]}
+        wedge = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _WEDGE, str(instance["pid"]), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        try:
+            assert wedge.stdout is not None
+            async with asyncio.timeout(10):
+                said = (await wedge.stdout.readline()).decode()
+            if "wedged" not in said:
+                pytest.skip(f"this machine does not allow ptrace on a child's child ({said.strip()})")
+            samples = await scraped_until(
+                port, lambda s: value(s, "mesh_instance_restarts_total", **labels) == 1, key=None, timeout_s=120
+            )
+        finally:
+            if wedge.returncode is None:
+                wedge.kill()
+            await wedge.wait()
+        assert value(samples, "mesh_health_check_failures_total", **labels, check="probe") == 3
+        assert value(samples, "mesh_instance_crashes_total", **labels, out_of_memory="false") == 1
+        code, out, err = await cli("events", "--json", "--subject", "runner.health_check_failed", "--data-dir",
+                                   str(data_dir))  # fmt: skip
+        assert code == 0, err
+        failed = [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+        assert [(e["check"], e["consecutive"]) for e in failed] == [("probe", 1), ("probe", 2), ("probe", 3)]
+        assert all(e["instance_id"] == instance["id"] for e in failed)
     assert processes("llama-server", str(model)) == []
