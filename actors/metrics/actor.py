@@ -94,6 +94,7 @@ class MetricsActor(Actor):
         self._on_listening = on_listening
         self.bound_port: int | None = None
         self._log: Any = None
+        self._seen_instances: set[str] | None = None  # the records a starting incarnation's watch delivered
 
     async def run(self, ctx: ActorContext) -> None:
         self._log = ctx.log
@@ -102,6 +103,10 @@ class MetricsActor(Actor):
         await ctx.subscribe(subjects.events_from(node), msgspec.Raw, self._on_event)
         await ctx.subscribe(subjects.serving(node), ServingReport, self._on_serving)
         core = self.core
+        # What the watches' first values do not name went while nobody watched (an earlier incarnation's view).
+        self._seen_instances = set()
+        for clear in (core.ledger, core.telemetry, core.l3, core.frontdoor):
+            clear(None)
         follows: list[tuple[KeyValue, str, Callable[[str, bytes | None], None]]] = [
             (await buckets.instances(ctx.bus, subjects), subjects.instance_key(node, "*"), self._on_instance),
             (await buckets.reservations(ctx.bus, subjects), f"{LEDGER_KEY_PREFIX}{node}",
@@ -116,6 +121,8 @@ class MetricsActor(Actor):
         async with asyncio.timeout(READY_S):
             for done in ready:
                 await done.wait()
+        core.keep_instances(self._seen_instances)
+        self._seen_instances = None
         if self.listen is not None:
             await self._listen(ctx, *self.listen)
 
@@ -143,6 +150,8 @@ class MetricsActor(Actor):
         if f"{status.node}.{status.id}" != key:
             raise BadMessage(f"instance under key {key}", f"claims to be {status.node}.{status.id}")
         self.core.instance_record(status)
+        if self._seen_instances is not None:
+            self._seen_instances.add(status.id)
 
     async def _follow(
         self,

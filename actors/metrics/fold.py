@@ -110,7 +110,7 @@ class _Histogram:
         self.sum = 0.0
 
     def observe(self, value: float, weight: float = 1.0) -> None:
-        """`weight` observations of `value` (an inter-token gap observed once per token of its request)."""
+        """`weight` observations of `value` (a request's mean inter-token gap, once per gap)."""
         if not math.isfinite(value) or weight <= 0:
             return
         index = next((i for i, bound in enumerate(self.bounds) if value <= bound), len(self.bounds))
@@ -127,7 +127,7 @@ class _Histogram:
 
 
 def _le(bound: float) -> str:
-    """A bucket's bound as prometheus-client writes it (`0.1`, `1.0`, `2560.0`)."""
+    """A bucket's bound as its `le` label (`0.1`, `1.0`, `2560.0`: any float notation reads back the same)."""
     return repr(float(bound))
 
 
@@ -164,6 +164,12 @@ class NodeMetrics:
             if _SPECS[name].per_instance:
                 for key in [k for k in series if k[2] == instance_id]:
                     del series[key]
+
+    def keep_instances(self, instance_ids: Iterable[str]) -> None:
+        """The records that exist now (a watch's first values): any other instance's record went while nobody
+        watched, and its series go with it."""
+        for gone in set(self._instances) - set(instance_ids):
+            self.instance_removed(gone)
 
     def ledger(self, ledger: NodeLedger | None) -> None:
         self._ledger = ledger

@@ -298,6 +298,16 @@ def test_the_event_types_the_shell_decodes_are_journal_types_and_the_others_chan
     assert "instance_starting" not in EVENT_TYPES and scrape(metrics) == before
 
 
+def test_records_that_went_while_nobody_watched_take_their_series_with_them() -> None:
+    metrics = served(record("kept"), record("gone"))
+    for instance in ("kept", "gone"):
+        metrics.event(ev.InstanceRestarted(**envelope(), instance_id=instance, reservation_id="r", attempt=2))
+    metrics.keep_instances(["kept"])  # a restarted watch's first values name only this one
+    text = scrape(metrics)
+    assert value(text, "mesh_instance_restarts_total", instance="kept") == 1
+    assert '"gone"' not in text
+
+
 def test_events_recorded_by_another_node_are_left_to_that_nodes_metrics() -> None:
     metrics = served(record())
     metrics.event(completed(node="n2"))
