@@ -36,7 +36,7 @@ from actors.runner.driver import DriverFault, SignalFilter
 from actors.runner.lifecycle import Event, Timings, Verified
 from messages.generate import GenerateRequest, GenerateResult, RunnerGenerate
 from messages.memory import MemoryBreakdown
-from messages.placement import NodeLedger, Reservation, Stamp
+from messages.placement import NodeLedger, Reservation, RpcMember, SplitPart, Stamp
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
 from messages.settings import ServingSettings
 from messages.subjects import Subjects
@@ -419,7 +419,10 @@ async def test_start_refusals_are_clear_errors(
     bus: Bus, journal_reader: JournalReader, models: dict[str, Path], binary: str, tmp_path: Path
 ) -> None:
     settings = _settings(slots=2)
+    # a split's head part, on a runner without the cluster's certificates (it cannot reach the members)
     other = _reservation("r-multi", models["llama"], settings, 2048, multi_node=True)
+    split_stamp = msgspec.structs.replace(other.stamp, rpc=(RpcMember(node_id="m", layers=(1, 2)),))
+    other = msgspec.structs.replace(other, stamp=split_stamp, split=SplitPart(head=NODE, members=("m",)))
     # claimed by another instance; its expiry (placement's clock) passed, which the runner never compares
     taken = msgspec.structs.replace(
         _reservation("r-taken", models["llama"], settings, 2048), state="starting", instance_id="i-other"
@@ -444,7 +447,7 @@ async def test_start_refusals_are_clear_errors(
 
         with pytest.raises(RemoteError) as multi:
             await _start(bus, "r-multi")
-        assert multi.value.code == "unsupported" and "multi-node" in multi.value.reply.message
+        assert multi.value.code == "unsupported" and "cannot head a split" in multi.value.reply.message
 
         with pytest.raises(RemoteError) as big:
             await _start(bus, "r-big")
