@@ -158,6 +158,16 @@ def _files(directory: Path, case: Case) -> tuple[Path, Path, ModelGeometry, Proj
     )
 
 
+async def _log_once(server: Any, pattern: re.Pattern[str], timeout_s: float = 10.0) -> str:
+    """The server's log once it holds `pattern` (llama.cpp logs from a thread of its own), or as it is at the deadline."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        text: str = await asyncio.to_thread(server.log)
+        if pattern.search(text) or asyncio.get_running_loop().time() > deadline:
+            return text
+        await asyncio.sleep(0.05)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 async def test_the_projector_allocates_what_admission_predicts(case: Case, tmp_path: Path) -> None:
     binary = require_server()
@@ -183,7 +193,7 @@ async def test_the_projector_allocates_what_admission_predicts(case: Case, tmp_p
         # the first image: the graph reserved as placed, the image's tokens in the context
         seen = await call_server(server.port, "POST", "/v1/chat/completions", chat(True), timeout_s=120)
         assert seen.status == 200, seen.body[:500]
-        text = await asyncio.to_thread(server.log)
+        text = await _log_once(server, IMAGE_BATCH)  # the server's log thread may write it after the answer
         assert [int(n) for n in IMAGE_BATCH.findall(text)] == [n_image_tokens(projector)]
         log = parse_allocation_log(text)
         assert log.projector is not None
