@@ -9,7 +9,11 @@ events relayed back over NATS) and directly to the instance's own endpoint:
 - Messages: the official `anthropic` client's `messages.create(stream=True)` (`/v1/messages`).
 
 Each request carries a fresh random 24-word user message and samples 64 tokens at temperature 1 (the zero
-weights of the sparse model make every logit equal; greedy decoding would pick a token with no text). Reports,
+weights of the sparse model make every logit equal; greedy decoding would pick a token with no text), held to
+lowercase letters and spaces by a grammar and to its full length by `ignore_eos` (llama.cpp's own sampling
+parameters, carried through as they are): the model's vocabulary is its 256 bytes, and random bytes are mostly
+incomplete UTF-8, which the server holds back, so without the grammar an answer streams as two or three events
+whose timing says nothing of a token's. Reports,
 per API and path, the p50 time to first token (request to the first event of the answer's content: a choice
 chunk, a content block) and the p50 streaming rate (the answer's own token count after the first, over the time
 from that first event to the last), the
@@ -38,8 +42,13 @@ from benchmarks.environment import print_environment
 from benchmarks.mesh_node import cli, node, print_provenance, write_model
 from runtime.children import free_port
 
-FLAGS = ("--parallel", "2", "--cache-ram", "0", "--ctx-checkpoints", "0")
+#: One thread for llama-server: on a 2-core machine a server on every core is slowed by anything else that runs
+#: (its threads wait for each other), and the path through the mesh runs more (the relay, nats-server, the front
+#: door) while it decodes; one core left to them measures the path, not the contention of a machine too small.
+FLAGS = ("--parallel", "2", "--cache-ram", "0", "--ctx-checkpoints", "0", "--threads", "1")
 N_TOKENS = 64
+#: Every sampled token a letter or a space, and all N_TOKENS of them (see the module's docstring).
+SAMPLING = {"grammar": "root ::= [a-z ]+", "ignore_eos": True}
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo")
 Sample = tuple[float, float] | None  # (ms to first token, tokens/s after it); None: no text came
 
@@ -62,7 +71,7 @@ async def chat(client: openai.AsyncOpenAI, text: str) -> Sample:
     tokens = 0
     stream = await client.chat.completions.create(
         model="bench", messages=[{"role": "user", "content": text}], max_tokens=N_TOKENS, temperature=1.0, seed=1,
-        stream=True, stream_options={"include_usage": True},
+        stream=True, stream_options={"include_usage": True}, extra_body=SAMPLING,
     )  # fmt: skip
     async for chunk in stream:
         now = time.perf_counter()
@@ -82,7 +91,7 @@ async def messages(client: anthropic.AsyncAnthropic, text: str) -> Sample:
     tokens = 0
     stream = await client.messages.create(
         model="bench", max_tokens=N_TOKENS, messages=[{"role": "user", "content": text}], stream=True,
-        extra_body={"temperature": 1.0},
+        extra_body={"temperature": 1.0, **SAMPLING},
     )  # fmt: skip
     async for event in stream:
         now = time.perf_counter()
