@@ -22,6 +22,7 @@ import msgspec
 import nats.errors
 import nats.js.errors
 
+from actors.dashboard.actor import DashboardActor
 from actors.frontdoor.actor import FrontDoorActor
 from actors.frontdoor.catalog import CATALOG_FILE, Catalog, CatalogError, parse_catalog
 from actors.handoff.actor import HandoffActor
@@ -340,12 +341,15 @@ async def run_node(
             if config.http is not None:
                 catalog = load_catalog(config.data_dir)
                 host, port = config.http
+                dashboard = DashboardActor(api_key=config.api_key)  # /ui on the front door's listener
                 actors.append(
                     FrontDoorActor(
                         host, port, catalog, models_dir=models_dir, api_key=config.api_key,
                         group_swaps=config.frontdoor_grouping, metrics=metrics.exposition if metrics else None,
+                        dashboard=dashboard.register,
                     )
                 )  # fmt: skip
+                actors.append(dashboard)
             supervisor = Supervisor(bus=bus, journal=journal, subjects=config.subjects, node_id=config.node_id)
             url = ",".join(options.urls)
             journal.emit(

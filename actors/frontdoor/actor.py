@@ -19,7 +19,8 @@ the behaviour grouping is measured against (`benchmarks/frontdoor_swap.py`).
 
 Keys: with `api_key` set, every request needs `Authorization: Bearer <key>` (401 otherwise); the launcher
 refuses a non-loopback address without one. `GET /metrics` (with `metrics`: the node's metrics actor's
-exposition) answers the node's Prometheus metrics under the same key rule.
+exposition) answers the node's Prometheus metrics under the same key rule. With `dashboard` (the dashboard actor's
+`register`), `/ui` is the dashboard's, which checks the same key itself (a browser also holds it as a cookie).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class FrontDoorActor(Actor):
         group_swaps: bool = True,
         on_listening: Callable[[int], None] | None = None,
         metrics: Callable[[str | None], Awaitable[tuple[bytes, str]]] | None = None,
+        dashboard: Callable[[web.Application], str] | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -119,6 +121,8 @@ class FrontDoorActor(Actor):
         self._order_moved = asyncio.Event()
         self._on_listening = on_listening
         self._metrics = metrics  # the node's metrics, in the format a scraper's Accept header asks for
+        self._dashboard = dashboard  # adds its routes; answers the path under which it checks keys itself
+        self._dashboard_prefix: str | None = None
         self._models = {name: _Model(name, entry) for name, entry in catalog.models.items()}
         self._instances: dict[str, InstanceStatus] = {}
         self._instances_moved = asyncio.Event()  # set (then replaced) on every change of an instance record
@@ -195,6 +199,8 @@ class FrontDoorActor(Actor):
             app.router.add_post(path, self._api)
         if self._metrics is not None:
             app.router.add_get("/metrics", self._serve_metrics)
+        if self._dashboard is not None:
+            self._dashboard_prefix = self._dashboard(app)
         return app
 
     async def _serve_metrics(self, request: web.Request) -> web.Response:
@@ -215,7 +221,11 @@ class FrontDoorActor(Actor):
     ) -> web.StreamResponse:
         shape = shapes.shape_of(request.path)
         try:
-            if self.api_key is not None and not shapes.key_matches(shapes.presented_key(request.headers), self.api_key):
+            if (
+                self.api_key is not None
+                and not self._dashboards(request.path)
+                and not shapes.key_matches(shapes.presented_key(request.headers), self.api_key)
+            ):
                 raise shapes.ApiError(INVALID_API_KEY, "a valid API key is required (Authorization: Bearer KEY, or "
                                       "x-api-key: KEY)")  # fmt: skip
             return await handler(request)
@@ -236,6 +246,11 @@ class FrontDoorActor(Actor):
         except Exception as exc:  # a bug met by one request: that request fails, the front door keeps serving
             self._ctx.log.exception("frontdoor_request_failed", path=request.path, error=repr(exc))
             return _error_response(shapes.ApiError(INTERNAL, "the front door failed on this request"), shape)
+
+    def _dashboards(self, path: str) -> bool:
+        """Whether `path` is the dashboard's (which checks the key itself: a header, or its session cookie)."""
+        prefix = self._dashboard_prefix
+        return prefix is not None and (path == prefix or path.startswith(prefix + "/"))
 
     def _model_object(self, name: str, m: _Model) -> dict[str, Any]:
         ready = self._ready_of(m)
