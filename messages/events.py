@@ -1,7 +1,9 @@
 """Journal events: every decision and lifecycle change, published on `mesh.events.<actor>.<type>`.
 
 Each event is a frozen Struct tagged by `type` and carries the envelope fields `id` (unique, used as the
-JetStream `Nats-Msg-Id` so a retried publish is stored once), `time` (unix seconds), `node` and `actor`.
+JetStream `Nats-Msg-Id` so a retried publish is stored once), `time` (unix seconds), `node`, `actor` and
+`trace`: the W3C traceparent of the request the event was recorded for (`runtime/tracing.py`; "" for an event
+no request caused, and in events written before it existed).
 Readers that meet a type they do not know (a newer producer) still show it as plain JSON.
 """
 
@@ -27,6 +29,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     time: float
     node: str
     actor: str
+    trace: str = ""  # `00-<trace id>-<span id>-<flags>`: the request's trace and the hop (span) that recorded it
 
 
 class ActorStarted(Event, frozen=True, kw_only=True, tag="actor_started"):

@@ -15,7 +15,9 @@ and never reaches the handler. Nothing a client sends can crash an actor: any ot
 handling one request is an `internal` error reply for that request (logged with its traceback), and the
 actor keeps serving; the same holds for one message of a subscription. Every request runs under the request
 deadline, counted from its arrival (time in the inbox included): past it, the handler is cancelled and the
-requester answered `timeout`. Only the actor's own tasks (and its `run`) crash the incarnation.
+requester answered `timeout`. Only the actor's own tasks (and its `run`) crash the incarnation. Each request is
+handled within its trace context (`runtime.tracing`): the `traceparent` header it came with, or a fresh trace;
+a subscription's message with a valid one is handled within it too.
 
 Replies go only to inboxes (`runtime.bus.reply_allowed`): a request whose reply subject is anything else, or
 none, is logged (`reply_refused`) and dropped before any work, on endpoints, subscriptions and the micro
@@ -41,6 +43,7 @@ from nats.micro.service import EndpointConfig, Service, ServiceConfig
 from messages.errors import BUSY, INTERNAL, TIMEOUT, UNAVAILABLE, ErrorReply
 from messages.events import ActorCrashed, ActorGaveUp, ActorRestarted, ActorStarted, ActorStopped
 from messages.subjects import Subjects
+from runtime import tracing
 from runtime.bus import (
     BadMessage,
     Bus,
@@ -204,6 +207,9 @@ class ActorContext:
     ) -> None:
         """Answers one request: its reply, or an error reply. Never raises but for cancellation of the actor."""
         headers_of = _REQUEST_HEADERS.set(MappingProxyType(dict(request.headers or {})))
+        # The request's trace context (its traceparent, or a fresh trace): the handler, the tasks it spawns, the
+        # requests it makes and the events it records all carry it.
+        trace_of = tracing.enter(tracing.incoming(request.headers))
         try:
             message = decode_checked(request.data, request_type, f"request on {request.subject!r}")
             async with asyncio.timeout_at(arrived + limit):
@@ -234,6 +240,7 @@ class ActorContext:
             await _respond_error(request, ErrorReply(code=INTERNAL, message=f"{self.actor} failed: {exc!r}"))
             return
         finally:
+            tracing.leave(trace_of)
             _REQUEST_HEADERS.reset(headers_of)
         with contextlib.suppress(nats.errors.Error):
             await request.respond(payload, headers=headers)
@@ -262,8 +269,9 @@ class ActorContext:
                         await self.bus.respond(msg, encode(exc.to_reply()), headers=error_headers(exc.to_reply()))
                     continue
                 try:
-                    async with asyncio.timeout(self._deadline):
-                        await handler(message, msg)
+                    with tracing.use(tracing.parse((msg.headers or {}).get(tracing.TRACEPARENT))):
+                        async with asyncio.timeout(self._deadline):
+                            await handler(message, msg)
                 except TimeoutError:
                     self.log.warning("message_timeout", subject=msg.subject, deadline_s=self._deadline)
                 except Exception as exc:  # one message's failure is that message's, never the actor's

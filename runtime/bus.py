@@ -4,7 +4,8 @@ Control messages are JSON encoded by msgspec. Encoders and typed decoders are bu
 reused. Everything that can go wrong on the way is a `BusError` subclass with a message a person can act
 on: no responders is immediate, a payload over the server's `max_payload` fails at the sender naming both
 sizes, every request has a deadline, and an error reply from a service is raised as `RemoteError` with its
-stable code.
+stable code. A request or publish made while serving a request carries that request's W3C `traceparent`
+header (`runtime/tracing.py`), so the next hop runs in the same trace.
 
 A responder answers only on an inbox (`reply_allowed`): a requester's `_INBOX.…`, or the `_R_.…` subject
 nats-server maps a request from another account to. A reply subject is chosen by the requester, so answering
@@ -43,6 +44,7 @@ from messages.errors import (
     ErrorReply,
 )
 from messages.subjects import check_token
+from runtime import tracing
 from runtime.config import NatsOptions
 from runtime.creds import CredentialsError, with_creds_file
 from runtime.logging import get_logger
@@ -294,9 +296,10 @@ class Bus:
             raise PayloadTooLarge(subject, len(payload), self.max_payload)
 
     async def publish(self, subject: str, message: Any, headers: dict[str, str] | None = None) -> None:
+        """Publishes `message`, with the current request's trace context in its headers (`runtime.tracing`)."""
         payload = encode(message)
         self.check_size(subject, payload)
-        await self.nc.publish(subject, payload, headers=headers)
+        await self.nc.publish(subject, payload, headers=tracing.inject(headers))
 
     async def request(self, subject: str, message: Any, reply_type: type[T], *, timeout: float) -> T:
         """Sends `message`, waits at most `timeout` seconds, returns the typed reply."""
@@ -316,8 +319,9 @@ class Bus:
         return True
 
     async def request_raw(self, subject: str, payload: bytes, *, timeout: float) -> Msg:
+        """Sends `payload` (with the current request's trace context in its headers), returns the reply."""
         try:
-            return await self.nc.request(subject, payload, timeout=timeout)
+            return await self.nc.request(subject, payload, timeout=timeout, headers=tracing.inject(None))
         except nats.errors.NoRespondersError as exc:
             raise NoResponders(subject) from exc
         except nats.errors.TimeoutError as exc:

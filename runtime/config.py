@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -78,6 +79,9 @@ class NodeConfig:
     health_probe_interval_s: float = 30.0  # a ready, idle server with no successful completion this long is probed
     health_probe_timeout_s: float = 30.0  # a probe (one token) must answer within this
     frontdoor_grouping: bool = True  # group a model's requests while a swap is pending (off: arrival order)
+    otlp: str | None = None  # an OTLP/HTTP collector each hop's span is exported to (None: nothing exported)
+    metrics_on: bool = True  # fold and serve the node's metrics where a listener serves them (--no-metrics: not)
+    trace_on: bool = True  # carry requests' trace context (off only for benchmarks/observability_overhead.py)
     max_hold_s: float = 3600.0  # the longest unclaimed hold placement grants a request (longer: hold_too_long)
     client_share: float = 0.5  # of each node's devices, what one client may hold booked at once
     # Split serving: whether this node lends its host memory to other nodes' splits (it needs the cluster
@@ -150,6 +154,15 @@ def _http(text: Any) -> tuple[str, int]:
     if not 0 <= number < 65536:
         raise ValueError(f"{value!r}: the port must be 0-65535")
     return host, number
+
+
+def _otlp(text: Any) -> str:
+    """An OTLP/HTTP collector's URL: its base (`http://HOST:4318`) or its traces endpoint (`.../v1/traces`)."""
+    value = str(text).strip()
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"{value!r} is not an http(s) URL of an OTLP collector (e.g. http://127.0.0.1:4318)")
+    return value
 
 
 def is_loopback(host: str) -> bool:
@@ -256,6 +269,9 @@ _OPTIONS: dict[str, Callable[[Any], Any]] = {
     "health_probe_interval": _positive_float,
     "health_probe_timeout": _positive_float,
     "frontdoor_grouping": _bool,
+    "otlp": _otlp,
+    "metrics_on": _bool,
+    "trace_on": _bool,
     "max_hold": _positive_float,
     "client_share": _share,
     "lend": _bool,
@@ -397,6 +413,8 @@ def load_config(
     )
     listen_host, listen_port = values.get("nats_listen", ("127.0.0.1", None))
     cluster_listen, cluster_routes, cluster_secret = _cluster(values)
+    if values.get("metrics") is not None and not values.get("metrics_on", True):
+        raise ConfigError("--metrics serves the node's metrics: it cannot be given with --no-metrics")
     interval = values.get("telemetry_interval", 5.0)
     ttl = values.get("telemetry_ttl", max(15.0, 3 * interval))
     if ttl <= interval:
@@ -430,6 +448,9 @@ def load_config(
         health_probe_interval_s=values.get("health_probe_interval", 30.0),
         health_probe_timeout_s=values.get("health_probe_timeout", 30.0),
         frontdoor_grouping=values.get("frontdoor_grouping", True),
+        otlp=values.get("otlp"),
+        metrics_on=values.get("metrics_on", True),
+        trace_on=values.get("trace_on", True),
         max_hold_s=values.get("max_hold", 3600.0),
         client_share=values.get("client_share", 0.5),
         lend=values.get("lend", True),

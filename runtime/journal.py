@@ -4,8 +4,9 @@ The stream is created idempotently and never deleted or recreated: on start we l
 it when it does not exist (durable consumers of operators survive restarts). It is file-backed and bounded
 by age and bytes. Events are published through a bounded outbox drained by one task, so an actor never
 waits on the journal and an outage of NATS loses nothing until the outbox overflows (then the oldest
-events are dropped and counted in the log). Each event's id is its `Nats-Msg-Id`, so a publish retried
-after a lost acknowledgement is stored once.
+events are dropped and counted in the log). An event recorded while a request is served carries that
+request's trace context (`runtime/tracing.py`: the current traceparent, read here). Each event's id is its
+`Nats-Msg-Id`, so a publish retried after a lost acknowledgement is stored once.
 
 Only what can succeed is retried. An event larger than the journal's limit (`max_event_bytes`, and never
 more than the server's `max_payload`) is not queued: an `event_too_large` event naming its type, id and
@@ -32,6 +33,7 @@ from nats.js.errors import NotFoundError
 
 from messages.events import Event, EventTooLarge, event_type
 from messages.subjects import Subjects
+from runtime import tracing
 from runtime.buckets import create_replicated
 from runtime.bus import Bus, encode
 from runtime.logging import get_logger
@@ -109,7 +111,10 @@ class Journal:
         self._log = get_logger(component="journal", node=node_id)
 
     def new(self, event_class: type[E], actor: str, **fields: Any) -> E:
-        """An event of `event_class` with its envelope (id, time, node, actor) filled in."""
+        """An event of `event_class` with its envelope (id, time, node, actor, and the trace context of the
+        request it is recorded for, if any) filled in."""
+        if "trace" not in fields:
+            fields["trace"] = tracing.traceparent()
         return event_class(id=uuid.uuid4().hex, time=self._clock(), node=self._node_id, actor=actor, **fields)
 
     @property

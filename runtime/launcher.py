@@ -40,7 +40,7 @@ from actors.telemetry.resources import NodeFacts
 from messages.events import NodeStarted, NodeStopped
 from messages.settings import ServingSettings, SettingsBounds
 from messages.telemetry import LlamaServerInfo, SplitServing
-from runtime import tls
+from runtime import tls, tracing
 from runtime.actor import Actor, ActorGaveUpError, Supervisor
 from runtime.bus import Bus, ConnectFailed
 from runtime.config import ConfigError, NatsOptions, NodeConfig
@@ -49,6 +49,7 @@ from runtime.embedded import ClusterSpec, EmbeddedNats
 from runtime.journal import Journal, ensure_events_stream
 from runtime.logging import get_logger
 from runtime.model_files import FileDigests
+from runtime.otlp import start_exporter, traces_endpoint
 from runtime.tls import TlsFiles
 
 VERSION = "0.1.0"
@@ -224,8 +225,13 @@ async def run_node(
     SIGTERM stop it and SIGHUP reloads the serving settings, and the process's previous handlers are restored
     when it returns (an in-process node, e.g. in a test, installs none). Returns the process exit code."""
     log = get_logger(node=config.node_id)
+    exporter = start_exporter(config.otlp, node_id=config.node_id, version=VERSION) if config.otlp else None
     lock = lock_data_dir(config.data_dir)
     stop = stop or asyncio.Event()
+    tracing.set_enabled(config.trace_on)
+    if exporter is not None:
+        tracing.install(exporter)
+        log.info("otlp_export", endpoint=traces_endpoint(config.otlp or ""))
     loop = asyncio.get_running_loop()
     serving = ServingSettingsHolder(config.serving, config.bounds, reload_settings)
     try:
@@ -333,7 +339,7 @@ async def run_node(
             # Metrics are folded only where something serves them: the front door's listener, or --metrics.
             metrics = (
                 MetricsActor(config.node_id, listen=config.metrics, api_key=config.api_key)
-                if config.http is not None or config.metrics is not None
+                if config.metrics_on and (config.http is not None or config.metrics is not None)
                 else None
             )
             if metrics is not None:
@@ -365,6 +371,18 @@ async def run_node(
             )
     finally:
         lock.close()
+        tracing.set_enabled(True)
+        if exporter is not None and tracing.uninstall() is exporter:
+            await _stop_exporter(exporter, log)
+
+
+async def _stop_exporter(exporter: tracing.SpanExporter, log: Any, deadline_s: float = 5.0) -> None:
+    """Sends the spans still batched (the SDK's thread does; at most `deadline_s`)."""
+    try:
+        async with asyncio.timeout(deadline_s + 1):
+            await asyncio.to_thread(exporter.shutdown, deadline_s)
+    except TimeoutError:
+        log.warning("otlp_shutdown_overdue", deadline_s=deadline_s)
 
 
 def _cluster_spec(config: NodeConfig) -> ClusterSpec | None:

@@ -62,7 +62,7 @@ from messages.generate import MAX_API_BODY_BYTES, ApiCall, GenerateRequest, Rela
 from messages.placement import NodeLedger, PlacementDecision, PlacementRequest
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
 from messages.telemetry import NodeResources
-from runtime import buckets
+from runtime import buckets, tracing
 from runtime.actor import Actor, ActorContext
 from runtime.buckets import TTL_HEADER
 from runtime.bus import BadMessage, BusError, RemoteError
@@ -276,9 +276,21 @@ class FrontDoorActor(Actor):
         return model
 
     async def _api(self, request: web.Request) -> web.StreamResponse:
-        """One of llama-server's endpoints: the client's body goes through the mesh to an instance of the model,
-        and the server's answer comes back as it sent it (its model named as the client named it)."""
+        """One of llama-server's endpoints, within the request's trace (its `traceparent` header, or a fresh
+        trace): the front door's hop, whose context the mesh carries to every hop after it."""
         endpoint = shapes.ENDPOINTS[request.path]
+        operation = tracing.operation(endpoint)
+        with tracing.use(tracing.incoming(request.headers)), tracing.hop(operation) as span:
+            span.update(
+                {"http.request.method": request.method, "url.path": request.path, "mesh.node": self._ctx.node_id}
+            )
+            response = await self._pass_through(request, endpoint, span)
+            span.update({"http.response.status_code": response.status})
+            return response
+
+    async def _pass_through(self, request: web.Request, endpoint: str, span: tracing.Hop) -> web.StreamResponse:
+        """The client's body goes through the mesh to an instance of the model, and the server's answer comes
+        back as it sent it (its model named as the client named it)."""
         shape = shapes.shape_of(request.path)
         try:
             async with asyncio.timeout(BODY_TIMEOUT_S):
@@ -292,6 +304,8 @@ class FrontDoorActor(Actor):
         name = body.get("model")
         if not isinstance(name, str) or not name:
             raise shapes.ApiError(BAD_REQUEST, "`model` is required: a model of /v1/models", param="model")
+        span.rename(f"{tracing.operation(endpoint)} {name}")
+        span.update(tracing.request_attributes(endpoint, name))
         model = self._model(name)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + model.entry.timeout_s
@@ -305,8 +319,11 @@ class FrontDoorActor(Actor):
         relay = _Relay(request, name, shape)
         model.active += 1
         try:
+            span.update({"mesh.request_id": order.request_id})
             try:
-                await forward(self._ctx.bus, self._ctx.subjects, order, relay.head, relay.data)
+                result = await forward(self._ctx.bus, self._ctx.subjects, order, relay.head, relay.data)
+                if span.recording:
+                    span.update(tracing.result_attributes(result))
             except RemoteError as exc:
                 error = shapes.ApiError(exc.reply.code, exc.reply.message)
                 return await relay.failed(error)

@@ -65,6 +65,7 @@ from messages.handoff import (
     SessionAborted,
 )
 from messages.subjects import check_token
+from runtime import tracing
 from runtime.actor import Actor, ActorContext, RequestError
 from runtime.bus import (
     BadMessage,
@@ -406,7 +407,15 @@ class HandoffActor(Actor):
         ctx.spawn(_publish_quietly(ctx, subject, encode(message)), "publish")
 
     async def _run_session(self, ctx: ActorContext, session: _Session) -> None:
-        """Stages the session's chunks, enforces its deadline, restores it; frees its staging at the end."""
+        """Stages the session's chunks, enforces its deadline, restores it; frees its staging at the end. A hop
+        of the trace its open came with (started from the open's handler, the task runs within it)."""
+        with tracing.hop("handoff receive", kind="server") as span:
+            open_ = session.core.open
+            span.update({"mesh.node": ctx.node_id, "mesh.handoff.sender": open_.sender_node,
+                         "mesh.tokens": open_.n_tokens, "mesh.handoff.max_bytes": open_.max_bytes})  # fmt: skip
+            await self._run_session_traced(ctx, session)
+
+    async def _run_session_traced(self, ctx: ActorContext, session: _Session) -> None:
         core = session.core
         loop = asyncio.get_running_loop()
         try:
@@ -589,7 +598,12 @@ class HandoffActor(Actor):
             else None,
             credit_subject=inbox,
         )
-        return await _Send(ctx, self.limits, peer, open_, inbox).run(segments)
+        with tracing.hop("handoff send", kind="client") as span:
+            span.update({"mesh.node": ctx.node_id, "mesh.handoff.peer": peer, "mesh.tokens": n_tokens,
+                         "mesh.handoff.max_bytes": max_bytes})  # fmt: skip
+            report = await _Send(ctx, self.limits, peer, open_, inbox).run(segments)
+            span.update({"mesh.handoff.bytes": report.bytes, "mesh.handoff.segments": report.segments})
+            return report
 
 
 class _Send:

@@ -37,7 +37,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -54,7 +54,7 @@ from actors.l3.serve import L3Endpoints
 from actors.l3.store import CommitRefused, CorruptEntry, Store, StoreError, UnknownEntry
 from messages.events import L3Captured, L3CaptureDropped
 from messages.l3 import L3Inventory
-from runtime import buckets
+from runtime import buckets, tracing
 from runtime.actor import Actor, ActorContext
 from runtime.buckets import TTL_HEADER
 from runtime.bus import BadMessage, BusError, encode
@@ -87,6 +87,8 @@ class _Capture:
     tokens: tuple[int, ...]
     payload_kind: str
     outcome: asyncio.Future[CaptureOutcome] | None = None  # resolved once it is stored or dropped (`store`)
+    # the trace of the request it was captured for: its capture is a hop of that trace
+    trace: tracing.TraceContext | None = field(default_factory=tracing.current)
 
     def settle(self, outcome: CaptureOutcome) -> None:
         if self.outcome is not None and not self.outcome.done():
@@ -282,7 +284,9 @@ class L3Actor(Actor):
             while True:
                 job = await queue.get()
                 try:
-                    await self._capture_one(ctx, job)
+                    with tracing.use(job.trace), tracing.hop("l3 capture", kind="internal") as span:
+                        span.update({"mesh.node": ctx.node_id, "mesh.tokens": len(job.tokens)})
+                        await self._capture_one(ctx, job)
                 finally:
                     job.settle(CaptureOutcome(entry=None, reason="stopping"))  # unless settled already
                     await self._keeper.blocking(_unlink_quietly, job.source)

@@ -35,6 +35,7 @@ from actors.l3.store_fetch import SegmentReceiver
 from messages.errors import ERROR_HEADER, MESH_ERROR_HEADER
 from messages.events import L3Fetched
 from messages.l3 import CHUNK_OFFSET_HEADER, CHUNK_TOTAL_HEADER, ManifestRequest, SegmentRequest
+from runtime import tracing
 from runtime.actor import ActorContext
 from runtime.bus import BusError, encode, parse_reply
 
@@ -60,7 +61,14 @@ class PeerFetch:
 
     async def fetch(self, ctx: ActorContext, store: Store, hit: L3Hit) -> None:
         """Brings `hit` from its peer into this store: the manifest, then every segment not held here,
-        each verified as it arrives; committed with the manifest last. Leaves nothing loadable on failure."""
+        each verified as it arrives; committed with the manifest last. Leaves nothing loadable on failure.
+        A hop of the trace of the request that asked for it (its chunk requests carry that trace to the peer)."""
+        with tracing.hop("l3 fetch", kind="client") as span:
+            span.update({"mesh.node": ctx.node_id, "mesh.l3.entry": hit.entry, "mesh.l3.peer": hit.node,
+                         "mesh.l3.bytes": hit.bytes, "mesh.tokens": hit.n_tokens})  # fmt: skip
+            await self._fetch(ctx, store, hit)
+
+    async def _fetch(self, ctx: ActorContext, store: Store, hit: L3Hit) -> None:
         keeper = self._keeper
         if hit.bytes > keeper.budget_bytes:
             raise L3Unavailable(f"entry of {hit.bytes} bytes does not fit this node's L3 budget")

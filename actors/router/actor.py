@@ -52,7 +52,7 @@ from messages.generate import (
 from messages.l3 import L3Inventory
 from messages.registry import RegistryEntry
 from messages.runner import InstanceStatus
-from runtime import buckets
+from runtime import buckets, tracing
 from runtime.actor import Actor, ActorContext, RequestError
 from runtime.bus import BadMessage, NoResponders, PayloadTooLarge, RemoteError, RequestTimeout, decode_checked
 
@@ -239,6 +239,18 @@ class RouterActor(Actor):
             return None
 
     async def generate(self, ctx: ActorContext, request: GenerateRequest) -> GenerateResult:
+        """One request routed, as the routing hop of its trace (the endpoint runs it within the trace context
+        its requester sent, or a fresh one): the decision and the forwarded order carry it."""
+        endpoint = request.api.endpoint if request.api is not None else None
+        with tracing.hop(f"route {request.model}") as span:
+            span.update(tracing.request_attributes(endpoint, request.model))
+            span.update({"mesh.node": ctx.node_id, "mesh.request_id": request.request_id or None})
+            result = await self._generate(ctx, request, span)
+            if span.recording:
+                span.update(tracing.result_attributes(result))
+            return result
+
+    async def _generate(self, ctx: ActorContext, request: GenerateRequest, span: tracing.Hop) -> GenerateResult:
         started = time.perf_counter()
         if request.api is not None and request.stream is None:
             raise RequestError(BAD_REQUEST, "a pass-through (`api`) request names a `stream` subject for its answer")
@@ -304,9 +316,14 @@ class RouterActor(Actor):
                 links=links,
                 link_fixed_s=fixed,
             )
+            span.update({"mesh.request_id": request_id, "mesh.route.decision_id": event.id,
+                         "mesh.route.candidates": len(candidates), "mesh.route.chosen": decision.chosen,
+                         "mesh.route.prefill_node": decision.prefill_node})  # fmt: skip
             if decision.chosen is None:
                 raise RequestError(NO_INSTANCE, f"no ready instance serves {request.model!r}", {"model": request.model})
             chosen = next(c for c in candidates if c.instance_id == decision.chosen)
+            span.update({"mesh.route.node": chosen.node, "mesh.route.source": chosen.source,
+                         "mesh.route.held_tokens": chosen.held_tokens})  # fmt: skip
             chosen_path = (
                 self._instances[chosen.instance_id].model_path if chosen.instance_id in self._instances else ""
             )

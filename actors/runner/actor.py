@@ -90,7 +90,7 @@ from messages.placement import NodeLedger, Reservation
 from messages.runner import InstanceStatus, LendRequest, Lent, RunnerAck, StartInstance, StopInstance
 from messages.settings import ServingSettings, SettingsBounds
 from messages.telemetry import NodeResources
-from runtime import buckets
+from runtime import buckets, tracing
 from runtime.actor import Actor, ActorContext, RequestError
 from runtime.bus import BadMessage, decode_checked, encode
 from runtime.model_files import FileDigests
@@ -468,7 +468,8 @@ class RunnerActor(Actor):
         driver.busy = lambda: serving.busy(instance_id)  # no probe behind a running generation
         driver.changed = serving.changed.set  # ready, restarted, stopping: the serving view follows at once
         self._identity(driver)  # the model file's digest, hashed while the server loads
-        ctx.spawn(self._supervise(ctx, driver), f"instance:{instance_id}")
+        with tracing.use(None):  # the instance outlives the request that started it: its events are its own
+            ctx.spawn(self._supervise(ctx, driver), f"instance:{instance_id}")
         with contextlib.suppress(TimeoutError):  # spawning takes milliseconds; the ack says where it stands
             async with asyncio.timeout(self.limits.spawn_ack_s):
                 await driver.spawned.wait()

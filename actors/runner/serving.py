@@ -63,6 +63,7 @@ from messages.generate import (
 from messages.memory import ContextShape
 from messages.placement import Reservation
 from messages.subjects import Subjects
+from runtime import tracing
 from runtime.actor import RequestError
 from runtime.bus import Bus, BusError, RemoteError
 from runtime.logging import get_logger
@@ -300,6 +301,26 @@ class Serving:
         return instance
 
     async def generate(self, order: RunnerGenerate) -> GenerateResult:
+        """The order run on its instance: the generation hop of the request's trace (the GenAI call to the
+        engine), with what restores, captures and hands off for it as hops inside."""
+        request = order.request
+        endpoint = request.api.endpoint if request.api is not None else None
+        operation = tracing.operation(endpoint)
+        with tracing.hop(f"{operation} {request.model}", kind="client") as span:
+            if span.recording:
+                span.update(tracing.request_attributes(endpoint, request.model))
+                span.update({"mesh.node": self.node_id, "mesh.request_id": order.request_id,
+                             "mesh.instance": order.instance_id, "server.address": "127.0.0.1"})  # fmt: skip
+                if request.api is None:
+                    span.update({"gen_ai.request.max_tokens": request.n_predict,
+                                 "gen_ai.request.temperature": request.sampling.temperature})  # fmt: skip
+            result = await self._generate_traced(order)
+            if span.recording:
+                span.update(tracing.result_attributes(result))
+                span.update({"mesh.slot": result.slot, "http.response.status_code": result.status})
+            return result
+
+    async def _generate_traced(self, order: RunnerGenerate) -> GenerateResult:
         started = time.perf_counter()
         request = order.request
         instance = self.instance(order.instance_id)
@@ -539,7 +560,15 @@ class Serving:
             raise RequestError(UNAVAILABLE, f"prefill on {node}: {exc}") from exc
 
     async def prefill(self, order: Prefill) -> PrefillResult:
-        """Computes `order.tokens` on a ready instance of its identity and hands the state off to its target."""
+        """Computes `order.tokens` on a ready instance of its identity and hands the state off to its target
+        (the prefill hop of the request's trace)."""
+        with tracing.hop("prefill", kind="server") as span:
+            span.update({"mesh.node": self.node_id, "mesh.request_id": order.request_id,
+                         "gen_ai.usage.input_tokens": len(order.tokens),
+                         "mesh.handoff.target": order.target_node})  # fmt: skip
+            return await self._prefill_traced(order)
+
+    async def _prefill_traced(self, order: Prefill) -> PrefillResult:
         started = time.perf_counter()
         if self._handoff is None:
             raise RequestError(UNAVAILABLE, f"node {self.node_id} has no handoff actor")
@@ -576,6 +605,16 @@ class Serving:
             self.release(instance, grant.slot, held)
 
     async def restore(self, instance: ServedInstance, slot: int, hit: L3Hit) -> bool:
+        """Restores `hit` into the slot (fetched from its peer first when it is there): the L3 restore hop."""
+        with tracing.hop("l3 restore", kind="internal") as span:
+            span.update({"mesh.node": self.node_id, "mesh.instance": instance.id, "mesh.slot": slot,
+                         "mesh.l3.entry": hit.entry, "mesh.l3.source": hit.source, "mesh.tokens": hit.n_tokens,
+                         "mesh.l3.bytes": hit.bytes})  # fmt: skip
+            restored = await self._restore(instance, slot, hit)
+            span.update({"mesh.l3.restored": restored})
+            return restored
+
+    async def _restore(self, instance: ServedInstance, slot: int, hit: L3Hit) -> bool:
         assert self.l3 is not None
         name = f"restore-{uuid.uuid4().hex}.bin"
         path = instance.slot_dir / name

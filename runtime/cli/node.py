@@ -41,6 +41,7 @@ from runtime.config import ConfigError, NodeConfig, load_config
 from runtime.embedded import EmbeddedNatsError
 from runtime.launcher import DataDirBusy, JetStreamUnavailable, StartupInterrupted, load_catalog, run_node
 from runtime.logging import configure_logging
+from runtime.otlp import OtlpUnavailable
 from runtime.roles import Role, inbox_prefix, permissions
 from runtime.sizes import format_size
 
@@ -194,6 +195,17 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         "--lend-host", metavar="HOST",
         help="the address other nodes reach this node's split lending on (default: the --cluster-listen host)",
     )  # fmt: skip
+    run.add_argument(
+        "--otlp", metavar="URL",
+        help="export each request's hops as OpenTelemetry spans to this OTLP/HTTP collector (e.g. "
+        "http://127.0.0.1:4318; needs the otlp extra)",
+    )  # fmt: skip
+    run.add_argument(
+        "--no-metrics", dest="metrics_on", action="store_false", default=None,
+        help="fold and serve no metrics (no GET /metrics on the front door; --metrics is refused)",
+    )  # fmt: skip
+    # For comparisons (benchmarks/observability_overhead.py): requests carry no trace context and events none.
+    run.add_argument("--no-trace", dest="trace_on", action="store_false", default=None, help=argparse.SUPPRESS)
     run.add_argument("--json", action="store_true", help="print the ready line as one JSON object")
     run.add_argument(
         "--registry-key",
@@ -244,6 +256,9 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "health_probe_interval": args.health_probe_interval,
         "health_probe_timeout": args.health_probe_timeout,
         "frontdoor_grouping": args.frontdoor_grouping,
+        "otlp": args.otlp,
+        "metrics_on": args.metrics_on,
+        "trace_on": args.trace_on,
         "max_hold": args.max_hold,
         "client_share": args.client_share,
         "lend": args.lend,
@@ -285,6 +300,8 @@ async def cmd_run(args: argparse.Namespace) -> int:
         return await run_node(config, announce=announce, reload_settings=reload_settings, handle_signals=True)
     except StartupInterrupted:
         return 130
+    except OtlpUnavailable as exc:  # --otlp without the extra: said before anything starts
+        raise CliError(str(exc), EXIT_USAGE) from exc
     except (DataDirBusy, EmbeddedNatsError, JetStreamUnavailable, BusError, OSError) as exc:
         raise CliError(str(exc)) from exc
 
