@@ -333,12 +333,17 @@ def operation(endpoint: str | None) -> str:
     return _OPERATIONS.get(endpoint, endpoint)
 
 
+def model_name(model: str) -> str:
+    """How spans name a model: as the client named it, or a model file by its file name (not its path)."""
+    return model.rsplit("/", 1)[-1]
+
+
 def request_attributes(endpoint: str | None, model: str) -> dict[str, Any]:
     """The GenAI attributes known when a request arrives; the span's name is `{operation} {model}`."""
     return {
         "gen_ai.operation.name": operation(endpoint),
         "gen_ai.provider.name": PROVIDER,
-        "gen_ai.request.model": model,
+        "gen_ai.request.model": model_name(model),
     }
 
 

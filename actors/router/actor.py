@@ -242,7 +242,7 @@ class RouterActor(Actor):
         """One request routed, as the routing hop of its trace (the endpoint runs it within the trace context
         its requester sent, or a fresh one): the decision and the forwarded order carry it."""
         endpoint = request.api.endpoint if request.api is not None else None
-        with tracing.hop(f"route {request.model}") as span:
+        with tracing.hop(f"route {tracing.model_name(request.model)}") as span:
             span.update(tracing.request_attributes(endpoint, request.model))
             span.update({"mesh.node": ctx.node_id, "mesh.request_id": request.request_id or None})
             result = await self._generate(ctx, request, span)

@@ -306,7 +306,7 @@ class Serving:
         request = order.request
         endpoint = request.api.endpoint if request.api is not None else None
         operation = tracing.operation(endpoint)
-        with tracing.hop(f"{operation} {request.model}", kind="client") as span:
+        with tracing.hop(f"{operation} {tracing.model_name(request.model)}", kind="client") as span:
             if span.recording:
                 span.update(tracing.request_attributes(endpoint, request.model))
                 span.update({"mesh.node": self.node_id, "mesh.request_id": order.request_id,

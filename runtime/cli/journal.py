@@ -36,7 +36,25 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         "events are <actor>.<type>.<node>) or a full subject",
     )
     events.add_argument("--since", metavar="SEQ|TIME", help="a stream sequence, an ISO time, or an age like 10m")
+    events.add_argument(
+        "--trace", metavar="TRACE", type=_trace_id,
+        help="only the events of one trace: its trace id (32 hex digits) or a traceparent of it",
+    )  # fmt: skip
     events.set_defaults(func=cmd_events)
+
+
+def _trace_id(text: str) -> str:
+    """The trace id a `--trace` value names: 32 lowercase hex digits, alone or inside a traceparent."""
+    value = text.strip().lower()
+    candidate = value.split("-")[1] if value.count("-") == 3 else value
+    if len(candidate) != 32 or any(c not in "0123456789abcdef" for c in candidate) or not int(candidate, 16):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a trace id (32 hex digits) or a traceparent")
+    return candidate
+
+
+def _in_trace(event: Any, trace_id: str) -> bool:
+    trace = event.get("trace") if isinstance(event, dict) else None
+    return isinstance(trace, str) and trace.count("-") == 3 and trace.split("-")[1] == trace_id
 
 
 def parse_since(text: str, now: datetime) -> tuple[int | None, datetime | None]:
@@ -76,7 +94,7 @@ def _summary(event: Any) -> str:
     """One line per event: its node and type, then its scalar fields (nested records are left to --json)."""
     if not isinstance(event, dict):
         return str(event)
-    skip = {"id", "time", "node", "actor", "type"}
+    skip = {"id", "time", "node", "actor", "type", "trace"}
     parts = [f"{k}={v}" for k, v in event.items() if k not in skip and not isinstance(v, dict | list)]
     decision = event.get("decision")
     if isinstance(decision, dict):  # placement_decided: the verdict, not the whole record
@@ -131,6 +149,8 @@ async def cmd_events(args: argparse.Namespace) -> int:
     try:
         async for stored in read_events(bus, subjects, args.subject, since=args.since, follow=args.follow):
             row = _render(stored.seq, stored.subject, stored.time, stored.data)
+            if args.trace is not None and not _in_trace(row["event"], args.trace):
+                continue
             if args.json:
                 emit_json(row)
             else:
