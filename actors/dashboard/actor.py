@@ -243,7 +243,7 @@ class DashboardActor(Actor):
 
     def _file(self, name: str, status: int = 200) -> web.Response:
         headers = {"Content-Type": _STATIC[name], "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff",
-                   "Content-Security-Policy": _PAGE_POLICY, "Referrer-Policy": "no-referrer"}  # fmt: skip
+                   "Content-Security-Policy": _PAGE_POLICY, "Referrer-Policy": "same-origin"}  # fmt: skip
         return web.Response(body=self._files[name], status=status, headers=headers)
 
     async def _page(self, request: web.Request) -> web.Response:
@@ -254,8 +254,8 @@ class DashboardActor(Actor):
 
     async def _session(self, request: web.Request) -> web.Response:
         """The login form's post: a valid key gets the session cookie and goes to the page."""
-        origin = request.headers.get("Origin")
-        if origin is not None and origin not in (f"{request.scheme}://{request.host}", "null"):
+        origin = request.headers.get("Origin")  # a browser's form names its page's origin (scripts send none)
+        if origin is not None and origin != f"{request.scheme}://{request.host}":
             return web.Response(status=403, text="a form of another site\n")
         try:
             async with asyncio.timeout(FORM_TIMEOUT_S):

@@ -210,6 +210,11 @@ async def test_the_dashboard_shows_a_two_node_mesh_live_in_a_real_browser(tmp_pa
                     detail = await page.inner_text("#detail", timeout=WAIT_MS)
                     assert "routing decision" in detail and "decides the same" in detail, detail
                     assert "inputs" in detail
+                    # and so does a placement, re-decided by today's admission from its recorded inputs
+                    await page.locator('#journal tr[data-type="placement_decided"]').first.click(timeout=WAIT_MS)
+                    await page.wait_for_selector("#detail .replay", timeout=WAIT_MS)
+                    detail = await page.inner_text("#detail", timeout=WAIT_MS)
+                    assert "placement decision" in detail and "decides the same" in detail, detail
 
                     shot = tmp_path / "dashboard.png"
                     await page.screenshot(path=str(shot), full_page=True, timeout=WAIT_MS)

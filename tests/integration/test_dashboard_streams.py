@@ -139,3 +139,22 @@ async def test_a_stream_without_the_key_is_refused(headers: dict[str, str]) -> N
         session.get(f"{base}/ui/stream", headers=headers) as reply,
     ):
         assert reply.status == 401 and actor.clients == 0
+
+
+async def test_the_key_posted_once_becomes_a_session_cookie_and_a_form_of_another_site_is_refused() -> None:
+    actor = DashboardActor(api_key=KEY)
+    async with serving(actor) as base, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        post = f"{base}/ui/session"
+        async with session.post(post, data={"key": KEY}, headers={"Origin": "http://elsewhere.test"}) as other:
+            assert other.status == 403
+        async with session.post(post, data={"key": "wrong"}, allow_redirects=False) as wrong:
+            assert wrong.status == 401 and wrong.content_type == "text/html" and "Set-Cookie" not in wrong.headers
+        async with session.post(post, data={"key": KEY}, headers={"Origin": base}, allow_redirects=False) as right:
+            assert right.status == 303 and right.headers["Location"] == "/ui"
+            cookie = right.headers["Set-Cookie"]
+        assert all(part in cookie for part in ("HttpOnly", "SameSite=Strict", "Path=/ui")) and KEY not in cookie
+        pair = cookie.split(";", 1)[0]
+        async with session.get(f"{base}/ui", headers={"Cookie": pair}) as page:
+            assert page.status == 200 and "<main>" in await page.text()
+        async with session.get(f"{base}/ui/stream", headers={"Cookie": pair}) as stream:
+            assert await read_event(stream) == "snapshot"
