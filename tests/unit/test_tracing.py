@@ -7,6 +7,7 @@ import asyncio
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -15,8 +16,9 @@ from hypothesis import strategies as st
 
 from messages.events import ActorStarted, AnyEvent, Event
 from messages.subjects import Subjects
-from runtime import tracing
+from runtime import otlp, tracing
 from runtime.bus import encode
+from runtime.config import ConfigError, load_config
 from runtime.journal import Journal
 
 CLIENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -183,3 +185,24 @@ def test_without_otlp_no_sdk_is_imported() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_otlp_and_metrics_options_are_checked_when_the_node_starts(tmp_path: Path) -> None:
+    config = load_config({"data_dir": str(tmp_path), "otlp": "http://127.0.0.1:4318"}, env={})
+    assert (config.otlp, config.metrics_on, config.trace_on) == ("http://127.0.0.1:4318", True, True)
+    assert load_config({"data_dir": str(tmp_path)}, env={"MESH_ACTOR_OTLP": "https://c:4318"}).otlp == "https://c:4318"
+    assert load_config({"data_dir": str(tmp_path)}, env={}).otlp is None
+    for bad in ("ftp://collector", "collector:4318", "http://"):
+        with pytest.raises(ConfigError, match="OTLP"):
+            load_config({"data_dir": str(tmp_path), "otlp": bad}, env={})
+    with pytest.raises(ConfigError, match="--no-metrics"):
+        load_config({"data_dir": str(tmp_path), "metrics": "9100", "metrics_on": False}, env={})
+    assert not load_config({"data_dir": str(tmp_path), "metrics_on": False}, env={}).metrics_on
+
+
+def test_the_collectors_traces_endpoint_from_its_base_url_or_itself() -> None:
+    assert otlp.traces_endpoint("http://c:4318") == "http://c:4318/v1/traces"
+    assert otlp.traces_endpoint("http://c:4318/") == "http://c:4318/v1/traces"
+    assert otlp.traces_endpoint("https://c/otlp/v1/traces") == "https://c/otlp/v1/traces"
+    with pytest.raises(ValueError):
+        otlp.traces_endpoint("c:4318")
