@@ -105,6 +105,10 @@ class Subjects:
     def l3(self, node: str, verb: str) -> str:
         return f"{self.prefix}.l3.{node}.{verb}"
 
+    def files(self, node: str, verb: str) -> str:
+        """`<prefix>.files.<node>.<verb>`: a node's model files (`held`, `chunk` for peers; `pull` for operators)."""
+        return f"{self.prefix}.files.{node}.{verb}"
+
     def handoff(self, node: str, verb: str) -> str:
         """`<prefix>.handoff.<node>.<verb>`: the receiving node's handoff actor (`open`)."""
         return f"{self.prefix}.handoff.{node}.{verb}"

@@ -23,6 +23,7 @@ import nats.errors
 import nats.js.errors
 
 from actors.dashboard.actor import DashboardActor
+from actors.files.actor import FilesActor
 from actors.frontdoor.actor import FrontDoorActor
 from actors.frontdoor.catalog import CATALOG_FILE, Catalog, CatalogError, parse_catalog
 from actors.handoff.actor import HandoffActor
@@ -335,6 +336,13 @@ async def run_node(
                 l3,
                 RouterActor(),
                 handoff,
+                FilesActor(  # model files from peers (`mesh-actor models pull`)
+                    config.node_id,
+                    config.data_dir,
+                    models_dir=models_dir,
+                    digests=digests,
+                    trusted_registry_keys=tuple(config.registry_keys),
+                ),
             ]
             # Metrics are folded only where something serves them: the front door's listener, or --metrics.
             metrics = (

@@ -5,13 +5,12 @@ temporary name, fsynced, renamed into place, and its directory fsynced (`write_a
 read with read(2), never mapped, so a bad sector or a file truncated under us is an error, not a SIGBUS
 (`hash_fd`, `read_small`, `pread_full`); a size read from disk has a ceiling checked before allocating
 (`read_small`). Bytes move through one buffer per thread (`thread_buffer`, `COPY_BUFFER_BYTES`). Blocking:
-call from worker threads only.
+call from worker threads only. The primitives the files actor shares live in `runtime.durable` and are
+re-exported here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
 import secrets
 import stat
@@ -24,6 +23,7 @@ import blake3
 import structlog
 
 from actors.l3 import layout
+from runtime.durable import OPEN_READ, fsync_dir, make_dir, pread_full, read_small, unlink_quietly
 
 __all__ = [
     "COPY_BUFFER_BYTES",
@@ -45,7 +45,6 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-OPEN_READ: Final = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 OPEN_CREATE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 OPEN_CREATE_RW: Final = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 #: Bytes move through one buffer of this size. Large writes also leave the page cache in large folios, which
@@ -68,18 +67,6 @@ def write_atomic(final: Path, data: bytes | memoryview) -> None:
     os.close(fd)
     os.replace(tmp, final)
     fsync_dir(final.parent)
-
-
-def make_dir(path: Path) -> None:
-    """Creates `path` (and missing parents), each durable in its parent directory."""
-    try:
-        os.mkdir(path, 0o755)
-    except FileExistsError:
-        return
-    except FileNotFoundError:
-        make_dir(path.parent)
-        os.mkdir(path, 0o755)
-    fsync_dir(path.parent)
 
 
 def copy_range(src: int, dst: int, src_offset: int, length: int, dst_offset: int, buffer: memoryview) -> int:
@@ -153,47 +140,7 @@ def intact(path: Path, digest: str, length: int) -> bool:
     return False
 
 
-def pread_full(fd: int, view: memoryview, offset: int) -> int:
-    """Reads into all of `view` from `offset`, fewer bytes only at end of file."""
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
-
-
 def _write_all(write: Callable[[memoryview], int], data: memoryview) -> None:
     done = 0
     while done < len(data):
         done += write(data[done:])
-
-
-def read_small(path: Path, ceiling: int) -> bytes:
-    fd = os.open(path, OPEN_READ)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        if info.st_size > ceiling:
-            raise OSError(errno.EFBIG, f"{info.st_size} bytes, more than {ceiling}")
-        os.set_blocking(fd, True)
-        buffer = bytearray(info.st_size)
-        got = pread_full(fd, memoryview(buffer), 0)
-        return bytes(buffer[:got])
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def unlink_quietly(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)

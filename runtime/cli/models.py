@@ -2,6 +2,10 @@
 
 Read from the `MESH_FRONTDOORS` bucket (each front door's last report; a node that stopped drops out with its
 key's TTL). `--json` prints the reports as they are stored.
+
+`mesh-actor models pull NAME [--node ID] [--from PEER]` asks node ID's files actor (`mesh.files.<id>.pull`) to
+fetch the file of catalog model (or registry entry) NAME from a peer that holds it into its models dir, verified
+(actors/files/); it exits 0 once the file is there, 1 with the reason when the node refused.
 """
 
 from __future__ import annotations
@@ -12,19 +16,73 @@ from typing import Any
 
 import msgspec
 
+from messages.files import PullReply, PullRequest
 from messages.frontdoor import FrontDoorReport
 from messages.placement import PreferredSettings
 from messages.subjects import Subjects
+from messages.telemetry import NodeResources
 from runtime import buckets
-from runtime.bus import Bus
-from runtime.cli.common import EXIT_OK, add_client_options, connect, emit_json, prefix
+from runtime.bus import Bus, BusError, RemoteError
+from runtime.cli.common import EXIT_OK, EXIT_USAGE, CliError, add_client_options, connect, emit_json, prefix
 from runtime.sizes import format_size
+
+#: How long `models pull` waits by default (a large file over a slow link takes a while).
+PULL_TIMEOUT_S = 6 * 3600.0
 
 
 def register(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser("models", help="the front doors' model catalogs: state, memory and queue of each model")
     add_client_options(p)
     p.set_defaults(func=cmd_models)
+    verbs = p.add_subparsers(dest="models_command", metavar="{pull}")
+    pull = verbs.add_parser("pull", help="fetch a catalog model's file from a peer into a node's models dir")
+    pull.add_argument("name", help="the catalog model (or registry entry) whose file to fetch")
+    pull.add_argument("--node", help="the node that fetches it (default: the only live node)")
+    pull.add_argument("--from", dest="peer", help="fetch from this node only (default: any live node holding it)")
+    pull.add_argument("--timeout", type=float, default=PULL_TIMEOUT_S, help="seconds to wait for the file")
+    add_client_options(pull)
+    pull.set_defaults(func=cmd_pull)
+
+
+async def cmd_pull(args: argparse.Namespace) -> int:
+    bus = await connect(args, "models pull")
+    subjects = Subjects(prefix(args))
+    try:
+        node = args.node or await _only_node(bus, subjects)
+        try:
+            reply = await bus.request(
+                subjects.files(node, "pull"),
+                PullRequest(name=args.name, peer=args.peer),
+                PullReply,
+                timeout=args.timeout,
+            )
+        except RemoteError as exc:
+            reason = (exc.reply.details or {}).get("reason", exc.code)
+            raise CliError(f"node {node} did not pull {args.name} ({reason}): {exc.reply.message}") from exc
+        except BusError as exc:
+            raise CliError(f"node {node}: {exc}") from exc
+    finally:
+        await bus.close()
+    if args.json:
+        emit_json(msgspec.to_builtins(reply))
+    elif reply.already:
+        print(f"{reply.path} is already on {reply.node_id} ({format_size(reply.size)}, blake3 {reply.blake3[:16]}…)")
+    else:
+        resumed = f", {format_size(reply.resumed_from)} kept from an interrupted pull" if reply.resumed_from else ""
+        print(
+            f"{reply.path} pulled to {reply.node_id} from {reply.peer}: {format_size(reply.size)}, "
+            f"{format_size(reply.moved_bytes)} moved in {reply.fetch_ms / 1000:.1f}s{resumed}, "
+            f"blake3 {reply.blake3[:16]}… verified"
+        )
+    return EXIT_OK
+
+
+async def _only_node(bus: Bus, subjects: Subjects) -> str:
+    reports, _ = await buckets.read_all(bus, subjects.nodes_bucket, NodeResources)
+    nodes = sorted(key for key, _ in reports)
+    if len(nodes) != 1:
+        raise CliError(f"name the node with --node (live nodes: {', '.join(nodes) or 'none'})", EXIT_USAGE)
+    return nodes[0]
 
 
 async def fetch_frontdoors(bus: Bus, subjects: Subjects) -> list[FrontDoorReport]:

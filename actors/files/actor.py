@@ -1,0 +1,493 @@
+"""Files actor (shell): model files this node holds, served to peers by name and digest, and pulls from peers.
+
+* `mesh.files.<node>.held`: whether this node holds the file of a relative name, and its size and blake3
+  (hashed once per file version, `FileDigests`). Only names this node's catalog (`models.toml`, its front
+  door's or any front door's report in `MESH_FRONTDOORS`) or a registry entry gives are answered; anything
+  else is `not_found`, whether it exists or not.
+* `mesh.files.<node>.chunk`: one chunk of such a file, asked by name and whole-file digest (a file that now
+  hashes otherwise is `not_found`), with the chunk's own blake3 in a header.
+* `mesh.files.<node>.pull`: fetch the file of a catalog model or registry entry into this node's models dir.
+  The relative name is this node's catalog's (or the signed entry's), the destination that name inside the
+  models dir (resolved, symlinks followed, never outside), so no peer names a path here. The holders are
+  asked (`held`, concurrently, each under a deadline); the version fetched is the signed one for a registry
+  entry, else the one most holders state (`transfer.choose_source`); the free space is checked; the part file
+  kept from an interrupted pull of the same version is verified again and resumed (`part`); chunks are asked
+  `window` at a time, each checked as it lands (`transfer.check_chunk`); the whole file must hash to the
+  digest (`transfer.final_refusal`) before it is renamed into place. A refused file is deleted; a peer that
+  stops answering leaves the verified part for the next pull, which tries the next holder first.
+
+One pull per destination at a time (a second is `busy`). Refusals are error replies with `details.reason`
+(`transfer.Reason`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import blake3
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+
+from actors.files import part as parts
+from actors.files import transfer
+from actors.files.transfer import Holder, Reason, Refusal
+from actors.frontdoor.catalog import CATALOG_FILE, CatalogError, parse_catalog
+from actors.placement.registry import RegistryUntrusted, verify
+from messages.errors import BAD_REQUEST, BUSY, ERROR_HEADER, MESH_ERROR_HEADER, NOT_FOUND, UNAVAILABLE
+from messages.files import (
+    FILES_BLAKE3_HEADER,
+    FILES_OFFSET_HEADER,
+    FILES_TOTAL_HEADER,
+    ChunkRequest,
+    FileHeld,
+    HeldRequest,
+    PullReply,
+    PullRequest,
+)
+from messages.frontdoor import FrontDoorReport
+from messages.registry import RegistryEntry
+from messages.telemetry import NodeResources
+from runtime import buckets
+from runtime.actor import Actor, ActorContext, RawReply, RequestError
+from runtime.bus import BadMessage, BusError, decode_checked, encode, parse_reply
+from runtime.durable import make_dir
+from runtime.model_files import FileDigests, ModelFileError, resolve
+
+__all__ = ["FilesActor", "FilesLimits"]
+
+T = TypeVar("T")
+
+#: The error code of each refusal (the reason itself travels in `details.reason`).
+_CODES: Final = {
+    Reason.NOT_NAMED: NOT_FOUND,
+    Reason.BAD_NAME: BAD_REQUEST,
+    Reason.NO_PEER: NOT_FOUND,
+    Reason.NO_SPACE: BAD_REQUEST,
+    Reason.CHUNK_REFUSED: BAD_REQUEST,
+    Reason.DIGEST_MISMATCH: BAD_REQUEST,
+    Reason.SIZE_MISMATCH: BAD_REQUEST,
+    Reason.PEER_FAILED: UNAVAILABLE,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FilesLimits:
+    held_timeout_s: float = 5.0  # a holder's answer to `held` (it may hash the file first: cached afterwards)
+    chunk_timeout_s: float = 10.0  # one chunk request; a stalled peer is given up after this
+    window: int = 8  # chunk requests in flight during a pull
+    chunk_workers: int = 8  # chunks served concurrently
+    pull_deadline_s: float = 6 * 3600.0  # a pull never outlives this
+    keep_free_bytes: int = 0  # what a pull leaves free on the models dir's file system
+    max_holders: int = 64  # nodes asked whether they hold a file
+    threads: int = 4  # worker threads for file I/O and hashing
+
+
+class _Refused(Exception):
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(str(refusal))
+        self.refusal = refusal
+
+
+class _PeerFailed(Exception):
+    """A peer stopped answering or answered an error: the part is kept."""
+
+
+class FilesActor(Actor):
+    name = "files"
+
+    def __init__(
+        self,
+        node_id: str,
+        data_dir: Path,
+        *,
+        models_dir: Path,
+        digests: FileDigests | None = None,
+        trusted_registry_keys: tuple[str, ...] = (),
+        limits: FilesLimits | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.data_dir = data_dir
+        self.models_dir = models_dir
+        self.digests = digests or FileDigests()
+        self.trusted = trusted_registry_keys
+        self.limits = limits or FilesLimits()
+        self._ctx: ActorContext | None = None
+        self._pulling: set[str] = set()
+        self._pool: ThreadPoolExecutor | None = None
+
+    async def run(self, ctx: ActorContext) -> None:
+        self._ctx = ctx
+        self._pool = ThreadPoolExecutor(max_workers=self.limits.threads, thread_name_prefix="files")
+        s, node, lim = ctx.subjects, self.node_id, self.limits
+        await ctx.add_endpoint("held", s.files(node, "held"), HeldRequest, self._on_held, workers=2)
+        await ctx.add_endpoint("chunk", s.files(node, "chunk"), ChunkRequest, self._on_chunk, workers=lim.chunk_workers)
+        await ctx.add_endpoint(
+            "pull", s.files(node, "pull"), PullRequest, self._on_pull, workers=2, deadline_s=lim.pull_deadline_s
+        )
+        ctx.spawn(self._shutdown_pool(), "pool")
+
+    async def _shutdown_pool(self) -> None:
+        try:
+            await asyncio.Event().wait()  # lives as long as the incarnation
+        finally:
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, fn, *args)
+
+    # ---- what this node names and holds ----
+
+    async def _catalog_files(self, ctx: ActorContext) -> dict[str, str]:
+        """Model name -> relative file name of every catalog model and companion this node knows: its own
+        `models.toml`, then every front door's report (the first name wins)."""
+        named: dict[str, str] = {}
+        try:
+            text = await self._blocking((self.data_dir / CATALOG_FILE).read_text)
+            catalog = parse_catalog(text, CATALOG_FILE)
+        except FileNotFoundError:
+            catalog = None
+        except (OSError, CatalogError) as exc:
+            ctx.log.warning("files_catalog_unreadable", error=str(exc))
+            catalog = None
+        if catalog is not None:
+            for name, model in catalog.models.items():
+                if not model.registry:
+                    named.setdefault(name, model.path)
+                for role, companion in (("draft", model.draft), ("mmproj", model.mmproj)):
+                    if companion is not None:
+                        named.setdefault(f"{name}:{role}", companion)
+        reports, _ = await buckets.read_all(ctx.bus, ctx.subjects.frontdoors_bucket, FrontDoorReport)
+        for _, report in reports:
+            for m in report.models:
+                named.setdefault(m.name, m.path)
+        return named
+
+    async def _registry_entry(self, ctx: ActorContext, name: str) -> RegistryEntry | None:
+        """The signed registry entry `name`, when this node trusts its signer (None: none, or untrusted)."""
+        if not self.trusted:
+            return None
+        try:
+            kv = await buckets.registry(ctx.bus, ctx.subjects)
+            raw = await kv.get(name)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyValueError, nats.errors.Error, ValueError):
+            return None
+        if not raw.value:
+            return None
+        try:
+            entry = decode_checked(raw.value, RegistryEntry, f"registry entry {name!r}")
+            verify(entry, self.trusted, stored_as=name)
+        except (BadMessage, RegistryUntrusted) as exc:
+            ctx.log.warning("files_registry_untrusted", name=name, error=str(exc))
+            return None
+        return entry
+
+    async def _signed_files(self, ctx: ActorContext) -> set[str]:
+        """The file names of every registry entry signed by a key this node trusts."""
+        if not self.trusted:
+            return set()
+        entries, _ = await buckets.read_all(ctx.bus, ctx.subjects.registry_bucket, RegistryEntry)
+        signed = set()
+        for key, entry in entries:
+            try:
+                verify(entry, self.trusted, stored_as=key)
+            except RegistryUntrusted:
+                continue
+            signed.add(entry.file_name)
+        return signed
+
+    def _relative(self, path: str) -> str:
+        """A catalog's file name as a name inside the models dir (an absolute one only when it is inside)."""
+        if path.startswith("/"):
+            try:
+                target = resolve(path, self.models_dir, roots=[self.models_dir])
+            except ModelFileError as exc:
+                raise _Refused(Refusal(Reason.BAD_NAME, str(exc))) from exc
+            path = str(target.relative_to(Path(os.path.realpath(self.models_dir))))
+        refusal = transfer.check_relative(path)
+        if refusal is not None:
+            raise _Refused(refusal)
+        return path
+
+    def _destination(self, relative: str) -> Path:
+        try:
+            return resolve(relative, self.models_dir)
+        except ModelFileError as exc:
+            raise _Refused(Refusal(Reason.BAD_NAME, str(exc))) from exc
+
+    async def _servable(self, ctx: ActorContext, path: str) -> Path:
+        """The file a peer asks for by relative name, if a catalog or registry entry names it here."""
+        if transfer.check_relative(path) is not None:
+            raise RequestError(NOT_FOUND, f"node {self.node_id} serves no file {path[:200]!r}")
+        named = set((await self._catalog_files(ctx)).values())
+        if (
+            path not in named
+            and not any(self._same(path, n) for n in named)
+            and path not in await self._signed_files(ctx)
+        ):
+            raise RequestError(NOT_FOUND, f"node {self.node_id} serves no file {path[:200]!r}")
+        try:
+            return resolve(path, self.models_dir)
+        except ModelFileError as exc:
+            raise RequestError(NOT_FOUND, f"node {self.node_id} serves no file {path[:200]!r}") from exc
+
+    def _same(self, relative: str, named: str) -> bool:
+        """Whether a catalog's (possibly absolute) name is the file `relative` names in the models dir."""
+        if not named.startswith("/"):
+            return False
+        try:
+            return self._relative(named) == relative
+        except _Refused:
+            return False
+
+    async def _on_held(self, request: HeldRequest) -> FileHeld:
+        ctx = self._ctx
+        assert ctx is not None
+        path = await self._servable(ctx, request.path)
+        try:
+            digest = await self._blocking(self.digests.digest, path)
+            size = (await self._blocking(os.stat, path)).st_size
+        except (ModelFileError, OSError) as exc:
+            raise RequestError(NOT_FOUND, f"node {self.node_id} does not hold {request.path!r}") from exc
+        return FileHeld(node_id=self.node_id, path=request.path, size=size, blake3=digest)
+
+    async def _on_chunk(self, request: ChunkRequest) -> RawReply:
+        ctx = self._ctx
+        assert ctx is not None
+        path = await self._servable(ctx, request.path)
+        try:
+            digest = await self._blocking(self.digests.digest, path)
+        except ModelFileError as exc:
+            raise RequestError(NOT_FOUND, f"node {self.node_id} does not hold {request.path!r}") from exc
+        if digest != request.blake3:
+            raise RequestError(NOT_FOUND, f"node {self.node_id} holds another version of {request.path!r}")
+        length = min(request.length, transfer.chunk_bytes(ctx.bus.max_payload))
+        try:
+            data, total = await self._blocking(parts.read_chunk, path, request.offset, length)
+        except OSError as exc:
+            raise RequestError(NOT_FOUND, f"node {self.node_id} cannot read {request.path!r}") from exc
+        if request.offset >= total:
+            raise RequestError(BAD_REQUEST, f"offset {request.offset} is past the file's {total} bytes")
+        chunk_digest = str(blake3.blake3(data).hexdigest())
+        headers = {FILES_OFFSET_HEADER: str(request.offset), FILES_TOTAL_HEADER: str(total)}
+        return RawReply(data, {**headers, FILES_BLAKE3_HEADER: chunk_digest})
+
+    # ---- pull ----
+
+    async def _on_pull(self, request: PullRequest) -> PullReply:
+        ctx = self._ctx
+        assert ctx is not None
+        try:
+            return await self._pull(ctx, request)
+        except _Refused as exc:
+            refusal = exc.refusal
+            ctx.log.warning("file_pull_refused", model=request.name, reason=refusal.reason.value, detail=refusal.detail)
+            raise RequestError(_CODES[refusal.reason], str(refusal), {"reason": refusal.reason.value}) from exc
+
+    async def _pull(self, ctx: ActorContext, request: PullRequest) -> PullReply:
+        named = await self._catalog_files(ctx)
+        entry = await self._registry_entry(ctx, request.name)
+        if request.name in named:
+            relative, digest, size = self._relative(named[request.name]), None, None
+        elif entry is not None:
+            relative, digest, size = self._relative(entry.file_name), entry.blake3, entry.size_bytes
+        else:
+            raise _Refused(Refusal(Reason.NOT_NAMED, f"no catalog model or trusted registry entry {request.name!r}"))
+        dest = self._destination(relative)
+        if relative in self._pulling:
+            raise RequestError(BUSY, f"{relative!r} is being pulled already; retry")
+        self._pulling.add(relative)
+        try:
+            return await self._pull_file(ctx, request, relative, dest, digest, size)
+        finally:
+            self._pulling.discard(relative)
+
+    async def _pull_file(
+        self, ctx: ActorContext, request: PullRequest, relative: str, dest: Path, digest: str | None, size: int | None
+    ) -> PullReply:
+        here = PullReply(node_id=self.node_id, name=request.name, path=relative, size=0, blake3="0" * 64)
+        if await self._blocking(os.path.lexists, dest):
+            try:
+                have = await self._blocking(self.digests.digest, dest)
+                have_size = (await self._blocking(os.stat, dest)).st_size
+            except (ModelFileError, OSError) as exc:
+                raise _Refused(Refusal(Reason.BAD_NAME, f"{relative!r} exists here but is unusable: {exc}")) from exc
+            if digest is not None and have != digest:
+                raise _Refused(
+                    Refusal(Reason.DIGEST_MISMATCH, f"{relative!r} here hashes to {have[:16]}…, not the signed one")
+                )
+            return msgspec.structs.replace(here, size=have_size, blake3=have, already=True)
+        holders = await self._holders(ctx, relative, request.peer)
+        source = transfer.choose_source(holders, digest=digest, size=size)
+        if isinstance(source, Refusal):
+            raise _Refused(source)
+        directory = dest.parent
+        if not await self._blocking(directory.is_dir):
+            await self._blocking(make_dir, directory)
+        chunk = transfer.chunk_bytes(ctx.bus.max_payload)
+        started = time.monotonic()
+        part = await self._blocking(parts.open_part, directory, dest.name, source.digest, source.size, chunk)
+        resumed = part.resumed_from
+        moved = 0
+        failures: list[str] = []
+        try:
+            free = await self._blocking(parts.free_bytes, directory)
+            refusal = transfer.space_refusal(
+                free_bytes=free, need_bytes=source.size - part.received, keep_free_bytes=self.limits.keep_free_bytes
+            )
+            if refusal is not None:
+                raise _Refused(refusal)
+            peer = ""
+            for peer in source.peers:
+                before = part.received
+                try:
+                    await self._fetch(ctx, peer, relative, part)
+                    moved += part.received - before
+                    break
+                except _PeerFailed as exc:
+                    moved += part.received - before
+                    failures.append(f"{peer}: {exc}")
+                    ctx.log.warning("file_pull_peer_failed", peer=peer, path=relative, error=str(exc))
+            else:
+                raise _Refused(Refusal(Reason.PEER_FAILED, "; ".join(failures) or "no holder answered"))
+            observed = await self._blocking(part.finish)
+            refusal = transfer.final_refusal(
+                digest=source.digest, size=source.size, observed=observed, received=part.received
+            )
+            if refusal is not None:
+                raise _Refused(refusal)
+            await self._blocking(part.land, dest)
+        except _Refused as exc:
+            if exc.refusal.reason in (Reason.PEER_FAILED, Reason.NO_SPACE):
+                await self._blocking(part.close)  # kept: the next pull resumes from its verified length
+            else:
+                await self._blocking(part.discard)  # wrong bytes: nothing of them is left
+            raise
+        except BaseException:
+            await asyncio.shield(self._blocking(part.close))
+            raise
+        fetch_ms = round((time.monotonic() - started) * 1000, 3)
+        ctx.log.info(
+            "file_pulled", path=relative, peer=peer, bytes=source.size, moved_bytes=moved, resumed_from=resumed
+        )
+        return msgspec.structs.replace(
+            here,
+            size=source.size,
+            blake3=source.digest,
+            peer=peer,
+            resumed_from=resumed,
+            moved_bytes=moved,
+            fetch_ms=fetch_ms,
+        )
+
+    async def _holders(self, ctx: ActorContext, relative: str, only: str | None) -> list[Holder]:
+        """Every live node (or `only`) that says it holds `relative`, asked concurrently under a deadline."""
+        if only is not None:
+            nodes = [only]
+        else:
+            reports, _ = await buckets.read_all(ctx.bus, ctx.subjects.nodes_bucket, NodeResources)
+            nodes = sorted({key for key, _ in reports} - {self.node_id})[: self.limits.max_holders]
+
+        async def ask(node: str) -> Holder | None:
+            try:
+                held = await ctx.bus.request(
+                    ctx.subjects.files(node, "held"),
+                    HeldRequest(path=relative),
+                    FileHeld,
+                    timeout=self.limits.held_timeout_s,
+                )
+            except (BusError, nats.errors.Error) as exc:
+                ctx.log.debug("files_not_held", peer=node, path=relative, error=str(exc))
+                return None
+            return Holder(node=node, size=held.size, digest=held.blake3)
+
+        answers = await asyncio.gather(*(ask(node) for node in nodes))
+        return [a for a in answers if a is not None]
+
+    async def _request_chunk(self, ctx: ActorContext, subject: str, request: ChunkRequest) -> Msg | BaseException:
+        try:
+            return await ctx.bus.request_raw(subject, encode(request), timeout=self.limits.chunk_timeout_s)
+        except (BusError, nats.errors.Error) as exc:
+            return exc
+
+    async def _fetch(self, ctx: ActorContext, peer: str, relative: str, part: parts.PartFile) -> None:
+        """The rest of the file from `peer`, `window` chunk requests in flight, each checked and written in order."""
+        subject = ctx.subjects.files(peer, "chunk")
+        plan = iter(transfer.chunk_plan(part.size, part.chunk, part.received))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                pending: deque[tuple[int, int, asyncio.Task[Msg | BaseException]]] = deque()
+
+                def ask(offset: int, length: int) -> None:
+                    request = ChunkRequest(path=relative, blake3=part.digest, offset=offset, length=length)
+                    pending.append((offset, length, tg.create_task(self._request_chunk(ctx, subject, request))))
+
+                for offset, length in itertools.islice(plan, self.limits.window):
+                    ask(offset, length)
+                while pending:
+                    offset, length, task = pending.popleft()
+                    data, headers = _chunk(subject, await task)
+                    stated = headers.get(FILES_BLAKE3_HEADER, "")
+                    refusal = transfer.check_chunk(
+                        offset=offset,
+                        length=length,
+                        total=part.size,
+                        got_offset=_int(headers.get(FILES_OFFSET_HEADER)),
+                        got_total=_int(headers.get(FILES_TOTAL_HEADER)),
+                        got_length=len(data),
+                        stated=stated,
+                        observed=await self._blocking(_hash, data),
+                    )
+                    if refusal is not None:
+                        raise _Refused(refusal)
+                    await self._blocking(part.write, offset, data, stated)
+                    following = next(plan, None)
+                    if following is not None:
+                        ask(*following)
+        except BaseExceptionGroup as group:
+            raise _first(group) from None
+
+
+def _hash(data: bytes) -> str:
+    return str(blake3.blake3(data).hexdigest())
+
+
+def _int(value: str | None) -> int:
+    try:
+        return int(value) if value is not None else -1
+    except ValueError:
+        return -1
+
+
+def _chunk(subject: str, reply: Msg | BaseException) -> tuple[bytes, dict[str, str]]:
+    """A chunk reply's bytes and headers; an error reply or a lost peer is `_PeerFailed`."""
+    if isinstance(reply, BaseException):
+        raise _PeerFailed(str(reply))
+    headers = reply.headers or {}
+    if ERROR_HEADER in headers or MESH_ERROR_HEADER in headers:
+        try:
+            parse_reply(subject, reply, bytes)
+        except BusError as exc:
+            raise _PeerFailed(str(exc)) from exc
+    return reply.data, dict(headers)
+
+
+def _first(group: BaseExceptionGroup[Any]) -> BaseException:
+    """The first error inside (nested) exception groups."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc

@@ -1,0 +1,74 @@
+"""Model files from peers: what a node asks a peer about a model file, and what it asks its own node to pull.
+
+Subjects `<prefix>.files.<node>.<verb>` (`Subjects.files`):
+
+* `.held` (node to node): whether the node holds a file of that relative name, named by its catalog
+  (`models.toml`, or a front door's catalog report) or a registry entry, and its size and blake3.
+* `.chunk` (node to node): one chunk of such a file, asked by name and digest; the reply is raw bytes with the
+  chunk's place and its own blake3 in headers (`FILES_OFFSET_HEADER`, `FILES_TOTAL_HEADER`,
+  `FILES_BLAKE3_HEADER`), at most what fits the server's `max_payload`. Errors are the usual error replies.
+* `.pull` (an operator, `mesh-actor models pull`): fetch a catalog model's file from a peer into this node's
+  models directory, verified; answered once it is there (or refused, with the reason in `details.reason`).
+
+A peer never names a path on the fetching node: the destination is that node's models dir and the relative
+name its own catalog (or the signed registry entry) gives. See actors/files/.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final
+
+import msgspec
+
+from messages.l3 import Digest, NodeId, Offset, Size
+
+#: Headers of a raw chunk reply.
+FILES_OFFSET_HEADER: Final = "Files-Offset"
+FILES_TOTAL_HEADER: Final = "Files-Total"
+FILES_BLAKE3_HEADER: Final = "Files-Blake3"
+
+#: A model file's relative name in a models dir (what a catalog's `path` or a registry entry's `file_name` says).
+RelativeName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+ModelName = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9_-]{1,64}$")]
+
+
+class HeldRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Does the node hold the file of this relative name (named by its catalog or a registry entry)?"""
+
+    path: RelativeName
+
+
+class FileHeld(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: NodeId
+    path: str
+    size: Size
+    blake3: Digest
+
+
+class ChunkRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One chunk of the file `path` whose whole-file blake3 is `blake3`; the reply is raw bytes."""
+
+    path: RelativeName
+    blake3: Digest
+    offset: Offset = 0
+    length: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]  # at most; the server caps it under max_payload
+
+
+class PullRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Fetch the file of catalog model (or registry entry) `name` into this node's models dir."""
+
+    name: ModelName
+    peer: NodeId | None = None  # fetch from this node only (default: any live node that holds it)
+
+
+class PullReply(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: NodeId
+    name: str
+    path: str  # the relative name in the node's models dir
+    size: Size
+    blake3: Digest
+    peer: str = ""  # where the bytes came from ("" when the file was already here)
+    already: bool = False  # the file was already here, with that digest
+    resumed_from: Size = 0  # bytes of an interrupted fetch kept (verified again) and not fetched again
+    moved_bytes: Size = 0  # bytes fetched over the bus by this pull
+    fetch_ms: float = 0.0

@@ -1,0 +1,253 @@
+"""Model files from peers over a real nats-server: two files actors (nodes `a` and `b`, each with its own data
+and models dir) and, where a peer must misbehave, a scripted peer answering `mesh.files.evil.*` by hand.
+
+A node without the file gets it (digest verified); a fetch cut off by a peer that stops answering resumes from
+the verified part without fetching it again; a peer sending wrong bytes is refused and nothing is left; a file
+system that cannot take the file is a refusal before any byte moves; names outside the models dir, or not named
+by the catalog, travel in neither direction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import blake3
+import msgspec
+import pytest
+
+from actors.files.actor import FilesActor, FilesLimits
+from messages.files import (
+    FILES_BLAKE3_HEADER,
+    FILES_OFFSET_HEADER,
+    FILES_TOTAL_HEADER,
+    ChunkRequest,
+    FileHeld,
+    HeldRequest,
+    PullReply,
+    PullRequest,
+)
+from messages.subjects import Subjects
+from runtime.bus import Bus, RemoteError, encode
+from tests.conftest import supervised
+from tests.tiny_models import write_llama
+
+S = Subjects()
+CATALOG = '[models.tiny]\npath = "tiny.gguf"\n\n[models.escape]\npath = "../escape.gguf"\n'
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # ~21 MB: many chunks on the test server's max_payload
+    return write_llama(tmp_path_factory.mktemp("m") / "tiny.gguf", n_layer=8, n_embd=256, n_head=8, n_ff=512)
+
+
+def digest_of(path: Path) -> str:
+    return str(blake3.blake3(path.read_bytes()).hexdigest())
+
+
+def node_dirs(root: Path, name: str) -> tuple[Path, Path]:
+    data = root / name
+    models = data / "models"
+    models.mkdir(parents=True)
+    (data / "models.toml").write_text(CATALOG)
+    return data, models
+
+
+@contextlib.asynccontextmanager
+async def nodes(
+    bus: Bus, root: Path, model: Path, limits: FilesLimits | None = None
+) -> AsyncIterator[tuple[Path, Path]]:
+    """Node `a` holds the model, node `b` does not; yields their models dirs."""
+    data_a, models_a = node_dirs(root, "a")
+    data_b, models_b = node_dirs(root, "b")
+    os.link(model, models_a / "tiny.gguf")
+    a = FilesActor("a", data_a, models_dir=models_a, limits=limits)
+    b = FilesActor("b", data_b, models_dir=models_b, limits=limits)
+    async with supervised(bus, [a], node_id="a"), supervised(bus, [b], node_id="b"):
+        async with asyncio.timeout(10):
+            while True:  # both answer
+                try:
+                    await bus.request(S.files("b", "held"), HeldRequest(path="x.gguf"), FileHeld, timeout=1)
+                except RemoteError:
+                    break
+                except Exception:
+                    await asyncio.sleep(0.05)
+        yield models_a, models_b
+
+
+async def pull(bus: Bus, node: str, name: str, peer: str | None = None) -> PullReply:
+    return await bus.request(S.files(node, "pull"), PullRequest(name=name, peer=peer), PullReply, timeout=60)
+
+
+async def refused(bus: Bus, node: str, name: str, peer: str | None = None) -> RemoteError:
+    with pytest.raises(RemoteError) as caught:
+        await pull(bus, node, name, peer)
+    return caught.value
+
+
+@contextlib.asynccontextmanager
+async def evil_peer(
+    bus: Bus, model: Path, chunk: Callable[[ChunkRequest, bytes], tuple[bytes, str] | None]
+) -> AsyncIterator[list[int]]:
+    """A peer `evil` that says it holds the model and answers chunks as `chunk` decides (None: no answer);
+    yields the offsets asked."""
+    data = await asyncio.to_thread(model.read_bytes)
+    asked: list[int] = []
+
+    async def on_held(msg: Any) -> None:
+        await msg.respond(encode(FileHeld(node_id="evil", path="tiny.gguf", size=len(data), blake3=digest_of(model))))
+
+    async def on_chunk(msg: Any) -> None:
+        request = msgspec.json.decode(msg.data, type=ChunkRequest)
+        asked.append(request.offset)
+        piece = data[request.offset : request.offset + min(request.length, bus.max_payload - 4096)]
+        answer = chunk(request, piece)
+        if answer is None:
+            return
+        body, stated = answer
+        headers = {FILES_OFFSET_HEADER: str(request.offset), FILES_TOTAL_HEADER: str(len(data))}
+        await bus.nc.publish(msg.reply, body, headers={**headers, FILES_BLAKE3_HEADER: stated})
+
+    subs = [await bus.nc.subscribe(S.files("evil", "held"), cb=on_held)]
+    subs.append(await bus.nc.subscribe(S.files("evil", "chunk"), cb=on_chunk))
+    await bus.nc.flush()
+    try:
+        yield asked
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+
+
+async def run(*argv: str) -> int:
+    process = await asyncio.create_subprocess_exec(*argv, stderr=asyncio.subprocess.DEVNULL)
+    async with asyncio.timeout(30):
+        return await process.wait()
+
+
+def hashed(piece: bytes) -> tuple[bytes, str]:
+    return piece, str(blake3.blake3(piece).hexdigest())
+
+
+def leftovers(models: Path) -> list[str]:
+    return sorted(p.name for p in models.iterdir())
+
+
+async def test_a_node_without_the_file_pulls_it_from_the_peer_that_holds_it_verified(
+    bus: Bus, tmp_path: Path, model: Path
+) -> None:
+    async with nodes(bus, tmp_path, model) as (_, models_b):
+        reply = await pull(bus, "b", "tiny", peer="a")
+        size = (await asyncio.to_thread(model.stat)).st_size
+        assert (reply.path, reply.peer, reply.size, reply.already) == ("tiny.gguf", "a", size, False)
+        assert reply.blake3 == digest_of(model) == digest_of(models_b / "tiny.gguf")
+        assert reply.moved_bytes == size and reply.resumed_from == 0
+        assert leftovers(models_b) == ["tiny.gguf"]  # no part file, no journal
+        again = await pull(bus, "b", "tiny")  # already there: nothing moves
+        assert again.already and again.moved_bytes == 0 and again.blake3 == reply.blake3
+
+
+async def test_an_interrupted_pull_resumes_from_its_verified_part_without_starting_over(
+    bus: Bus, tmp_path: Path, model: Path
+) -> None:
+    limits = FilesLimits(chunk_timeout_s=1.0, window=2)
+    async with nodes(bus, tmp_path, model, limits) as (_, models_b):
+        cut = (await asyncio.to_thread(model.stat)).st_size // 2
+        # `evil` serves the first half faithfully, then stops answering (a peer that went away).
+        async with evil_peer(bus, model, lambda r, piece: hashed(piece) if r.offset < cut else None):
+            failed = await refused(bus, "b", "tiny", peer="evil")
+        assert failed.code == "unavailable" and failed.reply.details["reason"] == "peer_failed"
+        kept = [p for p in leftovers(models_b) if p.endswith(".part")]
+        assert len(kept) == 1 and not (models_b / "tiny.gguf").exists()
+        reply = await pull(bus, "b", "tiny", peer="a")
+        size = (await asyncio.to_thread(model.stat)).st_size
+        assert reply.resumed_from >= cut // 2 and reply.resumed_from + reply.moved_bytes == size
+        assert reply.moved_bytes < size
+        assert digest_of(models_b / "tiny.gguf") == digest_of(model)
+        assert leftovers(models_b) == ["tiny.gguf"]
+
+
+@pytest.mark.parametrize("lie", ["consistent", "inconsistent"])
+async def test_a_peer_sending_wrong_bytes_is_refused_and_nothing_is_left(
+    bus: Bus, tmp_path: Path, model: Path, lie: str
+) -> None:
+    def wrong(request: ChunkRequest, piece: bytes) -> tuple[bytes, str]:
+        if request.offset == 0:
+            return hashed(piece)
+        flipped = bytes([piece[0] ^ 0xFF]) + piece[1:]
+        # consistent: the chunk's hash matches the wrong bytes (only the whole-file digest can tell)
+        return hashed(flipped) if lie == "consistent" else (flipped, hashed(piece)[1])
+
+    async with nodes(bus, tmp_path, model) as (_, models_b), evil_peer(bus, model, wrong):
+        failure = await refused(bus, "b", "tiny", peer="evil")
+        reason = "digest_mismatch" if lie == "consistent" else "chunk_refused"
+        assert failure.reply.details["reason"] == reason, failure
+        assert leftovers(models_b) == []
+
+
+async def test_a_file_system_that_cannot_take_the_file_is_a_refusal_before_any_byte_moves(
+    bus: Bus, tmp_path: Path, model: Path
+) -> None:
+    async with nodes(bus, tmp_path, model, FilesLimits(keep_free_bytes=1 << 60)) as (_, models_b):
+        failure = await refused(bus, "b", "tiny", peer="a")
+        assert failure.reply.details["reason"] == "no_space" and "needs" in failure.reply.message
+        assert not (models_b / "tiny.gguf").exists()
+        assert [p for p in leftovers(models_b) if not p.endswith((".part", ".chunks"))] == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+async def test_a_full_tmpfs_is_a_clear_refusal_not_a_half_written_file(bus: Bus, tmp_path: Path, model: Path) -> None:
+    async with nodes(bus, tmp_path, model) as (_, models_b):
+        if await run("mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(models_b)) != 0:
+            pytest.skip("cannot mount a tmpfs here")
+        try:
+            failure = await refused(bus, "b", "tiny", peer="a")
+            assert failure.reply.details["reason"] == "no_space"
+            assert not (models_b / "tiny.gguf").exists()
+        finally:
+            assert await run("umount", str(models_b)) == 0
+
+
+async def test_names_outside_the_models_dir_or_not_in_the_catalog_travel_in_neither_direction(
+    bus: Bus, tmp_path: Path, model: Path
+) -> None:
+    async with nodes(bus, tmp_path, model) as (models_a, models_b):
+        escape = await refused(bus, "b", "escape", peer="a")  # the catalog itself names a path outside
+        assert escape.reply.details["reason"] == "bad_name"
+        assert not (tmp_path / "b" / "escape.gguf").exists()
+        unknown = await refused(bus, "b", "nothing", peer="a")
+        assert unknown.reply.details["reason"] == "not_named"
+        # A peer asking `a` for files its catalog does not name learns nothing, whether they exist or not.
+        (models_a / "secret.gguf").write_bytes(b"not for peers")
+        digest = digest_of(models_a / "secret.gguf")
+        for path in ("secret.gguf", "../models.toml", "/etc/passwd", "../../a/models/tiny.gguf"):
+            for subject, request, kind in (
+                (S.files("a", "held"), HeldRequest(path=path), FileHeld),
+                (S.files("a", "chunk"), ChunkRequest(path=path, blake3=digest, length=100), bytes),
+            ):
+                with pytest.raises(RemoteError) as caught:
+                    await bus.request(subject, request, kind, timeout=5)
+                assert caught.value.code == "not_found", (path, subject)
+        # a chunk of the catalog's file under a digest it does not have is refused too
+        with pytest.raises(RemoteError) as caught:
+            await bus.request(
+                S.files("a", "chunk"), ChunkRequest(path="tiny.gguf", blake3=digest, length=100), bytes, timeout=5
+            )
+        assert caught.value.code == "not_found"
+        assert leftovers(models_b) == []
+
+
+async def test_a_pull_without_a_named_peer_asks_the_live_nodes(bus: Bus, tmp_path: Path, model: Path) -> None:
+    from runtime import buckets
+    from tests.integration.test_placement import report
+
+    kv = await buckets.nodes(bus, S)
+    for node in ("a", "b"):
+        await kv.put(node, encode(report(node, 1 << 30)))
+    async with nodes(bus, tmp_path, model) as (_, models_b):
+        reply = await pull(bus, "b", "tiny")
+        assert reply.peer == "a" and digest_of(models_b / "tiny.gguf") == digest_of(model)
