@@ -9,8 +9,9 @@ What it shows, every figure read from a record (nothing is measured here):
 
 * a node: its telemetry, and per device a bar: its size (capped by the node's memory limit) and what is usable
   now, what each kind of memory of its live instances is predicted to take there (weights, KV, recurrent,
-  compute, the rest), what the ledger holds (`reserved`: predicted while booked, observed once running) and
-  what a new reservation may take (`available`, placement's own rule);
+  compute, the rest), what their servers reported they allocated there (`observed`: llama.cpp's buffers, named
+  by backend and device, `device_of`), what the ledger holds (`reserved`: predicted while booked, observed once
+  running) and what a new reservation may take (`available`, placement's own rule);
 * an instance: its settings as stamped, its state, and its memory predicted and observed, kind by kind;
 * a catalog model of each front door: its state, queue and instances;
 * the journal's tail, one summary line per event, bounded (`journal_limit` events); the whole event is kept
@@ -23,6 +24,7 @@ Memory is bounded: the journal tail and the decisions kept are capped, and recor
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Any, Final
@@ -36,7 +38,7 @@ from messages.placement import NodeLedger
 from messages.runner import InstanceStatus
 from messages.telemetry import NodeResources
 
-__all__ = ["DECISION_TYPES", "KINDS", "Delta", "FleetView", "summary"]
+__all__ = ["DECISION_TYPES", "KINDS", "Delta", "FleetView", "device_of", "merge", "summary"]
 
 #: The kinds of memory a bar shows apart; everything else an instance takes on a device is "other".
 KINDS: Final = ("weights", "kv", "recurrent", "compute")
@@ -47,9 +49,23 @@ _ENDED: Final = frozenset({"stopped", "failed", "rejected"})
 #: Envelope fields a summary line leaves out (shown in columns of their own).
 _ENVELOPE: Final = frozenset({"id", "time", "node", "actor", "type"})
 _SUMMARY_CHARS: Final = 240
+#: A GPU backend's buffer of one device (`CUDA0`, `Vulkan1`, …): the mesh names that device `GPU<n>`.
+_GPU_BUFFER: Final = re.compile(r"^(?:CUDA|ROCm|HIP|Vulkan|SYCL|MUSA|CANN)(\d+)$")
 
 #: One change of the view: `{"op": "node" | "instance" | "model" | "event", "id": ..., "value": ... | None}`.
 Delta = dict[str, Any]
+
+
+def device_of(buffer: str) -> str | None:
+    """The mesh's device of one of llama.cpp's buffers (`CPU`, `CPU_Mapped`, `CPU_REPACK` and pinned host
+    buffers such as `CUDA_Host` are host memory, `CUDA0` is `GPU0`); None for another node's (`RPC[…]`) or one
+    it cannot tell."""
+    gpu = _GPU_BUFFER.match(buffer)
+    if gpu is not None:
+        return f"GPU{int(gpu.group(1))}"
+    if buffer.startswith("CPU") or buffer.endswith("_Host"):
+        return "CPU"
+    return None
 
 
 def summary(event: dict[str, Any]) -> str:
@@ -221,9 +237,14 @@ class FleetView:
             for device, size in r.held.items():
                 reserved[device] = reserved.get(device, 0) + size
         predicted: dict[str, dict[str, int]] = {}
+        observed: dict[str, int] = {}
         for status in self._instances.values():
             if status.node != node_id or status.state in _ENDED:
                 continue
+            for buffer, size in (status.observed_memory.devices if status.observed_memory else {}).items():
+                where = device_of(buffer)
+                if where is not None:
+                    observed[where] = observed.get(where, 0) + size
             for d in status.predicted_memory.devices:
                 kinds = predicted.setdefault(d.device, dict.fromkeys((*KINDS, "other"), 0))
                 named = 0
@@ -236,7 +257,7 @@ class FleetView:
         free = available(report, ledger)
         gpus = {f"GPU{g.index}": g.name for g in report.gpus}
         devices = []
-        for device in sorted(set(sizes) | set(reserved) | set(predicted)):
+        for device in sorted(set(sizes) | set(reserved) | set(predicted) | set(observed)):
             size, usable = sizes.get(device, (0, 0))
             devices.append(
                 {
@@ -247,6 +268,7 @@ class FleetView:
                     "reserved_bytes": reserved.get(device, 0),
                     "available_bytes": free.get(device, 0),
                     "predicted": predicted.get(device, dict.fromkeys((*KINDS, "other"), 0)),
+                    "observed_bytes": observed.get(device, 0),
                 }
             )
         store = self._l3.get(node_id)

@@ -77,8 +77,9 @@ async def get(url: str, **headers: str) -> tuple[int, str, str]:
 
 
 def expected_bar(status: dict[str, Any], node_id: str, device: str) -> dict[str, int]:
-    """What `status --json` says of one device of one node: its size, what the ledger holds there, and what the
-    live instances there are predicted to take, kind by kind."""
+    """What `status --json` says of one device of one node: its size, what the ledger holds there, what the live
+    instances there are predicted to take, kind by kind, and what their servers allocated there (this machine has
+    no GPU: every buffer is host memory, `CPU…` or a pinned `…_Host`)."""
     (report,) = [n for n in status["nodes"] if n["node_id"] == node_id]
     limit = report["memory_limit_bytes"]
     if device == "CPU":
@@ -87,9 +88,13 @@ def expected_bar(status: dict[str, Any], node_id: str, device: str) -> dict[str,
         total = next(g["total_bytes"] for g in report["gpus"] if f"GPU{g['index']}" == device)
     reserved = sum(r["held"].get(device, 0) for r in status["reservations"] if r["node_id"] == node_id)
     predicted = dict.fromkeys(("weights", "kv", "recurrent", "compute"), 0)
+    observed = 0
     for instance in status["instances"]:
         if instance["node"] != node_id or instance["state"] in ("stopped", "failed", "rejected"):
             continue
+        buffers = (instance["observed_memory"] or {}).get("devices", {})
+        assert device == "CPU"
+        observed += sum(v for b, v in buffers.items() if b.startswith("CPU") or b.endswith("_Host"))
         for d in instance["predicted_memory"]["devices"]:
             if d["device"] == device:
                 for kind in predicted:
@@ -97,13 +102,14 @@ def expected_bar(status: dict[str, Any], node_id: str, device: str) -> dict[str,
     return {
         "size": total if limit is None else min(total, limit),
         "reserved": reserved,
+        "observed": observed,
         **{f"predicted-{k}": v for k, v in predicted.items()},
     }
 
 
 async def shown_bar(page: Any, node_id: str, device: str) -> dict[str, int]:
     bar = page.locator(f'.device[data-node="{node_id}"][data-device="{device}"]')
-    names = ("size", "reserved", "predicted-weights", "predicted-kv", "predicted-recurrent", "predicted-compute")
+    names = ("size", "reserved", "observed", *(f"predicted-{k}" for k in ("weights", "kv", "recurrent", "compute")))
     return {name: int(await bar.get_attribute(f"data-{name}", timeout=WAIT_MS) or -1) for name in names}
 
 
@@ -189,7 +195,7 @@ async def test_the_dashboard_shows_a_two_node_mesh_live_in_a_real_browser(tmp_pa
                             if got == want:
                                 break
                             await asyncio.sleep(0.3)
-                    assert want["edge"]["predicted-weights"] > 0 and want["edge"]["reserved"] > 0
+                    assert all(want["edge"][k] > 0 for k in ("predicted-weights", "reserved", "observed"))
                     (edge,) = [i for i in status["instances"] if i["id"] == on_edge]
                     cell = page.locator(f'#instances tr[data-instance="{on_edge}"] td[data-kind="total"]')
                     shown = [int(await cell.get_attribute(f"data-{k}") or -1) for k in ("predicted", "observed")]

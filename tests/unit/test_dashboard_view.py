@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from actors.dashboard.access import session_token, session_valid
 from actors.dashboard.explain import explain
-from actors.dashboard.view import FleetView, merge
+from actors.dashboard.view import FleetView, device_of, merge
 from actors.placement.ledger import available
 from actors.router.routing import route
 from messages import events as ev
@@ -63,6 +63,14 @@ def test_a_device_bar_adds_the_predicted_kinds_of_live_instances_and_the_ledgers
     assert gpu["reserved_bytes"] == 5200 and devices["CPU"]["reserved_bytes"] == 1500
     assert {d: devices[d]["available_bytes"] for d in devices} == available(report, ledger)
     assert devices["CPU"]["size_bytes"] == 64 << 30
+    assert (devices["CPU"]["observed_bytes"], gpu["observed_bytes"]) == (1330, 5000)  # OBSERVED's buffers, i1 only
+
+
+def test_llama_cpps_buffers_are_named_by_the_meshs_devices() -> None:
+    named = {b: device_of(b) for b in ("CPU", "CPU_Mapped", "CPU_REPACK", "CUDA_Host", "CUDA0", "CUDA1", "Vulkan2",
+                                       "RPC[10.0.0.2:50052]", "Metal")}  # fmt: skip
+    assert named == {"CPU": "CPU", "CPU_Mapped": "CPU", "CPU_REPACK": "CPU", "CUDA_Host": "CPU", "CUDA0": "GPU0",
+                     "CUDA1": "GPU1", "Vulkan2": "GPU2", "RPC[10.0.0.2:50052]": None, "Metal": None}  # fmt: skip
 
 
 def test_an_instance_record_changes_its_node_and_goes_with_its_key() -> None:

@@ -59,7 +59,9 @@ function deviceBar(node, d) {
   free.style.width = percent(d.available_bytes, d.size_bytes);
   const reserved = el("div", { class: "reserved", title: `reserved: ${size(d.reserved_bytes)}` });
   reserved.style.width = percent(d.reserved_bytes, d.size_bytes);
-  const bar = el("div", { class: "bar" }, stack, free, reserved);
+  const observed = el("div", { class: "observed", title: `observed (what the servers allocated): ${size(d.observed_bytes)}` });
+  observed.style.left = percent(d.observed_bytes, d.size_bytes);
+  const bar = el("div", { class: "bar" }, stack, free, reserved, observed);
   const attrs = {
     class: "device",
     "data-node": node.id,
@@ -68,11 +70,13 @@ function deviceBar(node, d) {
     "data-usable": d.usable_bytes,
     "data-reserved": d.reserved_bytes,
     "data-available": d.available_bytes,
+    "data-observed": d.observed_bytes,
   };
   for (const kind of KINDS) attrs[`data-predicted-${kind}`] = predicted[kind];
   const figures = el("div", { class: "figures" });
   const figure = (name, value) => figures.append(el("span", { text: `${name} ` }, el("b", { text: size(value), title: `${value} bytes` })));
   for (const kind of KINDS) figure(kind, predicted[kind]);
+  figure("observed", d.observed_bytes);
   figure("reserved", d.reserved_bytes);
   figure("free", d.available_bytes);
   figure("usable", d.usable_bytes);
