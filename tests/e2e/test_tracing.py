@@ -7,7 +7,8 @@ recorded on both nodes (the front door's model loading on A, the routing and the
 and every one of them carries the client's trace id; the spans of the front door (A), the routing and the
 generation (B) form one trace under the client's span, with the GenAI names. A NATS client calling
 `mesh.generate` directly with its own `traceparent` sees it on that request's events (its capture into L3
-included), and a malformed header becomes a fresh trace, never the client's text.
+included), and a malformed header becomes a fresh trace, never the client's text. A prefill on another node and
+its handoff are hops of the same trace, on both nodes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from runtime.bus import Bus, decode
 from runtime.children import free_port
 from runtime.config import NatsOptions
 from tests.e2e.test_frontdoor import KEY, KEYED, QUIET, write_catalog
+from tests.e2e.test_generate import wait_ready
 from tests.e2e.test_mesh import cli, nats_env, need, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.otlp_receiver import ReceivedSpan, otlp_receiver
@@ -193,3 +195,59 @@ async def test_one_requests_traceparent_is_on_each_of_its_journal_events_across_
                 captures = [s for s in nats_spans if s.name == "l3 capture"]  # the answer's state, and the prompt's
                 assert {s.resource["service.instance.id"] for s in captures} == {"node-b"}
                 assert {s.parent_span_id for s in captures} == {generated.span_id}
+
+
+async def test_a_prefill_elsewhere_and_its_handoff_are_hops_of_the_requests_trace(tmp_path: Path, model: Path) -> None:
+    """Prefill on node B, decode on node A: B's prefill and its handoff's send, A's receive, the L3 restore and the
+    generation are spans of the client's trace, and the events they record carry it."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    handoff_trace = "5d0c0a7a1f6e4b2c9a8b7c6d5e4f3a2b"
+    async with otlp_receiver() as receiver:
+        flags = ("--otlp", receiver.url, *QUIET)
+        async with node(first, "node-a", *flags, env=OTEL):
+            env = await nats_env(first)
+            async with node(second, "node-b", *flags, env={**env, **OTEL}):
+                await wait_nodes(first, "node-a", "node-b")
+                for node_id in ("node-a", "node-b"):
+                    code, out, err = await cli(
+                        "place", str(model), "-c", "2048", "--node", node_id, "--start", "--json", env=env
+                    )
+                    assert code == 0, err + out
+                    await wait_ready(first, json.loads(out)["instance"]["instance_id"])
+                options = NatsOptions(urls=(env["MESH_ACTOR_NATS"],), user=env["MESH_ACTOR_NATS_USER"],
+                                      password=env["MESH_ACTOR_NATS_PASSWORD"])  # fmt: skip
+                bus = await Bus.connect(options, name="tracing-test")
+                try:
+                    order = GenerateRequest(model="alpha", prompt=PROMPT, n_predict=4, timeout_s=60, capture=False,
+                                            prefill_node="node-b")  # fmt: skip
+                    reply = await bus.nc.request(
+                        "mesh.generate", msgspec.json.encode(order), timeout=75,
+                        headers={"traceparent": f"00-{handoff_trace}-b7ad6b7169203331-01"},
+                    )  # fmt: skip
+                finally:
+                    await bus.close()
+                result = decode(reply.data, GenerateResult)
+                assert (result.path, result.node, result.prefill_node) == ("disaggregated", "node-a", "node-b")
+                events = await events_until(
+                    first, lambda es: any(e.get("request_id") == result.request_id and e["type"] ==
+                                          "generate_completed" for e in es),
+                )  # fmt: skip
+                traced = [e for e in events if trace_of(e) == handoff_trace]
+                assert {e["type"] for e in traced} >= {"generate_routed", "handoff_committed", "generate_completed"}
+                assert all(trace_of(e) == handoff_trace for e in events if e.get("request_id") == result.request_id)
+                committed = next(e for e in traced if e["type"] == "handoff_committed")
+                assert (committed["node"], committed["sender_node"]) == ("node-a", "node-b")
+                wanted = {"prefill", "handoff send", "handoff receive", "l3 restore", "text_completion alpha"}
+                spans = await receiver.wait_for(
+                    lambda ss: wanted <= {s.name for s in ss if s.trace_id == handoff_trace}
+                )
+                by_name = {s.name: s for s in spans if s.trace_id == handoff_trace}
+                node_of = {name: by_name[name].resource["service.instance.id"] for name in wanted}
+                assert node_of == {"prefill": "node-b", "handoff send": "node-b", "handoff receive": "node-a",
+                                   "l3 restore": "node-a", "text_completion alpha": "node-a"}  # fmt: skip
+                generation = by_name["text_completion alpha"]
+                assert by_name["prefill"].parent_span_id == generation.span_id
+                assert by_name["handoff send"].parent_span_id == by_name["prefill"].span_id
+                assert by_name["handoff receive"].parent_span_id == by_name["handoff send"].span_id
+                assert by_name["l3 restore"].parent_span_id == generation.span_id
+                assert committed["trace"].split("-")[2] == by_name["handoff receive"].span_id
