@@ -1,0 +1,94 @@
+"""Model files from peers, from the outside: two `mesh-actor run` nodes on one bus, the file on one of them.
+
+`mesh-actor models pull tiny --node b` copies the catalog model's file into node b's models dir (same relative
+name), verified; a second pull finds it there; then a model placed by that relative name on node b starts
+llama-server on the pulled file and answers `/completion`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import blake3
+import pytest
+
+from messages.placement import ModelRef, PlacementDecision, PlacementRequest
+from messages.runner import RunnerAck, StartInstance
+from messages.subjects import Subjects
+from runtime.bus import Bus
+from runtime.config import NatsOptions
+from tests.conftest import node_process, run_cli
+from tests.e2e.test_mesh import QUIET, nats_env, wait_nodes
+from tests.llama_harness import call_server, require_server
+from tests.tiny_models import write_llama
+
+pytestmark = pytest.mark.e2e
+CATALOG = '[models.tiny]\npath = "tiny.gguf"\n'
+S = Subjects()
+
+
+async def place_and_start(env: dict[str, str], path: str, node: str) -> str:
+    """Places the model by its relative name (each node finds it in its own models dir) and starts it."""
+    options = NatsOptions(
+        urls=(env["MESH_ACTOR_NATS"],), user=env["MESH_ACTOR_NATS_USER"], password=env["MESH_ACTOR_NATS_PASSWORD"]
+    )
+    bus = await Bus.connect(options, name="test")
+    try:
+        request = PlacementRequest(model=ModelRef(path=path), ctx=1024, nodes=(node,))
+        decision = await bus.request(S.placement_request, request, PlacementDecision, timeout=60)
+        assert decision.admitted and decision.reservation_id, decision
+        start = StartInstance(reservation_id=decision.reservation_id)
+        ack = await bus.request(S.runner(node, "start"), start, RunnerAck, timeout=120)
+        return ack.instance_id
+    finally:
+        await bus.close()
+
+
+def digest(path: Path) -> str:
+    return str(blake3.blake3(path.read_bytes()).hexdigest())
+
+
+async def test_a_node_without_the_file_pulls_it_from_its_peer_and_serves_it(tmp_path: Path) -> None:
+    require_server()
+    data_a, data_b = tmp_path / "a", tmp_path / "b"
+    for data in (data_a, data_b):
+        (data / "models").mkdir(parents=True)
+        (data / "models.toml").write_text(CATALOG)
+    model = write_llama(data_a / "models" / "tiny.gguf", n_layer=8, n_embd=256, n_head=8, n_ff=512)
+    pulled = data_b / "models" / "tiny.gguf"
+    async with node_process(data_a, "a", "--parallel", "1", *QUIET):
+        env = await nats_env(data_a)
+        async with node_process(data_b, "b", "--parallel", "1", *QUIET, env=env):
+            await wait_nodes(data_a, "a", "b")
+            code, out, err = await run_cli("models", "pull", "tiny", "--node", "b", "--json", env=env, timeout=120)
+            assert code == 0, err + out
+            reply = json.loads(out)
+            assert (reply["node_id"], reply["path"], reply["peer"]) == ("b", "tiny.gguf", "a")
+            assert reply["blake3"] == digest(model) == digest(pulled)
+            assert reply["moved_bytes"] == model.stat().st_size
+            assert sorted(p.name for p in pulled.parent.iterdir()) == ["tiny.gguf"]
+
+            code, out, err = await run_cli("models", "pull", "tiny", "--node", "b", env=env)
+            assert code == 0 and "already on b" in out, err + out
+
+            code, out, err = await run_cli("models", "pull", "nothing", "--node", "b", env=env)
+            assert code == 1 and "not_named" in err, err + out
+
+            instance_id = await place_and_start(env, "tiny.gguf", "b")
+            async with asyncio.timeout(90):
+                while True:
+                    _, out, _ = await run_cli("status", "--json", env=env)
+                    (instance,) = [i for i in json.loads(out)["instances"] if i["id"] == instance_id]
+                    if instance["state"] == "ready":
+                        break
+                    assert instance["state"] == "starting", instance
+                    await asyncio.sleep(0.3)
+            assert instance["node"] == "b" and instance["model_path"] == str(pulled), instance
+            response = await call_server(
+                instance["port"], "POST", "/completion", {"prompt": "hi", "n_predict": 4}, timeout_s=60
+            )
+            assert response.status == 200 and "content" in response.json()
+            code, _, err = await run_cli("stop", instance_id, env=env)
+            assert code == 0, err
