@@ -15,7 +15,7 @@ import stat
 from pathlib import Path
 from typing import Final
 
-__all__ = ["OPEN_READ", "fsync_dir", "make_dir", "pread_full", "read_small", "unlink_quietly"]
+__all__ = ["OPEN_READ", "fsync_dir", "make_dir", "pread_full", "read_range", "read_small", "unlink_quietly"]
 
 OPEN_READ: Final = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 
@@ -41,6 +41,23 @@ def pread_full(fd: int, view: memoryview, offset: int) -> int:
             break
         done += n
     return done
+
+
+def read_range(path: Path, offset: int, length: int) -> tuple[bytes, int]:
+    """Up to `length` bytes of the regular file at `path` from `offset`, and the file's size; the read is bounded
+    by the caller's `length` (FileNotFoundError when it is not there, OSError when it is not a regular file)."""
+    fd = os.open(path, OPEN_READ)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, f"{path.name} is not a regular file")
+        os.set_blocking(fd, True)
+        want = max(0, min(length, info.st_size - offset))
+        buffer = bytearray(want)
+        got = pread_full(fd, memoryview(buffer), offset)
+        return (bytes(buffer) if got == want else bytes(buffer[:got])), info.st_size
+    finally:
+        os.close(fd)
 
 
 def read_small(path: Path, ceiling: int) -> bytes:

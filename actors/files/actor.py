@@ -61,7 +61,7 @@ from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext, RawReply, RequestError
 from runtime.bus import BadMessage, BusError, decode_checked, encode, parse_reply
-from runtime.durable import make_dir
+from runtime.durable import make_dir, read_range
 from runtime.model_files import FileDigests, ModelFileError, resolve
 
 __all__ = ["FilesActor", "FilesLimits"]
@@ -276,7 +276,7 @@ class FilesActor(Actor):
             raise RequestError(NOT_FOUND, f"node {self.node_id} holds another version of {request.path!r}")
         length = min(request.length, transfer.chunk_bytes(ctx.bus.max_payload))
         try:
-            data, total = await self._blocking(parts.read_chunk, path, request.offset, length)
+            data, total = await self._blocking(read_range, path, request.offset, length)
         except OSError as exc:
             raise RequestError(NOT_FOUND, f"node {self.node_id} cannot read {request.path!r}") from exc
         if request.offset >= total:

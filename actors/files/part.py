@@ -17,9 +17,9 @@ from pathlib import Path
 import blake3
 
 from actors.files import transfer
-from runtime.durable import OPEN_READ, fsync_dir, pread_full, read_small, unlink_quietly
+from runtime.durable import fsync_dir, pread_full, read_small, unlink_quietly
 
-__all__ = ["PartFile", "free_bytes", "open_part", "read_chunk"]
+__all__ = ["PartFile", "free_bytes", "open_part"]
 
 _OPEN_PART = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
 #: How many bytes are written between two fsyncs of the part and its journal (what a crash can cost again).
@@ -158,19 +158,3 @@ def free_bytes(directory: Path) -> int:
     """Bytes an unprivileged writer may still use on `directory`'s file system."""
     info = os.statvfs(directory)
     return info.f_bavail * info.f_frsize
-
-
-def read_chunk(path: Path, offset: int, length: int) -> tuple[bytes, int]:
-    """Up to `length` bytes of the file at `path` from `offset`, and the file's size (a regular file only)."""
-    fd = os.open(path, OPEN_READ)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise OSError(f"{path} is not a regular file")
-        os.set_blocking(fd, True)
-        want = max(0, min(length, info.st_size - offset))
-        buffer = bytearray(want)
-        got = pread_full(fd, memoryview(buffer), offset)
-        return (bytes(buffer) if got == want else bytes(buffer[:got])), info.st_size
-    finally:
-        os.close(fd)

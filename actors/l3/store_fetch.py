@@ -24,17 +24,16 @@ from actors.l3 import layout
 from actors.l3.commit import Refusal, Rule, check_manifest, validate
 from actors.l3.files import (
     OPEN_CREATE,
-    OPEN_READ,
     fsync_dir,
     intact,
     make_dir,
-    pread_full,
     read_small,
     unlink_quietly,
     write_atomic,
 )
 from actors.l3.layout import Manifest, SegmentRef
 from actors.l3.store import CommitRefused, Store, StoreError, UnknownEntry
+from runtime.durable import read_range
 
 __all__ = ["SegmentReceiver", "commit_fetched", "has_segment", "manifest_bytes", "read_chunk", "receive_segment"]
 
@@ -55,20 +54,11 @@ def read_chunk(store: Store, digest: str, offset: int, length: int) -> tuple[byt
     if offset < 0 or length < 0:
         raise StoreError("offset and length must not be negative")
     try:
-        fd = os.open(store.segment_file(digest), OPEN_READ)
+        return read_range(store.segment_file(digest), offset, length)
     except FileNotFoundError as exc:
         raise UnknownEntry(f"no segment {digest}") from exc
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise StoreError(f"segment {digest[:16]}… is not a regular file")
-        os.set_blocking(fd, True)
-        want = max(0, min(length, info.st_size - offset))
-        buffer = bytearray(want)
-        got = pread_full(fd, memoryview(buffer), offset)
-        return (bytes(buffer) if got == want else bytes(buffer[:got])), info.st_size
-    finally:
-        os.close(fd)
+    except OSError as exc:
+        raise StoreError(f"segment {digest[:16]}… cannot be read: {exc.strerror or exc}") from exc
 
 
 def has_segment(store: Store, digest: str, length: int) -> bool:
