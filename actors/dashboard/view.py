@@ -47,7 +47,7 @@ DECISION_TYPES: Final = frozenset({"placement_decided", "generate_routed"})
 #: Instance states whose server no longer holds memory.
 _ENDED: Final = frozenset({"stopped", "failed", "rejected"})
 #: Envelope fields a summary line leaves out (shown in columns of their own).
-_ENVELOPE: Final = frozenset({"id", "time", "node", "actor", "type"})
+_ENVELOPE: Final = frozenset({"id", "time", "node", "actor", "type", "trace"})
 _SUMMARY_CHARS: Final = 240
 #: A GPU backend's buffer of one device (`CUDA0`, `Vulkan1`, …): the mesh names that device `GPU<n>`.
 _GPU_BUFFER: Final = re.compile(r"^(?:CUDA|ROCm|HIP|Vulkan|SYCL|MUSA|CANN)(\d+)$")
@@ -175,6 +175,7 @@ class FleetView:
             "actor": str(event.get("actor") or ""),
             "type": kind,
             "summary": summary(event),
+            "trace": event["trace"][:64] if isinstance(event.get("trace"), str) else "",  # the request's traceparent
             "decision": kind in DECISION_TYPES and bool(event_id),
         }
         self._journal.append(entry)

@@ -117,6 +117,12 @@ def test_the_journal_tail_is_bounded_and_an_event_read_twice_shows_once() -> Non
     assert len(view.journal) == 5
 
 
+def test_an_events_trace_is_kept_beside_its_summary() -> None:
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    (delta,) = FleetView().event(1, "s", event_bytes("e1", trace=traceparent, attempt=2))
+    assert delta["value"]["trace"] == traceparent and delta["value"]["summary"] == "attempt=2"
+
+
 def test_an_unreadable_event_shows_as_such() -> None:
     (delta,) = FleetView().event(3, "mesh.events.x.y.n9", b"\xff not json")
     assert delta["value"]["type"] == "unreadable" and delta["value"]["node"] == "n9"

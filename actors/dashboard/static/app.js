@@ -172,7 +172,10 @@ function renderModels() {
 
 function journalRow(e, fresh) {
   const row = el(
-    "tr", { "data-event": e.id, "data-type": e.type, class: [e.decision ? "decision" : "", fresh ? "fresh" : ""].join(" ").trim() || null },
+    "tr", {
+      "data-event": e.id, "data-type": e.type, title: e.trace ? `trace ${e.trace.split("-")[1] ?? e.trace}` : null,
+      class: [e.decision ? "decision" : "", fresh ? "fresh" : ""].join(" ").trim() || null,
+    },
     el("td", { text: clock(e.time) }),
     el("td", { text: e.node }),
     el("td", { text: e.actor }),
