@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from actors.files.actor import FilesActor
 from actors.frontdoor.actor import FrontDoorActor
 from actors.handoff import receiver as handoff_receiver
 from actors.handoff import sender as handoff_sender
@@ -43,6 +44,7 @@ from actors.runner.actor import RunnerActor, RunnerLimits
 from actors.telemetry.actor import TelemetryActor
 from messages import errors
 from messages import events as ev
+from messages import files as files_messages
 from messages import handoff as handoff_messages
 from messages import l3 as l3_messages
 from messages import placement as placement_messages
@@ -81,10 +83,10 @@ COMMAND = "python -m docs.generate_api"
 S = Subjects(DEFAULT_PREFIX)
 TELEMETRY, PLACEMENT, RUNNER, L3 = TelemetryActor.name, PlacementActor.name, RunnerActor.name, L3Actor.name
 ROUTER, FRONTDOOR = RouterActor.name, FrontDoorActor.name
-HANDOFF, METRICS = HandoffActor.name, MetricsActor.name
+HANDOFF, METRICS, FILES = HandoffActor.name, MetricsActor.name, FilesActor.name
 NODE = "node"  # the pseudo-actor of `mesh-actor run` itself (runtime/launcher.py)
 # the front door only with --http, the metrics with --http or --metrics
-SUPERVISED = (TELEMETRY, PLACEMENT, RUNNER, L3, ROUTER, HANDOFF, FRONTDOOR, METRICS)
+SUPERVISED = (TELEMETRY, PLACEMENT, RUNNER, L3, ROUTER, HANDOFF, FILES, FRONTDOOR, METRICS)
 
 #: Who publishes each event, and when. Every member of `AnyEvent` must be here (checked at render time).
 EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
@@ -545,6 +547,15 @@ def render() -> str:
             f"{_link('EntryStat')} / {_link('VerifyReply')} | the L3 actor of that node (`mesh-actor l3`) |",
             f"| `{S.l3(node, 'gc')}` / `{S.l3(node, 'evict')}` | req/reply | {_link('GcRequest')} → {_link('GcReply')}"
             f" / {_link('EvictRequest')} → {_link('EvictReply')} | the L3 actor of that node (`mesh-actor l3`) |",
+            f"| `{S.files(node, 'held')}` | req/reply | {_link('HeldRequest')} → {_link('FileHeld')} (only for files "
+            "a catalog or a trusted registry entry names; anything else `not_found`) | the files actor of that node |",
+            f"| `{S.files(node, 'chunk')}` | req/reply | {_link('ChunkRequest')} → raw bytes: one chunk of the file "
+            f"(under `max_payload`), headers `{files_messages.FILES_OFFSET_HEADER}`, "
+            f"`{files_messages.FILES_TOTAL_HEADER}` and `{files_messages.FILES_BLAKE3_HEADER}` (the chunk's own "
+            "blake3) | the files actor of that node |",
+            f"| `{S.files(node, 'pull')}` | req/reply | {_link('PullRequest')} → {_link('PullReply')} (a refusal "
+            "carries `details.reason`; admin credentials only) | the files actor of that node (`mesh-actor models "
+            "pull`) |",
             f"| `{S.handoff(node, 'open')}` | req/reply | {_link('HandoffOpen')} → {_link('HandoffOpened')} "
             "(a refusal: `busy`, or `bad_request` with `details.reason`) | the handoff actor of that node (the "
             "receiver) |",
@@ -844,6 +855,11 @@ def render() -> str:
         l3_messages.GcReply,
         l3_messages.EvictRequest,
         l3_messages.EvictReply,
+        files_messages.HeldRequest,
+        files_messages.FileHeld,
+        files_messages.ChunkRequest,
+        files_messages.PullRequest,
+        files_messages.PullReply,
         handoff_messages.HandoffOpen,
         handoff_messages.HandoffOpened,
         handoff_messages.CreditGrant,
