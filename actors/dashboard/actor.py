@@ -11,7 +11,8 @@ What it serves (`register` adds the routes to the front door's application):
   /ui/static/<file>` its files;
 * `GET /ui/stream`: server-sent events, a `snapshot` of the whole view when a page connects, then `delta`s as
   the records and the journal change (the browser's `EventSource` reconnects by itself, and gets a snapshot);
-* `GET /ui/events/<id>`: a placement or routing decision with its inputs and its replay (`explain`).
+* `GET /ui/events/<id>`: a placement or routing decision with its inputs and its replay (`explain`; at most
+  `EXPLAINING` at once, in threads).
 
 Keys: with an API key set, every route answers 401 without it. A request presents it as the rest of the listener
 takes it (`Authorization: Bearer KEY`, `x-api-key`), or as the session cookie a browser gets by posting the key
@@ -42,7 +43,7 @@ from actors.dashboard.access import COOKIE, SESSION_S, session_token, session_va
 from actors.dashboard.explain import explain
 from actors.dashboard.view import Delta, FleetView, merge
 from actors.frontdoor import shapes
-from messages.errors import BAD_REQUEST, INVALID_API_KEY, NOT_FOUND, UNAVAILABLE
+from messages.errors import BAD_REQUEST, BUSY, INVALID_API_KEY, NOT_FOUND, UNAVAILABLE
 from messages.frontdoor import FrontDoorReport
 from messages.l3 import L3Inventory
 from messages.placement import LEDGER_KEY_PREFIX, NodeLedger
@@ -63,6 +64,9 @@ READY_S: Final = 15.0
 KEEPALIVE_S: Final = 15.0
 #: How long a login form's body may take to arrive.
 FORM_TIMEOUT_S: Final = 10.0
+#: Decisions explained at once (a placement's replay is CPU work, done in a thread), and how long one waits its turn.
+EXPLAINING: Final = 2
+EXPLAIN_WAIT_S: Final = 10.0
 _STATIC: Final = {
     "index.html": "text/html; charset=utf-8",
     "login.html": "text/html; charset=utf-8",
@@ -126,6 +130,7 @@ class DashboardActor(Actor):
         self._view: FleetView | None = None  # None while the actor is not running (routes answer 503)
         self._clients: set[_Client] = set()
         self._log: Any = None
+        self._explaining = asyncio.Semaphore(EXPLAINING)
         self._files = {name: (resources.files(__package__) / "static" / name).read_bytes() for name in _STATIC}
 
     # --- what it follows -------------------------------------------------------------------------------------
@@ -294,10 +299,23 @@ class DashboardActor(Actor):
         if data is None:
             raise shapes.ApiError(NOT_FOUND, "no such decision among the latest the dashboard keeps")
         try:
-            detail = await asyncio.to_thread(explain, data)  # replaying a placement is CPU work
+            async with asyncio.timeout(EXPLAIN_WAIT_S):
+                await self._explaining.acquire()
+        except TimeoutError as exc:
+            raise shapes.ApiError(BUSY, "other decisions are being explained: try again") from exc
+        # Replaying a placement is CPU work, in a thread; its turn ends when the thread does, even if the page left.
+        work = asyncio.get_running_loop().run_in_executor(None, explain, data)
+        work.add_done_callback(self._explained)
+        try:
+            detail = await asyncio.shield(work)
         except (ValueError, msgspec.DecodeError) as exc:
             raise shapes.ApiError(BAD_REQUEST, f"not a decision: {exc}") from exc
         return web.json_response(detail, dumps=_dumps, headers={"Cache-Control": "no-store"})
+
+    def _explained(self, work: asyncio.Future[dict[str, Any]]) -> None:
+        self._explaining.release()
+        if not work.cancelled():
+            work.exception()  # retrieved here: a page that left does not read it
 
     async def _stream(self, request: web.Request) -> web.StreamResponse:
         if not self._authorized(request):
