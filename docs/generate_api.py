@@ -188,6 +188,14 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
         "are kept",
     ),
     ev.L3Fetched: ((L3,), "an entry was fetched from a peer and committed; `moved_bytes`: the segments it lacked"),
+    ev.ModelFilePulled: (
+        (FILES,),
+        "`models pull`: a model file arrived from a peer, its whole blake3 verified; `resumed_from`: bytes kept",
+    ),
+    ev.ModelFilePullRefused: (
+        (FILES,),
+        "a pull was refused (`reason`: `no_peer`, `no_space`, `digest_mismatch`, `chunk_refused`, `peer_failed`, …)",
+    ),
     ev.L3EvictionBlocked: (
         (L3,),
         "a reconcile (start, `l3 gc`) found quarantined manifests that cannot be parsed: no segment may be freed, "

@@ -374,6 +374,29 @@ class L3Fetched(Event, frozen=True, kw_only=True, tag="l3_fetched"):
     fetch_ms: float
 
 
+class ModelFilePulled(Event, frozen=True, kw_only=True, tag="model_file_pulled"):
+    """A model file was fetched from a peer into this node's models dir and verified (whole-file blake3)."""
+
+    name: str  # the catalog model or registry entry
+    path: str  # relative to the models dir
+    blake3: str
+    bytes: int
+    peer: str
+    resumed_from: int  # bytes of an interrupted pull kept (re-verified), not fetched again
+    moved_bytes: int
+    fetch_ms: float
+
+
+class ModelFilePullRefused(Event, frozen=True, kw_only=True, tag="model_file_pull_refused"):
+    """A pull was refused (`reason`: `transfer.Reason`); wrong bytes were deleted, a peer's failure left the part."""
+
+    name: str
+    path: str  # relative to the models dir ("" when the name named no file)
+    reason: str
+    detail: str
+    peer: str = ""
+
+
 class HandoffCommitted(Event, frozen=True, kw_only=True, tag="handoff_committed"):
     """A handoff session was verified (every segment, the tiling, the counts, the payload digest) and restored."""
 
@@ -499,6 +522,8 @@ AnyEvent = (
     | L3Evicted
     | L3Quarantined
     | L3Fetched
+    | ModelFilePulled
+    | ModelFilePullRefused
     | HandoffCommitted
     | HandoffAborted
     | LinkMeasured

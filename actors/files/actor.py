@@ -23,6 +23,7 @@ One pull per destination at a time (a second is `busy`). Refusals are error repl
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import os
 import time
@@ -45,6 +46,7 @@ from actors.files.transfer import Holder, Reason, Refusal
 from actors.frontdoor.catalog import CATALOG_FILE, CatalogError, parse_catalog
 from actors.placement.registry import RegistryUntrusted, verify
 from messages.errors import BAD_REQUEST, BUSY, ERROR_HEADER, MESH_ERROR_HEADER, NOT_FOUND, UNAVAILABLE
+from messages.events import ModelFilePulled, ModelFilePullRefused
 from messages.files import (
     FILES_BLAKE3_HEADER,
     FILES_OFFSET_HEADER,
@@ -97,6 +99,8 @@ class _Refused(Exception):
     def __init__(self, refusal: Refusal) -> None:
         super().__init__(str(refusal))
         self.refusal = refusal
+        self.path = ""  # the relative name, once known
+        self.peer = ""  # the peer whose bytes were refused
 
 
 class _PeerFailed(Exception):
@@ -295,6 +299,14 @@ class FilesActor(Actor):
         except _Refused as exc:
             refusal = exc.refusal
             ctx.log.warning("file_pull_refused", model=request.name, reason=refusal.reason.value, detail=refusal.detail)
+            ctx.emit(
+                ModelFilePullRefused,
+                name=request.name,
+                path=exc.path,
+                reason=refusal.reason.value,
+                detail=refusal.detail,
+                peer=exc.peer,
+            )
             raise RequestError(_CODES[refusal.reason], str(refusal), {"reason": refusal.reason.value}) from exc
 
     async def _pull(self, ctx: ActorContext, request: PullRequest) -> PullReply:
@@ -312,6 +324,9 @@ class FilesActor(Actor):
         self._pulling.add(relative)
         try:
             return await self._pull_file(ctx, request, relative, dest, digest, size)
+        except _Refused as exc:
+            exc.path = relative
+            raise
         finally:
             self._pulling.discard(relative)
 
@@ -343,6 +358,7 @@ class FilesActor(Actor):
         resumed = part.resumed_from
         moved = 0
         failures: list[str] = []
+        peer = ""
         try:
             free = await self._blocking(parts.free_bytes, directory)
             refusal = transfer.space_refusal(
@@ -350,7 +366,6 @@ class FilesActor(Actor):
             )
             if refusal is not None:
                 raise _Refused(refusal)
-            peer = ""
             for peer in source.peers:
                 before = part.received
                 try:
@@ -371,17 +386,36 @@ class FilesActor(Actor):
                 raise _Refused(refusal)
             await self._blocking(part.land, dest)
         except _Refused as exc:
-            if exc.refusal.reason in (Reason.PEER_FAILED, Reason.NO_SPACE):
+            exc.peer = peer if exc.refusal.reason in (Reason.CHUNK_REFUSED, Reason.DIGEST_MISMATCH) else ""
+            if exc.refusal.reason in (Reason.PEER_FAILED, Reason.NO_SPACE) and part.received:
                 await self._blocking(part.close)  # kept: the next pull resumes from its verified length
             else:
-                await self._blocking(part.discard)  # wrong bytes: nothing of them is left
+                await self._blocking(part.discard)  # wrong bytes (or nothing yet): nothing of them is left
             raise
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                await self._blocking(part.close)
+                raise
+            # the file system filled up under the pull: what was verified stays for a later pull
+            await self._blocking(part.close if part.received else part.discard)
+            raise _Refused(Refusal(Reason.NO_SPACE, f"the file system filled up at {part.received} bytes")) from exc
         except BaseException:
             await asyncio.shield(self._blocking(part.close))
             raise
         fetch_ms = round((time.monotonic() - started) * 1000, 3)
         ctx.log.info(
             "file_pulled", path=relative, peer=peer, bytes=source.size, moved_bytes=moved, resumed_from=resumed
+        )
+        ctx.emit(
+            ModelFilePulled,
+            name=request.name,
+            path=relative,
+            blake3=source.digest,
+            bytes=source.size,
+            peer=peer,
+            resumed_from=resumed,
+            moved_bytes=moved,
+            fetch_ms=fetch_ms,
         )
         return msgspec.structs.replace(
             here,

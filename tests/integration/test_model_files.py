@@ -33,7 +33,7 @@ from messages.files import (
 )
 from messages.subjects import Subjects
 from runtime.bus import Bus, RemoteError, encode
-from tests.conftest import supervised
+from tests.conftest import JournalReader, of_type, supervised
 from tests.tiny_models import write_llama
 
 S = Subjects()
@@ -138,7 +138,7 @@ def leftovers(models: Path) -> list[str]:
 
 
 async def test_a_node_without_the_file_pulls_it_from_the_peer_that_holds_it_verified(
-    bus: Bus, tmp_path: Path, model: Path
+    bus: Bus, tmp_path: Path, model: Path, journal_reader: JournalReader
 ) -> None:
     async with nodes(bus, tmp_path, model) as (_, models_b):
         reply = await pull(bus, "b", "tiny", peer="a")
@@ -149,6 +149,14 @@ async def test_a_node_without_the_file_pulls_it_from_the_peer_that_holds_it_veri
         assert leftovers(models_b) == ["tiny.gguf"]  # no part file, no journal
         again = await pull(bus, "b", "tiny")  # already there: nothing moves
         assert again.already and again.moved_bytes == 0 and again.blake3 == reply.blake3
+        (event,) = await journal_reader.wait_for(of_type("model_file_pulled", node="b"))
+        assert (event["name"], event["path"], event["peer"], event["blake3"]) == (
+            "tiny",
+            "tiny.gguf",
+            "a",
+            reply.blake3,
+        )
+        assert event["moved_bytes"] == size and event["actor"] == "files"
 
 
 async def test_an_interrupted_pull_resumes_from_its_verified_part_without_starting_over(
@@ -173,7 +181,7 @@ async def test_an_interrupted_pull_resumes_from_its_verified_part_without_starti
 
 @pytest.mark.parametrize("lie", ["consistent", "inconsistent"])
 async def test_a_peer_sending_wrong_bytes_is_refused_and_nothing_is_left(
-    bus: Bus, tmp_path: Path, model: Path, lie: str
+    bus: Bus, tmp_path: Path, model: Path, lie: str, journal_reader: JournalReader
 ) -> None:
     def wrong(request: ChunkRequest, piece: bytes) -> tuple[bytes, str]:
         if request.offset == 0:
@@ -187,6 +195,8 @@ async def test_a_peer_sending_wrong_bytes_is_refused_and_nothing_is_left(
         reason = "digest_mismatch" if lie == "consistent" else "chunk_refused"
         assert failure.reply.details["reason"] == reason, failure
         assert leftovers(models_b) == []
+        (event,) = await journal_reader.wait_for(of_type("model_file_pull_refused", reason=reason))
+        assert (event["name"], event["path"], event["peer"]) == ("tiny", "tiny.gguf", "evil")
 
 
 async def test_a_file_system_that_cannot_take_the_file_is_a_refusal_before_any_byte_moves(
@@ -195,8 +205,7 @@ async def test_a_file_system_that_cannot_take_the_file_is_a_refusal_before_any_b
     async with nodes(bus, tmp_path, model, FilesLimits(keep_free_bytes=1 << 60)) as (_, models_b):
         failure = await refused(bus, "b", "tiny", peer="a")
         assert failure.reply.details["reason"] == "no_space" and "needs" in failure.reply.message
-        assert not (models_b / "tiny.gguf").exists()
-        assert [p for p in leftovers(models_b) if not p.endswith((".part", ".chunks"))] == []
+        assert leftovers(models_b) == []  # not even an empty part
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
