@@ -2,8 +2,9 @@
 
 Tokens are printed as they come with `--stream` (the default on a terminal); `--json` prints the whole reply
 object instead (text, token ids, where the prefix came from, tokens restored and evaluated, timings, node and
-instance). `--tokens` reads PROMPT as comma-separated token ids. Exit codes: 0 done, 1 the mesh refused or
-failed (the error code and message on stderr), 2 usage.
+instance, and the request's `trace`). `--tokens` reads PROMPT as comma-separated token ids. The request runs in a
+new W3C trace, or the one `--traceparent` names: `mesh-actor events --trace ID` finds its events. Exit codes:
+0 done, 1 the mesh refused or failed (the error code and message on stderr), 2 usage.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import msgspec
 
 from messages.generate import GenerateChunk, GenerateRequest
 from messages.subjects import Subjects
+from runtime import tracing
 from runtime.bus import BusError, RemoteError
 from runtime.cli.common import EXIT_OK, EXIT_USAGE, CliError, add_client_options, connect, emit_json, prefix
 from runtime.generate_client import StreamGap, generate
@@ -39,8 +41,19 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument(
         "--prefill-node", metavar="NODE", help="prefill on NODE, hand the state off, decode on the routed instance"
     )
+    p.add_argument(
+        "--traceparent", metavar="TRACEPARENT", type=_traceparent,
+        help="run the request in this W3C trace (default: a new one; its id is printed, and `trace` in --json)",
+    )  # fmt: skip
     add_client_options(p)
     p.set_defaults(func=cmd_generate)
+
+
+def _traceparent(text: str) -> tracing.TraceContext:
+    ctx = tracing.parse(text.strip())
+    if ctx is None:
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} is not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)")
+    return ctx
 
 
 def _request(args: argparse.Namespace) -> GenerateRequest:
@@ -81,8 +94,11 @@ async def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
 
+    # the client's own span: the router's hop is its child, and every event of the request carries its trace id
+    trace = args.traceparent or tracing.child(tracing.fresh())
     try:
-        result = await generate(bus, Subjects(prefix(args)), request, show if stream else None)
+        with tracing.use(trace):
+            result = await generate(bus, Subjects(prefix(args)), request, show if stream else None)
     except RemoteError as exc:
         raise CliError(f"{exc.code}: {exc.reply.message}") from exc
     except (BusError, StreamGap) as exc:
@@ -90,7 +106,7 @@ async def cmd_generate(args: argparse.Namespace) -> int:
     finally:
         await bus.close()
     if args.json:
-        emit_json(msgspec.to_builtins(result))
+        emit_json({**msgspec.to_builtins(result), "trace": trace.traceparent})
         return EXIT_OK
     if stream:
         sys.stdout.write("\n")
@@ -105,7 +121,8 @@ async def cmd_generate(args: argparse.Namespace) -> int:
             f"{result.handoff_ms:.0f} ms]"
             if result.path == "disaggregated"
             else "]"
-        ),
+        )
+        + f" trace {trace.trace_hex}",
         file=sys.stderr,
     )
     return EXIT_OK

@@ -196,6 +196,25 @@ async def test_one_requests_traceparent_is_on_each_of_its_journal_events_across_
                 assert {s.resource["service.instance.id"] for s in captures} == {"node-b"}
                 assert {s.parent_span_id for s in captures} == {generated.span_id}
 
+                # --- the CLI: a trace of its own, or the one it is given ----------------------------------
+                given = "00-6e0c63257de34c926f9efcd03899c6a1-1111111111111111-01"
+                code, out, err = await cli("generate", "alpha", "hi", "-n", "2", "--json", "--traceparent", given,
+                                           "--data-dir", str(first))  # fmt: skip
+                assert code == 0, err
+                reply_json = json.loads(out)
+                assert reply_json["trace"] == given
+                code, out, err = await cli("generate", "alpha", "hi", "-n", "2", "--data-dir", str(first))
+                assert code == 0 and " trace " in err, err
+                own = err.rsplit(" trace ", 1)[1].strip()
+                events = await events_until(
+                    first, lambda es: sum(e["type"] == "generate_completed" and trace_of(e) in (own, given[3:35])
+                                          for e in es) == 2,
+                )  # fmt: skip
+                of_cli = [e for e in events if e.get("request_id") == reply_json["request_id"]]
+                assert of_cli and all(trace_of(e) == given[3:35] for e in of_cli)
+                code, _, err = await cli("generate", "alpha", "hi", "--traceparent", "ff-bad", "--data-dir", str(first))
+                assert code == 2 and "traceparent" in err, err
+
 
 async def test_a_prefill_elsewhere_and_its_handoff_are_hops_of_the_requests_trace(tmp_path: Path, model: Path) -> None:
     """Prefill on node B, decode on node A: B's prefill and its handoff's send, A's receive, the L3 restore and the
