@@ -159,7 +159,8 @@ def _files(directory: Path, case: Case) -> tuple[Path, Path, ModelGeometry, Proj
 
 
 async def _log_once(server: Any, pattern: re.Pattern[str], timeout_s: float = 10.0) -> str:
-    """The server's log once it holds `pattern` (llama.cpp logs from a thread of its own), or as it is at the deadline."""
+    """The server's log once it holds `pattern` (llama.cpp logs from a thread of its own), or as it is at the
+    deadline."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         text: str = await asyncio.to_thread(server.log)
