@@ -1,7 +1,8 @@
 """`mesh-actor models`: the front doors' catalogs, each model with its state, memory and queue.
 
 Read from the `MESH_FRONTDOORS` bucket (each front door's last report; a node that stopped drops out with its
-key's TTL). `--json` prints the reports as they are stored.
+key's TTL). `--json` prints the reports as they are stored. Under each model, the live nodes that hold its file
+(each node asked `mesh.files.<node>.held`; a client's credentials may not ask, and then nothing is shown).
 
 `mesh-actor models pull NAME [--node ID] [--from PEER]` asks node ID's files actor (`mesh.files.<id>.pull`) to
 fetch the file of catalog model (or registry entry) NAME from a peer that holds it into its models dir, verified
@@ -11,12 +12,15 @@ fetch the file of catalog model (or registry entry) NAME from a peer that holds 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from typing import Any
 
 import msgspec
+import nats.errors
 
-from messages.files import PullReply, PullRequest
+from actors.files import transfer
+from messages.files import FileHeld, HeldRequest, PullReply, PullRequest
 from messages.frontdoor import FrontDoorReport
 from messages.placement import PreferredSettings
 from messages.subjects import Subjects
@@ -92,10 +96,35 @@ async def fetch_frontdoors(bus: Bus, subjects: Subjects) -> list[FrontDoorReport
     return [report for _, report in reports]
 
 
+async def holders(bus: Bus, subjects: Subjects, paths: set[str], timeout_s: float = 5.0) -> dict[str, list[str]]:
+    """The live nodes that hold each file (by relative name), asked a few at a time, each under `timeout_s`; a
+    node that does not answer (or may not be asked) is left out."""
+    reports, _ = await buckets.read_all(bus, subjects.nodes_bucket, NodeResources)
+    nodes = sorted(key for key, _ in reports)
+    limit = asyncio.Semaphore(16)
+
+    async def ask(node: str, path: str) -> tuple[str, str] | None:
+        async with limit:
+            try:
+                await bus.request(subjects.files(node, "held"), HeldRequest(path=path), FileHeld, timeout=timeout_s)
+            except (BusError, nats.errors.Error, msgspec.ValidationError):
+                return None
+            return node, path
+
+    found: dict[str, list[str]] = {path: [] for path in paths}
+    wanted = [(node, path) for path in sorted(paths) if transfer.check_relative(path) is None for node in nodes]
+    for answer in await asyncio.gather(*(ask(node, path) for node, path in wanted)):
+        if answer is not None:
+            found[answer[1]].append(answer[0])
+    return found
+
+
 async def cmd_models(args: argparse.Namespace) -> int:
+    subjects = Subjects(prefix(args))
     bus = await connect(args, "models")
     try:
-        reports = await fetch_frontdoors(bus, Subjects(prefix(args)))
+        reports = await fetch_frontdoors(bus, subjects)
+        held = {} if args.json else await holders(bus, subjects, {m.path for r in reports for m in r.models})
     finally:
         await bus.close()
     if args.json:
@@ -115,6 +144,8 @@ async def cmd_models(args: argparse.Namespace) -> int:
             )
             if m.settings is not None:
                 print(f"  {'':<24} requires {_required(m.settings)}")
+            if held.get(m.path):
+                print(f"  {'':<24} file held on {', '.join(held[m.path])}")
     return EXIT_OK
 
 

@@ -2,7 +2,8 @@
 
 `mesh-actor models pull tiny --node b` copies the catalog model's file into node b's models dir (same relative
 name), verified; a second pull finds it there; then a model placed by that relative name on node b starts
-llama-server on the pulled file and answers `/completion`.
+llama-server on the pulled file and answers `/completion`. `mesh-actor models` (a's front door lists the
+catalog) shows which nodes hold the file, before and after.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from messages.placement import ModelRef, PlacementDecision, PlacementRequest
 from messages.runner import RunnerAck, StartInstance
 from messages.subjects import Subjects
 from runtime.bus import Bus
+from runtime.children import free_port
 from runtime.config import NatsOptions
 from tests.conftest import node_process, run_cli
 from tests.e2e.test_mesh import QUIET, nats_env, wait_nodes
@@ -46,6 +48,17 @@ async def place_and_start(env: dict[str, str], path: str, node: str) -> str:
         await bus.close()
 
 
+async def models_listing(env: dict[str, str]) -> str:
+    """`mesh-actor models` once the front door has reported its catalog."""
+    async with asyncio.timeout(30):
+        while True:
+            code, out, err = await run_cli("models", env=env)
+            assert code == 0, err
+            if "tiny" in out:
+                return out
+            await asyncio.sleep(0.3)
+
+
 def digest(path: Path) -> str:
     return str(blake3.blake3(path.read_bytes()).hexdigest())
 
@@ -58,10 +71,11 @@ async def test_a_node_without_the_file_pulls_it_from_its_peer_and_serves_it(tmp_
         (data / "models.toml").write_text(CATALOG)
     model = write_llama(data_a / "models" / "tiny.gguf", n_layer=8, n_embd=256, n_head=8, n_ff=512)
     pulled = data_b / "models" / "tiny.gguf"
-    async with node_process(data_a, "a", "--parallel", "1", *QUIET):
+    async with node_process(data_a, "a", "--parallel", "1", *QUIET, "--http", str(free_port())):
         env = await nats_env(data_a)
         async with node_process(data_b, "b", "--parallel", "1", *QUIET, env=env):
             await wait_nodes(data_a, "a", "b")
+            assert "file held on a\n" in await models_listing(env)
             code, out, err = await run_cli("models", "pull", "tiny", "--node", "b", "--json", env=env, timeout=120)
             assert code == 0, err + out
             reply = json.loads(out)
@@ -72,6 +86,7 @@ async def test_a_node_without_the_file_pulls_it_from_its_peer_and_serves_it(tmp_
 
             code, out, err = await run_cli("models", "pull", "tiny", "--node", "b", env=env)
             assert code == 0 and "already on b" in out, err + out
+            assert "file held on a, b\n" in await models_listing(env)
 
             code, out, err = await run_cli("models", "pull", "nothing", "--node", "b", env=env)
             assert code == 1 and "not_named" in err, err + out
