@@ -149,6 +149,10 @@ async def main() -> None:
         clients = {side: _client(ports[side], http) for side in SIDES}
         for side in SIDES:  # loads each node's instance (not timed)
             await via_front_door(clients[side], "load", rng)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            for side, wanted in (("on", 200), ("off", 404)):  # the off node folds and serves no metrics at all
+                async with session.get(f"http://127.0.0.1:{ports[side]}/metrics") as reply:
+                    assert reply.status == wanted, (side, reply.status)
         buses = {side: await connect(dirs[side]) for side in SIDES}
         try:
             async with scraping(ports["on"], args.scrape_s) as scrapes:
