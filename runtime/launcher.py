@@ -226,8 +226,14 @@ async def run_node(
     SIGTERM stop it and SIGHUP reloads the serving settings, and the process's previous handlers are restored
     when it returns (an in-process node, e.g. in a test, installs none). Returns the process exit code."""
     log = get_logger(node=config.node_id)
+    # --otlp without the extra stops the node here, before anything starts (`OtlpUnavailable`)
     exporter = start_exporter(config.otlp, node_id=config.node_id, version=VERSION) if config.otlp else None
-    lock = lock_data_dir(config.data_dir)
+    try:
+        lock = lock_data_dir(config.data_dir)
+    except BaseException:
+        if exporter is not None:
+            exporter.shutdown(0.0)  # nothing was exported yet: its thread ends at once
+        raise
     stop = stop or asyncio.Event()
     tracing.set_enabled(config.trace_on)
     if exporter is not None:
