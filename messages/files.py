@@ -7,8 +7,9 @@ Subjects `<prefix>.files.<node>.<verb>` (`Subjects.files`):
 * `.chunk` (node to node): one chunk of such a file, asked by name and digest; the reply is raw bytes with the
   chunk's place and its own blake3 in headers (`FILES_OFFSET_HEADER`, `FILES_TOTAL_HEADER`,
   `FILES_BLAKE3_HEADER`), at most what fits the server's `max_payload`. Errors are the usual error replies.
-* `.pull` (an operator, `mesh-actor models pull`): fetch a catalog model's file from a peer into this node's
-  models directory, verified; answered once it is there (or refused, with the reason in `details.reason`).
+* `.pull` (an operator, `mesh-actor models pull`; or the node's own runner, for a file a start needs): fetch a
+  catalog model's file from a peer into this node's models directory, verified; answered once it is there (or
+  refused, with the reason in `details.reason`).
 
 A peer never names a path on the fetching node: the destination is that node's models dir and the relative
 name its own catalog (or the signed registry entry) gives. See actors/files/.
@@ -55,15 +56,19 @@ class ChunkRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class PullRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Fetch the file of catalog model (or registry entry) `name` into this node's models dir."""
+    """Fetch the file of catalog model (or registry entry) `name` into this node's models dir; or, from the node
+    itself (a runner starting a model whose file it lacks), the file of relative name `path`, which a catalog or
+    a trusted registry entry must name, at the version `blake3` when admission stamped one."""
 
-    name: ModelName
+    name: ModelName | None = None
+    path: RelativeName | None = None
+    blake3: Digest | None = None  # with `path`: the version to fetch (else the signed one, else the holders')
     peer: NodeId | None = None  # fetch from this node only (default: any live node that holds it)
 
 
 class PullReply(msgspec.Struct, frozen=True, kw_only=True):
     node_id: NodeId
-    name: str
+    name: str  # the model asked for ("" when a path was)
     path: str  # the relative name in the node's models dir
     size: Size
     blake3: Digest

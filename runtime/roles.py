@@ -35,12 +35,13 @@ Within an account, each user's `permissions`:
   bucket keys (`MESH_NODES.<id>`, `MESH_L3.<id>`, `MESH_INSTANCES.<id>.>`), serves its own runner, L3 and
   handoff subjects and the queue groups every node serves (placement, generate), and requests other nodes'
   runner `generate`/`tokenize`/`render`/`start`/`stop` (router and front door), `lend` (a split's head), L3
-  peer fetch, model files (`files.<id>.held`/`.chunk`; a `pull` is an admin's request) and handoff subjects
-  (but not another node's link probe, `handoff.<id>.probe`: an admin's request). Placement runs on every node
-  and books memory on any node by compare-and-set, so a node may write every reservation ledger (and start or
-  stop instances anywhere): that is the trust that remains between nodes. It may create the mesh's streams and
-  buckets (an idempotent create cannot alter an existing one) but not update, delete or purge them (the
-  decisions object store excepted: replacing an object purges its old chunks).
+  peer fetch, model files (`files.<id>.held`/`.chunk`; a `pull` only of its own node: an admin's request
+  elsewhere) and handoff subjects (but not another node's link probe, `handoff.<id>.probe`: an admin's
+  request). Placement runs on every node and books memory on any node by compare-and-set, so a node may write
+  every reservation ledger (and start or stop instances anywhere): that is the trust that remains between
+  nodes. It may create the mesh's streams and buckets (an idempotent create cannot alter an existing one) but
+  not update, delete or purge them (the decisions object store excepted: replacing an object purges its old
+  chunks).
 - `admin` may do everything (stream and bucket management, registry writes, L3 admin).
 
 Every user receives its replies on its own inbox prefix (the bus sets it from the user name, `inbox_prefix`):
@@ -241,6 +242,7 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
         f"{p}.runner.{node}.>",
         f"{p}.l3.{node}.>",
         f"{p}.handoff.{node}.>",
+        subjects.files(node, "pull"),  # its runner fetches a file a start needs (its own files actor writes it)
     ]
     mesh = [
         subjects.placement_request,

@@ -199,18 +199,18 @@ class FilesActor(Actor):
             return None
         return entry
 
-    async def _signed_files(self, ctx: ActorContext) -> set[str]:
-        """The file names of every registry entry signed by a key this node trusts."""
+    async def _signed_files(self, ctx: ActorContext) -> dict[str, RegistryEntry]:
+        """File name -> the registry entry naming it, for every entry signed by a key this node trusts."""
         if not self.trusted:
-            return set()
+            return {}
         entries, _ = await buckets.read_all(ctx.bus, ctx.subjects.registry_bucket, RegistryEntry)
-        signed = set()
+        signed: dict[str, RegistryEntry] = {}
         for key, entry in entries:
             try:
                 verify(entry, self.trusted, stored_as=key)
             except RegistryUntrusted:
                 continue
-            signed.add(entry.file_name)
+            signed.setdefault(entry.file_name, entry)
         return signed
 
     def _relative(self, path: str) -> str:
@@ -298,10 +298,16 @@ class FilesActor(Actor):
             return await self._pull(ctx, request)
         except _Refused as exc:
             refusal = exc.refusal
-            ctx.log.warning("file_pull_refused", model=request.name, reason=refusal.reason.value, detail=refusal.detail)
+            ctx.log.warning(
+                "file_pull_refused",
+                model=request.name,
+                path=exc.path,
+                reason=refusal.reason.value,
+                detail=refusal.detail,
+            )
             ctx.emit(
                 ModelFilePullRefused,
-                name=request.name,
+                name=request.name or "",
                 path=exc.path,
                 reason=refusal.reason.value,
                 detail=refusal.detail,
@@ -310,11 +316,27 @@ class FilesActor(Actor):
             raise RequestError(_CODES[refusal.reason], str(refusal), {"reason": refusal.reason.value}) from exc
 
     async def _pull(self, ctx: ActorContext, request: PullRequest) -> PullReply:
+        if (request.name is None) == (request.path is None):
+            raise RequestError(BAD_REQUEST, "name a catalog model (name) or a file (path), one of them")
         named = await self._catalog_files(ctx)
-        entry = await self._registry_entry(ctx, request.name)
-        if request.name in named:
-            relative, digest, size = self._relative(named[request.name]), None, None
-        elif entry is not None:
+        digest, size = request.blake3, None
+        if request.path is not None:
+            relative = self._relative(request.path)
+            signed = await self._signed_files(ctx)
+            if relative in signed:
+                signed_entry = signed[relative]
+                if digest not in (None, signed_entry.blake3):
+                    raise _Refused(
+                        Refusal(Reason.NOT_NAMED, f"no trusted registry entry names that version of {relative!r}")
+                    )
+                digest, size = signed_entry.blake3, signed_entry.size_bytes
+            elif relative not in named.values() and not any(self._same(relative, n) for n in named.values()):
+                raise _Refused(
+                    Refusal(Reason.NOT_NAMED, f"no catalog model or trusted registry entry names {relative!r}")
+                )
+        elif request.name in named:
+            relative = self._relative(named[request.name])
+        elif (entry := await self._registry_entry(ctx, request.name or "")) is not None:
             relative, digest, size = self._relative(entry.file_name), entry.blake3, entry.size_bytes
         else:
             raise _Refused(Refusal(Reason.NOT_NAMED, f"no catalog model or trusted registry entry {request.name!r}"))
@@ -333,7 +355,7 @@ class FilesActor(Actor):
     async def _pull_file(
         self, ctx: ActorContext, request: PullRequest, relative: str, dest: Path, digest: str | None, size: int | None
     ) -> PullReply:
-        here = PullReply(node_id=self.node_id, name=request.name, path=relative, size=0, blake3="0" * 64)
+        here = PullReply(node_id=self.node_id, name=request.name or "", path=relative, size=0, blake3="0" * 64)
         if await self._blocking(os.path.lexists, dest):
             try:
                 have = await self._blocking(self.digests.digest, dest)
@@ -408,7 +430,7 @@ class FilesActor(Actor):
         )
         ctx.emit(
             ModelFilePulled,
-            name=request.name,
+            name=request.name or "",
             path=relative,
             blake3=source.digest,
             bytes=source.size,

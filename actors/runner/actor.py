@@ -68,7 +68,7 @@ from actors.runner.driver import CommandRewrite, DriverFault, InstanceDriver, Si
 from actors.runner.lending import Lending, LendingConfig
 from actors.runner.limits import RunnerLimits, default_restart_policy
 from actors.runner.members import MemberLinks
-from actors.runner.preflight import ModelFiles, NodeState
+from actors.runner.preflight import ModelFiles, NodeState, pull_missing
 from actors.runner.process import ServerLog
 from actors.runner.records import TTL_HEADER
 from actors.runner.server_api import ServerApi
@@ -385,7 +385,12 @@ class RunnerActor(Actor):
                 drift=drift,
                 can_head_split=self.route_tls is not None,
             )
-            model = await self._models.read(reservation.model_path, reservation.model_digest, self.limits.file_budget_s)
+            model = await self._models.read(
+                reservation.model_path,
+                reservation.model_digest,
+                self.limits.file_budget_s,
+                fetch=lambda name, digest, budget_s: pull_missing(ctx, name, digest, budget_s),  # from a peer
+            )
             stamp = reservation.stamp
             draft = None  # the draft model's file, checked against the digest admission stamped
             if stamp.draft is not None:

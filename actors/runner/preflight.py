@@ -7,15 +7,18 @@ regular file, never a blocking open of a FIFO), in a worker thread, and every fa
 `Refusal(model_unreadable)`, never an exception. A registry-admitted file's blake3 is checked with
 `FileDigests` (each file version hashed once); a hash that outlasts the request's budget keeps running, and
 a retry waits for the same one. A stamp's companion files (a draft model, a multimodal projector) are read
-the same way, always against the digest admission stamped. The decisions are `actors.runner.admission`'s;
-this module moves bytes.
+the same way, always against the digest admission stamped. A file the node lacks (a relative name, not in
+the models dir) is first fetched from a peer by the node's files actor (`pull_missing`, `mesh.files.<id>.pull`:
+only a file a catalog or trusted registry entry names, at the stamped digest when there is one); a fetch that
+outlasts the budget keeps running there, and the start is refused `unavailable` (retry) meanwhile. The
+decisions are `actors.runner.admission`'s; this module moves bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -28,18 +31,23 @@ from actors.placement.geometry import GeometryError, geometry_from_header
 from actors.placement.gguf_header import GGUFFormatError, GGUFHeader, parse_header
 from actors.placement.projector import ProjectorError, projector_from_header
 from actors.runner.admission import LEDGER_UNREADABLE, MODEL_MISMATCH, MODEL_UNREADABLE, Refusal
-from messages.errors import UNAVAILABLE
+from messages.errors import BUSY, UNAVAILABLE
+from messages.files import PullReply, PullRequest
 from messages.model import ModelGeometry, ProjectorGeometry
 from messages.placement import LEDGER_KEY_PREFIX, NodeLedger
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import ActorContext
-from runtime.bus import BadMessage, decode_checked, encode
+from runtime.bus import BadMessage, BusError, RemoteError, RequestTimeout, decode_checked, encode
 from runtime.model_files import FileDigests, ModelFileError, open_regular, resolve
 
-__all__ = ["LedgerRead", "ModelFiles", "NodeState", "ProjectorFile"]
+__all__ = ["FetchFile", "LedgerRead", "ModelFiles", "NodeState", "ProjectorFile", "pull_missing"]
 
 _Facts = TypeVar("_Facts", ModelGeometry, ProjectorGeometry)
+
+#: Brings a file this node lacks (its relative name, the stamped digest or None) from a peer within a budget;
+#: raises `Refusal` when it cannot be had now.
+FetchFile = Callable[[str, str | None, float], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -126,10 +134,11 @@ class ModelFiles:
         self.digests = digests or FileDigests()
         self._hashing: dict[Path, asyncio.Future[str]] = {}  # hashes in flight (they outlive a request)
 
-    async def read(self, name: str, digest: str | None, budget_s: float) -> ModelFile:
+    async def read(self, name: str, digest: str | None, budget_s: float, fetch: FetchFile | None = None) -> ModelFile:
         """The model `name` names, its header read; with `digest`, the file must have that blake3. The header
-        and the digest share `budget_s`, so a start answers within the request deadline."""
-        path, geometry = await self._read(name, digest, budget_s, geometry_from_header, "model")
+        and the digest share `budget_s`, so a start answers within the request deadline. With `fetch`, a file
+        missing here is fetched from a peer first (within the same budget)."""
+        path, geometry = await self._read(name, digest, budget_s, geometry_from_header, "model", fetch)
         return ModelFile(path, geometry)
 
     async def read_projector(self, name: str, digest: str | None, budget_s: float) -> ProjectorFile:
@@ -138,9 +147,18 @@ class ModelFiles:
         return ProjectorFile(path, projector)
 
     async def _read(
-        self, name: str, digest: str | None, budget_s: float, facts: Callable[[GGUFHeader], _Facts], role: str
+        self,
+        name: str,
+        digest: str | None,
+        budget_s: float,
+        facts: Callable[[GGUFHeader], _Facts],
+        role: str,
+        fetch: FetchFile | None = None,
     ) -> tuple[Path, _Facts]:
-        until = asyncio.get_running_loop().time() + budget_s
+        loop = asyncio.get_running_loop()
+        until = loop.time() + budget_s
+        if fetch is not None and await asyncio.to_thread(_missing, name, self.models_dir):
+            await fetch(name, digest, max(0.0, until - loop.time()))
         try:
             async with asyncio.timeout_at(until):
                 path, found = await asyncio.to_thread(_read_facts, name, self.models_dir, facts)
@@ -193,6 +211,39 @@ def _read_facts(name: str, models_dir: Path, facts: Callable[[GGUFHeader], _Fact
     with os.fdopen(fd, "rb") as handle:
         header = parse_header(handle, key.size, source=str(path))
     return path, facts(header)
+
+
+def _missing(name: str, models_dir: Path) -> bool:
+    """Worker thread: whether `name` is a relative name inside the models dir with no file there yet (a bad
+    name is not "missing": reading it says what is wrong)."""
+    if name.startswith("/"):
+        return False
+    try:
+        return not os.path.lexists(resolve(name, models_dir))
+    except ModelFileError:
+        return False
+
+
+async def pull_missing(ctx: ActorContext, name: str, digest: str | None, budget_s: float) -> None:
+    """`FetchFile` through this node's files actor. A pull still running when the budget ends goes on there (a
+    retry waits for it: `busy`), so the start is refused `unavailable` without releasing the reservation; a
+    refused pull (no peer holds the file, its bytes were wrong, no space) releases it."""
+    subject = ctx.subjects.files(ctx.node_id, "pull")
+    request = PullRequest(path=name, blake3=digest)
+    fetching = f"{_short(name)} is not on this node and is being fetched from a peer; retry"
+    try:
+        reply = await ctx.bus.request(subject, request, PullReply, timeout=max(budget_s, 0.1))
+    except RequestTimeout as exc:
+        raise Refusal(UNAVAILABLE, fetching, releases=False) from exc
+    except RemoteError as exc:
+        if exc.code in (BUSY, UNAVAILABLE):
+            raise Refusal(UNAVAILABLE, f"{fetching} ({exc.reply.message})", releases=False) from exc
+        message = f"{_short(name)} is not on this node and cannot be fetched: {exc.reply.message}"
+        raise Refusal(MODEL_UNREADABLE, message, releases=True) from exc
+    except BusError as exc:
+        message = f"{_short(name)} is not on this node and cannot be fetched: {exc}"
+        raise Refusal(MODEL_UNREADABLE, message, releases=True) from exc
+    ctx.log.info("model_file_fetched", path=reply.path, peer=reply.peer, bytes=reply.size, moved=reply.moved_bytes)
 
 
 def _short(name: str) -> str:

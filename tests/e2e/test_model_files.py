@@ -13,16 +13,21 @@ import json
 from pathlib import Path
 
 import blake3
+import msgspec
 import pytest
 
+from actors.files.actor import FilesActor
 from messages.placement import ModelRef, PlacementDecision, PlacementRequest
-from messages.runner import RunnerAck, StartInstance
+from messages.runner import RunnerAck, StartInstance, StopInstance
 from messages.subjects import Subjects
-from runtime.bus import Bus
+from runtime import buckets
+from runtime.bus import Bus, RemoteError, encode
 from runtime.children import free_port
 from runtime.config import NatsOptions
-from tests.conftest import node_process, run_cli
+from tests.conftest import JournalReader, node_process, of_type, run_cli, supervised
+from tests.e2e import test_runner as runner_tests
 from tests.e2e.test_mesh import QUIET, nats_env, wait_nodes
+from tests.integration.test_placement import report as placement_report
 from tests.llama_harness import call_server, require_server
 from tests.tiny_models import write_llama
 
@@ -107,3 +112,47 @@ async def test_a_node_without_the_file_pulls_it_from_its_peer_and_serves_it(tmp_
             assert response.status == 200 and "content" in response.json()
             code, _, err = await run_cli("stop", instance_id, env=env)
             assert code == 0, err
+
+
+async def test_a_runner_without_the_file_a_reservation_names_fetches_it_from_a_peer_and_starts(
+    bus: Bus, journal_reader: JournalReader, tmp_path: Path
+) -> None:
+    """Placement admitted the model on node-a (from a registry entry's signed facts, or a peer's header), but
+    node-a lacks the file: its runner has its files actor fetch it (at the stamped digest) before the start,
+    and llama-server runs the fetched file. Without a holder, the start is refused and the memory released."""
+    binary = require_server()
+    settings = runner_tests._settings(slots=1)
+    holder_data, data = tmp_path / "holder", tmp_path / "data"
+    for directory in (holder_data, data):
+        (directory / "models").mkdir(parents=True)
+        (directory / "models.toml").write_text('[models.named]\npath = "named.gguf"\n')
+    model = write_llama(holder_data / "models" / "named.gguf", n_layer=4, n_embd=128, n_head=4, n_ff=256)
+    wanted = msgspec.structs.replace(
+        runner_tests._reservation("r-fetch", model, settings, 512), model_path="named.gguf", model_digest=digest(model)
+    )
+    orphan = msgspec.structs.replace(
+        runner_tests._reservation("r-orphan", model, settings, 512), model_path="nowhere.gguf"
+    )
+    await runner_tests._put_ledger(bus, wanted, orphan)
+    await runner_tests._put_telemetry(bus)
+    holder = FilesActor("holder", holder_data, models_dir=holder_data / "models")
+    own = FilesActor(runner_tests.NODE, data, models_dir=data / "models")
+    async with (
+        supervised(bus, [holder], node_id="holder"),
+        supervised(bus, [own], node_id=runner_tests.NODE),
+        runner_tests.runner(bus, data, binary, runner_tests.Node(settings)),
+    ):
+        for put in ("holder", runner_tests.NODE):  # live nodes: the holders a pull asks
+            await (await buckets.nodes(bus, S)).put(put, encode(placement_report(put, 1 << 30)))
+        await runner_tests._put_telemetry(bus)
+        ack = await runner_tests._start(bus, "r-fetch")
+        await journal_reader.wait_for(of_type("instance_ready", instance_id=ack.instance_id), timeout=60)
+        fetched = data / "models" / "named.gguf"
+        assert digest(fetched) == digest(model)
+        assert (await runner_tests._status(bus, ack.instance_id)).model_path == str(fetched)
+        (pulled,) = await journal_reader.wait_for(of_type("model_file_pulled", node=runner_tests.NODE))
+        assert (pulled["path"], pulled["peer"]) == ("named.gguf", "holder")
+        with pytest.raises(RemoteError) as refused:
+            await runner_tests._start(bus, "r-orphan")
+        assert refused.value.code == "model_unreadable" and "cannot be fetched" in refused.value.reply.message
+        await runner_tests._request(bus, "stop", StopInstance(instance_id=ack.instance_id))

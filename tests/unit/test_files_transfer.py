@@ -161,7 +161,7 @@ def test_landing_never_replaces_a_file_that_appeared_at_the_destination(tmp_path
     assert (tmp_path / "m.gguf").read_bytes() == b"someone else's"
 
 
-def test_nodes_ask_peers_for_files_but_only_an_admin_makes_a_node_pull_and_clients_neither() -> None:
+def test_nodes_ask_peers_for_files_but_only_an_admin_or_the_node_itself_makes_it_pull_and_clients_neither() -> None:
     s = Subjects("lab-a")
     node = permissions(s, Role("node", "n1"), "node-n1")
     client = permissions(s, Role("client"), "client-1")
@@ -170,6 +170,7 @@ def test_nodes_ask_peers_for_files_but_only_an_admin_makes_a_node_pull_and_clien
         assert allowed(node, "publish", s.files("n2", verb))
         assert not allowed(client, "publish", s.files("n2", verb))
     assert not allowed(node, "publish", s.files("n2", "pull"))
+    assert allowed(node, "publish", s.files("n1", "pull"))  # its runner, for a file a start needs
     assert not allowed(client, "publish", s.files("n2", "pull"))
     assert allowed(node, "subscribe", s.files("n1", "pull"))
     assert not allowed(node, "subscribe", s.files("n2", "chunk"))
