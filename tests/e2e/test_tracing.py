@@ -8,7 +8,7 @@ and every one of them carries the client's trace id; the spans of the front door
 generation (B) form one trace under the client's span, with the GenAI names. A NATS client calling
 `mesh.generate` directly with its own `traceparent` sees it on that request's events (its capture into L3
 included), and a malformed header becomes a fresh trace, never the client's text. A prefill on another node and
-its handoff are hops of the same trace, on both nodes.
+its handoff, and a prefix fetched from a peer's store, are hops of the same trace.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from runtime.bus import Bus, decode
 from runtime.children import free_port
 from runtime.config import NatsOptions
 from tests.e2e.test_frontdoor import KEY, KEYED, QUIET, write_catalog
-from tests.e2e.test_generate import wait_ready
+from tests.e2e.test_generate import gen, wait_captured, wait_ready
 from tests.e2e.test_mesh import cli, nats_env, need, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.otlp_receiver import ReceivedSpan, otlp_receiver
@@ -270,3 +270,48 @@ async def test_a_prefill_elsewhere_and_its_handoff_are_hops_of_the_requests_trac
                 assert by_name["handoff receive"].parent_span_id == by_name["handoff send"].span_id
                 assert by_name["l3 restore"].parent_span_id == generation.span_id
                 assert committed["trace"].split("-")[2] == by_name["handoff receive"].span_id
+
+
+async def test_a_prefix_fetched_from_a_peers_store_is_a_hop_of_the_requests_trace(tmp_path: Path, model: Path) -> None:
+    """A prompt whose state node A's store holds, served on node B: B's restore fetches it from A within the
+    request's trace (`l3_fetched` carries it; the `l3 fetch` span is the restore's child)."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    fetch_trace = "7a1b2c3d4e5f60718293a4b5c6d7e8f9"
+    async with otlp_receiver() as receiver:
+        flags = ("--otlp", receiver.url, *QUIET)
+        async with node(first, "node-a", *flags, env=OTEL):
+            env = await nats_env(first)
+            async with node(second, "node-b", *flags, env={**env, **OTEL}):
+                await wait_nodes(first, "node-a", "node-b")
+                on_a = await place_on(first, model, "node-a", env)
+                cold = await gen(first, model.name, PROMPT, 4)
+                assert (cold["node"], cold["source"]) == ("node-a", "cold")
+                await wait_captured(first, len(PROMPT) - 1)
+                code, _, err = await cli("stop", on_a, "--data-dir", str(first))
+                assert code == 0, err
+                await place_on(first, model, "node-b", env)
+                fetched = await gen(first, model.name, PROMPT, 4, "--traceparent",
+                                    f"00-{fetch_trace}-2222222222222222-01")  # fmt: skip
+                assert (fetched["node"], fetched["source"]) == ("node-b", "l3_peer"), fetched
+                events = await events_until(
+                    first, lambda es: any(e["type"] == "l3_fetched" and trace_of(e) == fetch_trace for e in es)
+                )
+                (l3_fetched,) = [e for e in events if e["type"] == "l3_fetched" and trace_of(e) == fetch_trace]
+                assert (l3_fetched["node"], l3_fetched["peer"]) == ("node-b", "node-a")
+                spans = await receiver.wait_for(
+                    lambda ss: {"l3 restore", "l3 fetch"} <= {s.name for s in ss if s.trace_id == fetch_trace}
+                )
+                by_name = {s.name: s for s in spans if s.trace_id == fetch_trace}
+                restore, fetch = by_name["l3 restore"], by_name["l3 fetch"]
+                assert (fetch.kind, fetch.parent_span_id) == ("CLIENT", restore.span_id)
+                assert fetch.resource["service.instance.id"] == restore.resource["service.instance.id"] == "node-b"
+                assert (fetch.attributes["mesh.l3.peer"], restore.attributes["mesh.l3.source"]) == ("node-a", "l3_peer")
+                assert l3_fetched["trace"].split("-")[2] == fetch.span_id
+
+
+async def place_on(data_dir: Path, model: Path, node_id: str, env: dict[str, str]) -> str:
+    code, out, err = await cli("place", str(model), "-c", "2048", "--node", node_id, "--start", "--json", env=env)
+    assert code == 0, err + out
+    instance_id = str(json.loads(out)["instance"]["instance_id"])
+    await wait_ready(data_dir, instance_id)
+    return instance_id
