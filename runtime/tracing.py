@@ -14,7 +14,7 @@ random span id and nothing else: no SDK is imported, nothing is recorded or sent
 semantic-convention names where they apply) and ended when the hop ends.
 
 Parsing and formatting are OpenTelemetry's own W3C propagator (`opentelemetry-api`); `tracestate` is not carried.
-A traceparent longer than the W3C limit is refused before the propagator sees it (it would log a warning for
+A traceparent longer than the propagator's limit is refused before it sees it (it would log a warning for
 each: a client could fill the log).
 """
 
@@ -31,6 +31,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 __all__ = [
+    "PROVIDER",
     "TRACEPARENT",
     "Hop",
     "SpanExporter",
@@ -46,7 +47,11 @@ __all__ = [
     "inject",
     "install",
     "leave",
+    "model_name",
+    "operation",
     "parse",
+    "request_attributes",
+    "result_attributes",
     "set_enabled",
     "traceparent",
     "uninstall",
