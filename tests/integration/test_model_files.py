@@ -21,6 +21,7 @@ import msgspec
 import pytest
 
 from actors.files.actor import FilesActor, FilesLimits
+from actors.placement.registry import public_key_of, sign
 from messages.files import (
     FILES_BLAKE3_HEADER,
     FILES_OFFSET_HEADER,
@@ -32,7 +33,9 @@ from messages.files import (
     PullRequest,
 )
 from messages.subjects import Subjects
+from runtime import buckets
 from runtime.bus import Bus, RemoteError, encode
+from runtime.cli.placement import _build_entry
 from tests.conftest import JournalReader, of_type, supervised
 from tests.tiny_models import write_llama
 
@@ -60,14 +63,14 @@ def node_dirs(root: Path, name: str) -> tuple[Path, Path]:
 
 @contextlib.asynccontextmanager
 async def nodes(
-    bus: Bus, root: Path, model: Path, limits: FilesLimits | None = None
+    bus: Bus, root: Path, model: Path, limits: FilesLimits | None = None, trusted: tuple[str, ...] = ()
 ) -> AsyncIterator[tuple[Path, Path]]:
     """Node `a` holds the model, node `b` does not; yields their models dirs."""
     data_a, models_a = node_dirs(root, "a")
     data_b, models_b = node_dirs(root, "b")
     os.link(model, models_a / "tiny.gguf")
-    a = FilesActor("a", data_a, models_dir=models_a, limits=limits)
-    b = FilesActor("b", data_b, models_dir=models_b, limits=limits)
+    a = FilesActor("a", data_a, models_dir=models_a, limits=limits, trusted_registry_keys=trusted)
+    b = FilesActor("b", data_b, models_dir=models_b, limits=limits, trusted_registry_keys=trusted)
     async with supervised(bus, [a], node_id="a"), supervised(bus, [b], node_id="b"):
         async with asyncio.timeout(10):
             while True:  # both answer
@@ -260,3 +263,34 @@ async def test_a_pull_without_a_named_peer_asks_the_live_nodes(bus: Bus, tmp_pat
     async with nodes(bus, tmp_path, model) as (_, models_b):
         reply = await pull(bus, "b", "tiny")
         assert reply.peer == "a" and digest_of(models_b / "tiny.gguf") == digest_of(model)
+
+
+async def test_a_registry_entry_pulls_its_signed_version_and_no_other(bus: Bus, tmp_path: Path, model: Path) -> None:
+    """A registry entry names its file and signs its blake3: only that version travels (a holder of another
+    version is no source), and only under a key the pulling node trusts."""
+    seed = (tmp_path / "registry.nk", _seed())
+    seed[0].write_bytes(seed[1])
+    entry = _build_entry(model, "signed", seed[0])  # file_name "tiny.gguf", its blake3 and size
+    other = msgspec.structs.replace(entry, name="other", blake3="c" * 64, signature="")
+    registry = await buckets.registry(bus, S)
+    await registry.put("signed", encode(entry))
+    await registry.put("other", encode(sign(other, seed[1])))
+    untrusted = await nodes_refusal(bus, tmp_path / "untrusted", model, (), "signed")
+    assert untrusted == "not_named"  # no key trusted: the entry names nothing here
+    async with nodes(bus, tmp_path / "trusted", model, trusted=(public_key_of(seed[1]),)) as (_, models_b):
+        failure = await refused(bus, "b", "other", peer="a")  # a signs another version than it holds
+        assert failure.reply.details["reason"] == "no_peer" and leftovers(models_b) == []
+        reply = await pull(bus, "b", "signed", peer="a")
+        assert reply.blake3 == entry.blake3 == digest_of(models_b / "tiny.gguf")
+
+
+async def nodes_refusal(bus: Bus, root: Path, model: Path, trusted: tuple[str, ...], name: str) -> str:
+    async with nodes(bus, root, model, trusted=trusted):
+        return str((await refused(bus, "b", name, peer="a")).reply.details["reason"])
+
+
+def _seed() -> bytes:
+    import nacl.signing
+    import nkeys
+
+    return bytes(nkeys.encode_seed(bytes(nacl.signing.SigningKey.generate()), nkeys.PREFIX_BYTE_ACCOUNT))
