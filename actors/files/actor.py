@@ -23,6 +23,7 @@ One pull per destination at a time (a second is `busy`). Refusals are error repl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import itertools
 import os
@@ -92,6 +93,7 @@ class FilesLimits:
     pull_deadline_s: float = 6 * 3600.0  # a pull never outlives this
     keep_free_bytes: int = 0  # what a pull leaves free on the models dir's file system
     max_holders: int = 64  # nodes asked whether they hold a file
+    names_ttl_s: float = 2.0  # how long the names this node serves are cached (catalog, front doors, registry)
     threads: int = 4  # worker threads for file I/O and hashing
 
 
@@ -129,6 +131,8 @@ class FilesActor(Actor):
         self._ctx: ActorContext | None = None
         self._pulling: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
+        self.running = False  # its endpoints are served
+        self._names: tuple[float, set[str]] | None = None  # (when, the names served) cached briefly
 
     async def run(self, ctx: ActorContext) -> None:
         self._ctx = ctx
@@ -140,11 +144,13 @@ class FilesActor(Actor):
             "pull", s.files(node, "pull"), PullRequest, self._on_pull, workers=2, deadline_s=lim.pull_deadline_s
         )
         ctx.spawn(self._shutdown_pool(), "pool")
+        self.running = True
 
     async def _shutdown_pool(self) -> None:
         try:
             await asyncio.Event().wait()  # lives as long as the incarnation
         finally:
+            self.running = False
             pool, self._pool = self._pool, None
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -232,16 +238,25 @@ class FilesActor(Actor):
         except ModelFileError as exc:
             raise _Refused(Refusal(Reason.BAD_NAME, str(exc))) from exc
 
+    async def _servable_names(self, ctx: ActorContext) -> set[str]:
+        """The relative names this node serves (its catalogs' files and trusted registry entries'), read again
+        at most every `names_ttl_s`: a chunk request must not cost a catalog read and bucket reads."""
+        now = asyncio.get_running_loop().time()
+        cached = self._names
+        if cached is not None and now - cached[0] < self.limits.names_ttl_s:
+            return cached[1]
+        named = set((await self._catalog_files(ctx)).values())
+        names = {n for n in named if transfer.check_relative(n) is None}
+        for n in named - names:  # an absolute name inside the models dir serves its relative name
+            with contextlib.suppress(_Refused):
+                names.add(self._relative(n))
+        names |= set(await self._signed_files(ctx))
+        self._names = (now, names)
+        return names
+
     async def _servable(self, ctx: ActorContext, path: str) -> Path:
         """The file a peer asks for by relative name, if a catalog or registry entry names it here."""
-        if transfer.check_relative(path) is not None:
-            raise RequestError(NOT_FOUND, f"node {self.node_id} serves no file {path[:200]!r}")
-        named = set((await self._catalog_files(ctx)).values())
-        if (
-            path not in named
-            and not any(self._same(path, n) for n in named)
-            and path not in await self._signed_files(ctx)
-        ):
+        if transfer.check_relative(path) is not None or path not in await self._servable_names(ctx):
             raise RequestError(NOT_FOUND, f"node {self.node_id} serves no file {path[:200]!r}")
         try:
             return resolve(path, self.models_dir)
@@ -272,20 +287,17 @@ class FilesActor(Actor):
         ctx = self._ctx
         assert ctx is not None
         path = await self._servable(ctx, request.path)
-        try:
-            digest = await self._blocking(self.digests.digest, path)
-        except ModelFileError as exc:
-            raise RequestError(NOT_FOUND, f"node {self.node_id} does not hold {request.path!r}") from exc
-        if digest != request.blake3:
-            raise RequestError(NOT_FOUND, f"node {self.node_id} holds another version of {request.path!r}")
         length = min(request.length, transfer.chunk_bytes(ctx.bus.max_payload))
         try:
-            data, total = await self._blocking(read_range, path, request.offset, length)
-        except OSError as exc:
+            digest, data, total, chunk_digest = await self._blocking(
+                _read_hashed, self.digests, path, request.offset, length
+            )
+        except (ModelFileError, OSError) as exc:
             raise RequestError(NOT_FOUND, f"node {self.node_id} cannot read {request.path!r}") from exc
+        if digest != request.blake3:
+            raise RequestError(NOT_FOUND, f"node {self.node_id} holds another version of {request.path!r}")
         if request.offset >= total:
             raise RequestError(BAD_REQUEST, f"offset {request.offset} is past the file's {total} bytes")
-        chunk_digest = str(blake3.blake3(data).hexdigest())
         headers = {FILES_OFFSET_HEADER: str(request.offset), FILES_TOTAL_HEADER: str(total)}
         return RawReply(data, {**headers, FILES_BLAKE3_HEADER: chunk_digest})
 
@@ -473,11 +485,15 @@ class FilesActor(Actor):
         answers = await asyncio.gather(*(ask(node) for node in nodes))
         return [a for a in answers if a is not None]
 
-    async def _request_chunk(self, ctx: ActorContext, subject: str, request: ChunkRequest) -> Msg | BaseException:
+    async def _request_chunk(
+        self, ctx: ActorContext, subject: str, request: ChunkRequest
+    ) -> tuple[Msg | BaseException, str]:
+        """A chunk reply (or why none came) and the blake3 of its bytes, hashed while other chunks travel."""
         try:
-            return await ctx.bus.request_raw(subject, encode(request), timeout=self.limits.chunk_timeout_s)
+            reply = await ctx.bus.request_raw(subject, encode(request), timeout=self.limits.chunk_timeout_s)
         except (BusError, nats.errors.Error) as exc:
-            return exc
+            return exc, ""
+        return reply, await self._blocking(_hash, reply.data)
 
     async def _fetch(self, ctx: ActorContext, peer: str, relative: str, part: parts.PartFile) -> None:
         """The rest of the file from `peer`, `window` chunk requests in flight, each checked and written in order."""
@@ -485,7 +501,7 @@ class FilesActor(Actor):
         plan = iter(transfer.chunk_plan(part.size, part.chunk, part.received))
         try:
             async with asyncio.TaskGroup() as tg:
-                pending: deque[tuple[int, int, asyncio.Task[Msg | BaseException]]] = deque()
+                pending: deque[tuple[int, int, asyncio.Task[tuple[Msg | BaseException, str]]]] = deque()
 
                 def ask(offset: int, length: int) -> None:
                     request = ChunkRequest(path=relative, blake3=part.digest, offset=offset, length=length)
@@ -495,7 +511,8 @@ class FilesActor(Actor):
                     ask(offset, length)
                 while pending:
                     offset, length, task = pending.popleft()
-                    data, headers = _chunk(subject, await task)
+                    reply, observed = await task
+                    data, headers = _chunk(subject, reply)
                     stated = headers.get(FILES_BLAKE3_HEADER, "")
                     refusal = transfer.check_chunk(
                         offset=offset,
@@ -505,7 +522,7 @@ class FilesActor(Actor):
                         got_total=_int(headers.get(FILES_TOTAL_HEADER)),
                         got_length=len(data),
                         stated=stated,
-                        observed=await self._blocking(_hash, data),
+                        observed=observed,
                     )
                     if refusal is not None:
                         raise _Refused(refusal)
@@ -519,6 +536,14 @@ class FilesActor(Actor):
 
 def _hash(data: bytes) -> str:
     return str(blake3.blake3(data).hexdigest())
+
+
+def _read_hashed(digests: FileDigests, path: Path, offset: int, length: int) -> tuple[str, bytes, int, str]:
+    """The file's blake3 (cached per version), a chunk of it, its size and the chunk's blake3, in one
+    worker-thread hop. A file replaced between the digest and the read is caught by the fetcher's checks."""
+    digest = digests.digest(path)
+    data, total = read_range(path, offset, length)
+    return digest, data, total, _hash(data)
 
 
 def _int(value: str | None) -> int:

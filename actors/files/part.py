@@ -22,8 +22,6 @@ from runtime.durable import fsync_dir, pread_full, read_small, unlink_quietly
 __all__ = ["PartFile", "free_bytes", "open_part"]
 
 _OPEN_PART = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-#: How many bytes are written between two fsyncs of the part and its journal (what a crash can cost again).
-SYNC_EVERY_BYTES = 64 << 20
 
 
 class PartFile:
@@ -40,7 +38,6 @@ class PartFile:
         self._hasher = blake3.blake3()
         self._fd: int | None = None
         self._journal: int | None = None
-        self._unsynced = 0
 
     def _open(self) -> None:
         self._fd = os.open(self.path, _OPEN_PART, 0o644)
@@ -99,17 +96,15 @@ class PartFile:
             done += os.pwrite(self._fd, view[done:], offset + done)
         self._hasher.update(data)
         self.received += len(data)
+        # No fsync here: a resume re-hashes every kept chunk from disk, so a journal line whose bytes were lost
+        # in a crash only cuts the kept prefix there (an fsync every few MiB stalled the in-order writer).
         os.write(self._journal, f"{chunk_digest}\n".encode())
-        self._unsynced += len(data)
-        if self._unsynced >= SYNC_EVERY_BYTES:
-            self.sync()
 
     def sync(self) -> None:
         """Makes what was written durable: the bytes first, then the journal that vouches for them."""
         if self._fd is not None and self._journal is not None:
             os.fsync(self._fd)
             os.fsync(self._journal)
-        self._unsynced = 0
 
     def finish(self) -> str:
         """fsyncs the part and returns the blake3 of everything received."""
