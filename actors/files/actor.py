@@ -133,6 +133,7 @@ class FilesActor(Actor):
         self._pool: ThreadPoolExecutor | None = None
         self.running = False  # its endpoints are served
         self._names: tuple[float, set[str]] | None = None  # (when, the names served) cached briefly
+        self._resolved: dict[str, Path] = {}  # served names -> their files, while the names are cached
 
     async def run(self, ctx: ActorContext) -> None:
         self._ctx = ctx
@@ -252,16 +253,21 @@ class FilesActor(Actor):
                 names.add(self._relative(n))
         names |= set(await self._signed_files(ctx))
         self._names = (now, names)
+        self._resolved = {}
         return names
 
     async def _servable(self, ctx: ActorContext, path: str) -> Path:
         """The file a peer asks for by relative name, if a catalog or registry entry names it here."""
         if transfer.check_relative(path) is not None or path not in await self._servable_names(ctx):
             raise RequestError(NOT_FOUND, f"node {self.node_id} serves no file {path[:200]!r}")
-        try:
-            return resolve(path, self.models_dir)
-        except ModelFileError as exc:
-            raise RequestError(NOT_FOUND, f"node {self.node_id} serves no file {path[:200]!r}") from exc
+        resolved = self._resolved.get(path)
+        if resolved is None:
+            try:
+                resolved = await self._blocking(resolve, path, self.models_dir)
+            except ModelFileError as exc:
+                raise RequestError(NOT_FOUND, f"node {self.node_id} serves no file {path[:200]!r}") from exc
+            self._resolved[path] = resolved  # until the names are read again
+        return resolved
 
     def _same(self, relative: str, named: str) -> bool:
         """Whether a catalog's (possibly absolute) name is the file `relative` names in the models dir."""
@@ -352,7 +358,7 @@ class FilesActor(Actor):
             relative, digest, size = self._relative(entry.file_name), entry.blake3, entry.size_bytes
         else:
             raise _Refused(Refusal(Reason.NOT_NAMED, f"no catalog model or trusted registry entry {request.name!r}"))
-        dest = self._destination(relative)
+        dest = await self._blocking(self._destination, relative)
         if relative in self._pulling:
             raise RequestError(BUSY, f"{relative!r} is being pulled already; retry")
         self._pulling.add(relative)
