@@ -294,3 +294,30 @@ def _seed() -> bytes:
     import nkeys
 
     return bytes(nkeys.encode_seed(bytes(nacl.signing.SigningKey.generate()), nkeys.PREFIX_BYTE_ACCOUNT))
+
+
+async def test_clients_reach_no_files_subject_and_a_node_makes_no_other_node_pull(tmp_path: Path) -> None:
+    """nats-server itself refuses: a client publishes on no `files` subject, a node asks other nodes only
+    `held` and `chunk`, never to pull (a write into their models dir), and serves only its own."""
+    from runtime.embedded import EmbeddedNats
+    from runtime.roles import Role
+    from tests.integration.test_roles import connect_when_loaded, issued
+
+    server = EmbeddedNats(tmp_path / "node", preferred_port=0, node_id="n1")
+    await server.start()
+    try:
+        async with connect_when_loaded(issued(server, Role("client"))) as client:
+            for verb in ("pull", "held", "chunk"):
+                await client.nc.publish(S.files("n1", verb), b"{}")
+                await client.refused(S.files("n1", verb))
+        async with connect_when_loaded(issued(server, Role("node", "n2"))) as n2:
+            await n2.nc.publish(S.files("n1", "pull"), b"{}")
+            await n2.refused(S.files("n1", "pull"))
+            await n2.nc.subscribe(S.files("n1", "chunk"))
+            await n2.refused(S.files("n1", "chunk"), "subscription to")
+            for allowed in (S.files("n1", "held"), S.files("n1", "chunk"), S.files("n2", "pull")):
+                await n2.nc.publish(allowed, b"{}")
+            await n2.nc.flush()
+            assert not [e for e in n2.errors if "files.n1.held" in e or "files.n2.pull" in e], n2.errors
+    finally:
+        await server.stop()
