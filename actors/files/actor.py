@@ -2,19 +2,23 @@
 
 * `mesh.files.<node>.held`: whether this node holds the file of a relative name, and its size and blake3
   (hashed once per file version, `FileDigests`). Only names this node's catalog (`models.toml`, its front
-  door's or any front door's report in `MESH_FRONTDOORS`) or a registry entry gives are answered; anything
-  else is `not_found`, whether it exists or not.
+  door's or any front door's report in `MESH_FRONTDOORS`) or a trusted registry entry gives are answered;
+  anything else is `not_found`, whether it exists or not. Those names (and their resolved files) are read
+  again at most every `names_ttl_s`, so a chunk costs no catalog or bucket read.
 * `mesh.files.<node>.chunk`: one chunk of such a file, asked by name and whole-file digest (a file that now
   hashes otherwise is `not_found`), with the chunk's own blake3 in a header.
-* `mesh.files.<node>.pull`: fetch the file of a catalog model or registry entry into this node's models dir.
-  The relative name is this node's catalog's (or the signed entry's), the destination that name inside the
-  models dir (resolved, symlinks followed, never outside), so no peer names a path here. The holders are
-  asked (`held`, concurrently, each under a deadline); the version fetched is the signed one for a registry
-  entry, else the one most holders state (`transfer.choose_source`); the free space is checked; the part file
-  kept from an interrupted pull of the same version is verified again and resumed (`part`); chunks are asked
-  `window` at a time, each checked as it lands (`transfer.check_chunk`); the whole file must hash to the
-  digest (`transfer.final_refusal`) before it is renamed into place. A refused file is deleted; a peer that
-  stops answering leaves the verified part for the next pull, which tries the next holder first.
+* `mesh.files.<node>.pull`: fetch the file of a catalog model or registry entry into this node's models dir
+  (an operator's `mesh-actor models pull`), or a file by relative name at a stamped digest (the node's own
+  runner, for a start whose file is missing: `runner/preflight.pull_missing`). The relative name is this
+  node's catalog's (or the signed entry's), the destination that name inside the models dir (resolved,
+  symlinks followed, never outside), so no peer names a path here. The holders are asked (`held`,
+  concurrently, each under a deadline); the version fetched is the signed one for a registry entry, else the
+  one most holders state (`transfer.choose_source`); the free space is checked; the part file kept from an
+  interrupted pull of the same version is verified again and resumed (`part`); chunks are asked `window` at a
+  time, each checked as it lands (`transfer.check_chunk`); the whole file must hash to the digest
+  (`transfer.final_refusal`) before it is renamed into place. A refused file is deleted; a peer that stops
+  answering leaves the verified part for the next pull. Every pull is journaled (`model_file_pulled`,
+  `model_file_pull_refused`).
 
 One pull per destination at a time (a second is `busy`). Refusals are error replies with `details.reason`
 (`transfer.Reason`).
