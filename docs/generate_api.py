@@ -557,6 +557,9 @@ def render() -> str:
             f" / {_link('EvictRequest')} → {_link('EvictReply')} | the L3 actor of that node (`mesh-actor l3`) |",
             f"| `{S.files(node, 'held')}` | req/reply | {_link('HeldRequest')} → {_link('FileHeld')} (only for files "
             "a catalog or a trusted registry entry names; anything else `not_found`) | the files actor of that node |",
+            f"| `{S.files(node, 'facts')}` | req/reply | {_link('HeldRequest')} → {_link('FileFacts')} (the same "
+            "names; placement on a node without the file admits it by these header facts) | the files actor of "
+            "that node |",
             f"| `{S.files(node, 'chunk')}` | req/reply | {_link('ChunkRequest')} → raw bytes: one chunk of the file "
             f"(under `max_payload`), headers `{files_messages.FILES_OFFSET_HEADER}`, "
             f"`{files_messages.FILES_TOTAL_HEADER}` and `{files_messages.FILES_BLAKE3_HEADER}` (the chunk's own "
@@ -865,6 +868,7 @@ def render() -> str:
         l3_messages.EvictReply,
         files_messages.HeldRequest,
         files_messages.FileHeld,
+        files_messages.FileFacts,
         files_messages.ChunkRequest,
         files_messages.PullRequest,
         files_messages.PullReply,

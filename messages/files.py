@@ -4,6 +4,8 @@ Subjects `<prefix>.files.<node>.<verb>` (`Subjects.files`):
 
 * `.held` (node to node): whether the node holds a file of that relative name, named by its catalog
   (`models.toml`, or a front door's catalog report) or a registry entry, and its size and blake3.
+* `.facts` (node to node: placement on a node without the file): the file's size, blake3 and header facts
+  (`ModelGeometry`), read by the node that holds it.
 * `.chunk` (node to node): one chunk of such a file, asked by name and digest; the reply is raw bytes with the
   chunk's place and its own blake3 in headers (`FILES_OFFSET_HEADER`, `FILES_TOTAL_HEADER`,
   `FILES_BLAKE3_HEADER`), at most what fits the server's `max_payload`. Errors are the usual error replies.
@@ -22,6 +24,7 @@ from typing import Annotated, Final
 import msgspec
 
 from messages.l3 import Digest, NodeId, Offset, Size
+from messages.model import ModelGeometry
 
 #: Headers of a raw chunk reply.
 FILES_OFFSET_HEADER: Final = "Files-Offset"
@@ -44,6 +47,16 @@ class FileHeld(msgspec.Struct, frozen=True, kw_only=True):
     path: str
     size: Size
     blake3: Digest
+
+
+class FileFacts(msgspec.Struct, frozen=True, kw_only=True):
+    """`.facts`: the file a node holds, as placement needs it (the answer to a `HeldRequest`)."""
+
+    node_id: NodeId
+    path: str
+    size: Size
+    blake3: Digest
+    geometry: ModelGeometry
 
 
 class ChunkRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

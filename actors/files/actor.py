@@ -5,6 +5,8 @@
   door's or any front door's report in `MESH_FRONTDOORS`) or a trusted registry entry gives are answered;
   anything else is `not_found`, whether it exists or not. Those names (and their resolved files) are read
   again at most every `names_ttl_s`, so a chunk costs no catalog or bucket read.
+* `mesh.files.<node>.facts`: the same, with the header's facts (`ModelGeometry`): what placement on a node
+  without the file admits it by.
 * `mesh.files.<node>.chunk`: one chunk of such a file, asked by name and whole-file digest (a file that now
   hashes otherwise is `not_found`), with the chunk's own blake3 in a header.
 * `mesh.files.<node>.pull`: fetch the file of a catalog model or registry entry into this node's models dir
@@ -49,6 +51,8 @@ from actors.files import part as parts
 from actors.files import transfer
 from actors.files.transfer import Holder, Reason, Refusal
 from actors.frontdoor.catalog import CATALOG_FILE, CatalogError, parse_catalog
+from actors.placement.geometry import GeometryError, geometry_from_header
+from actors.placement.gguf_header import GGUFFormatError, parse_header
 from actors.placement.registry import RegistryUntrusted, verify
 from messages.errors import BAD_REQUEST, BUSY, ERROR_HEADER, MESH_ERROR_HEADER, NOT_FOUND, UNAVAILABLE
 from messages.events import ModelFilePulled, ModelFilePullRefused
@@ -57,19 +61,21 @@ from messages.files import (
     FILES_OFFSET_HEADER,
     FILES_TOTAL_HEADER,
     ChunkRequest,
+    FileFacts,
     FileHeld,
     HeldRequest,
     PullReply,
     PullRequest,
 )
 from messages.frontdoor import FrontDoorReport
+from messages.model import ModelGeometry
 from messages.registry import RegistryEntry
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext, RawReply, RequestError
 from runtime.bus import BadMessage, BusError, decode_checked, encode, parse_reply
 from runtime.durable import make_dir, read_range
-from runtime.model_files import FileDigests, ModelFileError, resolve
+from runtime.model_files import FileDigests, ModelFileError, open_regular, resolve
 
 __all__ = ["FilesActor", "FilesLimits"]
 
@@ -144,6 +150,7 @@ class FilesActor(Actor):
         self._pool = ThreadPoolExecutor(max_workers=self.limits.threads, thread_name_prefix="files")
         s, node, lim = ctx.subjects, self.node_id, self.limits
         await ctx.add_endpoint("held", s.files(node, "held"), HeldRequest, self._on_held, workers=2)
+        await ctx.add_endpoint("facts", s.files(node, "facts"), HeldRequest, self._on_facts, workers=2)
         await ctx.add_endpoint("chunk", s.files(node, "chunk"), ChunkRequest, self._on_chunk, workers=lim.chunk_workers)
         await ctx.add_endpoint(
             "pull", s.files(node, "pull"), PullRequest, self._on_pull, workers=2, deadline_s=lim.pull_deadline_s
@@ -292,6 +299,20 @@ class FilesActor(Actor):
         except (ModelFileError, OSError) as exc:
             raise RequestError(NOT_FOUND, f"node {self.node_id} does not hold {request.path!r}") from exc
         return FileHeld(node_id=self.node_id, path=request.path, size=size, blake3=digest)
+
+    async def _on_facts(self, request: HeldRequest) -> FileFacts:
+        """The file's size, blake3 and header facts (placement on a node without the file asks this)."""
+        ctx = self._ctx
+        assert ctx is not None
+        path = await self._servable(ctx, request.path)
+        try:
+            size, geometry = await self._blocking(_header_facts, path)
+            digest = await self._blocking(self.digests.digest, path)
+        except (ModelFileError, OSError) as exc:
+            raise RequestError(NOT_FOUND, f"node {self.node_id} does not hold {request.path!r}") from exc
+        except (GGUFFormatError, GeometryError) as exc:
+            raise RequestError(BAD_REQUEST, f"{request.path!r} is not a model this node can read: {exc}") from exc
+        return FileFacts(node_id=self.node_id, path=request.path, size=size, blake3=digest, geometry=geometry)
 
     async def _on_chunk(self, request: ChunkRequest) -> RawReply:
         ctx = self._ctx
@@ -546,6 +567,13 @@ class FilesActor(Actor):
 
 def _hash(data: bytes) -> str:
     return str(blake3.blake3(data).hexdigest())
+
+
+def _header_facts(path: Path) -> tuple[int, ModelGeometry]:
+    """The file's size and its header's facts (worker thread; a FIFO or device is refused unopened)."""
+    fd, key = open_regular(path)
+    with os.fdopen(fd, "rb") as handle:
+        return key.size, geometry_from_header(parse_header(handle, key.size, source=path.name))
 
 
 def _read_hashed(digests: FileDigests, path: Path, offset: int, length: int) -> tuple[str, bytes, int, str]:

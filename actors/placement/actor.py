@@ -37,6 +37,7 @@ import nats.js.errors
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.object_store import ObjectStore
 
+from actors.files.transfer import Holder, Refusal, choose_source
 from actors.placement import decision_records, shares
 from actors.placement.admission import ModelFacts, Outcome, ViewEntry, decide, natural_key, rejected
 from actors.placement.booking import Booking, booking_order
@@ -65,6 +66,7 @@ from messages.events import (
     ReservationReleased,
     event_type,
 )
+from messages.files import FileFacts, HeldRequest
 from messages.placement import (
     LEDGER_KEY_PREFIX,
     NodeLedger,
@@ -77,7 +79,7 @@ from messages.runner import InstanceStatus
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext, RequestError, request_headers
-from runtime.bus import BadMessage, PayloadTooLarge, decode_checked, encode
+from runtime.bus import BadMessage, BusError, PayloadTooLarge, decode_checked, encode
 from runtime.logging import get_logger
 from runtime.model_files import FileDigests
 from runtime.roles import requesting_client
@@ -98,6 +100,10 @@ SUMMARY_REJECTIONS = 8
 #: Refusals that depend on a ledger, re-checked against the bucket when decided from the local copy.
 _LEDGER_REASONS = frozenset({"insufficient_memory", "ledger_unreadable"})
 _CHANGE_DEADLINE_S = 10.0
+#: A model file this node lacks: how many live nodes are asked for its facts, and how long each may take (a
+#: holder hashes a file version once, then answers from its cache).
+_MAX_FACT_PEERS = 64
+_PEER_FACTS_S = 10.0
 #: The longest unclaimed hold a request may ask for, unless the node says otherwise (`--max-hold`).
 MAX_HOLD_S = 3600.0
 #: Whom a request on the clients' subject is counted for when nats-server named no client (an admin's).
@@ -292,6 +298,28 @@ class PlacementActor(Actor):
             self._log.error("ledger_unreadable", node=node, error=str(exc))
             return None, -1
 
+    async def _peer_facts(self, ctx: ActorContext, path: str) -> ModelFacts | None:
+        """A model file this node lacks, as the live nodes that hold it read it (`mesh.files.<node>.facts`, each
+        asked under `_PEER_FACTS_S`): the version most of them hold (`files.transfer.choose_source`), with
+        its header facts and digest; the node that runs it fetches it at that digest. None: nobody answered."""
+        nodes = sorted(set(self._view) - {ctx.node_id})[:_MAX_FACT_PEERS]
+
+        async def ask(node: str) -> FileFacts | None:
+            try:
+                return await ctx.bus.request(
+                    ctx.subjects.files(node, "facts"), HeldRequest(path=path), FileFacts, timeout=_PEER_FACTS_S
+                )
+            except (BusError, nats.errors.Error):
+                return None
+
+        found = [f for f in await asyncio.gather(*(ask(node) for node in nodes)) if f is not None]
+        source = choose_source([Holder(node=f.node_id, size=f.size, digest=f.blake3) for f in found])
+        if isinstance(source, Refusal):
+            return None
+        held = next(f for f in found if f.blake3 == source.digest)
+        ctx.log.info("model_facts_from_peers", path=path, blake3=source.digest, holders=list(source.peers))
+        return ModelFacts(geometry=held.geometry, path=path, digest=source.digest)
+
     # --- decisions ------------------------------------------------------------------------------------
 
     async def place(
@@ -310,7 +338,9 @@ class PlacementActor(Actor):
                 request, "hold_too_long", message, decision_id=decision_id, now=now, dry_run=dry_run, view=self._view
             )
         try:
-            facts = await self.models.facts(request.model, self._registry)
+            facts = await self.models.facts(
+                request.model, self._registry, peers=lambda path: self._peer_facts(ctx, path)
+            )
         except ModelProblem as exc:
             decision = rejected(
                 request, exc.reason, str(exc), decision_id=decision_id, now=now, dry_run=dry_run, view=self._view

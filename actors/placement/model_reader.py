@@ -21,7 +21,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -83,16 +83,25 @@ class ModelReader:
         self._lock = threading.Lock()
         self._digests = digests or FileDigests()
 
-    async def facts(self, ref: ModelRef, registry: KeyValue) -> ModelFacts:
-        """The model a request names, read here or taken from its signed registry entry."""
+    async def facts(
+        self, ref: ModelRef, registry: KeyValue, *, peers: Callable[[str], Awaitable[ModelFacts | None]] | None = None
+    ) -> ModelFacts:
+        """The model a request names, read here or taken from its signed registry entry; with `peers`, a file
+        named relative to the models dir that is not here is read by the nodes that hold it (their header facts
+        and blake3: the node that runs it fetches it at that digest)."""
         if ref.path is None and ref.registry is None:
             raise ModelProblem("model_unreadable", "the request names no model: give model.path or model.registry")
         if ref.registry is not None:
             facts = await self._registry_facts(registry, ref.registry, ref.path)
         else:
             assert ref.path is not None
-            geometry = await asyncio.to_thread(self.load_geometry, ref.path)
-            facts = ModelFacts(geometry=geometry, path=ref.path)
+            held = None
+            if peers is not None and await asyncio.to_thread(self._missing_here, ref.path):
+                held = await peers(ref.path)
+            if held is None:
+                geometry = await asyncio.to_thread(self.load_geometry, ref.path)
+                held = ModelFacts(geometry=geometry, path=ref.path)
+            facts = held
         if ref.draft is not None:
             draft, digest = await asyncio.to_thread(self._companion, ref.draft, "draft", self.load_geometry)
             facts = dataclasses.replace(facts, draft=draft, draft_file=Companion(path=ref.draft, digest=digest))
@@ -111,6 +120,16 @@ class ModelReader:
             raise ModelProblem(exc.reason, f"{role}: {exc}") from exc
         except ModelFileError as exc:
             raise ModelProblem("model_unreadable", f"{role}: {exc}") from exc
+
+    def _missing_here(self, path: str) -> bool:
+        """Whether `path` is a relative name inside the models dir with no file there (blocking: worker thread;
+        a bad name is not "missing": reading it says what is wrong)."""
+        if self.models_dir is None or path.startswith("/"):
+            return False
+        try:
+            return not os.path.lexists(self._resolve(path))
+        except ModelProblem:
+            return False
 
     def _resolve(self, path: str) -> Path:
         """The file `path` names here (blocking: worker thread). Relative paths live in the models dir."""

@@ -27,6 +27,7 @@ from messages.files import (
     FILES_OFFSET_HEADER,
     FILES_TOTAL_HEADER,
     ChunkRequest,
+    FileFacts,
     FileHeld,
     HeldRequest,
     PullReply,
@@ -321,3 +322,37 @@ async def test_clients_reach_no_files_subject_and_a_node_makes_no_other_node_pul
             assert not [e for e in n2.errors if "files.n1.held" in e or "files.n2.pull" in e], n2.errors
     finally:
         await server.stop()
+
+
+async def test_placement_on_a_node_without_the_file_admits_it_from_the_facts_of_the_nodes_that_hold_it(
+    bus: Bus, tmp_path: Path, model: Path
+) -> None:
+    """The placing node (`p1`) lacks the catalog's file: it asks the live nodes' files actors for the file's
+    header facts and blake3 (`files.<node>.facts`), admits it on node b (which lacks it too: its runner fetches
+    it at the stamped digest), and refuses as before when nobody holds it."""
+    from actors.placement.actor import PlacementActor
+    from actors.placement.geometry import geometry_from_header
+    from actors.placement.gguf_header import read_header
+    from messages.placement import ModelRef, PlacementDecision, PlacementRequest
+    from tests.integration.test_placement import report
+
+    empty = tmp_path / "p1-models"
+    empty.mkdir()
+    async with nodes(bus, tmp_path, model):
+        kv = await buckets.nodes(bus, S)
+        for node in ("a", "b"):
+            await kv.put(node, encode(report(node, 8 << 30)))
+        facts = await bus.request(S.files("a", "facts"), HeldRequest(path="tiny.gguf"), FileFacts, timeout=10)
+        assert facts.blake3 == digest_of(model) and facts.geometry == geometry_from_header(read_header(model))
+        actor = PlacementActor(models_dir=empty)
+        async with supervised(bus, [actor], node_id="p1"):
+            async with asyncio.timeout(10):
+                while not {"a", "b"} <= set(actor._view):
+                    await asyncio.sleep(0.02)
+            request = PlacementRequest(model=ModelRef(path="tiny.gguf"), ctx=1024, nodes=("b",))
+            decision = await bus.request(S.placement_request, request, PlacementDecision, timeout=30)
+            assert decision.admitted and decision.placements[0].node_id == "b", decision
+            assert decision.model_digest == digest_of(model) and decision.architecture == "llama"
+            nobody = PlacementRequest(model=ModelRef(path="absent.gguf"), ctx=1024, nodes=("b",))
+            refused = await bus.request(S.placement_request, nobody, PlacementDecision, timeout=30)
+            assert not refused.admitted and refused.reason == "model_unreadable"

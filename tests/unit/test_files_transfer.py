@@ -166,7 +166,7 @@ def test_nodes_ask_peers_for_files_but_only_an_admin_or_the_node_itself_makes_it
     node = permissions(s, Role("node", "n1"), "node-n1")
     client = permissions(s, Role("client"), "client-1")
     assert node is not None and client is not None
-    for verb in ("held", "chunk"):
+    for verb in ("held", "facts", "chunk"):
         assert allowed(node, "publish", s.files("n2", verb))
         assert not allowed(client, "publish", s.files("n2", verb))
     assert not allowed(node, "publish", s.files("n2", "pull"))
