@@ -156,3 +156,36 @@ async def test_a_runner_without_the_file_a_reservation_names_fetches_it_from_a_p
             await runner_tests._start(bus, "r-orphan")
         assert refused.value.code == "model_unreadable" and "cannot be fetched" in refused.value.reply.message
         await runner_tests._request(bus, "stop", StopInstance(instance_id=ack.instance_id))
+
+
+async def test_a_model_placed_on_a_node_without_its_file_is_fetched_there_and_served(tmp_path: Path) -> None:
+    """No `models pull`: the model is placed by its relative name on node b, which lacks the file (placement
+    reads it there, or asks the nodes that hold it), and b's runner fetches it from a before llama-server
+    starts on it."""
+    require_server()
+    data_a, data_b = tmp_path / "a", tmp_path / "b"
+    for data in (data_a, data_b):
+        (data / "models").mkdir(parents=True)
+        (data / "models.toml").write_text(CATALOG)
+    model = write_llama(data_a / "models" / "tiny.gguf", n_layer=8, n_embd=256, n_head=8, n_ff=512)
+    async with node_process(data_a, "a", "--parallel", "1", *QUIET):
+        env = await nats_env(data_a)
+        async with node_process(data_b, "b", "--parallel", "1", *QUIET, env=env):
+            await wait_nodes(data_a, "a", "b")
+            instance_id = await place_and_start(env, "tiny.gguf", "b")
+            async with asyncio.timeout(90):
+                while True:
+                    _, out, _ = await run_cli("status", "--json", env=env)
+                    (instance,) = [i for i in json.loads(out)["instances"] if i["id"] == instance_id]
+                    if instance["state"] == "ready":
+                        break
+                    assert instance["state"] == "starting", instance
+                    await asyncio.sleep(0.3)
+            fetched = data_b / "models" / "tiny.gguf"
+            assert instance["model_path"] == str(fetched) and digest(fetched) == digest(model)
+            response = await call_server(
+                instance["port"], "POST", "/completion", {"prompt": "hi", "n_predict": 4}, timeout_s=60
+            )
+            assert response.status == 200
+            code, _, err = await run_cli("stop", instance_id, env=env)
+            assert code == 0, err
