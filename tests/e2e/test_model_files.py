@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import blake3
 import msgspec
@@ -51,6 +52,18 @@ async def place_and_start(env: dict[str, str], path: str, node: str) -> str:
         return ack.instance_id
     finally:
         await bus.close()
+
+
+async def ready(env: dict[str, str], instance_id: str) -> dict[str, Any]:
+    """The instance's status once it is ready (as `mesh-actor status --json` shows it)."""
+    async with asyncio.timeout(90):
+        while True:
+            _, out, _ = await run_cli("status", "--json", env=env)
+            (instance,) = [i for i in json.loads(out)["instances"] if i["id"] == instance_id]
+            if instance["state"] == "ready":
+                return dict(instance)
+            assert instance["state"] == "starting", instance
+            await asyncio.sleep(0.3)
 
 
 async def models_listing(env: dict[str, str]) -> str:
@@ -97,14 +110,7 @@ async def test_a_node_without_the_file_pulls_it_from_its_peer_and_serves_it(tmp_
             assert code == 1 and "not_named" in err, err + out
 
             instance_id = await place_and_start(env, "tiny.gguf", "b")
-            async with asyncio.timeout(90):
-                while True:
-                    _, out, _ = await run_cli("status", "--json", env=env)
-                    (instance,) = [i for i in json.loads(out)["instances"] if i["id"] == instance_id]
-                    if instance["state"] == "ready":
-                        break
-                    assert instance["state"] == "starting", instance
-                    await asyncio.sleep(0.3)
+            instance = await ready(env, instance_id)
             assert instance["node"] == "b" and instance["model_path"] == str(pulled), instance
             response = await call_server(
                 instance["port"], "POST", "/completion", {"prompt": "hi", "n_predict": 4}, timeout_s=60
@@ -173,14 +179,7 @@ async def test_a_model_placed_on_a_node_without_its_file_is_fetched_there_and_se
         async with node_process(data_b, "b", "--parallel", "1", *QUIET, env=env):
             await wait_nodes(data_a, "a", "b")
             instance_id = await place_and_start(env, "tiny.gguf", "b")
-            async with asyncio.timeout(90):
-                while True:
-                    _, out, _ = await run_cli("status", "--json", env=env)
-                    (instance,) = [i for i in json.loads(out)["instances"] if i["id"] == instance_id]
-                    if instance["state"] == "ready":
-                        break
-                    assert instance["state"] == "starting", instance
-                    await asyncio.sleep(0.3)
+            instance = await ready(env, instance_id)
             fetched = data_b / "models" / "tiny.gguf"
             assert instance["model_path"] == str(fetched) and digest(fetched) == digest(model)
             response = await call_server(
