@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -171,24 +172,28 @@ async def node_process(
 ) -> AsyncIterator[asyncio.subprocess.Process]:
     """A `mesh-actor run` process on its embedded NATS (unless `args` say otherwise), up once it prints its
     "running" line; stopped with SIGTERM (SIGKILL after 30 s) at the end. `stderr`: where its log goes
-    (default: discarded)."""
-    err = stderr.open("ab") if stderr is not None else None
+    (default: a file beside the data dir, whose tail is logged when the test fails inside this context)."""
+    if stderr is None:
+        stderr = data_dir.with_name(f"{data_dir.name}.{node_id}.log")
+    err = stderr.open("ab")
     try:
         process = await asyncio.create_subprocess_exec(
             *mesh_actor_command(), "run", "--data-dir", str(data_dir), "--node-id", node_id, "--nats-port", "0",
             "--telemetry-interval", "0.5", *args,
-            stdout=subprocess.PIPE, stderr=err if err is not None else subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            stdout=subprocess.PIPE, stderr=err, env={**os.environ, **(env or {})},
         )  # fmt: skip
     finally:
-        if err is not None:
-            err.close()  # the child holds its own copy
+        err.close()  # the child holds its own copy
     try:
         assert process.stdout is not None
         async with asyncio.timeout(ready_s):
             line = (await process.stdout.readline()).decode()
         assert "running" in line, line
         yield process
+    except BaseException:
+        tail = stderr.read_text(errors="replace").splitlines()[-80:] if stderr.exists() else []
+        logging.getLogger("tests.node").error("node %s failed the test; its log ends:\n%s", node_id, "\n".join(tail))
+        raise
     finally:
         if process.returncode is None:
             process.send_signal(signal.SIGTERM)
