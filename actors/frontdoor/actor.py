@@ -65,7 +65,7 @@ from messages.telemetry import NodeResources
 from runtime import buckets, tracing
 from runtime.actor import Actor, ActorContext
 from runtime.buckets import TTL_HEADER
-from runtime.bus import BadMessage, BusError, RemoteError
+from runtime.bus import BadMessage, BusError, NoResponders, RemoteError, RequestTimeout
 from runtime.generate_client import StreamGap, forward
 from runtime.model_files import ModelFileError, resolve
 
@@ -75,6 +75,8 @@ __all__ = ["FrontDoorActor"]
 KEEPALIVE_TIMEOUT_S: Final = 20.0
 #: How long a request's body may take to arrive once its head has (and its key was checked).
 BODY_TIMEOUT_S: Final = 30.0
+#: How often placement is asked again while none listens (a node starting, placement restarting).
+_NO_RESPONDERS_RETRY_S: Final = 0.25
 
 
 class _Model:
@@ -327,7 +329,10 @@ class FrontDoorActor(Actor):
             except RemoteError as exc:
                 error = shapes.ApiError(exc.reply.code, exc.reply.message)
                 return await relay.failed(error)
-            except (BusError, StreamGap) as exc:
+            except BusError as exc:
+                error = shapes.ApiError(UNAVAILABLE, f"the mesh did not carry the answer: {_bus_failure(exc)}")
+                return await relay.failed(error)
+            except StreamGap as exc:
                 error = shapes.ApiError(UNAVAILABLE, f"the mesh did not carry the answer: {exc}")
                 return await relay.failed(error)
             return await relay.finish()
@@ -403,6 +408,27 @@ class FrontDoorActor(Actor):
         finally:
             model.waiting -= 1
 
+    async def _ask_placement(self, placement: PlacementRequest, deadline: float) -> PlacementDecision:
+        """Placement's decision. While no placement actor listens (a node starting, an actor restarting), asks
+        again until `deadline`, every `_NO_RESPONDERS_RETRY_S`: what a client's retry would do, without the
+        client seeing the gap."""
+        ctx = self._ctx
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                return await ctx.bus.request(
+                    ctx.subjects.placement_request, placement, PlacementDecision,
+                    timeout=max(0.1, min(30.0, deadline - loop.time())),
+                )  # fmt: skip
+            except NoResponders as exc:
+                if loop.time() + _NO_RESPONDERS_RETRY_S >= deadline:
+                    raise shapes.ApiError(UNAVAILABLE, f"placement did not answer: {_bus_failure(exc)}") from exc
+                await asyncio.sleep(_NO_RESPONDERS_RETRY_S)
+            except RemoteError as exc:
+                raise shapes.ApiError(UNAVAILABLE, f"placement did not answer: {exc.reply.message}") from exc
+            except BusError as exc:
+                raise shapes.ApiError(UNAVAILABLE, f"placement did not answer: {_bus_failure(exc)}") from exc
+
     async def _start(self, model: _Model, deadline: float) -> InstanceStatus:
         """Places and starts one instance of `model`, making room when memory is short."""
         ctx = self._ctx
@@ -414,12 +440,7 @@ class FrontDoorActor(Actor):
         loop = asyncio.get_running_loop()
         began = loop.time()
         while loop.time() < deadline:
-            try:
-                decision = await ctx.bus.request(
-                    ctx.subjects.placement_request, placement, PlacementDecision, timeout=30
-                )
-            except (RemoteError, BusError) as exc:
-                raise shapes.ApiError(UNAVAILABLE, f"placement did not answer: {exc}") from exc
+            decision = await self._ask_placement(placement, deadline)
             if decision.admitted and decision.reservation_id and decision.placements:
                 node = decision.placements[0].node_id
                 try:
@@ -429,8 +450,10 @@ class FrontDoorActor(Actor):
                         RunnerAck,
                         timeout=60,
                     )
-                except (RemoteError, BusError) as exc:
-                    raise shapes.ApiError(UNAVAILABLE, f"the start on {node} failed: {exc}") from exc
+                except RemoteError as exc:
+                    raise shapes.ApiError(UNAVAILABLE, f"the start on {node} failed: {exc.reply.message}") from exc
+                except BusError as exc:
+                    raise shapes.ApiError(UNAVAILABLE, f"the start on {node} failed: {_bus_failure(exc)}") from exc
                 ready = await self._until_ready(ack.instance_id, deadline)
                 load_ms = (loop.time() - began) * 1000
                 ctx.emit(ModelLoaded, model=model.name, instance_id=ready.id, instance_node=ready.node, load_ms=load_ms)
@@ -678,3 +701,12 @@ class _Relay:
         await self._stream.write(event.encode())
         await self._stream.write_eof()
         return self._stream
+
+
+def _bus_failure(exc: BusError) -> str:
+    """What failed on the bus, for a client: no subject or module of the mesh named."""
+    if isinstance(exc, NoResponders):
+        return "no such service is running in the mesh"
+    if isinstance(exc, RequestTimeout):
+        return f"no answer within {exc.timeout:g}s"
+    return "the mesh's bus failed"

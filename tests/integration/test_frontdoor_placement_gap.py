@@ -1,0 +1,93 @@
+"""The front door while no placement actor listens (a node starting, placement restarting): a real nats-server
+and the front door actor, placement played by a responder that comes up late or never.
+
+A request for a catalog model that is not loaded asks placement; no responders then is a gap a client's retry
+would bridge, so the front door asks again until the request's deadline, and says so without naming the mesh's
+subjects when the deadline passes first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import aiohttp
+import pytest
+from nats.aio.msg import Msg
+
+from actors.frontdoor.actor import FrontDoorActor
+from actors.frontdoor.catalog import parse_catalog
+from messages.placement import ModelRef, PlacementDecision
+from messages.subjects import Subjects
+from runtime.bus import Bus, encode
+from tests import tiny_models
+from tests.conftest import supervised
+
+SUBJECTS = Subjects()
+
+
+async def _door(bus: Bus, tmp_path: Path, timeout_s: float) -> tuple[FrontDoorActor, asyncio.Future[int]]:
+    model = tiny_models.write_llama(tmp_path / "m.gguf")
+    catalog = parse_catalog(f'[models.m]\npath = "{model}"\nctx = 512\ntimeout_s = {timeout_s}\n')
+    port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    door = FrontDoorActor("127.0.0.1", 0, catalog, models_dir=tmp_path, on_listening=port.set_result)
+    return door, port
+
+
+async def _ask(port: int) -> tuple[int, dict[str, str], dict[str, object]]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        body = {"model": "m", "prompt": "hello", "max_tokens": 1}
+        async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
+            return response.status, dict(response.headers), await response.json()
+
+
+async def test_a_request_made_before_placement_listens_waits_for_its_answer(bus: Bus, tmp_path: Path) -> None:
+    door, port = await _door(bus, tmp_path, timeout_s=20)
+    asked: list[float] = []
+
+    async def refuse(msg: Msg) -> None:
+        asked.append(asyncio.get_running_loop().time())
+        decision = PlacementDecision(
+            decision_id=uuid.uuid4().hex, admitted=False, dry_run=False, model=ModelRef(path="m.gguf"),
+            reason="not_found", message="the late placement's own refusal",
+        )  # fmt: skip
+        await msg.respond(encode(decision))
+
+    async with supervised(bus, [door]):
+        async with asyncio.timeout(10):
+            bound = await port
+        asking = asyncio.create_task(_ask(bound))
+        await asyncio.sleep(1.0)  # the request is in, and nothing listens on placement's subject
+        assert not asking.done()
+        sub = await bus.nc.subscribe(SUBJECTS.placement_request, cb=refuse)
+        try:
+            async with asyncio.timeout(15):
+                status, _, body = await asking
+        finally:
+            await sub.unsubscribe()
+    assert len(asked) == 1
+    error = body["error"]
+    assert isinstance(error, dict)
+    assert status == 500 and "the late placement's own refusal" in str(error["message"]), body
+
+
+async def test_placement_that_never_listens_is_a_503_within_the_deadline_naming_no_subject(
+    bus: Bus, tmp_path: Path
+) -> None:
+    door, port = await _door(bus, tmp_path, timeout_s=1.5)
+    async with supervised(bus, [door]):
+        async with asyncio.timeout(10):
+            bound = await port
+        started = asyncio.get_running_loop().time()
+        async with asyncio.timeout(15):
+            status, headers, body = await _ask(bound)
+        waited = asyncio.get_running_loop().time() - started
+    error = body["error"]
+    assert isinstance(error, dict)
+    assert status == 503 and "Retry-After" in headers, body
+    assert "mesh." not in str(error["message"]) and "placement" in str(error["message"]), body
+    assert 1.0 <= waited < 5.0, waited  # it kept asking until the model's deadline, then answered
+
+
+pytestmark = pytest.mark.timeout(60)
