@@ -58,7 +58,7 @@ from messages.errors import (
 )
 from messages.events import IdleStopped, ModelLoaded, ModelLoading, ModelRefused, RoomMade
 from messages.frontdoor import FrontDoorModel, FrontDoorReport, ModelState
-from messages.generate import MAX_API_BODY_BYTES, ApiCall, GenerateRequest, RelayHead
+from messages.generate import MAX_API_BODY_BYTES, ApiCall, GenerateRequest, GenerateResult, RelayHead
 from messages.placement import NodeLedger, PlacementDecision, PlacementRequest
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
 from messages.telemetry import NodeResources
@@ -323,7 +323,7 @@ class FrontDoorActor(Actor):
         try:
             span.update({"mesh.request_id": order.request_id})
             try:
-                result = await forward(self._ctx.bus, self._ctx.subjects, order, relay.head, relay.data)
+                result = await self._forward(order, relay, deadline)
                 if span.recording:
                     span.update(tracing.result_attributes(result))
             except RemoteError as exc:
@@ -340,6 +340,19 @@ class FrontDoorActor(Actor):
             model.active -= 1
             model.last_used = self._clock()
             self._instance_used[instance.id] = model.last_used
+
+    async def _forward(self, order: GenerateRequest, relay: _Relay, deadline: float) -> GenerateResult:
+        """`order` through the mesh's router; while none listens (a node starting, the router restarting: nothing
+        was sent, nothing relayed), asked again until `deadline`."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                return await forward(self._ctx.bus, self._ctx.subjects, order, relay.head, relay.data)
+            except NoResponders:
+                if loop.time() + _NO_RESPONDERS_RETRY_S >= deadline:
+                    raise
+                await asyncio.sleep(_NO_RESPONDERS_RETRY_S)
+                order = msgspec.structs.replace(order, timeout_s=max(1.0, deadline - loop.time()))
 
     # --- models on demand ----------------------------------------------------------------------------------
 

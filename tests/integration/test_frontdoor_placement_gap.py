@@ -1,9 +1,9 @@
-"""The front door while no placement actor listens (a node starting, placement restarting): a real nats-server
-and the front door actor, placement played by a responder that comes up late or never.
+"""The front door while no placement actor or router listens (a node starting, an actor restarting): a real
+nats-server and the front door actor, placement and the router played by responders that come up late or never.
 
-A request for a catalog model that is not loaded asks placement; no responders then is a gap a client's retry
-would bridge, so the front door asks again until the request's deadline, and says so without naming the mesh's
-subjects when the deadline passes first.
+A request for a catalog model asks placement (not loaded) or the router (loaded); no responders then is a gap a
+client's retry would bridge (nothing was sent), so the front door asks again until the request's deadline, and
+says so without naming the mesh's subjects when the deadline passes first.
 """
 
 from __future__ import annotations
@@ -18,9 +18,16 @@ from nats.aio.msg import Msg
 
 from actors.frontdoor.actor import FrontDoorActor
 from actors.frontdoor.catalog import parse_catalog
-from messages.placement import ModelRef, PlacementDecision
+from actors.placement.geometry import geometry_from_header
+from actors.placement.gguf_header import read_header
+from actors.placement.memory import estimate
+from messages.errors import ErrorReply
+from messages.placement import ModelRef, PlacementDecision, Stamp
+from messages.runner import InstanceStatus
+from messages.settings import ServingSettings
 from messages.subjects import Subjects
-from runtime.bus import Bus, encode
+from runtime import buckets
+from runtime.bus import Bus, encode, error_headers
 from tests import tiny_models
 from tests.conftest import supervised
 
@@ -29,7 +36,7 @@ SUBJECTS = Subjects()
 
 async def _door(bus: Bus, tmp_path: Path, timeout_s: float) -> tuple[FrontDoorActor, asyncio.Future[int]]:
     model = tiny_models.write_llama(tmp_path / "m.gguf")
-    catalog = parse_catalog(f'[models.m]\npath = "{model}"\nctx = 512\ntimeout_s = {timeout_s}\n')
+    catalog = parse_catalog(f'[models.m]\npath = "{model}"\nctx = 512\nparallel = 1\ntimeout_s = {timeout_s}\n')
     port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     door = FrontDoorActor("127.0.0.1", 0, catalog, models_dir=tmp_path, on_listening=port.set_result)
     return door, port
@@ -88,6 +95,42 @@ async def test_placement_that_never_listens_is_a_503_within_the_deadline_naming_
     assert status == 503 and "Retry-After" in headers, body
     assert "mesh." not in str(error["message"]) and "placement" in str(error["message"]), body
     assert 1.0 <= waited < 5.0, waited  # it kept asking until the model's deadline, then answered
+
+
+async def test_a_request_for_a_loaded_model_made_before_the_router_listens_waits_for_it(
+    bus: Bus, tmp_path: Path
+) -> None:
+    door, port = await _door(bus, tmp_path, timeout_s=20)
+    model = tmp_path / "m.gguf"
+    settings = ServingSettings(slots=1)
+    record = InstanceStatus(
+        id="i1", node="n1", reservation_id="r1", state="ready", port=1234, model_path=str(model),
+        settings=Stamp(settings=settings, ctx=512, n_gpu_layers=0),
+        predicted_memory=estimate(geometry_from_header(read_header(model)), settings, 512),
+    )  # fmt: skip
+    kv = await buckets.instances(bus, SUBJECTS)
+    await kv.put(SUBJECTS.instance_key("n1", "i1"), encode(record))
+    asked: list[Msg] = []
+
+    async def late_router(msg: Msg) -> None:
+        asked.append(msg)
+        reply = ErrorReply(code="no_instance", message="the late router's own answer")
+        await bus.nc.publish(msg.reply, b"", headers=error_headers(reply))
+
+    async with supervised(bus, [door]):
+        async with asyncio.timeout(10):
+            bound = await port
+        asking = asyncio.create_task(_ask(bound))
+        await asyncio.sleep(1.0)  # the request is in, and nothing listens on the router's subject
+        assert not asking.done()
+        sub = await bus.nc.subscribe(SUBJECTS.generate, cb=late_router)
+        try:
+            async with asyncio.timeout(15):
+                status, _, body = await asking
+        finally:
+            await sub.unsubscribe()
+    assert len(asked) == 1
+    assert status == 503 and "the late router's own answer" in str(body["error"]), body
 
 
 pytestmark = pytest.mark.timeout(60)
