@@ -14,6 +14,7 @@ import json
 import os
 import ssl
 import stat
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -95,9 +96,22 @@ async def server(tmp_path: Path) -> AsyncIterator[EmbeddedNats]:
         await nats_server.stop()
 
 
+#: What nats-server logs once a reload is applied whole (users, then accounts, then this line).
+RELOADED = "Reloaded server configuration"
+
+
 def issued(server: EmbeddedNats, role: Role) -> Credentials:
+    """A new user of `role`, once the server has applied the reload that adds it. A connection accepted while
+    the reload is half applied (its user known, the accounts not yet rebuilt) is closed by the server when the
+    accounts are; waiting for the reload's last line keeps the tests off that moment."""
+    log = server.data_dir / "nats-server.log"
+    before = log.read_text(errors="replace").count(RELOADED) if log.exists() else 0
     user = issue(server.data_dir, role)
     assert embedded.reload(server.data_dir) == server.pid
+    deadline = time.monotonic() + 10
+    while log.read_text(errors="replace").count(RELOADED) <= before:  # a few ms: the server applies it at once
+        assert time.monotonic() < deadline, f"nats-server did not log {RELOADED!r} within 10 s"
+        time.sleep(0.01)
     assert server.credentials is not None
     return Credentials(server.credentials.url, user.user, user.password, server.credentials.tls_ca)
 
