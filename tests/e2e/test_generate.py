@@ -204,7 +204,10 @@ async def test_malformed_generate_requests_get_structured_errors_and_the_node_ke
 
 async def test_streamed_chunks_arrive_in_order_and_a_client_that_goes_away_frees_the_slot(tmp_path: Path) -> None:
     require_server()
-    slow = write_llama(tmp_path / "slow.gguf", n_layer=12, n_embd=512, n_head=8, n_head_kv=4, n_ff=2048)
+    # A large vocabulary keeps random weights from sampling the end of text early: a long generation that
+    # ended by itself would free its slot with nothing cancelled (CI once waited for a cancellation in vain).
+    slow = write_llama(tmp_path / "slow.gguf", n_layer=12, n_embd=512, n_head=8, n_head_kv=4, n_ff=2048,
+                       n_vocab=32000)  # fmt: skip
     data_dir = tmp_path / "node"
     subjects = Subjects()
     async with node(data_dir, "streamer", "--cache-ram", "0", "--ctx-checkpoints", "0", "--parallel", "1"):
