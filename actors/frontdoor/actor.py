@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -70,6 +70,8 @@ from runtime.generate_client import StreamGap, forward
 from runtime.model_files import ModelFileError, resolve
 
 __all__ = ["FrontDoorActor"]
+
+T = TypeVar("T")
 
 #: How long a connection may stay idle, or take to send a request's head, before it is closed.
 KEEPALIVE_TIMEOUT_S: Final = 20.0
@@ -342,17 +344,14 @@ class FrontDoorActor(Actor):
             self._instance_used[instance.id] = model.last_used
 
     async def _forward(self, order: GenerateRequest, relay: _Relay, deadline: float) -> GenerateResult:
-        """`order` through the mesh's router; while none listens (a node starting, the router restarting: nothing
-        was sent, nothing relayed), asked again until `deadline`."""
+        """`order` through the mesh's router, asked again while none listens (nothing was sent, nothing relayed)."""
         loop = asyncio.get_running_loop()
-        while True:
-            try:
-                return await forward(self._ctx.bus, self._ctx.subjects, order, relay.head, relay.data)
-            except NoResponders:
-                if loop.time() + _NO_RESPONDERS_RETRY_S >= deadline:
-                    raise
-                await asyncio.sleep(_NO_RESPONDERS_RETRY_S)
-                order = msgspec.structs.replace(order, timeout_s=max(1.0, deadline - loop.time()))
+        bus, subjects = self._ctx.bus, self._ctx.subjects
+        return await _once_listening(
+            lambda: forward(bus, subjects, msgspec.structs.replace(order, timeout_s=max(1.0, deadline - loop.time())),
+                            relay.head, relay.data),
+            deadline,
+        )  # fmt: skip
 
     # --- models on demand ----------------------------------------------------------------------------------
 
@@ -422,25 +421,21 @@ class FrontDoorActor(Actor):
             model.waiting -= 1
 
     async def _ask_placement(self, placement: PlacementRequest, deadline: float) -> PlacementDecision:
-        """Placement's decision. While no placement actor listens (a node starting, an actor restarting), asks
-        again until `deadline`, every `_NO_RESPONDERS_RETRY_S`: what a client's retry would do, without the
-        client seeing the gap."""
+        """Placement's decision, asked again while no placement actor listens."""
         ctx = self._ctx
         loop = asyncio.get_running_loop()
-        while True:
-            try:
-                return await ctx.bus.request(
+        try:
+            return await _once_listening(
+                lambda: ctx.bus.request(
                     ctx.subjects.placement_request, placement, PlacementDecision,
                     timeout=max(0.1, min(30.0, deadline - loop.time())),
-                )  # fmt: skip
-            except NoResponders as exc:
-                if loop.time() + _NO_RESPONDERS_RETRY_S >= deadline:
-                    raise shapes.ApiError(UNAVAILABLE, f"placement did not answer: {_bus_failure(exc)}") from exc
-                await asyncio.sleep(_NO_RESPONDERS_RETRY_S)
-            except RemoteError as exc:
-                raise shapes.ApiError(UNAVAILABLE, f"placement did not answer: {exc.reply.message}") from exc
-            except BusError as exc:
-                raise shapes.ApiError(UNAVAILABLE, f"placement did not answer: {_bus_failure(exc)}") from exc
+                ),
+                deadline,
+            )  # fmt: skip
+        except RemoteError as exc:
+            raise shapes.ApiError(UNAVAILABLE, f"placement did not answer: {exc.reply.message}") from exc
+        except BusError as exc:
+            raise shapes.ApiError(UNAVAILABLE, f"placement did not answer: {_bus_failure(exc)}") from exc
 
     async def _start(self, model: _Model, deadline: float) -> InstanceStatus:
         """Places and starts one instance of `model`, making room when memory is short."""
@@ -714,6 +709,20 @@ class _Relay:
         await self._stream.write(event.encode())
         await self._stream.write_eof()
         return self._stream
+
+
+async def _once_listening(call: Callable[[], Awaitable[T]], deadline: float) -> T:
+    """`call()`, made again every `_NO_RESPONDERS_RETRY_S` while nobody listens on its subject (a node starting,
+    an actor restarting: nothing was sent), until `deadline`; then its last `NoResponders` is raised. What a
+    client's retry would do, without the client seeing the gap."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            return await call()
+        except NoResponders:
+            if loop.time() + _NO_RESPONDERS_RETRY_S >= deadline:
+                raise
+            await asyncio.sleep(_NO_RESPONDERS_RETRY_S)
 
 
 def _bus_failure(exc: BusError) -> str:
