@@ -357,3 +357,20 @@ async def _close_quietly(nc: Client, deadline_s: float = 5.0) -> None:
                 await nc.close()
     except TimeoutError:
         get_logger(component="bus").warning("nats_close_overdue", deadline_s=deadline_s)
+
+
+NO_RESPONDERS_RETRY_S: Final = 0.25
+
+
+async def once_listening(call: Callable[[], Awaitable[T]], deadline: float) -> T:
+    """`call()`, made again every `NO_RESPONDERS_RETRY_S` while nobody listens on its subject (a node starting,
+    an actor restarting: nothing was sent), until `deadline`; then its last `NoResponders` is raised. What a
+    client's retry would do, without the client seeing the gap."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            return await call()
+        except NoResponders:
+            if loop.time() + NO_RESPONDERS_RETRY_S >= deadline:
+                raise
+            await asyncio.sleep(NO_RESPONDERS_RETRY_S)

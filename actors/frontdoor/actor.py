@@ -65,7 +65,7 @@ from messages.telemetry import NodeResources
 from runtime import buckets, tracing
 from runtime.actor import Actor, ActorContext
 from runtime.buckets import TTL_HEADER
-from runtime.bus import BadMessage, BusError, NoResponders, RemoteError, RequestTimeout
+from runtime.bus import BadMessage, BusError, NoResponders, RemoteError, RequestTimeout, once_listening
 from runtime.generate_client import StreamGap, forward
 from runtime.model_files import ModelFileError, resolve
 
@@ -77,8 +77,6 @@ T = TypeVar("T")
 KEEPALIVE_TIMEOUT_S: Final = 20.0
 #: How long a request's body may take to arrive once its head has (and its key was checked).
 BODY_TIMEOUT_S: Final = 30.0
-#: How often placement is asked again while none listens (a node starting, placement restarting).
-_NO_RESPONDERS_RETRY_S: Final = 0.25
 
 
 class _Model:
@@ -347,7 +345,7 @@ class FrontDoorActor(Actor):
         """`order` through the mesh's router, asked again while none listens (nothing was sent, nothing relayed)."""
         loop = asyncio.get_running_loop()
         bus, subjects = self._ctx.bus, self._ctx.subjects
-        return await _once_listening(
+        return await once_listening(
             lambda: forward(bus, subjects, msgspec.structs.replace(order, timeout_s=max(1.0, deadline - loop.time())),
                             relay.head, relay.data),
             deadline,
@@ -425,7 +423,7 @@ class FrontDoorActor(Actor):
         ctx = self._ctx
         loop = asyncio.get_running_loop()
         try:
-            return await _once_listening(
+            return await once_listening(
                 lambda: ctx.bus.request(
                     ctx.subjects.placement_request, placement, PlacementDecision,
                     timeout=max(0.1, min(30.0, deadline - loop.time())),
@@ -709,20 +707,6 @@ class _Relay:
         await self._stream.write(event.encode())
         await self._stream.write_eof()
         return self._stream
-
-
-async def _once_listening(call: Callable[[], Awaitable[T]], deadline: float) -> T:
-    """`call()`, made again every `_NO_RESPONDERS_RETRY_S` while nobody listens on its subject (a node starting,
-    an actor restarting: nothing was sent), until `deadline`; then its last `NoResponders` is raised. What a
-    client's retry would do, without the client seeing the gap."""
-    loop = asyncio.get_running_loop()
-    while True:
-        try:
-            return await call()
-        except NoResponders:
-            if loop.time() + _NO_RESPONDERS_RETRY_S >= deadline:
-                raise
-            await asyncio.sleep(_NO_RESPONDERS_RETRY_S)
 
 
 def _bus_failure(exc: BusError) -> str:

@@ -31,7 +31,7 @@ from messages.registry import RegistryEntry
 from messages.runner import RunnerAck, StartInstance
 from messages.subjects import Subjects, check_token
 from runtime import buckets
-from runtime.bus import BadMessage, Bus, BusError, RemoteError, decode_checked, encode
+from runtime.bus import BadMessage, Bus, BusError, RemoteError, decode_checked, encode, once_listening
 from runtime.cli.common import EXIT_USAGE, CliError, add_client_options, connect, emit_json, prefix
 from runtime.cli.journal import read_events
 from runtime.model_files import FileDigests, ModelFileError, open_regular
@@ -153,13 +153,12 @@ async def cmd_place(args: argparse.Namespace) -> int:
             raise CliError(str(exc)) from exc
         ack: RunnerAck | None = None
         if args.start and decision.admitted and decision.reservation_id:
-            node = decision.placements[0].node_id
-            try:
-                ack = await bus.request(
-                    subjects.runner(node, "start"),
-                    StartInstance(reservation_id=decision.reservation_id),
-                    RunnerAck,
-                    timeout=max(args.timeout, 120.0),
+            node, order = decision.placements[0].node_id, StartInstance(reservation_id=decision.reservation_id)
+            wait = max(args.timeout, 120.0)
+            try:  # the node's runner may still be starting (telemetry answers first): wait for it to listen
+                ack = await once_listening(
+                    lambda: bus.request(subjects.runner(node, "start"), order, RunnerAck, timeout=wait),
+                    asyncio.get_running_loop().time() + args.timeout,
                 )
             except BusError as exc:
                 raise CliError(f"admitted, but the start on {node} failed: {exc}") from exc
