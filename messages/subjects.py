@@ -66,6 +66,16 @@ class Subjects:
     def frontdoors_bucket(self) -> str:
         return f"{self._upper}_FRONTDOORS"
 
+    @property
+    def keys_bucket(self) -> str:
+        """Tenants' API keys (`messages.tenants.TenantKey`, by key id): written by an admin only."""
+        return f"{self._upper}_KEYS"
+
+    @property
+    def limits_bucket(self) -> str:
+        """Tenants' shared limit counters (rate buckets, concurrency), written by every node's front door."""
+        return f"{self._upper}_LIMITS"
+
     def telemetry(self, node: str) -> str:
         return f"{self.prefix}.telemetry.{node}"
 
