@@ -40,6 +40,8 @@ REGISTRY = BucketSpec("mesh-actor: signed model registry entries")
 INSTANCES = BucketSpec("mesh-actor: llama-server instances (per-key TTL)", marker_ttl_s=60.0)
 FRONTDOORS = BucketSpec("mesh-actor: each front door's models and queues (per-key TTL)", marker_ttl_s=60.0)
 L3 = BucketSpec("mesh-actor: each live node's L3 inventory (per-key TTL)", marker_ttl_s=60.0)
+#: Tenants' API keys (`messages.tenants.TenantKey` by key id: a hash, never a secret), written by an admin only.
+KEYS = BucketSpec("mesh-actor: tenants' API keys (hashes, scopes, limits), by key id")
 
 
 MAX_REPLICAS = 3
@@ -172,6 +174,10 @@ async def frontdoors(bus: Bus, subjects: Subjects) -> KeyValue:
 
 async def l3(bus: Bus, subjects: Subjects) -> KeyValue:
     return await open_bucket(bus, subjects.l3_bucket, L3)
+
+
+async def keys(bus: Bus, subjects: Subjects) -> KeyValue:
+    return await open_bucket(bus, subjects.keys_bucket, KEYS)
 
 
 async def read_all(bus: Bus, name: str, value_type: type[T]) -> tuple[list[tuple[str, T]], list[str]]:

@@ -1,9 +1,9 @@
 """Front door: the HTTP server of OpenAI's and Anthropic's APIs over `mesh.generate`, with models on demand.
-Pure cores `catalog` (models.toml), `lifecycle` (what to stop to make room, what idles out) and `shapes` (the
-HTTP surface: paths, keys, error shapes, the model renamed in answers); the shell `actor` serves HTTP and
-starts and stops models."""
+Pure cores `catalog` (models.toml), `keys` (tenants' API keys and their scopes), `lifecycle` (what to stop to
+make room, what idles out) and `shapes` (the HTTP surface: paths, keys, error shapes, the model renamed in
+answers); the shell `actor` serves HTTP and starts and stops models."""
 
 from typing import Final
 
 #: The pure cores (`tests/test_import_rules.py` holds them, and everything else, to the design's import rules).
-CORES: Final = frozenset({"catalog", "lifecycle", "shapes"})
+CORES: Final = frozenset({"catalog", "keys", "lifecycle", "shapes"})
