@@ -31,6 +31,8 @@ Within an account, each user's `permissions`:
 
 - `client` requests `placement.request`, `placement.fit` and `generate` and the read-only JetStream calls above,
   answers the stream pings of a generate, and subscribes to its own inbox and the journal's live subjects.
+  It reads neither the tenants' keys (the keys bucket) nor the shared limit counters (the limits bucket):
+  neither is among the streams exported to its account.
 - `node:<id>` publishes only its own telemetry, serving reports, events (`<prefix>.events.*.*.<id>`) and
   bucket keys (`MESH_NODES.<id>`, `MESH_L3.<id>`, `MESH_INSTANCES.<id>.>`), serves its own runner, L3 and
   handoff subjects and the queue groups every node serves (placement, generate), and requests other nodes'
@@ -38,10 +40,11 @@ Within an account, each user's `permissions`:
   peer fetch, model files (`files.<id>.held`/`.facts`/`.chunk`; a `pull` only of its own node: an admin's
   request elsewhere) and handoff subjects (but not another node's link probe, `handoff.<id>.probe`: an admin's
   request). Placement runs on every node and books memory on any node by compare-and-set, so a node may write
-  every reservation ledger (and start or stop instances anywhere): that is the trust that remains between
-  nodes. It may create the mesh's streams and buckets (an idempotent create cannot alter an existing one) but
-  not update, delete or purge them (the decisions object store excepted: replacing an object purges its old
-  chunks).
+  every reservation ledger and every tenant's limit counters (front doors share them), and start or stop
+  instances anywhere: that is the trust that remains between nodes. It reads the tenants' keys (its front
+  door follows them) but writes none: only an admin issues and revokes keys. It may create the mesh's streams
+  and buckets (an idempotent create cannot alter an existing one) but not update, delete or purge them (the
+  decisions object store excepted: replacing an object purges its old chunks).
 - `admin` may do everything (stream and bucket management, registry writes, L3 admin).
 
 Every user receives its replies on its own inbox prefix (the bus sets it from the user name, `inbox_prefix`):
@@ -136,6 +139,16 @@ def _streams(subjects: Subjects) -> dict[str, str]:
     }
 
 
+def _node_streams(subjects: Subjects) -> dict[str, str]:
+    """The streams a node reads and may create: the clients' (`_streams`) and the ones no client may read, the
+    tenants' keys (their hashes, scopes and limits) and the shared limit counters."""
+    return {
+        **_streams(subjects),
+        "keys": f"KV_{subjects.keys_bucket}",
+        "limits": f"KV_{subjects.limits_bucket}",
+    }
+
+
 def _gets(streams: list[str]) -> list[tuple[str, bool]]:
     """The read-only JetStream calls on these streams, each with whether its answer is a stream of messages:
     account info, stream info, stored-message gets and direct gets (batched: many answers)."""
@@ -220,7 +233,7 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
     if role.kind == "admin":
         return None
     p = subjects.prefix
-    streams = _streams(subjects)
+    streams = _node_streams(subjects)
     inbox = f"{inbox_prefix(user)}.>"
     if role.kind == "client":
         # What its account imports, named again: a second wall if an import were ever widened by mistake.
@@ -249,6 +262,7 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
         subjects.placement_fit,
         subjects.generate,
         f"$KV.{subjects.reservations_bucket}.>",  # placement books on every node (compare-and-set)
+        f"$KV.{subjects.limits_bucket}.>",  # front doors share tenants' limit counters (compare-and-set)
         f"$O.{streams['decisions'].removeprefix('OBJ_')}.>",  # placement's decision records
         f"{p}.runner.*.generate",  # the router forwards to the chosen runner
         f"{p}.runner.*.tokenize",

@@ -208,3 +208,33 @@ def test_the_requesting_client_is_the_user_the_server_names_in_its_request_info(
         {"Nats-Request-Info": "[1, 2]"},
     ):
         assert requesting_client(headers) is None, headers
+
+
+def test_tenants_keys_are_read_by_nodes_written_by_admins_only_and_never_reach_a_client() -> None:
+    """Issue 20: the keys bucket holds the tenants' key hashes, scopes and limits; the limits bucket their shared
+    counters. A node's front door follows the keys and updates the counters; a client sees neither."""
+    node = permissions(S, Role("node", "n1"), "node-n1")
+    client = permissions(S, Role("client"), "client-1")
+    assert node is not None and client is not None
+    keys, limits = f"KV_{S.keys_bucket}", f"KV_{S.limits_bucket}"
+    for stream in (keys, limits):
+        for subject in (  # a node opens (or creates) the bucket and watches it
+            f"$JS.API.STREAM.CREATE.{stream}",
+            f"$JS.API.STREAM.INFO.{stream}",
+            f"$JS.API.DIRECT.GET.{stream}.$KV.x.k",
+            f"$JS.API.CONSUMER.CREATE.{stream}.watch.$KV.x.>",
+            f"$JS.FC.{stream}.x",
+        ):
+            assert allowed(node, "publish", subject), subject
+        for subject in (f"$JS.API.STREAM.UPDATE.{stream}", f"$JS.API.STREAM.DELETE.{stream}",
+                        f"$JS.API.STREAM.PURGE.{stream}"):  # fmt: skip
+            assert not allowed(node, "publish", subject), subject
+        for subject in (f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
+                        f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.$KV.x.k"):  # fmt: skip
+            assert not allowed(client, "publish", subject), subject
+    assert not allowed(node, "publish", f"$KV.{S.keys_bucket}.0123456789abcdef")  # an admin's to write
+    assert allowed(node, "publish", f"$KV.{S.limits_bucket}.lab.rpm")  # every front door updates the counters
+    assert not allowed(client, "publish", f"$KV.{S.keys_bucket}.0123456789abcdef")
+    assert not allowed(client, "publish", f"$KV.{S.limits_bucket}.lab.rpm")
+    exported = {e.get("service") for e in accounts(S, [(Role("admin"), "mesh", "pw")])[MESH_ACCOUNT]["exports"]}
+    assert not [s for s in exported if s and (keys in s or limits in s)]
