@@ -17,10 +17,17 @@ runner does it), so a stopped model resumes from its states when it is loaded ag
 are grouped while a swap is pending (`lifecycle`); `group_swaps=False` serves them in arrival order instead,
 the behaviour grouping is measured against (`benchmarks/frontdoor_swap.py`).
 
-Keys: with `api_key` set, every request needs `Authorization: Bearer <key>` (401 otherwise); the launcher
-refuses a non-loopback address without one. `GET /metrics` (with `metrics`: the node's metrics actor's
-exposition) answers the node's Prometheus metrics under the same key rule. With `dashboard` (the dashboard actor's
-`register`), `/ui` is the dashboard's, which checks the same key itself (a browser also holds it as a cookie).
+Keys (`keys`, issue 20): `api_key` is the node's admin key, which opens everything; tenants' keys come from the
+keys bucket (followed by a watch: an issued or revoked key takes effect as the watch delivers it, within
+milliseconds on every node). With an admin key set or any record in the bucket, every request needs a key
+(`Authorization: Bearer <key>` or `x-api-key`; 401 in the endpoint's error shape otherwise); with neither, the
+door is open as before (the launcher refuses a non-loopback address without an admin key). A tenant key sees and
+uses only its models: `/v1/models` lists those, and any other model is answered exactly as an absent one (404
+`model_not_found`). The record of the request's key is `request[TENANT_KEY]` (None: the admin key, or an open
+door). `GET /metrics` (with `metrics`: the node's metrics actor's exposition) answers the node's Prometheus
+metrics to the admin key only (a tenant key: 401). With `dashboard` (the dashboard actor's `register`), `/ui`
+is the dashboard's, which checks the admin key itself (a browser also holds it as a cookie); a door with
+tenant keys and no admin key keeps the dashboard shut (401), since no key may open it.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from nats.js.kv import KeyValue
 
 from actors.frontdoor import shapes
 from actors.frontdoor.catalog import Catalog, CatalogModel
+from actors.frontdoor.keys import KeyRefused, KeyTable, allows, authenticate
 from actors.frontdoor.lifecycle import ArrivalOrder, NeverFits, Running, Stop, Wait, idle_expired, plan_room
 from actors.placement.ledger import device_sizes
 from actors.runner import passthrough
@@ -62,6 +70,7 @@ from messages.generate import MAX_API_BODY_BYTES, ApiCall, GenerateRequest, Gene
 from messages.placement import NodeLedger, PlacementDecision, PlacementRequest
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
 from messages.telemetry import NodeResources
+from messages.tenants import TenantKey
 from runtime import buckets, tracing
 from runtime.actor import Actor, ActorContext
 from runtime.buckets import TTL_HEADER
@@ -69,7 +78,7 @@ from runtime.bus import BadMessage, BusError, NoResponders, RemoteError, Request
 from runtime.generate_client import StreamGap, forward
 from runtime.model_files import ModelFileError, resolve
 
-__all__ = ["FrontDoorActor"]
+__all__ = ["TENANT_KEY", "FrontDoorActor"]
 
 T = TypeVar("T")
 
@@ -77,6 +86,9 @@ T = TypeVar("T")
 KEEPALIVE_TIMEOUT_S: Final = 20.0
 #: How long a request's body may take to arrive once its head has (and its key was checked).
 BODY_TIMEOUT_S: Final = 30.0
+#: Where a request holds the record of the tenant key it presented (`request[TENANT_KEY]`): a `TenantKey`, or
+#: None for the admin key (and on an open door): every model, no tenant's limits.
+TENANT_KEY: Final = "tenant_key"
 
 
 class _Model:
@@ -105,6 +117,7 @@ class FrontDoorActor(Actor):
         models_dir: Path,
         api_key: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         min_idle_s: float = 1.0,
         group_swaps: bool = True,
         on_listening: Callable[[int], None] | None = None,
@@ -117,6 +130,8 @@ class FrontDoorActor(Actor):
         self.models_dir = models_dir
         self.api_key = api_key
         self._clock = clock
+        self._wall_clock = wall_clock  # keys expire at a unix time
+        self._keys = KeyTable()
         # Grouping off: no grace for the model just used, and requests in arrival order across models.
         self._min_idle_s = min_idle_s if group_swaps else 0.0
         self._order = None if group_swaps else ArrivalOrder()
@@ -140,8 +155,12 @@ class FrontDoorActor(Actor):
         kv = await buckets.instances(ctx.bus, ctx.subjects)
         ready = asyncio.Event()
         ctx.spawn(self._watch_instances(ctx, kv, ready), "watch-instances")
-        async with asyncio.timeout(10):
+        self._keys.clear()
+        keys_ready = asyncio.Event()
+        ctx.spawn(self._watch_keys(ctx, await buckets.keys(ctx.bus, ctx.subjects), keys_ready), "watch-keys")
+        async with asyncio.timeout(10):  # never listen before the keys are known: an open door would let all in
             await ready.wait()
+            await keys_ready.wait()
         # keepalive_timeout also bounds a new connection that never completes its request's head
         runner = web.AppRunner(
             self._app(), handler_cancellation=True, access_log=None, keepalive_timeout=KEEPALIVE_TIMEOUT_S
@@ -185,6 +204,21 @@ class FrontDoorActor(Actor):
             self._instances_moved.set()  # wake what waits for an instance to change, then a fresh event
             self._instances_moved = asyncio.Event()
 
+    async def _watch_keys(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
+        """The tenants' keys as the bucket holds them. A record that does not decode, or names another key id
+        than the one it is stored under, is logged and opens nothing (it still closes an open door)."""
+        async for entry in buckets.watch(kv, ready):
+            if buckets.removed(entry):
+                self._keys.remove(entry.key)
+                continue
+            try:
+                key = buckets.decode_keyed(entry, TenantKey, lambda k: k.key_id, "tenant key")
+            except BadMessage as exc:
+                ctx.log.warning("bad_tenant_key_record", key=entry.key, error=str(exc))
+                self._keys.spoil(entry.key)
+            else:
+                self._keys.put(key)
+
     async def _instances_change(self, timeout_s: float | None = None) -> None:
         """Returns once an instance record changes (or `timeout_s` passed)."""
         with contextlib.suppress(TimeoutError):
@@ -223,13 +257,7 @@ class FrontDoorActor(Actor):
     ) -> web.StreamResponse:
         shape = shapes.shape_of(request.path)
         try:
-            if (
-                self.api_key is not None
-                and not self._dashboards(request.path)
-                and not shapes.key_matches(shapes.presented_key(request.headers), self.api_key)
-            ):
-                raise shapes.ApiError(INVALID_API_KEY, "a valid API key is required (Authorization: Bearer KEY, or "
-                                      "x-api-key: KEY)")  # fmt: skip
+            request[TENANT_KEY] = self._authorize(request)
             return await handler(request)
         except shapes.ApiError as exc:
             return _error_response(exc, shape)
@@ -249,6 +277,26 @@ class FrontDoorActor(Actor):
             self._ctx.log.exception("frontdoor_request_failed", path=request.path, error=repr(exc))
             return _error_response(shapes.ApiError(INTERNAL, "the front door failed on this request"), shape)
 
+    def _authorize(self, request: web.Request) -> TenantKey | None:
+        """The record of the tenant key `request` presents; None for the admin key or an open door (and on the
+        dashboard's paths, where the dashboard checks the admin key itself)."""
+        if self._dashboards(request.path):
+            if self.api_key is None and self._keys.holds_any:
+                raise shapes.ApiError(INVALID_API_KEY, "the dashboard needs the node's admin key (--api-key): this "
+                                      "node has none, and tenant keys do not open it")  # fmt: skip
+            return None
+        try:
+            tenant = authenticate(
+                shapes.presented_key(request.headers), admin_key=self.api_key, table=self._keys,
+                now=self._wall_clock(),
+            )  # fmt: skip
+        except KeyRefused as exc:
+            self._ctx.log.info("frontdoor_key_refused", reason=exc.reason, key_id=exc.key_id, path=request.path)
+            raise shapes.ApiError(INVALID_API_KEY, str(exc)) from exc
+        if tenant is not None and request.path == "/metrics":
+            raise shapes.ApiError(INVALID_API_KEY, "/metrics needs the node's admin key: a tenant key does not open it")
+        return tenant
+
     def _dashboards(self, path: str) -> bool:
         """Whether `path` is the dashboard's (which checks the key itself: a header, or its session cookie)."""
         prefix = self._dashboard_prefix
@@ -263,16 +311,18 @@ class FrontDoorActor(Actor):
                 "queued": m.waiting + m.held, "pinned": m.entry.pinned, "kind": kind}  # fmt: skip
 
     async def _list_models(self, request: web.Request) -> web.Response:
-        data = [self._model_object(name, m) for name, m in sorted(self._models.items())]
+        tenant = request.get(TENANT_KEY)
+        data = [self._model_object(name, m) for name, m in sorted(self._models.items()) if allows(tenant, name)]
         return web.json_response({"object": "list", "data": data})
 
     async def _get_model(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
-        return web.json_response(self._model_object(name, self._model(name)))
+        return web.json_response(self._model_object(name, self._model(name, request)))
 
-    def _model(self, name: str) -> _Model:
+    def _model(self, name: str, request: web.Request) -> _Model:
+        """The catalog model `name`, if the request's key may see it; else exactly the answer for no such model."""
         model = self._models.get(name)
-        if model is None:
+        if model is None or not allows(request.get(TENANT_KEY), name):
             raise shapes.ApiError(MODEL_NOT_FOUND, f"the model {name!r} does not exist (see /v1/models)",
                                   param="model")  # fmt: skip
         return model
@@ -308,7 +358,7 @@ class FrontDoorActor(Actor):
             raise shapes.ApiError(BAD_REQUEST, "`model` is required: a model of /v1/models", param="model")
         span.rename(f"{tracing.operation(endpoint)} {name}")
         span.update(tracing.request_attributes(endpoint, name))
-        model = self._model(name)
+        model = self._model(name, request)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + model.entry.timeout_s
         instance = await self._instance_for(model, deadline)
@@ -586,7 +636,7 @@ class FrontDoorActor(Actor):
         return FrontDoorReport(
             node_id=node_id,
             address=f"http://{self.host}:{self.bound_port}",
-            auth=self.api_key is not None,
+            auth=self.api_key is not None or self._keys.holds_any,
             models=tuple(models),
             sent_at=time.time(),
         )
