@@ -164,6 +164,16 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
         "a generation's requester left (an HTTP client disconnected, a stream's pings unanswered): the server "
         "stopped and freed the slot; `tokens_generated` says how far it got",
     ),
+    ev.GenerateQueued: (
+        (RUNNER,),
+        "a request found no slot it could take and waits in its instance's queue: why (`reason`: busy slots, who "
+        "is ahead by class and by fair share) and its tags (`waiter`: tenant, class, share, cost, start and finish)",
+    ),
+    ev.GenerateDequeued: (
+        (RUNNER,),
+        "a waiting request got its slot: the queue's choice among everyone then waiting (`candidates`, the chosen "
+        "first: highest class, then earliest finish tag), which `mesh-actor replay` re-decides",
+    ),
     ev.GenerateCompleted: (
         (RUNNER,),
         "a generation was answered: its prefix's source, token counts, time to first token and total time (the "

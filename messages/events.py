@@ -259,6 +259,49 @@ class GenerateCancelled(Event, frozen=True, kw_only=True, tag="generate_cancelle
     reason: str
 
 
+class QueuedWaiter(msgspec.Struct, frozen=True, kw_only=True):
+    """One request waiting for a slot, as the queue saw it (`actors/runner/fairqueue.py`): who, which class, what
+    share and cost, and its tags with the inputs they came from (replay recomputes both)."""
+
+    request_id: str
+    tenant: str
+    priority: int
+    weight: float
+    cost: int
+    seq: int
+    virtual: float  # the class's virtual time when it arrived
+    previous: float  # its tenant's last finish tag then
+    start: float
+    finish: float
+
+
+class GenerateQueued(Event, frozen=True, kw_only=True, tag="generate_queued"):
+    """A request found no slot it could take on its instance and waits: why (`reason`: slots busy, and who is
+    ahead of it by class and by fair share), and its place in the queue's order."""
+
+    instance_id: str
+    waiter: QueuedWaiter
+    busy_slots: int
+    ahead: int  # waiters served before it as the queue stands
+    ahead_higher_class: int  # of those, of a higher class
+    reason: str
+
+
+class GenerateDequeued(Event, frozen=True, kw_only=True, tag="generate_dequeued"):
+    """A waiting request got its slot: the queue's choice among everyone waiting then (highest class, then
+    earliest finish tag, then arrival), with what each of them was; `mesh-actor replay` re-decides it."""
+
+    instance_id: str
+    request_id: str
+    waited_ms: float
+    candidates: tuple[QueuedWaiter, ...]  # at most `MAX_CANDIDATES` recorded, the best first
+    more: int = 0  # waiters not recorded (beyond `MAX_CANDIDATES`: none of them was chosen)
+
+
+#: Waiters one dequeue event records (the queue's first ones: the chosen one is always the first).
+MAX_CANDIDATES = 32
+
+
 class GenerateCompleted(Event, frozen=True, kw_only=True, tag="generate_completed"):
     """A generation this node's runner answered (a prompt generation or a pass-through to one of the server's
     endpoints), with the figures of its result: where its prefix came from, its token counts and its timings.
@@ -282,6 +325,8 @@ class GenerateCompleted(Event, frozen=True, kw_only=True, tag="generate_complete
     prefill_node: str | None = None
     handoff_bytes: int = 0
     handoff_ms: float = 0.0
+    tenant: str = ""  # who asked (`GenerateRequest.tenant`)
+    queued_ms: float = 0.0  # how long it waited for a slot (`generate_queued` says why)
 
 
 # ---- the front door (models on demand) ----
@@ -323,6 +368,24 @@ class IdleStopped(Event, frozen=True, kw_only=True, tag="idle_stopped"):
     model: str | None
     instance_id: str
     idle_s: float
+
+
+class RequestUsage(Event, frozen=True, kw_only=True, tag="request_usage"):
+    """One request to the front door's API, answered or refused: whose key (`tenant` and `key_id` empty for the
+    admin key or an open door), which catalog model ("" when the request named none it may use), its HTTP status
+    (499: the client left first), the tokens its answer reports (0 when it has none) and how long it took. What
+    `mesh-actor usage` sums."""
+
+    tenant: str
+    key_id: str
+    model: str
+    endpoint: str
+    status: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those the server reused
+    generated_tokens: int = 0
+    duration_ms: float
+    refused: str = ""  # the key's limit that refused it (`rpm`, `tpm`, `max_concurrent`), "" otherwise
 
 
 # ---- L3 (the node's store of saved slot states; owned by the L3 actor) ----
@@ -511,12 +574,15 @@ AnyEvent = (
     | HealthCheckFailed
     | GenerateRouted
     | GenerateCancelled
+    | GenerateQueued
+    | GenerateDequeued
     | GenerateCompleted
     | ModelLoading
     | ModelLoaded
     | RoomMade
     | ModelRefused
     | IdleStopped
+    | RequestUsage
     | L3Captured
     | L3CaptureDropped
     | L3Evicted

@@ -27,6 +27,7 @@ from typing import Annotated, Final, Literal
 import msgspec
 
 from messages.l3 import PrefixSource
+from messages.tenants import MAX_PRIORITY
 
 #: Longest accepted prompt: text (characters) or token ids.
 MAX_PROMPT_CHARS: Final = 4 << 20
@@ -119,6 +120,12 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     capture: bool = True  # False: do not store this request's states in L3
     # Prefill the prompt on this node, hand its state off, and decode on the routed instance (operators, tests)
     prefill_node: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
+    # Who asks, for the instance's queue (`actors/runner/fairqueue.py`): the tenant, its class (higher first) and
+    # its share within the class. The front door sets them from the request's key; a `client` user's request over
+    # NATS is its own tenant (`nats:<user>`) in the default class, whatever it says (the router sees to it).
+    tenant: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{0,80}$")] = ""
+    priority: Annotated[int, msgspec.Meta(ge=0, le=MAX_PRIORITY)] = 0
+    weight: Annotated[float, msgspec.Meta(gt=0, le=1000)] = 1.0
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.api is None):

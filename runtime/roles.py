@@ -197,7 +197,8 @@ def client_requests(subjects: Subjects) -> list[ClientService]:
             subjects.placement_request, subjects.client_placement_request, None, PLACEMENT_REPLY_WITHIN, share=True
         ),
         ClientService(subjects.placement_fit, subjects.placement_fit, None, PLACEMENT_REPLY_WITHIN),
-        ClientService(subjects.generate, subjects.generate, None, GENERATE_REPLY_WITHIN),
+        # shared: the router names the client as the request's tenant in the queue, whatever the request says
+        ClientService(subjects.generate, subjects.generate, None, GENERATE_REPLY_WITHIN, share=True),
     ]
     for subject, batched in _gets(list(_streams(subjects).values())):
         services.append(

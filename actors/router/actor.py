@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -53,8 +54,9 @@ from messages.l3 import L3Inventory
 from messages.registry import RegistryEntry
 from messages.runner import InstanceStatus
 from runtime import buckets, tracing
-from runtime.actor import Actor, ActorContext, RequestError
+from runtime.actor import Actor, ActorContext, RequestError, request_headers
 from runtime.bus import BadMessage, NoResponders, PayloadTooLarge, RemoteError, RequestTimeout, decode_checked
+from runtime.roles import requesting_client
 
 __all__ = ["QUEUE_GROUP", "RouterActor"]
 
@@ -111,7 +113,7 @@ class RouterActor(Actor):
             await inventories_ready.wait()
 
         async def generate(request: GenerateRequest) -> GenerateResult:
-            return await self.generate(ctx, request)
+            return await self.generate(ctx, as_asked(request, requesting_client(request_headers())))
 
         await ctx.add_endpoint(
             "generate",
@@ -405,3 +407,13 @@ class RouterActor(Actor):
             )
             return reply.tokens, first.model_path
         return None, None
+
+
+def as_asked(request: GenerateRequest, client: str | None) -> GenerateRequest:
+    """`request` as the queue should see it: a `client` user's (nats-server names it, `client`) is its own tenant
+    in the default class with the default share, whatever it says; the mesh's own users (a front door, which set
+    them from the request's key; an admin) are taken at their word."""
+    if client is None:
+        return request
+    tenant = "nats:" + re.sub(r"[^A-Za-z0-9_.-]", "_", client)[:75]  # a name the queue's tenant field takes
+    return msgspec.structs.replace(request, tenant=tenant, priority=0, weight=1.0)

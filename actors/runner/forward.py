@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from actors.runner import captures, passthrough
+from actors.runner.fairqueue import claim_of
 from actors.runner.plan import ServingPlan, Step
 from actors.runner.server_api import MAX_EVENT_BYTES, MAX_JSON_BYTES, ServerApiError
 from actors.runner.slots import oversize
@@ -108,7 +109,8 @@ class Forwarder:
             exchange = await self._exchange(instance, path, body, relay, order, slot=None)
             return self._result(instance, order, started, exchange, relay, slot=-1)
         tokens = list(order.tokens) if order.tokens else await self.render(instance, call.endpoint, body)
-        grant = await serving.acquire(instance, tokens or ())
+        claim = claim_of(request, len(tokens or ()), passthrough.generation_bound(body))
+        grant = await serving.acquire(instance, tokens or (), claim, order.request_id)
         slot = grant.slot
         identity = instance.identity
         plan = ServingPlan(

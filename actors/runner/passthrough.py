@@ -131,6 +131,21 @@ def streamed(body: Mapping[str, Any]) -> bool:
     return body.get("stream") is True
 
 
+#: The fields that bound a generation, in OpenAI's (chat, completions), Anthropic's, the Responses and
+#: llama-server's own shapes.
+_GENERATION_BOUNDS: Final = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict")
+
+
+def generation_bound(body: Mapping[str, Any]) -> int | None:
+    """The most tokens the body lets the server generate (for the queue's cost estimate), None when it names no
+    positive bound (llama-server's -1 or none: until the context ends)."""
+    for field in _GENERATION_BOUNDS:
+        value = body.get(field)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 #: Content parts that are not text, in OpenAI's chat, Anthropic's and the Responses shapes.
 _MEDIA_PARTS: Final = frozenset({"image_url", "input_audio", "file", "image", "document", "input_image", "input_file"})
 

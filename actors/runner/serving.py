@@ -42,14 +42,22 @@ from actors.l3.api import L3Access, L3Hit, L3Unavailable
 from actors.l3.identity import DraftSettings, Platform, StateInputs, exact_state_identity
 from actors.router.prefixes import resident_prefixes
 from actors.runner import captures, passthrough
+from actors.runner.fairqueue import Claim, Waiter, claim_of
 from actors.runner.forward import Forwarder
 from actors.runner.plan import ServingPlan, Step
 from actors.runner.server_api import ServerApi, ServerApiError, sampling_body
-from actors.runner.slots import Grant, PromptLimit, SlotTable, oversize
+from actors.runner.slots import ANYONE, Grant, PromptLimit, SlotTable, oversize
 from actors.runner.state_file import PAYLOAD_KIND, SaveFailed, remove_file
 from actors.runner.stream import ChunkStream, ClientGone
 from messages.errors import BAD_REQUEST, NOT_FOUND, TIMEOUT, UNAVAILABLE
-from messages.events import GenerateCancelled, GenerateCompleted
+from messages.events import (
+    MAX_CANDIDATES,
+    GenerateCancelled,
+    GenerateCompleted,
+    GenerateDequeued,
+    GenerateQueued,
+    QueuedWaiter,
+)
 from messages.generate import (
     ApiCall,
     GenerateResult,
@@ -192,6 +200,7 @@ class Serving:
         self.limits = limits
         self._instances: dict[str, ServedInstance] = {}
         self._active = 0
+        self._waited_ms: dict[str, float] = {}  # request id -> its wait for a slot, until its completion event
         self.changed = asyncio.Event()  # set on every load change: the report goes out soon after
         self._seq = 0
 
@@ -337,7 +346,9 @@ class Serving:
             raise RequestError(TIMEOUT, f"the generation did not finish within {request.timeout_s:g}s") from exc
         finally:
             self._active -= 1
-        self.emit(GenerateCompleted, **completed(result, request.api.endpoint if request.api else ""))
+            waited_ms = self._waited_ms.pop(order.request_id, 0.0)
+        endpoint = request.api.endpoint if request.api else ""
+        self.emit(GenerateCompleted, **completed(result, endpoint), tenant=request.tenant, queued_ms=waited_ms)
         return result
 
     async def _generate(self, instance: ServedInstance, order: RunnerGenerate, started: float) -> GenerateResult:
@@ -352,7 +363,9 @@ class Serving:
         if not tokens:
             raise RequestError(BAD_REQUEST, "the prompt has no tokens")
         refuse_oversize(instance.context, tokens=len(tokens))
-        grant = await self.acquire(instance, tokens)
+        grant = await self.acquire(
+            instance, tokens, claim_of(request, len(tokens), request.n_predict), order.request_id
+        )
         plan = ServingPlan(
             len(tokens),
             grant.resident,
@@ -376,29 +389,60 @@ class Serving:
             if not handed_over:
                 self.release(instance, grant.slot, None)
 
-    async def acquire(self, instance: ServedInstance, tokens: Sequence[int]) -> Grant:
+    async def acquire(
+        self, instance: ServedInstance, tokens: Sequence[int], claim: Claim = ANYONE, request_id: str = ""
+    ) -> Grant:
+        """A slot of `instance` for `tokens`: at once when one is free and nobody waits, else in the queue's order
+        (`fairqueue`: class, then fair share by cost), journaled: why it waits, and the choice that ended it."""
         table = instance.table
-        grant = table.acquire(tokens)
+        grant = table.acquire(tokens, None, claim)
         if grant is not None:
             self.changed.set()
             return grant
-        ticket = object()
-        table.wait(ticket)
+        ticket = Ticket(request_id)
+        waiter = table.wait(ticket, claim)
         self.changed.set()
+        self._journal_wait(instance, waiter, request_id)
         loop = asyncio.get_running_loop()
+        began = loop.time()
         try:
             # its turn with a slot free, unless a finishing slot holding much more of the prompt is worth waiting
             # for (`SlotTable.acquire` says None then): woken on every release
-            while not table.my_turn(ticket) or (grant := table.acquire(tokens, ticket)) is None:
-                waiter: asyncio.Future[None] = loop.create_future()
-                instance.wakeups.append(waiter)
-                await waiter
+            while True:
+                if table.my_turn(ticket):
+                    candidates = table.waiters()
+                    if (grant := table.acquire(tokens, ticket)) is not None:
+                        break
+                waiter_woken: asyncio.Future[None] = loop.create_future()
+                instance.wakeups.append(waiter_woken)
+                await waiter_woken
         except BaseException:
             table.withdraw(ticket)
+            instance.wake()  # the next in line may be the head now
             self.changed.set()
             raise
         self.changed.set()
+        waited_ms = (loop.time() - began) * 1000
+        if request_id:
+            self._waited_ms[request_id] = waited_ms
+        recorded = tuple(queued_waiter(w, Ticket.request_of(t)) for t, w in candidates[:MAX_CANDIDATES])
+        self.emit(GenerateDequeued, instance_id=instance.id, request_id=request_id, waited_ms=waited_ms,
+                  candidates=recorded, more=max(0, len(candidates) - MAX_CANDIDATES))  # fmt: skip
         return grant
+
+    def _journal_wait(self, instance: ServedInstance, waiter: Waiter, request_id: str) -> None:
+        ahead = [w for _, w in instance.table.waiters() if w.order < waiter.order]
+        higher = sum(1 for w in ahead if w.claim.priority > waiter.claim.priority)
+        busy = instance.table.busy
+        reason = (
+            f"{busy} of {instance.table.n_slots} slots busy" if not instance.table.free() else "a slot is finishing"
+        )
+        if ahead:
+            reason += (
+                f"; {len(ahead)} ahead ({higher} of a higher class, {len(ahead) - higher} with earlier fair-share tags)"
+            )
+        self.emit(GenerateQueued, instance_id=instance.id, waiter=queued_waiter(waiter, request_id), busy_slots=busy,
+                  ahead=len(ahead), ahead_higher_class=higher, reason=reason)  # fmt: skip
 
     def release(self, instance: ServedInstance, slot: int, held: Sequence[int] | None) -> None:
         instance.table.release(slot, held)
@@ -575,7 +619,7 @@ class Serving:
         instance = next((i for i in self._instances.values() if i.identity == order.identity), None)
         if instance is None:
             raise RequestError(NOT_FOUND, f"no ready instance of identity {order.identity[:16]}… on {self.node_id}")
-        grant = await self.acquire(instance, order.tokens)
+        grant = await self.acquire(instance, order.tokens, Claim(cost=len(order.tokens)), order.request_id)
         held: list[int] | None = None
         try:
             timings = await self._prefill(instance, grant.slot, order.tokens)
@@ -679,6 +723,27 @@ class Serving:
 #: 5xx answers that say the request met a full cache (a unified KV cache shared by busy slots), not that the
 #: server is broken: no evidence for health by inference, or a healthy server under load would be restarted.
 _LOAD_ERRORS: Final = ("context size has been exceeded",)
+
+
+class Ticket:
+    """A request's place in an instance's queue (compared by identity)."""
+
+    __slots__ = ("request_id",)
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+    @staticmethod
+    def request_of(ticket: object) -> str:
+        return ticket.request_id if isinstance(ticket, Ticket) else ""
+
+
+def queued_waiter(waiter: Waiter, request_id: str) -> QueuedWaiter:
+    c, t = waiter.claim, waiter.tags
+    return QueuedWaiter(
+        request_id=request_id, tenant=c.tenant, priority=c.priority, weight=c.weight, cost=c.cost, seq=t.seq,
+        virtual=t.virtual, previous=t.previous, start=t.start, finish=t.finish,
+    )  # fmt: skip
 
 
 def completed(result: GenerateResult, endpoint: str) -> dict[str, Any]:

@@ -10,7 +10,8 @@ Rules this module keeps:
   `rollback=False`), a slot is credited only when everything it holds is a prefix of the request: one
   holding more would be re-evaluated from the start by the server. A slot whose state is unknown (the
   server restarted, a request failed) holds nothing.
-* Waiting requests are served in arrival order: a release hands the slot to the oldest waiter.
+* Waiting requests are served in the order of `fairqueue.FairQueue` (priority class, then weighted fair
+  queueing across tenants by token cost; one tenant alone: arrival order): a release hands the slot to its head.
 * A busy slot that is only finishing (its answer sent, its state being captured: `finishing`) is worth waiting
   for when it holds at least `wait_gain` more tokens of the request than the best free slot: the next turn of
   a conversation, sent as soon as its answer arrived, then extends its own prefix instead of starting cold.
@@ -19,12 +20,15 @@ Rules this module keeps:
 
 from __future__ import annotations
 
-import contextlib
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from actors.runner.fairqueue import Claim, FairQueue, Waiter
+
 __all__ = ["Grant", "PromptLimit", "SlotTable", "common_prefix", "oversize"]
+
+#: A request that names no tenant, class or cost (tests, probes): the default class, one token.
+ANYONE = Claim()
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -86,7 +90,7 @@ class SlotTable:
         self._finishing = [False] * n_slots
         self._used = [0] * n_slots  # release counter at last release: lower is older
         self._clock = 0
-        self._waiting: deque[object] = deque()
+        self._waiting: FairQueue[object] = FairQueue()
 
     @property
     def n_slots(self) -> int:
@@ -107,26 +111,31 @@ class SlotTable:
         """What every slot holds (busy ones included: their prefix stays while they run)."""
         return list(self._held)
 
-    def wait(self, ticket: object) -> None:
+    def waiters(self) -> list[tuple[object, Waiter]]:
+        """Who waits, in the order they would get a slot."""
+        return self._waiting.waiters()
+
+    def wait(self, ticket: object, claim: Claim = ANYONE) -> Waiter:
         """Queues a request that found no free slot (or arrived behind others)."""
-        self._waiting.append(ticket)
+        return self._waiting.arrive(ticket, claim)
 
     def withdraw(self, ticket: object) -> None:
         """A waiting request gave up (deadline, client gone)."""
-        with contextlib.suppress(ValueError):
-            self._waiting.remove(ticket)
+        self._waiting.withdraw(ticket)
 
     def my_turn(self, ticket: object) -> bool:
-        """Whether `ticket` may take a slot now: it is the oldest waiter (or nobody waits) and a slot is free."""
+        """Whether `ticket` may take a slot now: it is the queue's head (or nobody waits) and a slot is free."""
         if not self.free():
             return False
-        return not self._waiting or self._waiting[0] is ticket
+        head = self._waiting.head()
+        return head is None or head is ticket
 
     def free(self) -> bool:
         return not all(self._busy)
 
-    def acquire(self, tokens: Sequence[int], ticket: object | None = None) -> Grant | None:
-        """The best free slot for `tokens`, marked busy; None when every slot is busy or others wait first."""
+    def acquire(self, tokens: Sequence[int], ticket: object | None = None, claim: Claim = ANYONE) -> Grant | None:
+        """The best free slot for `tokens`, marked busy; None when every slot is busy or others wait first.
+        `ticket`: a waiter's (its claim was given to `wait`); else `claim` is the request's, served at once."""
         if ticket is None and self._waiting:
             return None
         if ticket is not None and not self.my_turn(ticket):
@@ -144,7 +153,9 @@ class SlotTable:
         if best is None or finishing - -best[0] >= self.wait_gain:
             return None
         if ticket is not None:
-            self._waiting.popleft()
+            self._waiting.take(ticket)
+        else:
+            self._waiting.served_at_once(claim)
         slot = best[2]
         self._busy[slot] = True
         return Grant(slot, -best[0])

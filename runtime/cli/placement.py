@@ -1,4 +1,5 @@
-"""Placement commands: `place` (ask for a decision), `replay` (recompute recorded decisions), `registry`.
+"""Placement commands: `place` (ask for a decision), `replay` (recompute recorded decisions: placement,
+routing and queue order), `registry`.
 
 `place` exits 0 when admitted and 3 when refused (1 on errors, 2 on usage), so scripts can branch on it.
 `replay` exits 3 when some recorded decision would now be different.
@@ -24,7 +25,8 @@ from actors.placement.gguf_header import GGUFFormatError, parse_header, read_hea
 from actors.placement.registry import RegistryUntrusted, public_key_of, sign
 from actors.placement.replay import differences, inputs_of, recompute
 from actors.router.routing import ROUTER_VERSION, route
-from messages.events import DecisionInputs, GenerateRouted, PlacementDecided
+from actors.runner.fairqueue import rechoose, retag
+from messages.events import DecisionInputs, GenerateDequeued, GenerateQueued, GenerateRouted, PlacementDecided
 from messages.model import ModelGeometry
 from messages.placement import ModelRef, PlacementDecision, PlacementRequest
 from messages.registry import RegistryEntry
@@ -66,7 +68,9 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     place.add_argument("--timeout", type=float, default=30.0, metavar="S")
     place.set_defaults(func=cmd_place)
 
-    replay = sub.add_parser("replay", help="recompute recorded placement decisions with today's core")
+    replay = sub.add_parser(
+        "replay", help="recompute recorded placement, routing and queue decisions with today's cores"
+    )
     add_client_options(replay)
     replay.add_argument("--since", metavar="SEQ|TIME", help="a stream sequence, an ISO time, or an age like 1h")
     replay.set_defaults(func=cmd_replay)
@@ -261,6 +265,21 @@ async def cmd_replay(args: argparse.Namespace) -> int:
                         "differences": [{"path": d.path, "recorded": d.recorded, "now": d.now} for d in diff],
                     }
                 )
+        kinds: tuple[tuple[str, type[GenerateQueued] | type[GenerateDequeued]], ...] = (
+            ("runner.generate_queued", GenerateQueued), ("runner.generate_dequeued", GenerateDequeued),
+        )  # fmt: skip
+        for pattern, kind in kinds:
+            async for stored in read_events(bus, subjects, pattern, since=args.since, follow=False):
+                try:
+                    queued = decode_checked(stored.data, kind, f"event {stored.seq}")
+                except BadMessage as exc:
+                    why = f"not a queue decision this version can read: {exc.error}"
+                    skipped.append({"seq": stored.seq, "reason": why})
+                    continue
+                replayed += 1
+                if queue_diff := _queue_differences(queued):
+                    changed.append({"seq": stored.seq, "decision_id": queued.id, "model": queued.instance_id,
+                                    "kind": "queue", "differences": queue_diff})  # fmt: skip
     finally:
         await bus.close()
     if args.json:
@@ -276,6 +295,23 @@ async def cmd_replay(args: argparse.Namespace) -> int:
             print(f"skipped seq {item['seq']}: {item['reason']}", file=sys.stderr)
         print(f"{replayed} decisions replayed, {len(changed)} would differ, {len(skipped)} skipped")
     return EXIT_REFUSED if changed else 0
+
+
+def _queue_differences(event: GenerateQueued | GenerateDequeued) -> list[dict[str, Any]]:
+    """How today's queue rules differ from a recorded queue decision: a waiter's tags from their inputs, or the
+    choice among the recorded candidates (the recorded choice is the first)."""
+    if isinstance(event, GenerateQueued):
+        recorded = event.waiter
+        now = retag(recorded)
+        return [
+            {"path": f"waiter.{name}", "recorded": getattr(recorded, name), "now": getattr(now, name)}
+            for name in ("start", "finish")
+            if getattr(recorded, name) != getattr(now, name)
+        ]
+    chosen = rechoose(event.candidates)
+    if event.candidates and chosen != event.candidates[0].request_id:
+        return [{"path": "chosen", "recorded": event.candidates[0].request_id, "now": chosen}]
+    return []
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:

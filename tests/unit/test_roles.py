@@ -97,7 +97,9 @@ def test_clients_live_in_their_own_account_and_import_only_what_they_may_request
         "to": S.placement_request,
         "share": True,
     }
-    assert [i for i in services if "to" in i or "share" in i] == [booking]
+    # A client's generate too: the router makes the client its tenant in the queue, whatever the request says.
+    generate = {"service": {"account": MESH_ACCOUNT, "subject": S.generate}, "share": True}
+    assert [i for i in services if "to" in i or "share" in i] == [booking, generate]
     # What a client requested before the accounts: placement, generate, the reads of the mesh's streams.
     assert {S.placement_request, S.placement_fit, S.generate, "$JS.API.INFO"} <= imported
     assert "$JS.API.DIRECT.GET.LAB_A_EVENTS" in imported
