@@ -88,7 +88,7 @@ KEEPALIVE_TIMEOUT_S: Final = 20.0
 BODY_TIMEOUT_S: Final = 30.0
 #: Where a request holds the record of the tenant key it presented (`request[TENANT_KEY]`): a `TenantKey`, or
 #: None for the admin key (and on an open door): every model, no tenant's limits.
-TENANT_KEY: Final = "tenant_key"
+TENANT_KEY: Final = web.RequestKey[TenantKey | None]("tenant_key")
 
 
 class _Model:
