@@ -72,6 +72,7 @@ from messages.registry import RegistryEntry
 from messages.runner import InstanceStatus, LendRequest, Lent, RunnerAck, StartInstance, StopInstance
 from messages.subjects import DEFAULT_PREFIX, Subjects
 from messages.telemetry import NodeResources
+from messages.tenants import TenantKey
 from runtime import buckets
 from runtime.actor import ActorContext, Supervisor
 from runtime.bus import BadMessage, decode_checked, error_headers
@@ -710,6 +711,15 @@ def render() -> str:
             "the front door (`mesh-actor run --http`)",
             "`mesh-actor models`, `mesh-actor status`",
         ),
+        (
+            S.keys_bucket,
+            buckets.KEYS,
+            "`<key id>`",
+            "TenantKey",
+            "none (a key's own `expires_at` ends it; revoking deletes its record)",
+            "`mesh-actor keys issue`, `rotate`, `revoke` (admin credentials only)",
+            "every front door (watch; its node's credentials read, never write), `mesh-actor keys ls`; no client",
+        ),
     ]
     for name, spec, key, value, key_ttl, writer, reader in rows:
         marker = f"; delete markers kept {spec.marker_ttl_s:g} s" if spec.marker_ttl_s else ""
@@ -864,6 +874,7 @@ def render() -> str:
         PrefillResult,
         ServingReport,
         FrontDoorReport,
+        TenantKey,
         l3_messages.L3Inventory,
         l3_messages.ManifestsRequest,
         l3_messages.ManifestList,
