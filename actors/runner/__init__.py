@@ -1,14 +1,14 @@
 """Runner: llama-server instances on this node (`mesh.runner.<node>.*`), supervised, verified and served.
 
-Pure cores: `command` (the command line, every allocating flag pinned), `drift` (settings drift before and
-after start), `lifecycle` (the instance state machine), `limits` (deadlines and bounds), `allocation_log`
-(llama.cpp's allocation lines), `observed` (the observed footprint), `health` (liveness by inference),
-`admission` (worker-side admission), `booking` (what a starting runner releases, what runs unbooked), `slots`
-(which slot serves a request), `passthrough` (what the mesh does around a client's own body), `plan` (one
-generation's serving plan: what to restore, when to capture), `chat_shapes` (Messages and Responses bodies as
-the chat bodies the server renders), `server_json` (JSON as the server writes it), `parts` (which parts of
-other nodes' splits this node lends). Shells: `actor` (endpoints, one driver per instance), `driver`,
-`process`, `reaper`, `engine`, `preflight`, `records`, `upkeep`, split serving (`lending` on a member,
+Pure cores: `command` (the command line, every allocating flag pinned), `drift` (settings drift before and after
+start), `lifecycle` (the instance state machine), `limits` (deadlines and bounds), `allocation_log` (llama.cpp's
+allocation lines), `observed` (the observed footprint), `health` (liveness by inference), `admission` (worker-side
+admission), `booking` (what a starting runner releases, what runs unbooked), `slots` (which slot serves a request),
+`fairqueue` (which waiting request gets the next slot: class, then fair share), `passthrough` (what the mesh does
+around a client's own body), `plan` (one generation's serving plan: what to restore, when to capture), `chat_shapes`
+(Messages and Responses bodies as the chat bodies the server renders), `server_json` (JSON as the server writes it),
+`parts` (which parts of other nodes' splits this node lends). Shells: `actor` (endpoints, one driver per instance),
+`driver`, `process`, `reaper`, `engine`, `preflight`, `records`, `upkeep`, split serving (`lending` on a member,
 `members` on a head), and the serving path (`serving`, `forward`, `stream`, `state_file`, `server_api`).
 """
 
@@ -21,6 +21,6 @@ from typing import Final
 CORES: Final = frozenset(
     {
         "command", "drift", "lifecycle", "limits", "allocation_log", "observed", "health", "admission", "booking",
-        "slots", "passthrough", "plan", "chat_shapes", "server_json", "parts",
+        "slots", "fairqueue", "passthrough", "plan", "chat_shapes", "server_json", "parts",
     }
 )  # fmt: skip

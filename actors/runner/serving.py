@@ -439,7 +439,7 @@ class Serving:
         )
         if ahead:
             reason += (
-                f"; {len(ahead)} ahead ({higher} of a higher class, {len(ahead) - higher} with earlier fair-share tags)"
+                f"; {len(ahead)} ahead ({higher} of a higher class, {len(ahead) - higher} earlier by fair share)"
             )
         self.emit(GenerateQueued, instance_id=instance.id, waiter=queued_waiter(waiter, request_id), busy_slots=busy,
                   ahead=len(ahead), ahead_higher_class=higher, reason=reason)  # fmt: skip
