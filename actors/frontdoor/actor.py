@@ -367,6 +367,7 @@ class FrontDoorActor(Actor):
             api=ApiCall(endpoint=endpoint, body=msgspec.Raw(raw)),  # type: ignore[arg-type]
             timeout_s=max(1.0, deadline - loop.time()),
             request_id=uuid.uuid4().hex,
+            **_queue_claim(request.get(TENANT_KEY)),
         )
         relay = _Relay(request, name, shape)
         model.active += 1
@@ -701,6 +702,12 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
 _ENVELOPE_BYTES: Final = 8 << 10
 #: Largest whole (not streamed) answer the front door buffers to rename its model.
 _MAX_ANSWER_BYTES: Final = 64 << 20
+
+
+def _queue_claim(key: TenantKey | None) -> dict[str, Any]:
+    """Who a request is in its instance's queue: its key's tenant, class and share (the admin key, an open door:
+    nobody's, the default class)."""
+    return {} if key is None else {"tenant": key.tenant, "priority": key.priority, "weight": key.weight}
 
 
 def _error_response(error: shapes.ApiError, shape: shapes.Shape, *, status: int | None = None) -> web.Response:
