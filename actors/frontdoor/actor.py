@@ -37,6 +37,7 @@ import contextlib
 import json
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -102,6 +103,7 @@ class _Model:
         self.active = 0  # requests generating
         self.starting: asyncio.Task[InstanceStatus] | None = None
         self.last_used = 0.0
+        self.classes: Counter[int] = Counter()  # the classes of the requests waiting for an instance
 
 
 class FrontDoorActor(Actor):
@@ -144,6 +146,7 @@ class FrontDoorActor(Actor):
         self._instances: dict[str, InstanceStatus] = {}
         self._instances_moved = asyncio.Event()  # set (then replaced) on every change of an instance record
         self._instance_used: dict[str, float] = {}
+        self._instance_class: dict[str, int] = {}  # instance -> the class of the last request sent to it
         self._starts: set[asyncio.Task[InstanceStatus]] = set()  # shared by a model's waiters; cancelled at the end
         self.bound_port: int | None = None
 
@@ -192,7 +195,10 @@ class FrontDoorActor(Actor):
     async def _watch_instances(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
         async for entry in buckets.watch(kv, ready):
             if buckets.removed(entry):
-                self._instances.pop(entry.key, None)
+                gone = self._instances.pop(entry.key, None)
+                if gone is not None:  # what this front door knew of its use goes with it
+                    self._instance_used.pop(gone.id, None)
+                    self._instance_class.pop(gone.id, None)
             else:
                 try:
                     self._instances[entry.key] = buckets.decode_keyed(
@@ -361,7 +367,9 @@ class FrontDoorActor(Actor):
         model = self._model(name, request)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + model.entry.timeout_s
-        instance = await self._instance_for(model, deadline)
+        request_class = _request_class(request.get(TENANT_KEY))
+        instance = await self._instance_for(model, deadline, request_class)
+        self._instance_class[instance.id] = request_class
         order = GenerateRequest(
             model=instance.model_path,  # any instance of this file
             api=ApiCall(endpoint=endpoint, body=msgspec.Raw(raw)),  # type: ignore[arg-type]
@@ -419,9 +427,9 @@ class FrontDoorActor(Actor):
                 return status
         return None
 
-    async def _instance_for(self, model: _Model, deadline: float) -> InstanceStatus:
+    async def _instance_for(self, model: _Model, deadline: float, request_class: int = 0) -> InstanceStatus:
         if self._order is None:
-            return await self._grouped(model, deadline)
+            return await self._grouped(model, deadline, request_class)
         if model.waiting + model.held >= model.entry.max_queue:
             raise _queue_full(model)
         ticket = self._order.arrive(model.name)
@@ -436,20 +444,24 @@ class FrontDoorActor(Actor):
                 raise _load_timeout(model) from exc
             finally:
                 model.held -= 1  # from here it waits like any request (and keeps its model's instance in use)
-            return await self._grouped(model, deadline, queued=True)
+            return await self._grouped(model, deadline, request_class, queued=True)
         finally:
             self._order.leave(ticket)
             self._order_moved.set()  # wake the waiters to look again
             self._order_moved = asyncio.Event()
 
-    async def _grouped(self, model: _Model, deadline: float, *, queued: bool = False) -> InstanceStatus:
-        """A ready instance of `model`, after waiting with its other requests for the one start in flight."""
+    async def _grouped(
+        self, model: _Model, deadline: float, request_class: int = 0, *, queued: bool = False
+    ) -> InstanceStatus:
+        """A ready instance of `model`, after waiting with its other requests for the one start in flight (which
+        may make room as the highest class among them may: `lifecycle.plan_room`)."""
         ready = self._ready_of(model)
         if ready is not None:
             return ready
         if not queued and model.waiting >= model.entry.max_queue:
             raise _queue_full(model)
         model.waiting += 1
+        model.classes[request_class] += 1
         try:
             while True:
                 ready = self._ready_of(model)
@@ -468,6 +480,9 @@ class FrontDoorActor(Actor):
                     raise _load_timeout(model) from exc
         finally:
             model.waiting -= 1
+            model.classes[request_class] -= 1
+            if model.classes[request_class] <= 0:
+                del model.classes[request_class]
 
     async def _ask_placement(self, placement: PlacementRequest, deadline: float) -> PlacementDecision:
         """Placement's decision, asked again while no placement actor listens."""
@@ -526,7 +541,11 @@ class FrontDoorActor(Actor):
                                       f"{decision.message}", extra={"reason": str(decision.reason)})  # fmt: skip
             running = await self._running()
             sizes = await self._sizes()
-            plan = plan_room(shortfalls, running, now=self._clock(), min_idle_s=self._min_idle_s, sizes=sizes)
+            top_class = max((c for c, n in model.classes.items() if n > 0), default=0)
+            plan = plan_room(
+                shortfalls, running, now=self._clock(), min_idle_s=self._min_idle_s, sizes=sizes,
+                requester_class=top_class,
+            )  # fmt: skip
             ctx.log.info(
                 "frontdoor_room", model=model.name, plan=msgspec.to_builtins(plan),
                 shortfalls=msgspec.to_builtins(shortfalls), running=msgspec.to_builtins(running),
@@ -610,6 +629,7 @@ class FrontDoorActor(Actor):
                     model=model.name if model else None,
                     held=held.get(status.id, {}),
                     last_used=self._instance_used.get(status.id, 0.0),
+                    used_class=self._instance_class.get(status.id, 0),
                     priority=model.entry.priority if model else 0,
                     pinned=model.entry.pinned if model else True,  # not ours: never stopped by us
                     in_use=bool(model and (model.active or model.waiting)) or status.state != "ready",
@@ -702,6 +722,11 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
 _ENVELOPE_BYTES: Final = 8 << 10
 #: Largest whole (not streamed) answer the front door buffers to rename its model.
 _MAX_ANSWER_BYTES: Final = 64 << 20
+
+
+def _request_class(key: TenantKey | None) -> int:
+    """A request's class: its tenant key's priority (the admin key, an open door: the default class, 0)."""
+    return key.priority if key is not None else 0
 
 
 def _queue_claim(key: TenantKey | None) -> dict[str, Any]:

@@ -9,6 +9,10 @@ Rules this module keeps:
   `min_idle_s` (so two models that take turns do not unload each other per request: requests for the model
   just loaded are served first). Among the rest, the lowest priority goes first, then the least recently used,
   then the lowest instance id.
+* Request classes (a tenant key's `priority`): a request of a higher class than the last request an idle
+  instance served may stop it within its `min_idle_s` too; a lower or equal class waits that grace out. Among
+  the stoppable, the catalog's priority still goes first, then the lower class of the last use. Pinned
+  instances and running generations stay whatever the class.
 * The node whose shortfall is covered by the fewest stops wins (then the fewest bytes stopped, then the node id).
 * When no node could ever hold the model (its need exceeds a device's size less what pinned instances and
   reservations that are not ours hold), it never fits: refused at once with need and have. Anything else that
@@ -43,6 +47,7 @@ class Running(msgspec.Struct, frozen=True, kw_only=True):
     priority: int = 0
     pinned: bool = False
     in_use: bool = False  # generating, or requests waiting for it
+    used_class: int = 0  # the class of the last request it served
     idle_ttl_s: float | None = None
 
 
@@ -80,9 +85,11 @@ def plan_room(
     now: float,
     min_idle_s: float = 1.0,
     sizes: Mapping[str, Mapping[str, int]] | None = None,
+    requester_class: int = 0,
 ) -> Stop | Wait | NeverFits:
     """What to do for a model placement refused on the nodes of `shortfalls` for want of memory. `sizes`: each
-    node's device sizes (capped by its memory limit); without them, "never" is judged from `shortfalls`."""
+    node's device sizes (capped by its memory limit); without them, "never" is judged from `shortfalls`.
+    `requester_class`: the highest class among the requests waiting for the model."""
     by_node: dict[str, list[Running]] = {}
     for r in running:
         by_node.setdefault(r.node, []).append(r)
@@ -116,8 +123,12 @@ def plan_room(
             could_later = True  # our view lags (a stop not yet released everywhere): ask placement again
             continue
         free_now = sorted(
-            (r for r in unpinned if not r.in_use and now - r.last_used >= min_idle_s),
-            key=lambda r: (r.priority, r.last_used, r.instance_id),
+            (
+                r
+                for r in unpinned
+                if not r.in_use and (now - r.last_used >= min_idle_s or r.used_class < requester_class)
+            ),
+            key=lambda r: (r.priority, r.used_class, r.last_used, r.instance_id),
         )
         freed: dict[str, int] = {}
         chosen: list[str] = []

@@ -236,6 +236,23 @@ def test_room_is_made_lowest_priority_then_least_recently_used_first_never_pinne
     assert isinstance(plan_room(_short(6, 3), busy, now=100.0), Wait)
 
 
+def test_a_higher_class_may_stop_a_lower_classs_idle_instance_within_its_grace_and_nothing_else() -> None:
+    just_used = [_run("low", 4, last_used=99.9, used_class=0), _run("high", 4, last_used=99.9, used_class=5)]
+    # the default class waits the grace out, whoever used them
+    assert isinstance(plan_room(_short(6, 3), just_used, now=100.0), Wait)
+    # class 3 may stop what class 0 used a moment ago, not what class 5 used
+    plan = plan_room(_short(6, 3), just_used, now=100.0, requester_class=3)
+    assert isinstance(plan, Stop) and plan.instances == ("low",)
+    assert isinstance(plan_room(_short(10, 3), just_used, now=100.0, requester_class=3), Wait)
+    # no class stops a pinned instance or one in use
+    kept = [_run("pinned", 4, pinned=True, used_class=0), _run("busy", 4, in_use=True, used_class=0)]
+    assert isinstance(plan_room(_short(6, 3), kept, now=100.0, requester_class=9), Wait)
+    # among the stoppable, the catalog's priority first, then the lower class of the last use
+    idle = [_run("a", 4, used_class=4), _run("b", 4, used_class=1, last_used=50.0)]
+    plan = plan_room(_short(6, 3), idle, now=100.0, requester_class=9)
+    assert isinstance(plan, Stop) and plan.instances == ("b",)
+
+
 def test_a_model_that_cannot_fit_even_with_every_unpinned_instance_stopped_never_fits() -> None:
     plan = plan_room(_short(50, 3), [_run("a", 4), _run("p", 40, pinned=True)], now=100.0)
     assert isinstance(plan, NeverFits)
