@@ -67,6 +67,7 @@ from messages.generate import (
     Tokenize,
     Tokens,
 )
+from messages.limits import KeyState
 from messages.placement import NodeLedger, PlacementDecision, PlacementRequest, RejectReason
 from messages.registry import RegistryEntry
 from messages.runner import InstanceStatus, LendRequest, Lent, RunnerAck, StartInstance, StopInstance
@@ -185,6 +186,11 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
     ev.RoomMade: ((FRONTDOOR,), "instances stopped so that a model fits, with the bytes each stop frees"),
     ev.ModelRefused: ((FRONTDOOR,), "a model that never fits (HTTP 507: need and have), or could not be placed"),
     ev.IdleStopped: ((FRONTDOOR,), "an instance of a catalog model stopped after its `idle_ttl_s`"),
+    ev.RequestUsage: (
+        (FRONTDOOR,),
+        "one request to the front door's API, answered or refused: its tenant and key, catalog model, HTTP status, "
+        "tokens and duration (`refused`: the key's limit that refused it); what `mesh-actor usage` sums",
+    ),
     ev.L3Captured: ((L3,), "a saved slot state was ingested and committed (after its eviction pass)"),
     ev.L3CaptureDropped: (
         (L3,),
@@ -720,6 +726,15 @@ def render() -> str:
             "`mesh-actor keys issue`, `rotate`, `revoke` (admin credentials only)",
             "every front door (watch; its node's credentials read, never write), `mesh-actor keys ls`; no client",
         ),
+        (
+            S.limits_bucket,
+            buckets.LIMITS,
+            "`<key id>`",
+            "KeyState",
+            "per key: until its buckets are full again and its leases over, plus 60 s (set at every write); in memory",
+            "every front door, by compare-and-set, on each request of a key with limits",
+            "every front door (read when its last write lost to another's)",
+        ),
     ]
     for name, spec, key, value, key_ttl, writer, reader in rows:
         marker = f"; delete markers kept {spec.marker_ttl_s:g} s" if spec.marker_ttl_s else ""
@@ -875,6 +890,7 @@ def render() -> str:
         ServingReport,
         FrontDoorReport,
         TenantKey,
+        KeyState,
         l3_messages.L3Inventory,
         l3_messages.ManifestsRequest,
         l3_messages.ManifestList,

@@ -31,6 +31,7 @@ REQUEST_TOO_LARGE: Final = "request_too_large"
 QUEUE_FULL: Final = "queue_full"
 INSUFFICIENT_MEMORY: Final = "insufficient_memory"  # the model never fits: no retry helps
 NOT_PLACED: Final = "not_placed"  # placement refused the model for another reason (settings, files, nodes)
+RATE_LIMITED: Final = "rate_limit_exceeded"  # a key's rpm, tpm or max_concurrent (OpenAI's code for its own limits)
 
 
 class ErrorCode(NamedTuple):
@@ -57,6 +58,7 @@ REGISTRY: Final[dict[str, ErrorCode]] = {
         ErrorCode(QUEUE_FULL, 429, True, "the model's queue is full"),
         ErrorCode(INSUFFICIENT_MEMORY, 507, False, "the model never fits on any node, even with others stopped"),
         ErrorCode(NOT_PLACED, 500, False, "placement refused the model (settings, file or nodes): see the reason"),
+        ErrorCode(RATE_LIMITED, 429, True, "a key's requests or tokens per minute, or concurrent requests, ran out"),
     )
 }
 

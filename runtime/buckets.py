@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import nats.errors
 import nats.js.errors
+from nats.js.api import StorageType
 from nats.js.kv import KeyValue
 
 from messages.subjects import Subjects
@@ -32,6 +33,7 @@ class BucketSpec:
     description: str
     history: int = 1
     marker_ttl_s: float | None = None  # per-key TTLs are allowed; expiry leaves a delete marker this long
+    memory: bool = False  # kept in the servers' memory, not on disk: fast, and lost when every server restarts
 
 
 NODES = BucketSpec("mesh-actor: last telemetry of each live node (per-key TTL)", marker_ttl_s=60.0)
@@ -40,6 +42,9 @@ REGISTRY = BucketSpec("mesh-actor: signed model registry entries")
 INSTANCES = BucketSpec("mesh-actor: llama-server instances (per-key TTL)", marker_ttl_s=60.0)
 FRONTDOORS = BucketSpec("mesh-actor: each front door's models and queues (per-key TTL)", marker_ttl_s=60.0)
 L3 = BucketSpec("mesh-actor: each live node's L3 inventory (per-key TTL)", marker_ttl_s=60.0)
+#: Per-key limits (`actors.frontdoor.limits.KeyState`, by key id), rewritten by compare-and-set on every request of
+#: a limited key: in memory, and each record lives (its own TTL) only until it reads the same as no record.
+LIMITS = BucketSpec("mesh-actor: tenants' keys' shared limit counters (per-key TTL)", memory=True)
 #: Tenants' API keys (`messages.tenants.TenantKey` by key id: a hash, never a secret), written by an admin only.
 KEYS = BucketSpec("mesh-actor: tenants' API keys (hashes, scopes, limits), by key id")
 
@@ -147,6 +152,7 @@ async def open_bucket(bus: Bus, name: str, spec: BucketSpec) -> KeyValue:
             description=spec.description,
             limit_marker_ttl=spec.marker_ttl_s,
             replicas=replicas,
+            storage=StorageType.MEMORY if spec.memory else None,
         )
 
     return await create_replicated(bus, f"bucket {name}", create, lambda: bus.js.key_value(name))
@@ -178,6 +184,10 @@ async def l3(bus: Bus, subjects: Subjects) -> KeyValue:
 
 async def keys(bus: Bus, subjects: Subjects) -> KeyValue:
     return await open_bucket(bus, subjects.keys_bucket, KEYS)
+
+
+async def limits(bus: Bus, subjects: Subjects) -> KeyValue:
+    return await open_bucket(bus, subjects.limits_bucket, LIMITS)
 
 
 async def read_all(bus: Bus, name: str, value_type: type[T]) -> tuple[list[tuple[str, T]], list[str]]:

@@ -47,6 +47,7 @@ from aiohttp import web
 from nats.js.kv import KeyValue
 
 from actors.frontdoor import shapes
+from actors.frontdoor.accounting import Accounting
 from actors.frontdoor.catalog import Catalog, CatalogModel
 from actors.frontdoor.keys import KeyRefused, KeyTable, allows, authenticate
 from actors.frontdoor.lifecycle import ArrivalOrder, NeverFits, Running, Stop, Wait, idle_expired, plan_room
@@ -161,6 +162,8 @@ class FrontDoorActor(Actor):
         self._keys.clear()
         keys_ready = asyncio.Event()
         ctx.spawn(self._watch_keys(ctx, await buckets.keys(ctx.bus, ctx.subjects), keys_ready), "watch-keys")
+        self._accounting = Accounting(ctx.bus, ctx.subjects, ctx.node_id, emit=ctx.emit, log=ctx.log)
+        ctx.spawn(self._accounting.run(), "limits")
         async with asyncio.timeout(10):  # never listen before the keys are known: an open door would let all in
             await ready.wait()
             await keys_ready.wait()
@@ -342,7 +345,8 @@ class FrontDoorActor(Actor):
             span.update(
                 {"http.request.method": request.method, "url.path": request.path, "mesh.node": self._ctx.node_id}
             )
-            response = await self._pass_through(request, endpoint, span)
+            passing = self._pass_through(request, endpoint, span)
+            response = await self._accounting.account(request, request.get(TENANT_KEY), endpoint, passing)
             span.update({"http.response.status_code": response.status})
             return response
 
@@ -365,6 +369,7 @@ class FrontDoorActor(Actor):
         span.rename(f"{tracing.operation(endpoint)} {name}")
         span.update(tracing.request_attributes(endpoint, name))
         model = self._model(name, request)
+        await self._accounting.admit(request, name)  # the key's limits: 429 or 503 here
         loop = asyncio.get_running_loop()
         deadline = loop.time() + model.entry.timeout_s
         request_class = _request_class(request.get(TENANT_KEY))
@@ -383,6 +388,7 @@ class FrontDoorActor(Actor):
             span.update({"mesh.request_id": order.request_id})
             try:
                 result = await self._forward(order, relay, deadline)
+                self._accounting.answered(request, result)
                 if span.recording:
                     span.update(tracing.result_attributes(result))
             except RemoteError as exc:
@@ -736,9 +742,8 @@ def _queue_claim(key: TenantKey | None) -> dict[str, Any]:
 
 
 def _error_response(error: shapes.ApiError, shape: shapes.Shape, *, status: int | None = None) -> web.Response:
-    return web.json_response(
-        shapes.error_body(error, shape), status=status or error.status, headers=shapes.error_headers(error.code)
-    )
+    headers = shapes.error_headers(error.code, error.retry_after_s)
+    return web.json_response(shapes.error_body(error, shape), status=status or error.status, headers=headers)
 
 
 class _Relay:

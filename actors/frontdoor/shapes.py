@@ -65,13 +65,20 @@ class ApiError(Exception):
     """One of the mesh's own errors for an HTTP client: a registry code, a message, the offending field."""
 
     def __init__(
-        self, code: str, message: str, *, param: str | None = None, extra: Mapping[str, Any] | None = None
+        self,
+        code: str,
+        message: str,
+        *,
+        param: str | None = None,
+        extra: Mapping[str, Any] | None = None,
+        retry_after_s: int = 1,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.status = http_status(code)
         self.param = param
         self.extra = dict(extra or {})
+        self.retry_after_s = retry_after_s  # the Retry-After of a retryable code
 
 
 def _openai_type(status: int) -> str:

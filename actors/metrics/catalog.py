@@ -198,6 +198,11 @@ CATALOG: Final[tuple[Spec, ...]] = (
     _c("mesh_frontdoor_refusals", "Requests for the model refused: never_fits (HTTP 507), or why placement refused "
        "it.", (*MODEL, "reason")),
     _c("mesh_frontdoor_idle_stops", "Instances of the model stopped after their idle time.", MODEL),
+    _c("mesh_frontdoor_tenant_requests", "Requests to this front door's API, by tenant (its key's; empty for the "
+       "admin key or an open door; at most 32 tenants, the rest `other`), catalog model (`unknown`: none it may "
+       "use) and HTTP status (499: the client left).", (*MODEL, "tenant", "status")),
+    _c("mesh_frontdoor_tenant_tokens", "Tokens of those requests' answers, by tenant and kind: prompt, cached (of "
+       "the prompt, reused by the server), generated.", (*MODEL, "tenant", "kind")),
     # --- the node itself --------------------------------------------------------------------------------
     _c("mesh_actor_crashes", "Crashes of the node's actors (each restarts within its restart intensity).",
        (*NODE, "actor")),

@@ -60,6 +60,8 @@ _ENDED: Final = frozenset({"stopped", "failed", "rejected"})
 _FINISHED: Final = {"eos": "stop", "stop_word": "stop", "limit": "length", "cancelled": "abort"}
 _TOKEN = re.compile(r"[^a-z0-9_]+")
 _NODE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+#: Distinct tenants a node's metrics name; the requests of any more are the tenant `other`.
+MAX_TENANTS: Final = 32
 
 
 def model_name(path: str) -> str:
@@ -149,6 +151,7 @@ class NodeMetrics:
         self._counters: dict[str, dict[tuple[str, ...], float]] = {}
         self._histograms: dict[str, dict[tuple[str, ...], _Histogram]] = {}
         self.bounded = BoundedLabel()
+        self._tenants: set[str] = set()
 
     # --- inputs: records and reports -----------------------------------------------------------------------
 
@@ -319,6 +322,24 @@ class NodeMetrics:
     def _idle_stopped(self, e: ev.IdleStopped) -> None:
         self._add("mesh_frontdoor_idle_stops", (self.node_id, e.model or UNKNOWN))
 
+    def _request_usage(self, e: ev.RequestUsage) -> None:
+        tenant = e.tenant
+        if tenant not in self._tenants:
+            if len(self._tenants) >= MAX_TENANTS:
+                tenant = "other"
+            else:
+                self._tenants.add(tenant)
+        labels = (self.node_id, e.model or UNKNOWN, tenant)
+        status = str(e.status) if 100 <= e.status <= 599 else "other"
+        self._add("mesh_frontdoor_tenant_requests", (*labels, status))
+        for kind, tokens in (
+            ("prompt", e.prompt_tokens),
+            ("cached", e.cached_tokens),
+            ("generated", e.generated_tokens),
+        ):
+            if tokens > 0:
+                self._add("mesh_frontdoor_tenant_tokens", (*labels, kind), tokens)
+
     def _actor_crashed(self, e: ev.ActorCrashed) -> None:
         self._node("mesh_actor_crashes", self.bounded("mesh_actor_crashes", e.actor))
 
@@ -477,6 +498,7 @@ _ON_EVENT: Final[dict[type[ev.Event], Callable[[NodeMetrics, Any], None]]] = {
     ev.RoomMade: NodeMetrics._room_made,
     ev.ModelRefused: NodeMetrics._model_refused,
     ev.IdleStopped: NodeMetrics._idle_stopped,
+    ev.RequestUsage: NodeMetrics._request_usage,
     ev.ActorCrashed: NodeMetrics._actor_crashed,
 }
 

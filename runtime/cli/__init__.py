@@ -13,7 +13,7 @@ import inspect
 import sys
 from collections.abc import Sequence
 
-from runtime.cli import creds, generate, handoff, journal, keys, l3, model, models, node, placement, runner
+from runtime.cli import creds, generate, handoff, journal, keys, l3, model, models, node, placement, runner, usage
 from runtime.cli.common import CliError, OneLineParser
 from runtime.logging import configure_logging
 
@@ -21,7 +21,7 @@ from runtime.logging import configure_logging
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="mesh-actor", description="Control plane for llama-server nodes.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
-    for family in (node, placement, runner, journal, model, l3, generate, handoff, creds, models, keys):
+    for family in (node, placement, runner, journal, model, l3, generate, handoff, creds, models, keys, usage):
         family.register(sub)
     return parser
 
