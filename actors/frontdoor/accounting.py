@@ -81,6 +81,9 @@ class Accounting:
         except shapes.ApiError as exc:
             status = exc.status
             raise
+        except web.HTTPException as exc:  # aiohttp's own (a body over the limit: 413)
+            status = exc.status
+            raise
         except (asyncio.CancelledError, ConnectionResetError):
             status = CLIENT_LEFT
             raise

@@ -259,6 +259,10 @@ async def test_usage_sums_equal_the_answers_own_usage(
                         sums["beta"][2] + chat.usage.completion_tokens]  # fmt: skip
         with pytest.raises(openai.NotFoundError):  # refused: journaled too, with no tokens
             await client(a, beta).completions.create(model="absent", prompt="x", max_tokens=1)
+        bad = {"url": f"http://127.0.0.1:{b}/v1/completions", "data": b"{not json",
+               "headers": {"Authorization": f"Bearer {beta}"}}  # fmt: skip
+        async with aiohttp.ClientSession() as session, session.post(**bad) as response:  # not JSON: journaled too
+            assert response.status == 400
     parser = argparse.ArgumentParser(prog="mesh-actor")
     usage_cli.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["usage", "--json", "--since", "10m", *nats_flags(nats_server)])
@@ -270,8 +274,8 @@ async def test_usage_sums_equal_the_answers_own_usage(
         row = rows[(tenant, "m")]
         assert (row["requests"], row["prompt_tokens"], row["generated_tokens"]) == (requests, prompt, generated), row
         assert row["cached_tokens"] == requests
-    assert rows[("beta", "")]["requests"] == 1 and rows[("beta", "")]["prompt_tokens"] == 0
-    assert rows[("beta", "")]["statuses"] == {"404": 1}
+    assert rows[("beta", "")]["requests"] == 2 and rows[("beta", "")]["prompt_tokens"] == 0
+    assert rows[("beta", "")]["statuses"] == {"404": 1, "400": 1}
     args = parser.parse_args(["usage", "--json", "--tenant", "acme", *nats_flags(nats_server)])
     assert await args.func(args) == 0
     only = json.loads(capsys.readouterr().out)
