@@ -379,3 +379,13 @@ async def test_owed_tokens_are_written_once_the_bus_is_back(bus: Bus, nats_serve
                     break
             await asyncio.sleep(0.2)
     assert verdict.limit == "tpm"
+
+
+async def test_a_refusal_on_what_a_door_last_saw_is_checked_against_the_bucket(bus: Bus) -> None:
+    key = key_record(max_concurrent=1)
+    a, b = SharedLimits(bus, SUBJECTS, "a"), SharedLimits(bus, SUBJECTS, "b")
+    assert await b.admit(key) is None
+    assert await a.admit(key) is not None  # a now remembers b's request in flight
+    b.release(key, 0)
+    await b.flush()
+    assert await a.admit(key) is None  # refused on its memory, admitted on the bucket's record
