@@ -61,6 +61,7 @@ class Accounting:
         self._emit = emit
         self._log = log
         self._clock = clock
+        self._unavailable = False  # the limits store failed the last admission (logged once until it answers)
 
     async def run(self) -> None:
         """The shared limits' flusher, for as long as the front door runs."""
@@ -113,8 +114,13 @@ class Accounting:
         try:
             refused = await self.limits.admit(key)
         except LimitsUnavailable as exc:
-            self._log.warning("frontdoor_limits_unavailable", key_id=key.key_id, error=str(exc))
+            if not self._unavailable:
+                self._log.warning("frontdoor_limits_unavailable", key_id=key.key_id, error=str(exc))
+            self._unavailable = True
             raise shapes.ApiError(UNAVAILABLE, f"this key's limits cannot be checked now: {exc}") from exc
+        if self._unavailable:
+            self._log.info("frontdoor_limits_available")
+            self._unavailable = False
         if refused is not None:
             ticket.refused = refused.limit
             raise shapes.ApiError(
