@@ -154,3 +154,29 @@ def test_rpm_never_admits_more_than_its_capacity_plus_refill(steps: list[tuple[f
         else:
             assert verdict.retry_after_s >= 1
     assert admitted <= rpm + (now - T0) * rpm / 60 + 1e-6
+
+
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.booleans(), st.floats(0, 2)), max_size=80), st.integers(1, 5))
+def test_doors_sharing_one_record_never_hold_more_than_max_concurrent(
+    steps: list[tuple[str, bool, float]], limit: int
+) -> None:
+    k = key(max_concurrent=limit)
+    state: KeyState | None = None
+    held = {"a": 0, "b": 0, "c": 0}
+    now = T0
+    for door, admitting, gap in steps:
+        now += gap
+        if admitting:
+            verdict = admit(state, k, node=door, in_flight=held[door], tokens=0, now=now, lease_s=LEASE)
+            if isinstance(verdict, KeyState):
+                state = verdict
+                held[door] += 1
+        elif held[door]:
+            held[door] -= 1
+            state = settle(state, k, node=door, in_flight=held[door], tokens=0, now=now, lease_s=LEASE)
+        # every door renews its lease in time (a live front door's flusher)
+        for other, n in held.items():
+            if n:
+                state = settle(state, k, node=other, in_flight=n, tokens=0, now=now, lease_s=LEASE)
+        assert sum(held.values()) <= limit
+        assert state is None or sum(lease.n for lease in state.doors.values()) == sum(held.values())
