@@ -281,6 +281,11 @@ async def test_usage_sums_equal_the_answers_own_usage(
     only = json.loads(capsys.readouterr().out)
     assert {r["tenant"] for r in only["rows"]} == {"acme"}
     assert only["total"]["requests"] == sums["acme"][0]
+    args = parser.parse_args(["usage", "--since", "1h", *nats_flags(nats_server)])  # the table, for people
+    assert await args.func(args) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:3] == ["TENANT", "MODEL", "REQUESTS"] and table[-1].split()[:3] == ["total", "-", "7"]
+    assert any(line.split()[:3] == ["acme", "m", "3"] for line in table), table
 
 
 async def test_nats_unavailable_is_a_503_and_the_front_door_serves_again_after(
