@@ -344,13 +344,13 @@ async def test_a_crashed_front_doors_count_expires_with_its_lease(bus: Bus) -> N
 
 async def test_a_live_front_door_renews_its_lease(bus: Bus) -> None:
     key = key_record(max_concurrent=1)
-    serving = SharedLimits(bus, SUBJECTS, "serving", lease_s=0.6)
-    other = SharedLimits(bus, SUBJECTS, "other", lease_s=0.6)
+    serving = SharedLimits(bus, SUBJECTS, "serving", lease_s=1.5)
+    other = SharedLimits(bus, SUBJECTS, "other", lease_s=1.5)
     flusher = asyncio.create_task(serving.run())
     try:
         assert await serving.admit(key) is None
-        for _ in range(4):  # well past the lease: still counted
-            await asyncio.sleep(0.4)
+        for _ in range(5):  # well past the lease (renewed every 0.5 s): still counted
+            await asyncio.sleep(0.5)
             assert await other.admit(key) is not None
         serving.release(key, 0)
         async with asyncio.timeout(5):  # its release is written by its flusher: the other front door gets in
