@@ -40,6 +40,7 @@ import ssl
 import subprocess
 import sys
 import sysconfig
+import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,10 +298,19 @@ def adopt_global_store(data_dir: Path, *, clustered: bool) -> bool:
     return True
 
 
-def reload(data_dir: Path) -> int | None:
+#: What nats-server logs once a reload is applied whole (users, then accounts, then this line), and when it
+#: refuses one.
+RELOADED = "Reloaded server configuration"
+RELOAD_FAILED = "Failed to reload server configuration"
+RELOAD_WAIT_S = 10.0
+
+
+def reload(data_dir: Path, *, wait_s: float = RELOAD_WAIT_S) -> int | None:
     """Regenerates the embedded server's config (users and their rights) and makes the running server
-    reload it (SIGHUP: connections stay). Returns the pid signalled, or None when no server runs (the
-    next start reads the new users)."""
+    reload it (SIGHUP: connections stay), returning once the server logged the reload applied whole (within
+    `wait_s`): nats-server applies users, then accounts, and a client that connects in between is closed when
+    the accounts are rebuilt, so a user is usable only after that. Returns the pid signalled, or None when no
+    server runs (the next start reads the new users). A reload the server refuses raises."""
     server = read_server_record(data_dir)
     admin = read_credentials(data_dir)
     if server is None or admin is None:
@@ -308,8 +318,41 @@ def reload(data_dir: Path) -> int | None:
     write_config(data_dir, server, admin)
     pid = running_pid(data_dir)
     if pid is not None:
+        log_path = data_dir / "nats-server.log"
+        offset = _size(log_path)
         os.kill(pid, signal.SIGHUP)
+        _await_reload(log_path, offset, wait_s)
     return pid
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _await_reload(log_path: Path, offset: int, wait_s: float) -> None:
+    """Until the server's log, after `offset`, says the reload was applied (or refused: raises)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if _size(log_path) < offset:
+            offset = 0  # rotated meanwhile: the line is in the new file
+        try:
+            with log_path.open("rb") as handle:
+                handle.seek(offset)
+                text = handle.read().decode(errors="replace")
+        except OSError:
+            text = ""
+        if RELOAD_FAILED in text:
+            line = next(x for x in text.splitlines() if RELOAD_FAILED in x)
+            raise EmbeddedNatsError(f"nats-server refused the new configuration: {line.strip()}")
+        if RELOADED in text:
+            return
+        if time.monotonic() >= deadline:
+            get_logger(component="embedded-nats").warning("nats_reload_unconfirmed", waited_s=wait_s, log=str(log_path))
+            return
+        time.sleep(0.01)  # the server applies a reload in milliseconds
 
 
 async def _ignore_error(exc: Exception) -> None:

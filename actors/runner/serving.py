@@ -438,9 +438,7 @@ class Serving:
             f"{busy} of {instance.table.n_slots} slots busy" if not instance.table.free() else "a slot is finishing"
         )
         if ahead:
-            reason += (
-                f"; {len(ahead)} ahead ({higher} of a higher class, {len(ahead) - higher} earlier by fair share)"
-            )
+            reason += f"; {len(ahead)} ahead ({higher} of a higher class, {len(ahead) - higher} earlier by fair share)"
         self.emit(GenerateQueued, instance_id=instance.id, waiter=queued_waiter(waiter, request_id), busy_slots=busy,
                   ahead=len(ahead), ahead_higher_class=higher, reason=reason)  # fmt: skip
 

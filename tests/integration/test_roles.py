@@ -96,22 +96,10 @@ async def server(tmp_path: Path) -> AsyncIterator[EmbeddedNats]:
         await nats_server.stop()
 
 
-#: What nats-server logs once a reload is applied whole (users, then accounts, then this line).
-RELOADED = "Reloaded server configuration"
-
-
 def issued(server: EmbeddedNats, role: Role) -> Credentials:
-    """A new user of `role`, once the server has applied the reload that adds it. A connection accepted while
-    the reload is half applied (its user known, the accounts not yet rebuilt) is closed by the server when the
-    accounts are; waiting for the reload's last line keeps the tests off that moment."""
-    log = server.data_dir / "nats-server.log"
-    before = log.read_text(errors="replace").count(RELOADED) if log.exists() else 0
+    """A new user of `role`, usable at once: `embedded.reload` returns once the server applied the reload whole."""
     user = issue(server.data_dir, role)
     assert embedded.reload(server.data_dir) == server.pid
-    deadline = time.monotonic() + 10
-    while log.read_text(errors="replace").count(RELOADED) <= before:  # a few ms: the server applies it at once
-        assert time.monotonic() < deadline, f"nats-server did not log {RELOADED!r} within 10 s"
-        time.sleep(0.01)
     assert server.credentials is not None
     return Credentials(server.credentials.url, user.user, user.password, server.credentials.tls_ca)
 
@@ -226,6 +214,43 @@ async def test_issuing_a_user_reloads_the_server_without_dropping_connections(se
         assert stat.S_IMODE((server.data_dir / "users.json").stat().st_mode) == 0o600
     finally:
         await before.close()
+
+
+async def test_a_reload_returns_once_the_server_applied_it_whole_and_a_new_user_stays_connected(
+    server: EmbeddedNats,
+) -> None:
+    log = server.data_dir / "nats-server.log"
+    for _ in range(3):
+        before = log.read_text(errors="replace").count(embedded.RELOADED)
+        user = issue(server.data_dir, Role("client"))
+        assert embedded.reload(server.data_dir) == server.pid
+        assert log.read_text(errors="replace").count(embedded.RELOADED) == before + 1  # applied whole already
+        assert server.credentials is not None
+        creds = Credentials(server.credentials.url, user.user, user.password, server.credentials.tls_ca)
+        client = await nats.connect(creds.url, user=creds.user, password=creds.password, allow_reconnect=False,
+                                    inbox_prefix=inbox_prefix(creds.user))  # fmt: skip
+        try:
+            await client.flush(timeout=5)
+            await asyncio.sleep(0.2)
+            assert client.is_connected  # not closed by the accounts' rebuild: there was none left to come
+        finally:
+            await client.close()
+
+
+def test_a_reload_the_server_refuses_is_an_error_and_one_never_confirmed_returns_at_its_deadline(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "nats-server.log"
+    log.write_text("[1] old line\n")
+    offset = log.stat().st_size
+    log.write_text(log.read_text() + f"[1] [ERR] {embedded.RELOAD_FAILED}: bad accounts\n")
+    with pytest.raises(embedded.EmbeddedNatsError, match="refused the new configuration"):
+        embedded._await_reload(log, offset, 5.0)
+    started = time.monotonic()
+    embedded._await_reload(log, log.stat().st_size, 0.2)  # nothing more logged: a warning, after its deadline
+    assert 0.2 <= time.monotonic() - started < 2.0
+    log.write_text("rotated\n" + embedded.RELOADED + "\n")  # the log rotated: smaller than the offset
+    embedded._await_reload(log, offset + 1000, 5.0)
 
 
 async def bus_when_loaded(creds: Credentials, name: str) -> Bus:
