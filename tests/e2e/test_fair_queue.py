@@ -53,6 +53,7 @@ async def test_a_short_tenant_is_not_starved_by_a_flood_and_no_slot_idles(tmp_pa
         await wait_nodes(data_dir, "fair")
         flood_key, short_key = await issue(data_dir, "flood"), await issue(data_dir, "short")
         finished: dict[str, float] = {}
+        used: dict[str, list[int]] = {"flood": [0, 0, 0], "short": [0, 0, 0]}  # requests, prompt, generated
 
         async def ask(key: str, name: str, tokens: int) -> None:
             client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key=key, max_retries=0,
@@ -64,6 +65,10 @@ async def test_a_short_tenant_is_not_starved_by_a_flood_and_no_slot_idles(tmp_pa
                 )  # fmt: skip
             assert answer.usage is not None and answer.usage.completion_tokens == tokens
             finished[name] = time.monotonic()
+            tally = used["flood" if key == flood_key else "short"]
+            tally[0] += 1
+            tally[1] += answer.usage.prompt_tokens
+            tally[2] += answer.usage.completion_tokens
 
         await ask(flood_key, "warm", 1)  # the model is loaded: what follows measures the queue, not the load
         async with asyncio.TaskGroup() as group:
@@ -83,6 +88,13 @@ async def test_a_short_tenant_is_not_starved_by_a_flood_and_no_slot_idles(tmp_pa
         dequeued = await events(data_dir, "generate_dequeued")
         completed = await events(data_dir, "generate_completed")
         code, out, err = await cli("replay", "--json", "--data-dir", str(data_dir))
+        usage_code, usage_out, usage_err = await cli("usage", "--json", "--data-dir", str(data_dir))
+    # what the journal sums per tenant is what the answers said
+    assert usage_code == 0, usage_err
+    rows = {row["tenant"]: row for row in json.loads(usage_out)["rows"]}
+    for tenant, (requests, prompt, generated) in used.items():
+        row = rows[tenant]
+        assert (row["requests"], row["prompt_tokens"], row["generated_tokens"]) == (requests, prompt, generated), row
     assert len(queued) >= FLOOD // 2 and len(dequeued) == len(queued)
     # nobody waited while a slot was free (unless one was finishing its capture, which the reason says)
     for event in queued:
