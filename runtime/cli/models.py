@@ -23,6 +23,7 @@ from actors.files import transfer
 from messages.files import FileHeld, HeldRequest, PullReply, PullRequest
 from messages.frontdoor import FrontDoorReport
 from messages.placement import PreferredSettings
+from messages.registry import RegistryEntry
 from messages.subjects import Subjects
 from messages.telemetry import NodeResources
 from runtime import buckets
@@ -96,27 +97,81 @@ async def fetch_frontdoors(bus: Bus, subjects: Subjects) -> list[FrontDoorReport
     return [report for _, report in reports]
 
 
-async def holders(bus: Bus, subjects: Subjects, paths: set[str], timeout_s: float = 5.0) -> dict[str, list[str]]:
-    """The live nodes that hold each file (by relative name), asked a few at a time, each under `timeout_s`; a
-    node that does not answer (or may not be asked) is left out."""
-    reports, _ = await buckets.read_all(bus, subjects.nodes_bucket, NodeResources)
-    nodes = sorted(key for key, _ in reports)
+async def held_answers(
+    bus: Bus, subjects: Subjects, paths: set[str], timeout_s: float = 5.0, nodes: list[str] | None = None
+) -> list[FileHeld]:
+    """What each live node (or each of `nodes`) says of each file (by relative name): the answers of the nodes
+    that hold it, asked a few at a time, each under `timeout_s`; a node that does not answer, holds no such
+    file or may not be asked is left out. Absolute names are never asked (peers know only relative ones)."""
+    if nodes is None:
+        reports, _ = await buckets.read_all(bus, subjects.nodes_bucket, NodeResources)
+        nodes = sorted(key for key, _ in reports)
     limit = asyncio.Semaphore(16)
 
-    async def ask(node: str, path: str) -> tuple[str, str] | None:
+    async def ask(node: str, path: str) -> FileHeld | None:
         async with limit:
             try:
-                await bus.request(subjects.files(node, "held"), HeldRequest(path=path), FileHeld, timeout=timeout_s)
+                return await bus.request(
+                    subjects.files(node, "held"), HeldRequest(path=path), FileHeld, timeout=timeout_s
+                )
             except (BusError, nats.errors.Error, msgspec.ValidationError):
                 return None
-            return node, path
 
-    found: dict[str, list[str]] = {path: [] for path in paths}
     wanted = [(node, path) for path in sorted(paths) if transfer.check_relative(path) is None for node in nodes]
-    for answer in await asyncio.gather(*(ask(node, path) for node, path in wanted)):
-        if answer is not None:
-            found[answer[1]].append(answer[0])
+    return [a for a in await asyncio.gather(*(ask(node, path) for node, path in wanted)) if a is not None]
+
+
+async def holders(bus: Bus, subjects: Subjects, paths: set[str], timeout_s: float = 5.0) -> dict[str, list[str]]:
+    """The live nodes that hold each file (by relative name); see `held_answers`."""
+    found: dict[str, list[str]] = {path: [] for path in paths}
+    for answer in await held_answers(bus, subjects, paths, timeout_s):
+        found[answer.path].append(answer.node_id)
     return found
+
+
+class ModelFile(msgspec.Struct, frozen=True, kw_only=True):
+    """One version of a catalog's or registry entry's file and the live nodes holding it (`status`)."""
+
+    path: str  # relative to each node's models dir
+    size: int  # 0 with no holder
+    blake3: str  # "" with no holder
+    models: tuple[str, ...]  # the catalog models and registry entries naming the path
+    nodes: tuple[str, ...]
+
+
+async def named_files(bus: Bus, subjects: Subjects, doors: list[FrontDoorReport]) -> dict[str, set[str]]:
+    """Relative file name -> the names that name it: every front door's catalog model and every registry entry
+    (a registry that cannot be read, e.g. with a client's credentials, names nothing)."""
+    named: dict[str, set[str]] = {}
+    for door in doors:
+        for model in door.models:
+            named.setdefault(model.path, set()).add(model.name)
+    try:
+        entries, _ = await buckets.read_all(bus, subjects.registry_bucket, RegistryEntry)
+    except (BusError, nats.errors.Error) as exc:
+        print(f"mesh-actor: warning: registry entries not read: {exc}", file=sys.stderr)
+        entries = []
+    for key, entry in entries:
+        named.setdefault(entry.file_name, set()).add(key)
+    return named
+
+
+async def model_files(
+    bus: Bus, subjects: Subjects, named: dict[str, set[str]], nodes: list[str], timeout_s: float = 5.0
+) -> list[ModelFile]:
+    """Each version (size, blake3) of each named file that some of `nodes` hold, with its holders, and each
+    named file none of them holds (no holders, size and digest unknown). A node answers only for files its own
+    catalog or a registry entry it trusts names (actors/files/)."""
+    versions: dict[tuple[str, str, int], list[str]] = {}
+    for answer in await held_answers(bus, subjects, set(named), timeout_s, nodes):
+        versions.setdefault((answer.path, answer.blake3, answer.size), []).append(answer.node_id)
+    held = {path for path, _, _ in versions}
+    for path in set(named) - held:  # named, but no live node holds it (size and digest unknown)
+        versions[(path, "", 0)] = []
+    return [
+        ModelFile(path=path, size=size, blake3=digest, models=tuple(sorted(named[path])), nodes=tuple(sorted(on)))
+        for (path, digest, size), on in sorted(versions.items())
+    ]
 
 
 async def cmd_models(args: argparse.Namespace) -> int:

@@ -1,4 +1,9 @@
-"""Node commands: `run` (the node launcher), `status` (live nodes), `nats-env` (how to connect)."""
+"""Node commands: `run` (the node launcher), `status` (live nodes), `nats-env` (how to connect).
+
+`status` shows the live nodes, instances, reservations, front doors and model files: each version of every file
+a front door's catalog or a registry entry names, and the live nodes that hold it (each asked
+`mesh.files.<node>.held`, as `models` does; a client's credentials may not ask, and then none are shown).
+"""
 
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ from runtime.cli.common import (
     write_nats_context,
 )
 from runtime.cli.l3 import fetch_l3_totals
-from runtime.cli.models import fetch_frontdoors
+from runtime.cli.models import ModelFile, fetch_frontdoors, model_files, named_files
 from runtime.cli.runner import fetch_instances
 from runtime.config import ConfigError, NodeConfig, load_config
 from runtime.embedded import EmbeddedNatsError
@@ -307,15 +312,20 @@ async def cmd_run(args: argparse.Namespace) -> int:
 
 
 async def fetch_status(args: argparse.Namespace) -> tuple[list[NodeResources], list[InstanceStatus], list[Reservation]]:
-    nodes, instances, reservations, _, _ = await _fetch_status(args)
-    return nodes, instances, reservations
+    status = await _fetch_status(args)
+    return status.nodes, status.instances, status.reservations
 
 
-async def _fetch_status(
-    args: argparse.Namespace,
-) -> tuple[
-    list[NodeResources], list[InstanceStatus], list[Reservation], dict[str, dict[str, int]], list[FrontDoorReport]
-]:
+class _Status(msgspec.Struct, frozen=True, kw_only=True):
+    nodes: list[NodeResources]
+    instances: list[InstanceStatus]
+    reservations: list[Reservation]
+    l3: dict[str, dict[str, int]]
+    doors: list[FrontDoorReport]
+    files: list[ModelFile]
+
+
+async def _fetch_status(args: argparse.Namespace) -> _Status:
     subjects = Subjects(prefix(args))
     bus = await connect(args, "status")
     try:
@@ -324,17 +334,33 @@ async def _fetch_status(
         instances = await fetch_instances(bus, subjects)
         l3 = await fetch_l3_totals(bus, subjects)
         doors = await fetch_frontdoors(bus, subjects)
+        named = await named_files(bus, subjects, doors)
+        files = await model_files(bus, subjects, named, sorted(key for key, _ in nodes))
     finally:
         await bus.close()
     for warning in warnings + more:
         print(f"mesh-actor: warning: skipping {warning}", file=sys.stderr)
     reservations = [r for _, ledger in ledgers for r in ledger.reservations]
-    return [node for _, node in nodes], instances, reservations, l3, doors
+    return _Status(
+        nodes=[node for _, node in nodes],
+        instances=instances,
+        reservations=reservations,
+        l3=l3,
+        doors=doors,
+        files=files,
+    )
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
     async with asyncio.timeout(30):
-        nodes, instances, reservations, l3, doors = await _fetch_status(args)
+        status = await _fetch_status(args)
+    nodes, instances, reservations, l3, doors = (
+        status.nodes,
+        status.instances,
+        status.reservations,
+        status.l3,
+        status.doors,
+    )
     now = time.time()
     if args.json:
         emit_json(
@@ -350,6 +376,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 "instances": [msgspec.to_builtins(i) for i in instances],
                 "reservations": [msgspec.to_builtins(r) for r in reservations],
                 "frontdoors": [msgspec.to_builtins(d) for d in doors],
+                "model_files": [msgspec.to_builtins(f) for f in status.files],
             }
         )
         return 0
@@ -403,6 +430,12 @@ async def cmd_status(args: argparse.Namespace) -> int:
         ready = sum(m.state == "ready" for m in d.models)
         queued = sum(m.queued for m in d.models)
         print(f"{'openai':<18} {d.node_id:<14} {len(d.models):>6} {ready:>5} {queued:>6} {d.address}/v1")
+    if status.files:
+        print(f"\n{'MODEL FILE':<32} {'SIZE':>10} {'BLAKE3':<17} {'MODELS':<24} HELD ON")
+    for f in status.files:
+        models = ", ".join(f.models)
+        size, digest = (format_size(f.size), f.blake3[:16] + "…") if f.nodes else ("-", "-")
+        print(f"{f.path:<32} {size:>10} {digest:<17} {models:<24} {', '.join(f.nodes) or '(no live node)'}")
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -37,7 +38,7 @@ from messages.subjects import Subjects
 from runtime import buckets
 from runtime.bus import Bus, RemoteError, encode
 from runtime.cli.placement import _build_entry
-from tests.conftest import JournalReader, of_type, supervised
+from tests.conftest import JournalReader, NatsServer, of_type, supervised
 from tests.tiny_models import write_llama
 
 S = Subjects()
@@ -356,3 +357,60 @@ async def test_placement_on_a_node_without_the_file_admits_it_from_the_facts_of_
             nobody = PlacementRequest(model=ModelRef(path="absent.gguf"), ctx=1024, nodes=("b",))
             refused = await bus.request(S.placement_request, nobody, PlacementDecision, timeout=30)
             assert not refused.admitted and refused.reason == "model_unreadable"
+
+
+async def status(nats_server: NatsServer, *flags: str) -> tuple[int, str]:
+    """`mesh-actor status FLAGS` in process: (exit code, what it printed)."""
+    import argparse
+    import io
+
+    from runtime.cli import node as node_cli
+    from tests.integration.test_cli_runner import nats_flags
+
+    parser = argparse.ArgumentParser(prog="mesh-actor")
+    node_cli.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["status", *flags, *nats_flags(nats_server)])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = int(await args.func(args))
+    return code, out.getvalue()
+
+
+async def test_status_shows_which_nodes_hold_each_catalog_and_registry_file(
+    bus: Bus, nats_server: NatsServer, tmp_path: Path, model: Path
+) -> None:
+    """`mesh-actor status` lists every file a front door's catalog or a registry entry names, each version with
+    its size, blake3 and the live nodes holding it (asked `files.<node>.held`); a pull adds its node."""
+    from messages.frontdoor import FrontDoorModel, FrontDoorReport
+    from tests.integration.test_placement import report
+
+    seed = (tmp_path / "registry.nk", _seed())
+    seed[0].write_bytes(seed[1])
+    entry = _build_entry(model, "signed", seed[0])  # names tiny.gguf too
+    await (await buckets.registry(bus, S)).put("signed", encode(entry))
+    kv = await buckets.nodes(bus, S)
+    for node in ("a", "b"):
+        await kv.put(node, encode(report(node, 1 << 30)))
+    models = tuple(
+        FrontDoorModel(name=name, path=path, state="stopped", instances=(), held_bytes=0, queued=0, active=0,
+                       pinned=False, priority=0, idle_ttl_s=None)
+        for name, path in (("tiny", "tiny.gguf"), ("gone", "gone.gguf"))
+    )  # fmt: skip
+    door = FrontDoorReport(node_id="a", address="http://127.0.0.1:1", auth=False, models=models, sent_at=0.0)
+    await (await buckets.frontdoors(bus, S)).put("a", encode(door))
+    size, digest = (await asyncio.to_thread(model.stat)).st_size, digest_of(model)
+    async with nodes(bus, tmp_path, model, trusted=(public_key_of(seed[1]),)):
+        code, out = await status(nats_server, "--json")
+        assert code == 0
+        files = {f["path"]: f for f in json.loads(out)["model_files"]}
+        assert files["tiny.gguf"] == {
+            "path": "tiny.gguf", "size": size, "blake3": digest, "models": ["signed", "tiny"], "nodes": ["a"]
+        }  # fmt: skip
+        assert files["gone.gguf"]["nodes"] == [] and files["gone.gguf"]["blake3"] == ""
+        await pull(bus, "b", "tiny", peer="a")
+        code, out = await status(nats_server)
+        assert code == 0
+        (row,) = [line for line in out.splitlines() if line.startswith("tiny.gguf ")]
+        assert row.split()[-2:] == ["a,", "b"] and digest[:16] in row and "signed, tiny" in row, out
+        (gone,) = [line for line in out.splitlines() if line.startswith("gone.gguf ")]
+        assert gone.endswith("(no live node)"), out
