@@ -185,6 +185,12 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
     ev.ModelLoaded: ((FRONTDOOR,), "the instance started for a catalog model is ready (`load_ms` from the request)"),
     ev.RoomMade: ((FRONTDOOR,), "instances stopped so that a model fits, with the bytes each stop frees"),
     ev.ModelRefused: ((FRONTDOOR,), "a model that never fits (HTTP 507: need and have), or could not be placed"),
+    ev.ScalingDecided: (
+        (FRONTDOOR,),
+        "the scaler added or retired a replica of a catalog model: every replica's load, queued work and measured "
+        "rates, the hysteresis it remembered, and its decision with the reason (`mesh-actor replay` re-decides it)",
+    ),
+    ev.ReplicaAdded: ((FRONTDOOR,), "a replica the scaler decided is ready (its node, the time it took), or `error`"),
     ev.IdleStopped: ((FRONTDOOR,), "an instance of a catalog model stopped after its `idle_ttl_s`"),
     ev.RequestUsage: (
         (FRONTDOOR,),

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from messages.frontdoor import ModelScale, ScaleDecision, ScaleMemory
 from messages.generate import Candidate, RouteDecision, RouteWeights, StopReason
 from messages.l3 import PrefixSource
 from messages.memory import MemoryBreakdown
@@ -364,6 +365,27 @@ class ModelRefused(Event, frozen=True, kw_only=True, tag="model_refused"):
     have_bytes: dict[str, int] = msgspec.field(default_factory=dict)
 
 
+class ScalingDecided(Event, frozen=True, kw_only=True, tag="scaling_decided"):
+    """The scaler added or retired a replica of a catalog model (`actors/frontdoor/scaling.py`): what it saw
+    (`scale`: every replica's load, queued work and measured rates; `memory`: its hysteresis before; `now`: its
+    clock), and what it decided; `mesh-actor replay` re-decides it from these."""
+
+    scale: ModelScale
+    memory: ScaleMemory
+    now: float
+    decision: ScaleDecision
+
+
+class ReplicaAdded(Event, frozen=True, kw_only=True, tag="replica_added"):
+    """A replica the scaler decided is placed and ready (or could not be: `error`)."""
+
+    model: str
+    instance_id: str = ""
+    instance_node: str = ""
+    load_ms: float = 0.0
+    error: str = ""
+
+
 class IdleStopped(Event, frozen=True, kw_only=True, tag="idle_stopped"):
     model: str | None
     instance_id: str
@@ -581,6 +603,8 @@ AnyEvent = (
     | ModelLoaded
     | RoomMade
     | ModelRefused
+    | ScalingDecided
+    | ReplicaAdded
     | IdleStopped
     | RequestUsage
     | L3Captured

@@ -37,3 +37,53 @@ class FrontDoorReport(msgspec.Struct, frozen=True, kw_only=True):
     auth: bool  # whether a bearer key is required
     models: tuple[FrontDoorModel, ...]
     sent_at: float
+
+
+# ---- replicas (`actors/frontdoor/scaling.py`: inputs and outcome, journaled as `scaling_decided`) ----
+
+
+class Replica(msgspec.Struct, frozen=True, kw_only=True):
+    """One instance of a catalog model as the scaler saw it: from its record (state) and its node's serving
+    report (load, queued work, measured rates)."""
+
+    instance_id: str
+    node: str
+    ready: bool  # False: starting
+    slots: int = 1
+    busy: int = 0
+    queued: int = 0
+    queued_prompt_tokens: int = 0  # the prompts of the requests waiting for a slot
+    queued_generation_tokens: int = 0  # what they may generate (their bounds)
+    prefill_tokens_per_s: float = 0.0  # measured; 0: not yet
+    decode_tokens_per_s: float = 0.0  # one slot's, measured; 0: not yet
+    idle_s: float = 0.0  # since it last had work (a busy slot or a waiter); 0 while it has
+    resident_tokens: int = 0  # what its slots hold (prefixes routing may still credit)
+
+
+class ModelScale(msgspec.Struct, frozen=True, kw_only=True):
+    """A catalog model's replicas and its scaling rules, at one moment."""
+
+    model: str
+    min_replicas: int
+    max_replicas: int
+    target_wait_s: float
+    retire_idle_s: float
+    replicas: tuple[Replica, ...]
+
+
+class ScaleMemory(msgspec.Struct, frozen=True, kw_only=True):
+    """What the scaler remembers of a model between decisions (its hysteresis)."""
+
+    over_since: float | None = None  # since when the expected wait is over the target
+
+
+ScaleAction = Literal["hold", "add", "retire"]
+
+
+class ScaleDecision(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    action: ScaleAction
+    reason: str
+    expected_wait_s: float | None  # the least a request would wait on a ready replica (None: not measured)
+    memory: ScaleMemory  # what to remember for the next decision
+    retire: str | None = None  # the instance to stop

@@ -254,6 +254,9 @@ class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True):
     state_bytes_per_token: float = 0.0  # a saved state's size: KV per token, and the recurrent floor
     state_floor_bytes: float = 0.0
     kv_tokens: int = 0  # KV cells its slots hold (a busy one: its reused prefix); over the context's: KV usage
+    decode_tokens_per_s: float = 0.0  # one slot's generation rate, measured; 0: not measured yet
+    queued_prompt_tokens: int = 0  # the prompts of the requests waiting for a slot
+    queued_generation_tokens: int = 0  # what they may generate (their bounds; 256 for one naming none)
 
 
 class ServingReport(msgspec.Struct, frozen=True, kw_only=True):

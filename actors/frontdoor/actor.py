@@ -56,6 +56,7 @@ from actors.frontdoor.accounting import Accounting
 from actors.frontdoor.catalog import Catalog, CatalogModel
 from actors.frontdoor.keys import KeyRefused, KeyTable, allows, authenticate
 from actors.frontdoor.lifecycle import ArrivalOrder, NeverFits, Running, Stop, Wait, idle_expired, plan_room
+from actors.frontdoor.replicas import ReplicaScaler
 from actors.placement.ledger import device_sizes
 from actors.runner import passthrough
 from messages.errors import (
@@ -73,7 +74,7 @@ from messages.errors import (
 )
 from messages.events import IdleStopped, ModelLoaded, ModelLoading, ModelRefused, RoomMade
 from messages.frontdoor import FrontDoorModel, FrontDoorReport, ModelState
-from messages.generate import MAX_API_BODY_BYTES, ApiCall, GenerateRequest, GenerateResult, RelayHead
+from messages.generate import MAX_API_BODY_BYTES, ApiCall, GenerateRequest, GenerateResult, RelayHead, ServingReport
 from messages.placement import NodeLedger, PlacementDecision, PlacementRequest
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
 from messages.telemetry import NodeResources
@@ -153,6 +154,7 @@ class FrontDoorActor(Actor):
         self._instances_moved = asyncio.Event()  # set (then replaced) on every change of an instance record
         self._instance_used: dict[str, float] = {}
         self._instance_class: dict[str, int] = {}  # instance -> the class of the last request sent to it
+        self._scaler: ReplicaScaler | None = None
         self._starts: set[asyncio.Task[InstanceStatus]] = set()  # shared by a model's waiters; cancelled at the end
         self.bound_port: int | None = None
 
@@ -189,6 +191,12 @@ class FrontDoorActor(Actor):
         ctx.spawn(self._stop_idle(ctx), "idle")
         self._reports = await buckets.frontdoors(ctx.bus, ctx.subjects)
         ctx.spawn(self._publish_reports(ctx), "reports")
+        self._scaler = ReplicaScaler(
+            ctx, self.catalog.models, self._live_instances_of, self._add_replica, self._stop_instance, clock=self._clock
+        )
+        if self._scaler.active:
+            await ctx.subscribe(ctx.subjects.serving_all, ServingReport, self._scaler.on_report)
+            ctx.spawn(self._scaler.run(), "replicas")
 
     async def _serve_until_stopped(self, runner: web.AppRunner) -> None:
         try:
@@ -207,6 +215,8 @@ class FrontDoorActor(Actor):
                 if gone is not None:  # what this front door knew of its use goes with it
                     self._instance_used.pop(gone.id, None)
                     self._instance_class.pop(gone.id, None)
+                    if self._scaler is not None:
+                        self._scaler.forget(gone.id)
             else:
                 try:
                     self._instances[entry.key] = buckets.decode_keyed(
@@ -525,19 +535,7 @@ class FrontDoorActor(Actor):
         while loop.time() < deadline:
             decision = await self._ask_placement(placement, deadline)
             if decision.admitted and decision.reservation_id and decision.placements:
-                node = decision.placements[0].node_id
-                try:
-                    ack = await ctx.bus.request(
-                        ctx.subjects.runner(node, "start"),
-                        StartInstance(reservation_id=decision.reservation_id),
-                        RunnerAck,
-                        timeout=60,
-                    )
-                except RemoteError as exc:
-                    raise shapes.ApiError(UNAVAILABLE, f"the start on {node} failed: {exc.reply.message}") from exc
-                except BusError as exc:
-                    raise shapes.ApiError(UNAVAILABLE, f"the start on {node} failed: {_bus_failure(exc)}") from exc
-                ready = await self._until_ready(ack.instance_id, deadline)
+                ready = await self._start_admitted(decision, deadline)
                 load_ms = (loop.time() - began) * 1000
                 ctx.emit(ModelLoaded, model=model.name, instance_id=ready.id, instance_node=ready.node, load_ms=load_ms)
                 return ready
@@ -581,6 +579,52 @@ class FrontDoorActor(Actor):
             elif isinstance(plan, Wait):  # busy instances finish, or a stop lands, or placement's view catches up
                 await self._instances_change(timeout_s=0.5)
         raise shapes.ApiError(TIMEOUT, f"{model.name!r} did not load in {entry.timeout_s:g}s")
+
+    async def _start_admitted(self, decision: PlacementDecision, deadline: float) -> InstanceStatus:
+        """Starts what `decision` admitted on its (head) node, and returns the instance once it is ready."""
+        ctx = self._ctx
+        assert decision.reservation_id is not None
+        node = decision.placements[0].node_id
+        try:
+            ack = await ctx.bus.request(
+                ctx.subjects.runner(node, "start"), StartInstance(reservation_id=decision.reservation_id), RunnerAck,
+                timeout=60,
+            )  # fmt: skip
+        except RemoteError as exc:
+            raise shapes.ApiError(UNAVAILABLE, f"the start on {node} failed: {exc.reply.message}") from exc
+        except BusError as exc:
+            raise shapes.ApiError(UNAVAILABLE, f"the start on {node} failed: {_bus_failure(exc)}") from exc
+        return await self._until_ready(ack.instance_id, deadline)
+
+    # --- replicas (`replicas.ReplicaScaler` decides; these carry it out) ------------------------------------
+
+    def _live_instances_of(self, name: str) -> list[InstanceStatus]:
+        model = self._models[name]
+        path = self._path_of(model.entry)
+        return [s for s in self._instances.values() if _same_model(s, model.entry, path)]
+
+    async def _add_replica(self, name: str, nodes: tuple[str, ...]) -> InstanceStatus:
+        """One more instance of `name`: on one of `nodes` (those without one) when one fits, else wherever one
+        fits; never by stopping other models' instances (a replica uses room that is free)."""
+        entry = self._models[name].entry
+        deadline = asyncio.get_running_loop().time() + entry.timeout_s
+        placement = PlacementRequest(
+            model=entry.model_ref(self._path_of(entry)), ctx=entry.ctx, settings=entry.required_settings(),
+            request_id=f"replica-{name}",
+        )  # fmt: skip
+        for choice in (nodes, ()) if nodes else ((),):
+            decision = await self._ask_placement(msgspec.structs.replace(placement, nodes=choice), deadline)
+            if decision.admitted and decision.reservation_id and decision.placements:
+                return await self._start_admitted(decision, deadline)
+        raise shapes.ApiError(NOT_PLACED, f"no room for another replica of {name!r}: {decision.reason}: "
+                              f"{decision.message}")  # fmt: skip
+
+    def _keeps(self, model: str | None) -> bool:
+        """Whether stopping one more instance of `model` would leave fewer than its `min_replicas`."""
+        if model is None or model not in self._models:
+            return False
+        live = [s for s in self._live_instances_of(model) if s.state in ("starting", "ready", "restarting")]
+        return len(live) <= self._models[model].entry.min_replicas
 
     async def _until_ready(self, instance_id: str, deadline: float) -> InstanceStatus:
         async with asyncio.timeout_at(deadline):
@@ -702,6 +746,8 @@ class FrontDoorActor(Actor):
             by_id = {r.instance_id: r for r in running}
             for instance_id in idle_expired(running, now=now):
                 idle = by_id[instance_id]
+                if self._keeps(idle.model):
+                    continue  # its model's min_replicas stay
                 ctx.log.info("frontdoor_idle_stop", instance_id=instance_id)
                 await self._stop_instance(instance_id)
                 ctx.emit(IdleStopped, model=idle.model, instance_id=instance_id, idle_s=now - idle.last_used)

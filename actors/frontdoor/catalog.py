@@ -8,6 +8,10 @@ parallel = 4                                # -np for its instances (within the 
 pinned = true                               # never stopped to make room
 priority = 10                               # higher stays longer when memory is short
 idle_ttl_s = 600                            # stopped after this long without a request
+min_replicas = 1                            # instances always kept running (restarted when they end)
+max_replicas = 3                            # instances the load may add (default 1: one instance)
+target_wait_s = 5                           # add one while a request would wait longer than this for a slot
+replica_idle_s = 120                        # retire an added one after this long without work
 max_queue = 32                              # requests waiting for an instance (beyond: 429)
 cache_type_k = "q8_0"                       # -ctk its instances need
 cache_type_v = "q8_0"                       # -ctv (a quantized V cache needs flash_attn "on")
@@ -91,6 +95,11 @@ class CatalogModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     pooling: Pooling | None = None  # an embedding or rerank model's (None: the header's, else mean)
     draft: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = None  # --model-draft
     mmproj: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = None  # --mmproj
+    # Replicas (`scaling`): how many instances, and when the load adds or retires one.
+    min_replicas: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    max_replicas: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    target_wait_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
+    replica_idle_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 120.0
 
     def required_settings(self) -> PreferredSettings | None:
         """What its instances must run with (None: whatever the node advertises)."""
@@ -145,6 +154,8 @@ class CatalogModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f'pooling: a generation model (kind = "generate") does not pool ("{self.pooling}")')
         if self.kind == "rerank" and self.pooling not in (None, "rank"):
             raise ValueError(f'pooling: a reranker pools by rank, not "{self.pooling}"')
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas: {self.min_replicas} is over max_replicas ({self.max_replicas})")
         if self.draft is not None and self.spec_type not in (None, DRAFT_SIMPLE):
             raise ValueError(
                 f'draft: a draft model speculates with spec_type = "{DRAFT_SIMPLE}", not "{self.spec_type}"'

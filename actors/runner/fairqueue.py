@@ -57,9 +57,10 @@ class Claim:
     priority: int = 0
     weight: float = 1.0
     cost: int = 1
+    prompt_tokens: int = 0  # of `cost`, the prompt's (the rest: what it may generate); not in the tags' rules
 
     def __post_init__(self) -> None:
-        if self.weight <= 0 or self.cost < 1:
+        if self.weight <= 0 or self.cost < 1 or not 0 <= self.prompt_tokens <= self.cost:
             raise ValueError(f"a claim has a positive weight and cost (got {self.weight}, {self.cost})")
 
 
@@ -93,7 +94,10 @@ def claim_of(request: GenerateRequest, prompt_tokens: int, max_generated: int | 
     (`max_generated`: its bound, None when it names none)."""
     generated = max_generated if max_generated is not None else DEFAULT_GENERATION_COST
     cost = max(1, prompt_tokens + min(generated, 1 << 20))
-    return Claim(tenant=request.tenant, priority=request.priority, weight=request.weight, cost=cost)
+    return Claim(
+        tenant=request.tenant, priority=request.priority, weight=request.weight, cost=cost,
+        prompt_tokens=min(prompt_tokens, cost),
+    )  # fmt: skip
 
 
 def tag(claim: Claim, seq: int, virtual: float, previous: float) -> Tags:

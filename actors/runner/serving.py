@@ -154,6 +154,7 @@ class ServedInstance:
         self, instance_id: str, port: int, slots: int, slot_dir: Path, generation: object, rollback: bool
     ) -> None:
         self.prefill_rate: cost.Estimate | None = None  # prompt tokens/s, from the server's own timings
+        self.decode_rate: cost.Estimate | None = None  # one slot's generated tokens/s, likewise
         self.state = cost.StateSize(bytes_per_token=0.0)
         self.id = instance_id
         self.port = port
@@ -217,10 +218,15 @@ class Serving:
             instance.state = size
 
     def measured(self, instance: ServedInstance, timings: dict[str, Any]) -> None:
-        """A completion's prefill rate, once it computed enough tokens to say (smoothed)."""
+        """A completion's prefill and decode rates, once it computed enough tokens to say (smoothed)."""
         if int(timings.get("prompt_n", 0) or 0) >= 32:
             instance.prefill_rate = cost.observe(instance.prefill_rate, float(timings.get("prompt_per_second", 0)))
             self.changed.set()
+        if int(timings.get("predicted_n", 0) or 0) >= 8:
+            rate = float(timings.get("predicted_per_second", 0) or 0)
+            if rate > 0:
+                instance.decode_rate = cost.observe(instance.decode_rate, rate)
+                self.changed.set()
 
     def sync(self, ready: dict[str, tuple[int, int, Path, object, bool]]) -> None:
         """The ready instances now: id -> (port, slots, slot dir, generation, rollback). A new generation (a
@@ -232,7 +238,11 @@ class Serving:
                 fresh = ServedInstance(iid, port, slots, slot_dir, generation, rollback)
                 fresh.identity = identity
                 if known is not None:
-                    fresh.prefill_rate, fresh.state = known.prefill_rate, known.state
+                    fresh.prefill_rate, fresh.decode_rate, fresh.state = (
+                        known.prefill_rate,
+                        known.decode_rate,
+                        known.state,
+                    )
                 if known is not None:  # running generations keep their own object; new ones get fresh slots
                     fresh.table = known.table
                     fresh.table.forget()
@@ -259,6 +269,7 @@ class Serving:
         loads = []
         for inst in self._instances.values():
             resident = resident_prefixes(inst.identity, inst.table.holdings()) if inst.identity else ()
+            waiting = [w.claim for _, w in inst.table.waiters()]
             loads.append(
                 InstanceLoad(
                     instance_id=inst.id,
@@ -268,6 +279,9 @@ class Serving:
                     identity=inst.identity,
                     resident=resident,
                     prefill_tokens_per_s=inst.prefill_rate.value if inst.prefill_rate else 0.0,
+                    decode_tokens_per_s=inst.decode_rate.value if inst.decode_rate else 0.0,
+                    queued_prompt_tokens=sum(c.prompt_tokens for c in waiting),
+                    queued_generation_tokens=sum(c.cost - c.prompt_tokens for c in waiting),
                     state_bytes_per_token=inst.state.bytes_per_token,
                     state_floor_bytes=inst.state.floor_bytes,
                     kv_tokens=sum(len(held) for held in inst.table.holdings()),
@@ -617,7 +631,9 @@ class Serving:
         instance = next((i for i in self._instances.values() if i.identity == order.identity), None)
         if instance is None:
             raise RequestError(NOT_FOUND, f"no ready instance of identity {order.identity[:16]}… on {self.node_id}")
-        grant = await self.acquire(instance, order.tokens, Claim(cost=len(order.tokens)), order.request_id)
+        grant = await self.acquire(
+            instance, order.tokens, Claim(cost=len(order.tokens), prompt_tokens=len(order.tokens)), order.request_id
+        )
         held: list[int] | None = None
         try:
             timings = await self._prefill(instance, grant.slot, order.tokens)

@@ -1,5 +1,5 @@
 """Placement commands: `place` (ask for a decision), `replay` (recompute recorded decisions: placement,
-routing and queue order), `registry`.
+routing, queue order and scaling), `registry`.
 
 `place` exits 0 when admitted and 3 when refused (1 on errors, 2 on usage), so scripts can branch on it.
 `replay` exits 3 when some recorded decision would now be different.
@@ -19,6 +19,7 @@ import msgspec
 import nacl.signing
 import nkeys
 
+from actors.frontdoor.scaling import replay as replay_scaling
 from actors.placement import decision_records
 from actors.placement.geometry import GeometryError, geometry_from_header
 from actors.placement.gguf_header import GGUFFormatError, parse_header, read_header
@@ -26,7 +27,14 @@ from actors.placement.registry import RegistryUntrusted, public_key_of, sign
 from actors.placement.replay import differences, inputs_of, recompute
 from actors.router.routing import ROUTER_VERSION, route
 from actors.runner.fairqueue import rechoose, retag
-from messages.events import DecisionInputs, GenerateDequeued, GenerateQueued, GenerateRouted, PlacementDecided
+from messages.events import (
+    DecisionInputs,
+    GenerateDequeued,
+    GenerateQueued,
+    GenerateRouted,
+    PlacementDecided,
+    ScalingDecided,
+)
 from messages.model import ModelGeometry
 from messages.placement import ModelRef, PlacementDecision, PlacementRequest
 from messages.registry import RegistryEntry
@@ -69,7 +77,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     place.set_defaults(func=cmd_place)
 
     replay = sub.add_parser(
-        "replay", help="recompute recorded placement, routing and queue decisions with today's cores"
+        "replay", help="recompute recorded placement, routing, queue and scaling decisions with today's cores"
     )
     add_client_options(replay)
     replay.add_argument("--since", metavar="SEQ|TIME", help="a stream sequence, an ISO time, or an age like 1h")
@@ -280,6 +288,17 @@ async def cmd_replay(args: argparse.Namespace) -> int:
                 if queue_diff := _queue_differences(queued):
                     changed.append({"seq": stored.seq, "decision_id": queued.id, "model": queued.instance_id,
                                     "kind": "queue", "differences": queue_diff})  # fmt: skip
+        async for stored in read_events(bus, subjects, "frontdoor.scaling_decided", since=args.since, follow=False):
+            try:
+                scaled = decode_checked(stored.data, ScalingDecided, f"event {stored.seq}")
+            except BadMessage as exc:
+                skipped.append({"seq": stored.seq, "reason": f"not a scaling this version can read: {exc.error}"})
+                continue
+            replayed += 1
+            if scale_diff := replay_scaling(scaled.scale, scaled.memory, scaled.now, scaled.decision):
+                changed.append({"seq": stored.seq, "decision_id": scaled.id, "model": scaled.scale.model,
+                                "kind": "scaling", "differences": [{"path": path, "recorded": was, "now": now}
+                                                                   for path, was, now in scale_diff]})  # fmt: skip
     finally:
         await bus.close()
     if args.json:

@@ -319,3 +319,14 @@ def test_messages_and_responses_bodies_are_rendered_as_the_chat_body_the_server_
     # a body the server refuses, or one with nothing to render, is not rendered: routed by load, decoded cold
     assert passthrough.render_plan("responses", {"input": [{"type": "item_reference", "id": "x"}]}) is None
     assert passthrough.render_plan("messages", {"messages": []}) is None
+
+
+def test_a_catalogs_replica_keys_default_to_one_instance_and_refuse_a_minimum_over_the_maximum() -> None:
+    plain = parse_catalog('[models.m]\npath = "m.gguf"\n').models["m"]
+    assert (plain.min_replicas, plain.max_replicas) == (0, 1)
+    scaled = parse_catalog('[models.m]\npath = "m.gguf"\nmin_replicas = 1\nmax_replicas = 3\ntarget_wait_s = 2\n')
+    assert (scaled.models["m"].max_replicas, scaled.models["m"].target_wait_s) == (3, 2.0)
+    with pytest.raises(CatalogError, match="min_replicas"):
+        parse_catalog('[models.m]\npath = "m.gguf"\nmin_replicas = 3\nmax_replicas = 2\n')
+    with pytest.raises(CatalogError, match="max_replicas"):
+        parse_catalog('[models.m]\npath = "m.gguf"\nmax_replicas = 0\n')
