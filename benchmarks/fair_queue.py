@@ -35,11 +35,11 @@ from benchmarks.mesh_node import cli, node, print_provenance, write_model
 from runtime.children import free_port
 
 FLAGS = ("--parallel", "2", "--cache-ram", "0", "--ctx-checkpoints", "0", "--threads", "1")
-FLOOD, SHORT = 24, 4
-LONG_TOKENS, SHORT_TOKENS = 24, 4
+FLOOD, SHORT = 16, 4
+LONG_TOKENS, SHORT_TOKENS = 16, 4
 #: Every sampled token a letter or a space, and all of them (the sparse model's logits are all equal).
 SAMPLING = {"grammar": "root ::= [a-z ]+", "ignore_eos": True}
-LONG_PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)
+LONG_PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 6)
 SHORT_PROMPT = "hello there"
 _serial = iter(range(1 << 30))
 
