@@ -127,20 +127,25 @@ class FileDigests:
     def digest(self, path: Path) -> str:
         fd, key = open_regular(path)
         try:
-            with self._lock:
-                known = self._digests.get(key)
-            if known is not None:
-                return known
-            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-            try:
-                with os.fdopen(os.dup(fd), "rb") as handle:
-                    if key.size:
-                        hasher.update_mmap(f"/proc/self/fd/{handle.fileno()}")
-            except OSError as exc:
-                raise ModelFileError(f"cannot read {path}: {exc.strerror or exc}") from exc
-            value: str = hasher.hexdigest()
+            return self.digest_open(fd, key, path)
         finally:
             os.close(fd)
+
+    def digest_open(self, fd: int, key: FileKey, path: Path) -> str:
+        """The digest of the file open on `fd` (its key from `open_regular`; `path` names it in errors): a
+        reader that goes on reading `fd` reads the very version the digest is of."""
+        with self._lock:
+            known = self._digests.get(key)
+        if known is not None:
+            return known
+        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        try:
+            with os.fdopen(os.dup(fd), "rb") as handle:
+                if key.size:
+                    hasher.update_mmap(f"/proc/self/fd/{handle.fileno()}")
+        except OSError as exc:
+            raise ModelFileError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        value: str = hasher.hexdigest()
         with self._lock:
             self._digests[key] = value
             while len(self._digests) > self._max:

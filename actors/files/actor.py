@@ -17,7 +17,8 @@
   concurrently, each under a deadline); the version fetched is the signed one for a registry entry, else the
   one most holders state (`transfer.choose_source`); the free space is checked; the part file kept from an
   interrupted pull of the same version is verified again and resumed (`part`); chunks are asked `window` at a
-  time, each checked as it lands (`transfer.check_chunk`); the whole file must hash to the digest
+  time, each checked (`transfer.check_chunk`) and written in order, in one worker-thread hop; the whole file
+  must hash to the digest
   (`transfer.final_refusal`) before it is renamed into place. A refused file is deleted; a peer that stops
   answering leaves the verified part for the next pull. Every pull is journaled (`model_file_pulled`,
   `model_file_pull_refused`).
@@ -74,7 +75,7 @@ from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext, RawReply, RequestError
 from runtime.bus import BadMessage, BusError, decode_checked, encode, parse_reply
-from runtime.durable import make_dir, read_range
+from runtime.durable import make_dir
 from runtime.model_files import FileDigests, ModelFileError, open_regular, resolve
 
 __all__ = ["FilesActor", "FilesLimits"]
@@ -516,23 +517,21 @@ class FilesActor(Actor):
         answers = await asyncio.gather(*(ask(node) for node in nodes))
         return [a for a in answers if a is not None]
 
-    async def _request_chunk(
-        self, ctx: ActorContext, subject: str, request: ChunkRequest
-    ) -> tuple[Msg | BaseException, str]:
-        """A chunk reply (or why none came) and the blake3 of its bytes, hashed while other chunks travel."""
+    async def _request_chunk(self, ctx: ActorContext, subject: str, request: ChunkRequest) -> Msg | BaseException:
+        """A chunk reply, or why none came."""
         try:
-            reply = await ctx.bus.request_raw(subject, encode(request), timeout=self.limits.chunk_timeout_s)
+            return await ctx.bus.request_raw(subject, encode(request), timeout=self.limits.chunk_timeout_s)
         except (BusError, nats.errors.Error) as exc:
-            return exc, ""
-        return reply, await self._blocking(_hash, reply.data)
+            return exc
 
     async def _fetch(self, ctx: ActorContext, peer: str, relative: str, part: parts.PartFile) -> None:
-        """The rest of the file from `peer`, `window` chunk requests in flight, each checked and written in order."""
+        """The rest of the file from `peer`, `window` chunk requests in flight, each checked and written in
+        order (`_land`: one worker-thread hop a chunk while the others travel)."""
         subject = ctx.subjects.files(peer, "chunk")
         plan = iter(transfer.chunk_plan(part.size, part.chunk, part.received))
         try:
             async with asyncio.TaskGroup() as tg:
-                pending: deque[tuple[int, int, asyncio.Task[tuple[Msg | BaseException, str]]]] = deque()
+                pending: deque[tuple[int, int, asyncio.Task[Msg | BaseException]]] = deque()
 
                 def ask(offset: int, length: int) -> None:
                     request = ChunkRequest(path=relative, blake3=part.digest, offset=offset, length=length)
@@ -542,27 +541,34 @@ class FilesActor(Actor):
                     ask(offset, length)
                 while pending:
                     offset, length, task = pending.popleft()
-                    reply, observed = await task
-                    data, headers = _chunk(subject, reply)
-                    stated = headers.get(FILES_BLAKE3_HEADER, "")
-                    refusal = transfer.check_chunk(
-                        offset=offset,
-                        length=length,
-                        total=part.size,
-                        got_offset=_int(headers.get(FILES_OFFSET_HEADER)),
-                        got_total=_int(headers.get(FILES_TOTAL_HEADER)),
-                        got_length=len(data),
-                        stated=stated,
-                        observed=observed,
-                    )
+                    data, headers = _chunk(subject, await task)
+                    refusal = await self._blocking(_land, part, offset, length, data, headers)
                     if refusal is not None:
                         raise _Refused(refusal)
-                    await self._blocking(part.write, offset, data, stated)
                     following = next(plan, None)
                     if following is not None:
                         ask(*following)
         except BaseExceptionGroup as group:
             raise _first(group) from None
+
+
+def _land(part: parts.PartFile, offset: int, length: int, data: bytes, headers: dict[str, str]) -> Refusal | None:
+    """A chunk reply checked against what was asked and the blake3 stated with it, then written (worker
+    thread): hashing, checking and writing a chunk cost one hop."""
+    stated = headers.get(FILES_BLAKE3_HEADER, "")
+    refusal = transfer.check_chunk(
+        offset=offset,
+        length=length,
+        total=part.size,
+        got_offset=_int(headers.get(FILES_OFFSET_HEADER)),
+        got_total=_int(headers.get(FILES_TOTAL_HEADER)),
+        got_length=len(data),
+        stated=stated,
+        observed=_hash(data),
+    )
+    if refusal is None:
+        part.write(offset, data, stated)
+    return refusal
 
 
 def _hash(data: bytes) -> str:
@@ -578,10 +584,21 @@ def _header_facts(path: Path) -> tuple[int, ModelGeometry]:
 
 def _read_hashed(digests: FileDigests, path: Path, offset: int, length: int) -> tuple[str, bytes, int, str]:
     """The file's blake3 (cached per version), a chunk of it, its size and the chunk's blake3, in one
-    worker-thread hop. A file replaced between the digest and the read is caught by the fetcher's checks."""
-    digest = digests.digest(path)
-    data, total = read_range(path, offset, length)
-    return digest, data, total, _hash(data)
+    worker-thread hop and from one descriptor (the chunk is of the version the digest is of). The chunk is
+    read straight into the bytes that are sent (pread(2)), not into a buffer then copied."""
+    fd, key = open_regular(path)
+    try:
+        digest = digests.digest_open(fd, key, path)
+        want = max(0, min(length, key.size - offset))
+        data = os.pread(fd, want, offset)
+        while len(data) < want:  # a short read (a signal, or the file shrank under us: the fetcher refuses it)
+            more = os.pread(fd, want - len(data), offset + len(data))
+            if not more:
+                break
+            data += more
+    finally:
+        os.close(fd)
+    return digest, data, key.size, _hash(data)
 
 
 def _int(value: str | None) -> int:
