@@ -17,21 +17,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import structlog
-
 from actors.l3 import layout
 from actors.l3.actor import L3Actor
 from actors.l3.api import L3Hit
 from actors.l3.store import Store
 from benchmarks.environment import print_environment
-from benchmarks.transfer import running, tcp_copy, write_random
+from benchmarks.transfer import quiet_logs, result_line, running, tcp_copy, transfer_arguments, write_random
 from messages.subjects import Subjects
 from runtime.allocator import keep_large_buffers
 from runtime.bus import Bus
@@ -70,7 +67,7 @@ async def _fetch_round(bus: Bus, root: Path, size: int, n: int) -> tuple[float, 
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    quiet_logs()
     print_environment()
     print(f"  allocator {keep_large_buffers().reason}")  # what `mesh-actor run` does
     size = args.size_mib * MIB
@@ -104,24 +101,17 @@ async def main_async(args: argparse.Namespace) -> None:
             await bus.close()
             await server.stop()
 
-    def rate(seconds: float) -> str:
-        return f"{size / MIB / seconds:8.0f} MiB/s"
-
     tcp, fetch, assemble = (statistics.median(v) for v in (tcp_s, fetch_s, assemble_s))
     print("results (median of rounds)")
-    print(f"  loopback TCP copy + fsync      {tcp:7.3f} s  {rate(tcp)}")
-    print(f"  peer fetch over NATS (durable) {fetch:7.3f} s  {rate(fetch)}")
-    print(f"  then assemble to dest (local)  {assemble:7.3f} s  {rate(assemble)}")
+    print(result_line("loopback TCP copy + fsync", size, tcp, 30))
+    print(result_line("peer fetch over NATS (durable)", size, fetch, 30))
+    print(result_line("then assemble to dest (local)", size, assemble, 30))
     print(f"  ratio fetch / TCP (throughput) {tcp / fetch:7.2f}x  (target >= 0.6x)")
     print(f"  ratio fetch+assemble / TCP     {tcp / (fetch + assemble):7.2f}x")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--size-mib", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--dir", help="where the temporary files go (default: the system temp dir)")
-    asyncio.run(main_async(parser.parse_args()))
+    asyncio.run(main_async(transfer_arguments(__doc__).parse_args()))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""What the transfer benchmarks share (`handoff_throughput`, `handoff_predict`, `l3_peer_fetch`): a payload
-of random bytes, the loopback TCP baseline, and an actor running under a supervisor until it serves."""
+"""What the transfer benchmarks share (`handoff_throughput`, `handoff_predict`, `l3_peer_fetch`,
+`file_transfer`): a payload of random bytes, the loopback TCP baseline, an actor running under a supervisor
+until it serves, and the options and result lines of the file-copy benchmarks."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import random
 import socket
@@ -13,6 +16,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TypeVar
+
+import structlog
 
 from benchmarks.bus_roundtrip import supervised
 from runtime.actor import Actor
@@ -71,3 +76,26 @@ async def running(bus: Bus, actor: A, node_id: str, serving: Callable[[], bool])
                     break
                 await asyncio.sleep(0.02)
         yield actor
+
+
+def transfer_arguments(doc: str | None, *, size_mib: int = 1024, rounds: int = 1) -> argparse.ArgumentParser:
+    """The options every file-copy benchmark takes: the payload's size, the rounds, where the files go."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    parser.add_argument("--size-mib", type=int, default=size_mib)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--dir", help="where the temporary files go (default: the system temp dir)")
+    return parser
+
+
+def quiet_logs() -> None:
+    """Only warnings from the actors: their per-request logs would cost more than what is measured."""
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
+def rate(size: int, seconds: float) -> str:
+    return f"{size / MIB / seconds:8.0f} MiB/s"
+
+
+def result_line(label: str, size: int, seconds: float, width: int = 36) -> str:
+    """`  label   1.234 s   567 MiB/s`, as the results blocks print a timed copy."""
+    return f"  {label:<{width}} {seconds:7.3f} s  {rate(size, seconds)}"
