@@ -384,6 +384,8 @@ class ReplicaAdded(Event, frozen=True, kw_only=True, tag="replica_added"):
     instance_node: str = ""
     load_ms: float = 0.0
     error: str = ""
+    warmed_entries: int = 0  # L3 entries of its identity fetched from peers for it (`mesh.l3.<node>.warm`)
+    warmed_bytes: int = 0
 
 
 class IdleStopped(Event, frozen=True, kw_only=True, tag="idle_stopped"):

@@ -144,6 +144,23 @@ class GcReply(msgspec.Struct, frozen=True, kw_only=True):
     reclaimed_quarantine: Count = 0  # quarantined manifests deleted (`quarantine`)
 
 
+class WarmRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`mesh.l3.<node>.warm`: bring into this node's store the entries of `identity` its peers used most
+    recently (a new replica's node, before requests come), at most `max_entries` and `max_bytes` in all."""
+
+    identity: Digest
+    max_entries: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
+    max_bytes: Annotated[int, msgspec.Meta(ge=1)] = 1 << 30
+
+
+class WarmReply(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: NodeId
+    fetched: int  # entries fetched from peers
+    bytes: int
+    already: int  # of the chosen, held here already
+    failed: int  # fetches that failed (their reasons are logged)
+
+
 class EvictRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Evict one entry, or every entry not in use (`all`)."""
 

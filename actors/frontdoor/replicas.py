@@ -8,9 +8,10 @@ measured prefill and decode rates, the tokens its slots hold), and since when it
 
 Adding places one more instance through placement like any other, on a node that has none of the model first
 (the file travels there if it lacks it: the runner fetches it), on any node that fits when none of those does,
-and starts it; the new replica is journaled (`replica_added`) once ready. A replica that cannot be placed
-(no room) is not tried again for `RETRY_AFTER_S`. Retiring stops the chosen instance (never one generating:
-`scaling` chose an idle one). One action per model at a time.
+and starts it; once ready, its node's L3 store fetches the states of its identity its peers used most recently
+(`mesh.l3.<node>.warm`), and the new replica is journaled (`replica_added`, with what was warmed). A replica
+that cannot be placed (no room) is not tried again for `RETRY_AFTER_S`. Retiring stops the chosen instance
+(never one generating: `scaling` chose an idle one). One action per model at a time.
 
 One front door scales: the live one with the lowest node id (from the front doors' records), so two front doors
 do not both add. While front doors come and go, two may both believe they lead for a moment (until the
@@ -34,14 +35,21 @@ from actors.frontdoor.scaling import FORGET, decide
 from messages.events import ReplicaAdded, ScalingDecided
 from messages.frontdoor import FrontDoorReport, ModelScale, Replica, ScaleMemory
 from messages.generate import InstanceLoad, ServingReport
+from messages.l3 import WarmReply, WarmRequest
 from messages.runner import InstanceStatus
 from runtime import buckets
 from runtime.actor import ActorContext
+from runtime.bus import BusError
 
 __all__ = ["RETRY_AFTER_S", "SCALE_INTERVAL_S", "ReplicaScaler"]
 
 SCALE_INTERVAL_S: Final = 1.0
 RETRY_AFTER_S: Final = 30.0
+#: A new replica's warming: how long to wait for its identity in its node's report, how many entries its store
+#: fetches at most, and how long that may take.
+WARM_IDENTITY_WAIT_S: Final = 10.0
+WARM_ENTRIES: Final = 8
+WARM_TIMEOUT_S: Final = 120.0
 _LIVE: Final = ("starting", "ready", "restarting")
 
 
@@ -143,8 +151,35 @@ class ReplicaScaler:
             self._resting_until[model] = self._clock() + RETRY_AFTER_S
             self._ctx.emit(ReplicaAdded, model=model, error=_message(exc))
             return
-        self._ctx.emit(ReplicaAdded, model=model, instance_id=ready.id, instance_node=ready.node,
-                       load_ms=(self._clock() - began) * 1000)  # fmt: skip
+        load_ms = (self._clock() - began) * 1000
+        warmed = await self._warm(ready)
+        self._ctx.emit(
+            ReplicaAdded, model=model, instance_id=ready.id, instance_node=ready.node, load_ms=load_ms,
+            warmed_entries=warmed.fetched if warmed else 0, warmed_bytes=warmed.bytes if warmed else 0,
+        )  # fmt: skip
+
+    async def _warm(self, ready: InstanceStatus) -> WarmReply | None:
+        """Its node's L3 store fetches its peers' most recent states of its identity (as its node reports it),
+        so that the prefixes the model's other replicas served restore there too; None when that cannot be."""
+        ctx = self._ctx
+        identity = None
+        deadline = self._clock() + WARM_IDENTITY_WAIT_S
+        while identity is None and self._clock() < deadline:
+            report = self._reports.get(ready.node)
+            load = next((i for i in report[1].instances if i.instance_id == ready.id), None) if report else None
+            identity = load.identity if load is not None else None
+            if identity is None:
+                await asyncio.sleep(0.25)
+        if identity is None:
+            return None
+        try:
+            return await ctx.bus.request(
+                ctx.subjects.l3(ready.node, "warm"), WarmRequest(identity=identity, max_entries=WARM_ENTRIES),
+                WarmReply, timeout=WARM_TIMEOUT_S,
+            )  # fmt: skip
+        except BusError as exc:  # no store there (L3 off), or it failed: the replica serves cold
+            ctx.log.info("replica_not_warmed", instance_id=ready.id, node=ready.node, error=str(exc))
+            return None
 
     def _other_nodes(self, taken: set[str]) -> set[str]:
         fresh = {node for node, (at, report) in self._reports.items() if self._clock() - at <= report.ttl_s}

@@ -52,10 +52,11 @@ from actors.l3.keeper import StoreKeeper
 from actors.l3.peer import PeerFetch
 from actors.l3.serve import L3Endpoints
 from actors.l3.store import CommitRefused, CorruptEntry, Store, StoreError, UnknownEntry
+from messages.errors import UNAVAILABLE
 from messages.events import L3Captured, L3CaptureDropped
-from messages.l3 import L3Inventory
+from messages.l3 import L3Inventory, WarmReply, WarmRequest
 from runtime import buckets, tracing
-from runtime.actor import Actor, ActorContext
+from runtime.actor import Actor, ActorContext, RequestError
 from runtime.buckets import TTL_HEADER
 from runtime.bus import BadMessage, BusError, encode
 from runtime.logging import get_logger
@@ -246,6 +247,7 @@ class L3Actor(Actor):
         self._flights.clear()
         self._keeper.fetching = 0
         await self._endpoints.add_to(ctx, segment_workers=self.limits.segment_workers)
+        await ctx.add_endpoint("warm", ctx.subjects.l3(self.node_id, "warm"), WarmRequest, self._on_warm)
         ctx.spawn(self._capture_loop(ctx), "capture")
         ctx.spawn(self._inventory_loop(ctx), "inventory")
         ctx.spawn(self._watch_peers(ctx, kv), "peers")
@@ -428,6 +430,36 @@ class L3Actor(Actor):
             return staged
         finally:
             self._keeper.catalog.unpin(entry)
+
+    # ---- warm ------------------------------------------------------------------------------------------
+
+    async def _on_warm(self, request: WarmRequest) -> WarmReply:
+        """Fetches the peers' most recently used entries of an identity that this store lacks (a new replica's
+        node: its first requests then restore locally), one after another, each within the fill deadline."""
+        ctx = self._ctx
+        if ctx is None:
+            raise RequestError(UNAVAILABLE, "the node's L3 store is starting")
+        store = self._keeper.require_store()
+        room = max(0, min(request.max_bytes, self.budget_bytes - self._keeper.catalog.stored_bytes))
+        fetched = already = failed = 0
+        moved = 0
+        for peer in self._peers.hottest(request.identity, max_entries=request.max_entries, max_bytes=room):
+            if peer.entry in self._keeper.catalog:
+                already += 1
+                continue
+            hit = L3Hit(entry=peer.entry, n_tokens=peer.n_tokens, bytes=peer.bytes, node=peer.node, source="l3_peer")
+            try:
+                async with asyncio.timeout(self.limits.fill_deadline_s):
+                    await self._peer_fetch.fetch(ctx, store, hit)
+            except (L3Unavailable, StoreError, OSError, BusError, TimeoutError) as exc:
+                failed += 1
+                ctx.log.warning("l3_warm_fetch_failed", entry=peer.entry, node=peer.node, error=str(exc))
+                continue
+            fetched += 1
+            moved += peer.bytes
+        ctx.log.info("l3_warmed", identity=request.identity, fetched=fetched, bytes=moved, already=already,
+                     failed=failed)  # fmt: skip
+        return WarmReply(node_id=self.node_id, fetched=fetched, bytes=moved, already=already, failed=failed)
 
     # ---- inventory ---------------------------------------------------------------------------------------
 

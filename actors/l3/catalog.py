@@ -300,6 +300,27 @@ class PeerView:
                 )
         return None
 
+    def hottest(self, identity: str, *, max_entries: int, max_bytes: int) -> list[PeerHit]:
+        """The entries of `identity` peers used most recently (each inventory lists its most recent first: taken
+        in turns, rank by rank, ties by node id), distinct, at most `max_entries` and `max_bytes` in all."""
+        ranked = sorted(
+            (rank, node, item)
+            for node, items in self._by_node.items()
+            for rank, item in enumerate(i for i in items if i.identity == identity)
+        )
+        chosen: list[PeerHit] = []
+        seen: set[str] = set()
+        total = 0
+        for _, node, item in ranked:
+            if len(chosen) >= max_entries:
+                break
+            if item.entry in seen or total + item.bytes > max_bytes:
+                continue
+            seen.add(item.entry)
+            total += item.bytes
+            chosen.append(PeerHit(node=node, entry=item.entry, n_tokens=item.n_tokens, bytes=item.bytes, probes=0))
+        return chosen
+
 
 def _plausible(item: L3Item) -> bool:
     """What a store could hold: digests for ids, counts within their bounds."""

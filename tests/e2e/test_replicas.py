@@ -3,8 +3,8 @@ NATS server and the front door, node `b` joined with a node's credentials), real
 tiny models, requests with the official `openai` client.
 
 - `busy` (`max_replicas = 2`): a steady load of concurrent requests makes its one instance's queue wait longer
-  than `target_wait_s`; a second instance is added on the other node and serves part of the load; once the load
-  stops, one is retired after `replica_idle_s`.
+  than `target_wait_s`; a second instance is added on the other node, its node's L3 store warmed from its
+  peer's, and it serves part of the load; once the load stops, one is retired after `replica_idle_s`.
 - `kept` (`min_replicas = 1`): running before any request, and started again when its instance is stopped.
 - `mesh-actor replay` re-decides every scaling decision identically.
 """
@@ -29,12 +29,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 FLAGS = ("--parallel", "2", "--cache-ram", "0", "--ctx-checkpoints", "0", "-t", "1", "--telemetry-interval", "0.5")
 WORKERS = 10
-PROMPT = " and then the story went on" * 4  # long enough for the runner to measure its prefill rate
+PROMPT = " and then the story went on" * 8  # long enough to measure its prefill rate and be kept in L3
 
 
 def catalog(busy: Path, kept: Path) -> str:
     return (
-        f'[models.busy]\npath = "{busy}"\nctx = 1024\nparallel = 2\nmax_replicas = 2\ntarget_wait_s = 0.2\n'
+        f'[models.busy]\npath = "{busy}"\nctx = 2048\nparallel = 2\nmax_replicas = 2\ntarget_wait_s = 0.2\n'
         f"replica_idle_s = 4\n\n"
         f'[models.kept]\npath = "{kept}"\nctx = 512\nparallel = 1\nmin_replicas = 1\n'
     )
@@ -124,6 +124,8 @@ async def test_the_load_adds_a_replica_on_the_other_node_and_idleness_retires_on
             assert added[0]["decision"]["expected_wait_s"] > 0.2
             (ready_event,) = [e for e in await events(data_a, "frontdoor.replica_added") if e["model"] == "busy"]
             assert ready_event["instance_node"] != added[0]["scale"]["replicas"][0]["node"] and not ready_event["error"]
+            # its node's store was warmed with the states the first replica's completions left in its peer's
+            assert ready_event["warmed_entries"] >= 1 and ready_event["warmed_bytes"] > 0, ready_event
 
             # idle after the load: one of the two is retired after replica_idle_s, never below one
             await until(lambda: _count_is(data_a, busy, 1), "one replica retired after the load", 60)

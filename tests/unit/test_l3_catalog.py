@@ -217,3 +217,21 @@ def test_orphan_segments_are_freed_first_and_a_rescan_replaces_the_sizes() -> No
     assert plan.evict == () and plan.free == (f"{9:064x}",)
     catalog.apply(plan)
     assert catalog.stored_bytes == 100 and kept in catalog
+
+
+def test_the_hottest_entries_of_an_identity_are_the_peers_most_recent_in_turns_within_the_bounds() -> None:
+    ident, other = "1" * 64, "2" * 64
+
+    def item(n: int, identity: str = ident, size: int = 100) -> L3Item:
+        return L3Item(identity=identity, n_tokens=10 * n, entry=f"{n:064x}", bytes=size)
+
+    peers = PeerView()
+    # each inventory lists its most recently used first; entry 3 is held by both nodes
+    peers.update(L3Inventory(node_id="a", entries=3, tokens=0, bytes=0, budget_bytes=0,
+                             items=(item(1), item(9, other), item(3), item(4))))  # fmt: skip
+    peers.update(L3Inventory(node_id="b", entries=2, tokens=0, bytes=0, budget_bytes=0, items=(item(3), item(5))))
+    chosen = peers.hottest(ident, max_entries=10, max_bytes=10_000)
+    assert [(h.node, int(h.entry, 16)) for h in chosen] == [("a", 1), ("b", 3), ("b", 5), ("a", 4)]
+    assert [int(h.entry, 16) for h in peers.hottest(ident, max_entries=2, max_bytes=10_000)] == [1, 3]
+    assert [int(h.entry, 16) for h in peers.hottest(ident, max_entries=10, max_bytes=250)] == [1, 3]
+    assert peers.hottest("3" * 64, max_entries=10, max_bytes=10_000) == []
