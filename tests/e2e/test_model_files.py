@@ -3,7 +3,7 @@
 `mesh-actor models pull tiny --node b` copies the catalog model's file into node b's models dir (same relative
 name), verified; a second pull finds it there; then a model placed by that relative name on node b starts
 llama-server on the pulled file and answers `/completion`. `mesh-actor models` (a's front door lists the
-catalog) shows which nodes hold the file, before and after.
+catalog) shows which nodes hold the file, before and after, and so does `mesh-actor status`.
 """
 
 from __future__ import annotations
@@ -105,6 +105,14 @@ async def test_a_node_without_the_file_pulls_it_from_its_peer_and_serves_it(tmp_
             code, out, err = await run_cli("models", "pull", "tiny", "--node", "b", env=env)
             assert code == 0 and "already on b" in out, err + out
             assert "file held on a, b\n" in await models_listing(env)
+            code, out, err = await run_cli("status", "--json", env=env)
+            assert code == 0, err
+            (held,) = [f for f in json.loads(out)["model_files"] if f["path"] == "tiny.gguf"]
+            assert (held["nodes"], held["models"], held["blake3"]) == (["a", "b"], ["tiny"], digest(model)), held
+            code, out, err = await run_cli("status", env=env)
+            assert code == 0 and any(
+                line.startswith("tiny.gguf ") and line.endswith(" a, b") for line in out.splitlines()
+            ), out
 
             code, out, err = await run_cli("models", "pull", "nothing", "--node", "b", env=env)
             assert code == 1 and "not_named" in err, err + out
