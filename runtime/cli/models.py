@@ -28,7 +28,18 @@ from messages.subjects import Subjects
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.bus import Bus, BusError, RemoteError
-from runtime.cli.common import EXIT_OK, EXIT_USAGE, CliError, add_client_options, connect, emit_json, prefix
+from runtime.cli.common import (
+    EXIT_OK,
+    EXIT_USAGE,
+    CliError,
+    add_client_options,
+    client_options,
+    connect,
+    emit_json,
+    prefix,
+)
+from runtime.creds import CredentialsError, with_creds_file
+from runtime.roles import is_client_user
 from runtime.sizes import format_size
 
 #: How long `models pull` waits by default (a large file over a slow link takes a while).
@@ -95,6 +106,16 @@ async def fetch_frontdoors(bus: Bus, subjects: Subjects) -> list[FrontDoorReport
     for warning in warnings:
         print(f"mesh-actor: warning: skipping {warning}", file=sys.stderr)
     return [report for _, report in reports]
+
+
+def asks_nodes(args: argparse.Namespace) -> bool:
+    """Whether this command's credentials may ask nodes' files actors (`files.<id>.held`): a client's may not
+    (nats-server refuses each request, and each would wait out its deadline), so it asks nothing."""
+    try:
+        options = with_creds_file(client_options(args))
+    except CredentialsError:
+        return False
+    return not (options.user and is_client_user(options.user))
 
 
 async def held_answers(
@@ -179,7 +200,8 @@ async def cmd_models(args: argparse.Namespace) -> int:
     bus = await connect(args, "models")
     try:
         reports = await fetch_frontdoors(bus, subjects)
-        held = {} if args.json else await holders(bus, subjects, {m.path for r in reports for m in r.models})
+        paths = {m.path for r in reports for m in r.models}
+        held = await holders(bus, subjects, paths) if not args.json and asks_nodes(args) else {}
     finally:
         await bus.close()
     if args.json:

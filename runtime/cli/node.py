@@ -2,7 +2,7 @@
 
 `status` shows the live nodes, instances, reservations, front doors and model files: each version of every file
 a front door's catalog or a registry entry names, and the live nodes that hold it (each asked
-`mesh.files.<node>.held`, as `models` does; a client's credentials may not ask, and then none are shown).
+`mesh.files.<node>.held`, as `models` does; a client's credentials may not ask, so none are shown to a client).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from runtime.cli.common import (
     write_nats_context,
 )
 from runtime.cli.l3 import fetch_l3_totals
-from runtime.cli.models import ModelFile, fetch_frontdoors, model_files, named_files
+from runtime.cli.models import ModelFile, asks_nodes, fetch_frontdoors, model_files, named_files
 from runtime.cli.runner import fetch_instances
 from runtime.config import ConfigError, NodeConfig, load_config
 from runtime.embedded import EmbeddedNatsError
@@ -334,8 +334,10 @@ async def _fetch_status(args: argparse.Namespace) -> _Status:
         instances = await fetch_instances(bus, subjects)
         l3 = await fetch_l3_totals(bus, subjects)
         doors = await fetch_frontdoors(bus, subjects)
-        named = await named_files(bus, subjects, doors)
-        files = await model_files(bus, subjects, named, sorted(key for key, _ in nodes))
+        files: list[ModelFile] = []
+        if asks_nodes(args):  # a client may not ask nodes what they hold
+            named = await named_files(bus, subjects, doors)
+            files = await model_files(bus, subjects, named, sorted(key for key, _ in nodes))
     finally:
         await bus.close()
     for warning in warnings + more:

@@ -414,3 +414,20 @@ async def test_status_shows_which_nodes_hold_each_catalog_and_registry_file(
         assert row.split()[-2:] == ["a,", "b"] and digest[:16] in row and "signed, tiny" in row, out
         (gone,) = [line for line in out.splitlines() if line.startswith("gone.gguf ")]
         assert gone.endswith("(no live node)"), out
+
+
+def test_status_asks_no_node_with_a_clients_credentials(tmp_path: Path) -> None:
+    """nats-server refuses a client's `files.<id>.held` (test_clients_reach_no_files_subject_…): status and
+    models do not ask with a client's credentials (each request would wait out its deadline)."""
+    import argparse
+
+    from runtime.cli import node as node_cli
+    from runtime.cli.models import asks_nodes
+
+    parser = argparse.ArgumentParser(prog="mesh-actor")
+    node_cli.register(parser.add_subparsers(dest="command", required=True))
+    secret = tmp_path / "password"
+    secret.write_text("x\n")
+    for user, asks in (("client-0123abcd", False), ("admin", True), ("node-a", True)):
+        flags = ["--nats", "nats://127.0.0.1:4222", "--nats-user", user, "--nats-password-file", str(secret)]
+        assert asks_nodes(parser.parse_args(["status", *flags])) is asks, user
