@@ -189,6 +189,7 @@ class Forwarder:
             async with asyncio.TaskGroup() as tg:
                 watcher = tg.create_task(watch())
                 await relay_answer()
+                relay.done()  # first: the cancellation alone can be lost (`ChunkStream.watch`)
                 watcher.cancel()
         except* ClientGone:
             self._cancelled(instance, order, exchange)

@@ -541,6 +541,7 @@ class Serving:
                 async with asyncio.TaskGroup() as tg:
                     watcher = tg.create_task(stream.watch())
                     await (complete() if request.chunks else whole())
+                    stream.done()  # first: the cancellation alone can be lost (`ChunkStream.watch`)
                     watcher.cancel()
         except* ClientGone as group:
             reason = str(group.exceptions[0])

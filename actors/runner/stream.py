@@ -43,6 +43,7 @@ class ChunkStream:
         self.request_id = request_id
         self.seq = 0
         self._silence_s = silence_s
+        self._done = False
 
     async def send(self, text: str, tokens: list[int]) -> None:
         chunk = GenerateChunk(request_id=self.request_id, seq=self.seq, text=text, tokens=tokens)
@@ -67,12 +68,23 @@ class ChunkStream:
         except nats.errors.Error as exc:  # a subject the server refuses, a connection gone: nobody can listen
             raise ClientGone(f"cannot publish to the stream subject: {exc!r}") from exc
 
+    def done(self) -> None:
+        """The answer is complete: `watch` returns (it checks after each ping and each pause)."""
+        self._done = True
+
     async def watch(self) -> None:
-        """Returns never; raises `ClientGone` once nobody listens on the subject (or answers for too long)."""
+        """Raises `ClientGone` once nobody listens on the subject (or answers for too long); returns once `done`.
+
+        The caller cancels it when the answer is complete, and calls `done` first: on Python 3.11 a cancellation
+        that arrives as a ping's answer does is lost inside nats-py's `request` (`asyncio.wait_for` returns the
+        answer and drops the cancellation), and a watch that only a cancellation could stop then pinged on until
+        the client left, holding its generation, and its slot, that long."""
         loop = asyncio.get_running_loop()
         answered = loop.time()
-        while True:
+        while not self._done:
             await asyncio.sleep(STREAM_PING_S)
+            if self._done:
+                return
             ping = encode(StreamPing(request_id=self.request_id, seq=self.seq))
             try:
                 await self._bus.nc.request(
