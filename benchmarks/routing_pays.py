@@ -45,8 +45,8 @@ from tests.conftest import node_process, run_cli
 
 FLAGS = ("--parallel", "2", "--cache-ram", "0", "--ctx-checkpoints", "0", "--threads", "1")
 INSTANCES = 4
-TENANTS, SYSTEM_WORDS, QUERY_WORDS, TOKENS = 6, 300, 12, 8
-REQUESTS, RATE = 36, 0.6
+TENANTS, SYSTEM_WORDS, QUERY_WORDS, TOKENS = 6, 100, 12, 8
+REQUESTS, RATE = 24, 0.5
 SAMPLING = {"grammar": "root ::= [a-z ]+", "ignore_eos": True}
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo",
          "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango")  # fmt: skip
@@ -116,7 +116,7 @@ async def main() -> None:
     data_a, data_b = root / "a", root / "b"
     data_a.mkdir()
     (data_a / "models.toml").write_text(
-        f'[models.bench]\npath = "{model}"\nctx = 4096\nparallel = 2\nmin_replicas = {INSTANCES}\n'
+        f'[models.bench]\npath = "{model}"\nctx = 8192\nparallel = 2\nmin_replicas = {INSTANCES}\n'
         f"max_replicas = {INSTANCES}\ntimeout_s = 900\n"
     )
     port = free_port()
