@@ -76,7 +76,15 @@ async def test_keys_issued_through_node_a_scope_both_doors_and_revoked_there_are
         joined = ("--nats-creds", str(node_b_creds))
         async with node_process(data_b, "b", *joined, "--http", str(port_b), stderr=tmp_path / "b.stderr"):
             A = ("--data-dir", str(data_a))
-            assert await listed(port_b, "sk-anything") == ["a", "b"]  # no keys yet: the doors are open
+            # a node says "running" as its actors start: its door listens a moment later
+            async with asyncio.timeout(30):
+                while True:
+                    try:
+                        opened = await listed(port_b, "sk-anything")
+                        break
+                    except openai.APIConnectionError:
+                        await asyncio.sleep(0.1)
+            assert opened == ["a", "b"]  # no keys yet: the doors are open
             issued_key = await keys("issue", "--tenant", "lab", "--models", "a", "--rpm", "5", *A)
             assert {"key", "key_id", "tenant"} <= set(issued_key)
             key = str(issued_key["key"])
