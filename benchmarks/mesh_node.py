@@ -24,7 +24,7 @@ import blake3
 from actors.runner.engine import find_llama_server
 from runtime.bus import Bus
 from runtime.config import NatsOptions
-from tests.conftest import node_process
+from tests.conftest import node_process, run_cli
 from tests.tiny_models import sparse_files, write_llama
 
 #: A 0.5B-parameter llama shape (Qwen2-0.5B's widths, a 32k vocabulary), f16.
@@ -58,6 +58,20 @@ async def cli(*args: str, timeout: float = 600) -> Any:
 async def node(data_dir: Path, *flags: str) -> AsyncIterator[asyncio.subprocess.Process]:
     async with node_process(data_dir, "bench", *flags, ready_s=60) as process:
         yield process
+
+
+@contextlib.asynccontextmanager
+async def two_nodes(data_a: Path, data_b: Path, port: int, *flags: str) -> AsyncIterator[None]:
+    """Node `a` (its embedded NATS server, a front door on `port`) and node `b` joined to it with a node's
+    credentials, both run with `flags`."""
+    async with node_process(data_a, "a", *flags, "--http", str(port), ready_s=60):
+        creds = data_a.with_name("node-b.json")
+        code, _, err = await run_cli("creds", "issue", "--role", "node", "--node", "b", "--data-dir", str(data_a),
+                                     "--out", str(creds))  # fmt: skip
+        if code != 0:
+            raise RuntimeError(f"mesh-actor creds issue failed ({code}): {err[-2000:]}")
+        async with node_process(data_b, "b", *flags, "--nats-creds", str(creds), ready_s=60):
+            yield
 
 
 async def start_model(data_dir: Path, model: Path, ctx: int) -> dict[str, Any]:

@@ -30,9 +30,8 @@ from typing import Any
 import openai
 
 from benchmarks.environment import print_environment
-from benchmarks.mesh_node import cli, print_provenance, write_model
+from benchmarks.mesh_node import cli, print_provenance, two_nodes, write_model
 from runtime.children import free_port
-from tests.conftest import node_process, run_cli
 
 FLAGS = ("--parallel", "2", "--cache-ram", "0", "--ctx-checkpoints", "0", "--threads", "1")
 REQUESTS, RATE = 40, 1.5
@@ -116,29 +115,24 @@ async def main() -> None:
     port = free_port()
     results: dict[str, dict[str, list[float]]] = {m: {"queued": [], "latency": [], "makespan": []} for m in files}
     serial = [0]
-    async with node_process(data_a, "a", *FLAGS, "--http", str(port), ready_s=60):
-        creds = root / "node-b.json"
-        code, _, err = await run_cli("creds", "issue", "--role", "node", "--node", "b", "--data-dir", str(data_a),
-                                     "--out", str(creds))  # fmt: skip
-        assert code == 0, err
-        async with node_process(data_b, "b", *FLAGS, "--nats-creds", str(creds), ready_s=60):
-            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
-                                        timeout=900)  # fmt: skip
-            async with client:
-                for name in files:  # loaded before timing
-                    await client.completions.create(model=name, prompt="warm", max_tokens=1)
-            for r in range(args.rounds):
-                for name in list(files) if r % 2 == 0 else list(files)[::-1]:
-                    await one_instance(data_a, files[name])
-                    since = time.time()
-                    latencies, makespan = await burst(port, name, serial)
-                    served = {i["id"] for i in await instances_of(data_a, files[name])}  # before any retirement
-                    waits = await queued_ms(data_a, served, since)
-                    results[name]["queued"] += waits
-                    results[name]["latency"] += latencies
-                    results[name]["makespan"].append(makespan)
-                    print(f"round {r + 1}: {name} done ({len(served)} instances at the end, "
-                          f"{len(waits)} completions journaled)", flush=True)  # fmt: skip
+    async with two_nodes(data_a, data_b, port, *FLAGS):
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                                    timeout=900)  # fmt: skip
+        async with client:
+            for name in files:  # loaded before timing
+                await client.completions.create(model=name, prompt="warm", max_tokens=1)
+        for r in range(args.rounds):
+            for name in list(files) if r % 2 == 0 else list(files)[::-1]:
+                await one_instance(data_a, files[name])
+                since = time.time()
+                latencies, makespan = await burst(port, name, serial)
+                served = {i["id"] for i in await instances_of(data_a, files[name])}  # before any retirement
+                waits = await queued_ms(data_a, served, since)
+                results[name]["queued"] += waits
+                results[name]["latency"] += latencies
+                results[name]["makespan"].append(makespan)
+                print(f"round {r + 1}: {name} done ({len(served)} instances at the end, "
+                      f"{len(waits)} completions journaled)", flush=True)  # fmt: skip
     print(f"\nresults ({args.rounds} rounds; {REQUESTS} requests at {RATE}/s, {PROMPT_WORDS} words, {TOKENS} tokens)")
     summary: dict[str, dict[str, float]] = {}
     for name, figures in results.items():

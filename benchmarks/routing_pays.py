@@ -39,9 +39,8 @@ import httpx2
 import openai
 
 from benchmarks.environment import print_environment
-from benchmarks.mesh_node import cli, print_provenance, write_model
+from benchmarks.mesh_node import cli, print_provenance, two_nodes, write_model
 from runtime.children import free_port
-from tests.conftest import node_process, run_cli
 
 FLAGS = ("--parallel", "2", "--cache-ram", "0", "--ctx-checkpoints", "0", "--threads", "1")
 INSTANCES = 4
@@ -121,35 +120,30 @@ async def main() -> None:
     )
     port = free_port()
     samples: dict[str, list[Sample]] = {"mesh": [], "round-robin": [], "random": []}
-    async with node_process(data_a, "a", *FLAGS, "--http", str(port), ready_s=60):
-        creds = root / "node-b.json"
-        code, _, err = await run_cli("creds", "issue", "--role", "node", "--node", "b", "--data-dir", str(data_a),
-                                     "--out", str(creds))  # fmt: skip
-        assert code == 0, err
-        async with node_process(data_b, "b", *FLAGS, "--nats-creds", str(creds), ready_s=60):
-            async with asyncio.timeout(600):  # min_replicas brings up every instance
-                while True:
-                    status = await cli("status", "--json", "--data-dir", str(data_a))
-                    ready = [i for i in status["instances"] if i["model_path"] == str(model) and i["state"] == "ready"]
-                    if len(ready) >= INSTANCES:
-                        break
-                    await asyncio.sleep(1)
-            print(f"instances: {sorted((i['node'], i['port']) for i in ready)}", flush=True)
-            door = _client(f"http://127.0.0.1:{port}/v1")
-            servers = [_client(f"http://127.0.0.1:{i['port']}/v1") for i in ready]
-            await streamed(door, "bench", "warm up")
-            pick = random.Random(5)
-            ways: dict[str, Callable[[int, str], Awaitable[Sample]]] = {
-                "mesh": lambda i, p: streamed(door, "bench", p),
-                "round-robin": lambda i, p: streamed(servers[i % len(servers)], "bench", p),
-                "random": lambda i, p: streamed(servers[pick.randrange(len(servers))], "bench", p),
-            }
-            names = list(ways)
-            for r in range(args.rounds):
-                for name in names[r % len(names) :] + names[: r % len(names)]:
-                    plan = schedule(seed=100 * r + names.index(name))  # fresh prefixes: no way inherits another's
-                    samples[name] += await run_way(plan, ways[name])
-                    print(f"round {r + 1}: {name} done", flush=True)
+    async with two_nodes(data_a, data_b, port, *FLAGS):
+        async with asyncio.timeout(600):  # min_replicas brings up every instance
+            while True:
+                status = await cli("status", "--json", "--data-dir", str(data_a))
+                ready = [i for i in status["instances"] if i["model_path"] == str(model) and i["state"] == "ready"]
+                if len(ready) >= INSTANCES:
+                    break
+                await asyncio.sleep(1)
+        print(f"instances: {sorted((i['node'], i['port']) for i in ready)}", flush=True)
+        door = _client(f"http://127.0.0.1:{port}/v1")
+        servers = [_client(f"http://127.0.0.1:{i['port']}/v1") for i in ready]
+        await streamed(door, "bench", "warm up")
+        pick = random.Random(5)
+        ways: dict[str, Callable[[int, str], Awaitable[Sample]]] = {
+            "mesh": lambda i, p: streamed(door, "bench", p),
+            "round-robin": lambda i, p: streamed(servers[i % len(servers)], "bench", p),
+            "random": lambda i, p: streamed(servers[pick.randrange(len(servers))], "bench", p),
+        }
+        names = list(ways)
+        for r in range(args.rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                plan = schedule(seed=100 * r + names.index(name))  # fresh prefixes: no way inherits another's
+                samples[name] += await run_way(plan, ways[name])
+                print(f"round {r + 1}: {name} done", flush=True)
     print(f"\nresults ({args.rounds} rounds; {REQUESTS} requests at {RATE}/s Poisson, {TENANTS} tenants x "
           f"{SYSTEM_WORDS}-word system prompts, {QUERY_WORDS}-word queries, {TOKENS} tokens, "
           f"{INSTANCES} instances)")  # fmt: skip
