@@ -619,13 +619,14 @@ async def test_a_clients_forged_reply_subjects_land_nowhere_in_the_mesh(tmp_path
         user = issue(data_dir, Role("client"))
         assert embedded.reload(data_dir) is not None
         async with connect_when_loaded(Credentials(admin.url, user.user, user.password)) as client:
-            async with asyncio.timeout(30):  # the node's endpoints are up once a request is answered
-                while True:
-                    try:
-                        await client.nc.request(S.placement_fit, b"x", timeout=2)
-                        break
-                    except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-                        await asyncio.sleep(0.1)
+            async with asyncio.timeout(30):  # each endpoint is up once a request to it is answered (actors
+                for subject in forged:  # start independently: the router may still wait for JetStream)
+                    while True:
+                        try:
+                            await client.nc.request(subject, b"x", timeout=2)
+                            break
+                        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                            await asyncio.sleep(0.1)
             for subject, replies in forged.items():
                 for reply in replies:
                     await client.nc.publish(subject, b"x", reply=reply)
