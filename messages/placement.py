@@ -92,6 +92,9 @@ class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     settings: PreferredSettings | None = None
     n_gpu_layers: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -ngl; -1 = all layers on GPUs when there are GPUs
     allow_multi_node: bool = False  # split over nodes (llama.cpp RPC) when no node holds the model alone
+    # Among the nodes that fit and hold the model's file alike (none has to fetch it, or all do), these first,
+    # in this order (the replica scaler names the nodes whose L3 stores hold the model's hottest prefixes).
+    prefer: Annotated[tuple[NodeId, ...], msgspec.Meta(max_length=MAX_REQUEST_NODES)] = ()
     # A reservation no runner claimed within this many seconds (on each placement actor's own clock, from when
     # it first saw the reservation) expires; a claimed one is held while its instance lives. Each placement node
     # refuses a hold over its own maximum (`hold_too_long`; `--max-hold`, default 3600 s).
@@ -158,6 +161,9 @@ class NodePlacement(msgspec.Struct, frozen=True, kw_only=True):
     layers: tuple[int, int]  # [first, last) blocks on this node
     breakdown: MemoryBreakdown  # this node's devices, with its budget and fit
     telemetry_revision: NonNegative  # the nodes-bucket revision the decision used
+    # Bytes of the model's file this node fetches from a peer before it starts (0: it holds the file; None:
+    # unknown, no node reports holding it). Part of its time to ready: placement prefers a node with 0.
+    fetch_bytes: NonNegative | None = None
 
 
 class PlacementDecision(msgspec.Struct, frozen=True, kw_only=True):

@@ -60,6 +60,25 @@ class SplitServing(msgspec.Struct, frozen=True, kw_only=True):
     lend_devices: tuple[str, ...] = ()
 
 
+#: Model files one report lists at most (the names a node's catalogs and trusted registry entries give).
+MAX_MODEL_FILES = 256
+
+
+class ModelFiles(msgspec.Struct, frozen=True, kw_only=True):
+    """The model files this node holds (its files actor's): each catalog or registry name found in its models
+    dir, with its size; and how fast its last pull from a peer was. Placement prefers a node that holds a
+    model's file (nothing to fetch before it starts) and says how many bytes another would fetch first."""
+
+    held: Annotated[
+        tuple[tuple[Annotated[str, msgspec.Meta(max_length=4096)], Bytes], ...],
+        msgspec.Meta(max_length=MAX_MODEL_FILES),
+    ] = ()  # (relative name, size), sorted by name
+    pull_bytes_per_s: Annotated[float, msgspec.Meta(gt=0)] | None = None  # the last pull's, None: none yet
+
+    def size_of(self, path: str) -> int | None:
+        return next((size for name, size in self.held if name == path), None)
+
+
 class NodeResources(msgspec.Struct, frozen=True, kw_only=True):
     """One node's telemetry report.
 
@@ -84,3 +103,4 @@ class NodeResources(msgspec.Struct, frozen=True, kw_only=True):
     settings: ServingSettings | None = None
     bounds: SettingsBounds | None = None
     split: SplitServing | None = None  # None: it neither heads nor lends to a split (no cluster certificates)
+    model_files: ModelFiles | None = None  # None: no files actor reports here

@@ -306,11 +306,19 @@ async def run_node(
             digests = FileDigests()  # one per node: placement and the runner hash each file version once
             l3 = L3Actor(config.node_id, config.data_dir, budget_bytes=config.l3_budget_bytes)
             handoff = HandoffActor(config.node_id, config.data_dir, restore=into_l3(l3))
+            files = FilesActor(  # model files from peers (`mesh-actor models pull`)
+                config.node_id,
+                config.data_dir,
+                models_dir=models_dir,
+                digests=digests,
+                trusted_registry_keys=tuple(config.registry_keys),
+            )
             actors: list[Actor] = [
                 TelemetryActor(
                     facts,
                     settings_source=serving.get,
                     bounds_source=serving.get_bounds,
+                    files_source=lambda: files.holdings,  # placement prefers the nodes that hold a model's file
                     interval_s=config.telemetry_interval_s,
                 ),
                 PlacementActor(
@@ -342,13 +350,7 @@ async def run_node(
                 l3,
                 RouterActor(),
                 handoff,
-                FilesActor(  # model files from peers (`mesh-actor models pull`)
-                    config.node_id,
-                    config.data_dir,
-                    models_dir=models_dir,
-                    digests=digests,
-                    trusted_registry_keys=tuple(config.registry_keys),
-                ),
+                files,
             ]
             # Metrics are folded only where something serves them: the front door's listener, or --metrics.
             metrics = (

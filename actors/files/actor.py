@@ -34,6 +34,7 @@ import contextlib
 import errno
 import itertools
 import os
+import stat
 import time
 from collections import deque
 from collections.abc import Callable
@@ -71,7 +72,7 @@ from messages.files import (
 from messages.frontdoor import FrontDoorReport
 from messages.model import ModelGeometry
 from messages.registry import RegistryEntry
-from messages.telemetry import NodeResources
+from messages.telemetry import MAX_MODEL_FILES, ModelFiles, NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext, RawReply, RequestError
 from runtime.bus import BadMessage, BusError, decode_checked, encode, parse_reply
@@ -105,6 +106,7 @@ class FilesLimits:
     keep_free_bytes: int = 0  # what a pull leaves free on the models dir's file system
     max_holders: int = 64  # nodes asked whether they hold a file
     names_ttl_s: float = 2.0  # how long the names this node serves are cached (catalog, front doors, registry)
+    holdings_every_s: float = 5.0  # how often the files held (`holdings`, in telemetry) are looked at again
     threads: int = 4  # worker threads for file I/O and hashing
 
 
@@ -145,6 +147,9 @@ class FilesActor(Actor):
         self.running = False  # its endpoints are served
         self._names: tuple[float, set[str]] | None = None  # (when, the names served) cached briefly
         self._resolved: dict[str, Path] = {}  # served names -> their files, while the names are cached
+        #: The named files this node holds and its last pull's rate: what its telemetry reports (`ModelFiles`).
+        self.holdings = ModelFiles()
+        self._look_again = asyncio.Event()  # a pull landed a file: `holdings` is looked at now
 
     async def run(self, ctx: ActorContext) -> None:
         self._ctx = ctx
@@ -157,6 +162,7 @@ class FilesActor(Actor):
             "pull", s.files(node, "pull"), PullRequest, self._on_pull, workers=2, deadline_s=lim.pull_deadline_s
         )
         ctx.spawn(self._shutdown_pool(), "pool")
+        ctx.spawn(self._holdings_loop(ctx), "holdings")
         self.running = True
 
     async def _shutdown_pool(self) -> None:
@@ -173,6 +179,35 @@ class FilesActor(Actor):
         return await loop.run_in_executor(self._pool, fn, *args)
 
     # ---- what this node names and holds ----
+
+    async def _holdings_loop(self, ctx: ActorContext) -> None:
+        """`holdings` kept current: every `holdings_every_s`, and at once after a pull landed a file."""
+        while True:
+            try:
+                names = sorted(await self._servable_names(ctx))[:MAX_MODEL_FILES]
+            except (BusError, nats.errors.Error, TimeoutError) as exc:  # NATS away: the last holdings stand
+                ctx.log.info("model_files_names_unread", error=str(exc) or type(exc).__name__)
+            else:
+                held = await self._blocking(self._held_sizes, names)
+                if held != self.holdings.held:
+                    ctx.log.info("model_files_held", files=len(held))
+                self.holdings = msgspec.structs.replace(self.holdings, held=held)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.limits.holdings_every_s):
+                    await self._look_again.wait()
+            self._look_again.clear()
+
+    def _held_sizes(self, names: list[str]) -> tuple[tuple[str, int], ...]:
+        """(name, size) of each of `names` that is a regular file in the models dir (blocking: a worker thread)."""
+        held = []
+        for name in names:
+            try:
+                info = os.stat(resolve(name, self.models_dir))
+            except (ModelFileError, OSError):
+                continue
+            if stat.S_ISREG(info.st_mode):
+                held.append((name, info.st_size))
+        return tuple(held)
 
     async def _catalog_files(self, ctx: ActorContext) -> dict[str, str]:
         """Model name -> relative file name of every catalog model and companion this node knows: its own
@@ -469,6 +504,10 @@ class FilesActor(Actor):
             await asyncio.shield(self._blocking(part.close))
             raise
         fetch_ms = round((time.monotonic() - started) * 1000, 3)
+        if moved > 0 and fetch_ms > 0:
+            self.holdings = msgspec.structs.replace(self.holdings, pull_bytes_per_s=moved / (fetch_ms / 1000))
+        self._names = None  # a name may have been added with the pull's catalog
+        self._look_again.set()
         ctx.log.info(
             "file_pulled", path=relative, peer=peer, bytes=source.size, moved_bytes=moved, resumed_from=resumed
         )

@@ -10,8 +10,11 @@ Rules this module keeps:
   passes each report's age): a node's `sent_at` is its own clock and is never compared with ours.
 - Each node is sized with the memory model against what its ledger says is available on each device
   (`actors.placement.ledger`); the decision carries the breakdown per device, need and have.
-- One node is chosen: among the nodes that fit, the one left with the most headroom on its tightest
-  device (ties by node id in natural order: gpu-1 < gpu-2 < gpu-10), so load spreads. A model is split over
+- One node is chosen: among the nodes that fit, first those that hold the model's file (its telemetry lists
+  it: nothing to fetch from a peer before the server starts, the fetch being the longest part of a start
+  elsewhere), then those the request prefers (`prefer`, in its order), then the one left with the most
+  headroom on its tightest device (ties by node id in natural order: gpu-1 < gpu-2 < gpu-10), so load
+  spreads. The decision says how many bytes the chosen node fetches first (`fetch_bytes`). A model is split over
   nodes (llama.cpp's RPC backend, `actors.placement.split`) only when the request allows it and no node fits
   alone: the decision then names the head and its members, a breakdown per node, and books a reservation on
   every member's ledger with the same id (`Reservation.split`), all of them or none (`booking.py`).
@@ -463,9 +466,37 @@ def conclude_split(
     return Outcome(decision, reservations)
 
 
-def best_of(fits: Sequence[Fit]) -> Fit:
-    """The fit left with the most headroom on its tightest device; ties by node id in natural order."""
-    return min(fits, key=lambda f: (-f.headroom, natural_key(f.entry.resources.node_id)))
+def holds(node: NodeResources, path: str) -> bool:
+    """Whether `node` reports holding the model file `path` (a name in its models dir)."""
+    return node.model_files is not None and node.model_files.size_of(path) is not None
+
+
+def fetch_bytes(node: NodeResources, path: str, view: Mapping[str, ViewEntry]) -> int | None:
+    """What `node` fetches of the model file `path` before it starts: 0 when it holds it, the size another
+    node reports when it does not, None when no node reports holding it."""
+    if holds(node, path):
+        return 0
+    for entry in view.values():
+        files = entry.resources.model_files
+        size = files.size_of(path) if files is not None else None
+        if size is not None:
+            return size
+    return None
+
+
+def prefer_rank(request: PlacementRequest, name: str) -> int:
+    return request.prefer.index(name) if name in request.prefer else len(request.prefer)
+
+
+def best_of(fits: Sequence[Fit], request: PlacementRequest, path: str) -> Fit:
+    """The fit that holds the model's file, then the one the request prefers first, then the one left with
+    the most headroom on its tightest device; ties by node id in natural order."""
+
+    def key(f: Fit) -> tuple[bool, int, int, NaturalKey]:
+        node = f.entry.resources
+        return not holds(node, path), prefer_rank(request, node.node_id), -f.headroom, natural_key(node.node_id)
+
+    return min(fits, key=key)
 
 
 def conclude(
@@ -498,8 +529,9 @@ def conclude(
         reason, message = _overall(rejections, view)
         return Outcome(msgspec.structs.replace(base, reason=reason, message=message, rejections=tuple(rejections)))
 
-    chosen = best_of(fits)
+    chosen = best_of(fits, request, model.path)
     node = chosen.entry.resources
+    fetch = fetch_bytes(node, model.path, view)
     stamp = Stamp(
         settings=chosen.settings,
         ctx=chosen.ctx,
@@ -510,8 +542,9 @@ def conclude(
         mmproj=model.projector_file,
     )
     placement = NodePlacement(
-        node_id=node.node_id, layers=chosen.layers, breakdown=chosen.breakdown, telemetry_revision=chosen.entry.revision
-    )
+        node_id=node.node_id, layers=chosen.layers, breakdown=chosen.breakdown,
+        telemetry_revision=chosen.entry.revision, fetch_bytes=fetch,
+    )  # fmt: skip
     reservations: tuple[Reservation, ...] = ()
     if not dry_run:
         reservations = (
@@ -528,13 +561,17 @@ def conclude(
         stamp=stamp,
         placements=(placement,),
         reservation_id=None if dry_run else reservation_id,
-        message=f"on {node.node_id} blocks {chosen.layers[0]}-{chosen.layers[1] - 1}",
+        message=f"on {node.node_id} blocks {chosen.layers[0]}-{chosen.layers[1] - 1}"
+        + (f" (it fetches the model file, {_mib(fetch)}, from a peer first)" if fetch else ""),
         rejections=tuple(r for r in rejections if r.node_id != node.node_id),
     )
     return Outcome(decision, reservations)
 
 
-def natural_key(text: str) -> tuple[tuple[int, int, str], ...]:
+NaturalKey = tuple[tuple[int, int, str], ...]
+
+
+def natural_key(text: str) -> NaturalKey:
     """Sort key of node ids in natural order: runs of digits compare as numbers (gpu-2 < gpu-10)."""
     return tuple((0, int(part), part) if part.isdigit() else (1, 0, part) for part in _DIGITS.split(text) if part)
 

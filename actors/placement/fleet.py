@@ -44,11 +44,13 @@ from actors.placement import pooled
 from actors.placement.admission import (
     Fit,
     ModelFacts,
+    NaturalKey,
     Outcome,
     ViewEntry,
     conclude,
     decide,
     fit_node,
+    holds,
     insufficient,
     natural_key,
     refusal_of,
@@ -78,7 +80,6 @@ MAX_STANDING = 64
 MAX_TOUCHED = 1 << 16
 
 _REFUSED, _MISFIT, _FITS = 0, 1, 2
-NaturalKey = tuple[tuple[int, int, str], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +117,7 @@ class _Question:
     n_gpu_layers: int
     ctx: int
     monotonic_now: float
+    path: str  # the model file's: a node that holds it comes first
 
     @property
     def plain(self) -> bool:  # no settings required: the common case is checked inline
@@ -131,11 +133,12 @@ class _Standing:
     seen: int  # touches taken in
     refused: dict[str, NodeRejection] = field(default_factory=dict)
     misfits: dict[str, NodeRejection] = field(default_factory=dict)
-    fits: dict[str, tuple[_NodeState, int]] = field(default_factory=dict)  # its state, its headroom then
+    # its state, its headroom then, and whether it lacks the model's file
+    fits: dict[str, tuple[_NodeState, int, bool]] = field(default_factory=dict)
     stale: set[str] = field(default_factory=set)
     due: dict[str, float] = field(default_factory=dict)  # when each fresh node's report turns stale
     deadlines: list[tuple[float, str]] = field(default_factory=list)  # a heap of `due`, lazily cleaned
-    best: list[tuple[int, NaturalKey, str, int]] = field(default_factory=list)  # lazily cleaned
+    best: list[tuple[bool, int, NaturalKey, str, int]] = field(default_factory=list)  # lazily cleaned
     refused_order: list[str] | None = None
     misfit_order: list[str] | None = None
 
@@ -167,7 +170,7 @@ class _Standing:
         return names
 
     def rebuild_best(self, natural: Mapping[str, NaturalKey]) -> None:
-        self.best = [(-headroom, natural[n], n, id(state)) for n, (state, headroom) in self.fits.items()]
+        self.best = [(lacks, -room, natural[n], n, id(state)) for n, (state, room, lacks) in self.fits.items()]
         heapq.heapify(self.best)
 
     def answer(
@@ -179,10 +182,10 @@ class _Standing:
             self.misfit_order = sorted(self.misfits, key=natural.__getitem__)
         best = None
         while self.best:
-            negative, _, name, state_id = self.best[0]
+            lacks, negative, _, name, state_id = self.best[0]
             fit = self.fits.get(name)
-            if fit is not None and id(fit[0]) == state_id and -negative == fit[1]:
-                best = fit
+            if fit is not None and id(fit[0]) == state_id and fit[1] == -negative and fit[2] == lacks:
+                best = fit[0], fit[1]
                 break
             heapq.heappop(self.best)  # an answer since replaced
         return [self.refused[n] for n in self.refused_order], [self.misfits[n] for n in self.misfit_order], best
@@ -222,14 +225,15 @@ class FleetIndex:
     #: again only what changed (`_standing`); untracked, every decision judges every node.
     tracked: bool = False
     _touched: list[str] = field(default_factory=list)
-    _standing: dict[tuple[int, int, int, object], _Standing] = field(default_factory=dict)
+    _standing: dict[tuple[int, int, int, object, str], _Standing] = field(default_factory=dict)
 
     @staticmethod
     def covers(request: PlacementRequest) -> bool:
         """Whether `decide` answers `request` from sizings (a fixed context), not by a full scan. A model with
         companion files is sized by a full scan: sizings are kept per model geometry alone."""
         plain = request.model.draft is None and request.model.mmproj is None
-        return request.ctx is not None and not request.max_ctx and not request.allow_multi_node and plain
+        simple = request.ctx is not None and not request.max_ctx and not request.allow_multi_node
+        return simple and plain and not request.prefer
 
     def stats(self) -> IndexStats:
         return IndexStats(
@@ -269,7 +273,7 @@ class FleetIndex:
         token = self._token(geometry)
         ctx = request.ctx
         assert ctx is not None  # covers()
-        question = _Question(request, token, geometry, request.n_gpu_layers, ctx, monotonic_now)
+        question = _Question(request, token, geometry, request.n_gpu_layers, ctx, monotonic_now, model.path)
         if self.tracked and not request.nodes and not fresh:
             refused, misfits, best = self._standing_answer(question, view, arrived, ledgers)
         else:
@@ -305,11 +309,11 @@ class FleetIndex:
         fresh: Mapping[str, LedgerEntry],
     ) -> tuple[list[NodeRejection], list[NodeRejection], tuple[_NodeState, int] | None]:
         """Every node of `names` judged now, in that order: (refused before sizing, sized and not fitting,
-        the best fit: most headroom, then natural order)."""
+        the best fit: holding the model's file, then most headroom, then natural order)."""
         refused: list[NodeRejection] = []
         misfits: list[NodeRejection] = []
         best: tuple[_NodeState, int] | None = None
-        best_key: tuple[int, NaturalKey] | None = None
+        best_key: tuple[bool, int, NaturalKey] | None = None
         for name in names:
             ledger = (fresh.get(name) if fresh else None) or ledgers.get(name, NO_LEDGER)
             kind, refusal, state = self._evaluate(q, name, view.get(name), ledger, arrived)
@@ -321,7 +325,8 @@ class FleetIndex:
                 misfits.append(refusal)
             else:
                 assert state is not None
-                key = (-state.headroom, self._natural.get(name) or natural_key(name))
+                lacks = not holds(state.entry.resources, q.path)
+                key = (lacks, -state.headroom, self._natural.get(name) or natural_key(name))
                 if best_key is None or key < best_key:
                     best, best_key = (state, state.headroom), key
         return refused, misfits, best
@@ -371,7 +376,7 @@ class FleetIndex:
         """`_scan` over the whole view, from the answer to the same question last time: only the nodes touched
         since, those whose report has aged past its TTL since, and the stale ones (their refusal says how
         old) are judged again."""
-        key = (q.token, q.n_gpu_layers, q.ctx, q.request.settings)
+        key = (q.token, q.n_gpu_layers, q.ctx, q.request.settings, q.path)
         standing = self._standing.get(key)
         epochs = (self._epoch, self._sizing_epoch)
         if standing is None or standing.epochs != epochs or standing.seen > len(self._touched):
@@ -419,8 +424,9 @@ class FleetIndex:
             standing.misfit_order = None
             return
         assert state is not None
-        standing.fits[name] = (state, state.headroom)
-        heapq.heappush(standing.best, (-state.headroom, self._natural[name], name, id(state)))
+        lacks = not holds(state.entry.resources, q.path)
+        standing.fits[name] = (state, state.headroom, lacks)
+        heapq.heappush(standing.best, (lacks, -state.headroom, self._natural[name], name, id(state)))
         if len(standing.best) > 4 * len(standing.fits) + 64:
             standing.rebuild_best(self._natural)
 

@@ -12,13 +12,14 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import msgspec
 import nats.errors
 
 from actors.telemetry.probes import Nvml, read_host
 from actors.telemetry.resources import HostReading, NodeFacts, NvmlReading, build_report, material_change, usable_moved
 from messages.events import TelemetryChanged
 from messages.settings import ServingSettings, SettingsBounds
-from messages.telemetry import NodeResources
+from messages.telemetry import ModelFiles, NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext
 from runtime.buckets import TTL_HEADER
@@ -35,6 +36,7 @@ class TelemetryActor(Actor):
         settings_source: Callable[[], ServingSettings] | None = None,
         *,
         bounds_source: Callable[[], SettingsBounds | None] | None = None,
+        files_source: Callable[[], ModelFiles | None] = lambda: None,
         interval_s: float,
         probe_interval_s: float = 1.0,
         read_host_fn: Callable[[], HostReading] = read_host,
@@ -45,6 +47,7 @@ class TelemetryActor(Actor):
         # The node's serving settings may be reloaded while it runs (SIGHUP): read them at every report.
         self._settings = settings_source or (lambda: facts.settings)
         self._bounds = bounds_source or (lambda: facts.bounds)
+        self._files = files_source  # the model files this node holds (its files actor's), read at every report
         self.interval_s = interval_s
         self.probe_interval_s = min(probe_interval_s, interval_s)
         self._read_host = read_host_fn
@@ -69,6 +72,7 @@ class TelemetryActor(Actor):
                 self._seq += 1
                 facts = dataclasses.replace(self.facts, settings=self._settings(), bounds=self._bounds())
                 report = build_report(facts, seq=self._seq, now=self._clock(), host=host, nvml=nvml)
+                report = msgspec.structs.replace(report, model_files=self._files())
                 last = self._last_sent
                 due = last is None or report.sent_at - last.sent_at >= self.interval_s
                 reason = material_change(self._last_journaled, report)

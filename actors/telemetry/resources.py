@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from messages.settings import ServingSettings, SettingsBounds
-from messages.telemetry import GpuInfo, HostInfo, LlamaServerInfo, NodeResources, SplitServing
+from messages.telemetry import GpuInfo, HostInfo, LlamaServerInfo, ModelFiles, NodeResources, SplitServing
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +150,9 @@ def material_change(previous: NodeResources | None, current: NodeResources) -> s
         return "memory limit changed"
     if previous.host.cpu_features != current.host.cpu_features:
         return "cpu features changed"
+    held = (previous.model_files or ModelFiles()).held, (current.model_files or ModelFiles()).held
+    if held[0] != held[1]:
+        return "model files changed"
     return None
 
 

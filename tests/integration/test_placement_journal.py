@@ -18,6 +18,7 @@ from actors.placement.replay import differences, inputs_of, recompute
 from actors.router.routing import choose, link_key, route
 from messages.events import GenerateRouted, PlacementDecided
 from messages.generate import Candidate, RouteWeights
+from messages.telemetry import ModelFiles
 from runtime import buckets
 from runtime.bus import Bus, encode
 from runtime.cli import placement as placement_cli
@@ -143,3 +144,31 @@ async def test_replay_re_decides_an_older_routers_events_and_names_both_versions
     assert changed["decision_id"] == "routed-0" and changed["versions"] == {"recorded": "route-2", "now": "route-3"}
     paths = {d["path"]: (d["recorded"], d["now"]) for d in changed["differences"]}
     assert paths["$.prefill_node"] == ("n2", None)
+
+
+async def test_the_files_each_node_holds_are_journaled_and_a_preference_for_a_holder_replays(
+    bus: Bus, tmp_path: Path, journal_reader: JournalReader
+) -> None:
+    """Issue 21: placement prefers the node that holds the model's file (its report lists it) over one with more
+    room, says how much another node would fetch, and replay re-decides both from the journal alone."""
+    model = write_llama(tmp_path / "dense.gguf", n_layer=4)
+    size = model.stat().st_size
+    held = ModelFiles(held=((str(model), size),))
+    nodes = await buckets.nodes(bus, SUBJECTS)
+    await nodes.put("a", encode(msgspec.structs.replace(report("a", 4 * GIB), model_files=held)))
+    await nodes.put("b", encode(msgspec.structs.replace(report("b", 8 * GIB), model_files=ModelFiles())))
+    actor = PlacementActor()
+    async with supervised(bus, [actor], node_id="p1"):
+        async with asyncio.timeout(10):
+            while {"a", "b"} - set(actor._view):
+                await asyncio.sleep(0.02)
+        holder = await place(bus, ask(model, ctx=2048))
+        fetcher = await place(bus, ask(model, ctx=2048, nodes=["b"]))
+        recorded = await journal_reader.wait_for(of_type("placement_decided"), count=2)
+    assert [(p.node_id, p.fetch_bytes) for p in holder.placements] == [("a", 0)]
+    assert [(p.node_id, p.fetch_bytes) for p in fetcher.placements] == [("b", size)]
+    for raw in recorded:
+        event = msgspec.convert(raw, PlacementDecided)
+        inputs = inputs_of(event)
+        assert inputs is not None and inputs.geometry is not None
+        assert differences(event.decision, recompute(inputs, inputs.geometry)) == []

@@ -17,7 +17,7 @@ from actors.placement.gguf_header import read_header
 from actors.placement.memory import estimate
 from messages.placement import ModelRef, NodeLedger, PlacementRequest, PreferredSettings, Reservation, Stamp
 from messages.settings import ServingSettings
-from messages.telemetry import GpuInfo, HostInfo, LlamaServerInfo, NodeResources
+from messages.telemetry import GpuInfo, HostInfo, LlamaServerInfo, ModelFiles, NodeResources
 from tests.tiny_models import write_llama, write_qwen35
 
 MIB = 1 << 20
@@ -36,6 +36,8 @@ PROFILES: tuple[ServingSettings | None, ...] = (
     None,
 )
 NAMES = tuple(f"n-{i}" for i in range(1, 25))
+#: The model files nodes report holding (the models' names in the tests' `ModelFacts`).
+HOLDINGS = (None, ModelFiles(), ModelFiles(held=(("llama.gguf", 7 * MIB),)), ModelFiles(held=(("qwen35.gguf", 5),)))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelFacts, ...]:
         write_llama(d / "llama.gguf", n_layer=8, n_embd=256, n_head=8, n_ff=512),
         write_qwen35(d / "qwen35.gguf", n_layer=8, state_size=64, dt_rank=16, group_count=2),
     )
-    return tuple(ModelFacts(geometry=geometry_from_header(read_header(p)), path=str(p)) for p in paths)
+    return tuple(ModelFacts(geometry=geometry_from_header(read_header(p)), path=p.name) for p in paths)
 
 
 def gpu(index: int, total_mib: int, usable_mib: int) -> GpuInfo:
@@ -87,6 +89,7 @@ def reports(draw: st.DrawFn, name: str, seq: int) -> NodeResources:
         llama_server=LlamaServerInfo(path="llama-server", version="test", build_info="") if profile else None,
         llama_server_error=None if profile else "not installed",
         settings=profile,
+        model_files=draw(st.sampled_from(HOLDINGS)),
     )
 
 
@@ -129,6 +132,8 @@ def requests(draw: st.DrawFn) -> PlacementRequest:
         fields["nodes"] = tuple(draw(st.lists(st.sampled_from((*NAMES[:8], "ghost")), max_size=6)))
     if draw(st.integers(0, 4)) == 0:
         fields["settings"] = PreferredSettings(slots=draw(st.sampled_from((1, 4))))
+    if draw(st.integers(0, 4)) == 0:
+        fields["prefer"] = tuple(draw(st.lists(st.sampled_from(NAMES[:8]), max_size=3, unique=True)))
     return msgspec.convert(fields, PlacementRequest, from_attributes=True)
 
 
