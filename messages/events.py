@@ -386,6 +386,7 @@ class ReplicaAdded(Event, frozen=True, kw_only=True, tag="replica_added"):
     error: str = ""
     warmed_entries: int = 0  # L3 entries of its identity fetched from peers for it (`mesh.l3.<node>.warm`)
     warmed_bytes: int = 0
+    preferred: tuple[str, ...] = ()  # the nodes placement was asked to take first (their stores hold its states)
 
 
 class IdleStopped(Event, frozen=True, kw_only=True, tag="idle_stopped"):

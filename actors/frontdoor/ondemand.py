@@ -242,14 +242,15 @@ class ModelsOnDemand:
         path = self._path_of(model.entry)
         return [s for s in self._instances.values() if same_model(s, model.entry, path)]
 
-    async def _add_replica(self, name: str, nodes: tuple[str, ...]) -> InstanceStatus:
+    async def _add_replica(self, name: str, nodes: tuple[str, ...], prefer: tuple[str, ...] = ()) -> InstanceStatus:
         """One more instance of `name`: on one of `nodes` (those without one) when one fits, else wherever one
-        fits; never by stopping other models' instances (a replica uses room that is free)."""
+        fits, `prefer`'s nodes first among those alike (placement's rule); never by stopping other models'
+        instances (a replica uses room that is free)."""
         entry = self._models[name].entry
         deadline = asyncio.get_running_loop().time() + entry.timeout_s
         placement = PlacementRequest(
             model=entry.model_ref(self._path_of(entry)), ctx=entry.ctx, settings=entry.required_settings(),
-            request_id=f"replica-{name}",
+            request_id=f"replica-{name}", prefer=prefer,
         )  # fmt: skip
         for choice in (nodes, ()) if nodes else ((),):
             decision = await self._ask_placement(msgspec.structs.replace(placement, nodes=choice), deadline)

@@ -8,8 +8,11 @@ measured prefill and decode rates, the tokens its slots hold), and since when it
 
 Adding places one more instance through placement like any other, on a node that has none of the model first
 (the file travels there if it lacks it: the runner fetches it), on any node that fits when none of those does,
-and starts it; once ready, its node's L3 store fetches the states of its identity its peers used most recently
-(`mesh.l3.<node>.warm`), and the new replica is journaled (`replica_added`, with what was warmed). A replica
+preferring (after the nodes that hold the file, which placement ranks first) the nodes whose L3 stores hold the
+most of the model's states (`scaling.warm_nodes`, from the stores' inventories in `MESH_L3`), and starts it;
+once ready, its node's L3 store fetches the states of its identity its peers used most recently
+(`mesh.l3.<node>.warm`), and the new replica is journaled (`replica_added`, with what was warmed and which
+nodes were preferred). A replica
 that cannot be placed (no room) is not tried again for `RETRY_AFTER_S`. Retiring stops the chosen instance
 (never one generating: `scaling` chose an idle one). One action per model at a time.
 
@@ -31,11 +34,11 @@ import msgspec
 from nats.aio.msg import Msg
 
 from actors.frontdoor.catalog import CatalogModel
-from actors.frontdoor.scaling import FORGET, decide
+from actors.frontdoor.scaling import FORGET, decide, warm_nodes
 from messages.events import ReplicaAdded, ScalingDecided
 from messages.frontdoor import FrontDoorReport, ModelScale, Replica, ScaleMemory
 from messages.generate import InstanceLoad, ServingReport
-from messages.l3 import WarmReply, WarmRequest
+from messages.l3 import L3Inventory, WarmReply, WarmRequest
 from messages.runner import InstanceStatus
 from runtime import buckets
 from runtime.actor import ActorContext
@@ -59,13 +62,14 @@ class ReplicaScaler:
         ctx: ActorContext,
         models: dict[str, CatalogModel],
         instances_of: Callable[[str], Sequence[InstanceStatus]],
-        add: Callable[[str, tuple[str, ...]], Awaitable[InstanceStatus]],
+        add: Callable[[str, tuple[str, ...], tuple[str, ...]], Awaitable[InstanceStatus]],
         stop: Callable[[str], Coroutine[Any, Any, None]],
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`instances_of(model)`: its live instance records; `add(model, nodes)`: places (on one of `nodes`
-        first, when not empty) and starts one more, ready; `stop(instance)`: stops one."""
+        """`instances_of(model)`: its live instance records; `add(model, nodes, prefer)`: places (on one of
+        `nodes` first, when not empty; `prefer`'s first) and starts one more, ready; `stop(instance)`: stops
+        one."""
         self._ctx = ctx
         self._models = {name: entry for name, entry in models.items() if entry.max_replicas > 1 or entry.min_replicas}
         self._instances_of = instances_of
@@ -145,18 +149,40 @@ class ReplicaScaler:
     async def _adding(self, model: str, scale: ModelScale) -> None:
         began = self._clock()
         elsewhere = tuple(sorted(self._other_nodes({r.node for r in scale.replicas})))
+        prefer = await self._warm_nodes(scale, elsewhere)
         try:
-            ready = await self._add(model, elsewhere)
+            ready = await self._add(model, elsewhere, prefer)
         except Exception as exc:  # no room, a start that failed: journaled, tried again later
             self._resting_until[model] = self._clock() + RETRY_AFTER_S
-            self._ctx.emit(ReplicaAdded, model=model, error=_message(exc))
+            self._ctx.emit(ReplicaAdded, model=model, error=_message(exc), preferred=prefer)
             return
         load_ms = (self._clock() - began) * 1000
         warmed = await self._warm(ready)
         self._ctx.emit(
             ReplicaAdded, model=model, instance_id=ready.id, instance_node=ready.node, load_ms=load_ms,
             warmed_entries=warmed.fetched if warmed else 0, warmed_bytes=warmed.bytes if warmed else 0,
+            preferred=prefer,
         )  # fmt: skip
+
+    async def _warm_nodes(self, scale: ModelScale, candidates: tuple[str, ...]) -> tuple[str, ...]:
+        """`scaling.warm_nodes` over the L3 stores' inventories (none when they cannot be read: placement then
+        goes by the file and headroom alone)."""
+        ids = {r.instance_id for r in scale.replicas}
+        identities = {
+            load.identity
+            for _, report in self._reports.values()
+            for load in report.instances
+            if load.instance_id in ids and load.identity
+        }
+        if not identities or not candidates:
+            return ()
+        ctx = self._ctx
+        try:
+            stores, _ = await buckets.read_all(ctx.bus, ctx.subjects.l3_bucket, L3Inventory)
+        except Exception as exc:  # the bus is away, or no store: placement decides without
+            ctx.log.info("replica_l3_view_unavailable", error=repr(exc))
+            return ()
+        return warm_nodes((inventory for _, inventory in stores), identities, candidates)
 
     async def _warm(self, ready: InstanceStatus) -> WarmReply | None:
         """Its node's L3 store fetches its peers' most recent states of its identity (as its node reports it),

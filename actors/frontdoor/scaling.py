@@ -16,18 +16,25 @@ Rules this module keeps:
   one holding the fewest resident tokens (the least useful to routing), then the lowest id. Never one that is
   generating or has requests waiting.
 * Everything a decision used is in `ModelScale`, `ScaleMemory` and `now`: `mesh-actor replay` re-decides it.
+* Where a new replica should go first (`warm_nodes`): the nodes whose L3 stores hold the most tokens of the
+  model's states (the identities its replicas run with), most first; placement takes them in that order among
+  the nodes that hold the model's file alike (`PlacementRequest.prefer`), so the new replica restores its
+  hottest prefixes from its own disk rather than fetching them.
 * No clock and no I/O.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import msgspec
 
+from actors.placement.admission import natural_key
 from messages.frontdoor import ModelScale, Replica, ScaleAction, ScaleDecision, ScaleMemory
+from messages.l3 import L3Inventory
 
-__all__ = ["FORGET", "UP_HOLD_S", "decide", "expected_wait_s", "replay"]
+__all__ = ["FORGET", "UP_HOLD_S", "decide", "expected_wait_s", "replay", "warm_nodes"]
 
 #: How long the expected wait must stay over the target before a replica is added.
 UP_HOLD_S = 2.0
@@ -95,3 +102,17 @@ def replay(scale: ModelScale, memory: ScaleMemory, now: float, recorded: ScaleDe
         for name in fields
         if msgspec.to_builtins(getattr(recorded, name)) != msgspec.to_builtins(getattr(again, name))
     ]
+
+
+def warm_nodes(
+    inventories: Iterable[L3Inventory], identities: Collection[str], candidates: Collection[str]
+) -> tuple[str, ...]:
+    """The `candidates` whose L3 stores hold states of `identities`, by tokens held (most first; ties in
+    natural order)."""
+    held: dict[str, int] = {}
+    for inventory in inventories:
+        if inventory.node_id in candidates:
+            tokens = sum(item.n_tokens for item in inventory.items if item.identity in identities)
+            if tokens > 0:
+                held[inventory.node_id] = tokens
+    return tuple(sorted(held, key=lambda node: (-held[node], natural_key(node))))

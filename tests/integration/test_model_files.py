@@ -164,6 +164,31 @@ async def test_a_node_without_the_file_pulls_it_from_the_peer_that_holds_it_veri
         assert event["moved_bytes"] == size and event["actor"] == "files"
 
 
+async def test_each_node_reports_the_named_files_it_holds_and_a_pull_adds_one_at_once(
+    bus: Bus, tmp_path: Path, model: Path
+) -> None:
+    """What telemetry carries to placement (issue 21): each catalog name found in the models dir, with its size;
+    a name that escapes the models dir or is missing is not listed; a pull lists its file without waiting."""
+    data_a, models_a = node_dirs(tmp_path, "a")
+    data_b, models_b = node_dirs(tmp_path, "b")
+    os.link(model, models_a / "tiny.gguf")
+    (tmp_path / "escape.gguf").write_bytes(b"outside")  # named by the catalog, outside the models dir
+    limits = FilesLimits(holdings_every_s=60.0)  # only the first look and the pull's
+    a = FilesActor("a", data_a, models_dir=models_a, limits=limits)
+    b = FilesActor("b", data_b, models_dir=models_b, limits=limits)
+    size = (await asyncio.to_thread(model.stat)).st_size
+    async with supervised(bus, [a], node_id="a"), supervised(bus, [b], node_id="b"):
+        async with asyncio.timeout(10):
+            while a.holdings.held != (("tiny.gguf", size),):
+                await asyncio.sleep(0.02)
+        assert b.holdings.held == () and b.holdings.pull_bytes_per_s is None
+        await pull(bus, "b", "tiny", peer="a")
+        async with asyncio.timeout(5):
+            while b.holdings.held != (("tiny.gguf", size),):
+                await asyncio.sleep(0.02)
+        assert b.holdings.pull_bytes_per_s is not None and b.holdings.pull_bytes_per_s > 0
+
+
 async def test_an_interrupted_pull_resumes_from_its_verified_part_without_starting_over(
     bus: Bus, tmp_path: Path, model: Path
 ) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from actors.frontdoor.scaling import FORGET, UP_HOLD_S, decide, expected_wait_s, replay
+from actors.frontdoor.scaling import FORGET, UP_HOLD_S, decide, expected_wait_s, replay, warm_nodes
 from messages.frontdoor import ModelScale, Replica, ScaleMemory
+from messages.l3 import L3Inventory, L3Item
 
 
 def rep(iid: str, **fields: object) -> Replica:
@@ -90,3 +91,20 @@ def test_replay_re_decides_the_same_and_names_a_difference() -> None:
     assert recorded.action == "add" and replay(scale, memory, 20.0, recorded) == []
     forged = msgspec.structs.replace(recorded, action="hold")
     assert replay(scale, memory, 20.0, forged) == [("action", "hold", "add")]
+
+
+def test_a_new_replica_prefers_the_nodes_whose_stores_hold_most_of_the_models_states() -> None:
+    def store(node: str, *items: tuple[str, int]) -> L3Inventory:
+        held = tuple(L3Item(identity=i, n_tokens=n, entry=f"{k:064x}", bytes=n) for k, (i, n) in enumerate(items))
+        return L3Inventory(node_id=node, entries=len(held), tokens=0, bytes=0, budget_bytes=1, items=held)
+
+    ours, other = "a" * 64, "b" * 64
+    stores = [
+        store("n-10", (ours, 300)),
+        store("n-2", (ours, 100), (ours, 200)),  # 300 as well: natural order breaks the tie
+        store("n-3", (other, 5000)),  # another model's states count for nothing
+        store("n-4", (ours, 9000)),  # the most, but already runs a replica (not a candidate)
+        store("n-5", (ours, 50)),
+    ]
+    assert warm_nodes(stores, {ours}, {"n-10", "n-2", "n-3", "n-5", "n-6"}) == ("n-2", "n-10", "n-5")
+    assert warm_nodes(stores, set(), {"n-2"}) == ()

@@ -1,5 +1,7 @@
 from dataclasses import replace
 
+import msgspec
+
 from actors.telemetry.resources import (
     GpuReading,
     HostReading,
@@ -10,7 +12,7 @@ from actors.telemetry.resources import (
     usable_moved,
 )
 from messages.settings import ServingSettings
-from messages.telemetry import LlamaServerInfo
+from messages.telemetry import LlamaServerInfo, ModelFiles
 
 ENGINE = LlamaServerInfo(path="llama-server", version="1 (abc)", build_info="test")
 FACTS = NodeFacts(
@@ -58,6 +60,11 @@ def test_material_changes_are_named_and_memory_wobble_is_not_one() -> None:
     assert material_change(first, resettled) == "serving settings changed"
     no_gpu = build_report(FACTS, seq=4, now=104.0, host=HOST, nvml=NvmlReading(driver="570"))
     assert material_change(first, no_gpu) == "devices changed"
+    pulled = msgspec.structs.replace(wobble, model_files=ModelFiles(held=(("m.gguf", 9),)))
+    assert material_change(first, pulled) == "model files changed"
+    faster = msgspec.structs.replace(pulled, model_files=ModelFiles(held=(("m.gguf", 9),), pull_bytes_per_s=5.0))
+    assert material_change(pulled, faster) is None  # a rate is no reason to journal the node
+    assert material_change(first, msgspec.structs.replace(wobble, model_files=ModelFiles())) is None
 
 
 def test_large_usable_moves_are_reported_early() -> None:
