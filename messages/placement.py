@@ -164,6 +164,8 @@ class NodePlacement(msgspec.Struct, frozen=True, kw_only=True):
     # Bytes of the model's file this node fetches from a peer before it starts (0: it holds the file; None:
     # unknown, no node reports holding it). Part of its time to ready: placement prefers a node with 0.
     fetch_bytes: NonNegative | None = None
+    # The fetch's expected seconds at this node's last measured pull rate (None: no fetch, or no pull measured).
+    fetch_s: float | None = None
 
 
 class PlacementDecision(msgspec.Struct, frozen=True, kw_only=True):

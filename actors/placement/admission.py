@@ -532,6 +532,8 @@ def conclude(
     chosen = best_of(fits, request, model.path)
     node = chosen.entry.resources
     fetch = fetch_bytes(node, model.path, view)
+    rate = node.model_files.pull_bytes_per_s if node.model_files is not None else None
+    fetch_s = round(fetch / rate, 3) if fetch and rate else None
     stamp = Stamp(
         settings=chosen.settings,
         ctx=chosen.ctx,
@@ -543,7 +545,7 @@ def conclude(
     )
     placement = NodePlacement(
         node_id=node.node_id, layers=chosen.layers, breakdown=chosen.breakdown,
-        telemetry_revision=chosen.entry.revision, fetch_bytes=fetch,
+        telemetry_revision=chosen.entry.revision, fetch_bytes=fetch, fetch_s=fetch_s,
     )  # fmt: skip
     reservations: tuple[Reservation, ...] = ()
     if not dry_run:
@@ -562,7 +564,8 @@ def conclude(
         placements=(placement,),
         reservation_id=None if dry_run else reservation_id,
         message=f"on {node.node_id} blocks {chosen.layers[0]}-{chosen.layers[1] - 1}"
-        + (f" (it fetches the model file, {_mib(fetch)}, from a peer first)" if fetch else ""),
+        + (f" (it fetches the model file, {_mib(fetch)}, from a peer first" if fetch else "")
+        + (f": about {fetch_s:g}s at its last pull's rate)" if fetch_s else ")" if fetch else ""),
         rejections=tuple(r for r in rejections if r.node_id != node.node_id),
     )
     return Outcome(decision, reservations)

@@ -38,7 +38,13 @@ def test_a_node_without_the_file_fetches_what_a_holder_reports_and_the_decision_
     decision = run(request(), model, nodes).decision  # the holder has no room: the other fetches the file
     (placement,) = decision.placements
     assert placement.node_id == "empty" and placement.fetch_bytes == 700 * MIB
-    assert "fetches the model file, 700.0 MiB, from a peer first" in decision.message
+    assert decision.message.endswith("(it fetches the model file, 700.0 MiB, from a peer first)")
+    assert placement.fetch_s is None  # it never pulled: no rate to count the time by
+    measured = msgspec.structs.replace(node("empty", 6 * GIB), model_files=ModelFiles(pull_bytes_per_s=100 * MIB))
+    nodes = view(holding(node("holder", 1), ("org/llama.gguf", 700 * MIB)), measured)
+    decision = run(request(), model, nodes).decision
+    assert decision.placements[0].fetch_s == 7.0
+    assert decision.message.endswith("from a peer first: about 7s at its last pull's rate)")
 
 
 def test_another_file_held_is_no_reason_and_nobody_holding_it_leaves_the_fetch_unknown(model: ModelFacts) -> None:
