@@ -30,6 +30,7 @@ from typing import Any
 
 from actors.files.actor import FilesActor, FilesLimits
 from benchmarks.environment import print_environment
+from benchmarks.handoff_throughput import publish_ceiling
 from benchmarks.transfer import quiet_logs, rate, result_line, running, tcp_copy, transfer_arguments, write_random
 from messages.files import PullReply, PullRequest
 from messages.subjects import Subjects
@@ -166,6 +167,7 @@ async def main_async(args: argparse.Namespace) -> None:
                     pull_s.append(await _pull_round(bus, root, n, limits))
             finally:
                 await holder.stop()
+            ceiling = await publish_ceiling(options, source, size)
         finally:
             await bus.close()
             await server.stop()
@@ -177,7 +179,10 @@ async def main_async(args: argparse.Namespace) -> None:
     print("results (medians)")
     print(result_line("loopback TCP copy + fsync", size, tcp))
     print(result_line("pull over NATS (verified, durable)", size, pull))
+    print(result_line("NATS client publish ceiling", size, ceiling) + "  (no subscriber, no pull)")
     print(f"  ratio pull / TCP (throughput)        {tcp / pull:7.2f}x  (target >= 0.7x)")
+    # Every byte of a pull is published once by the holder's client: the pull cannot beat that ceiling.
+    print(f"  ratio ceiling / TCP (best possible)  {tcp / ceiling:7.2f}x")
 
 
 def main() -> None:

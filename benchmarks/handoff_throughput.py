@@ -155,7 +155,7 @@ async def _blast(options: Any, source: Path, size: int, dest: Path) -> tuple[flo
     return elapsed, sent, received, slow
 
 
-async def _publish_ceiling(options: Any, source: Path, size: int) -> float:
+async def publish_ceiling(options: Any, source: Path, size: int) -> float:
     """Seconds to publish the file in chunks to a subject with no subscriber (the client's ceiling)."""
     kwargs: dict[str, Any] = {}
     if options.user:
@@ -315,7 +315,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 finally:
                     await sender.stop()
             blast_s, sent, received, slow = await _blast(options, source, size, root / "blast.bin")
-            ceiling = await _publish_ceiling(options, source, size)
+            ceiling = await publish_ceiling(options, source, size)
         finally:
             await bus_b.close()
             await server.stop()
