@@ -150,10 +150,11 @@ class FrontDoorActor(ModelsOnDemand, Actor):
             await keys_ready.wait()
         # keepalive_timeout also bounds a new connection that never completes its request's head
         runner = web.AppRunner(
-            self._app(), handler_cancellation=True, access_log=None, keepalive_timeout=KEEPALIVE_TIMEOUT_S
-        )
+            self._app(), handler_cancellation=True, access_log=None, keepalive_timeout=KEEPALIVE_TIMEOUT_S,
+            shutdown_timeout=5.0,
+        )  # fmt: skip
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port, shutdown_timeout=5.0)
+        site = web.TCPSite(runner, self.host, self.port)
         await site.start()
         server = getattr(site, "_server", None)
         sockets = getattr(server, "sockets", None) or []

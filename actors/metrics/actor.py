@@ -207,10 +207,12 @@ class MetricsActor(Actor):
     async def _listen(self, ctx: ActorContext, host: str, port: int) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._handle)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+        runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, keepalive_timeout=KEEPALIVE_TIMEOUT_S, shutdown_timeout=5.0
+        )
         await runner.setup()
         try:
-            site = web.TCPSite(runner, host, port, shutdown_timeout=5.0)
+            site = web.TCPSite(runner, host, port)
             await site.start()
         except BaseException:
             await runner.cleanup()
