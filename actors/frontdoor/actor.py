@@ -171,6 +171,7 @@ class FrontDoorActor(ModelsOnDemand, Actor):
         )
         if self._scaler.active:
             await ctx.subscribe(ctx.subjects.serving_all, ServingReport, self._scaler.on_report)
+            ctx.spawn(self._scaler.watch_doors(self._reports), "replica-leader")
             ctx.spawn(self._scaler.run(), "replicas")
 
     async def _serve_until_stopped(self, runner: web.AppRunner) -> None:

@@ -16,7 +16,8 @@ nodes were preferred). A replica
 that cannot be placed (no room) is not tried again for `RETRY_AFTER_S`. Retiring stops the chosen instance
 (never one generating: `scaling` chose an idle one). One action per model at a time.
 
-One front door scales: the live one with the lowest node id (from the front doors' records), so two front doors
+One front door scales: the live one with the lowest node id (from the front doors' records in `MESH_FRONTDOORS`,
+watched: a record appears with its door and expires 30 s after the door stopped writing it), so two front doors
 do not both add. While front doors come and go, two may both believe they lead for a moment (until the
 records expire): at worst one replica too many, retired later when idle.
 """
@@ -32,11 +33,12 @@ from typing import Any, Final
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
 
 from actors.frontdoor.catalog import CatalogModel
 from actors.frontdoor.scaling import FORGET, decide, warm_nodes
 from messages.events import ReplicaAdded, ScalingDecided
-from messages.frontdoor import FrontDoorReport, ModelScale, Replica, ScaleMemory
+from messages.frontdoor import ModelScale, Replica, ScaleMemory
 from messages.generate import InstanceLoad, ServingReport
 from messages.l3 import L3Inventory, WarmReply, WarmRequest
 from messages.runner import InstanceStatus
@@ -81,6 +83,8 @@ class ReplicaScaler:
         self._memory: dict[str, ScaleMemory] = {}
         self._acting: dict[str, asyncio.Task[None]] = {}  # model -> its addition or retirement in flight
         self._resting_until: dict[str, float] = {}  # model -> no addition before (its last one failed)
+        self._doors: set[str] = set()  # the live front doors' node ids (their records)
+        self._doors_known = asyncio.Event()  # the records were read once: leadership can be judged
 
     @property
     def active(self) -> bool:
@@ -100,22 +104,24 @@ class ReplicaScaler:
         try:
             while True:
                 await asyncio.sleep(SCALE_INTERVAL_S)
-                if await self._leading():
+                if self.leading():
                     self.tick()
         finally:
             for task in self._acting.values():
                 task.cancel()
 
-    async def _leading(self) -> bool:
-        """Whether this front door is the live one with the lowest node id."""
-        ctx = self._ctx
-        try:
-            doors, _ = await buckets.read_all(ctx.bus, ctx.subjects.frontdoors_bucket, FrontDoorReport)
-        except Exception as exc:  # the bus is away: nobody scales from here until it is back
-            ctx.log.warning("scaler_view_unavailable", error=repr(exc))
-            return False
-        live = {report.node_id for _, report in doors} | {ctx.node_id}
-        return min(live) == ctx.node_id
+    async def watch_doors(self, doors: KeyValue) -> None:
+        """The live front doors, as their records (keyed by node id) are written and expire."""
+        async for entry in buckets.watch(doors, self._doors_known):
+            if buckets.removed(entry):
+                self._doors.discard(entry.key)
+            else:
+                self._doors.add(entry.key)
+
+    def leading(self) -> bool:
+        """Whether this front door is the live one with the lowest node id (never before the records are read)."""
+        node = self._ctx.node_id
+        return self._doors_known.is_set() and min(self._doors | {node}) == node
 
     def tick(self) -> None:
         """One decision per model with nothing in flight."""
