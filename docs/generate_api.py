@@ -553,6 +553,9 @@ def render() -> str:
             f"`api` request: a {_link('RelayHead')}, then the server's body as raw data, headers `{RELAY_HEADER}` "
             f"and `{RELAY_SEQ_HEADER}`), and {_link('StreamPing')} requests (header `{STREAM_PING_HEADER}`) the "
             "client must answer | the router (every node; one answers) |",
+            f"| `{S.router_generate(node)}` | req/reply | the same as `{S.generate}`, to that node's router alone "
+            "(only that node may ask: its front door, so a frozen peer's router never holds its requests) | the "
+            "router of that node |",
             f"| `{S.runner(node, 'generate')}` | req/reply | {_link('RunnerGenerate')} → {_link('GenerateResult')} "
             "| the runner of that node (sent by routers) |",
             f"| `{S.runner(node, 'prefill')}` | req/reply | {_link('Prefill')} → {_link('PrefillResult')}: the "

@@ -105,6 +105,10 @@ class Subjects:
     def generate(self) -> str:
         return f"{self.prefix}.generate"
 
+    def router_generate(self, node: str) -> str:
+        """One node's router alone (its front door asks it: a frozen peer's router never holds its requests)."""
+        return f"{self.prefix}.router.{node}.generate"
+
     def serving(self, node: str) -> str:
         return f"{self.prefix}.serving.{node}"
 

@@ -113,8 +113,10 @@ async def forward(
     on_data: Callable[[bytes], Awaitable[None]],
     *,
     max_pending: int = 4096,
+    router: str | None = None,
 ) -> GenerateResult:
-    """A pass-through request (`request.api`): its answer relayed to `on_head`, then `on_data` in order."""
+    """A pass-through request (`request.api`): its answer relayed to `on_head`, then `on_data` in order. To
+    `router` (a subject) when given, else to any node's router (`mesh.generate`, the queue group)."""
     subject = bus.nc.new_inbox()
     pieces: asyncio.Queue[tuple[int, bytes | RelayHead] | None] = asyncio.Queue()  # None: the reply came
 
@@ -159,7 +161,7 @@ async def forward(
         relayed = msgspec.structs.replace(request, stream=subject)
         try:
             result = await bus.request(
-                subjects.generate, relayed, GenerateResult, timeout=request.timeout_s + REPLY_SLACK_S
+                router or subjects.generate, relayed, GenerateResult, timeout=request.timeout_s + REPLY_SLACK_S
             )
         except BaseException:
             delivering.cancel()

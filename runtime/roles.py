@@ -254,6 +254,7 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
         f"$KV.{subjects.frontdoors_bucket}.{node}",
         f"$KV.{subjects.instances_bucket}.{subjects.instance_key(node, '>')}",
         f"{p}.runner.{node}.>",
+        f"{p}.router.{node}.>",  # its front door asks its own router
         f"{p}.l3.{node}.>",
         f"{p}.handoff.{node}.>",
         subjects.files(node, "pull"),  # its runner fetches a file a start needs (its own files actor writes it)
@@ -292,6 +293,7 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
     ]
     serve = [
         f"{p}.runner.{node}.>",
+        f"{p}.router.{node}.>",
         f"{p}.l3.{node}.>",
         f"{p}.files.{node}.>",
         f"{p}.handoff.{node}.>",

@@ -71,7 +71,7 @@ from messages.tenants import TenantKey
 from runtime import buckets, tracing
 from runtime.actor import Actor, ActorContext
 from runtime.buckets import TTL_HEADER
-from runtime.bus import BadMessage, BusError, RemoteError, once_listening
+from runtime.bus import BadMessage, BusError, NoResponders, RemoteError, once_listening
 from runtime.generate_client import StreamGap, forward
 
 __all__ = ["TENANT_KEY", "FrontDoorActor"]
@@ -392,14 +392,21 @@ class FrontDoorActor(ModelsOnDemand, Actor):
             self._instance_used[instance.id] = model.last_used
 
     async def _forward(self, order: GenerateRequest, relay: Relay, deadline: float) -> GenerateResult:
-        """`order` through the mesh's router, asked again while none listens (nothing was sent, nothing relayed)."""
+        """`order` through this node's own router (a request the queue group handed to a frozen peer's router
+        would wait there until its deadline), any node's while it is away (restarting), asked again while none
+        listens (nothing was sent, nothing relayed)."""
         loop = asyncio.get_running_loop()
         bus, subjects = self._ctx.bus, self._ctx.subjects
-        return await once_listening(
-            lambda: forward(bus, subjects, msgspec.structs.replace(order, timeout_s=max(1.0, deadline - loop.time())),
-                            relay.head, relay.data),
-            deadline,
-        )  # fmt: skip
+        own = subjects.router_generate(self._ctx.node_id)
+
+        async def once() -> GenerateResult:
+            timed = msgspec.structs.replace(order, timeout_s=max(1.0, deadline - loop.time()))
+            try:
+                return await forward(bus, subjects, timed, relay.head, relay.data, router=own)
+            except NoResponders:
+                return await forward(bus, subjects, timed, relay.head, relay.data)
+
+        return await once_listening(once, deadline)
 
     def report(self, node_id: str) -> FrontDoorReport:
         models = []

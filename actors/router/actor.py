@@ -125,6 +125,15 @@ class RouterActor(Actor):
             inbox=MAX_CONCURRENT * 4,
             deadline_s=3600.0 + 2 * FORWARD_SLACK_S,  # each request keeps its own `timeout_s`
         )
+        await ctx.add_endpoint(  # this node's front door asks its own router (only this node may)
+            "generate-own",
+            ctx.subjects.router_generate(ctx.node_id),
+            GenerateRequest,
+            generate,
+            workers=MAX_CONCURRENT,
+            inbox=MAX_CONCURRENT * 4,
+            deadline_s=3600.0 + 2 * FORWARD_SLACK_S,
+        )
 
     # --- views -------------------------------------------------------------------------------------------
 

@@ -53,12 +53,13 @@ SUBJECTS = Subjects()
 
 
 class Router:
-    """Answers every pass-through on `mesh.generate` like a runner would: the relayed body (with `usage`: prompt
-    tokens as many as the prompt's words, completion tokens as `max_tokens` asks), then the result with the same
-    counts. With `hold`, each request waits for `gate` before it is answered."""
+    """Answers every pass-through on `mesh.generate` (or `subject`) like a runner would: the relayed body (with
+    `usage`: prompt tokens as many as the prompt's words, completion tokens as `max_tokens` asks), then the result
+    with the same counts. With `hold`, each request waits for `gate` before it is answered."""
 
-    def __init__(self, bus: Bus, *, hold: bool = False) -> None:
+    def __init__(self, bus: Bus, *, hold: bool = False, subject: str = SUBJECTS.generate) -> None:
         self._bus = bus
+        self._subject = subject
         self.gate = asyncio.Event()
         if not hold:
             self.gate.set()
@@ -67,7 +68,7 @@ class Router:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> Router:
-        self._sub = await self._bus.nc.subscribe(SUBJECTS.generate, cb=self._on_request)
+        self._sub = await self._bus.nc.subscribe(self._subject, cb=self._on_request)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

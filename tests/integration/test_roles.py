@@ -167,6 +167,7 @@ async def test_a_node_cannot_publish_another_nodes_telemetry_events_or_keys(serv
             f"$KV.{S.l3_bucket}.n1",
             f"$KV.{S.registry_bucket}.model",
             S.handoff("n1", "probe"),  # a link probe is an operator's request
+            S.router_generate("n1"),  # a node's own router serves only its own front door
         ):
             await n2.nc.publish(subject, b"{}")
             await n2.refused(subject)

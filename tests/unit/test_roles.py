@@ -56,6 +56,7 @@ def test_client_requests_placement_and_generate_and_reads_but_writes_nothing() -
         f"$KV.{S.reservations_bucket}.node.n1",
         f"$KV.{S.registry_bucket}.model",
         S.runner("n1", "start"),
+        S.router_generate("n1"),  # a node's own router: its front door's, never a client's
         S.event("runner", "instance_stopped", "n1"),
         "$JS.API.STREAM.DELETE.LAB_A_EVENTS",
         "$JS.API.STREAM.PURGE.LAB_A_EVENTS",
