@@ -326,6 +326,7 @@ class GenerateCompleted(Event, frozen=True, kw_only=True, tag="generate_complete
     prefill_node: str | None = None
     handoff_bytes: int = 0
     handoff_ms: float = 0.0
+    prefill_fallback: str = ""  # why the prefill planned on `GenerateRequest.prefill_node` was computed here
     tenant: str = ""  # who asked (`GenerateRequest.tenant`)
     queued_ms: float = 0.0  # how long it waited for a slot (`generate_queued` says why)
 

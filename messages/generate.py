@@ -227,6 +227,9 @@ class GenerateResult(msgspec.Struct, frozen=True, kw_only=True):
     # its slot save, the transfer, this node's store commit, the restore into the decoding slot, and the last
     # prompt token's own decode step here (a local prefill batches it)
     handoff_ms: float = 0.0
+    # why the prefill planned on `prefill_node` was not used ("" when it was, or none was planned): the prompt
+    # was computed here instead (the handoff is there to save time; its failure costs the time, not the answer)
+    prefill_fallback: str = ""
     decision_id: str = ""
     capture: str = ""  # what happens to the state: "queued", or why not ("off", "short", "no_l3", …)
     status: int = 200  # a pass-through's HTTP status from the server

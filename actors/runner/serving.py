@@ -475,9 +475,15 @@ class Serving:
         request = order.request
         slot = grant.slot
         remote: PrefillResult | None = None
+        fallback = ""
         asked = time.perf_counter()
         if request.prefill_node not in (None, self.node_id) and grant.resident < len(tokens) - 1:
-            remote = await self._remote_prefill(instance, order, tokens[:-1])  # lands in this node's L3
+            try:
+                remote = await self._remote_prefill(instance, order, tokens[:-1])  # lands in this node's L3
+            except RequestError as exc:  # the handoff was to save time: the prompt is computed here instead
+                fallback = f"prefill on {request.prefill_node} failed ({exc.reply.code}): computed here"
+                _log.warning("prefill_fallback", request_id=order.request_id, node=request.prefill_node,
+                             code=exc.reply.code, error=str(exc))  # fmt: skip
         source, evaluated = await captures.before_answer(self, instance, slot, plan, tokens, order.request_id)
         restored = plan.restored_tokens
         evaluated += remote.tokens_evaluated if remote is not None else 0
@@ -593,6 +599,7 @@ class Serving:
             prefill_node=remote.node if remote is not None else None,
             handoff_bytes=remote.bytes if remote is not None else 0,
             handoff_ms=round(handoff_ms, 3),
+            prefill_fallback=fallback,
             decision_id=order.route.decision_id if order.route else "",
             capture=plan.capture_note,
         )
@@ -770,7 +777,7 @@ def completed(result: GenerateResult, endpoint: str) -> dict[str, Any]:
         "tokens_restored": result.tokens_restored, "tokens_evaluated": result.tokens_evaluated,
         "tokens_generated": result.tokens_generated, "ttft_ms": result.ttft_ms, "total_ms": result.total_ms,
         "path": result.path, "prefill_node": result.prefill_node, "handoff_bytes": result.handoff_bytes,
-        "handoff_ms": result.handoff_ms,
+        "handoff_ms": result.handoff_ms, "prefill_fallback": result.prefill_fallback,
     }  # fmt: skip
 
 

@@ -387,6 +387,11 @@ async def test_prefill_on_one_node_and_decode_on_another_gives_the_local_output(
                 )
                 assert code == 0, err + out
                 await wait_ready(first, json.loads(out)["instance"]["instance_id"])
+                if node_id == "node-a":  # nothing on node-b yet: the prefill planned there fails, it is done here
+                    alone = await gen(first, model.name, [7 + i % 50 for i in range(60)], 4, "--no-capture",
+                                      "--prefill-node", "node-b")  # fmt: skip
+                    assert (alone["path"], alone["node"], alone["tokens_evaluated"]) == ("local", "node-a", 60)
+                    assert alone["prefill_fallback"].startswith("prefill on node-b failed (not_found)"), alone
             other = [3 + (i * 11) % 240 for i in range(300)]
             split = await gen(first, model.name, other, 32, "--no-capture", "--prefill-node", "node-b")
             assert split["path"] == "disaggregated" and split["prefill_node"] == "node-b", split
