@@ -3,8 +3,9 @@
 * `mesh.files.<node>.held`: whether this node holds the file of a relative name, and its size and blake3
   (hashed once per file version, `FileDigests`). Only names this node's catalog (`models.toml`, its front
   door's or any front door's report in `MESH_FRONTDOORS`) or a trusted registry entry gives are answered;
-  anything else is `not_found`, whether it exists or not. Those names (and their resolved files) are read
-  again at most every `names_ttl_s`, so a chunk costs no catalog or bucket read.
+  anything else is `not_found`, whether it exists or not. The front doors' reports and the registry are
+  watched (their names are known as they change, no bucket read per request); the names (and their resolved
+  files) are worked out again at most every `names_ttl_s`, so a chunk costs no catalog read.
 * `mesh.files.<node>.facts`: the same, with the header's facts (`ModelGeometry`): what placement on a node
   without the file admits it by.
 * `mesh.files.<node>.chunk`: one chunk of such a file, asked by name and whole-file digest (a file that now
@@ -46,8 +47,8 @@ from typing import Any, Final, TypeVar
 import blake3
 import msgspec
 import nats.errors
-import nats.js.errors
 from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
 
 from actors.files import part as parts
 from actors.files import transfer
@@ -150,11 +151,22 @@ class FilesActor(Actor):
         #: The named files this node holds and its last pull's rate: what its telemetry reports (`ModelFiles`).
         self.holdings = ModelFiles()
         self._look_again = asyncio.Event()  # a pull landed a file: `holdings` is looked at now
+        self._door_files: dict[str, dict[str, str]] = {}  # front door node -> its catalog: model -> file name
+        self._signed: dict[str, RegistryEntry] = {}  # registry key -> its entry, signed by a key trusted here
 
     async def run(self, ctx: ActorContext) -> None:
         self._ctx = ctx
         self._pool = ThreadPoolExecutor(max_workers=self.limits.threads, thread_name_prefix="files")
         s, node, lim = ctx.subjects, self.node_id, self.limits
+        doors_known, registry_known = asyncio.Event(), asyncio.Event()
+        ctx.spawn(self._watch_doors(ctx, await buckets.frontdoors(ctx.bus, s), doors_known), "watch-doors")
+        if self.trusted:
+            ctx.spawn(self._watch_registry(ctx, await buckets.registry(ctx.bus, s), registry_known), "watch-registry")
+        else:
+            registry_known.set()  # no key trusted: no entry is signed for this node
+        async with asyncio.timeout(10):  # a name is never refused for not having been read yet
+            await doors_known.wait()
+            await registry_known.wait()
         await ctx.add_endpoint("held", s.files(node, "held"), HeldRequest, self._on_held, workers=2)
         await ctx.add_endpoint("facts", s.files(node, "facts"), HeldRequest, self._on_facts, workers=2)
         await ctx.add_endpoint("chunk", s.files(node, "chunk"), ChunkRequest, self._on_chunk, workers=lim.chunk_workers)
@@ -183,15 +195,11 @@ class FilesActor(Actor):
     async def _holdings_loop(self, ctx: ActorContext) -> None:
         """`holdings` kept current: every `holdings_every_s`, and at once after a pull landed a file."""
         while True:
-            try:
-                names = sorted(await self._servable_names(ctx))[:MAX_MODEL_FILES]
-            except (BusError, nats.errors.Error, TimeoutError) as exc:  # NATS away: the last holdings stand
-                ctx.log.info("model_files_names_unread", error=str(exc) or type(exc).__name__)
-            else:
-                held = await self._blocking(self._held_sizes, names)
-                if held != self.holdings.held:
-                    ctx.log.info("model_files_held", files=len(held))
-                self.holdings = msgspec.structs.replace(self.holdings, held=held)
+            names = sorted(await self._servable_names(ctx))[:MAX_MODEL_FILES]
+            held = await self._blocking(self._held_sizes, names)
+            if held != self.holdings.held:
+                ctx.log.info("model_files_held", files=len(held))
+            self.holdings = msgspec.structs.replace(self.holdings, held=held)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.limits.holdings_every_s):
                     await self._look_again.wait()
@@ -208,6 +216,33 @@ class FilesActor(Actor):
             if stat.S_ISREG(info.st_mode):
                 held.append((name, info.st_size))
         return tuple(held)
+
+    async def _watch_doors(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
+        """Each front door's catalog (model -> file name) as its report is written and expires."""
+        async for entry in buckets.watch(kv, ready):
+            self._door_files.pop(entry.key, None)
+            if not buckets.removed(entry):
+                try:
+                    report = decode_checked(entry.value or b"", FrontDoorReport, f"front door report {entry.key}")
+                except BadMessage as exc:
+                    ctx.log.warning("files_bad_front_door_report", key=entry.key, error=str(exc))
+                else:
+                    self._door_files[entry.key] = {m.name: m.path for m in report.models}
+            self._names = None
+
+    async def _watch_registry(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
+        """The registry's entries signed by a key this node trusts, as they are written and removed."""
+        async for entry in buckets.watch(kv, ready):
+            self._signed.pop(entry.key, None)
+            if not buckets.removed(entry):
+                try:
+                    signed = decode_checked(entry.value or b"", RegistryEntry, f"registry entry {entry.key}")
+                    verify(signed, self.trusted, stored_as=entry.key)
+                except (BadMessage, RegistryUntrusted):
+                    pass  # not one this node serves
+                else:
+                    self._signed[entry.key] = signed
+            self._names = None
 
     async def _catalog_files(self, ctx: ActorContext) -> dict[str, str]:
         """Model name -> relative file name of every catalog model and companion this node knows: its own
@@ -228,43 +263,20 @@ class FilesActor(Actor):
                 for role, companion in (("draft", model.draft), ("mmproj", model.mmproj)):
                     if companion is not None:
                         named.setdefault(f"{name}:{role}", companion)
-        reports, _ = await buckets.read_all(ctx.bus, ctx.subjects.frontdoors_bucket, FrontDoorReport)
-        for _, report in reports:
-            for m in report.models:
-                named.setdefault(m.name, m.path)
+        for door in sorted(self._door_files):
+            for name, path in self._door_files[door].items():
+                named.setdefault(name, path)
         return named
 
-    async def _registry_entry(self, ctx: ActorContext, name: str) -> RegistryEntry | None:
-        """The signed registry entry `name`, when this node trusts its signer (None: none, or untrusted)."""
-        if not self.trusted:
-            return None
-        try:
-            kv = await buckets.registry(ctx.bus, ctx.subjects)
-            raw = await kv.get(name)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyValueError, nats.errors.Error, ValueError):
-            return None
-        if not raw.value:
-            return None
-        try:
-            entry = decode_checked(raw.value, RegistryEntry, f"registry entry {name!r}")
-            verify(entry, self.trusted, stored_as=name)
-        except (BadMessage, RegistryUntrusted) as exc:
-            ctx.log.warning("files_registry_untrusted", name=name, error=str(exc))
-            return None
-        return entry
+    def _registry_entry(self, name: str) -> RegistryEntry | None:
+        """The registry entry `name`, when a key this node trusts signed it (None: none, or untrusted)."""
+        return self._signed.get(name)
 
-    async def _signed_files(self, ctx: ActorContext) -> dict[str, RegistryEntry]:
+    def _signed_files(self) -> dict[str, RegistryEntry]:
         """File name -> the registry entry naming it, for every entry signed by a key this node trusts."""
-        if not self.trusted:
-            return {}
-        entries, _ = await buckets.read_all(ctx.bus, ctx.subjects.registry_bucket, RegistryEntry)
         signed: dict[str, RegistryEntry] = {}
-        for key, entry in entries:
-            try:
-                verify(entry, self.trusted, stored_as=key)
-            except RegistryUntrusted:
-                continue
-            signed.setdefault(entry.file_name, entry)
+        for key in sorted(self._signed):
+            signed.setdefault(self._signed[key].file_name, self._signed[key])
         return signed
 
     def _relative(self, path: str) -> str:
@@ -298,7 +310,7 @@ class FilesActor(Actor):
         for n in named - names:  # an absolute name inside the models dir serves its relative name
             with contextlib.suppress(_Refused):
                 names.add(self._relative(n))
-        names |= set(await self._signed_files(ctx))
+        names |= set(self._signed_files())
         self._names = (now, names)
         self._resolved = {}
         return names
@@ -401,7 +413,7 @@ class FilesActor(Actor):
         digest, size = request.blake3, None
         if request.path is not None:
             relative = self._relative(request.path)
-            signed = await self._signed_files(ctx)
+            signed = self._signed_files()
             if relative in signed:
                 signed_entry = signed[relative]
                 if digest not in (None, signed_entry.blake3):
@@ -415,7 +427,7 @@ class FilesActor(Actor):
                 )
         elif request.name in named:
             relative = self._relative(named[request.name])
-        elif (entry := await self._registry_entry(ctx, request.name or "")) is not None:
+        elif (entry := self._registry_entry(request.name or "")) is not None:
             relative, digest, size = self._relative(entry.file_name), entry.blake3, entry.size_bytes
         else:
             raise _Refused(Refusal(Reason.NOT_NAMED, f"no catalog model or trusted registry entry {request.name!r}"))

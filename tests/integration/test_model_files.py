@@ -456,3 +456,48 @@ def test_status_asks_no_node_with_a_clients_credentials(tmp_path: Path) -> None:
     for user, asks in (("client-0123abcd", False), ("admin", True), ("node-a", True)):
         flags = ["--nats", "nats://127.0.0.1:4222", "--nats-user", user, "--nats-password-file", str(secret)]
         assert asks_nodes(parser.parse_args(["status", *flags])) is asks, user
+
+
+async def test_names_a_front_door_or_the_registry_gives_later_are_served_and_go_with_their_record(
+    bus: Bus, tmp_path: Path, model: Path
+) -> None:
+    """The front doors' reports and the registry are watched: a name published after the node started is served
+    within the names' cache time, and one whose record goes is `not_found` again."""
+    from messages.frontdoor import FrontDoorModel, FrontDoorReport
+
+    seed = (tmp_path / "registry.nk", _seed())
+    seed[0].write_bytes(seed[1])
+    async with nodes(bus, tmp_path, model, trusted=(public_key_of(seed[1]),)) as (models_a, _):
+        os.link(model, models_a / "late.gguf")
+        os.link(model, models_a / "signed-late.gguf")
+
+        async def served(name: str) -> bool:
+            try:
+                await bus.request(S.files("a", "held"), HeldRequest(path=name), FileHeld, timeout=5)
+            except RemoteError as exc:
+                assert exc.reply.code == "not_found", exc
+                return False
+            return True
+
+        async def until(name: str, want: bool) -> None:
+            async with asyncio.timeout(10):
+                while await served(name) != want:
+                    await asyncio.sleep(0.1)
+
+        assert not await served("late.gguf") and not await served("signed-late.gguf")
+        late = FrontDoorModel(name="late", path="late.gguf", state="stopped", instances=(), held_bytes=0, queued=0,
+                              active=0, pinned=False, priority=0, idle_ttl_s=None)  # fmt: skip
+        door = FrontDoorReport(node_id="z", address="http://127.0.0.1:1", auth=False, models=(late,), sent_at=0.0)
+        doors = await buckets.frontdoors(bus, S)
+        await doors.put("z", encode(door))
+        await until("late.gguf", True)
+        signed_file = tmp_path / "signed-late.gguf"
+        os.link(model, signed_file)
+        entry = _build_entry(signed_file, "signed-late", seed[0])
+        registry = await buckets.registry(bus, S)
+        await registry.put("signed-late", encode(entry))
+        await until("signed-late.gguf", True)
+        await doors.delete("z")
+        await registry.delete("signed-late")
+        await until("late.gguf", False)
+        await until("signed-late.gguf", False)
