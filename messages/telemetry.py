@@ -64,19 +64,29 @@ class SplitServing(msgspec.Struct, frozen=True, kw_only=True):
 MAX_MODEL_FILES = 256
 
 
+#: A held file's blake3 when the node has hashed that version (its runner verified it, a peer asked), else "".
+HeldDigest = Annotated[str, msgspec.Meta(pattern=r"^([0-9a-f]{64})?$")]
+
+
 class ModelFiles(msgspec.Struct, frozen=True, kw_only=True):
     """The model files this node holds (its files actor's): each catalog or registry name found in its models
-    dir, with its size; and how fast its last pull from a peer was. Placement prefers a node that holds a
-    model's file (nothing to fetch before it starts) and says how many bytes another would fetch first."""
+    dir, with its size and its blake3 when known; and how fast its last pull from a peer was. Placement prefers
+    a node that holds a model's file (nothing to fetch before it starts; a known digest must be the model's)
+    and says how many bytes another would fetch first."""
 
     held: Annotated[
-        tuple[tuple[Annotated[str, msgspec.Meta(max_length=4096)], Bytes], ...],
+        tuple[tuple[Annotated[str, msgspec.Meta(max_length=4096)], Bytes, HeldDigest], ...],
         msgspec.Meta(max_length=MAX_MODEL_FILES),
-    ] = ()  # (relative name, size), sorted by name
+    ] = ()  # (relative name, size, blake3 or ""), sorted by name
     pull_bytes_per_s: Annotated[float, msgspec.Meta(gt=0)] | None = None  # the last pull's, None: none yet
 
-    def size_of(self, path: str) -> int | None:
-        return next((size for name, size in self.held if name == path), None)
+    def version_of(self, path: str, digest: str | None) -> int | None:
+        """The size of the file `path` held here, if it is that version (`digest`; None or "" on either side:
+        not known, taken as the same); None when it is not held, or held in another version."""
+        for name, size, held in self.held:
+            if name == path and (not digest or not held or held == digest):
+                return size
+        return None
 
 
 class NodeResources(msgspec.Struct, frozen=True, kw_only=True):

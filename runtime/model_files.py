@@ -124,6 +124,19 @@ class FileDigests:
         self._max = max_entries
         self._lock = threading.Lock()
 
+    def remember(self, path: Path, digest: str) -> None:
+        """`digest` is the blake3 of the file now at `path` (its whole content was just verified against it)."""
+        key = file_key(path)
+        with self._lock:
+            self._digests[key] = digest
+            while len(self._digests) > self._max:
+                del self._digests[next(iter(self._digests))]
+
+    def known(self, key: FileKey) -> str | None:
+        """The digest of that version if it was hashed already (nothing is read)."""
+        with self._lock:
+            return self._digests.get(key)
+
     def digest(self, path: Path) -> str:
         fd, key = open_regular(path)
         try:

@@ -78,7 +78,7 @@ from runtime import buckets
 from runtime.actor import Actor, ActorContext, RawReply, RequestError
 from runtime.bus import BadMessage, BusError, decode_checked, encode, parse_reply
 from runtime.durable import make_dir
-from runtime.model_files import FileDigests, ModelFileError, open_regular, resolve
+from runtime.model_files import FileDigests, FileKey, ModelFileError, open_regular, resolve
 
 __all__ = ["FilesActor", "FilesLimits"]
 
@@ -158,6 +158,7 @@ class FilesActor(Actor):
         self._ctx = ctx
         self._pool = ThreadPoolExecutor(max_workers=self.limits.threads, thread_name_prefix="files")
         s, node, lim = ctx.subjects, self.node_id, self.limits
+        self._door_files, self._signed, self._names = {}, {}, None  # a new incarnation reads them afresh
         doors_known, registry_known = asyncio.Event(), asyncio.Event()
         ctx.spawn(self._watch_doors(ctx, await buckets.frontdoors(ctx.bus, s), doors_known), "watch-doors")
         if self.trusted:
@@ -195,8 +196,8 @@ class FilesActor(Actor):
     async def _holdings_loop(self, ctx: ActorContext) -> None:
         """`holdings` kept current: every `holdings_every_s`, and at once after a pull landed a file."""
         while True:
-            names = sorted(await self._servable_names(ctx))[:MAX_MODEL_FILES]
-            held = await self._blocking(self._held_sizes, names)
+            names = sorted(await self._servable_names(ctx))
+            held = (await self._blocking(self._held_sizes, names))[:MAX_MODEL_FILES]
             if held != self.holdings.held:
                 ctx.log.info("model_files_held", files=len(held))
             self.holdings = msgspec.structs.replace(self.holdings, held=held)
@@ -205,8 +206,9 @@ class FilesActor(Actor):
                     await self._look_again.wait()
             self._look_again.clear()
 
-    def _held_sizes(self, names: list[str]) -> tuple[tuple[str, int], ...]:
-        """(name, size) of each of `names` that is a regular file in the models dir (blocking: a worker thread)."""
+    def _held_sizes(self, names: list[str]) -> tuple[tuple[str, int, str], ...]:
+        """(name, size, blake3 if that version was hashed already, else "") of each of `names` that is a regular
+        file in the models dir (blocking: a worker thread). Nothing is hashed here."""
         held = []
         for name in names:
             try:
@@ -214,7 +216,8 @@ class FilesActor(Actor):
             except (ModelFileError, OSError):
                 continue
             if stat.S_ISREG(info.st_mode):
-                held.append((name, info.st_size))
+                key = FileKey(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+                held.append((name, info.st_size, self.digests.known(key) or ""))
         return tuple(held)
 
     async def _watch_doors(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
@@ -229,6 +232,7 @@ class FilesActor(Actor):
                 else:
                     self._door_files[entry.key] = {m.name: m.path for m in report.models}
             self._names = None
+        raise BusError("the front doors' watch ended")  # names would go stale: the supervisor starts it again
 
     async def _watch_registry(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
         """The registry's entries signed by a key this node trusts, as they are written and removed."""
@@ -243,6 +247,7 @@ class FilesActor(Actor):
                 else:
                     self._signed[entry.key] = signed
             self._names = None
+        raise BusError("the registry's watch ended")
 
     async def _catalog_files(self, ctx: ActorContext) -> dict[str, str]:
         """Model name -> relative file name of every catalog model and companion this node knows: its own
@@ -346,6 +351,8 @@ class FilesActor(Actor):
             size = (await self._blocking(os.stat, path)).st_size
         except (ModelFileError, OSError) as exc:
             raise RequestError(NOT_FOUND, f"node {self.node_id} does not hold {request.path!r}") from exc
+        if (request.path, size, digest) not in self.holdings.held:
+            self._look_again.set()  # its digest is known now: the holdings say which version this node has
         return FileHeld(node_id=self.node_id, path=request.path, size=size, blake3=digest)
 
     async def _on_facts(self, request: HeldRequest) -> FileFacts:
@@ -498,6 +505,8 @@ class FilesActor(Actor):
             if refusal is not None:
                 raise _Refused(refusal)
             await self._blocking(part.land, dest)
+            with contextlib.suppress(ModelFileError):  # verified whole: the runner need not hash it again
+                await self._blocking(self.digests.remember, dest, source.digest)
         except _Refused as exc:
             exc.peer = peer if exc.refusal.reason in (Reason.CHUNK_REFUSED, Reason.DIGEST_MISMATCH) else ""
             if exc.refusal.reason in (Reason.PEER_FAILED, Reason.NO_SPACE) and part.received:

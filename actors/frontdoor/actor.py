@@ -57,6 +57,7 @@ from actors.frontdoor.replicas import ReplicaScaler
 from actors.runner import passthrough
 from messages.errors import (
     BAD_REQUEST,
+    BUSY,
     INTERNAL,
     INVALID_API_KEY,
     MODEL_NOT_FOUND,
@@ -393,8 +394,8 @@ class FrontDoorActor(ModelsOnDemand, Actor):
 
     async def _forward(self, order: GenerateRequest, relay: Relay, deadline: float) -> GenerateResult:
         """`order` through this node's own router (a request the queue group handed to a frozen peer's router
-        would wait there until its deadline), any node's while it is away (restarting), asked again while none
-        listens (nothing was sent, nothing relayed)."""
+        would wait there until its deadline), any node's while it is away (restarting) or full (`busy`: its
+        workers all hold generations), asked again while none listens (nothing was sent, nothing relayed)."""
         loop = asyncio.get_running_loop()
         bus, subjects = self._ctx.bus, self._ctx.subjects
         own = subjects.router_generate(self._ctx.node_id)
@@ -404,7 +405,11 @@ class FrontDoorActor(ModelsOnDemand, Actor):
             try:
                 return await forward(bus, subjects, timed, relay.head, relay.data, router=own)
             except NoResponders:
-                return await forward(bus, subjects, timed, relay.head, relay.data)
+                pass
+            except RemoteError as exc:
+                if exc.reply.code != BUSY:
+                    raise
+            return await forward(bus, subjects, timed, relay.head, relay.data)
 
         return await once_listening(once, deadline)
 

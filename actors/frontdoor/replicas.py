@@ -38,13 +38,13 @@ from nats.js.kv import KeyValue
 from actors.frontdoor.catalog import CatalogModel
 from actors.frontdoor.scaling import FORGET, decide, warm_nodes
 from messages.events import ReplicaAdded, ScalingDecided
-from messages.frontdoor import ModelScale, Replica, ScaleMemory
+from messages.frontdoor import FrontDoorReport, ModelScale, Replica, ScaleMemory
 from messages.generate import InstanceLoad, ServingReport
 from messages.l3 import L3Inventory, WarmReply, WarmRequest
 from messages.runner import InstanceStatus
 from runtime import buckets
 from runtime.actor import ActorContext
-from runtime.bus import BusError
+from runtime.bus import BadMessage, BusError
 
 __all__ = ["RETRY_AFTER_S", "SCALE_INTERVAL_S", "ReplicaScaler"]
 
@@ -111,12 +111,21 @@ class ReplicaScaler:
                 task.cancel()
 
     async def watch_doors(self, doors: KeyValue) -> None:
-        """The live front doors, as their records (keyed by node id) are written and expire."""
-        async for entry in buckets.watch(doors, self._doors_known):
-            if buckets.removed(entry):
-                self._doors.discard(entry.key)
-            else:
-                self._doors.add(entry.key)
+        """The live front doors, as their records (keyed by node id, naming it) are written and expire. While
+        the watch is down (NATS away), nobody leads from here; it is watched again a second later."""
+        while True:
+            try:
+                async for entry in buckets.watch(doors, self._doors_known):
+                    self._doors.discard(entry.key)
+                    if not buckets.removed(entry):
+                        with contextlib.suppress(BadMessage):  # a record that does not decode is no live door
+                            buckets.decode_keyed(entry, FrontDoorReport, lambda r: r.node_id, "front door report")
+                            self._doors.add(entry.key)
+            except Exception as exc:
+                self._ctx.log.warning("scaler_doors_watch_failed", error=repr(exc))
+            self._doors_known.clear()
+            self._doors.clear()
+            await asyncio.sleep(1.0)
 
     def leading(self) -> bool:
         """Whether this front door is the live one with the lowest node id (never before the records are read)."""
@@ -188,7 +197,7 @@ class ReplicaScaler:
         except Exception as exc:  # the bus is away, or no store: placement decides without
             ctx.log.info("replica_l3_view_unavailable", error=repr(exc))
             return ()
-        return warm_nodes((inventory for _, inventory in stores), identities, candidates)
+        return warm_nodes((inv for key, inv in stores if inv.node_id == key), identities, candidates)  # its own
 
     async def _warm(self, ready: InstanceStatus) -> WarmReply | None:
         """Its node's L3 store fetches its peers' most recent states of its identity (as its node reports it),

@@ -19,7 +19,9 @@ Rules this module keeps:
 * Where a new replica should go first (`warm_nodes`): the nodes whose L3 stores hold the most tokens of the
   model's states (the identities its replicas run with), most first; placement takes them in that order among
   the nodes that hold the model's file alike (`PlacementRequest.prefer`), so the new replica restores its
-  hottest prefixes from its own disk rather than fetching them.
+  hottest prefixes from its own disk rather than fetching them. Its inputs (the stores' inventories) are not
+  journaled; its answer is (`replica_added.preferred`, and the placement request placement journals), so the
+  placement replays, this ordering does not.
 * No clock and no I/O.
 """
 

@@ -466,19 +466,20 @@ def conclude_split(
     return Outcome(decision, reservations)
 
 
-def holds(node: NodeResources, path: str) -> bool:
-    """Whether `node` reports holding the model file `path` (a name in its models dir)."""
-    return node.model_files is not None and node.model_files.size_of(path) is not None
+def holds(node: NodeResources, path: str, digest: str | None) -> bool:
+    """Whether `node` reports holding the model file `path` (a name in its models dir; an absolute path never
+    matches) in the version `digest` (when both sides know it)."""
+    return node.model_files is not None and node.model_files.version_of(path, digest) is not None
 
 
-def fetch_bytes(node: NodeResources, path: str, view: Mapping[str, ViewEntry]) -> int | None:
-    """What `node` fetches of the model file `path` before it starts: 0 when it holds it, the size another
-    node reports when it does not, None when no node reports holding it."""
-    if holds(node, path):
+def fetch_bytes(node: NodeResources, model: ModelFacts, view: Mapping[str, ViewEntry]) -> int | None:
+    """What `node` fetches of the model's file before it starts: 0 when it holds it, the size a node holding
+    that version reports when it does not (the first in natural order), None when no node reports it."""
+    if holds(node, model.path, model.digest):
         return 0
-    for entry in view.values():
-        files = entry.resources.model_files
-        size = files.size_of(path) if files is not None else None
+    for name in sorted(view, key=natural_key):
+        files = view[name].resources.model_files
+        size = files.version_of(model.path, model.digest) if files is not None else None
         if size is not None:
             return size
     return None
@@ -488,13 +489,14 @@ def prefer_rank(request: PlacementRequest, name: str) -> int:
     return request.prefer.index(name) if name in request.prefer else len(request.prefer)
 
 
-def best_of(fits: Sequence[Fit], request: PlacementRequest, path: str) -> Fit:
+def best_of(fits: Sequence[Fit], request: PlacementRequest, model: ModelFacts) -> Fit:
     """The fit that holds the model's file, then the one the request prefers first, then the one left with
     the most headroom on its tightest device; ties by node id in natural order."""
 
     def key(f: Fit) -> tuple[bool, int, int, NaturalKey]:
         node = f.entry.resources
-        return not holds(node, path), prefer_rank(request, node.node_id), -f.headroom, natural_key(node.node_id)
+        lacks = not holds(node, model.path, model.digest)
+        return lacks, prefer_rank(request, node.node_id), -f.headroom, natural_key(node.node_id)
 
     return min(fits, key=key)
 
@@ -529,9 +531,9 @@ def conclude(
         reason, message = _overall(rejections, view)
         return Outcome(msgspec.structs.replace(base, reason=reason, message=message, rejections=tuple(rejections)))
 
-    chosen = best_of(fits, request, model.path)
+    chosen = best_of(fits, request, model)
     node = chosen.entry.resources
-    fetch = fetch_bytes(node, model.path, view)
+    fetch = fetch_bytes(node, model, view)
     rate = node.model_files.pull_bytes_per_s if node.model_files is not None else None
     fetch_s = round(fetch / rate, 3) if fetch and rate else None
     stamp = Stamp(

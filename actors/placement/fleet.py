@@ -117,7 +117,8 @@ class _Question:
     n_gpu_layers: int
     ctx: int
     monotonic_now: float
-    path: str  # the model file's: a node that holds it comes first
+    path: str  # the model file's: a node that holds it (in this version, when known) comes first
+    digest: str | None
 
     @property
     def plain(self) -> bool:  # no settings required: the common case is checked inline
@@ -225,7 +226,7 @@ class FleetIndex:
     #: again only what changed (`_standing`); untracked, every decision judges every node.
     tracked: bool = False
     _touched: list[str] = field(default_factory=list)
-    _standing: dict[tuple[int, int, int, object, str], _Standing] = field(default_factory=dict)
+    _standing: dict[tuple[int, int, int, object, str, str | None], _Standing] = field(default_factory=dict)
 
     @staticmethod
     def covers(request: PlacementRequest) -> bool:
@@ -273,7 +274,9 @@ class FleetIndex:
         token = self._token(geometry)
         ctx = request.ctx
         assert ctx is not None  # covers()
-        question = _Question(request, token, geometry, request.n_gpu_layers, ctx, monotonic_now, model.path)
+        question = _Question(
+            request, token, geometry, request.n_gpu_layers, ctx, monotonic_now, model.path, model.digest
+        )
         if self.tracked and not request.nodes and not fresh:
             refused, misfits, best = self._standing_answer(question, view, arrived, ledgers)
         else:
@@ -325,7 +328,7 @@ class FleetIndex:
                 misfits.append(refusal)
             else:
                 assert state is not None
-                lacks = not holds(state.entry.resources, q.path)
+                lacks = not holds(state.entry.resources, q.path, q.digest)
                 key = (lacks, -state.headroom, self._natural.get(name) or natural_key(name))
                 if best_key is None or key < best_key:
                     best, best_key = (state, state.headroom), key
@@ -376,7 +379,7 @@ class FleetIndex:
         """`_scan` over the whole view, from the answer to the same question last time: only the nodes touched
         since, those whose report has aged past its TTL since, and the stale ones (their refusal says how
         old) are judged again."""
-        key = (q.token, q.n_gpu_layers, q.ctx, q.request.settings, q.path)
+        key = (q.token, q.n_gpu_layers, q.ctx, q.request.settings, q.path, q.digest)
         standing = self._standing.get(key)
         epochs = (self._epoch, self._sizing_epoch)
         if standing is None or standing.epochs != epochs or standing.seen > len(self._touched):
@@ -424,7 +427,7 @@ class FleetIndex:
             standing.misfit_order = None
             return
         assert state is not None
-        lacks = not holds(state.entry.resources, q.path)
+        lacks = not holds(state.entry.resources, q.path, q.digest)
         standing.fits[name] = (state, state.headroom, lacks)
         heapq.heappush(standing.best, (lacks, -state.headroom, self._natural[name], name, id(state)))
         if len(standing.best) > 4 * len(standing.fits) + 64:

@@ -73,7 +73,7 @@ from messages.placement import Reservation
 from messages.subjects import Subjects
 from runtime import tracing
 from runtime.actor import RequestError
-from runtime.bus import Bus, BusError, RemoteError
+from runtime.bus import Bus, BusError, RemoteError, RequestTimeout
 from runtime.logging import get_logger
 
 __all__ = ["ServedInstance", "Serving", "ServingLimits", "refuse_oversize", "state_identity"]
@@ -481,6 +481,8 @@ class Serving:
             try:
                 remote = await self._remote_prefill(instance, order, tokens[:-1])  # lands in this node's L3
             except RequestError as exc:  # the handoff was to save time: the prompt is computed here instead
+                if exc.reply.code == TIMEOUT:
+                    raise  # the request's own time is spent: nobody waits for an answer computed now
                 fallback = f"prefill on {request.prefill_node} failed ({exc.reply.code}): computed here"
                 _log.warning("prefill_fallback", request_id=order.request_id, node=request.prefill_node,
                              code=exc.reply.code, error=str(exc))  # fmt: skip
@@ -620,6 +622,8 @@ class Serving:
             )
         except RemoteError as exc:
             raise RequestError(exc.reply.code, f"prefill on {node}: {exc.reply.message}", exc.reply.details) from exc
+        except RequestTimeout as exc:
+            raise RequestError(TIMEOUT, f"prefill on {node}: {exc}") from exc
         except BusError as exc:
             raise RequestError(UNAVAILABLE, f"prefill on {node}: {exc}") from exc
 

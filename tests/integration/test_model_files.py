@@ -179,12 +179,13 @@ async def test_each_node_reports_the_named_files_it_holds_and_a_pull_adds_one_at
     size = (await asyncio.to_thread(model.stat)).st_size
     async with supervised(bus, [a], node_id="a"), supervised(bus, [b], node_id="b"):
         async with asyncio.timeout(10):
-            while a.holdings.held != (("tiny.gguf", size),):
+            while [h[:2] for h in a.holdings.held] != [("tiny.gguf", size)]:
                 await asyncio.sleep(0.02)
         assert b.holdings.held == () and b.holdings.pull_bytes_per_s is None
         await pull(bus, "b", "tiny", peer="a")
+        digest = digest_of(model)  # b verified what it pulled; a hashed its file when b asked who holds it
         async with asyncio.timeout(5):
-            while b.holdings.held != (("tiny.gguf", size),):
+            while (a.holdings.held, b.holdings.held) != ((("tiny.gguf", size, digest),),) * 2:
                 await asyncio.sleep(0.02)
         assert b.holdings.pull_bytes_per_s is not None and b.holdings.pull_bytes_per_s > 0
 
@@ -501,3 +502,25 @@ async def test_names_a_front_door_or_the_registry_gives_later_are_served_and_go_
         await registry.delete("signed-late")
         await until("late.gguf", False)
         await until("signed-late.gguf", False)
+
+
+async def test_a_held_file_is_listed_however_many_names_sort_before_it(bus: Bus, tmp_path: Path) -> None:
+    """The holdings list at most `MAX_MODEL_FILES` files: the ones held, not the first names the catalogs give."""
+    from messages.frontdoor import FrontDoorModel, FrontDoorReport
+    from messages.telemetry import MAX_MODEL_FILES
+
+    data, models = node_dirs(tmp_path, "a")
+    names = [f"m{i:04d}.gguf" for i in range(MAX_MODEL_FILES + 50)]  # held: only the last one
+    (models / names[-1]).write_bytes(b"GGUF")
+    listed = tuple(
+        FrontDoorModel(name=n, path=n, state="stopped", instances=(), held_bytes=0, queued=0, active=0, pinned=False,
+                       priority=0, idle_ttl_s=None)
+        for n in names
+    )  # fmt: skip
+    door = FrontDoorReport(node_id="z", address="http://127.0.0.1:1", auth=False, models=listed, sent_at=0.0)
+    await (await buckets.frontdoors(bus, S)).put("z", encode(door))
+    actor = FilesActor("a", data, models_dir=models)
+    async with supervised(bus, [actor], node_id="a"):
+        async with asyncio.timeout(10):
+            while [h[:2] for h in actor.holdings.held] != [(names[-1], 4)]:
+                await asyncio.sleep(0.02)

@@ -153,7 +153,7 @@ async def test_the_files_each_node_holds_are_journaled_and_a_preference_for_a_ho
     room, says how much another node would fetch, and replay re-decides both from the journal alone."""
     model = write_llama(tmp_path / "dense.gguf", n_layer=4)
     size = model.stat().st_size
-    held = ModelFiles(held=((str(model), size),))
+    held = ModelFiles(held=((str(model), size, ""),))
     nodes = await buckets.nodes(bus, SUBJECTS)
     await nodes.put("a", encode(msgspec.structs.replace(report("a", 4 * GIB), model_files=held)))
     await nodes.put("b", encode(msgspec.structs.replace(report("b", 8 * GIB), model_files=ModelFiles())))

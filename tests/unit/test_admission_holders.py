@@ -21,8 +21,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> ModelFacts:
     return ModelFacts(geometry=geometry_from_header(read_header(path)), path="org/llama.gguf")
 
 
-def holding(n: NodeResources, *files: tuple[str, int]) -> NodeResources:
-    return msgspec.structs.replace(n, model_files=ModelFiles(held=files))
+def holding(n: NodeResources, *files: tuple[str, int] | tuple[str, int, str]) -> NodeResources:
+    held = tuple((f[0], f[1], f[2] if len(f) == 3 else "") for f in files)  # digest "": not hashed there yet
+    return msgspec.structs.replace(n, model_files=ModelFiles(held=held))
 
 
 def test_a_node_holding_the_file_wins_over_more_headroom_and_fetches_nothing(model: ModelFacts) -> None:
@@ -51,7 +52,23 @@ def test_another_file_held_is_no_reason_and_nobody_holding_it_leaves_the_fetch_u
     nodes = view(holding(node("small", 2 * GIB), ("other.gguf", 1)), node("big", 6 * GIB))
     (placement,) = run(request(), model, nodes).decision.placements
     assert placement.node_id == "big" and placement.fetch_bytes is None
-    assert fetch_bytes(nodes["small"].resources, "other.gguf", nodes) == 0
+    other = ModelFacts(geometry=model.geometry, path="other.gguf")
+    assert fetch_bytes(nodes["small"].resources, other, nodes) == 0
+
+
+def test_a_node_holding_another_version_under_the_name_is_no_holder(model: ModelFacts) -> None:
+    """The runner refuses a file whose digest is not the stamped one: such a node must fetch the right one."""
+    signed = ModelFacts(geometry=model.geometry, path=model.path, digest="a" * 64)
+    nodes = view(
+        holding(node("stale", 6 * GIB), ("org/llama.gguf", 500 * MIB, "b" * 64)),
+        holding(node("right", 2 * GIB), ("org/llama.gguf", 700 * MIB, "a" * 64)),
+    )
+    (placement,) = run(request(), signed, nodes).decision.placements
+    assert (placement.node_id, placement.fetch_bytes) == ("right", 0)
+    (placement,) = run(request(nodes=["stale"]), signed, nodes).decision.placements
+    assert (placement.node_id, placement.fetch_bytes) == ("stale", 700 * MIB)  # the right version's size
+    unhashed = view(holding(node("small", 2 * GIB), ("org/llama.gguf", 1)), node("big", 6 * GIB))
+    assert run(request(), signed, unhashed).decision.placements[0].node_id == "small"  # not known: taken as it
 
 
 def test_prefer_orders_nodes_that_hold_the_file_alike_but_never_beats_holding_it(model: ModelFacts) -> None:

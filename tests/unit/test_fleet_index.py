@@ -37,7 +37,13 @@ PROFILES: tuple[ServingSettings | None, ...] = (
 )
 NAMES = tuple(f"n-{i}" for i in range(1, 25))
 #: The model files nodes report holding (the models' names in the tests' `ModelFacts`).
-HOLDINGS = (None, ModelFiles(), ModelFiles(held=(("llama.gguf", 7 * MIB),)), ModelFiles(held=(("qwen35.gguf", 5),)))
+HOLDINGS = (
+    None,
+    ModelFiles(),
+    ModelFiles(held=(("llama.gguf", 7 * MIB, ""),)),
+    ModelFiles(held=(("llama.gguf", 7 * MIB, "e" * 64),)),  # another version than the models' (digest "f" * 64)
+    ModelFiles(held=(("qwen35.gguf", 5, "f" * 64),)),
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +53,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelFacts, ...]:
         write_llama(d / "llama.gguf", n_layer=8, n_embd=256, n_head=8, n_ff=512),
         write_qwen35(d / "qwen35.gguf", n_layer=8, state_size=64, dt_rank=16, group_count=2),
     )
-    return tuple(ModelFacts(geometry=geometry_from_header(read_header(p)), path=p.name) for p in paths)
+    digests = ("f" * 64, None)  # one model known by its digest (held files of another version do not count)
+    return tuple(
+        ModelFacts(geometry=geometry_from_header(read_header(p)), path=p.name, digest=d)
+        for p, d in zip(paths, digests, strict=True)
+    )
 
 
 def gpu(index: int, total_mib: int, usable_mib: int) -> GpuInfo:

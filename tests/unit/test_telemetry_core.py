@@ -60,9 +60,9 @@ def test_material_changes_are_named_and_memory_wobble_is_not_one() -> None:
     assert material_change(first, resettled) == "serving settings changed"
     no_gpu = build_report(FACTS, seq=4, now=104.0, host=HOST, nvml=NvmlReading(driver="570"))
     assert material_change(first, no_gpu) == "devices changed"
-    pulled = msgspec.structs.replace(wobble, model_files=ModelFiles(held=(("m.gguf", 9),)))
+    pulled = msgspec.structs.replace(wobble, model_files=ModelFiles(held=(("m.gguf", 9, ""),)))
     assert material_change(first, pulled) == "model files changed"
-    faster = msgspec.structs.replace(pulled, model_files=ModelFiles(held=(("m.gguf", 9),), pull_bytes_per_s=5.0))
+    faster = msgspec.structs.replace(pulled, model_files=ModelFiles(held=(("m.gguf", 9, ""),), pull_bytes_per_s=5.0))
     assert material_change(pulled, faster) is None  # a rate is no reason to journal the node
     assert material_change(first, msgspec.structs.replace(wobble, model_files=ModelFiles())) is None
 
