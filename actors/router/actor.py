@@ -310,7 +310,7 @@ class RouterActor(Actor):
                 )
             )
         n_prompt = len(tokens) if tokens is not None else 0
-        fitted = self._links.links() if request.prefill_node is None else {}
+        fitted = self._links.links(self._monotonic()) if request.prefill_node is None else {}
         links = {key: link.bytes_per_s for key, link in fitted.items()}
         fixed = {key: link.fixed_s for key, link in fitted.items()}
         while True:
@@ -350,15 +350,18 @@ class RouterActor(Actor):
                 routed_ms=(time.perf_counter() - started) * 1000,
             )
             try:
-                return await self._forward(ctx, order, chosen)
+                return await self._forward(ctx, order, chosen, chose_prefill=forwarded is not request)
             except _NotThere as exc:  # nothing ran: the next candidate is asked (the choice journaled again)
                 ctx.log.warning("generate_not_there", request_id=request_id, instance_id=chosen.instance_id,
                                 node=chosen.node, error=str(exc))  # fmt: skip
                 gone = {chosen.node} if exc.node_gone else set()
                 candidates = [c for c in candidates if c.instance_id != chosen.instance_id and c.node not in gone]
 
-    async def _forward(self, ctx: ActorContext, order: RunnerGenerate, chosen: Candidate) -> GenerateResult:
-        """The order to the chosen runner, its result or error passed on; `_NotThere` when it did not run."""
+    async def _forward(
+        self, ctx: ActorContext, order: RunnerGenerate, chosen: Candidate, *, chose_prefill: bool
+    ) -> GenerateResult:
+        """The order to the chosen runner, its result or error passed on; `_NotThere` when it did not run.
+        `chose_prefill`: routing chose the order's prefill node (a client's own choice is not rested)."""
         timeout_s = order.request.timeout_s
         self._inflight[chosen.instance_id] = self._inflight.get(chosen.instance_id, 0) + 1
         try:
@@ -368,6 +371,9 @@ class RouterActor(Actor):
             if result.path == "disaggregated" and result.prefill_node and result.handoff_ms > 0:
                 key = link_key(result.prefill_node, result.node)
                 self._links.observe_result(key, result.handoff_bytes, result.handoff_ms / 1000)
+            planned = order.request.prefill_node
+            if result.prefill_fallback and planned and chose_prefill:  # routing's choice failed: not again soon
+                self._links.failed(link_key(planned, result.node), self._monotonic())
             return result
         except RemoteError as exc:
             if exc.reply.code == NOT_FOUND and exc.reply.details.get("instance_id") == chosen.instance_id:

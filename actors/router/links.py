@@ -9,6 +9,11 @@ fitted on the most recent samples of one kind:
   restore into the decoding slot). These are the cost the routing decision weighs, so once a pair has any,
   only they count;
 * before that, a link probe's handoffs (`link_measured`: the transfer alone, of two sizes), a lower bound.
+
+A link whose prefill failed (the decoding runner computed the prompt itself: `prefill_fallback`) rests for
+`REST_S`: it is left out of `links(now)`, so routing does not choose it again meanwhile (each such request would
+pay one failed try). What routing was given is journaled with each decision (`generate_routed.links`), so
+replay needs nothing of this.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ __all__ = ["KEEP", "LinkBook"]
 
 #: Samples kept per pair and kind: enough for a fit, few enough to follow a link that changes.
 KEEP: Final = 16
+#: How long a link whose prefill failed is not chosen (seconds).
+REST_S: Final = 60.0
 
 
 class LinkBook:
@@ -30,6 +37,7 @@ class LinkBook:
         self._keep = keep
         self._results: dict[str, deque[tuple[float, float]]] = {}
         self._probes: dict[str, tuple[tuple[float, float], ...]] = {}
+        self._resting: dict[str, float] = {}  # key -> until when (the caller's clock) it is left out
 
     def observe_result(self, key: str, n_bytes: float, seconds: float) -> None:
         if n_bytes > 0 and seconds > 0:
@@ -41,9 +49,15 @@ class LinkBook:
         if kept:
             self._probes[key] = kept
 
-    def links(self) -> dict[str, cost.Link]:
+    def failed(self, key: str, now: float) -> None:
+        """A prefill over `key` failed at `now`: the link rests for `REST_S`."""
+        self._resting[key] = now + REST_S
+
+    def links(self, now: float) -> dict[str, cost.Link]:
+        """Every link with a fit, but those resting at `now`."""
+        self._resting = {key: until for key, until in self._resting.items() if until > now}
         out: dict[str, cost.Link] = {}
-        for key in sorted(set(self._results) | set(self._probes)):
+        for key in sorted((set(self._results) | set(self._probes)) - set(self._resting)):
             samples = self._results.get(key) or self._probes.get(key, ())
             link = cost.fit_link(list(samples))
             if link is not None:

@@ -23,7 +23,7 @@ from actors.handoff.cost import (
     remote_seconds,
     remote_wins,
 )
-from actors.router.links import LinkBook
+from actors.router.links import REST_S, LinkBook
 from messages.memory import ContextShape, MemoryBreakdown
 
 rates_st = st.floats(min_value=1.0, max_value=1e6, allow_nan=False, allow_infinity=False)
@@ -241,13 +241,23 @@ def test_a_link_fit_keeps_a_positive_rate_and_a_fixed_cost_that_is_not_negative(
 def test_a_router_weighs_what_generations_reported_over_what_a_probe_measured() -> None:
     book = LinkBook(keep=3)
     book.observe_probe("a>b", [(1 << 20, 0.011), (64 << 20, 0.65)])
-    probed = book.links()["a>b"]
+    probed = book.links(0.0)["a>b"]
     assert math.isclose(probed.fixed_s, 0.011 - (1 << 20) / probed.bytes_per_s)
     book.observe_result("a>b", 10 << 20, 0.5)
-    assert book.links()["a>b"] == Link(bytes_per_s=(10 << 20) / 0.5)  # one result: its own rate
+    assert book.links(0.0)["a>b"] == Link(bytes_per_s=(10 << 20) / 0.5)  # one result: its own rate
     for i in range(5):
         book.observe_result("a>b", (i + 1) << 20, 0.1 * (i + 1))  # only the last 3 kept
-    assert math.isclose(book.links()["a>b"].bytes_per_s, (1 << 20) / 0.1)
+    assert math.isclose(book.links(0.0)["a>b"].bytes_per_s, (1 << 20) / 0.1)
     book.observe_result("a>b", 0, 1.0)  # unusable samples are ignored
     book.observe_probe("b>a", [(0, 1.0)])
-    assert set(book.links()) == {"a>b"}
+    assert set(book.links(0.0)) == {"a>b"}
+
+
+def test_a_link_whose_prefill_failed_rests_then_is_chosen_again() -> None:
+    book = LinkBook()
+    book.observe_result("a>b", 10 << 20, 0.5)
+    book.observe_result("c>b", 10 << 20, 0.5)
+    book.failed("a>b", now=100.0)
+    assert set(book.links(100.0)) == {"c>b"}
+    assert set(book.links(100.0 + REST_S - 0.1)) == {"c>b"}
+    assert set(book.links(100.0 + REST_S)) == {"a>b", "c>b"}  # rested: its measurements stand
