@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.children import free_port
+from runtime.children import free_port, port_free
 from runtime.rpc_tunnel import TunnelEntrance, TunnelExit
 from runtime.tls import ensure_route_certificates
 from tests.llama_harness import call_server, require_server
@@ -92,9 +92,12 @@ async def test_a_split_through_the_tls_tunnel_answers_as_the_unsplit_server(tmp_
 
     rpc_port = free_port()
     async with (
-        process([rpc, "-H", "127.0.0.1", "-p", str(rpc_port)], tmp_path / "rpc.log"),
+        process([rpc, "-H", "127.0.0.1", "-p", str(rpc_port)], tmp_path / "rpc.log") as rpc_server,
         TunnelExit(member, rpc_port) as exit_,
     ):
+        async with asyncio.timeout(30):  # the split server connects once: the RPC server must listen first
+            while port_free(rpc_port) and rpc_server.returncode is None:
+                await asyncio.sleep(0.05)
         await exit_.start("127.0.0.1")
         async with TunnelEntrance(head, "127.0.0.1", exit_.port) as entrance:
             await entrance.start()
