@@ -61,6 +61,7 @@ from messages.errors import (
     INTERNAL,
     INVALID_API_KEY,
     MODEL_NOT_FOUND,
+    NO_INSTANCE,
     REQUEST_TOO_LARGE,
     UNAVAILABLE,
     UNKNOWN_ENDPOINT,
@@ -411,7 +412,16 @@ class FrontDoorActor(ModelsOnDemand, Actor):
                     raise
             return await forward(bus, subjects, timed, relay.head, relay.data)
 
-        return await once_listening(once, deadline)
+        # This door saw the instance ready (its own watch of the records): a router whose watch has not yet says
+        # `no_instance` for a moment. Nothing ran: asked again, for at most `_ROUTER_LAG_S`.
+        lag_until = min(deadline, loop.time() + _ROUTER_LAG_S)
+        while True:
+            try:
+                return await once_listening(once, deadline)
+            except RemoteError as exc:
+                if exc.reply.code != NO_INSTANCE or loop.time() + 0.2 >= lag_until:
+                    raise
+            await asyncio.sleep(0.2)
 
     def report(self, node_id: str) -> FrontDoorReport:
         models = []
@@ -454,6 +464,9 @@ class FrontDoorActor(ModelsOnDemand, Actor):
                     last, since = unchanged, now
             await asyncio.sleep(1.0)
 
+
+#: How long a router may lag behind this door in seeing an instance ready (its `no_instance` is asked again).
+_ROUTER_LAG_S: Final = 5.0
 
 #: What a pass-through request adds around the client's body on the bus (its fields and headers).
 _ENVELOPE_BYTES: Final = 8 << 10
