@@ -129,7 +129,9 @@ async def test_a_request_for_a_loaded_model_made_before_the_router_listens_waits
                 status, _, body = await asking
         finally:
             await sub.unsubscribe()
-    assert len(asked) == 1
+    # a router's `no_instance` for an instance this door saw ready is asked again for up to 5 s (its watch may
+    # lag the door's), then passed on as the router said it
+    assert 1 < len(asked) <= 5.0 / 0.2 + 1
     assert status == 503 and "the late router's own answer" in str(body["error"]), body
 
 
