@@ -160,9 +160,16 @@ class FilesActor(Actor):
         s, node, lim = ctx.subjects, self.node_id, self.limits
         self._door_files, self._signed, self._names = {}, {}, None  # a new incarnation reads them afresh
         doors_known, registry_known = asyncio.Event(), asyncio.Event()
-        ctx.spawn(self._watch_doors(ctx, await buckets.frontdoors(ctx.bus, s), doors_known), "watch-doors")
+        doors = await buckets.frontdoors(ctx.bus, s)
+        ctx.spawn(
+            self._watch_into("the front doors", doors, doors_known, self._door_files, self._door_catalog), "watch-doors"
+        )
         if self.trusted:
-            ctx.spawn(self._watch_registry(ctx, await buckets.registry(ctx.bus, s), registry_known), "watch-registry")
+            registry = await buckets.registry(ctx.bus, s)
+            ctx.spawn(
+                self._watch_into("the registry", registry, registry_known, self._signed, self._trusted_entry),
+                "watch-registry",
+            )
         else:
             registry_known.set()  # no key trusted: no entry is signed for this node
         async with asyncio.timeout(10):  # a name is never refused for not having been read yet
@@ -220,34 +227,41 @@ class FilesActor(Actor):
                 held.append((name, info.st_size, self.digests.known(key) or ""))
         return tuple(held)
 
-    async def _watch_doors(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
-        """Each front door's catalog (model -> file name) as its report is written and expires."""
+    async def _watch_into(
+        self,
+        what: str,
+        kv: KeyValue,
+        ready: asyncio.Event,
+        held: dict[str, T],
+        read: Callable[[KeyValue.Entry], T | None],
+    ) -> None:
+        """`held` kept as `kv` holds it (key -> `read(entry)`; None: nothing kept for that key), the names worked
+        out again after each change. A watch that ends raises: the names would go stale."""
         async for entry in buckets.watch(kv, ready):
-            self._door_files.pop(entry.key, None)
-            if not buckets.removed(entry):
-                try:
-                    report = decode_checked(entry.value or b"", FrontDoorReport, f"front door report {entry.key}")
-                except BadMessage as exc:
-                    ctx.log.warning("files_bad_front_door_report", key=entry.key, error=str(exc))
-                else:
-                    self._door_files[entry.key] = {m.name: m.path for m in report.models}
+            held.pop(entry.key, None)
+            if not buckets.removed(entry) and (value := read(entry)) is not None:
+                held[entry.key] = value
             self._names = None
-        raise BusError("the front doors' watch ended")  # names would go stale: the supervisor starts it again
+        raise BusError(f"the watch of {what} ended")  # the supervisor starts the actor again
 
-    async def _watch_registry(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
-        """The registry's entries signed by a key this node trusts, as they are written and removed."""
-        async for entry in buckets.watch(kv, ready):
-            self._signed.pop(entry.key, None)
-            if not buckets.removed(entry):
-                try:
-                    signed = decode_checked(entry.value or b"", RegistryEntry, f"registry entry {entry.key}")
-                    verify(signed, self.trusted, stored_as=entry.key)
-                except (BadMessage, RegistryUntrusted):
-                    pass  # not one this node serves
-                else:
-                    self._signed[entry.key] = signed
-            self._names = None
-        raise BusError("the registry's watch ended")
+    def _door_catalog(self, entry: KeyValue.Entry) -> dict[str, str] | None:
+        """A front door's catalog (model -> file name) from its report; None when the report does not decode."""
+        try:
+            report = decode_checked(entry.value or b"", FrontDoorReport, f"front door report {entry.key}")
+        except BadMessage as exc:
+            assert self._ctx is not None
+            self._ctx.log.warning("files_bad_front_door_report", key=entry.key, error=str(exc))
+            return None
+        return {m.name: m.path for m in report.models}
+
+    def _trusted_entry(self, entry: KeyValue.Entry) -> RegistryEntry | None:
+        """A registry entry signed by a key this node trusts; None for any other (not one this node serves)."""
+        try:
+            signed = decode_checked(entry.value or b"", RegistryEntry, f"registry entry {entry.key}")
+            verify(signed, self.trusted, stored_as=entry.key)
+        except (BadMessage, RegistryUntrusted):
+            return None
+        return signed
 
     async def _catalog_files(self, ctx: ActorContext) -> dict[str, str]:
         """Model name -> relative file name of every catalog model and companion this node knows: its own
