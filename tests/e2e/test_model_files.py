@@ -22,7 +22,7 @@ from messages.placement import ModelRef, PlacementDecision, PlacementRequest
 from messages.runner import RunnerAck, StartInstance, StopInstance
 from messages.subjects import Subjects
 from runtime import buckets
-from runtime.bus import Bus, RemoteError, encode
+from runtime.bus import Bus, NoResponders, RemoteError, encode
 from runtime.children import free_port
 from runtime.config import NatsOptions
 from tests.conftest import JournalReader, node_process, of_type, run_cli, supervised
@@ -45,7 +45,13 @@ async def place_and_start(env: dict[str, str], path: str, node: str) -> str:
     bus = await Bus.connect(options, name="test")
     try:
         request = PlacementRequest(model=ModelRef(path=path), ctx=1024, nodes=(node,))
-        decision = await bus.request(S.placement_request, request, PlacementDecision, timeout=60)
+        async with asyncio.timeout(60):
+            while True:
+                try:
+                    decision = await bus.request(S.placement_request, request, PlacementDecision, timeout=60)
+                    break
+                except NoResponders:  # a node's placement actor registers after its watches caught up
+                    await asyncio.sleep(0.1)
         assert decision.admitted and decision.reservation_id, decision
         start = StartInstance(reservation_id=decision.reservation_id)
         ack = await bus.request(S.runner(node, "start"), start, RunnerAck, timeout=120)

@@ -361,7 +361,7 @@ async def test_placement_on_a_node_without_the_file_admits_it_from_the_facts_of_
     from actors.placement.geometry import geometry_from_header
     from actors.placement.gguf_header import read_header
     from messages.placement import ModelRef, PlacementDecision, PlacementRequest
-    from tests.integration.test_placement import report
+    from tests.integration.test_placement import place, report
 
     empty = tmp_path / "p1-models"
     empty.mkdir()
@@ -377,7 +377,7 @@ async def test_placement_on_a_node_without_the_file_admits_it_from_the_facts_of_
                 while not {"a", "b"} <= set(actor._view):
                     await asyncio.sleep(0.02)
             request = PlacementRequest(model=ModelRef(path="tiny.gguf"), ctx=1024, nodes=("b",))
-            decision = await bus.request(S.placement_request, request, PlacementDecision, timeout=30)
+            decision = await place(bus, request)  # asks again while the actor is still registering
             assert decision.admitted and decision.placements[0].node_id == "b", decision
             assert decision.model_digest == digest_of(model) and decision.architecture == "llama"
             nobody = PlacementRequest(model=ModelRef(path="absent.gguf"), ctx=1024, nodes=("b",))
