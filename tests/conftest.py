@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from messages.subjects import Subjects
 from runtime import buckets
@@ -33,6 +34,10 @@ configure_logging("warning", json=True)
 #: the temporary directory (pytest's and their own), so every node started from here (whatever starts it) may read
 #: models there; a test of the refusal passes its own value.
 os.environ.setdefault("MESH_ACTOR_MODEL_ROOTS", tempfile.gettempdir())
+#: Property tests judge results, never time: hypothesis's per-example deadline (200 ms) failed a pure test once
+#: when a shared 2-core machine paused it for 600 ms. pytest-timeout still bounds every test.
+settings.register_profile("mesh", deadline=None)
+settings.load_profile("mesh")
 
 
 class NatsServer:
