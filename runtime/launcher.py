@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import os
 import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import nats.errors
@@ -46,6 +45,7 @@ from runtime.actor import Actor, ActorGaveUpError, Supervisor
 from runtime.bus import Bus, ConnectFailed
 from runtime.config import ConfigError, NatsOptions, NodeConfig
 from runtime.creds import CredentialsError, with_creds_file
+from runtime.datadir import lock_data_dir
 from runtime.embedded import ClusterSpec, EmbeddedNats
 from runtime.journal import Journal, ensure_events_stream
 from runtime.logging import get_logger
@@ -55,28 +55,6 @@ from runtime.tls import TlsFiles
 
 VERSION = "0.1.0"
 T = TypeVar("T")
-
-
-class DataDirBusy(RuntimeError):
-    pass
-
-
-def lock_data_dir(data_dir: Path) -> IO[str]:
-    """Holds an exclusive lock on the data dir for this process's lifetime (one node per data dir)."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    handle = (data_dir / "run.lock").open("a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as exc:
-        handle.seek(0)
-        owner = handle.read().strip() or "another process"
-        handle.close()
-        raise DataDirBusy(f"{data_dir} is in use by mesh-actor run (pid {owner}); use another --data-dir") from exc
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
-    return handle
 
 
 async def describe_engine(config: NodeConfig) -> tuple[LlamaServerInfo | None, str | None]:

@@ -16,6 +16,7 @@ accepted here is one the engine would accept too.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import re
 import struct
@@ -23,8 +24,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import BinaryIO, Protocol
-
-import gguf
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -210,11 +209,18 @@ _FIXED_STRUCT = {t: struct.Struct("<" + code) for t, (code, _) in _FIXED.items()
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
-# ggml type id -> (name, block size in elements, bytes per block); ids gguf knows but cannot size are unknown.
-_GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    int(t): (gguf.GGMLQuantizationType(t).name, int(block), int(size))
-    for t, (block, size) in gguf.GGML_QUANT_SIZES.items()
-}
+
+@functools.cache
+def _ggml_types() -> dict[int, tuple[str, int, int]]:
+    """ggml type id -> (name, block size in elements, bytes per block); ids gguf knows but cannot size are
+    unknown. Read from the `gguf` package on the first header parsed: importing it imports numpy (a fifth of a
+    second), which the command line's client commands never need."""
+    import gguf
+
+    return {
+        int(t): (gguf.GGMLQuantizationType(t).name, int(block), int(size))
+        for t, (block, size) in gguf.GGML_QUANT_SIZES.items()
+    }
 
 
 _VALUE_TYPES = frozenset(int(t) for t in GGUFValueType)
@@ -439,7 +445,7 @@ def _read_tensor_infos(r: _Reader, n_tensors: int, alignment: int) -> tuple[list
             shape.append(dim)
         type_at = r.pos
         ggml_type = r.u32(f"tensor {name!r} type")
-        known = _GGML_TYPES.get(ggml_type)
+        known = _ggml_types().get(ggml_type)
         if known is None:
             raise r.error(type_at, f"tensor {name!r}: unknown ggml type {ggml_type}")
         type_name, block, type_size = known

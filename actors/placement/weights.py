@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterable, Sequence
 
-import numpy as np
-
 from actors.placement.context import MemoryModelError, pad
 from messages.model import ModelGeometry, RepackGroup
 
@@ -116,6 +114,8 @@ def layer_devices(geometry: ModelGeometry, n_gpu_layers: int, gpu_split: Sequenc
     ngl = n_gpu_layers if n_gpu_layers >= 0 else n_all + 1
     start = max(n_all + 1 - ngl, 0)
     act = min(ngl, n_all + 1)
+    import numpy as np  # here: float32 as llama.cpp computes it; only a GPU split needs it (numpy loads slowly)
+
     weights = np.asarray(gpu_split, dtype=np.float32)
     if np.any(weights < 0) or float(weights.sum()) <= 0:
         raise MemoryModelError("the GPU split needs non-negative weights with a positive sum")

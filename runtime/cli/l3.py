@@ -45,7 +45,7 @@ from runtime.cli.common import (
     emit_json,
     prefix,
 )
-from runtime.launcher import DataDirBusy, lock_data_dir
+from runtime.datadir import DataDirBusy, lock_data_dir
 from runtime.sizes import format_size
 
 #: verify re-hashes a whole entry on the node: allow for a large one.

@@ -43,8 +43,8 @@ from runtime.cli.l3 import fetch_l3_totals
 from runtime.cli.models import ModelFile, asks_nodes, fetch_frontdoors, model_files, named_files
 from runtime.cli.runner import fetch_instances
 from runtime.config import ConfigError, NodeConfig, load_config
+from runtime.datadir import DataDirBusy
 from runtime.embedded import EmbeddedNatsError
-from runtime.launcher import DataDirBusy, JetStreamUnavailable, StartupInterrupted, load_catalog, run_node
 from runtime.logging import configure_logging
 from runtime.otlp import OtlpUnavailable
 from runtime.roles import Role, inbox_prefix, permissions
@@ -238,6 +238,10 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 async def cmd_run(args: argparse.Namespace) -> int:
+    # Imported here, not above: the launcher imports every actor (half a second), which only `run` needs; the
+    # client commands of this module (`status`, `nats-env`, `stop`) start without it.
+    from runtime.launcher import JetStreamUnavailable, StartupInterrupted, load_catalog, run_node
+
     flags = {
         "data_dir": args.data_dir,
         "node_id": args.node_id,
