@@ -89,6 +89,9 @@ class Timings:
     ready_timeout_s: float = 600.0  # spawn to /health 200 (a large model loads for minutes)
     verify_timeout_s: float = 30.0  # /health 200 to a verdict on /props, /slots and the log
     stop_grace_s: float = 10.0  # SIGTERM to SIGKILL
+    # SIGTERM to SIGKILL for a server that stopped answering: its task loop, which acts on SIGTERM, is what hangs,
+    # so waiting the whole grace would only delay the restart (a wedged server in the e2e test never exits on it)
+    hung_grace_s: float = 2.0
     kill_grace_s: float = 5.0  # SIGKILL to reporting the process stuck
     kill_retry_s: float = 5.0  # while stuck, SIGKILL is sent again this often (until the process exits)
     liveness_interval_s: float = 10.0  # a ready server's /health is checked this often
@@ -395,9 +398,10 @@ class Lifecycle:
 
     def _unresponsive(self, event: Event, now: float) -> list[Action]:
         assert isinstance(event, Unresponsive)
+        grace = self.timings.hung_grace_s
         if event.by_inference:
-            return self._terminate("crash", f"completions failed while /health answered: {event.detail}")
-        return self._terminate("crash", f"stopped answering /health: {event.detail}")
+            return self._terminate("crash", f"completions failed while /health answered: {event.detail}", grace)
+        return self._terminate("crash", f"stopped answering /health: {event.detail}", grace)
 
     def _member_lost(self, event: Event, now: float) -> list[Action]:
         assert isinstance(event, MemberLost)
@@ -449,10 +453,11 @@ class Lifecycle:
 
     # --- helpers ---------------------------------------------------------------------------------------
 
-    def _terminate(self, after: _After, reason: str) -> list[Action]:
+    def _terminate(self, after: _After, reason: str, grace_s: float | None = None) -> list[Action]:
+        """SIGTERM, then SIGKILL after `grace_s` (default: the stop grace)."""
         self.phase = Phase.TERMINATING
         self._after, self.reason, self._killed = after, reason, False
-        return [Signal("SIGTERM"), SetDeadline(self.timings.stop_grace_s)]
+        return [Signal("SIGTERM"), SetDeadline(self.timings.stop_grace_s if grace_s is None else grace_s)]
 
     def _crashed(self, code: int | None, reason: str, now: float, *, killed: bool = False) -> list[Action]:
         self._exit_code = code

@@ -90,8 +90,9 @@ def test_a_hung_ready_server_is_stopped_and_restarted_as_a_crash() -> None:
     ready(m)
     assert m.handle(Unresponsive(1, "3 checks in a row: timed out"), 5) == [
         Signal("SIGTERM"),
-        SetDeadline(TIMINGS.stop_grace_s),
+        SetDeadline(TIMINGS.hung_grace_s),  # shorter than a stop's: its hung loop would not act on SIGTERM
     ]
+    assert TIMINGS.hung_grace_s < TIMINGS.stop_grace_s
     assert m.handle(Unresponsive(1, "again"), 5) == []  # already being stopped
     assert m.handle(Exited(1, code=-15), 6) == [
         ReportCrashed(-15, 1, "stopped answering /health: 3 checks in a row: timed out"),
