@@ -395,7 +395,9 @@ async def test_hung_server_is_found_unresponsive_and_restarted(
     watchful = dataclasses.replace(
         FAST,
         http_timeout_s=0.5,
-        timings=dataclasses.replace(FAST.timings, liveness_interval_s=0.2, liveness_failures=2, stop_grace_s=1),
+        timings=dataclasses.replace(
+            FAST.timings, liveness_interval_s=0.2, liveness_failures=2, stop_grace_s=1, hung_grace_s=1
+        ),
     )
     async with runner(bus, tmp_path / "data", binary, Node(settings), limits=watchful):
         iid = (await _start(bus, "r-hang")).instance_id

@@ -66,7 +66,8 @@ def _ready_machine() -> Lifecycle:
 def test_completions_failing_while_health_answers_are_a_crash_that_says_so() -> None:
     machine = _ready_machine()
     detail = "3 completions failed in a row: POST /completion: no answer within 30s"
-    assert machine.handle(Unresponsive(1, detail, by_inference=True), 1) == [Signal("SIGTERM"), SetDeadline(5)]
+    hung = machine.handle(Unresponsive(1, detail, by_inference=True), 1)
+    assert hung == [Signal("SIGTERM"), SetDeadline(Timings().hung_grace_s)]  # SIGKILL soon: its task loop hangs
     crashed = machine.handle(Exited(1, -15), 2)[0]
     assert crashed == ReportCrashed(-15, 1, f"completions failed while /health answered: {detail}", killed=False)
     assert machine.state == "restarting"
