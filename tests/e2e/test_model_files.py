@@ -18,16 +18,17 @@ import msgspec
 import pytest
 
 from actors.files.actor import FilesActor
-from messages.placement import ModelRef, PlacementDecision, PlacementRequest
+from messages.placement import ModelRef, PlacementRequest
 from messages.runner import RunnerAck, StartInstance, StopInstance
 from messages.subjects import Subjects
 from runtime import buckets
-from runtime.bus import Bus, NoResponders, RemoteError, encode
+from runtime.bus import Bus, RemoteError, encode
 from runtime.children import free_port
 from runtime.config import NatsOptions
 from tests.conftest import JournalReader, node_process, of_type, run_cli, supervised
 from tests.e2e import test_runner as runner_tests
 from tests.e2e.test_mesh import QUIET, nats_env, wait_nodes
+from tests.integration.test_placement import place
 from tests.integration.test_placement import report as placement_report
 from tests.llama_harness import call_server, require_server
 from tests.tiny_models import write_llama
@@ -45,13 +46,7 @@ async def place_and_start(env: dict[str, str], path: str, node: str) -> str:
     bus = await Bus.connect(options, name="test")
     try:
         request = PlacementRequest(model=ModelRef(path=path), ctx=1024, nodes=(node,))
-        async with asyncio.timeout(60):
-            while True:
-                try:
-                    decision = await bus.request(S.placement_request, request, PlacementDecision, timeout=60)
-                    break
-                except NoResponders:  # a node's placement actor registers after its watches caught up
-                    await asyncio.sleep(0.1)
+        decision = await place(bus, request, timeout_s=60)  # asks again while the placement actor registers
         assert decision.admitted and decision.reservation_id, decision
         start = StartInstance(reservation_id=decision.reservation_id)
         ack = await bus.request(S.runner(node, "start"), start, RunnerAck, timeout=120)

@@ -85,12 +85,14 @@ def ask(path: Path | None = None, **fields: Any) -> PlacementRequest:
     return msgspec.convert({"model": model, "ctx": 4096, **fields}, PlacementRequest)
 
 
-async def place(bus: Bus, request: PlacementRequest, *, fit: bool = False) -> PlacementDecision:
+async def place(
+    bus: Bus, request: PlacementRequest, *, fit: bool = False, timeout_s: float = 10.0
+) -> PlacementDecision:
     subject = SUBJECTS.placement_fit if fit else SUBJECTS.placement_request
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(timeout_s):
         while True:
             try:
-                return await bus.request(subject, request, PlacementDecision, timeout=10)
+                return await bus.request(subject, request, PlacementDecision, timeout=timeout_s)
             except NoResponders:  # the actor is still registering
                 await asyncio.sleep(0.02)
 

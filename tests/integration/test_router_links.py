@@ -11,38 +11,19 @@ import msgspec
 import pytest
 from nats.aio.msg import Msg
 
-from actors.placement.geometry import geometry_from_header
-from actors.placement.gguf_header import read_header
-from actors.placement.memory import estimate
 from actors.router.actor import RouterActor
 from actors.router.links import REST_S
 from messages.events import LinkMeasured
 from messages.generate import GenerateRequest, GenerateResult, InstanceLoad, RunnerGenerate, ServingReport
-from messages.placement import Stamp
-from messages.runner import InstanceStatus
-from messages.settings import ServingSettings
 from messages.subjects import Subjects
-from runtime import buckets
 from runtime.bus import Bus, NoResponders, RemoteError, encode
 from runtime.generate_client import generate
 from tests.conftest import JournalReader, of_type, supervised
+from tests.integration.test_router_reports import ready_instance
 from tests.tiny_models import write_llama
 
 SUBJECTS = Subjects()
-PROMPT = list(range(1, 2001))  # long enough that a fast prefill node over a fast link wins (see `loads`)
-
-
-async def _records(bus: Bus, model: Path) -> None:
-    """Two ready instances of one model: i1 on n1 and i2 on n2."""
-    settings = ServingSettings(slots=2)
-    kv = await buckets.instances(bus, SUBJECTS)
-    for instance, node in (("i1", "n1"), ("i2", "n2")):
-        record = InstanceStatus(
-            id=instance, node=node, reservation_id=f"r-{instance}", state="ready", port=1234, model_path=str(model),
-            settings=Stamp(settings=settings, ctx=4096, n_gpu_layers=0),
-            predicted_memory=estimate(geometry_from_header(read_header(model)), settings, 4096),
-        )  # fmt: skip
-        await kv.put(SUBJECTS.instance_key(node, instance), encode(record))
+PROMPT = list(range(1, 2001))  # long enough that a fast prefill node over a fast link wins (see `_announce`)
 
 
 def _load(instance: str, *, busy: int, prefill_tokens_per_s: float) -> InstanceLoad:
@@ -77,7 +58,9 @@ async def test_a_link_whose_planned_prefill_failed_is_not_chosen_again_until_it_
     the next requests decode on i1 without a remote prefill (each would pay one more failed try) until the link
     has rested `REST_S`; then routing may choose it again."""
     clock = [1000.0]
-    await _records(bus, write_llama(tmp_path / "m.gguf"))
+    model = write_llama(tmp_path / "m.gguf")
+    for instance, node in (("i1", "n1"), ("i2", "n2")):  # two ready instances of one model
+        await ready_instance(bus, model, instance, node)
     orders: list[RunnerGenerate] = []
 
     async def runner(msg: Msg) -> None:  # n1's runner: every planned prefill on another node fails

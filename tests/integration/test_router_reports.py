@@ -26,15 +26,16 @@ from tests.tiny_models import write_llama
 SUBJECTS = Subjects()
 
 
-async def _ready_instance(bus: Bus, model: Path) -> None:
+async def ready_instance(bus: Bus, model: Path, instance: str = "i1", node: str = "n1") -> None:
+    """A ready instance's record of `model` (1 slot; the router takes the slots from a current load report)."""
     settings = ServingSettings(slots=1)
     record = InstanceStatus(
-        id="i1", node="n1", reservation_id="r1", state="ready", port=1234, model_path=str(model),
+        id=instance, node=node, reservation_id=f"r-{instance}", state="ready", port=1234, model_path=str(model),
         settings=Stamp(settings=settings, ctx=512, n_gpu_layers=0),
         predicted_memory=estimate(geometry_from_header(read_header(model)), settings, 512),
     )  # fmt: skip
     kv = await buckets.instances(bus, SUBJECTS)
-    await kv.put(SUBJECTS.instance_key("n1", "i1"), encode(record))
+    await kv.put(SUBJECTS.instance_key(node, instance), encode(record))
 
 
 async def _answers(bus: Bus) -> bool:
@@ -57,7 +58,7 @@ async def test_a_restarted_runner_whose_first_report_was_lost_is_seen_once_the_o
     # after a restart under load (benchmarks/chaos.py), a day's worth after a day. Once the report it holds has
     # expired, a lower number is a new runner, not a late report (while it is current, one is still dropped).
     clock = [1000.0]
-    await _ready_instance(bus, write_llama(tmp_path / "m.gguf"))
+    await ready_instance(bus, write_llama(tmp_path / "m.gguf"))
 
     async def runner(msg: Msg) -> None:  # the node's runner: answers every generation
         result = GenerateResult(
