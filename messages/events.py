@@ -412,6 +412,10 @@ class RequestUsage(Event, frozen=True, kw_only=True, tag="request_usage"):
     generated_tokens: int = 0
     duration_ms: float
     refused: str = ""  # the key's limit that refused it (`rpm`, `tpm`, `max_concurrent`), "" otherwise
+    # How many requests the event stands for: a front door journals the requests it refused before serving
+    # them (4xx: an unknown model, a bad body, a limit) as one event per key, model, endpoint, status and limit
+    # every few seconds, with their summed duration, so that a flood of refusals does not flood the journal.
+    count: int = 1
 
 
 # ---- L3 (the node's store of saved slot states; owned by the L3 actor) ----
@@ -526,7 +530,8 @@ class LinkMeasured(Event, frozen=True, kw_only=True, tag="link_measured"):
 class L3EvictionBlocked(Event, frozen=True, kw_only=True, tag="l3_eviction_blocked"):
     """Quarantine holds manifests that cannot be parsed: the segments they name are unknown, so no segment may
     be freed and the store cannot shrink. Captures that do not fit the budget are dropped (`eviction_blocked`)
-    until `mesh-actor l3 gc --quarantine` deletes the quarantined manifests."""
+    until the quarantined manifests are deleted: by the store's policy once it needs the room and they have
+    been kept a while (`l3_quarantine_cleared`), or at once by `mesh-actor l3 gc --quarantine`."""
 
     unreadable: tuple[str, ...]  # the quarantined manifests that cannot be parsed
     stored_bytes: int
@@ -573,6 +578,18 @@ class RpcLendEnded(LendEvent, frozen=True, kw_only=True, tag="rpc_lend_ended"):
     """A member stopped serving its part (its booking is gone, its RPC server gave up, or the runner stops)."""
 
     reason: str
+
+
+class L3QuarantineCleared(Event, frozen=True, kw_only=True, tag="l3_quarantine_cleared"):
+    """The L3 store deleted quarantined manifests by its policy, and freed the segments only they named:
+    `retention` (kept their whole retention) or `space` (the store needed the room, and they had been kept
+    their minimum). Why each was quarantined is its `l3_quarantined` event."""
+
+    manifests: tuple[str, ...]  # their names in quarantine/ (at most 32: `count` says how many)
+    count: int
+    reason: str  # retention | space
+    freed_bytes: int  # the manifests and the segments only they named
+    stored_bytes: int  # after
 
 
 AnyEvent = (
@@ -626,4 +643,5 @@ AnyEvent = (
     | RpcLent
     | RpcServerExited
     | RpcLendEnded
+    | L3QuarantineCleared
 )

@@ -99,8 +99,9 @@ class RelayHead(msgspec.Struct, frozen=True, kw_only=True):
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`model`: a registry name, a model path as placed, or an instance id. `prompt`: text, or token ids; or
-    `api`: a client's body for one of the instance's own endpoints (then `stream` must name the relay's subject:
-    `mesh.generate` refuses one without)."""
+    `api`: a client's body for one of the instance's own endpoints. `stream` is required by `mesh.generate`: an
+    inbox of the requester that answers the runner's pings (and receives chunks, or a pass-through's relayed
+    answer), so that a requester that left stops its generation at once, streamed or not."""
 
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
     prompt: (

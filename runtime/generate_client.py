@@ -31,12 +31,15 @@ from messages.generate import (
     RelayHead,
 )
 from messages.subjects import Subjects
-from runtime.bus import BadMessage, Bus, decode_checked
+from runtime.bus import BadMessage, Bus, BusError, decode_checked
 
 __all__ = ["StreamGap", "forward", "generate"]
 
 #: How long the reply may take beyond the generation's own timeout (routing and forwarding).
 REPLY_SLACK_S = 15.0
+#: How long a call whose requester left still waits for the runner's word on what the server did (it stops
+#: within a ping, `STREAM_PING_S`; a request still queued or routed answers later, and is not charged).
+SETTLE_S = 5.0
 
 
 class StreamGap(Exception):
@@ -105,6 +108,16 @@ async def generate(
             await sub.unsubscribe()
 
 
+async def _settle(call: asyncio.Task[GenerateResult]) -> GenerateResult | None:
+    """The reply of a call whose requester left (the runner, told by its next ping, answers what it did), or
+    None when none comes within `SETTLE_S` or it is an error."""
+    try:
+        async with asyncio.timeout(SETTLE_S):
+            return await call
+    except (TimeoutError, BusError):
+        return None
+
+
 async def forward(
     bus: Bus,
     subjects: Subjects,
@@ -114,11 +127,19 @@ async def forward(
     *,
     max_pending: int = 4096,
     router: str | None = None,
+    on_gone: Callable[[GenerateResult], None] | None = None,
 ) -> GenerateResult:
     """A pass-through request (`request.api`): its answer relayed to `on_head`, then `on_data` in order. To
-    `router` (a subject) when given, else to any node's router (`mesh.generate`, the queue group)."""
+    `router` (a subject) when given, else to any node's router (`mesh.generate`, the queue group).
+
+    A requester that leaves (this call cancelled, or `on_head`/`on_data` failing with a `ConnectionError`: its
+    connection closed) stops the server's work: the relay's subject is dropped at once, so the runner's next
+    ping finds nobody. The runner still answers with what the server did (the tokens it generated before it
+    stopped): that result goes to `on_gone` (to charge it), then the cancellation or the connection's error is
+    raised as it came."""
     subject = bus.nc.new_inbox()
     pieces: asyncio.Queue[tuple[int, bytes | RelayHead] | None] = asyncio.Queue()  # None: the reply came
+    gone: list[ConnectionError] = []  # the requester's connection closed while its answer was relayed
 
     async def on_message(msg: Msg) -> None:
         headers = msg.headers or {}
@@ -137,7 +158,7 @@ async def forward(
     next_seq = 0
     early: dict[int, bytes] = {}
 
-    async def deliver() -> None:
+    async def relay() -> None:
         nonlocal next_seq
         while True:
             piece = await pieces.get()
@@ -156,13 +177,34 @@ async def forward(
                 await on_data(early.pop(next_seq))
                 next_seq += 1
 
+    async def deliver() -> None:
+        try:
+            await relay()
+        except ConnectionError as exc:  # the requester's connection closed: the runner is told by its next ping
+            gone.append(exc)
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
     delivering = asyncio.create_task(deliver(), name="forward-relay")
     try:
         relayed = msgspec.structs.replace(request, stream=subject)
-        try:
-            result = await bus.request(
+        call = asyncio.create_task(
+            bus.request(
                 router or subjects.generate, relayed, GenerateResult, timeout=request.timeout_s + REPLY_SLACK_S
-            )
+            ),
+            name="forward-request",
+        )
+        try:
+            result = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            delivering.cancel()
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()  # first: the runner's next ping finds nobody and the server stops
+            settled = await _settle(call) if on_gone is not None else None
+            call.cancel()
+            if settled is not None and on_gone is not None:
+                on_gone(settled)
+            raise
         except BaseException:
             delivering.cancel()
             with contextlib.suppress(asyncio.CancelledError, StreamGap):
@@ -170,6 +212,10 @@ async def forward(
             raise
         pieces.put_nowait(None)  # the runner relayed everything before its reply: it is queued by now
         await delivering
+        if gone:
+            if on_gone is not None:
+                on_gone(result)
+            raise gone[0]
         if early or next_seq != result.relayed:
             raise StreamGap(f"{next_seq} of {result.relayed} relayed pieces arrived before the reply")
         return result

@@ -30,6 +30,13 @@ __all__ = ["CLIENT_LEFT", "Accounting"]
 
 #: The status journaled for a request whose client left before its answer (nginx's "client closed request").
 CLIENT_LEFT: Final = 499
+#: Requests refused before they were served are journaled together, one event per kind, this often.
+REFUSALS_WINDOW_S: Final = 5.0
+#: The most kinds of refusal (key, model, endpoint, status, limit) told apart within a window; past it, the
+#: rest are counted under the key alone (model and endpoint "").
+MAX_REFUSAL_KINDS: Final = 256
+
+_RefusalKind = tuple[str, str, str, str, int, str]  # tenant, key id, model, endpoint, status, limit
 
 
 class _Ticket:
@@ -62,10 +69,43 @@ class Accounting:
         self._log = log
         self._clock = clock
         self._unavailable = False  # the limits store failed the last admission (logged once until it answers)
+        self._refusals: dict[_RefusalKind, list[float]] = {}  # requests refused this window: count, duration
+        self._refused = asyncio.Event()
 
     async def run(self) -> None:
-        """The shared limits' flusher, for as long as the front door runs."""
-        await self.limits.run()
+        """The shared limits' flusher and the refusals' journal, for as long as the front door runs."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.limits.run(), name="limits-flusher")
+            tg.create_task(self._journal_refusals(), name="refusals-journal")
+
+    async def _journal_refusals(self) -> None:
+        """Each window's refusals as one `request_usage` event per kind (`count` of them), and the last ones at
+        the end."""
+        try:
+            while True:
+                await self._refused.wait()
+                await asyncio.sleep(REFUSALS_WINDOW_S)
+                self._refused.clear()
+                self.flush_refusals()
+        finally:
+            self.flush_refusals()
+
+    def flush_refusals(self) -> None:
+        refusals, self._refusals = self._refusals, {}
+        for (tenant, key_id, model, endpoint, status, refused), (count, duration_ms) in refusals.items():
+            self._emit(
+                RequestUsage, tenant=tenant, key_id=key_id, model=model, endpoint=endpoint, status=status,
+                duration_ms=duration_ms, refused=refused, count=int(count),
+            )  # fmt: skip
+
+    def _count_refusal(self, kind: _RefusalKind, duration_ms: float) -> None:
+        if kind not in self._refusals and len(self._refusals) >= MAX_REFUSAL_KINDS:
+            tenant, key_id, _, _, status, refused = kind
+            kind = (tenant, key_id, "", "", status, refused)
+        entry = self._refusals.setdefault(kind, [0, 0.0])
+        entry[0] += 1
+        entry[1] += duration_ms
+        self._refused.set()
 
     async def account(
         self, request: web.Request, key: TenantKey | None, endpoint: str, answer: Awaitable[web.StreamResponse]
@@ -85,7 +125,7 @@ class Accounting:
         except web.HTTPException as exc:  # aiohttp's own (a body over the limit: 413)
             status = exc.status
             raise
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, ConnectionError):  # the client left (charged what the server did)
             status = CLIENT_LEFT
             raise
         finally:
@@ -93,12 +133,18 @@ class Accounting:
             prompt, generated = (result.prompt_tokens, result.tokens_generated) if result is not None else (0, 0)
             if ticket.admitted and key is not None:
                 self.limits.release(key, prompt + generated)
-            self._emit(
-                RequestUsage, tenant=key.tenant if key else "", key_id=key.key_id if key else "", model=ticket.model,
-                endpoint=endpoint, status=status, prompt_tokens=prompt, generated_tokens=generated,
-                cached_tokens=result.tokens_cached if result is not None else 0,
-                duration_ms=(self._clock() - started) * 1000, refused=ticket.refused,
-            )  # fmt: skip
+            duration_ms = (self._clock() - started) * 1000
+            tenant, key_id = (key.tenant, key.key_id) if key is not None else ("", "")
+            if result is None and 400 <= status < 500 and status != CLIENT_LEFT:
+                # journaled with the window's other refusals of its kind
+                self._count_refusal((tenant, key_id, ticket.model, endpoint, status, ticket.refused), duration_ms)
+            else:
+                self._emit(
+                    RequestUsage, tenant=tenant, key_id=key_id, model=ticket.model, endpoint=endpoint,
+                    status=status, prompt_tokens=prompt, generated_tokens=generated,
+                    cached_tokens=result.tokens_cached if result is not None else 0, duration_ms=duration_ms,
+                    refused=ticket.refused,
+                )  # fmt: skip
 
     async def admit(self, request: web.Request, model: str) -> None:
         """Counts the request against its key's limits (none for the admin key or an open door), for `model` (the

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -351,12 +352,12 @@ class FrontDoorActor(ModelsOnDemand, Actor):
         except ValueError as exc:
             raise shapes.ApiError(BAD_REQUEST, str(exc)) from exc
         name = body.get("model")
-        if not isinstance(name, str) or not name:
+        if not isinstance(name, str) or not name or len(name) > MAX_MODEL_NAME:
             raise shapes.ApiError(BAD_REQUEST, "`model` is required: a model of /v1/models", param="model")
         span.rename(f"{tracing.operation(endpoint)} {name}")
         span.update(tracing.request_attributes(endpoint, name))
+        await self._accounting.admit(request, name)  # the key's limits (429 or 503 here): a 404 counts too
         model = self._model(name, request)
-        await self._accounting.admit(request, name)  # the key's limits: 429 or 503 here
         loop = asyncio.get_running_loop()
         deadline = loop.time() + model.entry.timeout_s
         request_class = _request_class(request.get(TENANT_KEY))
@@ -374,7 +375,9 @@ class FrontDoorActor(ModelsOnDemand, Actor):
         try:
             span.update({"mesh.request_id": order.request_id})
             try:
-                result = await self._forward(order, relay, deadline)
+                # A client that leaves is charged what the server did all the same (the runner says what)
+                charge = functools.partial(self._accounting.answered, request)
+                result = await self._forward(order, relay, deadline, charge)
                 self._accounting.answered(request, result)
                 if span.recording:
                     span.update(tracing.result_attributes(result))
@@ -393,7 +396,9 @@ class FrontDoorActor(ModelsOnDemand, Actor):
             model.last_used = self._clock()
             self._instance_used[instance.id] = model.last_used
 
-    async def _forward(self, order: GenerateRequest, relay: Relay, deadline: float) -> GenerateResult:
+    async def _forward(
+        self, order: GenerateRequest, relay: Relay, deadline: float, on_gone: Callable[[GenerateResult], None]
+    ) -> GenerateResult:
         """`order` through this node's own router (a request the queue group handed to a frozen peer's router
         would wait there until its deadline), any node's while it is away (restarting) or full (`busy`: its
         workers all hold generations), asked again while none listens (nothing was sent, nothing relayed)."""
@@ -404,13 +409,13 @@ class FrontDoorActor(ModelsOnDemand, Actor):
         async def once() -> GenerateResult:
             timed = msgspec.structs.replace(order, timeout_s=max(1.0, deadline - loop.time()))
             try:
-                return await forward(bus, subjects, timed, relay.head, relay.data, router=own)
+                return await forward(bus, subjects, timed, relay.head, relay.data, router=own, on_gone=on_gone)
             except NoResponders:
                 pass
             except RemoteError as exc:
                 if exc.reply.code != BUSY:
                     raise
-            return await forward(bus, subjects, timed, relay.head, relay.data)
+            return await forward(bus, subjects, timed, relay.head, relay.data, on_gone=on_gone)
 
         # This door saw the instance ready (its own watch of the records): a router whose watch has not yet says
         # `no_instance` for a moment. Nothing ran: asked again, for at most `_ROUTER_LAG_S`.
@@ -464,6 +469,9 @@ class FrontDoorActor(ModelsOnDemand, Actor):
                     last, since = unchanged, now
             await asyncio.sleep(1.0)
 
+
+#: The longest model name a request may give (a catalog name; what the journal records of a refused one).
+MAX_MODEL_NAME: Final = 256
 
 #: How long a router may lag behind this door in seeing an instance ready (its `no_instance` is asked again).
 _ROUTER_LAG_S: Final = 5.0

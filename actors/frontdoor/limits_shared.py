@@ -21,7 +21,7 @@ How exact it is:
   requests admitted together can all run and overdraw the bucket (a debt that refuses later requests until it
   is refilled). The charge reaches the record within `FLUSH_LINGER_S` (50 ms) of the answer, plus a round trip;
   until then only this front door knows it. A request whose client left before the answer was complete is
-  charged nothing.
+  charged what the server did all the same (the prompt and the tokens generated until it stopped).
 * Concurrent requests: admissions are serialized by the same compare-and-set, so the sum of front doors' counts
   never exceeds the limit. A release reaches the record up to `FLUSH_LINGER_S` after the answer: another front
   door may refuse in that moment (never admit too many). A front door that crashes, or is cut from NATS, keeps

@@ -4,6 +4,7 @@ mesh's own errors in the shape the client's API uses (OpenAI's, or Anthropic's),
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Final
 
@@ -14,10 +15,12 @@ from messages.generate import RelayHead
 from runtime.bus import BusError, NoResponders, RequestTimeout
 from runtime.generate_client import StreamGap
 
-__all__ = ["MAX_ANSWER_BYTES", "Relay", "bus_failure", "error_response"]
+__all__ = ["MAX_ANSWER_BYTES", "PARSE_ON_LOOP_BYTES", "Relay", "bus_failure", "error_response"]
 
 #: Largest whole (not streamed) answer the front door buffers to rename its model.
 MAX_ANSWER_BYTES: Final = 64 << 20
+#: A whole answer larger than this is parsed in a worker thread, not on the event loop.
+PARSE_ON_LOOP_BYTES: Final = 256 << 10
 
 
 def error_response(error: shapes.ApiError, shape: shapes.Shape, *, status: int | None = None) -> web.Response:
@@ -60,6 +63,8 @@ class Relay:
         body = bytes(self._whole)
         if head.status >= 400:
             body = shapes.server_error_body(head.status, body, self._shape)
+        elif len(body) > PARSE_ON_LOOP_BYTES:  # parsed off the event loop: other requests go on meanwhile
+            body = await asyncio.to_thread(shapes.rename_json, body, self._name)
         else:
             body = shapes.rename_json(body, self._name)
         return web.Response(body=body, status=head.status, headers={"Content-Type": head.content_type})

@@ -331,7 +331,7 @@ class NodeMetrics:
                 self._tenants.add(tenant)
         labels = (self.node_id, e.model or UNKNOWN, tenant)
         status = str(e.status) if 100 <= e.status <= 599 else "other"
-        self._add("mesh_frontdoor_tenant_requests", (*labels, status))
+        self._add("mesh_frontdoor_tenant_requests", (*labels, status), max(1, e.count))
         for kind, tokens in (
             ("prompt", e.prompt_tokens),
             ("cached", e.cached_tokens),

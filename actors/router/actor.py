@@ -263,8 +263,12 @@ class RouterActor(Actor):
 
     async def _generate(self, ctx: ActorContext, request: GenerateRequest, span: tracing.Hop) -> GenerateResult:
         started = time.perf_counter()
-        if request.api is not None and request.stream is None:
-            raise RequestError(BAD_REQUEST, "a pass-through (`api`) request names a `stream` subject for its answer")
+        if request.stream is None:  # without it, a requester that left would hold its slot to the timeout
+            raise RequestError(
+                BAD_REQUEST, "a generation names a `stream` subject (an inbox of yours that answers the runner's "
+                "pings; chunks come there when `chunks` is true): how the mesh knows its requester still waits",
+                {"path": "$.stream"},
+            )  # fmt: skip
         request_id = request.request_id or uuid.uuid4().hex
         matching = await self._matching(request.model)
         if request.prefill_node is not None and any(s.node != request.prefill_node for s in matching):

@@ -25,6 +25,7 @@ does not answer is the runner's error (`unavailable`, and evidence for health by
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ __all__ = ["Forwarder"]
 _log = get_logger(component="forward")
 #: How much of a relayed stream's JSON the runner parses for its token counts: only events that carry them.
 _COUNTED: Final = (b'"usage"', b'"timings"')
+#: A whole answer larger than this is parsed for its counts in a worker thread, not on the event loop.
+_PARSE_ON_LOOP_BYTES: Final = 256 << 10
 
 
 @dataclass
@@ -103,13 +106,16 @@ class Forwarder:
             body = passthrough.decode_body(bytes(call.body))
         except ValueError as exc:
             raise RequestError(BAD_REQUEST, str(exc)) from exc
+        _refuse_asks(instance, call.endpoint, body, serving.limits.asks)
         relay = ChunkStream(serving.bus, request.stream, order.request_id, serving.limits.stream_silence_s)
         path = API_PATHS[call.endpoint]
         if passthrough.endpoint_kind(call.endpoint) != "generate":
             exchange = await self._exchange(instance, path, body, relay, order, slot=None)
             return self._result(instance, order, started, exchange, relay, slot=-1)
         tokens = list(order.tokens) if order.tokens else await self.render(instance, call.endpoint, body)
-        claim = claim_of(request, len(tokens or ()), passthrough.generation_bound(body))
+        if tokens is None:  # not rendered here: the server will, so its texts are bounded first
+            _refuse_oversize_sizes(instance, call.endpoint, body)
+        claim = claim_of(request, len(tokens or ()), passthrough.generation_bound(call.endpoint, body))
         grant = await serving.acquire(instance, tokens or (), claim, order.request_id)
         slot = grant.slot
         identity = instance.identity
@@ -133,7 +139,8 @@ class Forwarder:
                 generated=counts.generated,
             )  # fmt: skip
             result = self._result(instance, order, started, exchange, relay, slot=slot, source=source,
-                                  restored=plan.restored_tokens, capture=plan.capture_note)  # fmt: skip
+                                  restored=plan.restored_tokens, capture=plan.capture_note,
+                                  prompt_tokens=len(tokens or ()))  # fmt: skip
             if action.step is Step.RELEASE:
                 serving.release(instance, slot, captures.held_tokens(plan, tokens, None))
             else:  # the captures after the answer run off the reply's path; they give the slot back
@@ -175,7 +182,9 @@ class Forwarder:
                     whole = await _read(response.content, MAX_JSON_BYTES, path)
                     exchange.first_data, exchange.whole = time.perf_counter(), True
                     await relay.data(whole)
-                    exchange.answers = [_json(whole)]
+                    # read for its token counts; a large answer off the event loop (other slots' relays go on)
+                    large = len(whole) > _PARSE_ON_LOOP_BYTES
+                    exchange.answers = [await asyncio.to_thread(_json, whole) if large else _json(whole)]
 
         async def watch() -> None:
             try:
@@ -259,8 +268,15 @@ class Forwarder:
         source: PrefixSource = "cold",
         restored: int = 0,
         capture: str = "off",
+        prompt_tokens: int = 0,
     ) -> GenerateResult:
+        """The result of an exchange. A requester that left is charged what the server did all the same: the
+        prompt as rendered here (when the answer never said) and the tokens the slot had decoded."""
         counts = passthrough.answer_tokens(exchange.answers or [])
+        if exchange.cancelled:
+            counts = dataclasses.replace(
+                counts, prompt=counts.prompt or prompt_tokens, generated=max(counts.generated, exchange.decoded)
+            )
         now = time.perf_counter()
         timings = next((a.get("timings") for a in reversed(exchange.answers or []) if isinstance(a, dict)
                         and isinstance(a.get("timings"), dict)), None)  # fmt: skip
@@ -291,6 +307,27 @@ class Forwarder:
             status=exchange.status,
             relayed=relay.seq,
         )
+
+
+def _refuse_asks(instance: ServedInstance, endpoint: str, body: dict[str, Any], limits: passthrough.AskLimits) -> None:
+    """What a body may not ask of an instance (several completions, too many alternatives per token, prompts
+    its slot can never hold) is a client error before the server does any work."""
+    refused = passthrough.refused_asks(endpoint, body, limits)
+    if refused is not None:
+        raise RequestError(BAD_REQUEST, refused)
+    if passthrough.endpoint_kind(endpoint) != "generate":
+        _refuse_oversize_sizes(instance, endpoint, body)
+
+
+def _refuse_oversize_sizes(instance: ServedInstance, endpoint: str, body: dict[str, Any]) -> None:
+    try:
+        sizes = passthrough.prompt_sizes(endpoint, body)
+    except ValueError as exc:
+        raise RequestError(BAD_REQUEST, str(exc)) from exc
+    for size in sizes:
+        refused = oversize(instance.context, text_bytes=size)
+        if refused is not None:
+            raise RequestError(BAD_REQUEST, *refused)
 
 
 def _refuse_oversize(instance: ServedInstance, text: str) -> None:

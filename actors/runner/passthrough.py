@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeGuard
 
 import msgspec
 
@@ -33,6 +33,7 @@ from messages.generate import GENERATING_ENDPOINTS, StopReason
 
 __all__ = [
     "AnswerTokens",
+    "AskLimits",
     "EndpointKind",
     "Given",
     "SseCutter",
@@ -43,7 +44,10 @@ __all__ = [
     "decode_body",
     "endpoint_kind",
     "forward_body",
+    "generation_bound",
     "has_media",
+    "prompt_sizes",
+    "refused_asks",
     "render_plan",
     "slot_decoded",
     "sse_data",
@@ -131,19 +135,115 @@ def streamed(body: Mapping[str, Any]) -> bool:
     return body.get("stream") is True
 
 
-#: The fields that bound a generation, in OpenAI's (chat, completions), Anthropic's, the Responses and
-#: llama-server's own shapes.
-_GENERATION_BOUNDS: Final = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict")
+#: The fields that bound a generation, in the order llama-server reads them (`n_predict`, else its aliases
+#: `max_completion_tokens`, then `max_tokens`); the Responses shape's `max_output_tokens` is converted to
+#: `max_tokens` first, and Anthropic's Messages take `max_tokens` alone (4096 when absent).
+_GENERATION_BOUNDS: Final = ("n_predict", "max_completion_tokens", "max_tokens")
+_MESSAGES_DEFAULT_MAX_TOKENS: Final = 4096
 
 
-def generation_bound(body: Mapping[str, Any]) -> int | None:
-    """The most tokens the body lets the server generate (for the queue's cost estimate), None when it names no
-    positive bound (llama-server's -1 or none: until the context ends)."""
-    for field in _GENERATION_BOUNDS:
-        value = body.get(field)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
+def generation_bound(endpoint: str, body: Mapping[str, Any]) -> int | None:
+    """The most tokens the server will generate for this body, read as the server reads it (the queue's cost
+    and the bound the request is charged by are the one the engine obeys); None when it is unbounded (-1, or no
+    bound: until the context ends)."""
+    if endpoint in ("messages", "count_tokens"):
+        value: Any = body.get("max_tokens", _MESSAGES_DEFAULT_MAX_TOKENS)
+    else:
+        fields = dict(body)
+        if endpoint in ("responses", "responses_input_tokens") and "max_output_tokens" in fields:
+            fields["max_tokens"] = fields["max_output_tokens"]
+        value = next((fields[f] for f in _GENERATION_BOUNDS if fields.get(f) is not None), None)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
     return None
+
+
+@dataclass(frozen=True)
+class AskLimits:
+    """What one request may ask of an instance beyond its prompt: the answer's size grows with these, and the
+    mesh books (and charges) one slot per request."""
+
+    max_top_logprobs: int = 20  # OpenAI's own bound on `top_logprobs`; llama-server's `n_probs` has none
+
+
+#: The fields that ask for several completions (llama-server's `n_cmpl`, and its alias `n`).
+_CHOICES: Final = ("n_cmpl", "n")
+#: The fields that ask for each token's most likely alternatives (`logprobs` is an alias of `n_probs` when it
+#: is a number; a boolean `logprobs` is OpenAI's chat switch, whose count is `top_logprobs`, 20 by default).
+_ALTERNATIVES: Final = ("n_probs", "top_logprobs", "logprobs")
+
+
+def refused_asks(endpoint: str, body: Mapping[str, Any], limits: AskLimits) -> str | None:
+    """Why the body asks more than one request may (a client error naming the field), or None. Checked on the
+    raw body before any work: a 79-byte body asking 32,000 alternatives per token makes a server answer 62 MB."""
+    if endpoint_kind(endpoint) != "generate":
+        return None
+    prompt = body.get("prompt")
+    if (
+        endpoint == "completions"
+        and isinstance(prompt, list)
+        and len(prompt) > 1
+        and not all(type(t) is int for t in prompt)
+    ):
+        return f"{len(prompt)} prompts: the mesh serves one prompt per request (it books one slot); send each alone"
+    for field in _CHOICES:
+        value = body.get(field)
+        if _number(value) and value != 1:
+            return (f"`{field}` = {value}: the mesh serves one completion per request (it books and charges one "
+                    "slot); send several requests instead")  # fmt: skip
+    for field in _ALTERNATIVES:
+        value = body.get(field)
+        if _number(value) and float(value) > limits.max_top_logprobs:
+            return f"`{field}` = {value}: at most {limits.max_top_logprobs} alternatives per token"
+    return None
+
+
+#: The fields a generation's or a count's prompt is rendered from (its messages, system text, tools, input).
+_PROMPT_FIELDS: Final = ("messages", "prompt", "input", "system", "instructions", "tools")
+#: The most inputs one embeddings or rerank request may carry (OpenAI's bound on an embeddings `input`).
+MAX_POOLED_INPUTS: Final = 2048
+
+
+def prompt_sizes(endpoint: str, body: Mapping[str, Any]) -> list[int]:
+    """Upper bounds, in UTF-8 bytes, of each prompt the server would tokenize for this body: one for a
+    generation or a count (every text its prompt is rendered from), one per input of an embeddings request,
+    the query with each document of a rerank. Checked against the slot's context before the server tokenizes
+    anything (`slots.oversize`); ValueError past `MAX_POOLED_INPUTS` inputs."""
+    if endpoint_kind(endpoint) != "pooled":
+        return [sum(_text_bytes(body.get(field)) for field in _PROMPT_FIELDS)]
+    if endpoint == "rerank":
+        documents = body.get("documents", body.get("texts"))
+        items = documents if isinstance(documents, list) else [documents]
+        query = _text_bytes(body.get("query"))
+        sizes = [query + _text_bytes(d) for d in items]
+    else:
+        given = body.get("input", body.get("content"))
+        items = given if isinstance(given, list) and not all(type(t) is int for t in given) else [given]
+        sizes = [_text_bytes(item) for item in items]
+    if len(sizes) > MAX_POOLED_INPUTS:
+        raise ValueError(f"{len(sizes)} inputs: at most {MAX_POOLED_INPUTS} in one request")
+    return sizes
+
+
+def _text_bytes(value: Any) -> int:
+    """The UTF-8 bytes of every string in `value` (token ids count 1 byte each: a lower bound of their text)."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item.encode("utf-8", errors="surrogatepass"))
+        elif isinstance(item, int) and not isinstance(item, bool):
+            total += 1
+        elif isinstance(item, dict) and item.get("type") not in _MEDIA_PARTS:  # media is not tokenized as text
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
+
+
+def _number(value: Any) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 #: Content parts that are not text, in OpenAI's chat, Anthropic's and the Responses shapes.

@@ -32,7 +32,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -44,6 +44,7 @@ from actors.router.prefixes import resident_prefixes
 from actors.runner import captures, passthrough
 from actors.runner.fairqueue import Claim, Waiter, claim_of
 from actors.runner.forward import Forwarder
+from actors.runner.passthrough import AskLimits
 from actors.runner.plan import ServingPlan, Step
 from actors.runner.server_api import ServerApi, ServerApiError, sampling_body
 from actors.runner.slots import ANYONE, Grant, PromptLimit, SlotTable, oversize
@@ -98,6 +99,7 @@ class ServingLimits:
     report_interval_s: float = 2.0
     report_ttl_s: float = 10.0
     stream_silence_s: float = 5.0  # a streaming client that answers no ping this long is gone
+    asks: AskLimits = field(default_factory=AskLimits)  # what a pass-through may ask (`passthrough`)
 
 
 def state_identity(

@@ -49,16 +49,18 @@ class PromptLimit:
 
 
 def oversize(
-    limit: PromptLimit, *, text: str | None = None, tokens: int | None = None
+    limit: PromptLimit, *, text: str | None = None, tokens: int | None = None, text_bytes: int | None = None
 ) -> tuple[str, dict[str, int]] | None:
     """Why a prompt can never fit its slot (a message and details), or None: token ids over the context, or text
     longer than the context's tokens could cover (tokenizing a megabyte costs a server a minute of both cores)."""
     if limit.n_ctx_seq and tokens is not None and tokens > limit.n_ctx_seq:
         why = f"the prompt has {tokens} tokens, over the context of {limit.n_ctx_seq}"
         return why, {"n_prompt_tokens": tokens, "n_ctx": limit.n_ctx_seq}
-    if limit.n_ctx_seq and limit.longest_token_bytes and text is not None:
+    if text is not None:
+        text_bytes = len(text.encode("utf-8", errors="surrogatepass"))
+    if limit.n_ctx_seq and limit.longest_token_bytes and text_bytes is not None:
         most = limit.n_ctx_seq * limit.longest_token_bytes
-        size = len(text.encode("utf-8", errors="surrogatepass"))
+        size = text_bytes
         if size > most:
             why = (f"the prompt is {size} bytes: its context of {limit.n_ctx_seq} tokens holds at most {most} bytes "
                    f"of text (no token covers more than {limit.longest_token_bytes})")  # fmt: skip

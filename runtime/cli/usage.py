@@ -38,7 +38,9 @@ def _row(tenant: str, model: str) -> dict[str, Any]:
 
 
 def _add(row: dict[str, Any], event: dict[str, Any]) -> None:
-    row["requests"] += 1
+    count = event.get("count", 1)
+    count = count if isinstance(count, int) and count > 0 else 1  # refusals are journaled many to an event
+    row["requests"] += count
     for name in _FIELDS:
         value = event.get(name)
         row[name] += value if isinstance(value, int) and value >= 0 else 0
@@ -46,10 +48,10 @@ def _add(row: dict[str, Any], event: dict[str, Any]) -> None:
     duration = event.get("duration_ms")
     row["duration_ms"] += float(duration) if isinstance(duration, int | float) else 0.0
     status = str(event.get("status", "?"))
-    row["statuses"][status] = row["statuses"].get(status, 0) + 1
+    row["statuses"][status] = row["statuses"].get(status, 0) + count
     refused = event.get("refused")
     if isinstance(refused, str) and refused:
-        row["refused"][refused] = row["refused"].get(refused, 0) + 1
+        row["refused"][refused] = row["refused"].get(refused, 0) + count
 
 
 def summarize(

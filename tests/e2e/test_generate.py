@@ -188,7 +188,9 @@ async def test_malformed_generate_requests_get_structured_errors_and_the_node_ke
                 (b'{"model": "dense", "prompt": "hi", "sampling": {"temperature": -1}}', "bad_request", None),
                 (b'{"model": "dense", "prompt": "hi", "stream": "a b"}', "bad_request", "$.stream"),
                 (b'{"model": "dense", "prompt": "hi", "stream": "mesh.events.x"}', "bad_request", "$.stream"),
-                (b'{"model": "no-such-model", "prompt": "hi"}', "no_instance", None),
+                # no `stream`: nothing would tell the runner its requester left
+                (b'{"model": "dense", "prompt": "hi"}', "bad_request", "$.stream"),
+                (b'{"model": "no-such-model", "prompt": "hi", "stream": "_INBOX.t.1"}', "no_instance", None),
                 (b'{"model": "dense", "prompt": [1, 2], "request_id": "../x"}', "bad_request", None),
                 (b"[" * 5000 + b"]" * 5000, "bad_request", None),
             ]

@@ -109,7 +109,6 @@ MATRIX: list[tuple[str, dict[str, Any]]] = [
             "logit_bias": {"70": 3},
         },
     ),
-    ("/v1/chat/completions", {"messages": USER, "max_tokens": 5, "temperature": 0, "n": 2}),
     ("/v1/chat/completions", {"messages": USER, "max_tokens": 30, "temperature": 0, "stop": ["a", "e"]}),
     ("/v1/chat/completions", {"messages": TURNS, "tools": [WEATHER], "max_tokens": 8, "temperature": 0}),
     ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}),
@@ -309,6 +308,7 @@ async def _events(data_dir: Path, kind: str) -> list[dict[str, Any]]:
 async def test_a_client_that_leaves_stops_its_generation(door: Door, streamed: bool) -> None:
     server = f"http://127.0.0.1:{await door.server_port()}"
     before = len(await _events(door.data_dir, "runner.generate_cancelled"))
+    usage_before = await _events(door.data_dir, "frontdoor.request_usage")
     # llama-server's own `ignore_eos`: the answer runs until the context is full, or the client leaves
     body = {
         "model": "chat",
@@ -340,6 +340,13 @@ async def test_a_client_that_leaves_stops_its_generation(door: Door, streamed: b
         while len(cancelled := await _events(door.data_dir, "runner.generate_cancelled")) == before:
             await asyncio.sleep(0.2)
     assert cancelled[-1]["endpoint"] == "chat" and cancelled[-1]["tokens_generated"] > 0
+    # ... and is charged what the server did all the same (issue 30, F2: a client that left was charged nothing)
+    async with asyncio.timeout(10):
+        while not (left_usage := [u for u in await _events(door.data_dir, "frontdoor.request_usage")
+                                  if u["status"] == 499 and u not in usage_before]):  # fmt: skip
+            await asyncio.sleep(0.2)
+    (usage,) = left_usage
+    assert usage["generated_tokens"] >= cancelled[-1]["tokens_generated"] > 0 and usage["prompt_tokens"] > 0, usage
 
 
 async def test_bad_input_gets_the_endpoints_error_shape_and_the_node_keeps_serving(door: Door) -> None:
@@ -389,3 +396,27 @@ async def test_bad_input_gets_the_endpoints_error_shape_and_the_node_keeps_servi
     assert time.monotonic() - started < 5 and not await _slot_busy(server)
     status, fine = await post(door.url, "/v1/chat/completions", {"model": "chat", "messages": USER, "max_tokens": 2})
     assert status == 200 and fine["choices"]
+
+
+async def test_what_one_request_may_not_ask_is_refused_before_the_server_does_any_work(door: Door) -> None:
+    """Issue 30: a 79-byte body asking 32,000 alternatives per token made a server answer 62 MB (F3); `n = 2` ran
+    in a slot the mesh had not booked, charged as one (F4); a count or a list of prompts was tokenized whole
+    before any refusal (F11). Each is the endpoint's 400 naming the field, and the slot stays idle."""
+    server = f"http://127.0.0.1:{await door.server_port()}"
+    for path, body, field in (
+        ("/v1/completions", {"prompt": "hi", "n_probs": 32000, "max_tokens": 20}, "n_probs"),
+        ("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 500}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 5, "n": 2}, "`n`"),
+        ("/v1/completions", {"prompt": ["one", "two"], "max_tokens": 2}, "2 prompts"),
+        ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "w" * 600_000}]}, "holds at most"),
+        ("/v1/responses/input_tokens", {"input": "w" * 600_000}, "holds at most"),
+    ):
+        started = time.monotonic()
+        status, refused = await post(door.url, path, {"model": "chat", **body})
+        assert status == 400, (path, refused)
+        message = refused["error"]["message"]
+        assert field in message, (path, message)
+        assert time.monotonic() - started < 5 and not await _slot_busy(server)
+    status, fine = await post(door.url, "/v1/completions", {"model": "chat", "prompt": "hi", "max_tokens": 2,
+                                                            "n_probs": 20})  # fmt: skip
+    assert status == 200 and fine["choices"], fine

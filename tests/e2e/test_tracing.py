@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
+from nats.aio.msg import Msg
 
 from messages.generate import GenerateRequest, GenerateResult
 from runtime.bus import Bus, decode
@@ -156,7 +157,16 @@ async def test_one_requests_traceparent_is_on_each_of_its_journal_events_across_
                                       password=env["MESH_ACTOR_NATS_PASSWORD"])  # fmt: skip
                 bus = await Bus.connect(options, name="tracing-test")
                 try:
-                    order = GenerateRequest(model="alpha", prompt=PROMPT, n_predict=4, timeout_s=60)
+                    pings = bus.nc.new_inbox()  # what a raw client names as its `stream`: it answers the pings
+
+                    async def answer(msg: Msg) -> None:
+                        if msg.reply:
+                            await msg.respond(b"")
+
+                    await bus.nc.subscribe(pings, cb=answer)
+                    order = GenerateRequest(
+                        model="alpha", prompt=PROMPT, n_predict=4, timeout_s=60, stream=pings, chunks=False
+                    )
                     reply = await bus.nc.request(
                         "mesh.generate", msgspec.json.encode(order), timeout=75,
                         headers={"traceparent": f"00-{NATS_TRACE}-b7ad6b7169203331-01"},

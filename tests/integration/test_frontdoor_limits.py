@@ -41,6 +41,7 @@ from messages.tenants import TenantKey
 from runtime import buckets
 from runtime.bus import Bus, decode, encode
 from runtime.cli import usage as usage_cli
+from runtime.cli.journal import read_events
 from tests import tiny_models
 from tests.conftest import NatsServer, supervised
 from tests.integration.test_cli_runner import nats_flags
@@ -275,8 +276,9 @@ async def test_usage_sums_equal_the_answers_own_usage(
         row = rows[(tenant, "m")]
         assert (row["requests"], row["prompt_tokens"], row["generated_tokens"]) == (requests, prompt, generated), row
         assert row["cached_tokens"] == requests
-    assert rows[("beta", "")]["requests"] == 2 and rows[("beta", "")]["prompt_tokens"] == 0
-    assert rows[("beta", "")]["statuses"] == {"404": 1, "400": 1}
+    assert rows[("beta", "")]["requests"] == 1 and rows[("beta", "")]["prompt_tokens"] == 0
+    assert rows[("beta", "")]["statuses"] == {"400": 1}
+    assert rows[("beta", "absent")]["statuses"] == {"404": 1}  # the name it asked for, though none such exists
     args = parser.parse_args(["usage", "--json", "--tenant", "acme", *nats_flags(nats_server)])
     assert await args.func(args) == 0
     only = json.loads(capsys.readouterr().out)
@@ -287,6 +289,38 @@ async def test_usage_sums_equal_the_answers_own_usage(
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:3] == ["TENANT", "MODEL", "REQUESTS"] and table[-1].split()[:3] == ["total", "-", "7"]
     assert any(line.split()[:3] == ["acme", "m", "3"] for line in table), table
+
+
+async def test_a_flood_of_refused_requests_is_journaled_as_a_few_events_and_counted_against_the_key(
+    bus: Bus, nats_server: NatsServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 30, F5: every refused request journaled ~510 bytes of its own (6,000 events in 8 s) and a 404 cost
+    no rpm. Refusals are journaled one event per kind per window, with their count; a 404 spends the key's rpm."""
+    model = await ready_instance(bus, tmp_path)
+    key, _ = await issue(bus, "acme", rpm=30)
+    async with Router(bus), doors(bus, model, count=1) as (a,):
+        api = client(a, key)
+        statuses = []
+        for _ in range(40):
+            try:
+                await api.completions.create(model="absent", prompt="x", max_tokens=1)
+            except openai.APIStatusError as exc:
+                statuses.append(exc.status_code)
+        # 30 requests of a minute's budget were spent on a model that does not exist; then the key is refused
+        assert statuses == [404] * 30 + [429] * 10, statuses
+    events = []
+    async for stored in read_events(bus, SUBJECTS, "frontdoor.request_usage", since=None, follow=False):
+        events.append(json.loads(stored.data))
+    refused = [e for e in events if e["tenant"] == "acme"]
+    assert 1 <= len(refused) <= 4, refused  # one per kind (404, 429) per window: not one per request
+    assert sum(e["count"] for e in refused if e["status"] == 404) == 30
+    assert sum(e["count"] for e in refused if e["status"] == 429 and e["refused"] == "rpm") == 10
+    parser = argparse.ArgumentParser(prog="mesh-actor")
+    usage_cli.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["usage", "--json", "--tenant", "acme", *nats_flags(nats_server)])
+    capsys.readouterr()
+    assert await args.func(args) == 0
+    assert json.loads(capsys.readouterr().out)["total"]["requests"] == 40
 
 
 async def test_nats_unavailable_is_a_503_and_the_front_door_serves_again_after(

@@ -330,3 +330,58 @@ def test_a_catalogs_replica_keys_default_to_one_instance_and_refuse_a_minimum_ov
         parse_catalog('[models.m]\npath = "m.gguf"\nmin_replicas = 3\nmax_replicas = 2\n')
     with pytest.raises(CatalogError, match="max_replicas"):
         parse_catalog('[models.m]\npath = "m.gguf"\nmax_replicas = 0\n')
+
+
+# ---- what one pass-through request may ask (issue 30: F3, F4, F11, F12) ----
+
+
+def test_the_generation_bound_is_the_one_the_server_obeys() -> None:
+    # llama-server reads `n_predict`, else its aliases `max_completion_tokens` then `max_tokens` (F12: a body
+    # with `max_tokens: 2` and `n_predict: 200` generates 200)
+    assert passthrough.generation_bound("completions", {"max_tokens": 2, "n_predict": 200}) == 200
+    assert passthrough.generation_bound("chat", {"max_tokens": 2, "max_completion_tokens": 9}) == 9
+    assert passthrough.generation_bound("chat", {"max_tokens": 7}) == 7
+    assert passthrough.generation_bound("chat", {"n_predict": -1, "max_tokens": 7}) is None  # -1: unbounded
+    assert passthrough.generation_bound("chat", {}) is None
+    # the Responses shape's `max_output_tokens` becomes `max_tokens`; `n_predict` still wins
+    assert passthrough.generation_bound("responses", {"max_output_tokens": 5, "max_tokens": 50}) == 5
+    assert passthrough.generation_bound("responses", {"max_output_tokens": 5, "n_predict": 60}) == 60
+    # Anthropic's Messages: `max_tokens` alone (4096 when absent); other fields are not passed to the server
+    assert passthrough.generation_bound("messages", {"max_tokens": 3, "n_predict": 900}) == 3
+    assert passthrough.generation_bound("messages", {}) == 4096
+
+
+def test_several_completions_and_too_many_alternatives_per_token_are_refused_before_any_work() -> None:
+    limits = passthrough.AskLimits()
+    ok = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 1, "logprobs": True,
+          "top_logprobs": 20}  # fmt: skip
+    assert passthrough.refused_asks("chat", ok, limits) is None
+    assert passthrough.refused_asks("completions", {"prompt": "x", "n_probs": 20, "logprobs": 5}, limits) is None
+    # the 79-byte body that made a server answer 62 MB (F3)
+    refused = passthrough.refused_asks("completions", {"n_probs": 32000, "max_tokens": 20}, limits)
+    assert refused is not None and "n_probs" in refused and "20" in refused
+    assert "top_logprobs" in (passthrough.refused_asks("chat", {**ok, "top_logprobs": 21}, limits) or "")
+    assert "logprobs" in (passthrough.refused_asks("completions", {"logprobs": 100}, limits) or "")
+    # several completions run in slots the mesh did not book, and were charged as one (F4)
+    assert "`n` = 2" in (passthrough.refused_asks("chat", {**ok, "n": 2}, limits) or "")
+    assert "n_cmpl" in (passthrough.refused_asks("completions", {"prompt": "x", "n_cmpl": 3}, limits) or "")
+    # several prompts in one completions request: as many slots (one prompt of token ids is one prompt)
+    assert "2 prompts" in (passthrough.refused_asks("completions", {"prompt": ["a", "b"]}, limits) or "")
+    assert passthrough.refused_asks("completions", {"prompt": [1, 2, 3]}, limits) is None
+    # embeddings and counts generate nothing: their fields are the server's to judge
+    assert passthrough.refused_asks("embeddings", {"input": "x", "n": 5}, limits) is None
+
+
+def test_every_prompt_the_server_would_tokenize_is_sized_before_it_does() -> None:
+    # F11: prompt lists and count endpoints were tokenized (612k and 1.22M tokens) before any refusal
+    body = {"messages": [{"role": "user", "content": "é" * 10}], "system": "abc", "tools": [{"d": "xy"}]}
+    assert passthrough.prompt_sizes("count_tokens", body) == [20 + len("user") + 3 + 2]  # every text it renders
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 100_000}}
+    with_image = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]}
+    assert passthrough.prompt_sizes("chat", with_image) == [len("user" "text" "hi")]  # media is not text
+    assert passthrough.prompt_sizes("embeddings", {"input": ["ab", "cde"]}) == [2, 3]
+    assert passthrough.prompt_sizes("embeddings", {"input": "abcd"}) == [4]
+    assert passthrough.prompt_sizes("embeddings", {"input": [5, 6, 7]}) == [3]  # one prompt of token ids
+    assert passthrough.prompt_sizes("rerank", {"query": "q", "documents": ["ab", "c"]}) == [3, 2]
+    with pytest.raises(ValueError, match="at most 2048"):
+        passthrough.prompt_sizes("embeddings", {"input": ["x"] * 2049})
