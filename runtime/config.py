@@ -84,6 +84,7 @@ class NodeConfig:
     trace_on: bool = True  # carry requests' trace context (off only for benchmarks/observability_overhead.py)
     max_hold_s: float = 3600.0  # the longest unclaimed hold placement grants a request (longer: hold_too_long)
     client_share: float = 0.5  # of each node's devices, what one client may hold booked at once
+    clients_share: float = 0.5  # of each node's devices, what every client together may hold booked at once
     # Split serving: whether this node lends its host memory to other nodes' splits (it needs the cluster
     # secret's certificates and ggml-rpc-server), and the address those nodes reach it on (default: the
     # cluster listener's host; a wildcard listener advertises the host's name).
@@ -274,6 +275,7 @@ _OPTIONS: dict[str, Callable[[Any], Any]] = {
     "trace_on": _bool,
     "max_hold": _positive_float,
     "client_share": _share,
+    "clients_share": _share,
     "lend": _bool,
     "lend_host": str,
     "nats": _urls,
@@ -453,6 +455,7 @@ def load_config(
         trace_on=values.get("trace_on", True),
         max_hold_s=values.get("max_hold", 3600.0),
         client_share=values.get("client_share", 0.5),
+        clients_share=values.get("clients_share", 0.5),
         lend=values.get("lend", True),
         lend_host=values.get("lend_host"),
     )

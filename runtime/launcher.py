@@ -305,6 +305,7 @@ async def run_node(
                     digests=digests,
                     max_hold_s=config.max_hold_s,
                     client_share=config.client_share,  # what one client (its own NATS user) may hold booked
+                    clients_share=config.clients_share,  # and every client together
                     model_roots=config.model_roots,  # with the models dir: no client names a file elsewhere
                 ),
                 RunnerActor(

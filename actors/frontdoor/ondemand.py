@@ -305,6 +305,13 @@ class ModelsOnDemand:
             for r in ledger.reservations:
                 if r.instance_id is not None and r.instance_id in live:
                     held[r.instance_id] = dict(r.held)
+                elif r.requester is not None:  # a client's hold: not the mesh's to stop, nor a use that ends soon
+                    running.append(
+                        Running(
+                            instance_id=f"reservation:{r.reservation_id}", node=r.node_id, model=None,
+                            held=dict(r.held), last_used=self._clock(), pinned=True,
+                        )
+                    )  # fmt: skip
                 else:  # booked, its instance not started (or not seen) yet: it will be stoppable once it runs
                     running.append(
                         Running(

@@ -160,6 +160,7 @@ class PlacementActor(Actor):
         max_hold_s: float = MAX_HOLD_S,
         model_roots: tuple[Path, ...] | None = None,
         client_share: float | None = None,
+        clients_share: float | None = None,
     ) -> None:
         """`models_dir`: where relative model paths live (as for the runner); without one they are refused.
         `sweep_interval_s`: how often reservations are reconciled. `claim_grace_s`: how long a claimed
@@ -168,11 +169,14 @@ class PlacementActor(Actor):
         files may be in besides `models_dir` (None: an absolute path may be anywhere; `mesh-actor run` always
         gives the node's directories, so no client can read a file outside them). `client_share`: the share of
         each node's devices one client may hold booked at once (`shares.py`; None: clients are not bounded,
-        `mesh-actor run` always gives one)."""
-        if client_share is not None and not 0 < client_share <= 1:
-            raise ValueError("client_share is in (0, 1]")
+        `mesh-actor run` always gives one). `clients_share`: what every client together may hold of each node's
+        devices (None: as much as one client)."""
+        for share in (client_share, clients_share):
+            if share is not None and not 0 < share <= 1:
+                raise ValueError("a client share is in (0, 1]")
         self._max_hold_s = max_hold_s
         self._client_share = client_share
+        self._clients_share = clients_share
         self._clock = clock
         self._monotonic = monotonic
         self._max_attempts = max_attempts
@@ -351,14 +355,16 @@ class PlacementActor(Actor):
             return decision
 
         reservation_id = uuid.uuid4().hex[:16]
-        share = self._client_share if requester is not None and not dry_run else None
-        # A client's booking stays within its share of every node (`shares.py`): nodes where it holds its share
-        # are not considered, and a node a booking would overfill is dropped and the decision taken again. What
-        # is decided (and journaled, so replay decides alike) is the request with the nodes left.
+        # A client's booking stays within its share of every node, and within the clients' share together
+        # (`shares.py`): nodes where either is held are not considered, and a node a booking would overfill is
+        # dropped and the decision taken again. What is decided (and journaled, so replay decides alike) is the
+        # request with the nodes left.
+        bounds = self._client_bounds(requester) if not dry_run else []
         over_share: dict[str, NodeRejection] = {}
-        if requester is not None and share is not None:
-            ledgers = {name: ledger for name, (ledger, _) in self._ledger_cache.items()}
-            over_share = shares.exhausted((e.resources for e in self._view.values()), ledgers, requester, share)
+        ledgers = {name: ledger for name, (ledger, _) in self._ledger_cache.items()}
+        for who, share in bounds:
+            found = shares.exhausted((e.resources for e in self._view.values()), ledgers, who, share)
+            over_share = {**found, **over_share}
         asked = request
         booking: tuple[Reservation, ...] = ()
         # The local copy first; after a lost compare-and-set or a refusal, the bucket itself (`fresh`).
@@ -377,11 +383,12 @@ class PlacementActor(Actor):
             outcome = decided.outcome
             if outcome.reservations:
                 booking = outcome.reservations
-                if requester is not None and share is not None:
+                if bounds:
                     over = {
                         r.node_id: rejection
                         for r in outcome.reservations
-                        if (rejection := self._breach(r, decided.ledgers, requester, share)) is not None
+                        for who, share in bounds
+                        if (rejection := self._breach(r, decided.ledgers, who, share)) is not None
                     }
                     if over:
                         over_share.update(over)
@@ -446,6 +453,13 @@ class PlacementActor(Actor):
             raise
         return outcome.decision
 
+    def _client_bounds(self, requester: str | None) -> list[tuple[str, float]]:
+        """The shares a client's booking is held to (the client's own, then every client's together); none for
+        the mesh's own requests, or when clients are not bounded."""
+        if requester is None or self._client_share is None:
+            return []
+        return [(requester, self._client_share), (shares.EVERY_CLIENT, self._clients_share or self._client_share)]
+
     def _breach(
         self, reservation: Reservation, ledgers: Mapping[str, LedgerEntry], requester: str, share: float
     ) -> NodeRejection | None:
@@ -468,8 +482,9 @@ class PlacementActor(Actor):
         """A refusal because the client holds its share of every node it could use (not journaled: the share
         is this node's policy, which replay does not know)."""
         message = (
-            f"client {requester} holds its share ({self._client_share:g} of each device) of every node it could "
-            f"use: stop an instance or let a reservation go first"
+            f"client {requester} holds its share ({self._client_share:g} of each device), or the clients together "
+            f"hold theirs ({self._clients_share or self._client_share:g}), of every node it could use: stop an "
+            f"instance or let a reservation go first"
         )
         refused = rejected(
             request, "over_client_share", message, decision_id=decision_id, now=now, dry_run=False, view=self._view

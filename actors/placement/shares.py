@@ -8,6 +8,8 @@ is bounded here. Rules this module keeps:
   names the user on each (`runtime.roles.requesting_client`), so no client can speak for another or for the
   mesh. The mesh's own requests (the front door on a node, an admin) carry no requester and are not bounded
   here.
+* What every client together holds is bounded the same way (`EVERY_CLIENT`, the clients' share): client users
+  are issued freely, so a share per user alone bounds nothing.
 * Every reservation booked for a client names it (`Reservation.requester`). On each node, what the client
   holds (the `held` of its reservations in the node's ledger, whatever their state: reserved, starting or
   running) plus what a new booking adds stays within `share` of each device's size, the size the capacity
@@ -20,6 +22,7 @@ is bounded here. Rules this module keeps:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Final
 
 import msgspec
 
@@ -27,14 +30,20 @@ from actors.placement.ledger import device_sizes
 from messages.placement import DeviceShortfall, NodeLedger, NodeRejection, Reservation
 from messages.telemetry import NodeResources
 
-__all__ = ["booked_for", "breach", "exhausted", "held_by", "limits"]
+__all__ = ["EVERY_CLIENT", "booked_for", "breach", "exhausted", "held_by", "limits"]
+
+
+#: The requester that stands for every client together: what the clients' account may hold of a node, however
+#: many client users it has (two users, each within its own share, once held every byte of a node). No user is
+#: named so: a user name is a subject token.
+EVERY_CLIENT: Final = "*"
 
 
 def held_by(ledger: NodeLedger | None, requester: str) -> dict[str, int]:
-    """Device -> bytes the reservations of `requester` hold on the ledger's node."""
+    """Device -> bytes the reservations of `requester` (`EVERY_CLIENT`: of any client) hold on the ledger's node."""
     held: dict[str, int] = {}
     for reservation in ledger.reservations if ledger is not None else ():
-        if reservation.requester == requester:
+        if reservation.requester == requester or (requester == EVERY_CLIENT and reservation.requester is not None):
             for device, n_bytes in reservation.held.items():
                 held[device] = held.get(device, 0) + n_bytes
     return held
@@ -49,8 +58,9 @@ def limits(node: NodeResources, share: float) -> dict[str, int]:
 
 def _rejection(node_id: str, requester: str, share: float, over: list[DeviceShortfall]) -> NodeRejection:
     worst = over[0]
+    who, whose = ("the clients together", "their") if requester == EVERY_CLIENT else (f"client {requester}", "its")
     message = (
-        f"client {requester} would hold {worst.need_bytes} bytes of {node_id}'s {worst.device}; its share is "
+        f"{who} would hold {worst.need_bytes} bytes of {node_id}'s {worst.device}; {whose} share is "
         f"{share:g} of the device, {worst.have_bytes} bytes (stop an instance or let a reservation go first)"
     )
     return NodeRejection(node_id=node_id, reason="over_client_share", message=message, shortfalls=tuple(over))

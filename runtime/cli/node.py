@@ -157,6 +157,12 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         metavar="FRACTION",
         help="of each node's devices, what one client may hold booked at once (default 0.5; more: over_client_share)",
     )
+    run.add_argument(
+        "--clients-share",
+        type=float,
+        metavar="FRACTION",
+        help="of each node's devices, what every client together may hold booked at once (default 0.5)",
+    )
     run.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     run.add_argument(
         "--l3-budget",
@@ -270,6 +276,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "trace_on": args.trace_on,
         "max_hold": args.max_hold,
         "client_share": args.client_share,
+        "clients_share": args.clients_share,
         "lend": args.lend,
         "lend_host": args.lend_host,
         "prefix": args.prefix,

@@ -160,7 +160,7 @@ async def test_one_client_holds_at_most_its_share_of_a_node_and_cannot_speak_for
     admin = await admin_bus(accounts_server)
     body = {"model": {"path": str(model)}, "ctx": 2048}
     try:
-        actor = PlacementActor(client_share=0.5)
+        actor = PlacementActor(client_share=0.5, clients_share=1.0)
         async with supervised(admin, [actor], node_id="p1"):
             await put_telemetry(admin, report("sizer", 8 * GIB))
             await wait_view(actor, "sizer")
@@ -192,5 +192,39 @@ async def test_one_client_holds_at_most_its_share_of_a_node_and_cannot_speak_for
             finally:
                 await one.close()
                 await two.close()
+    finally:
+        await admin.close()
+
+
+async def test_every_client_together_holds_at_most_the_clients_share_however_many_users(
+    accounts_server: EmbeddedNats, model: Path
+) -> None:
+    # Issue 30, F8: two client users, each within its own share, held every byte of a node for an hour. What
+    # every client holds together is bounded too; the mesh's own requests are not counted.
+    admin = await admin_bus(accounts_server)
+    body = {"model": {"path": str(model)}, "ctx": 2048}
+    try:
+        actor = PlacementActor(client_share=0.5, clients_share=0.5)
+        async with supervised(admin, [actor], node_id="p1"):
+            await put_telemetry(admin, report("sizer", 8 * GIB))
+            await wait_view(actor, "sizer")
+            need = (await answer(admin, {**body, "nodes": ["sizer"]}, fit=True))["placements"][0]["breakdown"]
+            room = 4 * int(need["total_bytes"])  # four bookings' size: the clients' half holds two
+            await put_telemetry(admin, msgspec.structs.replace(report("a", room), memory_limit_bytes=room))
+            await wait_view(actor, "a")
+            users = [issued(accounts_server, Role("client")) for _ in range(3)]
+            buses = [await bus_when_loaded(user, f"c{i}") for i, user in enumerate(users)]
+            try:
+                assert (await _as(buses[0], {**body, "nodes": ["a"]}))["admitted"] is True
+                assert (await _as(buses[1], {**body, "nodes": ["a"]}))["admitted"] is True
+                third = await _as(buses[2], {**body, "nodes": ["a"]})  # a fresh user, within its own share
+                assert third["admitted"] is False and third["reason"] == "over_client_share", third
+                (refused,) = third["rejections"]
+                assert refused["node_id"] == "a" and "clients together" in refused["message"], refused
+                assert refused["shortfalls"][0]["have_bytes"] == room // 2
+                assert (await answer(admin, {**body, "nodes": ["a"]}))["admitted"] is True  # the mesh's own
+            finally:
+                for bus in buses:
+                    await bus.close()
     finally:
         await admin.close()

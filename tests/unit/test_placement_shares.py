@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.placement.shares import booked_for, breach, exhausted, held_by, limits
+from actors.placement.shares import EVERY_CLIENT, booked_for, breach, exhausted, held_by, limits
 from messages.placement import NodeLedger, Reservation
 from messages.telemetry import GpuInfo, HostInfo, NodeResources
 from tests.unit.test_reservations import reservation
@@ -99,3 +99,18 @@ def test_within_the_share_exactly_when_what_it_would_hold_fits(
     ledger = NodeLedger(node_id="a", reservations=tuple(reservations))
     within = breach(node(), ledger, "client-x", share, {"CPU": adding}) is None
     assert within == (adding == 0 or sum(own) + adding <= int(64 * GIB * share))
+
+
+def test_every_client_together_is_held_to_the_clients_share() -> None:
+    # Issue 30, F8: each user within its own share, two users held a whole node
+    ledger = NodeLedger(
+        node_id="a",
+        reservations=(held("r1", 20 * GIB, "client-x"), held("r2", 10 * GIB, "client-y"), held("r3", 30 * GIB, None)),
+    )
+    assert held_by(ledger, EVERY_CLIENT) == {"CPU": 30 * GIB}  # the mesh's own bookings are not the clients'
+    assert breach(node(), ledger, EVERY_CLIENT, 0.5, {"CPU": 2 * GIB}) is None
+    refused = breach(node(), ledger, EVERY_CLIENT, 0.5, {"CPU": 2 * GIB + 1})
+    assert refused is not None and "the clients together" in refused.message
+    full = NodeLedger(node_id="a", reservations=(held("r1", 16 * GIB, "client-x"), held("r2", 16 * GIB, "client-y")))
+    assert set(exhausted([node("a")], {"a": full}, EVERY_CLIENT, 0.5)) == {"a"}
+    assert exhausted([node("a")], {"a": full}, "client-z", 0.5) == {}  # a fresh user alone would still fit
