@@ -39,7 +39,6 @@ from actors.placement import decision_records
 from actors.placement.actor import QUEUE_GROUP, RUNNER_EVENTS_CONSUMER, PlacementActor, ledger_key
 from actors.router.actor import QUEUE_GROUP as ROUTER_QUEUE
 from actors.router.actor import RouterActor
-from actors.runner import actor as runner_actor
 from actors.runner.actor import RunnerActor, RunnerLimits
 from actors.telemetry.actor import TelemetryActor
 from messages import errors
@@ -75,7 +74,6 @@ from messages.subjects import DEFAULT_PREFIX, Subjects
 from messages.telemetry import NodeResources
 from messages.tenants import TenantKey
 from runtime import buckets
-from runtime.actor import ActorContext, Supervisor
 from runtime.bus import BadMessage, decode_checked, error_headers
 from runtime.config import NodeConfig
 
@@ -110,8 +108,9 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
     ev.ReservationReleased: (
         (PLACEMENT, RUNNER),
         "a reservation was removed; `reason`: stopped, failed, rejected, refused (runner events or the instance's "
-        "final record), expired (never claimed within its hold), instance_gone (its instance record vanished; or "
-        "the node's runner, starting, released its predecessor's claims), node_restarted, rolled_back, "
+        "final record), expired (never claimed within its hold), instance_gone (its instance record stayed away "
+        "while its node reported, for the claim grace; or the node's runner, starting, released its predecessor's "
+        "claims), node_restarted, rolled_back, "
         "undelivered (its decision could not reach the requester)",
     ),
     ev.ReservationObserved: ((PLACEMENT,), "the instance is ready: the reservation now holds the observed footprint"),
@@ -222,7 +221,15 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
     ev.L3EvictionBlocked: (
         (L3,),
         "a reconcile (start, `l3 gc`) found quarantined manifests that cannot be parsed: no segment may be freed, "
-        "so captures that do not fit the budget are dropped until `mesh-actor l3 gc --quarantine`",
+        "so captures that do not fit the budget are dropped until they are deleted (`l3_quarantine_cleared`, "
+        f"{L3Limits().quarantine_keep_s:g} s after they were quarantined once the store needs room), or by "
+        "`mesh-actor l3 gc --quarantine`",
+    ),
+    ev.L3QuarantineCleared: (
+        (L3,),
+        "quarantined manifests deleted by the store's policy, the segments only they named freed: `retention` "
+        f"(kept {L3Limits().quarantine_retention_s:g} s) or `space` (the store needed the room, and they were kept "
+        f"{L3Limits().quarantine_keep_s:g} s); why each was quarantined is its `l3_quarantined` event",
     ),
     ev.HandoffCommitted: (
         (HANDOFF,),
@@ -244,48 +251,14 @@ EVENTS: dict[type[ev.Event], tuple[tuple[str, ...], str]] = {
     ),
 }
 
-_inbox = inspect.signature(ActorContext.add_endpoint).parameters["inbox"].default
-_deadline = inspect.signature(Supervisor.__init__).parameters["request_deadline_s"].default
 _limits = RunnerLimits()
 _l3_limits = L3Limits()
 _handoff_limits = HandoffLimits()
 
-#: What each stable error code means. Every code constant must be here (checked at render time).
-ERROR_CODES: dict[str, str] = {
-    errors.BAD_REQUEST: "malformed JSON or not the endpoint's schema; `details.error`, and `details.path` "
-    "(e.g. `$.ctx`) when a field is at fault",
-    errors.NOT_FOUND: "the runner has no such reservation (`start`) or instance (`stop`)",
-    errors.BUSY: f"the endpoint's inbox ({_inbox} requests) is full; retry later",
-    errors.UNAVAILABLE: "the actor is restarting or stopping, the runner cannot read a bucket, a model file's "
-    "hash is still running, or the ledger kept changing; retry later",
-    errors.INTERNAL: "the handler failed on this request (a bug; the actor keeps serving, and it never counts "
-    "toward restarts), or the reply would exceed `max_payload`",
-    errors.NO_INSTANCE: "`generate`: no ready instance serves the model the request names",
-    errors.TIMEOUT: f"the actor did not answer within its request deadline ({_deadline:g} s from arrival, time "
-    "in the inbox included; the handler is cancelled)",
-    runner_actor.SETTINGS_DRIFT: "the node's serving settings or llama-server build differ from the stamp; "
-    "`details.drift` is a list of [FieldDrift](#fielddrift)",
-    runner_actor.INSUFFICIENT_MEMORY: "worker-side admission: the model no longer fits; `details.need_bytes` and "
-    "`details.have_bytes` per device",
-    runner_actor.TELEMETRY_STALE: "the node has no current telemetry to check its memory against",
-    runner_actor.UNSUPPORTED: "a multi-node reservation (split serving is not built), or settings llama-server "
-    "would refuse for this model",
-    runner_actor.MODEL_UNREADABLE: "the runner cannot read the model's GGUF header",
-    runner_actor.ENGINE_UNAVAILABLE: "the node has no llama-server",
-    runner_actor.RESERVATION_STATE: "the reservation is not `reserved` (already claimed or running)",
-    runner_actor.TOO_MANY_INSTANCES: f"the node already runs {_limits.max_instances} instances",
-    runner_actor.DATA_DIR_UNWRITABLE: "the instance directory in the data dir cannot be created",
-    runner_actor.LEDGER_UNREADABLE: "the node's reservation ledger does not decode as a NodeLedger",
-    runner_actor.MODEL_MISMATCH: "the file at the reservation's path is not the one admitted (its blake3 differs "
-    "from the signed registry entry's)",
-}
 #: Refusal reasons whose line in messages/placement.py carries no comment.
 REASONS_WITHOUT_COMMENT = {
     "unsupported_architecture": "the model's architecture has no geometry rule; it is refused, never guessed",
 }
-#: Codes raised as literals rather than named constants.
-LITERAL_CODES: tuple[str, ...] = ()
-
 _CODE = re.compile(r"^[a-z][a-z_]*$")
 
 
@@ -453,23 +426,15 @@ def _module_codes(module: Any, exclude: Iterable[str] = ()) -> list[str]:
 
 
 def _error_codes() -> list[tuple[str, str, str, str]]:
-    """(code, where it comes from, HTTP status and retry, meaning) for every stable error code: the registry's
-    (`messages.errors.REGISTRY`, described here where the bus says more), then the runner's own."""
-    common = _module_codes(errors)
-    runner = _module_codes(runner_actor, exclude=common) + list(LITERAL_CODES)
-    missing = [code for code in common if code not in errors.REGISTRY]
-    missing += [code for code in runner if code not in ERROR_CODES]
+    """(code, who answers with it, HTTP status and retry, meaning) for every stable error code: the one registry,
+    `messages.errors.REGISTRY` (every code constant of `messages.errors` must be in it)."""
+    missing = [code for code in _module_codes(errors) if code not in errors.REGISTRY]
     if missing:
-        raise GeneratorError(f"describe these error codes in messages/errors.py or ERROR_CODES: {missing}")
-    front_door = {c for c in common if c not in ERROR_CODES}
-    rows = []
-    for code in common:
-        entry = errors.REGISTRY[code]
-        where = "the front door" if code in front_door else "runner endpoints" if code == errors.NOT_FOUND else "any"
-        http = f"{entry.http_status}, {'retry' if entry.retryable else 'no retry'}"
-        rows.append((code, where, http, ERROR_CODES.get(code, entry.meaning)))
-    rows += [(code, f"`{S.runner('<node>', 'start')}`", "", ERROR_CODES[code]) for code in runner]
-    return rows
+        raise GeneratorError(f"describe these error codes in messages/errors.py's REGISTRY: {missing}")
+    return [
+        (e.code, e.where, f"{e.http_status}, {'retry' if e.retryable else 'no retry'}", e.meaning)
+        for e in errors.REGISTRY.values()
+    ]
 
 
 def _handoff_reasons() -> list[tuple[str, str, str]]:
@@ -642,7 +607,10 @@ def render() -> str:
             f"may have in flight together stays within {_handoff_limits.credit_budget_bytes >> 20} MiB, two chunks "
             f"each at least), "
             f"its idle timeout "
-            f"{_handoff_limits.idle_timeout_s:g} s, at most {_handoff_limits.max_sessions} sessions at once.",
+            f"{_handoff_limits.idle_timeout_s:g} s (a session's first chunk within "
+            f"{_handoff_limits.first_chunk_timeout_s:g} s of its open), at most {_handoff_limits.max_sessions} "
+            "sessions at once, each sending node an equal share of them (an empty session of a node over its share "
+            "gives its place to one under it: `preempted`).",
             "",
             "| reason | side | meaning |",
             "|---|---|---|",

@@ -33,15 +33,11 @@ from nats.js import JetStreamContext
 
 from messages.errors import (
     BAD_REQUEST,
-    BUSY,
     ERROR_CODE_HEADER,
     ERROR_HEADER,
-    INTERNAL,
     MESH_ERROR_HEADER,
-    NOT_FOUND,
-    TIMEOUT,
-    UNAVAILABLE,
     ErrorReply,
+    http_status,
 )
 from messages.subjects import check_token
 from runtime import tracing
@@ -157,14 +153,10 @@ def decode_checked(data: bytes, message_type: type[T], what: str) -> T:
         raise BadMessage(what, "JSON nested too deeply") from exc
 
 
-#: HTTP-like numbers for the NATS micro convention's numeric `Nats-Service-Error-Code` header.
-_NUMERIC = {BAD_REQUEST: "400", NOT_FOUND: "404", BUSY: "503", UNAVAILABLE: "503", TIMEOUT: "504", INTERNAL: "500"}
-
-
 def error_headers(reply: ErrorReply) -> dict[str, str]:
-    # Nats-Service-Error(-Code) follow the NATS micro convention (a numeric code), so generic tools show it;
-    # a refusal by an actor's own rules (e.g. settings_drift) is a 409 conflict.
-    numeric = _NUMERIC.get(reply.code, "409")
+    # Nats-Service-Error(-Code) follow the NATS micro convention (a numeric code), so generic tools show it: the
+    # registry's HTTP status, the same the front door answers with.
+    numeric = str(http_status(reply.code))
     return {ERROR_HEADER: reply.message[:256], ERROR_CODE_HEADER: numeric, MESH_ERROR_HEADER: reply.code}
 
 

@@ -44,17 +44,6 @@ from actors.placement.split import node_share
 from actors.runner import lifecycle as lc
 from actors.runner import upkeep
 from actors.runner.admission import (
-    DATA_DIR_UNWRITABLE,
-    ENGINE_UNAVAILABLE,
-    INSUFFICIENT_MEMORY,
-    LEDGER_UNREADABLE,
-    MODEL_MISMATCH,
-    MODEL_UNREADABLE,
-    RESERVATION_STATE,
-    SETTINGS_DRIFT,
-    TELEMETRY_STALE,
-    TOO_MANY_INSTANCES,
-    UNSUPPORTED,
     Refusal,
     check_memory,
     check_reservation,
@@ -74,7 +63,13 @@ from actors.runner.records import TTL_HEADER
 from actors.runner.server_api import ServerApi
 from actors.runner.serving import Serving, ServingLimits, state_identity
 from actors.runner.slots import PromptLimit
-from messages.errors import NOT_FOUND, UNAVAILABLE
+from messages.errors import (
+    DATA_DIR_UNWRITABLE,
+    NOT_FOUND,
+    RESERVATION_STATE,
+    UNAVAILABLE,
+    UNSUPPORTED,
+)
 from messages.events import DriftRejected, InstanceRefused
 from messages.generate import (
     GenerateResult,
@@ -98,18 +93,7 @@ from runtime.restart import RestartPolicy
 from runtime.tls import TlsFiles
 
 __all__ = [
-    "DATA_DIR_UNWRITABLE",
-    "ENGINE_UNAVAILABLE",
-    "INSUFFICIENT_MEMORY",
-    "LEDGER_UNREADABLE",
-    "MODEL_MISMATCH",
-    "MODEL_UNREADABLE",
-    "RESERVATION_STATE",
-    "SETTINGS_DRIFT",
-    "TELEMETRY_STALE",
-    "TOO_MANY_INSTANCES",
     "TTL_HEADER",
-    "UNSUPPORTED",
     "RunnerActor",
     "RunnerLimits",
     "default_restart_policy",

@@ -25,24 +25,22 @@ from typing import Any
 import msgspec
 
 from actors.placement.ledger import available, replaced, without
-from messages.errors import NOT_FOUND
+from messages.errors import (
+    ENGINE_UNAVAILABLE,
+    INSUFFICIENT_MEMORY,
+    NOT_FOUND,
+    RESERVATION_STATE,
+    SETTINGS_DRIFT,
+    TELEMETRY_STALE,
+    TOO_MANY_INSTANCES,
+    UNSUPPORTED,
+)
 from messages.memory import MemoryBreakdown
 from messages.placement import NodeLedger, Reservation
 from messages.runner import FieldDrift
 from messages.telemetry import NodeResources
 
 __all__ = [
-    "DATA_DIR_UNWRITABLE",
-    "ENGINE_UNAVAILABLE",
-    "INSUFFICIENT_MEMORY",
-    "LEDGER_UNREADABLE",
-    "MODEL_MISMATCH",
-    "MODEL_UNREADABLE",
-    "RESERVATION_STATE",
-    "SETTINGS_DRIFT",
-    "TELEMETRY_STALE",
-    "TOO_MANY_INSTANCES",
-    "UNSUPPORTED",
     "Refusal",
     "check_memory",
     "check_reservation",
@@ -50,19 +48,6 @@ __all__ = [
     "describe_drift",
     "find",
 ]
-
-#: Stable error codes of the runner's endpoints (besides the runtime's bad_request, not_found, …).
-SETTINGS_DRIFT = "settings_drift"
-INSUFFICIENT_MEMORY = "insufficient_memory"
-TELEMETRY_STALE = "telemetry_stale"
-UNSUPPORTED = "unsupported"
-MODEL_UNREADABLE = "model_unreadable"
-ENGINE_UNAVAILABLE = "engine_unavailable"
-RESERVATION_STATE = "reservation_state"
-TOO_MANY_INSTANCES = "too_many_instances"
-DATA_DIR_UNWRITABLE = "data_dir_unwritable"
-LEDGER_UNREADABLE = "ledger_unreadable"
-MODEL_MISMATCH = "model_mismatch"
 
 #: Every reservation counts as live: the runner never compares placement's `expires_at` with its own clock.
 _EVERY_RESERVATION_HOLDS = float("-inf")

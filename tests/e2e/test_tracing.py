@@ -88,6 +88,18 @@ def one(spans: list[ReceivedSpan], **fields: Any) -> ReceivedSpan:
     return found[0]
 
 
+async def answering_inbox(bus: Bus) -> str:
+    """What a raw NATS client names as a generation's `stream`: an inbox of its own that answers the pings."""
+    subject = bus.nc.new_inbox()
+
+    async def answer(msg: Msg) -> None:
+        if msg.reply:
+            await msg.respond(b"")
+
+    await bus.nc.subscribe(subject, cb=answer)
+    return subject
+
+
 async def test_one_requests_traceparent_is_on_each_of_its_journal_events_across_two_nodes(
     tmp_path: Path, model: Path
 ) -> None:
@@ -157,13 +169,7 @@ async def test_one_requests_traceparent_is_on_each_of_its_journal_events_across_
                                       password=env["MESH_ACTOR_NATS_PASSWORD"])  # fmt: skip
                 bus = await Bus.connect(options, name="tracing-test")
                 try:
-                    pings = bus.nc.new_inbox()  # what a raw client names as its `stream`: it answers the pings
-
-                    async def answer(msg: Msg) -> None:
-                        if msg.reply:
-                            await msg.respond(b"")
-
-                    await bus.nc.subscribe(pings, cb=answer)
+                    pings = await answering_inbox(bus)
                     order = GenerateRequest(
                         model="alpha", prompt=PROMPT, n_predict=4, timeout_s=60, stream=pings, chunks=False
                     )
@@ -248,7 +254,8 @@ async def test_a_prefill_elsewhere_and_its_handoff_are_hops_of_the_requests_trac
                 bus = await Bus.connect(options, name="tracing-test")
                 try:
                     order = GenerateRequest(model="alpha", prompt=PROMPT, n_predict=4, timeout_s=60, capture=False,
-                                            prefill_node="node-b")  # fmt: skip
+                                            prefill_node="node-b", stream=await answering_inbox(bus),
+                                            chunks=False)  # fmt: skip
                     reply = await bus.nc.request(
                         "mesh.generate", msgspec.json.encode(order), timeout=75,
                         headers={"traceparent": f"00-{handoff_trace}-b7ad6b7169203331-01"},
