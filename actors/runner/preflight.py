@@ -30,8 +30,8 @@ from nats.js.kv import KeyValue
 from actors.placement.geometry import GeometryError, geometry_from_header
 from actors.placement.gguf_header import GGUFFormatError, GGUFHeader, parse_header
 from actors.placement.projector import ProjectorError, projector_from_header
-from actors.runner.admission import LEDGER_UNREADABLE, MODEL_MISMATCH, MODEL_UNREADABLE, Refusal
-from messages.errors import BUSY, UNAVAILABLE
+from actors.runner.admission import Refusal
+from messages.errors import BUSY, LEDGER_UNREADABLE, MODEL_MISMATCH, MODEL_UNREADABLE, UNAVAILABLE
 from messages.files import PullReply, PullRequest
 from messages.model import ModelGeometry, ProjectorGeometry
 from messages.placement import LEDGER_KEY_PREFIX, NodeLedger
