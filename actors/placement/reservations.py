@@ -14,11 +14,21 @@ buckets, feeds what it saw, and writes the ledgers this module returns, with com
   `starting` entry that missed its `instance_ready`; a claim whose record never appears within
   `claim_grace_s` of our first seeing the claim is released too. Restarts, slow loads and backoffs before the
   first ready keep the record live, so they keep the memory.
-- A record that disappears releases only the claims seen before it disappeared: a runner that was cut off
-  longer than the TTL and comes back re-books the reservation of a server that still runs (see
-  `actors/runner/booking.py`), and that booking gets `claim_grace_s` for the record to return, as a new claim
-  does. So the ledger converges to what runs in both directions: what stopped running is released, what runs
-  is booked again.
+- A claim whose record is missing (it disappeared, or never appeared) is released only once its node has
+  been reporting for `claim_grace_s` since: counted from when the record disappeared (or the claim was first
+  seen), restarted by every pass that finds the node away (not in the view). A record disappears when its
+  runner could not refresh it for its TTL: a runner that is gone, or one cut off (JetStream away, a
+  partition, a stalled loop) whose servers still run. Nothing can be booked on a node that is away, and a
+  runner back from an outage rewrites its records well within the grace (every third of their TTL), so the
+  memory of a live server is kept across the outage instead of being released and re-booked (issue 30: in
+  between, it looked free and could be booked twice). A runner that stays away keeps its claims until its
+  node reports again: one that restarted releases them itself at start (`booking.orphaned`), and placement
+  on `node_restarted`.
+- A record that disappears releases only the claims seen before it disappeared: a runner whose reservation
+  was released all the same (its node reported for the whole grace without it) re-books it while its server
+  still runs (see `actors/runner/booking.py`), and that booking gets `claim_grace_s` for the record to
+  return, as a new claim does. So the ledger converges to what runs in both directions: what stopped running
+  is released, what runs is booked again.
 - Runner events (`instance_ready`, `instance_stopped`, ...) are the fast path to the same outcomes; an event
   about another instance than the one that claimed the reservation changes nothing.
 - A split instance holds one reservation per node, all with one id (`Reservation.split`). The head's part
@@ -161,7 +171,7 @@ class Reconciler:
     each reservation and each claim, the instance records it has, and the instances whose record vanished.
 
     Memory is bounded by what the buckets hold (entries are forgotten once gone from the ledger), plus at
-    most `max_gone` vanished instance ids."""
+    most `max_gone` vanished instance ids and one time per node with a ledger."""
 
     def __init__(self, *, claim_grace_s: float = 30.0, max_gone: int = 10_000) -> None:
         self.claim_grace_s = claim_grace_s
@@ -170,6 +180,7 @@ class Reconciler:
         self._seen: dict[tuple[str, str], tuple[ReservationState, str | None, float]] = {}
         self._records: dict[str, InstanceStatus] = {}
         self._gone: OrderedDict[str, float] = OrderedDict()  # instance id -> when its record disappeared
+        self._away: dict[str, float] = {}  # node -> the last pass that found it away (not in the view)
 
     # --- what the watches deliver ---------------------------------------------------------------------
 
@@ -180,6 +191,8 @@ class Reconciler:
             self._saw(node, r, now)
         for key in [k for k in self._seen if k[0] == node and k[1] not in present]:
             del self._seen[key]
+        if ledger is None:
+            self._away.pop(node, None)
 
     def saw_record(self, instance_id: str, record: InstanceStatus | None, now: float) -> None:
         """An instance record as the watch delivered it at `now`; None: deleted or expired (its runner is gone,
@@ -215,6 +228,8 @@ class Reconciler:
         watched, which a split's parts are judged on (None for a deleted ledger; a node left out is not known,
         and a member part whose head is not known is left alone; None: nothing known); `node_sent_at`:
         when the node's latest report was sent, on its own clock."""
+        if node_started_at is None:
+            self._away[node] = now  # its claims' grace starts again once it reports
         out: list[Change] = []
         for r in ledger.reservations:
             if r.split is not None:
@@ -246,12 +261,15 @@ class Reconciler:
         if record is not None and (record.node != node or record.reservation_id != rid):
             record = None  # a record that is not about this reservation proves nothing about it
         if record is None:
+            if node_started_at is None:
+                return None  # the node is away: nothing is booked there meanwhile, and its runner may be alive
             gone_at = self._gone.get(r.instance_id)
             # A claim first seen after the record vanished is a re-booking by a runner that came back: it waits
             # for the record like a new claim.
             vanished = gone_at is not None and first <= gone_at
-            never_seen = records_complete and now - first >= self.claim_grace_s
-            return Release(node, rid, "instance_gone", seen) if vanished or never_seen else None
+            since = max(gone_at if vanished and gone_at is not None else first, self._away.get(node, first))
+            missing = (vanished or records_complete) and now - since >= self.claim_grace_s
+            return Release(node, rid, "instance_gone", seen) if missing else None
         if record.state in _FINAL:
             return Release(node, rid, _FINAL[record.state], seen)
         if record.state == "ready" and r.state == "starting":

@@ -119,15 +119,56 @@ async def test_a_claimed_reservation_outlives_its_hold_then_follows_its_record_t
     assert rid not in await held(bus)
 
 
+@pytest.fixture
+async def quick_placement(bus: Bus) -> AsyncIterator[PlacementActor]:
+    """A placement actor whose claims wait 1 s for a missing record."""
+    actor = PlacementActor(sweep_interval_s=0.1, claim_grace_s=1.0)
+    async with supervised(bus, [actor], node_id="p1"):
+        await put_telemetry(bus, report("a", 8 * GIB))
+        await wait_view(actor, "a")
+        yield actor
+
+
 async def test_a_claimed_reservation_whose_record_expires_is_released(
-    bus: Bus, placement: PlacementActor, model: Path, journal_reader: JournalReader
+    bus: Bus, quick_placement: PlacementActor, model: Path, journal_reader: JournalReader
 ) -> None:
     rid = await admit(bus, model, hold_s=600.0)
     claimed = await claim(bus, rid, "i2")
     await put_record(bus, claimed, "i2", "ready", ttl_s=1)  # its runner dies: nobody refreshes the record
+    # released once its node has reported for the claim grace without the record
     (released,) = await journal_reader.wait_for(of_type("reservation_released", reservation_id=rid), timeout=20)
     assert released["reason"] == "instance_gone"
     assert rid not in await held(bus)
+
+
+async def test_a_node_that_is_away_keeps_its_claims_until_it_reports_again(
+    bus: Bus, quick_placement: PlacementActor, model: Path, journal_reader: JournalReader
+) -> None:
+    # Cut off, a node's telemetry expires (15 s) before its runner's records (30 s): nothing can be booked on it
+    # while it is away, and its servers may still run, so their memory stays booked (issue 30).
+    rid = await admit(bus, model, hold_s=600.0)
+    canary = await admit(bus, model, hold_s=4.0)  # its expiry proves passes ran well past the grace meanwhile
+    claimed = await claim(bus, rid, "i3")
+    await put_record(bus, claimed, "i3", "ready")
+    reconciler = quick_placement._reconciler
+    async with asyncio.timeout(10):
+        while reconciler.record("i3") is None:
+            await asyncio.sleep(0.02)
+    nodes = await buckets.nodes(bus, SUBJECTS)
+    await nodes.delete("a")  # what its TTL does when the node stops reporting
+    async with asyncio.timeout(10):
+        while "a" in quick_placement._view:
+            await asyncio.sleep(0.02)
+    kv = await buckets.instances(bus, SUBJECTS)
+    await kv.purge(SUBJECTS.instance_key("a", "i3"))  # and then its record's
+    async with asyncio.timeout(10):
+        while reconciler.record("i3") is not None:
+            await asyncio.sleep(0.02)
+    await journal_reader.wait_for(of_type("reservation_released", reservation_id=canary, reason="expired"))
+    assert (await held(bus))[rid].instance_id == "i3"  # kept while the node is away
+    await put_telemetry(bus, report("a", 8 * GIB))  # it reports again, and no record comes back: released
+    (released,) = await journal_reader.wait_for(of_type("reservation_released", reservation_id=rid), timeout=20)
+    assert released["reason"] == "instance_gone"
 
 
 async def test_a_late_instance_ready_does_not_revive_a_released_reservation(

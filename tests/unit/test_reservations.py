@@ -140,35 +140,62 @@ def test_a_lost_instance_stopped_is_repaired_from_the_final_record() -> None:
         assert apply(release, running) == ledger()
 
 
-def test_a_record_that_expired_releases_the_reservation_of_its_dead_runner() -> None:
-    rec = Reconciler()
+def test_a_record_that_expired_releases_the_reservation_once_its_node_reported_the_whole_grace_without_it() -> None:
+    rec = Reconciler(claim_grace_s=30)
     running = ledger(reservation(state="running", instance="i1", expires_at=None))
     rec.saw_ledger("a", running, T0)
     rec.saw_record("i1", record("i1", "ready"), T0)
     rec.saw_record("i1", None, T0 + 1)  # the TTL removed it: nobody refreshes it any more
-    (release,) = changes(rec, running, T0 + 1)
+    assert changes(rec, running, T0 + 1) == ()
+    assert changes(rec, running, T0 + 30.9) == ()  # a runner back from an outage would have rewritten it by now
+    (release,) = changes(rec, running, T0 + 31)
     assert isinstance(release, Release) and release.reason == "instance_gone"
 
 
-def test_a_runner_back_from_an_outage_rebooks_and_its_booking_waits_for_the_record() -> None:
-    # The runner could not refresh its records for their TTL (JetStream away, a partition): placement released
-    # the reservation of a server that still runs. The runner books it again; that booking is not released
-    # for the record that vanished before it, and stays once the record returns.
+def test_an_outage_never_releases_a_live_servers_reservation() -> None:
+    # Issue 30: the runner could not refresh its record for its TTL (JetStream away, a partition), so the record
+    # expired, and placement released the reservation of a server that still ran; the runner booked it again
+    # seconds later, but in between its memory looked free and could be booked twice. Now the claim is kept:
+    # the runner rewrites its record within the grace, and nothing is released, or re-booked.
     rec = Reconciler(claim_grace_s=30)
     running = ledger(reservation(state="running", instance="i1", expires_at=None, node_started_at=STARTED))
     rec.saw_ledger("a", running, T0)
     rec.saw_record("i1", record("i1", "ready"), T0)
     rec.saw_record("i1", None, T0 + 30)
-    (release,) = changes(rec, running, T0 + 31)
-    assert isinstance(release, Release) and release.reason == "instance_gone"
-    rec.saw_ledger("a", ledger(), T0 + 31)  # released
-    rec.saw_ledger("a", running, T0 + 40)  # the runner is back and books it again, before its record returns
-    assert changes(rec, running, T0 + 41) == ()
-    rec.saw_record("i1", record("i1", "ready"), T0 + 42)
-    assert changes(rec, running, T0 + 100) == ()  # converged: the record and the booking of what runs
-    rec.saw_record("i1", None, T0 + 200)  # and if the runner dies for good later, it is released again
-    (again,) = changes(rec, running, T0 + 201)
+    for now in (T0 + 31, T0 + 45, T0 + 59):
+        assert changes(rec, running, now) == (), now
+    rec.saw_record("i1", record("i1", "ready"), T0 + 40)  # the runner is back and rewrites it
+    assert changes(rec, running, T0 + 1000) == ()  # converged, and the booking was never out of the ledger
+    rec.saw_record("i1", None, T0 + 2000)  # and if the runner dies for good later, it is released after the grace
+    assert changes(rec, running, T0 + 2001) == ()
+    (again,) = changes(rec, running, T0 + 2030)
     assert isinstance(again, Release) and again.reason == "instance_gone"
+
+
+def test_a_node_that_is_away_keeps_its_claims_and_their_grace_starts_again_when_it_reports() -> None:
+    # Its telemetry (TTL 15 s) expires before its records (30 s): when the records vanish, the node is away, and
+    # nothing can be booked on it. However long it stays away, its claims stay; back, its runner has the whole
+    # grace to rewrite its records.
+    rec = Reconciler(claim_grace_s=30)
+    running = ledger(reservation(state="running", instance="i1", expires_at=None, node_started_at=STARTED))
+    claimed = reservation("r2", state="starting", instance="i2")
+    both = ledger(*running.reservations, claimed)
+    rec.saw_ledger("a", both, T0)
+    rec.saw_record("i1", record("i1", "ready"), T0)
+    rec.saw_record("i1", None, T0 + 30)
+    for now in (T0 + 31, T0 + 100, T0 + 5000):  # away: not in the view
+        assert rec.changes("a", both, node_started_at=None, now=now, records_complete=True) == (), now
+    assert changes(rec, both, T0 + 5001) == ()  # it reports again, with the same process start
+    assert changes(rec, both, T0 + 5029) == ()  # the grace counts from the last pass that found it away
+    released = changes(rec, both, T0 + 5030)  # reported for the whole grace, and no record came back
+    assert {(c.reservation_id, c.reason) for c in released if isinstance(c, Release)} == {
+        ("r1", "instance_gone"),
+        ("r2", "instance_gone"),
+    }
+    rec.saw_record("i1", record("i1", "ready"), T0 + 5040)
+    assert changes(rec, both, T0 + 5041) == tuple(
+        c for c in released if isinstance(c, Release) and c.reservation_id == "r2"
+    )
 
 
 def test_a_rebooking_whose_record_never_returns_is_released_after_the_grace() -> None:
