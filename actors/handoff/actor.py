@@ -4,8 +4,9 @@ The decisions are the pure cores': `receiver.Receiver` (what a receiving session
 credit, whether a commit holds) and `sender.Sender` (what may be published, when to commit, when to give up).
 This module only moves bytes and enforces the deadlines the cores name.
 
-* Receiving: `mesh.handoff.<node>.open` (a micro endpoint) admits a session (`receiver.admit`: at most
-  `max_sessions`, staging reserved for each session's `max_bytes`) and answers with its subject and first
+* Receiving: `mesh.handoff.<node>.open` (a micro endpoint) admits a session (`receiver.seat`: each sending
+  node's share of `max_sessions`, an empty session of a node over its share preempted for one under it;
+  `receiver.admit`: staging reserved for each session's `max_bytes`) and answers with its subject and first
   credit. Every session message (`<session>.data` chunks, `.commit`, `.abort`) comes through one subscription
   on `mesh.handoff.<node>.*.*`, so a session's messages are judged in the order its sender published them;
   that task only feeds the core and queues bytes, never waits on disk. Each session has one task that stages
@@ -21,6 +22,8 @@ This module only moves bytes and enforces the deadlines the cores name.
   with the core's reason. A source is a finished file (its size announced at open, its segments read and
   hashed one by one while the previous one is sent: no pass over the file before the first byte moves) or an
   async iterator of segment bytes (e.g. produced while a prefill still runs: hashed one by one as they come).
+  The session is opened once the first segment is in hand, so its first chunk follows the open at once (a
+  receiver aborts a session with no chunk within its first-chunk timeout).
 
 Staging is emptied at start. Events: `handoff_committed` (receiver), `handoff_aborted` (either side).
 """
@@ -136,6 +139,9 @@ class HandoffLimits:
     min_rate_bytes_per_s: float = float(1 << 20)
     rate_grace_s: float = 30.0
     min_free_disk_bytes: int = 1 << 30  # an open is refused unless its max_bytes fit the staging disk beside this
+    # A receiving session with no chunk this long after its open is aborted (`empty`): one peer re-opening
+    # empty sessions held every place for 10 s each (issue 30). A sender opens once its first segment is ready.
+    first_chunk_timeout_s: float = 2.0
     open_timeout_s: float = 10.0
     commit_timeout_s: float = 180.0  # the sender waits this long for the result (the receiver's restore included)
     # The sender waits this long for credit at most, whatever idle timeout a receiver announces (a receiver's
@@ -247,6 +253,7 @@ class HandoffActor(Actor):
             min_rate_bytes_per_s=lim.min_rate_bytes_per_s,
             rate_grace_s=lim.rate_grace_s,
             min_free_bytes=lim.min_free_disk_bytes,
+            first_chunk_timeout_s=lim.first_chunk_timeout_s,
         )
         window, budget = self._rx_limits.window_bytes, self._rx_limits.credit_budget_bytes
         # Everything every session may have in flight may sit in the client's pending buffer (chunks, plus their
@@ -284,30 +291,23 @@ class HandoffActor(Actor):
         ctx, limits = self._ctx, self._rx_limits
         if ctx is None or limits is None:
             raise RequestError(BUSY, "the handoff actor is starting; retry")
-        reserved = sum(s.core.open.max_bytes for s in self._sessions.values())
-        refusal = rx.admit(request, limits, sessions=len(self._sessions), reserved_bytes=reserved)
-        if refusal is None:  # the disk, once the cheap checks passed (a stat in a worker thread)
+        decision = self._admission(request, limits)
+        if isinstance(decision, rx.Seated):  # the disk, once the cheap checks passed (a stat in a worker thread)
             try:
                 free = (await asyncio.to_thread(shutil.disk_usage, self.staging)).free
             except OSError as exc:
                 raise RequestError(BUSY, f"cannot read the staging disk's free space: {exc}") from exc
-            unwritten = sum(s.core.unwritten for s in self._sessions.values())
-            refusal = rx.admit(
-                request,
-                limits,
-                sessions=len(self._sessions),
-                reserved_bytes=reserved,
-                free_bytes=free,
-                unwritten_bytes=unwritten,
-            )
-        if refusal is not None:
-            code = BUSY if refusal.reason in (rx.Reason.BUSY, rx.Reason.NO_SPACE) else BAD_REQUEST
-            raise RequestError(code, refusal.detail, {"reason": refusal.reason.value})
+            decision = self._admission(request, limits, free)  # judged again: sessions moved meanwhile
+        if isinstance(decision, rx.Refusal):
+            code = BUSY if decision.reason in (rx.Reason.BUSY, rx.Reason.NO_SPACE) else BAD_REQUEST
+            raise RequestError(code, decision.detail, {"reason": decision.reason.value})
+        if decision.evict is not None:
+            self._preempt(ctx, decision.evict, request.sender_node)
         session = secrets.token_hex(16)
         path = self.staging / f"{session}{_PART_SUFFIX}"
         fd = await asyncio.to_thread(os.open, path, _OPEN_FLAGS, 0o600)
         now = asyncio.get_running_loop().time()
-        window = rx.session_window(limits, (s.core.credit_reserved for s in self._sessions.values()))
+        window = rx.session_window(limits, (s.core.credit_reserved for s in self._open_sessions()))
         state = _Session(rx.Receiver(session, request, limits, now, window), path, fd)
         self._sessions[session] = state
         ctx.spawn(self._run_session(ctx, state), f"session:{session[:12]}")
@@ -319,6 +319,39 @@ class HandoffActor(Actor):
             idle_timeout_s=limits.idle_timeout_s,
             deadline_s=limits.deadline_s,
         )
+
+    def _open_sessions(self) -> list[_Session]:
+        """The receiving sessions not over yet (an ended one holds no place, only its staging for a moment)."""
+        return [s for s in self._sessions.values() if s.core.state not in (rx.State.DONE, rx.State.ABORTED)]
+
+    def _admission(
+        self, request: HandoffOpen, limits: rx.ReceiverLimits, free: int | None = None
+    ) -> rx.Seated | rx.Refusal:
+        """The cores' word on an open: the sender's share of the sessions (`seat`), then the rest of the
+        receiver's limits with the preempted session's place counted free (`admit`; the staging disk when
+        `free` is given)."""
+        sessions = self._open_sessions()
+        seats = [rx.Seat(s.core.session, s.core.open.sender_node, s.core.received, s.core.opened_at) for s in sessions]
+        seated = rx.seat(request.sender_node, seats, limits)
+        if isinstance(seated, rx.Refusal):
+            return seated
+        staying = [s for s in sessions if s.core.session != seated.evict]
+        refusal = rx.admit(
+            request,
+            limits,
+            sessions=len(staying),
+            reserved_bytes=sum(s.core.open.max_bytes for s in staying),
+            free_bytes=free,
+            unwritten_bytes=sum(s.core.unwritten for s in staying),
+        )
+        return seated if refusal is None else refusal
+
+    def _preempt(self, ctx: ActorContext, session_id: str, newcomer: str) -> None:
+        """Aborts an empty session (`preempted`) so that a sender under its share takes its place."""
+        session = self._sessions[session_id]
+        detail = f"an empty session of {session.core.open.sender_node}, over its share, gave its place to {newcomer}"
+        now = asyncio.get_running_loop().time()
+        self._perform(ctx, session, session.core.handle(rx.Failed(rx.Reason.PREEMPTED, detail, now)))
 
     # -- the session messages, in order --
 
@@ -695,8 +728,42 @@ class _Send:
         return max(0.001, (deadline if deadline is not None else self.loop.time()) - self.loop.time())
 
     async def _run(self, segments: AsyncIterator[tuple[bytes, str | None]]) -> HandoffReport:
-        core, ctx = self.core, self.ctx
         started = self.loop.time()
+        ready: asyncio.Queue[tuple[bytes, str] | BaseException | None] = asyncio.Queue(maxsize=1)
+        async with asyncio.TaskGroup() as tg:
+            # The next segment is read (or produced) and hashed while this one is published; the session is
+            # opened once the first one is in hand, so the receiver holds no place for a sender with no bytes.
+            producer = tg.create_task(_prefetch(segments, ready), name="handoff:prefetch")
+            try:
+                first = await self._first_segment(ready)
+                await self._open()
+                assert self.core.reply is not None
+                await self._publish_all(self.core.reply.subject + ".data", ready, first)
+            finally:
+                producer.cancel()
+        return await self._commit(started)
+
+    async def _first_segment(
+        self, ready: asyncio.Queue[tuple[bytes, str] | BaseException | None]
+    ) -> tuple[bytes, str] | None:
+        """The source's first segment (None: it has none), within the send's overall deadline; a source that
+        fails first fails the send before anything is opened. The session's clock starts once the segment is
+        in hand: a prefill may take a while, and no receiver waits for it."""
+        core = self.core
+        first: tuple[bytes, str] | BaseException | None
+        try:
+            async with asyncio.timeout(core.limits.deadline_s):
+                first = await ready.get()
+        except TimeoutError:
+            first = TimeoutError(f"the source produced nothing within {core.limits.deadline_s:g}s")
+        if isinstance(first, BaseException):
+            self._act(core.handle(tx.Failed(tx.Reason.SOURCE_FAILED, repr(first)[:512], self.loop.time())))
+            raise self._failed()
+        self.core = tx.Sender(core.open, core.limits, self.loop.time())
+        return first
+
+    async def _open(self) -> None:
+        core, ctx = self.core, self.ctx
         subject = ctx.subjects.handoff(self.peer, "open")
         try:
             opened = await ctx.bus.request(subject, core.open, HandoffOpened, timeout=self._remaining())
@@ -714,16 +781,10 @@ class _Send:
             expected = ctx.subjects.handoff_session(self.peer, opened.session)
             self._act(core.handle(tx.Opened(opened, self.loop.time(), expected)))
         self._check()
+
+    async def _commit(self, started: float) -> HandoffReport:
+        core, ctx = self.core, self.ctx
         assert core.reply is not None
-        data_subject = core.reply.subject + ".data"
-        ready: asyncio.Queue[tuple[bytes, str] | BaseException | None] = asyncio.Queue(maxsize=1)
-        async with asyncio.TaskGroup() as tg:
-            # The next segment is read (or produced) and hashed while this one is published.
-            producer = tg.create_task(_prefetch(segments, ready), name="handoff:prefetch")
-            try:
-                await self._publish_all(data_subject, ready)
-            finally:
-                producer.cancel()
         self._act(core.handle(tx.EndOfPayload(self.loop.time())))
         self._check()
         commit = HandoffCommit(
@@ -760,18 +821,27 @@ class _Send:
         self.log.info("handoff_sent", session=core.session, bytes=report.bytes, transfer_ms=report.transfer_ms)
         return report
 
-    async def _publish_all(self, subject: str, ready: asyncio.Queue[tuple[bytes, str] | BaseException | None]) -> None:
+    async def _publish_all(
+        self,
+        subject: str,
+        ready: asyncio.Queue[tuple[bytes, str] | BaseException | None],
+        first: tuple[bytes, str] | None,
+    ) -> None:
         core = self.core
+        item: tuple[bytes, str] | BaseException | None = first
+        taken = True
         while True:
-            try:
-                # Sliced, so an abort by the receiver (which arrives on the credit subscription) ends the send
-                # while the source is still producing the next segment.
-                async with asyncio.timeout(min(self._remaining(), _SOURCE_POLL_S)):
-                    item = await ready.get()
-            except TimeoutError:
-                self._act(core.handle(tx.Tick(self.loop.time())))
-                self._check()
-                continue
+            if not taken:
+                try:
+                    # Sliced, so an abort by the receiver (which arrives on the credit subscription) ends the send
+                    # while the source is still producing the next segment.
+                    async with asyncio.timeout(min(self._remaining(), _SOURCE_POLL_S)):
+                        item = await ready.get()
+                except TimeoutError:
+                    self._act(core.handle(tx.Tick(self.loop.time())))
+                    self._check()
+                    continue
+            taken = False
             if isinstance(item, BaseException):  # the source's failure (a prefill that died): the session's
                 self._act(core.handle(tx.Failed(tx.Reason.SOURCE_FAILED, repr(item)[:512], self.loop.time())))
                 self._check()

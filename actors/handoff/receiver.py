@@ -23,6 +23,13 @@ Rules this module keeps:
   A session must also average `min_rate_bytes_per_s` after a grace period (`rate_grace_s`), and no session
   outlives `deadline_s`. `admit` refuses a session the staging disk cannot hold, with what open sessions may
   still write and a free-space floor kept aside.
+* No sender holds every session. `seat` gives each sending node (as its open names it) a share of
+  `max_sessions` among the nodes that hold sessions or ask for one: one over its share is refused (`busy`),
+  and when every session is held, a newcomer under its share takes the place of an empty session (no byte
+  received yet) of a node over its share (aborted `preempted`). An empty session costs little anyway: one
+  that receives no chunk within `first_chunk_timeout_s` of its open is aborted (`empty`), long before the
+  idle timeout. (A node's name is what its open says: one that rotates names is bounded by that timeout,
+  not by the share.)
 
 Theory of operation: a session is accepted by `admit` (the open's own rules and the receiver's limits), then
 `RECEIVING`: chunks arrive in order (one NATS subscription, one publisher), each checked against the position
@@ -30,13 +37,15 @@ expected next (duplicate, out of order, gap, overlap, the announced layout, cred
 which reports it back with the segment's blake3 when it completed one. `COMMIT` moves to `DRAINING` until the
 shell has staged every accepted chunk, then the commit is judged: `RESTORING` (the shell restores and
 reports back: `DONE`) or `ABORTED`. The deadline (`next_deadline`) is the idle timeout from the last progress
-and the session's overall deadline; in `RESTORING`, the restore timeout.
+and the session's overall deadline (and, until a first chunk arrived, the first-chunk timeout); in
+`RESTORING`, the restore timeout.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -69,11 +78,15 @@ __all__ = [
     "Restore",
     "RestoreFailed",
     "Restored",
+    "Seat",
+    "Seated",
     "SenderAborted",
     "Stage",
     "State",
     "Tick",
     "admit",
+    "seat",
+    "share",
 ]
 
 
@@ -114,6 +127,8 @@ class Reason(enum.Enum):
     RESTORE_TIMEOUT = "restore_timeout"  # the restore hook did not finish within the restore timeout
     TOO_SLOW = "too_slow"  # the sender averaged less than the receiver's minimum rate (after its grace period)
     NO_SPACE = "no_space"  # the staging disk cannot hold the session's max_bytes beside its free-space floor
+    EMPTY = "empty"  # no chunk arrived within the first-chunk timeout of the open: an empty session holds a place
+    PREEMPTED = "preempted"  # an empty session of a sender over its share gave its place to one under its share
     SHUTDOWN = "shutdown"  # the receiving actor is stopping
     INTERNAL = "internal"  # a bug in the receiving shell met by this session (logged); the actor keeps serving
 
@@ -133,10 +148,13 @@ class ReceiverLimits:
     min_rate_bytes_per_s: float = float(1 << 20)  # a session averaging less (after rate_grace_s) is too slow; 0: off
     rate_grace_s: float = 30.0
     min_free_bytes: int = 1 << 30  # free space the staging disk keeps beside what open sessions may write
+    first_chunk_timeout_s: float = 2.0  # a session with no chunk this long after its open is aborted (`empty`)
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1 or self.window_bytes < 2 * self.chunk_bytes:
             raise ValueError("the credit window must hold at least two chunks")
+        if self.max_sessions < 1 or not self.first_chunk_timeout_s > 0:
+            raise ValueError("a receiver holds at least one session, and gives each a first-chunk timeout")
         if self.credit_budget_bytes < self.max_sessions * 2 * self.chunk_bytes:
             raise ValueError("the credit budget must hold two chunks for every session")
 
@@ -279,6 +297,54 @@ def session_window(limits: ReceiverLimits, others: Iterable[int]) -> int:
     return max(floor, min(limits.window_bytes, spare))
 
 
+@dataclass(frozen=True, slots=True)
+class Seat:
+    """An open session as `seat` weighs it: whose it is, and whether it has moved a byte."""
+
+    session: str
+    sender: str  # the sending node, as its open names it
+    received: int  # payload bytes accepted so far (0: an empty session)
+    opened_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Seated:
+    """The sender may open a session; `evict`: the empty session that gives its place first (`preempted`)."""
+
+    evict: str | None = None
+
+
+def share(limits: ReceiverLimits, senders: int) -> int:
+    """The sessions one sending node may hold while `senders` nodes hold or ask for one: an equal part of
+    `max_sessions`, at least one."""
+    return max(1, limits.max_sessions // max(1, senders))
+
+
+def seat(sender: str, seats: Sequence[Seat], limits: ReceiverLimits) -> Seated | Refusal:
+    """Whether `sender` may open one more session beside the open `seats`, and whose place it takes.
+
+    A sender at its share (`share`, counting the senders holding seats and this one) is refused `busy`. Below
+    it, it is seated while a session is free; when none is, it takes the place of an empty session of a sender
+    over its share (of the sender holding most, its newest), or is refused `busy` when there is none: a
+    session that moves bytes is never cut short for another."""
+    held = Counter(s.sender for s in seats)
+    senders = len(held) + (sender not in held)
+    fair = share(limits, senders)
+    if held[sender] >= fair:
+        detail = (
+            f"sender {sender} holds {held[sender]} sessions: its share of {limits.max_sessions} among {senders} "
+            f"sending nodes is {fair}"
+        )
+        return Refusal(Reason.BUSY, detail)
+    if len(seats) < limits.max_sessions:
+        return Seated()
+    over = [s for s in seats if s.received == 0 and held[s.sender] > fair]
+    if not over:
+        return Refusal(Reason.BUSY, f"{len(seats)} sessions open, at most {limits.max_sessions}")
+    victim = max(over, key=lambda s: (held[s.sender], s.opened_at, s.session))
+    return Seated(evict=victim.session)
+
+
 def admit(
     open_: HandoffOpen,
     limits: ReceiverLimits,
@@ -411,6 +477,12 @@ class Receiver:
             return None
         return self.opened_at + self.limits.rate_grace_s + self.progress.received / rate
 
+    def _first_chunk_deadline(self) -> float | None:
+        """When a session that has received nothing is given up (None: a chunk arrived, or the commit did)."""
+        if self.state is not State.RECEIVING or self.progress.received:
+            return None
+        return self.opened_at + self.limits.first_chunk_timeout_s
+
     def _progressed(self, which: int, count: int, now: float) -> None:
         """Counts as progress only a step of bytes since the last one, or the payload's end."""
         if count - self._marks[which] >= self._step or count >= self._ceiling:
@@ -422,6 +494,9 @@ class Receiver:
         """When the shell must feed `Tick` (None: the session is over)."""
         if self.state in (State.RECEIVING, State.DRAINING):
             deadline = min(self.last_progress + self.limits.idle_timeout_s, self.opened_at + self.limits.deadline_s)
+            first = self._first_chunk_deadline()
+            if first is not None:
+                deadline = min(deadline, first)
             rate = self._rate_deadline()
             return deadline if rate is None else min(deadline, rate)
         if self.state is State.RESTORING:
@@ -601,6 +676,10 @@ class Receiver:
             return self._abort(Reason.RESTORE_TIMEOUT, f"no restore within {self.limits.restore_timeout_s:g}s"), None
         if event.now >= self.opened_at + self.limits.deadline_s:
             return self._abort(Reason.EXPIRED, f"the session outlived {self.limits.deadline_s:g}s"), None
+        first = self._first_chunk_deadline()
+        if first is not None and event.now >= first and event.now < self.last_progress + self.limits.idle_timeout_s:
+            detail = f"no chunk within {self.limits.first_chunk_timeout_s:g}s of the open"
+            return self._abort(Reason.EMPTY, detail), None
         rate = self._rate_deadline()
         if rate is not None and event.now >= rate and event.now < self.last_progress + self.limits.idle_timeout_s:
             elapsed = event.now - self.opened_at

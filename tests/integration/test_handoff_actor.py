@@ -23,7 +23,7 @@ from actors.handoff.restore import into_l3
 from actors.l3 import layout
 from actors.l3.actor import L3Actor
 from actors.l3.layout import SegmentRef
-from messages.errors import BAD_REQUEST, NOT_FOUND
+from messages.errors import BAD_REQUEST, BUSY, NOT_FOUND
 from messages.handoff import (
     CreditGrant,
     HandoffAbort,
@@ -354,7 +354,8 @@ async def test_concurrent_sessions_all_commit_and_opens_past_the_bound_are_refus
         for i in range(0, len(data), 1 << 20):
             yield data[i : i + (1 << 20)]
 
-    async with two_nodes(bus, tmp_path, max_sessions=3) as (a, b, restores):
+    limits = {"max_sessions": 3, "idle_timeout_s": 30.0, "first_chunk_timeout_s": 30.0}  # the held ones stay
+    async with two_nodes(bus, tmp_path, **limits) as (a, b, restores):
         reports = await asyncio.gather(
             *(
                 a.send("node-b", stream(p), identity=IDENTITY, n_tokens=i, max_bytes=len(p))
@@ -367,9 +368,14 @@ async def test_concurrent_sessions_all_commit_and_opens_past_the_bound_are_refus
         held = [HandSender(bus, _segments()) for _ in range(3)]
         for hand in held:
             await hand.open()
-        with pytest.raises(HandoffFailed) as refused:
-            await a.send("node-b", stream(payloads[0]), identity=IDENTITY, n_tokens=1, max_bytes=len(payloads[0]))
-        assert refused.value.reason == "open_refused" and "busy" in refused.value.detail
+        with pytest.raises(RemoteError) as refused:  # its share: every place, and no more
+            await HandSender(bus, _segments()).open()
+        assert refused.value.code == BUSY and refused.value.reply.details["reason"] == "busy"
+        # Another node's open takes the place of the newest empty one (a node over its share of 1 place of 3).
+        report = await a.send("node-b", stream(payloads[0]), identity=IDENTITY, n_tokens=1, max_bytes=len(payloads[0]))
+        assert report.bytes == len(payloads[0])
+        await _until(lambda: any(isinstance(c, SessionAborted) and c.reason == "preempted" for c in held[2].controls))
+        assert not any(c for hand in held[:2] for c in hand.controls if isinstance(c, SessionAborted))
 
 
 @pytest.mark.parametrize("hook", [True, False], ids=["on_committed", "l3_only"])
@@ -465,7 +471,8 @@ async def test_sessions_open_at_once_share_the_credit_budget(bus: Bus, tmp_path:
     rng = random.Random(5)
     big = [rng.randbytes(3 << 20) for _ in range(3)]
     budget = 8 << 20
-    limits = {"max_sessions": 3, "credit_budget_bytes": budget, "idle_timeout_s": 60.0}  # none idles out here
+    # none idles out here
+    limits = {"max_sessions": 3, "credit_budget_bytes": budget, "idle_timeout_s": 60.0, "first_chunk_timeout_s": 60.0}
     async with two_nodes(bus, tmp_path, **limits) as (_, b, _):
         held = [HandSender(bus, big) for _ in range(3)]
         opened = [await hand.open() for hand in held]

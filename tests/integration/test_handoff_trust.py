@@ -193,3 +193,55 @@ async def test_an_open_the_staging_disk_cannot_hold_is_refused(bus: Bus, tmp_pat
         small = msgspec.structs.replace(request, max_bytes=1 << 20)
         opened = await bus.request(S.handoff("node-b", "open"), small, HandoffOpened, timeout=5)
         assert opened.subject == S.handoff_session("node-b", opened.session)
+
+
+@pytest.mark.timeout(120)
+async def test_a_peer_reopening_empty_sessions_does_not_starve_an_honest_one(
+    bus: Bus, journal_reader: JournalReader, tmp_path: Path
+) -> None:
+    # Issue 30 (F10): four sessions for every sender, an empty one lived the whole idle timeout (10 s), and one
+    # peer re-opening empty sessions refused an honest peer's handoffs 16 times in 20. Now each sending node has
+    # its share, an empty session over its share gives its place, and an empty session lives 2 s.
+    limits = dataclasses.replace(FAST, idle_timeout_s=10.0, first_chunk_timeout_s=2.0)
+    a = HandoffActor("node-a", tmp_path / "a", limits=limits)
+    b = HandoffActor("node-b", tmp_path / "b", limits=limits)
+    hostile = HandoffOpen(
+        sender_node="mallory", identity=IDENTITY, n_tokens=1, max_bytes=1 << 20, credit_subject="_INBOX.mallory"
+    )
+    held = refused = 0
+
+    async def reopen() -> None:  # as fast as the receiver answers: never a byte, never an abort
+        nonlocal held, refused
+        while True:
+            try:
+                await bus.request(S.handoff("node-b", "open"), hostile, HandoffOpened, timeout=5)
+                held += 1
+            except RemoteError as exc:
+                assert exc.code == BUSY
+                refused += 1
+                await asyncio.sleep(0.01)
+
+    data = bytes(range(256)) * 1200  # 300 KiB
+    source = tmp_path / "slot.bin"
+    source.write_bytes(data)
+    async with supervised(bus, [a, b]):
+        await _until(lambda: a.running and b.running)
+        flood = asyncio.create_task(reopen())
+        try:
+            await _until(lambda: b.sessions == 4)  # the peer holds every place before the honest one asks
+            failures: list[str] = []
+            for i in range(20):
+                try:
+                    report = await a.send("node-b", source, identity=IDENTITY, n_tokens=i + 1)
+                    assert report.bytes == len(data)
+                except HandoffFailed as exc:
+                    failures.append(f"{exc.reason}: {exc.detail}")
+            assert failures == [], f"{len(failures)} of 20 refused: {failures[:3]}"
+            assert held > 4 and refused > 0  # the flood went on the whole time
+        finally:
+            flood.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flood
+        await journal_reader.wait_for(of_type("handoff_aborted", role="receiver", reason="preempted"))
+        await journal_reader.wait_for(of_type("handoff_aborted", role="receiver", reason="empty"))
+        await journal_reader.wait_for(of_type("handoff_committed"), count=20)

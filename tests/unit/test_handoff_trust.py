@@ -200,7 +200,11 @@ def test_full_chunks_are_progress_and_the_payloads_end_too() -> None:
 
 def test_a_sender_averaging_under_the_minimum_rate_is_too_slow() -> None:
     limits = rx.ReceiverLimits(
-        chunk_bytes=CHUNK, window_bytes=8 * CHUNK, min_rate_bytes_per_s=float(CHUNK), rate_grace_s=5.0
+        chunk_bytes=CHUNK,
+        window_bytes=8 * CHUNK,
+        min_rate_bytes_per_s=float(CHUNK),
+        rate_grace_s=5.0,
+        first_chunk_timeout_s=10.0,  # its first chunk comes 9 s after the open
     )
     session = Trickle(1000 * CHUNK, limits)
     now = 0.0
