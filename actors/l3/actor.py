@@ -12,11 +12,17 @@ parts are `peer` (fetching an entry from a peer) and `serve` (the endpoints peer
 
 * Start: `reconcile` (temporary files removed, bad manifests quarantined: `l3_quarantined`, orphan segments
   collected), the catalog filled, the budget enforced once, the endpoints added, the inventory published.
+* Quarantine: a task deletes quarantined manifests when the policy says (`budget.quarantine_due`: after
+  `quarantine_retention_s`, or `quarantine_keep_s` once the store needs its room), sleeping until the next
+  one is due or the store needs room; the segments only they named are freed (`l3_quarantine_cleared`). So
+  an unreadable manifest blocks eviction for `quarantine_keep_s` at most, with no operator;
+  `mesh-actor l3 gc --quarantine` still deletes every one at once.
 * Capture: a bounded queue drained by one task: ingest (the entry is servable from here on), one eviction
   pass (`l3_evicted`), the flush that makes it durable, then `l3_captured`. The slot file is deleted
   whatever happens. A state already stored is only touched. While eviction is blocked (an unreadable
-  manifest in quarantine: `l3_eviction_blocked`), a capture that does not fit the budget is dropped
-  (`eviction_blocked`) instead of growing the store past it. `store` is a capture whose outcome the caller
+  manifest in quarantine: `l3_eviction_blocked`), a capture that does not fit the budget first has the
+  quarantine policy run (the store needs room), and is dropped (`eviction_blocked`) instead of growing the
+  store past it if that freed nothing. `store` is a capture whose outcome the caller
   awaits (stored, or dropped and why): what a handoff into this node waits for, so it learns at once that
   the state was not kept instead of waiting for it to appear.
 * Materialize: single-flight per entry. The first caller's fill assembles the payload (verified segment by
@@ -64,6 +70,10 @@ from runtime.logging import get_logger
 __all__ = ["TTL_HEADER", "L3Actor", "L3Limits"]
 
 _STAGING: Final = "staging"
+#: The quarantine task looks again at least this often (a clock that jumped), and waits this long after a
+#: deletion that failed before it tries again.
+_QUARANTINE_IDLE_S: Final = 3600.0
+_QUARANTINE_RETRY_S: Final = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +89,10 @@ class L3Limits:
     max_probes: int = 64
     segment_workers: int = 8  # segment chunks served concurrently
     threads: int = 8  # worker threads for store I/O
+    # A quarantined manifest is deleted after this (the journal keeps why it was quarantined)...
+    quarantine_retention_s: float = 86_400.0
+    # ...or after this, once the store needs its room (an unreadable one blocks every eviction meanwhile).
+    quarantine_keep_s: float = 600.0
 
 
 @dataclass(slots=True)
@@ -129,7 +143,14 @@ class L3Actor(Actor):
         self._configured_budget = budget_bytes
         self._segment_bytes = layout.check_segment_bytes(segment_bytes)
         self._clock = clock
-        self._keeper = StoreKeeper(self.root, budget_bytes=budget_bytes or 0, threads=self.limits.threads)
+        self._keeper = StoreKeeper(
+            self.root,
+            budget_bytes=budget_bytes or 0,
+            threads=self.limits.threads,
+            clock=clock,
+            quarantine_retention_s=self.limits.quarantine_retention_s,
+            quarantine_keep_s=self.limits.quarantine_keep_s,
+        )
         self._peer_fetch = PeerFetch(
             self._keeper, chunk_timeout_s=self.limits.chunk_timeout_s, window=self.limits.fetch_window, clock=clock
         )
@@ -250,6 +271,7 @@ class L3Actor(Actor):
         await ctx.add_endpoint("warm", ctx.subjects.l3(self.node_id, "warm"), WarmRequest, self._on_warm)
         ctx.spawn(self._capture_loop(ctx), "capture")
         ctx.spawn(self._inventory_loop(ctx), "inventory")
+        ctx.spawn(self._quarantine_loop(ctx, store), "quarantine")
         ctx.spawn(self._watch_peers(ctx, kv), "peers")
         self._ctx = ctx
         self._keeper.changed.set()
@@ -318,6 +340,10 @@ class L3Actor(Actor):
         if size > self.budget_bytes:
             self._drop(job, f"over_budget: {size} bytes, budget {self.budget_bytes}")
             return
+        if not self._keeper.room_for(size):  # the store needs its room: quarantined manifests may go first
+            self._keeper.need_room()
+            async with self._keeper.mutate:
+                await self._keeper.clear_quarantine(ctx, store)
         if not self._keeper.room_for(size):
             stored, blocked = self._keeper.catalog.stored_bytes, self._keeper.catalog.eviction_blocked
             detail = f"{stored} + {size} bytes over the budget {self.budget_bytes}; unreadable in quarantine: "
@@ -460,6 +486,25 @@ class L3Actor(Actor):
         ctx.log.info("l3_warmed", identity=request.identity, fetched=fetched, bytes=moved, already=already,
                      failed=failed)  # fmt: skip
         return WarmReply(node_id=self.node_id, fetched=fetched, bytes=moved, already=already, failed=failed)
+
+    # ---- quarantine --------------------------------------------------------------------------------------
+
+    async def _quarantine_loop(self, ctx: ActorContext, store: Store) -> None:
+        """Deletes the quarantined manifests the policy says are due: sleeps until the next one is, or until
+        the store needs room or quarantines another (`keeper.pressure`)."""
+        keeper = self._keeper
+        while True:
+            due = keeper.next_quarantine_due()
+            wait = _QUARANTINE_IDLE_S if due is None else min(_QUARANTINE_IDLE_S, max(0.0, due - keeper.clock()))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await keeper.pressure.wait()
+            keeper.pressure.clear()
+            async with keeper.mutate:
+                cleared = await keeper.clear_quarantine(ctx, store)
+            due = keeper.next_quarantine_due()
+            if not cleared and due is not None and due <= keeper.clock():  # due but not deleted (an I/O error)
+                await asyncio.sleep(_QUARANTINE_RETRY_S)
 
     # ---- inventory ---------------------------------------------------------------------------------------
 

@@ -14,6 +14,12 @@ Rules this module keeps:
   `fits=False`; the caller reports it (an event) rather than looping.
 * `default_budget` caps a store that was given no budget: a fraction of the disk, and never eating into a
   minimum of free space.
+* A quarantined manifest is evidence for a while, not for ever (`quarantine_due`): it is deleted once it has
+  been kept `retention_s`, or `keep_s` while the store needs its room (an eviction pass that had to evict or
+  could not fit, a capture refused for lack of room). Why it was quarantined stays in the journal
+  (`l3_quarantined`), and so does its deletion (`l3_quarantine_cleared`); the segments only it named are
+  orphans then, freed first by the next pass. An unreadable one blocks every eviction until it goes, so
+  without this rule a store stopped caching until an operator ran `mesh-actor l3 gc --quarantine`.
 """
 
 from __future__ import annotations
@@ -22,7 +28,15 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
-__all__ = ["Eviction", "StoredEntry", "default_budget", "plan_eviction"]
+__all__ = [
+    "Eviction",
+    "Quarantined",
+    "StoredEntry",
+    "default_budget",
+    "next_quarantine_due",
+    "plan_eviction",
+    "quarantine_due",
+]
 
 
 class StoredEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,6 +92,34 @@ def plan_eviction(entries: Iterable[StoredEntry], segment_bytes: Mapping[str, in
     return Eviction(
         evict=tuple(evicted), free=tuple(freed), bytes_before=total, bytes_after=current, fits=current <= budget
     )
+
+
+class Quarantined(msgspec.Struct, frozen=True, kw_only=True):
+    name: str  # its name in quarantine/
+    since: float  # when it was quarantined, on the caller's clock
+
+
+def _age_limit(retention_s: float, keep_s: float, pressed: bool) -> float:
+    if min(retention_s, keep_s) < 0:
+        raise ValueError("a quarantine is kept for no negative time")
+    return min(retention_s, keep_s) if pressed else retention_s
+
+
+def quarantine_due(
+    held: Iterable[Quarantined], *, now: float, retention_s: float, keep_s: float, pressed: bool
+) -> tuple[str, ...]:
+    """The quarantined manifests to delete now, oldest first: each kept `retention_s`, and while the store
+    needs its room (`pressed`) each kept `keep_s`."""
+    limit = _age_limit(retention_s, keep_s, pressed)
+    return tuple(q.name for q in sorted(held, key=lambda q: (q.since, q.name)) if now - q.since >= limit)
+
+
+def next_quarantine_due(
+    held: Iterable[Quarantined], *, retention_s: float, keep_s: float, pressed: bool
+) -> float | None:
+    """When `quarantine_due` next has something to delete (None: nothing is quarantined)."""
+    limit = _age_limit(retention_s, keep_s, pressed)
+    return min((q.since + limit for q in held), default=None)
 
 
 def default_budget(

@@ -15,7 +15,9 @@ Rules this module keeps:
 * What is counted against the budget (`stored_bytes`): every stored segment once, and the quarantined
   manifest files. Quarantined manifests keep the segments they name. While a quarantined manifest cannot be
   parsed its segments are unknown, so nothing may be freed at all: `eviction_blocked`, and `plan` evicts
-  nothing (the caller stops captures that do not fit instead).
+  nothing (the caller stops captures that do not fit instead). Each quarantined manifest also has the time
+  it was quarantined (`quarantine_held`, what `budget.quarantine_due` judges); `unquarantine` takes out
+  those deleted, and the segments only they named are orphans for the next `plan`.
 * A lookup never reads the disk: it probes the prefix index (`prefix.PrefixIndex`: the query's own tokens,
   longest first, bounded probes).
 * The inventory a node publishes lists its entries most recently used first, at most `max_items` of them
@@ -36,8 +38,8 @@ from typing import Final
 
 import msgspec
 
-from actors.l3.budget import Eviction, StoredEntry, plan_eviction
-from actors.l3.layout import MAX_TOKENS, is_digest
+from actors.l3.budget import Eviction, Quarantined, StoredEntry, plan_eviction
+from actors.l3.layout import MAX_TOKENS, is_digest, is_quarantine_name
 from actors.l3.prefix import DEFAULT_MAX_PROBES, Hit, PrefixIndex
 from messages.l3 import MAX_BYTES, L3Inventory, L3Item
 
@@ -71,6 +73,8 @@ class Catalog:
         self._quarantined: dict[str, tuple[str, ...]] = {}  # quarantined manifest name -> segments it names
         self._unreadable: set[str] = set()  # quarantined manifests that cannot be parsed
         self.quarantine_bytes = 0  # the quarantined manifest files themselves
+        self._quarantine_since: dict[str, float] = {}  # quarantined manifest name -> when it was quarantined
+        self._quarantine_sizes: dict[str, int] = {}  # quarantined manifest name -> its file's bytes (when known)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -133,8 +137,8 @@ class Catalog:
             self._entries.pop(entry, None)
             self._index.remove(entry)
 
-    def quarantine(self, entry: str, name: str, manifest_bytes: int = 0) -> None:
-        """`entry`'s manifest was moved to quarantine as `name`: no longer held, its segments kept."""
+    def quarantine(self, entry: str, name: str, manifest_bytes: int = 0, *, at: float = 0.0) -> None:
+        """`entry`'s manifest was moved to quarantine as `name` at `at`: no longer held, its segments kept."""
         held = self._entries.get(entry)
         self.remove([entry])
         key, copy = name, 0
@@ -142,13 +146,41 @@ class Catalog:
             copy += 1
             key = f"{name}.{copy}"
         self._quarantined[key] = held.segments if held is not None else ()
+        self._quarantine_since[key] = at
+        self._quarantine_sizes[key] = manifest_bytes
         self.quarantine_bytes += manifest_bytes
 
-    def set_quarantine(self, readable: Mapping[str, Sequence[str]], unreadable: Iterable[str], nbytes: int) -> None:
-        """What quarantine holds, as a reconcile pass found it."""
+    def set_quarantine(
+        self,
+        readable: Mapping[str, Sequence[str]],
+        unreadable: Iterable[str],
+        nbytes: int,
+        *,
+        since: Mapping[str, float] | None = None,
+        sizes: Mapping[str, int] | None = None,
+    ) -> None:
+        """What quarantine holds, as a reconcile pass found it (`since`: when each was quarantined, `sizes`: its
+        file's bytes; a name left out counts as quarantined at time 0, of unknown size)."""
         self._quarantined = {name: tuple(digests) for name, digests in readable.items()}
         self._unreadable = set(unreadable)
         self.quarantine_bytes = nbytes
+        names = self._quarantined.keys() | self._unreadable
+        self._quarantine_since = {name: (since or {}).get(name, 0.0) for name in names}
+        self._quarantine_sizes = {name: (sizes or {}).get(name, 0) for name in names}
+
+    def quarantine_held(self) -> list[Quarantined]:
+        """The quarantined manifests a policy may delete (the names the store gives them: any other file there
+        is not the store's) and when each was quarantined."""
+        held = sorted(self._quarantine_since.items())
+        return [Quarantined(name=name, since=since) for name, since in held if is_quarantine_name(name)]
+
+    def unquarantine(self, names: Iterable[str]) -> None:
+        """Quarantined manifests deleted: the segments only they named are orphans for the next `plan`."""
+        for name in names:
+            self._quarantined.pop(name, None)
+            self._unreadable.discard(name)
+            self._quarantine_since.pop(name, None)
+            self.quarantine_bytes = max(0, self.quarantine_bytes - self._quarantine_sizes.pop(name, 0))
 
     def set_segments(self, sizes: Mapping[str, int]) -> None:
         """Every stored segment as the disk has it (a reconcile pass, or a rescan after a failed ingest)."""

@@ -16,13 +16,18 @@ A `StoreKeeper` belongs to one `L3Actor` and is shared by its parts (the actor's
 * the budget, the count of fetches running (gc waits for none), and the `changed` flag the inventory loop
   publishes on;
 * `unsure`: set when a mutation failed half-way (an ingest refused after its segments landed), so the next
-  pass takes the segment sizes from the disk again instead of trusting the catalog's.
+  pass takes the segment sizes from the disk again instead of trusting the catalog's;
+* the quarantine policy's state (`budget.quarantine_due`): `pressed` once the store needs its room (a pass
+  that had to evict or could not fit, a capture refused for lack of room), with `pressure` to wake the
+  actor's quarantine task; `clear_quarantine` deletes what is due, journals it (`l3_quarantine_cleared`) and
+  frees the segments only those manifests named.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,10 +35,10 @@ from typing import Any, TypeVar
 
 from actors.l3 import layout
 from actors.l3.api import L3Unavailable
-from actors.l3.budget import Eviction
+from actors.l3.budget import Eviction, next_quarantine_due, quarantine_due
 from actors.l3.catalog import Catalog
 from actors.l3.store import Inventory, Store
-from messages.events import L3Evicted, L3EvictionBlocked, L3Quarantined
+from messages.events import L3Evicted, L3EvictionBlocked, L3QuarantineCleared, L3Quarantined
 from runtime.actor import ActorContext
 
 __all__ = ["StoreKeeper"]
@@ -42,7 +47,19 @@ T = TypeVar("T")
 
 
 class StoreKeeper:
-    def __init__(self, root: Path, *, budget_bytes: int, threads: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        budget_bytes: int,
+        threads: int,
+        clock: Callable[[], float] = time.time,
+        quarantine_retention_s: float = 86_400.0,
+        quarantine_keep_s: float = 600.0,
+    ) -> None:
+        """`clock`: the catalog's clock (last uses, quarantine times: the store's mtimes are on it too).
+        `quarantine_retention_s`: how long a quarantined manifest is kept; `quarantine_keep_s`: how long at
+        least, once the store needs its room."""
         self.root = root
         self.budget_bytes = budget_bytes
         self.store: Store | None = None
@@ -51,6 +68,11 @@ class StoreKeeper:
         self.changed = asyncio.Event()
         self.fetching = 0
         self.unsure = False
+        self.clock = clock
+        self.quarantine_retention_s = quarantine_retention_s
+        self.quarantine_keep_s = quarantine_keep_s
+        self.pressed = False
+        self.pressure = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="l3")
 
     def require_store(self) -> Store:
@@ -88,6 +110,8 @@ class StoreKeeper:
             {q.name: q.segments for q in inventory.quarantined if q.readable},
             (q.name for q in inventory.quarantined if not q.readable),
             sum(q.bytes for q in inventory.quarantined),
+            since={q.name: q.since_ns / 1e9 for q in inventory.quarantined},
+            sizes={q.name: q.bytes for q in inventory.quarantined},
         )
         self.catalog = catalog
         self.unsure = False
@@ -110,7 +134,8 @@ class StoreKeeper:
             unreadable=list(unreadable[:10]),
             bytes=self.catalog.stored_bytes,
             budget=self.budget_bytes,
-            hint="mesh-actor l3 gc --quarantine deletes the quarantined manifests",
+            hint=f"deleted once the store needs room and they are {self.quarantine_keep_s:g}s old, or now by "
+            "mesh-actor l3 gc --quarantine",
         )
 
     def room_for(self, size: int) -> bool:
@@ -131,6 +156,8 @@ class StoreKeeper:
             except OSError as exc:  # some files stay: the next pass counts what the disk holds
                 self.unsure = True
                 ctx.log.warning("l3_eviction_failed", error=str(exc))
+        if plan.evict or not plan.fits:
+            self.need_room()
         if plan.evict:
             ctx.emit(
                 L3Evicted,
@@ -155,6 +182,55 @@ class StoreKeeper:
         if quarantined is None:
             self.catalog.remove([entry])
         else:
-            self.catalog.quarantine(entry, layout.manifest_name(entry))
+            self.catalog.quarantine(entry, layout.manifest_name(entry), at=self.clock())
             ctx.emit(L3Quarantined, entry=entry, reason=quarantined[:200])
+            self.pressure.set()  # the quarantine task learns when this one is due
         self.changed.set()
+
+    # ---- the quarantine policy ----
+
+    def need_room(self) -> None:
+        """The store needs its room: quarantined manifests go once they are `quarantine_keep_s` old."""
+        self.pressed = True
+        self.pressure.set()
+
+    def next_quarantine_due(self) -> float | None:
+        """When (on `clock`) a quarantined manifest is next due for deletion (None: none is quarantined)."""
+        return next_quarantine_due(
+            self.catalog.quarantine_held(),
+            retention_s=self.quarantine_retention_s,
+            keep_s=self.quarantine_keep_s,
+            pressed=self.pressed,
+        )
+
+    async def clear_quarantine(self, ctx: ActorContext, store: Store) -> tuple[str, ...]:
+        """Deletes the quarantined manifests that are due (call it holding `mutate`), frees the segments only
+        they named, and journals it; returns their names."""
+        now = self.clock()
+        held = self.catalog.quarantine_held()
+        limits = {"retention_s": self.quarantine_retention_s, "keep_s": self.quarantine_keep_s}
+        due = quarantine_due(held, now=now, pressed=self.pressed, **limits)
+        if not due:
+            return ()
+        aged = set(quarantine_due(held, now=now, pressed=False, **limits))
+        reason = "retention" if aged.issuperset(due) else "space"
+        before = self.catalog.stored_bytes
+        try:
+            await self.blocking(store.remove_quarantined, due)
+        except OSError as exc:  # some stay: the next reconcile (a start, gc) counts what the disk holds
+            self.unsure = True
+            ctx.log.warning("l3_quarantine_not_cleared", error=str(exc))
+            return ()
+        self.catalog.unquarantine(due)
+        self.pressed = False  # judged again by the passes from here on
+        plan = await self.enforce(ctx, store)  # the segments only they named are orphans now
+        ctx.emit(
+            L3QuarantineCleared,
+            manifests=due[:32],
+            count=len(due),
+            reason=reason,
+            freed_bytes=max(0, before - plan.bytes_after),
+            stored_bytes=plan.bytes_after,
+        )
+        ctx.log.warning("l3_quarantine_cleared", manifests=len(due), reason=reason, bytes=before - plan.bytes_after)
+        return due

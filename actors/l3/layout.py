@@ -49,6 +49,7 @@ __all__ = [
     "is_digest",
     "is_fanout_name",
     "is_payload_kind",
+    "is_quarantine_name",
     "is_temp_name",
     "manifest_name",
     "manifest_path",
@@ -226,6 +227,15 @@ def quarantine_path(name: str, copy: int = 0) -> tuple[str, str]:
 
 def is_manifest_name(name: str) -> bool:
     return name.endswith(MANIFEST_SUFFIX) and is_digest(name[: -len(MANIFEST_SUFFIX)])
+
+
+def is_quarantine_name(name: str) -> bool:
+    """A name the store gives a quarantined manifest (`quarantine_path`): a manifest name, or one with a copy
+    number. Any other file in quarantine/ is not the store's, and no policy deletes it."""
+    base, _, copy = name.rpartition(".")
+    if is_manifest_name(name):
+        return True
+    return is_manifest_name(base) and copy.isascii() and copy.isdigit() and copy[0] != "0" and len(copy) <= 9
 
 
 def temp_name(final_name: str, nonce: str) -> str:

@@ -14,7 +14,9 @@ On disk, under the store root::
 
     segments/<2 hex>/<blake3>     one file per distinct segment, named by the blake3 of its bytes
     manifests/<entry id>.json     one per entry; its existence is what makes the entry loadable
-    quarantine/<entry id>.json    manifests that failed a check: kept, and so are the segments they name
+    quarantine/<entry id>.json    manifests that failed a check: kept, and so are the segments they name, until
+                                  the actor's policy deletes them (`budget.quarantine_due`; the mtime of each is
+                                  when it was quarantined) or an operator does (`mesh-actor l3 gc --quarantine`)
     pending/<entry id>.json       an entry loadable but not yet durable (see below)
     incoming/                     segments arriving from a peer, under temporary names (`store_fetch`); only
                                   the actor's start clears it, so `reconcile` (gc) never removes a live fetch's
@@ -148,6 +150,7 @@ class QuarantinedManifest(msgspec.Struct, frozen=True, kw_only=True):
     readable: bool  # False: its segments are unknown, so no segment is collected while it is here
     segments: tuple[str, ...] = ()  # the digests it names (when readable)
     bytes: int = 0  # the manifest file's size
+    since_ns: int = 0  # when it was quarantined (its mtime, set when it was moved there)
 
 
 class Inventory(msgspec.Struct, frozen=True, kw_only=True):
@@ -450,6 +453,22 @@ class Store:
         log.warning("l3_quarantine_cleared", files=files, bytes=removed)
         return files, removed
 
+    def remove_quarantined(self, names: Iterable[str]) -> int:
+        """Deletes these quarantined manifests (the actor's policy; a name the store does not give is left
+        alone): the segments only they named become orphans. Returns the bytes removed."""
+        removed = 0
+        for name in names:
+            if not layout.is_quarantine_name(name):
+                continue
+            path = self.root / layout.QUARANTINE_DIR / name
+            try:
+                removed += path.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue
+            unlink_quietly(path)
+        fsync_dir(self.root / layout.QUARANTINE_DIR)
+        return removed
+
     def clear_incoming(self) -> int:
         """Removes what fetches left in incoming/ (call it only while no fetch runs: at start)."""
         removed = 0
@@ -467,6 +486,7 @@ class Store:
             copy += 1
         target = layout.quarantine_path(name, copy)
         os.replace(src, self._at(target))
+        os.utime(self._at(target))  # its mtime says since when it is quarantined (what the retention counts)
         fsync_dir(self.root / layout.QUARANTINE_DIR)
         fsync_dir(self.root / layout.MANIFESTS_DIR)
         log.warning("l3_quarantined", manifest=name, reason=reason)
@@ -559,10 +579,16 @@ class Store:
             if reason is not None:
                 size = item.stat(follow_symlinks=False).st_size
                 name = self._quarantine_name(item.name, reason)
+                since = self._at((layout.QUARANTINE_DIR, name)).stat(follow_symlinks=False).st_mtime_ns
                 digests = tuple(s.digest for s in manifest.segments) if manifest is not None else ()
                 quarantined.append(
                     QuarantinedManifest(
-                        name=name, reason=reason, readable=manifest is not None, segments=digests, bytes=size
+                        name=name,
+                        reason=reason,
+                        readable=manifest is not None,
+                        segments=digests,
+                        bytes=size,
+                        since_ns=since,
                     )
                 )
                 continue
@@ -594,10 +620,15 @@ class Store:
                 readable = True
             except (OSError, msgspec.MsgspecError):
                 readable = False
-            size = item.stat(follow_symlinks=False).st_size
+            info = item.stat(follow_symlinks=False)
             quarantined.append(
                 QuarantinedManifest(
-                    name=item.name, reason="found in quarantine", readable=readable, segments=named, bytes=size
+                    name=item.name,
+                    reason="found in quarantine",
+                    readable=readable,
+                    segments=named,
+                    bytes=info.st_size,
+                    since_ns=info.st_mtime_ns,
                 )
             )
 

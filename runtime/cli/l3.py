@@ -78,7 +78,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                 "--quarantine",
                 action="store_true",
                 help="first delete every quarantined manifest, so the segments only they named are collected "
-                "(an unreadable one otherwise blocks eviction for good)",
+                "(the store deletes them by itself after a day, or after 10 minutes once it needs the room; an "
+                "unreadable one blocks eviction until then)",
             )
         parser.add_argument("--node", help="the node whose store (default: the only node with an L3 inventory)")
         parser.add_argument(
