@@ -43,12 +43,14 @@ RELAY_SEQ_HEADER: Final = "Mesh-Relay-Seq"
 #: Largest client body a pass-through request carries (the bus's `max_payload` may be lower: the sender checks).
 MAX_API_BODY_BYTES: Final = 8 << 20
 
-#: llama-server's endpoints a pass-through request may name, by the mesh's name for each.
+#: llama-server's endpoints a pass-through request may name, by the mesh's name for each: its OpenAI and Anthropic
+#: endpoints, its own (`completion`, `infill`, `embedding`), its token counts and its tokenizer.
 ApiEndpoint = Literal[
-    "chat", "completions", "responses", "responses_input_tokens", "messages", "count_tokens", "embeddings", "rerank"
-]
+    "chat", "completions", "responses", "responses_input_tokens", "messages", "count_tokens", "embeddings", "rerank",
+    "chat_input_tokens", "completion", "infill", "embedding", "tokenize", "detokenize", "apply_template",
+]  # fmt: skip
 #: The endpoints that decode a prompt in a slot (routed by prefix, restored, captured).
-GENERATING_ENDPOINTS: Final = frozenset({"chat", "completions", "responses", "messages"})
+GENERATING_ENDPOINTS: Final = frozenset({"chat", "completions", "responses", "messages", "completion", "infill"})
 API_PATHS: Final[dict[str, str]] = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
@@ -58,6 +60,13 @@ API_PATHS: Final[dict[str, str]] = {
     "count_tokens": "/v1/messages/count_tokens",
     "embeddings": "/v1/embeddings",
     "rerank": "/v1/rerank",
+    "chat_input_tokens": "/v1/chat/completions/input_tokens",
+    "completion": "/completion",
+    "infill": "/infill",
+    "embedding": "/embedding",
+    "tokenize": "/tokenize",
+    "detokenize": "/detokenize",
+    "apply_template": "/apply-template",
 }
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]

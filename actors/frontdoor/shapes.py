@@ -27,6 +27,7 @@ from messages.errors import http_status, retryable
 
 __all__ = [
     "ENDPOINTS",
+    "NOT_PASSED",
     "ApiError",
     "ModelRenamer",
     "Shape",
@@ -45,14 +46,48 @@ Shape = Literal["openai", "anthropic"]
 #: HTTP path -> the mesh's name of the llama-server endpoint it forwards to (`messages.generate.API_PATHS`).
 ENDPOINTS: Final[dict[str, str]] = {
     "/v1/chat/completions": "chat",
+    "/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/responses": "responses",
+    "/responses": "responses",
     "/v1/responses/input_tokens": "responses_input_tokens",
+    "/responses/input_tokens": "responses_input_tokens",
+    "/v1/chat/completions/input_tokens": "chat_input_tokens",
+    "/chat/completions/input_tokens": "chat_input_tokens",
     "/v1/messages": "messages",
     "/v1/messages/count_tokens": "count_tokens",
     "/v1/embeddings": "embeddings",
     "/v1/rerank": "rerank",
     "/v1/reranking": "rerank",
+    "/rerank": "rerank",
+    "/reranking": "rerank",
+    # llama-server's own shapes
+    "/completion": "completion",
+    "/completions": "completion",
+    "/infill": "infill",
+    "/embedding": "embedding",
+    "/embeddings": "embedding",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+    "/apply-template": "apply_template",
+}
+#: llama-server's paths the front door does not serve, and why (`tests/e2e/test_passthrough.py` lists the pinned
+#: build's routes: each is in `ENDPOINTS` or here).
+NOT_PASSED: Final[dict[str, str]] = {
+    "/health": "the mesh's health is its own (`mesh-actor status`)",
+    "/v1/health": "the mesh's health is its own (`mesh-actor status`)",
+    "/metrics": "the front door's own `/metrics` (with every instance's figures)",
+    "/props": "an instance's settings are the mesh's (the stamp); POST would change them",
+    "/models": "the front door's catalog is `/v1/models`",
+    "/v1/models": "the front door's catalog (served, not passed)",
+    "/slots": "the mesh owns the slots (saves, restores, pins)",
+    "/slots/:id_slot": "the mesh owns the slots (saves, restores, pins)",
+    "/lora-adapters": "adapters would change an instance under every tenant",
+    "/v1/chat/completions/control": "acts on one running completion of one instance: not routable by model",
+    "/v1/systemone": "a decision model's endpoint: no catalog kind serves it",
+    "/v1/audio/transcriptions": "multipart audio: no catalog kind serves it",
+    "/audio/transcriptions": "multipart audio: no catalog kind serves it",
+    "/v1/stream": "resumable streams are one instance's sessions: not routable by model",
 }
 _ANTHROPIC_ENDPOINTS: Final = frozenset({"messages", "count_tokens"})
 

@@ -55,7 +55,10 @@ __all__ = [
 ]
 
 EndpointKind = Literal["generate", "count", "pooled"]
-_KINDS: Final[dict[str, EndpointKind]] = {"responses_input_tokens": "count", "count_tokens": "count"}
+_KINDS: Final[dict[str, EndpointKind]] = {
+    "responses_input_tokens": "count", "count_tokens": "count", "chat_input_tokens": "count", "tokenize": "count",
+    "detokenize": "count", "apply_template": "count",
+}  # fmt: skip
 
 
 def endpoint_kind(endpoint: str) -> EndpointKind:
@@ -119,7 +122,7 @@ def render_plan(endpoint: str, body: Mapping[str, Any]) -> Template | Tokenize |
         endpoint = "chat"
     if endpoint == "chat":
         return Template(body) if isinstance(body.get("messages"), list) and body["messages"] else None
-    if endpoint != "completions":
+    if endpoint not in ("completions", "completion"):
         return None
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -180,7 +183,7 @@ def refused_asks(endpoint: str, body: Mapping[str, Any], limits: AskLimits) -> s
         return None
     prompt = body.get("prompt")
     if (
-        endpoint == "completions"
+        endpoint in ("completions", "completion")
         and isinstance(prompt, list)
         and len(prompt) > 1
         and not all(type(t) is int for t in prompt)
@@ -199,7 +202,10 @@ def refused_asks(endpoint: str, body: Mapping[str, Any], limits: AskLimits) -> s
 
 
 #: The fields a generation's or a count's prompt is rendered from (its messages, system text, tools, input).
-_PROMPT_FIELDS: Final = ("messages", "prompt", "input", "system", "instructions", "tools")
+_PROMPT_FIELDS: Final = (
+    "messages", "prompt", "input", "system", "instructions", "tools", "content", "input_prefix", "input_suffix",
+    "input_extra",
+)  # fmt: skip
 #: The most inputs one embeddings or rerank request may carry (OpenAI's bound on an embeddings `input`).
 MAX_POOLED_INPUTS: Final = 2048
 
