@@ -1,9 +1,13 @@
 """Before a start (runner shell): reads what worker-side admission decides on, and performs the claim.
 
 It reads the node's ledger (`MESH_RESERVATIONS`, key `node.<id>`) and telemetry (`MESH_NODES`), and the model
-file a reservation names. That name comes from a ledger a peer wrote, so it is hostile input: it is resolved
-and opened by `runtime.model_files` (no NUL, no 200 KB name, no `../` out of the models dir, nothing but a
-regular file, never a blocking open of a FIFO), in a worker thread, and every failure is a
+file a reservation names. Any node may write any ledger (placement books everywhere), so the ledger is hostile
+input: a deleted or purged one is no ledger, at the revision of its marker (a compare-and-set on 0 would fail for
+ever, and nothing would be booked again); one that does not decode is logged as an error and, for the runner's
+upkeep, read as no ledger at its revision, so `upkeep` writes what runs over it instead of stopping at it (a
+start still refuses it: `ledger_unreadable`). The model file's name comes from that ledger, so it is hostile
+too: it is resolved and opened by `runtime.model_files` (no NUL, no 200 KB name, no `../` out of the models
+dir, nothing but a regular file, never a blocking open of a FIFO), in a worker thread, and every failure is a
 `Refusal(model_unreadable)`, never an exception. A registry-admitted file's blake3 is checked with
 `FileDigests` (each file version hashed once); a hash that outlasts the request's budget keeps running, and
 a retry waits for the same one. A stamp's companion files (a draft model, a multimodal projector) are read
@@ -53,7 +57,8 @@ FetchFile = Callable[[str, str | None, float], Awaitable[None]]
 @dataclass(frozen=True)
 class LedgerRead:
     ledger: NodeLedger | None
-    revision: int  # 0: no ledger yet
+    revision: int  # what a compare-and-set compares with: 0 when the key never held anything
+    unreadable: str = ""  # why the stored value does not decode ("": it does, or there is none)
 
 
 class NodeState:
@@ -62,38 +67,57 @@ class NodeState:
     def __init__(self, node_id: str, kv_timeout_s: float) -> None:
         self.node_id = node_id
         self._timeout = kv_timeout_s
+        self._unreadable_at: int | None = None  # the revision last read that did not decode
 
     @property
     def key(self) -> str:
         return f"{LEDGER_KEY_PREFIX}{self.node_id}"
 
-    async def ledger(self, ctx: ActorContext) -> LedgerRead:
+    async def ledger(self, ctx: ActorContext, *, strict: bool = True) -> LedgerRead:
+        """The ledger and its revision. A value that does not decode is logged as an error; `strict` refuses it
+        (`ledger_unreadable`: a start cannot find its reservation in it), else it reads as no ledger at its
+        revision with `unreadable` saying why, so that what runs is written over it."""
         try:
             async with asyncio.timeout(self._timeout):
                 kv = await buckets.reservations(ctx.bus, ctx.subjects)
                 entry = await kv.get(self.key)
-        except nats.js.errors.KeyNotFoundError:
-            return LedgerRead(None, 0)
+        except nats.js.errors.KeyNotFoundError as exc:
+            # A delete or purge marker is no ledger, but the next write must name the marker's revision.
+            marker = getattr(exc, "entry", None)
+            return LedgerRead(None, (marker.revision or 0) if marker is not None else 0)
         except (nats.errors.Error, TimeoutError) as exc:
             raise Refusal(UNAVAILABLE, f"cannot read the reservations bucket: {exc!r}", releases=False) from exc
+        revision = entry.revision or 0
         if not entry.value:
-            return LedgerRead(None, entry.revision or 0)
+            return LedgerRead(None, revision)
         try:
             ledger = decode_checked(entry.value, NodeLedger, f"ledger of node {self.node_id}")
         except BadMessage as exc:
-            raise Refusal(LEDGER_UNREADABLE, str(exc), releases=False) from exc
-        return LedgerRead(ledger, entry.revision or 0)
+            self._unreadable_at = revision
+            ctx.log.error(
+                "ledger_unreadable", revision=revision, bytes=len(entry.value), error=_short(str(exc)), strict=strict
+            )
+            if strict:
+                raise Refusal(LEDGER_UNREADABLE, str(exc), releases=False) from exc
+            return LedgerRead(None, revision, unreadable=str(exc))
+        return LedgerRead(ledger, revision)
 
     async def write_ledger(self, ctx: ActorContext, ledger: NodeLedger, revision: int) -> bool:
         """Compare-and-set on `revision`; False when someone else wrote first."""
         try:
             async with asyncio.timeout(self._timeout):
                 kv: KeyValue = await buckets.reservations(ctx.bus, ctx.subjects)
-                await kv.update(self.key, encode(ledger), last=revision)
+                written = await kv.update(self.key, encode(ledger), last=revision)
         except nats.js.errors.KeyWrongLastSequenceError:
             return False
         except (nats.errors.Error, TimeoutError) as exc:
             raise Refusal(UNAVAILABLE, f"cannot write the reservations bucket: {exc!r}", releases=False) from exc
+        if revision and revision == self._unreadable_at:
+            self._unreadable_at = None
+            ctx.log.error(
+                "unreadable_ledger_replaced", replaced=revision, revision=written,
+                reservations=[r.reservation_id for r in ledger.reservations],
+            )  # fmt: skip
         return True
 
     async def telemetry(self, ctx: ActorContext) -> NodeResources | None:

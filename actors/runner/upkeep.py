@@ -7,12 +7,15 @@ The decisions are `actors.runner.booking`'s; this module reads and writes the bu
   which may have been killed with -9 or lost its connection before it could say so), so routers stop listing
   them at once instead of when their TTL ends, and releases the predecessor's claimed reservations in the
   node's ledger (`reservation_released`, reason `instance_gone`) instead of when placement's reconcile notices.
+  A ledger that does not decode is replaced by an empty one (nothing of this incarnation runs yet).
 - `keep_booked`, every few seconds while the runner lives: an instance whose reservation is missing from the
   ledger (released while the runner could not refresh its records) is booked again, or stopped when it no
   longer fits (see `booking.py` for which and why); and a record of this node that says an instance is live
   when this runner drives no such instance is removed (`drop_phantoms`): records normally go by their TTL,
   but a NATS server killed with -9 brought records purged before its crash back from its store, their TTLs
-  no longer running (benchmarks/chaos.py), and they would have listed a dead instance for ever.
+  no longer running (benchmarks/chaos.py), and they would have listed a dead instance for ever. The ledger is
+  read on an idle node too: one that was deleted is written again, and one that does not decode (any node may
+  write it) is replaced by what runs, with an error logged, instead of leaving the node out of placement.
 
 Both are best effort against a bus that may be away: a failure is logged and tried again (the next
 incarnation, the next pass), never a crash of the runner.
@@ -33,6 +36,7 @@ from actors.runner.booking import Live, Rebook, lapsed, orphaned, rebook
 from actors.runner.preflight import NodeState
 from actors.runner.records import FINAL_STATES
 from messages.events import ReservationRebooked, ReservationReleased
+from messages.placement import NodeLedger
 from messages.runner import InstanceStatus
 from messages.telemetry import NodeResources
 from runtime import buckets
@@ -81,8 +85,12 @@ async def _delete_records(ctx: ActorContext, node_id: str) -> list[str]:
 async def _release_orphans(ctx: ActorContext, node: NodeState) -> list[str]:
     released: list[str] = []
     for _ in range(_ATTEMPTS):
-        read = await node.ledger(ctx)
+        read = await node.ledger(ctx, strict=False)
         ledger, revision = read.ledger, read.revision
+        if read.unreadable:
+            if await node.write_ledger(ctx, NodeLedger(node_id=node.node_id), revision):
+                return released
+            continue
         changes = orphaned(ledger, node.node_id)
         if not changes:
             return released
@@ -124,8 +132,6 @@ async def keep_booked(
         else:
             if dropped:
                 ctx.log.warning("phantom_records_removed", records=dropped)
-        if not any(True for _ in live()):
-            continue  # nothing runs here: nothing to book (and no bucket read on an idle node)
         try:
             await check_bookings(ctx, node, live, stop, clock)
         except (nats.errors.Error, TimeoutError, Refusal) as exc:  # the bus is away: the next pass tries again
@@ -171,9 +177,11 @@ async def check_bookings(
     revision read (on a conflict, judged again on what the other writer wrote)."""
     telemetry: NodeResources | None = None
     for _ in range(_ATTEMPTS):
-        read = await node.ledger(ctx)
+        read = await node.ledger(ctx, strict=False)
         missing = lapsed(read.ledger, live())
         if not missing:
+            if read.unreadable and not await node.write_ledger(ctx, NodeLedger(node_id=node.node_id), read.revision):
+                continue  # what runs is booked: an empty ledger replaces the unreadable one
             return
         if telemetry is None:
             telemetry = await node.telemetry(ctx)
@@ -196,6 +204,7 @@ async def check_bookings(
             ctx.emit(
                 ReservationRebooked, instance_id=instance.instance_id, reservation_id=booking.reservation_id,
                 state=booking.state, held=dict(booking.held), outcome="rebooked",
+                reason="the ledger did not decode: replaced by what runs" if read.unreadable else "",
             )  # fmt: skip
             continue
         log.error("instance_unbooked_stopping", reason=outcome.reason)
