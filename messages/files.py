@@ -2,8 +2,8 @@
 
 Subjects `<prefix>.files.<node>.<verb>` (`Subjects.files`):
 
-* `.held` (node to node): whether the node holds a file of that relative name, named by its catalog
-  (`models.toml`, or a front door's catalog report) or a registry entry, and its size and blake3.
+* `.held` (node to node): whether the node holds a file of that relative name, named by its own catalog
+  (`models.toml`: never a peer's front door report) or a registry entry it trusts, and its size and blake3.
 * `.facts` (node to node: placement on a node without the file): the file's size, blake3 and header facts
   (`ModelGeometry`), read by the node that holds it.
 * `.chunk` (node to node): one chunk of such a file, asked by name and digest; the reply is raw bytes with the

@@ -1,11 +1,12 @@
 """Files actor (shell): model files this node holds, served to peers by name and digest, and pulls from peers.
 
 * `mesh.files.<node>.held`: whether this node holds the file of a relative name, and its size and blake3
-  (hashed once per file version, `FileDigests`). Only names this node's catalog (`models.toml`, its front
-  door's or any front door's report in `MESH_FRONTDOORS`) or a trusted registry entry gives are answered;
-  anything else is `not_found`, whether it exists or not. The front doors' reports and the registry are
-  watched (their names are known as they change, no bucket read per request); the names (and their resolved
-  files) are worked out again at most every `names_ttl_s`, so a chunk costs no catalog read.
+  (hashed once per file version, `FileDigests`). Only names this node's own catalog (`models.toml` in its data
+  dir) or a registry entry signed by a key it trusts gives are answered; anything else is `not_found`, whether
+  it exists or not. Not the front doors' reports in `MESH_FRONTDOORS`: any node writes its own, so a peer's
+  report naming a file would make a file of this node's models dir that no catalog here names travel. The
+  registry is watched (its names are known as they change, no bucket read per request); the names (and their
+  resolved files) are worked out again at most every `names_ttl_s`, so a chunk costs no catalog read.
 * `mesh.files.<node>.facts`: the same, with the header's facts (`ModelGeometry`): what placement on a node
   without the file admits it by.
 * `mesh.files.<node>.chunk`: one chunk of such a file, asked by name and whole-file digest (a file that now
@@ -16,13 +17,13 @@
   node's catalog's (or the signed entry's), the destination that name inside the models dir (resolved,
   symlinks followed, never outside), so no peer names a path here. The holders are asked (`held`,
   concurrently, each under a deadline); the version fetched is the signed one for a registry entry, else the
-  one most holders state (`transfer.choose_source`); the free space is checked; the part file kept from an
-  interrupted pull of the same version is verified again and resumed (`part`); chunks are asked `window` at a
-  time, each checked (`transfer.check_chunk`) and written in order, in one worker-thread hop; the whole file
-  must hash to the digest
-  (`transfer.final_refusal`) before it is renamed into place. A refused file is deleted; a peer that stops
-  answering leaves the verified part for the next pull. Every pull is journaled (`model_file_pulled`,
-  `model_file_pull_refused`).
+  one most holders state (`transfer.choose_source`); the free space is checked, less what the other pulls in
+  flight have still to write (each reserves its bytes until it ends) and `keep_free_bytes`; the part file kept
+  from an interrupted pull of the same version is verified again and resumed (`part`); chunks are asked
+  `window` at a time, each checked (`transfer.check_chunk`) and written in order, in one worker-thread hop; the
+  whole file must hash to the digest (`transfer.final_refusal`) before it is renamed into place. A refused
+  file is deleted; a peer that stops answering leaves the verified part for the next pull. Every pull is
+  journaled (`model_file_pulled`, `model_file_pull_refused`).
 
 One pull per destination at a time (a second is `busy`). Refusals are error replies with `details.reason`
 (`transfer.Reason`).
@@ -70,7 +71,6 @@ from messages.files import (
     PullReply,
     PullRequest,
 )
-from messages.frontdoor import FrontDoorReport
 from messages.model import ModelGeometry
 from messages.registry import RegistryEntry
 from messages.telemetry import MAX_MODEL_FILES, ModelFiles, NodeResources
@@ -104,9 +104,9 @@ class FilesLimits:
     window: int = 8  # chunk requests in flight during a pull
     chunk_workers: int = 8  # chunks served concurrently
     pull_deadline_s: float = 6 * 3600.0  # a pull never outlives this
-    keep_free_bytes: int = 0  # what a pull leaves free on the models dir's file system
+    keep_free_bytes: int = 1 << 30  # what pulls leave free on the models dir's file system (as handoff's staging)
     max_holders: int = 64  # nodes asked whether they hold a file
-    names_ttl_s: float = 2.0  # how long the names this node serves are cached (catalog, front doors, registry)
+    names_ttl_s: float = 2.0  # how long the names this node serves are cached (its catalog, the registry)
     holdings_every_s: float = 5.0  # how often the files held (`holdings`, in telemetry) are looked at again
     threads: int = 4  # worker threads for file I/O and hashing
 
@@ -135,7 +135,10 @@ class FilesActor(Actor):
         digests: FileDigests | None = None,
         trusted_registry_keys: tuple[str, ...] = (),
         limits: FilesLimits | None = None,
+        free_space: Callable[[Path], int] = parts.free_bytes,
     ) -> None:
+        """`free_space` is the bytes a directory's file system may still take (a test seam: a file system of
+        any size without mounting one)."""
         self.node_id = node_id
         self.data_dir = data_dir
         self.models_dir = models_dir
@@ -144,6 +147,10 @@ class FilesActor(Actor):
         self.limits = limits or FilesLimits()
         self._ctx: ActorContext | None = None
         self._pulling: set[str] = set()
+        self._free_space = free_space
+        #: The pulls writing now (relative name -> its file system's device and part file): what each has still
+        #: to write is owed, so a pull that starts meanwhile counts it as taken.
+        self._writing: dict[str, tuple[int, parts.PartFile]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self.running = False  # its endpoints are served
         self._names: tuple[float, set[str]] | None = None  # (when, the names served) cached briefly
@@ -151,19 +158,14 @@ class FilesActor(Actor):
         #: The named files this node holds and its last pull's rate: what its telemetry reports (`ModelFiles`).
         self.holdings = ModelFiles()
         self._look_again = asyncio.Event()  # a pull landed a file: `holdings` is looked at now
-        self._door_files: dict[str, dict[str, str]] = {}  # front door node -> its catalog: model -> file name
         self._signed: dict[str, RegistryEntry] = {}  # registry key -> its entry, signed by a key trusted here
 
     async def run(self, ctx: ActorContext) -> None:
         self._ctx = ctx
         self._pool = ThreadPoolExecutor(max_workers=self.limits.threads, thread_name_prefix="files")
         s, node, lim = ctx.subjects, self.node_id, self.limits
-        self._door_files, self._signed, self._names = {}, {}, None  # a new incarnation reads them afresh
-        doors_known, registry_known = asyncio.Event(), asyncio.Event()
-        doors = await buckets.frontdoors(ctx.bus, s)
-        ctx.spawn(
-            self._watch_into("the front doors", doors, doors_known, self._door_files, self._door_catalog), "watch-doors"
-        )
+        self._signed, self._names = {}, None  # a new incarnation reads them afresh
+        registry_known = asyncio.Event()
         if self.trusted:
             registry = await buckets.registry(ctx.bus, s)
             ctx.spawn(
@@ -173,7 +175,6 @@ class FilesActor(Actor):
         else:
             registry_known.set()  # no key trusted: no entry is signed for this node
         async with asyncio.timeout(10):  # a name is never refused for not having been read yet
-            await doors_known.wait()
             await registry_known.wait()
         await ctx.add_endpoint("held", s.files(node, "held"), HeldRequest, self._on_held, workers=2)
         await ctx.add_endpoint("facts", s.files(node, "facts"), HeldRequest, self._on_facts, workers=2)
@@ -244,16 +245,6 @@ class FilesActor(Actor):
             self._names = None
         raise BusError(f"the watch of {what} ended")  # the supervisor starts the actor again
 
-    def _door_catalog(self, entry: KeyValue.Entry) -> dict[str, str] | None:
-        """A front door's catalog (model -> file name) from its report; None when the report does not decode."""
-        try:
-            report = decode_checked(entry.value or b"", FrontDoorReport, f"front door report {entry.key}")
-        except BadMessage as exc:
-            assert self._ctx is not None
-            self._ctx.log.warning("files_bad_front_door_report", key=entry.key, error=str(exc))
-            return None
-        return {m.name: m.path for m in report.models}
-
     def _trusted_entry(self, entry: KeyValue.Entry) -> RegistryEntry | None:
         """A registry entry signed by a key this node trusts; None for any other (not one this node serves)."""
         try:
@@ -264,8 +255,8 @@ class FilesActor(Actor):
         return signed
 
     async def _catalog_files(self, ctx: ActorContext) -> dict[str, str]:
-        """Model name -> relative file name of every catalog model and companion this node knows: its own
-        `models.toml`, then every front door's report (the first name wins)."""
+        """Model name -> relative file name of every model and companion of this node's own catalog
+        (`models.toml`); no peer's report adds to it."""
         named: dict[str, str] = {}
         try:
             text = await self._blocking((self.data_dir / CATALOG_FILE).read_text)
@@ -282,9 +273,6 @@ class FilesActor(Actor):
                 for role, companion in (("draft", model.draft), ("mmproj", model.mmproj)):
                     if companion is not None:
                         named.setdefault(f"{name}:{role}", companion)
-        for door in sorted(self._door_files):
-            for name, path in self._door_files[door].items():
-                named.setdefault(name, path)
         return named
 
     def _registry_entry(self, name: str) -> RegistryEntry | None:
@@ -494,12 +482,19 @@ class FilesActor(Actor):
         failures: list[str] = []
         peer = ""
         try:
-            free = await self._blocking(parts.free_bytes, directory)
+            device = (await self._blocking(os.stat, directory)).st_dev
+            free = await self._blocking(self._free_space, directory)
+            # No await from here to the reservation: two pulls cannot both count the same free bytes.
+            owed = sum(p.size - p.received for dev, p in self._writing.values() if dev == device)
             refusal = transfer.space_refusal(
-                free_bytes=free, need_bytes=source.size - part.received, keep_free_bytes=self.limits.keep_free_bytes
+                free_bytes=free,
+                need_bytes=source.size - part.received,
+                keep_free_bytes=self.limits.keep_free_bytes,
+                owed_bytes=owed,
             )
             if refusal is not None:
                 raise _Refused(refusal)
+            self._writing[relative] = (device, part)
             for peer in source.peers:
                 before = part.received
                 try:
@@ -538,6 +533,8 @@ class FilesActor(Actor):
         except BaseException:
             await asyncio.shield(self._blocking(part.close))
             raise
+        finally:
+            self._writing.pop(relative, None)  # what it has not written is no longer owed
         fetch_ms = round((time.monotonic() - started) * 1000, 3)
         if moved > 0 and fetch_ms > 0:
             self.holdings = msgspec.structs.replace(self.holdings, pull_bytes_per_s=moved / (fetch_ms / 1000))

@@ -18,7 +18,8 @@ Everything that decides whether bytes a peer sent may become a model file lives 
   (`verified_chunks`): a torn write is fetched again, nothing verified is. Only a verified whole file is renamed
   to the destination.
 * Before any byte is fetched the destination's file system must hold what is still missing, plus what the node
-  keeps free (`space_refusal`).
+  keeps free, plus what the other pulls in flight on it have still to write (`space_refusal`): each pull
+  reserves the bytes it will write until it ends, so two pulls never both count the same free bytes.
 """
 
 from __future__ import annotations
@@ -213,11 +214,13 @@ def check_chunk(
     return None
 
 
-def space_refusal(*, free_bytes: int, need_bytes: int, keep_free_bytes: int) -> Refusal | None:
-    """Whether the destination's file system can take `need_bytes` more and still keep `keep_free_bytes`."""
-    if need_bytes + keep_free_bytes > free_bytes:
+def space_refusal(*, free_bytes: int, need_bytes: int, keep_free_bytes: int, owed_bytes: int = 0) -> Refusal | None:
+    """Whether the destination's file system can take `need_bytes` more and still keep `keep_free_bytes`, beside
+    the `owed_bytes` that pulls in flight on it have still to write (free now, but already promised)."""
+    if need_bytes + keep_free_bytes + owed_bytes > free_bytes:
         keep = f" and keep {keep_free_bytes} free" if keep_free_bytes else ""
-        return Refusal(Reason.NO_SPACE, f"needs {need_bytes} bytes{keep}; the file system has {free_bytes} free")
+        owed = f", {owed_bytes} of them owed to pulls in flight" if owed_bytes else ""
+        return Refusal(Reason.NO_SPACE, f"needs {need_bytes} bytes{keep}; the file system has {free_bytes} free{owed}")
     return None
 
 

@@ -74,15 +74,21 @@ async def nodes(
     a = FilesActor("a", data_a, models_dir=models_a, limits=limits, trusted_registry_keys=trusted)
     b = FilesActor("b", data_b, models_dir=models_b, limits=limits, trusted_registry_keys=trusted)
     async with supervised(bus, [a], node_id="a"), supervised(bus, [b], node_id="b"):
-        async with asyncio.timeout(10):
-            while True:  # both answer
+        await answering(bus, b)
+        yield models_a, models_b
+
+
+async def answering(bus: Bus, *actors: FilesActor) -> None:
+    """Once every one of `actors` answers (`not_found` for a name no catalog gives)."""
+    async with asyncio.timeout(10):
+        for actor in actors:
+            while True:
                 try:
-                    await bus.request(S.files("b", "held"), HeldRequest(path="x.gguf"), FileHeld, timeout=1)
+                    await bus.request(S.files(actor.node_id, "held"), HeldRequest(path="x.gguf"), FileHeld, timeout=1)
                 except RemoteError:
                     break
                 except Exception:
                     await asyncio.sleep(0.05)
-        yield models_a, models_b
 
 
 async def pull(bus: Bus, node: str, name: str, peer: str | None = None) -> PullReply:
@@ -237,6 +243,65 @@ async def test_a_file_system_that_cannot_take_the_file_is_a_refusal_before_any_b
         failure = await refused(bus, "b", "tiny", peer="a")
         assert failure.reply.details["reason"] == "no_space" and "needs" in failure.reply.message
         assert leftovers(models_b) == []  # not even an empty part
+
+
+async def test_a_second_pull_does_not_count_the_bytes_a_pull_in_flight_will_write(
+    bus: Bus, tmp_path: Path, model: Path
+) -> None:
+    """Each pull reserves the bytes it has still to write until it ends. b's file system has room for one copy
+    of the model: while a first pull is writing (its peer holds its chunks back), a second is refused `no_space`
+    before any byte moves (free space alone would have let both start and together overfill the disk); once the
+    first ended (refused), its reservation went with it and the second pull goes through."""
+    size = (await asyncio.to_thread(model.stat)).st_size
+    data_a, models_a = node_dirs(tmp_path, "a")
+    (data_a / "models.toml").write_text('[models.two]\npath = "two.gguf"\n')
+    os.link(model, models_a / "two.gguf")
+    data_b, models_b = node_dirs(tmp_path, "b")
+    (data_b / "models.toml").write_text('[models.one]\npath = "one.gguf"\n\n[models.two]\npath = "two.gguf"\n')
+    capacity = 2 * size - 1  # one copy fits, two do not
+
+    def free_space(directory: Path) -> int:  # a file system of `capacity` bytes: what b's models dir holds is used
+        return capacity - sum(f.stat().st_size for f in models_b.iterdir() if f.is_file())
+
+    asked, release = asyncio.Event(), asyncio.Event()
+
+    async def on_held(msg: Any) -> None:
+        await msg.respond(encode(FileHeld(node_id="slow", path="one.gguf", size=size, blake3=digest_of(model))))
+
+    async def on_chunk(msg: Any) -> None:  # holds the first chunk back, then answers bytes that are not it
+        request = msgspec.json.decode(msg.data, type=ChunkRequest)
+        asked.set()
+        async with asyncio.timeout(30):
+            await release.wait()
+        headers = {FILES_OFFSET_HEADER: str(request.offset), FILES_TOTAL_HEADER: str(size), FILES_BLAKE3_HEADER: "0"}
+        await bus.nc.publish(msg.reply, b"x" * request.length, headers=headers)
+
+    subs = [await bus.nc.subscribe(S.files("slow", "held"), cb=on_held)]
+    subs.append(await bus.nc.subscribe(S.files("slow", "chunk"), cb=on_chunk))
+    limits = FilesLimits(keep_free_bytes=0)
+    a = FilesActor("a", data_a, models_dir=models_a, limits=limits)
+    b = FilesActor("b", data_b, models_dir=models_b, limits=limits, free_space=free_space)
+    try:
+        async with supervised(bus, [a], node_id="a"), supervised(bus, [b], node_id="b"):
+            await answering(bus, a, b)
+            first = asyncio.ensure_future(pull(bus, "b", "one", peer="slow"))
+            try:
+                async with asyncio.timeout(30):
+                    await asked.wait()  # the first pull passed its space check and is writing
+                second = await refused(bus, "b", "two", peer="a")
+                assert second.reply.details["reason"] == "no_space", second
+                assert "owed to pulls in flight" in second.reply.message, second.reply.message
+                assert not (models_b / "two.gguf").exists()
+            finally:
+                release.set()
+                with pytest.raises(RemoteError) as ended:
+                    await first
+            assert ended.value.reply.details["reason"] == "chunk_refused", ended.value
+            reply = await pull(bus, "b", "two", peer="a")
+            assert reply.size == size and digest_of(models_b / "two.gguf") == digest_of(model)
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
@@ -459,66 +524,87 @@ def test_status_asks_no_node_with_a_clients_credentials(tmp_path: Path) -> None:
         assert asks_nodes(parser.parse_args(["status", *flags])) is asks, user
 
 
-async def test_names_a_front_door_or_the_registry_gives_later_are_served_and_go_with_their_record(
+async def served(bus: Bus, node: str, name: str) -> bool:
+    """Whether `node` answers `held` for `name` (False: `not_found`)."""
+    try:
+        await bus.request(S.files(node, "held"), HeldRequest(path=name), FileHeld, timeout=5)
+    except RemoteError as exc:
+        assert exc.reply.code == "not_found", exc
+        return False
+    return True
+
+
+async def served_within(bus: Bus, node: str, name: str, want: bool) -> None:
+    async with asyncio.timeout(10):
+        while await served(bus, node, name) != want:
+            await asyncio.sleep(0.1)
+
+
+async def test_a_registry_entry_given_later_is_served_and_goes_with_its_record(
     bus: Bus, tmp_path: Path, model: Path
 ) -> None:
-    """The front doors' reports and the registry are watched: a name published after the node started is served
-    within the names' cache time, and one whose record goes is `not_found` again."""
+    """The registry is watched: a name a trusted entry gives after the node started is served within the names'
+    cache time, and once the entry goes it is `not_found` again."""
+    seed = (tmp_path / "registry.nk", _seed())
+    seed[0].write_bytes(seed[1])
+    async with nodes(bus, tmp_path, model, trusted=(public_key_of(seed[1]),)) as (models_a, _):
+        os.link(model, models_a / "signed-late.gguf")
+        assert not await served(bus, "a", "signed-late.gguf")
+        signed_file = tmp_path / "signed-late.gguf"
+        os.link(model, signed_file)
+        registry = await buckets.registry(bus, S)
+        await registry.put("signed-late", encode(_build_entry(signed_file, "signed-late", seed[0])))
+        await served_within(bus, "a", "signed-late.gguf", True)
+        await registry.delete("signed-late")
+        await served_within(bus, "a", "signed-late.gguf", False)
+
+
+async def test_a_peers_front_door_report_makes_no_file_travel_that_the_nodes_own_catalog_does_not_name(
+    bus: Bus, tmp_path: Path, model: Path
+) -> None:
+    """Any node writes its own front door report (`MESH_FRONTDOORS.<id>`): one naming a file of a's models dir
+    that a's catalog does not name makes a serve it to nobody (`held`, `facts`, `chunk`: `not_found`), and b
+    pulls nothing by it (`not_named`). Only a node's own `models.toml` and signed registry entries name files."""
     from messages.frontdoor import FrontDoorModel, FrontDoorReport
 
     seed = (tmp_path / "registry.nk", _seed())
     seed[0].write_bytes(seed[1])
-    async with nodes(bus, tmp_path, model, trusted=(public_key_of(seed[1]),)) as (models_a, _):
-        os.link(model, models_a / "late.gguf")
-        os.link(model, models_a / "signed-late.gguf")
-
-        async def served(name: str) -> bool:
-            try:
-                await bus.request(S.files("a", "held"), HeldRequest(path=name), FileHeld, timeout=5)
-            except RemoteError as exc:
-                assert exc.reply.code == "not_found", exc
-                return False
-            return True
-
-        async def until(name: str, want: bool) -> None:
-            async with asyncio.timeout(10):
-                while await served(name) != want:
-                    await asyncio.sleep(0.1)
-
-        assert not await served("late.gguf") and not await served("signed-late.gguf")
-        late = FrontDoorModel(name="late", path="late.gguf", state="stopped", instances=(), held_bytes=0, queued=0,
-                              active=0, pinned=False, priority=0, idle_ttl_s=None)  # fmt: skip
-        door = FrontDoorReport(node_id="z", address="http://127.0.0.1:1", auth=False, models=(late,), sent_at=0.0)
-        doors = await buckets.frontdoors(bus, S)
-        await doors.put("z", encode(door))
-        await until("late.gguf", True)
-        signed_file = tmp_path / "signed-late.gguf"
-        os.link(model, signed_file)
-        entry = _build_entry(signed_file, "signed-late", seed[0])
-        registry = await buckets.registry(bus, S)
-        await registry.put("signed-late", encode(entry))
-        await until("signed-late.gguf", True)
-        await doors.delete("z")
-        await registry.delete("signed-late")
-        await until("late.gguf", False)
-        await until("signed-late.gguf", False)
+    async with nodes(bus, tmp_path, model, trusted=(public_key_of(seed[1]),)) as (models_a, models_b):
+        os.link(model, models_a / "private.gguf")  # in a's models dir, named by no catalog of a's
+        forged = FrontDoorModel(name="private", path="private.gguf", state="stopped", instances=(), held_bytes=0,
+                                queued=0, active=0, pinned=False, priority=0, idle_ttl_s=None)  # fmt: skip
+        report = FrontDoorReport(node_id="z", address="http://127.0.0.1:1", auth=False, models=(forged,), sent_at=0)
+        await (await buckets.frontdoors(bus, S)).put("z", encode(report))
+        # A registry entry written after the report: once it is served, the report was there to be read too.
+        marker = tmp_path / "marker.gguf"
+        os.link(model, marker)
+        os.link(model, models_a / "marker.gguf")
+        await (await buckets.registry(bus, S)).put("marker", encode(_build_entry(marker, "marker", seed[0])))
+        await served_within(bus, "a", "marker.gguf", True)
+        digest = digest_of(model)
+        for subject, request, kind in (
+            (S.files("a", "held"), HeldRequest(path="private.gguf"), FileHeld),
+            (S.files("a", "facts"), HeldRequest(path="private.gguf"), FileFacts),
+            (S.files("a", "chunk"), ChunkRequest(path="private.gguf", blake3=digest, length=100), bytes),
+        ):
+            with pytest.raises(RemoteError) as caught:
+                await bus.request(subject, request, kind, timeout=5)
+            assert caught.value.code == "not_found", subject
+        for by in (PullRequest(path="private.gguf", peer="a"), PullRequest(name="private", peer="a")):
+            with pytest.raises(RemoteError) as caught:
+                await bus.request(S.files("b", "pull"), by, PullReply, timeout=30)
+            assert caught.value.reply.details["reason"] == "not_named", by
+        assert leftovers(models_b) == [] and not (models_b / "private.gguf").exists()
 
 
 async def test_a_held_file_is_listed_however_many_names_sort_before_it(bus: Bus, tmp_path: Path) -> None:
-    """The holdings list at most `MAX_MODEL_FILES` files: the ones held, not the first names the catalogs give."""
-    from messages.frontdoor import FrontDoorModel, FrontDoorReport
+    """The holdings list at most `MAX_MODEL_FILES` files: the ones held, not the first names the catalog gives."""
     from messages.telemetry import MAX_MODEL_FILES
 
     data, models = node_dirs(tmp_path, "a")
     names = [f"m{i:04d}.gguf" for i in range(MAX_MODEL_FILES + 50)]  # held: only the last one
     (models / names[-1]).write_bytes(b"GGUF")
-    listed = tuple(
-        FrontDoorModel(name=n, path=n, state="stopped", instances=(), held_bytes=0, queued=0, active=0, pinned=False,
-                       priority=0, idle_ttl_s=None)
-        for n in names
-    )  # fmt: skip
-    door = FrontDoorReport(node_id="z", address="http://127.0.0.1:1", auth=False, models=listed, sent_at=0.0)
-    await (await buckets.frontdoors(bus, S)).put("z", encode(door))
+    (data / "models.toml").write_text("".join(f'[models.m{i}]\npath = "{n}"\n' for i, n in enumerate(names)))
     actor = FilesActor("a", data, models_dir=models)
     async with supervised(bus, [actor], node_id="a"):
         async with asyncio.timeout(10):

@@ -74,6 +74,14 @@ def test_a_full_disk_is_a_refusal_before_any_byte_moves() -> None:
     assert refusal == Refusal(Reason.NO_SPACE, "needs 80 bytes and keep 30 free; the file system has 100 free")
 
 
+def test_free_bytes_a_pull_in_flight_will_write_are_not_free_for_another() -> None:
+    assert transfer.space_refusal(free_bytes=100, need_bytes=60, keep_free_bytes=0, owed_bytes=40) is None
+    refusal = transfer.space_refusal(free_bytes=100, need_bytes=60, keep_free_bytes=0, owed_bytes=41)
+    assert refusal == Refusal(
+        Reason.NO_SPACE, "needs 60 bytes; the file system has 100 free, 41 of them owed to pulls in flight"
+    )
+
+
 def test_the_version_fetched_is_the_signed_one_or_the_one_most_holders_state() -> None:
     holders = [Holder("c", 10, D2), Holder("b", 10, D1), Holder("a", 10, D1)]
     assert transfer.choose_source(holders) == Source(D1, 10, ("a", "b"))
