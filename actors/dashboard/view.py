@@ -18,11 +18,15 @@ What it shows, every figure read from a record (nothing is measured here):
   only for placement and routing decisions (`decision_limit` of them, `decision_bytes` in all), which
   `explain` turns into the decision with its inputs.
 
-Memory is bounded: the journal tail and the decisions kept are capped, and records go with their keys.
+Memory is bounded: the journal tail and the decisions kept are capped, and records go with their keys. Every
+field is a peer's (any node writes its events and records), so each string shown is cut to a bound and each
+list to a count (`_text`, `_ident`, `_listed`): a peer's 900 KB event ids would otherwise make a 500-event tail
+hundreds of MB, sent whole to every page that connects.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections import OrderedDict, deque
@@ -49,6 +53,14 @@ _ENDED: Final = frozenset({"stopped", "failed", "rejected"})
 #: Envelope fields a summary line leaves out (shown in columns of their own).
 _ENVELOPE: Final = frozenset({"id", "time", "node", "actor", "type", "trace"})
 _SUMMARY_CHARS: Final = 240
+#: Bounds of what is shown of a peer's strings: an id or a name (node, actor, type, instance, model), a path
+#: or a message, a traceparent (55 characters when well formed); and of its lists (members, instances).
+_NAME_CHARS: Final = 128
+_TEXT_CHARS: Final = 1024
+_TRACE_CHARS: Final = 64
+_LIST_ITEMS: Final = 256
+#: An event's time is seconds since the epoch: anything else is not shown (a 4,000-digit integer is JSON too).
+_MAX_TIME: Final = 1e12
 #: A GPU backend's buffer of one device (`CUDA0`, `Vulkan1`, …): the mesh names that device `GPU<n>`.
 _GPU_BUFFER: Final = re.compile(r"^(?:CUDA|ROCm|HIP|Vulkan|SYCL|MUSA|CANN)(\d+)$")
 
@@ -68,11 +80,33 @@ def device_of(buffer: str) -> str | None:
     return None
 
 
+def _text(value: object, limit: int = _NAME_CHARS) -> str:
+    """`value` as a string of at most `limit` characters (a longer one is cut, and says so with "…")."""
+    text = value if isinstance(value, str) else str(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _ident(value: object) -> str:
+    """An id or key of at most `_NAME_CHARS` characters; a longer one keeps its start and a digest of the whole,
+    so two long ids stay two (an event is not taken for another, a record does not replace another's)."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= _NAME_CHARS:
+        return text
+    digest = hashlib.blake2b(text.encode(errors="replace"), digest_size=8).hexdigest()
+    return f"{text[: _NAME_CHARS - len(digest) - 1]}…{digest}"
+
+
+def _listed(values: Iterable[object], limit: int = _LIST_ITEMS) -> list[str]:
+    """At most `limit` of `values`, each a bounded name."""
+    return [_text(v) for _, v in zip(range(limit), values, strict=False)]
+
+
 def summary(event: dict[str, Any]) -> str:
     """One line for an event: the verdict of a decision, then its scalar fields (nested records are in its
-    detail), at most `_SUMMARY_CHARS` characters."""
+    detail), at most `_SUMMARY_CHARS` characters (each field cut before it is joined: a peer's field may be
+    a megabyte)."""
     parts = [
-        f"{k}={v}"
+        _text(f"{_text(k)}={_text(v, _SUMMARY_CHARS)}", _SUMMARY_CHARS)
         for k, v in event.items()
         if k not in _ENVELOPE and v not in ("", None) and not isinstance(v, dict | list)
     ]
@@ -81,13 +115,16 @@ def summary(event: dict[str, Any]) -> str:
     if isinstance(decision, dict) and kind == "placement_decided":
         model = decision.get("model") or {}
         where = ",".join(str(p.get("node_id")) for p in decision.get("placements") or () if isinstance(p, dict))
-        verdict = f"admitted on {where}" if decision.get("admitted") else f"refused ({decision.get('reason')})"
-        parts = [f"{model.get('path') or model.get('registry')} {verdict} ctx={decision.get('ctx')}", *parts]
+        where = _text(where, _SUMMARY_CHARS)
+        verdict = f"admitted on {where}" if decision.get("admitted") else f"refused ({_text(decision.get('reason'))})"
+        named = _text(model.get("path") or model.get("registry"), _SUMMARY_CHARS)
+        parts = [_text(f"{named} {verdict} ctx={decision.get('ctx')}", _SUMMARY_CHARS), *parts]
     elif isinstance(decision, dict) and kind == "generate_routed":
         chosen = decision.get("chosen")
-        verdict = f"to {chosen} ({decision.get('reason')})" if chosen else f"refused ({decision.get('reason')})"
+        reason = _text(decision.get("reason"))
+        verdict = f"to {_text(chosen)} ({reason})" if chosen else f"refused ({reason})"
         if decision.get("prefill_node"):
-            verdict += f", prefill on {decision['prefill_node']}"
+            verdict += f", prefill on {_text(decision['prefill_node'])}"
         parts = [verdict, *parts]
     line = " ".join(parts)
     return line if len(line) <= _SUMMARY_CHARS else line[: _SUMMARY_CHARS - 1] + "…"
@@ -140,17 +177,20 @@ class FleetView:
             self._instances[instance_id] = status
         nodes = {s.node for s in (old, status) if s is not None}
         value = _instance_view(status) if status is not None else None
-        return [{"op": "instance", "id": instance_id, "value": value}, *(self._node_delta(n) for n in sorted(nodes))]
+        return [
+            {"op": "instance", "id": _ident(instance_id), "value": value},
+            *(self._node_delta(n) for n in sorted(nodes)),
+        ]
 
     def frontdoor(self, node_id: str, report: FrontDoorReport | None) -> list[Delta]:
         """A front door's report (None: it went): its catalog models, each one delta."""
         old = self._doors.pop(node_id, None)
         if report is not None:
             self._doors[node_id] = report
-        before = {m.name for m in old.models} if old is not None else set()
-        now = {m.name: _model_view(report, m) for m in report.models} if report is not None else {}
+        before = {_model_id(node_id, m) for m in old.models} if old is not None else set()
+        now = {_model_id(node_id, m): _model_view(report, m) for m in report.models} if report is not None else {}
         gone: dict[str, Any] = dict.fromkeys(before - set(now))
-        return [{"op": "model", "id": f"{node_id}/{name}", "value": v} for name, v in sorted({**gone, **now}.items())]
+        return [{"op": "model", "id": key, "value": v} for key, v in sorted({**gone, **now}.items())]
 
     # --- the journal -----------------------------------------------------------------------------------------
 
@@ -163,19 +203,22 @@ class FleetView:
             event = None
         if not isinstance(event, dict):
             event = {"type": "unreadable", "id": "", "actor": "", "node": subject.rsplit(".", 1)[-1]}
-        event_id = str(event.get("id") or "")
+        event_id = _ident(event.get("id") or "")
         if event_id and event_id in self._seen:
             return []
-        kind = str(event.get("type") or "?")
+        kind = _text(event.get("type") or "?")
+        when = event.get("time")
         entry = {
             "id": event_id,
             "seq": seq,
-            "time": event.get("time") if isinstance(event.get("time"), int | float) else None,
-            "node": str(event.get("node") or ""),
-            "actor": str(event.get("actor") or ""),
+            "time": when
+            if isinstance(when, int | float) and not isinstance(when, bool) and abs(when) < _MAX_TIME
+            else None,
+            "node": _text(event.get("node") or ""),
+            "actor": _text(event.get("actor") or ""),
             "type": kind,
             "summary": summary(event),
-            "trace": event["trace"][:64] if isinstance(event.get("trace"), str) else "",  # the request's traceparent
+            "trace": event["trace"][:_TRACE_CHARS] if isinstance(event.get("trace"), str) else "",  # its traceparent
             "decision": kind in DECISION_TYPES and bool(event_id),
         }
         self._journal.append(entry)
@@ -205,11 +248,11 @@ class FleetView:
     def snapshot(self) -> dict[str, Any]:
         nodes = set(self._nodes) | set(self._ledgers) | {s.node for s in self._instances.values()}
         return {
-            "nodes": {n: v for n in sorted(nodes) if (v := self._node_view(n)) is not None},
-            "instances": {i: _instance_view(s) for i, s in sorted(self._instances.items())},
+            "nodes": {_ident(n): v for n in sorted(nodes) if (v := self._node_view(n)) is not None},
+            "instances": {_ident(i): _instance_view(s) for i, s in sorted(self._instances.items())},
             "models": {
-                f"{door.node_id}/{m.name}": _model_view(door, m)
-                for _, door in sorted(self._doors.items())
+                _model_id(node_id, m): _model_view(door, m)
+                for node_id, door in sorted(self._doors.items())
                 for m in door.models
             },
             "journal": list(self._journal),
@@ -225,7 +268,7 @@ class FleetView:
         return len(self._decisions), self._decisions_size
 
     def _node_delta(self, node_id: str) -> Delta:
-        return {"op": "node", "id": node_id, "value": self._node_view(node_id)}
+        return {"op": "node", "id": _ident(node_id), "value": self._node_view(node_id)}
 
     def _node_view(self, node_id: str) -> dict[str, Any] | None:
         """A node with its device bars; None when nothing is known of it (no telemetry: it expired)."""
@@ -262,8 +305,8 @@ class FleetView:
             size, usable = sizes.get(device, (0, 0))
             devices.append(
                 {
-                    "device": device,
-                    "name": gpus.get(device, "host memory" if device == "CPU" else device),
+                    "device": _text(device),
+                    "name": _text(gpus.get(device, "host memory" if device == "CPU" else device)),
                     "size_bytes": size,
                     "usable_bytes": usable,
                     "reserved_bytes": reserved.get(device, 0),
@@ -274,13 +317,13 @@ class FleetView:
             )
         store = self._l3.get(node_id)
         return {
-            "id": node_id,
+            "id": _ident(node_id),
             "sent_at": report.sent_at,
             "started_at": report.started_at,
             "ttl_s": report.ttl_s,
             "cpus": report.host.cpu_count,
             "memory_limit_bytes": report.memory_limit_bytes,
-            "llama_server": report.llama_server.version if report.llama_server else None,
+            "llama_server": _text(report.llama_server.version) if report.llama_server else None,
             "settings": msgspec.to_builtins(report.settings) if report.settings else None,
             "devices": devices,
             "l3": {k: getattr(store, k) for k in ("entries", "tokens", "bytes", "budget_bytes", "quarantined")}
@@ -296,35 +339,40 @@ def _instance_view(status: InstanceStatus) -> dict[str, Any]:
     kinds = (*KINDS, "output", "total")
     stamp = status.settings
     return {
-        "id": status.id,
-        "node": status.node,
+        "id": _ident(status.id),
+        "node": _ident(status.node),
         "state": status.state,
         "port": status.port,
-        "model": status.model_path.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf"),
-        "model_path": status.model_path,
+        "model": _text(status.model_path[-_TEXT_CHARS:].rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")),
+        "model_path": _text(status.model_path, _TEXT_CHARS),
         "ctx": stamp.ctx,
         "n_gpu_layers": stamp.n_gpu_layers,
         "settings": msgspec.to_builtins(stamp.settings),
-        "members": list(status.members),
+        "members": _listed(status.members),
         "restarts": status.restarts,
-        "message": status.message,
+        "message": _text(status.message, _TEXT_CHARS),
         "updated_at": status.updated_at,
         "predicted": {k: getattr(predicted, f"{k}_bytes") for k in kinds},
         "observed": {k: getattr(observed, f"{k}_bytes") for k in kinds} if observed is not None else None,
-        "devices": [d.device for d in predicted.devices],
+        "devices": _listed(d.device for d in predicted.devices),
     }
+
+
+def _model_id(node_id: str, model: FrontDoorModel) -> str:
+    """A catalog model's key in the view: its front door's node and its name (each bounded)."""
+    return f"{_ident(node_id)}/{_ident(model.name)}"
 
 
 def _model_view(door: FrontDoorReport, model: FrontDoorModel) -> dict[str, Any]:
     return {
-        "frontdoor": door.node_id,
-        "name": model.name,
-        "path": model.path,
+        "frontdoor": _ident(door.node_id),
+        "name": _ident(model.name),
+        "path": _text(model.path, _TEXT_CHARS),
         "state": model.state,
         "queued": model.queued,
         "active": model.active,
         "max_queue": model.max_queue,
-        "instances": list(model.instances),
+        "instances": _listed(model.instances),
         "held_bytes": model.held_bytes,
         "pinned": model.pinned,
         "priority": model.priority,

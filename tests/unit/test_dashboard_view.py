@@ -157,6 +157,31 @@ def test_any_stream_of_bytes_keeps_the_tail_bounded(payloads: list[bytes]) -> No
     json.dumps(view.snapshot())  # always JSON
 
 
+def test_a_peers_huge_event_fields_and_records_leave_the_snapshot_small() -> None:
+    """A peer writes its own events and records: 200 KB ids, names, traces and fields (the hostile probe's were
+    900 KB, and took the snapshot from 188 KB to 138 MB) show cut to a bound, and two long ids stay two."""
+    huge = "x" * 200_000
+    view = FleetView(journal_limit=40)
+    for i in range(40):
+        fields = {"id": f"{huge}{i}", "node": huge, "actor": huge, "trace": huge, "time": 10**4000 if i else 1.0,
+                  "reason": huge, huge: 1}  # fmt: skip
+        kind = "generate_routed" if i % 2 else huge
+        decision = {"chosen": huge, "reason": huge, "prefill_node": huge}
+        view.event(i, "mesh.events.a.b.n", json.dumps({"type": kind, "decision": decision, **fields}).encode())
+    view.node(huge, telemetry(node_id=huge))
+    view.instance(
+        huge, msgspec.structs.replace(record(huge, node=huge, model=huge), message=huge, members=(huge,) * 500)
+    )
+    view.frontdoor(huge, door(catalog_model(huge, path=huge, instances=(huge,) * 500)))
+    snapshot = view.snapshot()
+    assert len(json.dumps(snapshot)) < 200_000, len(json.dumps(snapshot))
+    assert len(view.journal) == 40 and len({e["id"] for e in view.journal}) == 40  # cut, but still distinct
+    assert all(len(e["summary"]) <= 240 and len(e["trace"]) <= 64 for e in view.journal)
+    (instance,) = snapshot["instances"].values()
+    assert len(instance["members"]) <= 256 and instance["message"].endswith("…")
+    assert view.decision(view.journal[-1]["id"]) is not None  # a kept decision is found by the id the page shows
+
+
 def test_a_decisions_summary_names_its_verdict() -> None:
     request = PlacementRequest(model=ModelRef(path="/m/alpha.gguf"), ctx=4096)
     decision = PlacementDecision(decision_id="d", admitted=False, dry_run=False, model=request.model,
