@@ -27,6 +27,7 @@ from typing import Annotated, Final, Literal
 import msgspec
 
 from messages.l3 import PrefixSource
+from messages.placement import PreferredSettings
 from messages.tenants import MAX_PRIORITY
 
 #: Longest accepted prompt: text (characters) or token ids.
@@ -119,6 +120,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         | None
     ) = None
     api: ApiCall | None = None
+    # Only instances whose stamp meets these serve it (a catalog model's required settings and kind: an embedding
+    # server of a generation model's file serves another catalog model); None: any instance of `model`.
+    serves: PreferredSettings | None = None
     n_predict: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 128
     sampling: Sampling = Sampling()
     # The subject for chunks: an inbox (`_INBOX.` and tokens), so no request can make a runner publish elsewhere.

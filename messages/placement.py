@@ -83,6 +83,13 @@ class PreferredSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     kind: ServingKind | None = None  # what the server is for; None: the header's (a pooling type, rank: rerank)
     pooling: Pooling | None = None  # how an embedding or rerank model pools; None: its header's (else mean)
 
+    def met_by(self, settings: ServingSettings) -> bool:
+        """Whether a server running with `settings` runs every setting named here (None: any)."""
+        return all(
+            getattr(self, name) is None or getattr(self, name) == getattr(settings, name)
+            for name in self.__struct_fields__
+        )
+
 
 class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: ModelRef

@@ -69,7 +69,9 @@ from messages.errors import (
 )
 from messages.frontdoor import FrontDoorModel, FrontDoorReport, ModelState
 from messages.generate import MAX_API_BODY_BYTES, ApiCall, GenerateRequest, GenerateResult, ServingReport
+from messages.placement import PreferredSettings
 from messages.runner import InstanceStatus
+from messages.settings import ServingKind
 from messages.tenants import TenantKey
 from runtime import buckets, tracing
 from runtime.actor import Actor, ActorContext
@@ -364,7 +366,8 @@ class FrontDoorActor(ModelsOnDemand, Actor):
         instance = await self._instance_for(model, deadline, request_class)
         self._instance_class[instance.id] = request_class
         order = GenerateRequest(
-            model=instance.model_path,  # any instance of this file
+            model=instance.model_path,  # any instance of this file that serves this catalog model:
+            serves=_serves(model.entry.required_settings(), self._kind_of(model)),
             api=ApiCall(endpoint=endpoint, body=msgspec.Raw(raw)),  # type: ignore[arg-type]
             timeout_s=max(1.0, deadline - loop.time()),
             request_id=uuid.uuid4().hex,
@@ -432,7 +435,8 @@ class FrontDoorActor(ModelsOnDemand, Actor):
         models = []
         for name, m in sorted(self._models.items()):
             path = self._path_of(m.entry)
-            ready = [s for s in self._instances.values() if s.state == "ready" and same_model(s, m.entry, path)]
+            kind = self._kind_of(m)
+            ready = [s for s in self._instances.values() if s.state == "ready" and same_model(s, m.entry, path, kind)]
             held = sum(s.observed_memory.total_bytes if s.observed_memory else s.predicted_memory.total_bytes
                        for s in ready)  # fmt: skip
             state: ModelState = "ready" if ready else "starting" if m.starting and not m.starting.done() else "stopped"
@@ -478,6 +482,13 @@ _ROUTER_LAG_S: Final = 5.0
 
 #: What a pass-through request adds around the client's body on the bus (its fields and headers).
 _ENVELOPE_BYTES: Final = 8 << 10
+
+
+def _serves(required: PreferredSettings | None, kind: ServingKind | None) -> PreferredSettings | None:
+    """What an instance must run to serve a catalog model: its required settings, and the kind it is for."""
+    if kind is None:
+        return required
+    return msgspec.structs.replace(required or PreferredSettings(), kind=kind)
 
 
 def _request_class(key: TenantKey | None) -> int:

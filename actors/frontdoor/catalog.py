@@ -132,12 +132,7 @@ class CatalogModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 return False
             settings = settings.settings
         required = self.required_settings()
-        if required is None:
-            return True
-        return all(
-            getattr(required, name) is None or getattr(required, name) == getattr(settings, name)
-            for name in PreferredSettings.__struct_fields__
-        )
+        return required is None or required.met_by(settings)
 
     def check(self) -> None:
         """Refuses combinations llama-server would refuse (ValueError naming the fields)."""

@@ -24,11 +24,15 @@ from actors.frontdoor.catalog import Catalog, CatalogModel
 from actors.frontdoor.lifecycle import ArrivalOrder, NeverFits, Running, Stop, Wait, idle_expired, plan_room
 from actors.frontdoor.relay import bus_failure
 from actors.frontdoor.replicas import ReplicaScaler
+from actors.placement import pooled
+from actors.placement.geometry import GeometryError, geometry_from_header
+from actors.placement.gguf_header import GGUFFormatError, read_header
 from actors.placement.ledger import device_sizes
 from messages.errors import INSUFFICIENT_MEMORY, NOT_PLACED, QUEUE_FULL, TIMEOUT, UNAVAILABLE
 from messages.events import IdleStopped, ModelLoaded, ModelLoading, ModelRefused, RoomMade
 from messages.placement import NodeLedger, PlacementDecision, PlacementRequest
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
+from messages.settings import ServingKind
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import ActorContext
@@ -44,6 +48,7 @@ class ModelDemand:
     def __init__(self, name: str, entry: CatalogModel) -> None:
         self.name = name
         self.entry = entry
+        self.kind: ServingKind | None = entry.kind  # what its instances run (the header's when it names none)
         self.waiting = 0  # requests waiting for an instance
         self.held = 0  # requests held back behind earlier ones for other models (grouping off)
         self.active = 0  # requests generating
@@ -72,6 +77,13 @@ class ModelsOnDemand:
 
     # --- one start per model, its requests waiting together -----------------------------------------------------
 
+    def _kind_of(self, model: ModelDemand) -> ServingKind | None:
+        """What an instance of the model runs: its entry's kind, else the one its header gives (read once);
+        None while unknown (no local file yet: then any kind of instance of the file serves it)."""
+        if model.kind is None:
+            model.kind = header_kind_of(self._path_of(model.entry))
+        return model.kind
+
     def _path_of(self, entry: CatalogModel) -> str | None:
         if entry.registry:
             return None
@@ -81,9 +93,9 @@ class ModelsOnDemand:
             return None
 
     def _ready_of(self, model: ModelDemand) -> InstanceStatus | None:
-        path = self._path_of(model.entry)
+        path, kind = self._path_of(model.entry), self._kind_of(model)
         for status in sorted(self._instances.values(), key=lambda s: s.id):
-            if status.state == "ready" and status.port is not None and same_model(status, model.entry, path):
+            if status.state == "ready" and status.port is not None and same_model(status, model.entry, path, kind):
                 return status
         return None
 
@@ -240,7 +252,7 @@ class ModelsOnDemand:
     def _live_instances_of(self, name: str) -> list[InstanceStatus]:
         model = self._models[name]
         path = self._path_of(model.entry)
-        return [s for s in self._instances.values() if same_model(s, model.entry, path)]
+        return [s for s in self._instances.values() if same_model(s, model.entry, path, self._kind_of(model))]
 
     async def _add_replica(self, name: str, nodes: tuple[str, ...], prefer: tuple[str, ...] = ()) -> InstanceStatus:
         """One more instance of `name`: on one of `nodes` (those without one) when one fits, else wherever one
@@ -322,8 +334,8 @@ class ModelsOnDemand:
         for status in self._instances.values():
             if status.state in ("stopped", "failed", "rejected") and status.id not in held:
                 continue  # ended, and its memory released
-            model = next((m for m in self._models.values() if same_model(status, m.entry, self._path_of(m.entry))),
-                         None)  # fmt: skip
+            model = next((m for m in self._models.values()
+                          if same_model(status, m.entry, self._path_of(m.entry), self._kind_of(m))), None)  # fmt: skip
             running.append(
                 Running(
                     instance_id=status.id,
@@ -365,9 +377,21 @@ class ModelsOnDemand:
                 ctx.emit(IdleStopped, model=idle.model, instance_id=instance_id, idle_s=now - idle.last_used)
 
 
-def same_model(status: InstanceStatus, entry: CatalogModel, path: str | None) -> bool:
-    """Whether `status` is an instance of the catalog model: its file, run with the settings it requires."""
-    if not entry.runs_on(status.settings):
+def header_kind_of(path: str | None) -> ServingKind | None:
+    """What a model file is for by its header (`generate` when it declares no pooling); None when it cannot be
+    read here."""
+    if path is None:
+        return None
+    try:
+        return pooled.header_kind(geometry_from_header(read_header(path))) or "generate"
+    except (OSError, GGUFFormatError, GeometryError):
+        return None
+
+
+def same_model(status: InstanceStatus, entry: CatalogModel, path: str | None, kind: ServingKind | None = None) -> bool:
+    """Whether `status` is an instance of the catalog model: its file, run with the settings it requires and as
+    the `kind` it is for (an embedding server of a generation model's file serves another catalog entry)."""
+    if not entry.runs_on(status.settings) or (kind is not None and status.settings.settings.kind != kind):
         return False
     if path is not None:
         return status.model_path == path

@@ -270,7 +270,10 @@ class RouterActor(Actor):
                 {"path": "$.stream"},
             )  # fmt: skip
         request_id = request.request_id or uuid.uuid4().hex
-        matching = await self._matching(request.model)
+        wanted = request.serves  # a catalog model's instances only (its settings and kind)
+        matching = [
+            s for s in await self._matching(request.model) if wanted is None or wanted.met_by(s.settings.settings)
+        ]
         if request.prefill_node is not None and any(s.node != request.prefill_node for s in matching):
             # a forced disaggregated generation decodes elsewhere than where it prefills
             matching = [s for s in matching if s.node != request.prefill_node]

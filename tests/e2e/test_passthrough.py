@@ -134,15 +134,30 @@ class Door:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
 
-    async def server_port(self) -> int:
-        (instance,) = [i for i in await instances(self.data_dir) if i["state"] == "ready"]
+    async def server_port(self, kind: str = "generate") -> int:
+        """The port of the ready instance of the chat model's file that runs as `kind`."""
+        (instance,) = await self.ready(kind)
         return int(instance["port"])
+
+    async def ready(self, kind: str) -> list[dict[str, Any]]:
+        return [
+            i
+            for i in await instances(self.data_dir)
+            if i["state"] == "ready" and i["settings"]["settings"].get("kind", "generate") == kind
+        ]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def door(tmp_path_factory: pytest.TempPathFactory, chat_model: Path) -> AsyncIterator[Door]:
     data_dir = tmp_path_factory.mktemp("passthrough") / "node"
-    write_catalog(data_dir, {"chat": {"path": str(chat_model), "ctx": 65536}})  # slots of 32k: long answers
+    write_catalog(
+        data_dir,
+        {
+            "chat": {"path": str(chat_model), "ctx": 65536},  # slots of 32k: long answers
+            # the same file as an embedding model: another catalog model, with instances of its own
+            "chat-embed": {"path": str(chat_model), "ctx": 1024, "parallel": 1, "kind": "embedding"},
+        },
+    )
     port = free_port()
     async with node(data_dir, "door", *QUIET, "--http", str(port), "--model-root", str(chat_model.parent), env=KEYED):
         await wait_nodes(data_dir, "door")
@@ -478,3 +493,29 @@ async def test_every_passed_route_answers_through_the_door_as_the_server_does(do
             assert_same(normalized(front), normalized(direct), path)
         else:  # the server's own refusal (an embedding on a chat model: 501), its message as it said it
             assert front["error"]["message"] == direct["error"]["message"], (path, front, direct)
+
+
+async def test_an_embedding_model_and_a_generation_model_of_one_file_are_served_by_their_own_instances(
+    door: Door,
+) -> None:
+    """Issue 29: `chat` and `chat-embed` (`kind = "embedding"`) on one file: every embedding answered 501 (the
+    generation instance took it) and a chat request went to the embedding instance. An instance is a candidate
+    only for the catalog model (kind and settings) it runs as."""
+    status, answer = await post(door.url, "/v1/embeddings", {"model": "chat-embed", "input": "hello"})
+    assert status == 200 and answer["data"][0]["embedding"], answer
+    (embedding,) = await door.ready("embedding")
+    (generation,) = await door.ready("generate")
+    before = len(await _events(door.data_dir, "router.generate_routed"))
+    for _ in range(3):
+        status, answer = await post(door.url, "/v1/chat/completions", {"model": "chat", "messages": USER,
+                                                                        "max_tokens": 2})  # fmt: skip
+        assert status == 200 and answer["choices"], answer
+        status, answer = await post(door.url, "/v1/embeddings", {"model": "chat-embed", "input": "again"})
+        assert status == 200 and answer["data"], answer
+    routed = (await _events(door.data_dir, "router.generate_routed"))[before:]
+    assert len(routed) == 6
+    for event in routed:
+        (candidate,) = event["candidates"]  # the other kind's instance is not a candidate at all
+        assert candidate["instance_id"] in (embedding["id"], generation["id"]), candidate
+    chat_routed = [e for e in routed if e["candidates"][0]["instance_id"] == generation["id"]]
+    assert len(chat_routed) == 3
