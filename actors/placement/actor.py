@@ -82,10 +82,12 @@ from runtime.actor import Actor, ActorContext, RequestError, request_headers
 from runtime.bus import BadMessage, BusError, PayloadTooLarge, decode_checked, encode
 from runtime.logging import get_logger
 from runtime.model_files import FileDigests
-from runtime.roles import requesting_client
+from runtime.roles import PLACEMENT_CONSUMER, placement_consumer, requesting_client
 
 QUEUE_GROUP = "placement"
-RUNNER_EVENTS_CONSUMER = "placement-reservations"
+RUNNER_EVENTS_CONSUMER = PLACEMENT_CONSUMER  # each node's own: `placement-reservations-<node>`
+#: A node gone this long has its consumer removed by the server (the other nodes' placements applied its events).
+_CONSUMER_IDLE_S = 3600.0
 _RELEASING: dict[str, ReleaseReason] = {
     "instance_stopped": "stopped",
     "instance_failed": "failed",
@@ -676,11 +678,18 @@ class PlacementActor(Actor):
 
     async def _follow_runner_events(self, ctx: ActorContext) -> None:
         subjects = ctx.subjects
+        # A consumer of this node's own (only its user may create, change, pull or acknowledge it, `runtime.roles`):
+        # every node's placement applies every event, and a change is written once (compare-and-set).
         sub = await ctx.bus.js.pull_subscribe(
             subjects.events_of("runner"),
-            durable=RUNNER_EVENTS_CONSUMER,
+            durable=placement_consumer(ctx.node_id),
             stream=subjects.events_stream,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30),
+            config=ConsumerConfig(
+                deliver_policy=DeliverPolicy.NEW,
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=30,
+                inactive_threshold=_CONSUMER_IDLE_S,
+            ),
         )
         while True:
             try:

@@ -10,11 +10,14 @@ from runtime.creds import user_name
 from runtime.roles import (
     CLIENT_ACCOUNT,
     MESH_ACCOUNT,
+    NODE_ACCOUNT,
     Role,
     accounts,
     inbox_prefix,
     is_client_user,
+    jetstream_subjects,
     permissions,
+    placement_consumer,
     requesting_client,
     user_entry,
 )
@@ -83,23 +86,26 @@ def test_clients_live_in_their_own_account_and_import_only_what_they_may_request
         (Role("client"), "client-2", "pw3"),
     ]
     block = accounts(S, users)
-    assert set(block) == {MESH_ACCOUNT, CLIENT_ACCOUNT}
-    mesh, clients = block[MESH_ACCOUNT], block[CLIENT_ACCOUNT]
-    assert [u["user"] for u in mesh["users"]] == ["mesh", "node-n1"]
+    assert set(block) == {MESH_ACCOUNT, NODE_ACCOUNT, CLIENT_ACCOUNT}
+    jetstream, nodes, clients = block[MESH_ACCOUNT], block[NODE_ACCOUNT], block[CLIENT_ACCOUNT]
+    assert [u["user"] for u in nodes["users"]] == ["mesh", "node-n1"]
     assert [u["user"] for u in clients["users"]] == ["client-1", "client-2"]
-    assert mesh["jetstream"] == "enabled" and "jetstream" not in clients  # no consumers, no streams of its own
+    assert "jetstream" not in clients and "jetstream" not in nodes  # no consumers, no streams of their own
     services = [i for i in clients["imports"] if "service" in i]
     imported = {i.get("to", i["service"]["subject"]) for i in services}  # as clients name them
-    assert all(i["service"]["account"] == MESH_ACCOUNT for i in services)
-    # A client's placement.request arrives on its own subject in MESH, with the client named by the server.
+    # The mesh's requests come from the nodes' account, JetStream's reads straight from JetStream's.
+    from_nodes = {i.get("to", i["service"]["subject"]) for i in services if i["service"]["account"] == NODE_ACCOUNT}
+    assert from_nodes == {S.placement_request, S.placement_fit, S.generate}
+    assert all(s.startswith("$JS.API.") for s in imported - from_nodes)
+    # A client's placement.request arrives on its own subject in NODES, with the client named by the server.
     (booking,) = [i for i in services if i.get("to") == S.placement_request]
     assert booking == {
-        "service": {"account": MESH_ACCOUNT, "subject": S.client_placement_request},
+        "service": {"account": NODE_ACCOUNT, "subject": S.client_placement_request},
         "to": S.placement_request,
         "share": True,
     }
     # A client's generate too: the router makes the client its tenant in the queue, whatever the request says.
-    generate = {"service": {"account": MESH_ACCOUNT, "subject": S.generate}, "share": True}
+    generate = {"service": {"account": NODE_ACCOUNT, "subject": S.generate}, "share": True}
     assert [i for i in services if "to" in i or "share" in i] == [booking, generate]
     # What a client requested before the accounts: placement, generate, the reads of the mesh's streams.
     assert {S.placement_request, S.placement_fit, S.generate, "$JS.API.INFO"} <= imported
@@ -108,10 +114,12 @@ def test_clients_live_in_their_own_account_and_import_only_what_they_may_request
     assert not [s for s in imported if S.runner("n1", "start") == s or ".l3." in s or ".handoff." in s]
     assert imported == set(permissions(S, Role("client"), "client-1")["publish"]["allow"])  # type: ignore[index]
     streams = [i["stream"] for i in clients["imports"] if "stream" in i]
-    assert streams == [{"account": MESH_ACCOUNT, "subject": S.events_all}]
-    exported = {e["service"]: e for e in mesh["exports"] if "service" in e}
+    assert streams == [{"account": NODE_ACCOUNT, "subject": S.events_all}]
+    to_clients = [e for e in (*nodes["exports"], *jetstream["exports"]) if e["accounts"] == [CLIENT_ACCOUNT]]
+    exported = {e["service"]: e for e in to_clients if "service" in e}
+    assert [e for e in to_clients if "stream" in e] == [{"stream": S.events_all, "accounts": [CLIENT_ACCOUNT]}]
     assert set(exported) == {i["service"]["subject"] for i in services}
-    assert all(e["accounts"] == [CLIENT_ACCOUNT] for e in mesh["exports"])
+    assert all(e["accounts"] == [CLIENT_ACCOUNT] for e in nodes["exports"])
     assert S.placement_request not in exported  # only the clients' own subject: no way around the share
     assert exported["$JS.API.DIRECT.GET.LAB_A_EVENTS"]["response_type"] == "stream"  # batches answer many times
     assert "response_type" not in exported[S.placement_fit]
@@ -119,12 +127,33 @@ def test_clients_live_in_their_own_account_and_import_only_what_they_may_request
     assert exported[S.generate]["response_threshold"] == "3660s"
     # The way back for a generate's chunks and pings: the clients' inboxes, and nothing else of the mesh's; the
     # same on every server whichever users it has (a runner on one server reaches a client issued on another).
-    assert [i["service"] for i in mesh["imports"]] == [{"account": CLIENT_ACCOUNT, "subject": "_INBOX.clients.>"}]
-    assert clients["exports"] == [{"service": "_INBOX.clients.>", "accounts": [MESH_ACCOUNT]}]
+    from_clients = [i["service"] for i in nodes["imports"] if i.get("service", {}).get("account") == CLIENT_ACCOUNT]
+    assert from_clients == [{"account": CLIENT_ACCOUNT, "subject": "_INBOX.clients.>"}]
+    assert clients["exports"] == [{"service": "_INBOX.clients.>", "accounts": [NODE_ACCOUNT]}]
     alone = accounts(S, users[:2])
-    assert alone[MESH_ACCOUNT]["imports"] == mesh["imports"] and alone[CLIENT_ACCOUNT]["exports"] == clients["exports"]
+    assert alone[NODE_ACCOUNT]["imports"] == nodes["imports"] and alone[CLIENT_ACCOUNT]["exports"] == clients["exports"]
     for user in ("mesh", "node-n1"):  # no mesh user's inbox is in the clients' namespace
         assert not inbox_prefix(user).startswith("_INBOX.clients.")
+
+
+def test_jetstream_lives_in_an_account_of_no_user_that_the_nodes_reach_through_one_export() -> None:
+    """Issue 30 F1: JetStream answered a node on whatever reply subject it named, in its own account, where that
+    subject could be a stream's. In an account of its own it answers on nats-server's reply subjects, and every
+    subject of the nodes' account that leads back to it is an import of the same one export, which nats-server
+    does not let a message pass twice."""
+    block = accounts(S, [(Role("admin"), "mesh", "pw0"), (Role("node", "n1"), "node-n1", "pw1")])
+    jetstream, nodes = block[MESH_ACCOUNT], block[NODE_ACCOUNT]
+    assert jetstream["jetstream"] == "enabled" and "users" not in jetstream
+    to_nodes = [e for e in jetstream["exports"] if e["accounts"] == [NODE_ACCOUNT]]
+    assert to_nodes == [
+        {"service": ">", "accounts": [NODE_ACCOUNT], "response_type": "stream", "response_threshold": "30s"},
+        {"stream": "_INBOX.>", "accounts": [NODE_ACCOUNT]},  # push consumers' deliveries
+    ]
+    from_jetstream = [i for i in nodes["imports"] if MESH_ACCOUNT in (i.get("service") or i["stream"])["account"]]
+    assert [i["service"]["subject"] for i in from_jetstream if "service" in i] == jetstream_subjects(S)
+    assert {"$JS.API.>", "$JS.ACK.>", "$KV.>", "$O.>", S.events_all} <= set(jetstream_subjects(S))
+    assert [i["stream"] for i in from_jetstream if "stream" in i] == [{"account": MESH_ACCOUNT, "subject": "_INBOX.>"}]
+    assert not [i for i in nodes["imports"] if "to" in i]  # every subject keeps its name: streams see what was sent
 
 
 def test_a_users_name_must_say_whether_it_is_a_client() -> None:
@@ -239,5 +268,41 @@ def test_tenants_keys_are_read_by_nodes_written_by_admins_only_and_never_reach_a
     assert allowed(node, "publish", f"$KV.{S.limits_bucket}.lab.rpm")  # every front door updates the counters
     assert not allowed(client, "publish", f"$KV.{S.keys_bucket}.0123456789abcdef")
     assert not allowed(client, "publish", f"$KV.{S.limits_bucket}.lab.rpm")
-    exported = {e.get("service") for e in accounts(S, [(Role("admin"), "mesh", "pw")])[MESH_ACCOUNT]["exports"]}
+    block = accounts(S, [(Role("admin"), "mesh", "pw")])
+    exported = [e.get("service") for e in (*block[MESH_ACCOUNT]["exports"], *block[NODE_ACCOUNT]["exports"])
+                if e["accounts"] == [CLIENT_ACCOUNT]]  # fmt: skip
     assert not [s for s in exported if s and (keys in s or limits in s)]
+
+
+def test_a_node_touches_no_consumer_of_the_journal_but_its_own_placements() -> None:
+    """Issue 30 F16: every node could create (so change) placement's one shared durable, and pull from it. Each
+    node's placement now has its own, and a node's rights name only its own; an ephemeral create, which names its
+    consumer in the body, is not a node's on the journal at all (it reads the journal with direct gets)."""
+    rights = permissions(S, Role("node", "n1"), "node-n1")
+    assert rights is not None
+    events = S.events_stream
+    own, theirs = placement_consumer("n1"), placement_consumer("n2")
+    assert own == "placement-reservations-n1"
+    for subject in (
+        f"$JS.API.CONSUMER.CREATE.{events}.{own}.{S.prefix}.events.runner.>",
+        f"$JS.API.CONSUMER.CREATE.{events}.{own}",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{events}.{own}",
+        f"$JS.API.CONSUMER.INFO.{events}.{own}",
+        f"$JS.API.CONSUMER.MSG.NEXT.{events}.{own}",
+        f"$JS.ACK.{events}.{own}.1.7.7.1700000000000000000.0",
+        f"$JS.API.DIRECT.GET.{events}",  # the journal is read with direct gets
+    ):
+        assert allowed(rights, "publish", subject), subject
+    for name in (theirs, "placement-reservations"):  # another node's, and the one every node shared before
+        for subject in (
+            f"$JS.API.CONSUMER.CREATE.{events}.{name}.{S.prefix}.events.nothing.>",
+            f"$JS.API.CONSUMER.CREATE.{events}.{name}",
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{events}.{name}",
+            f"$JS.API.CONSUMER.MSG.NEXT.{events}.{name}",
+            f"$JS.ACK.{events}.{name}.1.7.7.1700000000000000000.0",
+        ):
+            assert not allowed(rights, "publish", subject), subject
+    assert not allowed(rights, "publish", f"$JS.API.CONSUMER.CREATE.{events}")  # a name in the body: any consumer
+    assert not allowed(rights, "publish", f"$JS.API.CONSUMER.DELETE.{events}.{own}")
+    with pytest.raises(ValueError):
+        placement_consumer("n1.x")
