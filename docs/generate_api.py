@@ -741,9 +741,10 @@ def render() -> str:
             "credentials allow no other). Readers should show a `type` they do not know as plain JSON "
             "(a newer producer).",
             "",
-            f"Placement follows `{S.events_of(RUNNER)}` through the durable pull consumer "
-            f"`{RUNNER_EVENTS_CONSUMER}`, shared by every placement actor, so reservation updates survive a "
-            "placement restart.",
+            f"Placement follows `{S.events_of(RUNNER)}` through a durable pull consumer of each node's own "
+            f"(`{RUNNER_EVENTS_CONSUMER}-<node>`: only that node may create, change, pull or acknowledge it), so "
+            "reservation updates survive a placement restart; every node applies every event, and a change is "
+            "written once (compare-and-set).",
             "",
             "| type | subject | schema | when |",
             "|---|---|---|---|",

@@ -56,6 +56,7 @@ from runtime.bus import (
     error_headers,
     refuse_reply,
     reply_allowed,
+    stored_answer,
 )
 from runtime.journal import Journal
 from runtime.logging import get_logger
@@ -261,6 +262,9 @@ class ActorContext:
 
         async def worker() -> None:
             async for msg in sub.messages:
+                if stored_answer(msg):  # JetStream's answer aimed here by a forged reply, not a publish
+                    self.log.warning("forged_answer_dropped", subject=msg.subject)
+                    continue
                 try:
                     message = decode_checked(msg.data, message_type, f"message on {msg.subject!r}")
                 except BadMessage as exc:

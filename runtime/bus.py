@@ -160,6 +160,19 @@ def error_headers(reply: ErrorReply) -> dict[str, str]:
     return {ERROR_HEADER: reply.message[:256], ERROR_CODE_HEADER: numeric, MESH_ERROR_HEADER: reply.code}
 
 
+#: Headers JetStream sets on a stored message it answers with (a direct get), which no publish carries.
+_STORED_HEADERS: Final = ("Nats-Stream", "Nats-Sequence")
+
+
+def stored_answer(msg: Msg) -> bool:
+    """Whether a message heard on a live subject is JetStream's answer to a request whose reply subject named it
+    (a direct get's stored message): a member may aim JetStream's answers at any subject, and nothing is stored
+    there (`runtime.roles`), but a live subscriber would hear bytes of the requester's choosing as if published.
+    Live subscribers drop it."""
+    headers = msg.headers or {}
+    return any(name in headers for name in _STORED_HEADERS)
+
+
 def reply_allowed(reply: str | None) -> bool:
     """Whether a responder may answer on `reply` (see `REPLY_ROOTS`); a request without one gets no answer."""
     return reply is not None and reply.startswith(REPLY_ROOTS)

@@ -51,7 +51,7 @@ from messages.runner import InstanceStatus
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext
-from runtime.bus import BadMessage, decode_checked
+from runtime.bus import BadMessage, decode_checked, stored_answer
 from runtime.direct_get import DirectGetFailed, read_stored
 
 __all__ = ["PREFIX", "DashboardActor"]
@@ -190,6 +190,8 @@ class DashboardActor(Actor):
             await self._read_tail(ctx, view)
             ready.set()
             async for msg in sub.messages:
+                if stored_answer(msg):  # JetStream's answer aimed here by a forged reply, not a publish
+                    continue
                 deltas = view.event(None, msg.subject, msg.data)
                 if deltas and self._view is not None:
                     self._publish(deltas)

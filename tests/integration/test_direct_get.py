@@ -109,12 +109,13 @@ async def test_following_from_a_time_with_nothing_stored_since_waits_for_new_mes
 
 
 async def test_a_stream_without_direct_gets_is_a_clear_error(bus: Bus) -> None:
-    await bus.js.add_stream(StreamConfig(name="PLAIN", subjects=["plain.>"]))
-    await bus.js.publish("plain.x", b"1")
+    # (under `$KV.`: a subject the mesh's users reach JetStream on, `runtime.roles.jetstream_subjects`)
+    await bus.js.add_stream(StreamConfig(name="PLAIN", subjects=["$KV.PLAIN.>"]))
+    await bus.js.publish("$KV.PLAIN.x", b"1")
     with pytest.raises(DirectGetFailed, match="PLAIN"):
-        await read_batch(bus, "PLAIN", "plain.>", timeout_s=5)
+        await read_batch(bus, "PLAIN", "$KV.PLAIN.>", timeout_s=5)
     with pytest.raises(DirectGetFailed, match="NOPE"):
-        await read_batch(bus, "NOPE", "plain.>", timeout_s=5)
+        await read_batch(bus, "NOPE", "$KV.PLAIN.>", timeout_s=5)
 
 
 async def test_a_journal_created_before_direct_gets_gets_them_at_the_next_start(bus: Bus) -> None:

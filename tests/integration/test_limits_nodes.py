@@ -16,6 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from actors.frontdoor.accounting import REFUSALS_WINDOW_S
 from runtime.children import free_port
 from tests.conftest import node_process, run_cli
 from tests.tiny_models import write_llama
@@ -70,10 +71,16 @@ async def test_an_rpm_key_has_one_budget_on_two_nodes_and_usage_counts_both(tmp_
                 status, headers, error = await status_of(port, key)
                 assert status == 429 and int(headers["retry-after"]) >= 1, (seen, error)
                 assert error["code"] == "rate_limit_exceeded" and error["limit"] == "rpm", error
-        # node b has stopped (its journal flushed); node a still runs the server: usage counts both doors
-        code, out, err = await run_cli("usage", "--tenant", "lab", "--json", "--data-dir", str(data_a))
-        assert code == 0, err
-        (row,) = json.loads(out)["rows"]
+        # node b has stopped (its journal flushed); node a still runs the server: usage counts both doors (a door
+        # journals its refusals together, within `REFUSALS_WINDOW_S`)
+        async with asyncio.timeout(REFUSALS_WINDOW_S + 10):
+            while True:
+                code, out, err = await run_cli("usage", "--tenant", "lab", "--json", "--data-dir", str(data_a))
+                assert code == 0, err
+                (row,) = json.loads(out)["rows"]
+                if row["requests"] >= 5:
+                    break
+                await asyncio.sleep(0.5)
         assert row["tenant"] == "lab" and row["model"] == "m" and row["requests"] == 5, row
         assert row["refused"] == {"rpm": 2} and row["statuses"]["429"] == 2, row
     for log in ("a.stderr", "b.stderr"):  # neither node needed a right it lacks to count the key

@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
+import msgspec
 import nats.errors
 import pytest
 from nats.aio.msg import Msg
@@ -23,10 +24,12 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from docs.generate_roles import SAMPLES, verdict
 from messages.subjects import Subjects
 from runtime import buckets
+from runtime.actor import Actor, ActorContext
 from runtime.bus import Bus
 from runtime.embedded import EmbeddedNats
 from runtime.journal import ensure_events_stream
 from runtime.roles import Role, inbox_prefix, placement_consumer
+from tests.conftest import supervised
 from tests.integration.test_roles import connect_when_loaded, issued, server
 
 __all__ = ["server"]  # the fixture, shared with test_roles
@@ -205,3 +208,47 @@ async def test_the_sample_verdicts_of_docs_roles_md_are_the_servers(server: Embe
             for right, subject in denied:  # the server answers in order: the allowed ones passed before these
                 await session.refused(subject, "publish to" if right == "publish" else "subscription to")
             assert len(session.errors) == len(denied), session.errors
+
+
+async def test_a_live_subscriber_drops_jetstreams_answer_a_node_aimed_at_its_subject(
+    server: EmbeddedNats, admin: Bus
+) -> None:
+    """What nats-server still lets through: a node's direct get with the reply subject `events.…n1` makes the
+    answer (a stored message of the node's choosing) reach that subject's live subscribers, though nothing is
+    stored. An actor's subscription drops such an answer (it carries JetStream's `Nats-Stream` header, no publish
+    does) and hears the real publishes."""
+    subject = S.event("runner", "instance_ready", "n1")
+    heard: list[bytes] = []
+    raw: list[Msg] = []
+
+    class Listener(Actor):
+        name = "listener"
+
+        async def run(self, ctx: ActorContext) -> None:
+            async def on_event(message: msgspec.Raw, msg: Msg) -> None:
+                heard.append(bytes(message))
+
+            await ctx.subscribe(subject, msgspec.Raw, on_event)
+
+    async def until(done: Callable[[], bool], publish: bytes | None = None) -> None:
+        async with asyncio.timeout(10):
+            while not done():
+                if publish is not None:
+                    await admin.nc.publish(subject, publish)
+                await asyncio.sleep(0.02)
+
+    async def on_raw(msg: Msg) -> None:
+        raw.append(msg)
+
+    await admin.nc.subscribe(subject, cb=on_raw)
+    creds = issued(server, Role("node", "n2"))
+    async with supervised(admin, [Listener()], node_id="n1"), connect_when_loaded(creds) as n2:
+        await until(lambda: bool(heard), b'{"genuine": 0}')  # the listener hears its subject
+        await n2.nc.jetstream().publish(S.event("runner", "instance_ready", "n2"), b'{"forged": 1}', timeout=5)
+        await n2.nc.publish(
+            f"$JS.API.DIRECT.GET.{S.events_stream}", _last(S.event("runner", "instance_ready", "n2")), reply=subject
+        )
+        await until(lambda: any(m.data == b'{"forged": 1}' for m in raw))  # the answer went out to the subject
+        await admin.nc.publish(subject, b'{"genuine": 1}')  # after it, on the same subject
+        await until(lambda: b'{"genuine": 1}' in heard)
+    assert b'{"forged": 1}' not in heard and heard[-1] == b'{"genuine": 1}', heard
