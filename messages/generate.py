@@ -138,6 +138,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # its share within the class. The front door sets them from the request's key; a `client` user's request over
     # NATS is its own tenant (`nats:<user>`) in the default class, whatever it says (the router sees to it).
     tenant: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{0,80}$")] = ""
+    # Whose prompt states it may reuse (slots and L3): requests of one scope share them, another scope's are never
+    # reused (vLLM's cache salt). "" is the mesh's shared scope (the admin key, an open door). The front door sets
+    # it from the request's key; a `client` user's request over NATS is scoped to that user, whatever it says.
+    cache_scope: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{0,80}$")] = ""
     priority: Annotated[int, msgspec.Meta(ge=0, le=MAX_PRIORITY)] = 0
     weight: Annotated[float, msgspec.Meta(gt=0, le=1000)] = 1.0
 

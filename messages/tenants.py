@@ -37,6 +37,15 @@ class TenantKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     tpm: Positive | None = None  # tokens (prompt + generated) per minute
     max_concurrent: Positive | None = None
     expires_at: Annotated[float, msgspec.Meta(ge=0)] | None = None  # unix seconds; None: never
+    # Whose prompt states the key's requests may reuse (held in slots, stored in L3): the keys of one group share
+    # them; "" (the default): its tenant's keys only. Another scope's states are never reused, so a right guess
+    # of another tenant's prompt is not told by its cached tokens or its speed.
+    cache_group: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{0,64}$")] = ""
+
+
+def cache_scope(key: TenantKey) -> str:
+    """The cache scope of a key's requests: its group's, else its tenant's (`GenerateRequest.cache_scope`)."""
+    return f"group:{key.cache_group}" if key.cache_group else f"tenant:{key.tenant}"
 
 
 def split_key(presented: str) -> tuple[str, str] | None:

@@ -72,7 +72,7 @@ from messages.generate import MAX_API_BODY_BYTES, ApiCall, GenerateRequest, Gene
 from messages.placement import PreferredSettings
 from messages.runner import InstanceStatus
 from messages.settings import ServingKind
-from messages.tenants import TenantKey
+from messages.tenants import TenantKey, cache_scope
 from runtime import buckets, tracing
 from runtime.actor import Actor, ActorContext
 from runtime.buckets import TTL_HEADER
@@ -499,4 +499,6 @@ def _request_class(key: TenantKey | None) -> int:
 def _queue_claim(key: TenantKey | None) -> dict[str, Any]:
     """Who a request is in its instance's queue: its key's tenant, class and share (the admin key, an open door:
     nobody's, the default class)."""
-    return {} if key is None else {"tenant": key.tenant, "priority": key.priority, "weight": key.weight}
+    if key is None:
+        return {}
+    return {"tenant": key.tenant, "priority": key.priority, "weight": key.weight, "cache_scope": cache_scope(key)}

@@ -134,6 +134,14 @@ def canonical_encoding(inputs: StateInputs) -> bytes:
     return _DOMAIN + _record(inputs)
 
 
+def scoped_identity(identity: str, scope: str) -> str:
+    """The identity a cache scope's states are stored and looked up under: the instance's own for the shared scope
+    (""), else blake3 of it and the scope, so no look-up of one scope finds another's states (vLLM's cache salt)."""
+    if not scope:
+        return identity
+    return str(blake3.blake3(b"%s\0scope\0%s" % (identity.encode(), scope.encode())).hexdigest())
+
+
 def exact_state_identity(inputs: StateInputs) -> str:
     """blake3 (64 lowercase hex) of the canonical encoding of `inputs`."""
     return str(blake3.blake3(canonical_encoding(inputs)).hexdigest())

@@ -317,7 +317,11 @@ class RouterActor(Actor):
                 )
             )
         n_prompt = len(tokens) if tokens is not None else 0
-        fitted = self._links.links(self._monotonic()) if request.prefill_node is None else {}
+        # (a scoped request's prompt is not prefilled elsewhere: its state would land in another node's store
+        # under no scope of its own)
+        fitted = (
+            self._links.links(self._monotonic()) if request.prefill_node is None and not request.cache_scope else {}
+        )
         links = {key: link.bytes_per_s for key, link in fitted.items()}
         fixed = {key: link.fixed_s for key, link in fitted.items()}
         while True:
@@ -433,9 +437,9 @@ class RouterActor(Actor):
 
 def as_asked(request: GenerateRequest, client: str | None) -> GenerateRequest:
     """`request` as the queue should see it: a `client` user's (nats-server names it, `client`) is its own tenant
-    in the default class with the default share, whatever it says; the mesh's own users (a front door, which set
-    them from the request's key; an admin) are taken at their word."""
+    in the default class with the default share, and its own cache scope, whatever it says; the mesh's own users
+    (a front door, which set them from the request's key; an admin) are taken at their word."""
     if client is None:
         return request
     tenant = "nats:" + re.sub(r"[^A-Za-z0-9_.-]", "_", client)[:75]  # a name the queue's tenant field takes
-    return msgspec.structs.replace(request, tenant=tenant, priority=0, weight=1.0)
+    return msgspec.structs.replace(request, tenant=tenant, priority=0, weight=1.0, cache_scope=tenant)

@@ -116,7 +116,7 @@ class Forwarder:
         if tokens is None:  # not rendered here: the server will, so its texts are bounded first
             _refuse_oversize_sizes(instance, call.endpoint, body)
         claim = claim_of(request, len(tokens or ()), passthrough.generation_bound(call.endpoint, body))
-        grant = await serving.acquire(instance, tokens or (), claim, order.request_id)
+        grant = await serving.acquire(instance, tokens or (), claim, order.request_id, request.cache_scope)
         slot = grant.slot
         identity = instance.identity
         plan = ServingPlan(
@@ -129,7 +129,9 @@ class Forwarder:
         )
         handed_over = False
         try:
-            source, _ = await captures.before_answer(serving, instance, slot, plan, tokens, order.request_id)
+            source, _ = await captures.before_answer(
+                serving, instance, slot, plan, tokens, order.request_id, request.cache_scope
+            )
             exchange = await self._exchange(
                 instance, path, passthrough.forward_body(body, slot), relay, order, slot=slot
             )  # fmt: skip
@@ -145,7 +147,9 @@ class Forwarder:
                 serving.release(instance, slot, captures.held_tokens(plan, tokens, None))
             else:  # the captures after the answer run off the reply's path; they give the slot back
                 instance.table.finishing(slot, captures.held_tokens(plan, tokens, None))
-                after = captures.after_answer(serving, instance, slot, plan, tokens, order.request_id)
+                after = captures.after_answer(
+                    serving, instance, slot, plan, tokens, order.request_id, scope=request.cache_scope
+                )
                 serving.spawn(after, f"capture:{order.request_id}")
             handed_over = True
             return result

@@ -39,7 +39,7 @@ from typing import Any, Final
 from actors.handoff import cost
 from actors.handoff.api import HandoffAccess, HandoffFailed
 from actors.l3.api import L3Access, L3Hit, L3Unavailable
-from actors.l3.identity import DraftSettings, Platform, StateInputs, exact_state_identity
+from actors.l3.identity import DraftSettings, Platform, StateInputs, exact_state_identity, scoped_identity
 from actors.router.prefixes import resident_prefixes
 from actors.runner import captures, passthrough
 from actors.runner.fairqueue import Claim, Waiter, claim_of
@@ -380,7 +380,7 @@ class Serving:
             raise RequestError(BAD_REQUEST, "the prompt has no tokens")
         refuse_oversize(instance.context, tokens=len(tokens))
         grant = await self.acquire(
-            instance, tokens, claim_of(request, len(tokens), request.n_predict), order.request_id
+            instance, tokens, claim_of(request, len(tokens), request.n_predict), order.request_id, request.cache_scope
         )
         plan = ServingPlan(
             len(tokens),
@@ -397,7 +397,10 @@ class Serving:
                 self.release(instance, grant.slot, captures.held_tokens(plan, tokens, None, answer))
             else:  # the captures after the answer run off the reply's path; they give the slot back
                 instance.table.finishing(grant.slot, captures.held_tokens(plan, tokens, None, answer))
-                after = captures.after_answer(self, instance, grant.slot, plan, tokens, order.request_id, answer=answer)
+                after = captures.after_answer(
+                    self, instance, grant.slot, plan, tokens, order.request_id, answer=answer,
+                    scope=order.request.cache_scope,
+                )  # fmt: skip
                 self.spawn(after, f"capture:{order.request_id}")
             handed_over = True
             return result
@@ -406,14 +409,20 @@ class Serving:
                 self.release(instance, grant.slot, None)
 
     async def acquire(
-        self, instance: ServedInstance, tokens: Sequence[int], claim: Claim = ANYONE, request_id: str = ""
+        self,
+        instance: ServedInstance,
+        tokens: Sequence[int],
+        claim: Claim = ANYONE,
+        request_id: str = "",
+        scope: str = "",
     ) -> Grant:
         """A slot of `instance` for `tokens`: at once when one is free and nobody waits, else in the queue's order
         (`fairqueue`: class, then fair share by cost), journaled: why it waits, and the choice that ended it."""
         table = instance.table
-        grant = table.acquire(tokens, None, claim)
+        grant = table.acquire(tokens, None, claim, scope)
         if grant is not None:
             self.changed.set()
+            await self._clear_foreign(instance, grant)
             return grant
         ticket = Ticket(request_id)
         waiter = table.wait(ticket, claim)
@@ -427,7 +436,7 @@ class Serving:
             while True:
                 if table.my_turn(ticket):
                     candidates = table.waiters()
-                    if (grant := table.acquire(tokens, ticket)) is not None:
+                    if (grant := table.acquire(tokens, ticket, scope=scope)) is not None:
                         break
                 waiter_woken: asyncio.Future[None] = loop.create_future()
                 instance.wakeups.append(waiter_woken)
@@ -438,6 +447,7 @@ class Serving:
             self.changed.set()
             raise
         self.changed.set()
+        await self._clear_foreign(instance, grant)
         waited_ms = (loop.time() - began) * 1000
         if request_id:
             self._waited_ms[request_id] = waited_ms
@@ -445,6 +455,19 @@ class Serving:
         self.emit(GenerateDequeued, instance_id=instance.id, request_id=request_id, waited_ms=waited_ms,
                   candidates=recorded, more=max(0, len(candidates) - MAX_CANDIDATES))  # fmt: skip
         return grant
+
+    async def _clear_foreign(self, instance: ServedInstance, grant: Grant) -> None:
+        """A slot that may hold another cache scope's state is erased before the request uses it (llama-server's
+        own `erase`): the server would reuse any prefix it shares, and say so in the answer's cached tokens."""
+        if not grant.foreign:
+            return
+        try:
+            await self.api.slot_action(
+                instance.port, grant.slot, "erase", None, timeout_s=self.limits.tokenize_timeout_s
+            )
+        except ServerApiError as exc:
+            self.release(instance, grant.slot, None)
+            raise RequestError(UNAVAILABLE, f"instance {instance.id}: the slot could not be cleared: {exc}") from exc
 
     def _journal_wait(self, instance: ServedInstance, waiter: Waiter, request_id: str) -> None:
         ahead = [w for _, w in instance.table.waiters() if w.order < waiter.order]
@@ -479,7 +502,10 @@ class Serving:
         remote: PrefillResult | None = None
         fallback = ""
         asked = time.perf_counter()
-        if request.prefill_node not in (None, self.node_id) and grant.resident < len(tokens) - 1:
+        remote_wanted = request.prefill_node not in (None, self.node_id) and grant.resident < len(tokens) - 1
+        if remote_wanted and request.cache_scope:  # its state would land in this store under no scope of its own
+            fallback = f"prefill on {request.prefill_node} skipped: a scoped request's prompt is computed here"
+        elif remote_wanted:
             try:
                 remote = await self._remote_prefill(instance, order, tokens[:-1])  # lands in this node's L3
             except RequestError as exc:  # the handoff was to save time: the prompt is computed here instead
@@ -488,7 +514,9 @@ class Serving:
                 fallback = f"prefill on {request.prefill_node} failed ({exc.reply.code}): computed here"
                 _log.warning("prefill_fallback", request_id=order.request_id, node=request.prefill_node,
                              code=exc.reply.code, error=str(exc))  # fmt: skip
-        source, evaluated = await captures.before_answer(self, instance, slot, plan, tokens, order.request_id)
+        source, evaluated = await captures.before_answer(
+            self, instance, slot, plan, tokens, order.request_id, request.cache_scope
+        )
         restored = plan.restored_tokens
         evaluated += remote.tokens_evaluated if remote is not None else 0
         # What the handoff added beyond the remote server's prompt computation (what the cost model counts as
@@ -734,7 +762,9 @@ class Serving:
             raise SaveFailed("save_mismatch", f"the saved state holds {n_saved} tokens, not a prefix of {known}")
         return n_saved
 
-    async def prefill_and_save(self, instance: ServedInstance, slot: int, prefix: list[int], request_id: str) -> int:
+    async def prefill_and_save(
+        self, instance: ServedInstance, slot: int, prefix: list[int], request_id: str, scope: str = ""
+    ) -> int:
         """Prefills `prefix` into the slot and captures it; returns the tokens the server evaluated."""
         timings = await self._prefill(instance, slot, prefix)
         assert self.l3 is not None and instance.identity is not None
@@ -744,7 +774,8 @@ class Serving:
         except SaveFailed as exc:
             _log.warning(exc.kind, instance_id=instance.id, error=str(exc))
         else:
-            self.l3.capture(path, identity=instance.identity, tokens=prefix[:n_saved], payload_kind=PAYLOAD_KIND)
+            identity = scoped_identity(instance.identity, scope)  # the request's cache scope's own
+            self.l3.capture(path, identity=identity, tokens=prefix[:n_saved], payload_kind=PAYLOAD_KIND)
         return int(timings.get("prompt_n", 0) or 0)
 
 

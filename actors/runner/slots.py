@@ -69,16 +69,18 @@ def oversize(
 
 
 class Grant:
-    """A slot handed to one request, and the prefix the server already holds for it."""
+    """A slot handed to one request, and the prefix the server already holds for it. `foreign`: the slot holds
+    another cache scope's state, which the server must not reuse (the request goes with `cache_prompt` false)."""
 
-    __slots__ = ("resident", "slot")
+    __slots__ = ("foreign", "resident", "slot")
 
-    def __init__(self, slot: int, resident: int) -> None:
+    def __init__(self, slot: int, resident: int, foreign: bool = False) -> None:
         self.slot = slot
         self.resident = resident
+        self.foreign = foreign
 
     def __repr__(self) -> str:
-        return f"Grant(slot={self.slot}, resident={self.resident})"
+        return f"Grant(slot={self.slot}, resident={self.resident}, foreign={self.foreign})"
 
 
 class SlotTable:
@@ -88,6 +90,9 @@ class SlotTable:
         self.rollback = rollback
         self.wait_gain = wait_gain
         self._held: list[tuple[int, ...]] = [() for _ in range(n_slots)]
+        # the cache scope whose state each slot's server cache may hold (the last it was granted to; None: nothing
+        # since the server started): what it holds is another scope's even when the table does not know the tokens
+        self._scope: list[str | None] = [None] * n_slots
         self._busy = [False] * n_slots
         self._finishing = [False] * n_slots
         self._used = [0] * n_slots  # release counter at last release: lower is older
@@ -135,9 +140,12 @@ class SlotTable:
     def free(self) -> bool:
         return not all(self._busy)
 
-    def acquire(self, tokens: Sequence[int], ticket: object | None = None, claim: Claim = ANYONE) -> Grant | None:
+    def acquire(
+        self, tokens: Sequence[int], ticket: object | None = None, claim: Claim = ANYONE, scope: str = ""
+    ) -> Grant | None:
         """The best free slot for `tokens`, marked busy; None when every slot is busy or others wait first.
-        `ticket`: a waiter's (its claim was given to `wait`); else `claim` is the request's, served at once."""
+        `ticket`: a waiter's (its claim was given to `wait`); else `claim` is the request's, served at once.
+        `scope`: the request's cache scope: only a slot holding that scope's state counts what it holds."""
         if ticket is None and self._waiting:
             return None
         if ticket is not None and not self.my_turn(ticket):
@@ -147,9 +155,9 @@ class SlotTable:
         for slot, busy in enumerate(self._busy):
             if busy:
                 if self._finishing[slot]:
-                    finishing = max(finishing, self.reusable(slot, tokens))
+                    finishing = max(finishing, self.reusable(slot, tokens, scope))
                 continue
-            key = (-self.reusable(slot, tokens), self._used[slot], slot)
+            key = (-self.reusable(slot, tokens, scope), self._used[slot], slot)
             if best is None or key < best:
                 best = key
         if best is None or finishing - -best[0] >= self.wait_gain:
@@ -160,10 +168,15 @@ class SlotTable:
             self._waiting.served_at_once(claim)
         slot = best[2]
         self._busy[slot] = True
-        return Grant(slot, -best[0])
+        foreign = self._scope[slot] not in (None, scope)
+        self._scope[slot] = scope
+        return Grant(slot, -best[0], foreign)
 
-    def reusable(self, slot: int, tokens: Sequence[int]) -> int:
-        """How many leading tokens of `tokens` the server can reuse from what `slot` holds."""
+    def reusable(self, slot: int, tokens: Sequence[int], scope: str = "") -> int:
+        """How many leading tokens of `tokens` the server can reuse from what `slot` holds (none of another cache
+        scope's state)."""
+        if self._scope[slot] not in (None, scope):
+            return 0
         held = self._held[slot]
         shared = common_prefix(held, tokens)
         if not self.rollback and shared < len(held):
@@ -194,3 +207,4 @@ class SlotTable:
     def forget(self) -> None:
         """The server restarted: no slot holds anything (busy slots stay busy until released)."""
         self._held = [() for _ in self._held]
+        self._scope = [None] * len(self._scope)

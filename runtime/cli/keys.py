@@ -36,7 +36,7 @@ from runtime.cli.common import EXIT_OK, EXIT_USAGE, CliError, add_client_options
 _DURATION: Final = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT_S: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 #: The record's fields a key keeps when it is rotated (what `issue` sets).
-_SETTINGS: Final = ("models", "priority", "weight", "rpm", "tpm", "max_concurrent", "expires_at")
+_SETTINGS: Final = ("models", "priority", "weight", "rpm", "tpm", "max_concurrent", "expires_at", "cache_group")
 _TIMEOUT_S: Final = 10.0
 
 
@@ -52,6 +52,11 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     issue.add_argument("--rpm", type=int, help="requests per minute")
     issue.add_argument("--tpm", type=int, help="tokens (prompt + generated) per minute")
     issue.add_argument("--max-concurrent", type=int, help="requests at once")
+    issue.add_argument(
+        "--cache-group",
+        default="",
+        help="the keys of one group (of any tenant) reuse each other's prompt states; default: its tenant's keys only",
+    )
     issue.add_argument("--expires", metavar="WHEN", help="a duration from now (90m, 12h, 30d, 2w) or an ISO time")
     add_client_options(issue)
     issue.set_defaults(func=cmd_issue)
@@ -179,6 +184,7 @@ async def cmd_issue(args: argparse.Namespace) -> int:
         "tpm": args.tpm,
         "max_concurrent": args.max_concurrent,
         "expires_at": parse_expiry(args.expires, now) if args.expires else None,
+        "cache_group": args.cache_group,
     }
     key, record = new_key(settings, args.tenant, now)
     await _write(args, [record], [])

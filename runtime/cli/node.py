@@ -494,7 +494,8 @@ def _role_env(args: argparse.Namespace) -> int:
         return 0
     print(f"role {role}: issue credentials with `{issue}` (on the node running the embedded server)")
     print(f"connect: {record['connect']}; replies arrive on {record['inbox_prefix']}.> (its inbox prefix)")
-    print(f"account: {role.account}" + (" (it imports what it may request from the mesh)" if role.kind == "client" else ""))
+    imports = " (it imports what it may request from the mesh)" if role.kind == "client" else ""
+    print(f"account: {role.account}{imports}")
     if rights is None:
         print("rights: every subject and JetStream call")
         return 0

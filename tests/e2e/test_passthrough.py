@@ -519,3 +519,34 @@ async def test_an_embedding_model_and_a_generation_model_of_one_file_are_served_
         assert candidate["instance_id"] in (embedding["id"], generation["id"]), candidate
     chat_routed = [e for e in routed if e["candidates"][0]["instance_id"] == generation["id"]]
     assert len(chat_routed) == 3
+
+
+async def _tenant_key(door: Door, tenant: str) -> str:
+    code, out, err = await cli("keys", "issue", "--tenant", tenant, "--json", "--data-dir", str(door.data_dir))
+    assert code == 0, err
+    key = str(json.loads(out)["key"])
+    async with asyncio.timeout(10):  # the door's watch has it
+        while (await post(door.url, "/v1/models/none", {}, key=key))[0] == 401:
+            await asyncio.sleep(0.1)
+    return key
+
+
+async def test_a_tenants_prompt_states_are_reused_for_its_own_keys_only(door: Door) -> None:
+    """Issue 30, F6: slots and the L3 store served every tenant alike, and an answer's cached tokens told one
+    tenant whether another had sent a prompt (283 cached tokens for a right guess, 58 for a wrong one). A key's
+    requests reuse only its tenant's (or its cache group's) states."""
+    acme, beta = await _tenant_key(door, "acme"), await _tenant_key(door, "beta")
+    guess = [{"role": "system", "content": "You answer questions about the weather in short sentences. " * 6},
+             {"role": "user", "content": "What is the weather in Paris today?"}]  # fmt: skip
+    body = {"model": "chat", "messages": guess, "max_tokens": 2, "temperature": 0}
+
+    async def cached(key: str) -> int:
+        status, answer = await post(door.url, "/v1/chat/completions", body, key=key)
+        assert status == 200, answer
+        return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    await cached(acme)
+    assert await cached(acme) > 50  # its own prompt, again: reused
+    assert await cached(beta) == 0  # the same prompt, another tenant: computed anew, whatever a slot holds
+    assert await cached(beta) > 50  # now its own
+    assert await cached(acme) > 50

@@ -380,3 +380,12 @@ def test_where_an_instance_runs_is_not_part_of_its_identity(phi3: ModelGeometry)
     elsewhere = msgspec.structs.replace(_reservation(), node_id="n2", reservation_id="r2", model_path="/m/x.gguf")
     assert _identity_of(phi3, elsewhere) == _identity_of(phi3, _reservation())
     assert _identity_of(phi3, _reservation(), build="b11435") != _identity_of(phi3, _reservation())
+
+
+def test_a_cache_scope_stores_its_states_under_an_identity_of_its_own() -> None:
+    base = "ab" * 32
+    assert identity.scoped_identity(base, "") == base  # the mesh's shared scope: the instance's own
+    a, b = identity.scoped_identity(base, "tenant:a"), identity.scoped_identity(base, "tenant:b")
+    assert len({base, a, b}) == 3 and all(is_digest(x) for x in (a, b))
+    assert identity.scoped_identity(base, "tenant:a") == a  # stable: a scope finds its own states again
+    assert identity.scoped_identity("cd" * 32, "tenant:a") != a

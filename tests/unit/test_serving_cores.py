@@ -274,3 +274,34 @@ def test_a_full_cache_is_the_requests_failure_not_evidence_against_the_server() 
 
     assert _load_error("llama-server answered 500: Context size has been exceeded.")
     assert not _load_error("llama-server answered 500: Compute error.")
+
+
+def test_a_slot_holding_another_cache_scopes_state_counts_nothing_and_is_granted_foreign() -> None:
+    # issue 30, F6: one tenant's right guess of another's prompt showed 283 cached tokens against 58
+    table = SlotTable(1)
+    grant = table.acquire([1, 2, 3, 4], scope="tenant:a")
+    assert grant is not None and grant.resident == 0 and not grant.foreign  # a fresh server holds nothing
+    table.release(grant.slot, (1, 2, 3, 4))
+    other = table.acquire([1, 2, 3, 9], scope="tenant:b")
+    assert other is not None and other.resident == 0 and other.foreign  # cleared before b's request uses it
+    table.release(other.slot, None)  # unknown tokens: still b's state, whatever it is
+    again = table.acquire([1, 2, 3, 9], scope="tenant:a")
+    assert again is not None and again.foreign
+    table.release(again.slot, (1, 2, 3, 9))
+    same = table.acquire([1, 2, 3, 9, 10], scope="tenant:a")
+    assert same is not None and same.resident == 4 and not same.foreign  # its own scope's: reused
+    table.release(same.slot, (1, 2))
+    table.forget()  # the server restarted: it holds nothing of anyone's
+    fresh = table.acquire([1, 2], scope="tenant:b")
+    assert fresh is not None and not fresh.foreign
+
+
+def test_among_free_slots_a_request_takes_its_own_scopes_longest_prefix() -> None:
+    table = SlotTable(2)
+    a = table.acquire([5, 6, 7], scope="tenant:a")
+    b = table.acquire([5, 6, 7, 8], scope="tenant:b")
+    assert a is not None and b is not None
+    table.release(a.slot, (5, 6, 7))
+    table.release(b.slot, (5, 6, 7, 8))
+    grant = table.acquire([5, 6, 7, 8, 9], scope="tenant:a")
+    assert grant is not None and grant.slot == a.slot and grant.resident == 3  # not b's longer one
