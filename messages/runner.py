@@ -7,7 +7,7 @@ the `MESH_INSTANCES` KV bucket (key = instance id, refreshed with a TTL while th
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
@@ -81,6 +81,10 @@ class ObservedMemory(msgspec.Struct, frozen=True, kw_only=True):
     pending_bytes: int = 0
 
 
+#: The most of a server's own `/v1/models` entry an instance record carries.
+MAX_MODEL_INFO_BYTES: Final = 16 << 10
+
+
 class InstanceStatus(msgspec.Struct, frozen=True, kw_only=True):
     """The runner's view of one instance (value of its key in the instances bucket)."""
 
@@ -98,3 +102,7 @@ class InstanceStatus(msgspec.Struct, frozen=True, kw_only=True):
     message: str = ""
     updated_at: float = 0.0
     members: tuple[str, ...] = ()  # a split instance's members (the nodes lending it memory), in --rpc order
+    # The server's own `/v1/models` entry of the model (its `meta`: n_ctx, n_vocab, n_ctx_train, …, and its
+    # `architecture`'s modalities), as it answered once ready, at most `MAX_MODEL_INFO_BYTES`: the front door's
+    # `/v1/models` passes them through.
+    model_info: dict[str, Any] | None = None

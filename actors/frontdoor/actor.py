@@ -70,7 +70,7 @@ from messages.errors import (
 from messages.frontdoor import FrontDoorModel, FrontDoorReport, ModelState
 from messages.generate import MAX_API_BODY_BYTES, ApiCall, GenerateRequest, GenerateResult, ServingReport
 from messages.placement import PreferredSettings
-from messages.runner import InstanceStatus
+from messages.runner import MAX_MODEL_INFO_BYTES, InstanceStatus
 from messages.settings import ServingKind
 from messages.tenants import TenantKey, cache_scope
 from runtime import buckets, tracing
@@ -305,9 +305,10 @@ class FrontDoorActor(ModelsOnDemand, Actor):
         ready = self._ready_of(m)
         # the catalog's kind, else what the running instance was stamped with (read from the model's header)
         kind = m.entry.kind or (ready.settings.settings.kind if ready is not None else None)
-        return {"id": name, "object": "model", "created": 0, "owned_by": "mesh-actor",
-                "state": "ready" if ready else "starting" if m.starting else "stopped",
-                "queued": m.waiting + m.held, "pinned": m.entry.pinned, "kind": kind}  # fmt: skip
+        described = {"id": name, "object": "model", "created": 0, "owned_by": "mesh-actor",
+                     "state": "ready" if ready else "starting" if m.starting else "stopped",
+                     "queued": m.waiting + m.held, "pinned": m.entry.pinned, "kind": kind}  # fmt: skip
+        return {**described, **_server_said(ready)}
 
     async def _list_models(self, request: web.Request) -> web.Response:
         tenant = request.get(TENANT_KEY)
@@ -489,6 +490,22 @@ def _serves(required: PreferredSettings | None, kind: ServingKind | None) -> Pre
     if kind is None:
         return required
     return msgspec.structs.replace(required or PreferredSettings(), kind=kind)
+
+
+#: What a model's object takes of its instance's own `/v1/models` entry (the server's words, as it said them):
+#: its figures (`meta`: n_ctx of a slot, n_vocab, n_ctx_train, n_embd, n_params, size, …) and modalities. Not
+#: its id or aliases: those name the server's file, and a client knows the model by its catalog name.
+_FROM_THE_SERVER: Final = ("meta", "architecture", "tags")
+
+
+def _server_said(ready: InstanceStatus | None) -> dict[str, Any]:
+    """The fields of `_FROM_THE_SERVER` its ready instance's record carries (a record any node writes: read
+    bounded: one over `MAX_MODEL_INFO_BYTES` is left out)."""
+    entry = ready.model_info if ready is not None else None
+    if not entry or len(msgspec.json.encode(entry)) > MAX_MODEL_INFO_BYTES:
+        return {}
+    said: dict[str, Any] = {field: entry[field] for field in _FROM_THE_SERVER if field in entry}
+    return {**said, "aliases": []}
 
 
 def _request_class(key: TenantKey | None) -> int:

@@ -24,7 +24,9 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+import msgspec
 
 from actors.placement.memory import CacheAllocation
 from actors.runner import lifecycle as lc
@@ -54,7 +56,7 @@ from messages.events import (
 from messages.memory import MemoryBreakdown
 from messages.model import ProjectorGeometry
 from messages.placement import Reservation
-from messages.runner import InstanceState, InstanceStatus, ObservedMemory
+from messages.runner import MAX_MODEL_INFO_BYTES, InstanceState, InstanceStatus, ObservedMemory
 from runtime.actor import ActorContext
 from runtime.children import free_port, port_free
 
@@ -125,6 +127,7 @@ class InstanceDriver:
         self.command: tuple[str, ...] = ()
         self.observed: ObservedMemory | None = None
         self.exact: frozenset[str] = frozenset()  # which observed figures were recovered byte for byte
+        self.model_info: dict[str, Any] | None = None  # the server's own /v1/models entry, once verified
         self._pollers: list[asyncio.Task[None]] = []  # health/verify of this generation
         self._helpers: list[asyncio.Task[None]] = []  # log pumps and exit watchers
         self._stuck = ""  # set while the driver's own reap finds the server stuck
@@ -162,6 +165,7 @@ class InstanceDriver:
             message=self.message,
             updated_at=self._clock(),
             members=tuple(m.node_id for m in self.reservation.stamp.rpc),
+            model_info=self.model_info,
         )
 
     async def request_stop(self, reason: str, timeout_s: float) -> None:
@@ -400,6 +404,10 @@ class InstanceDriver:
         except (ServerApiError, TimeoutError) as exc:
             await self.events.put(lc.Verified(generation, error=str(exc) or "the server never logged its load"))
             return
+        try:
+            models: object = await self._get_json(port, "/v1/models")  # what it says of its model: shown, not checked
+        except ServerApiError:
+            models = None
         log = parse_allocation_log(self.log.allocation_text())
         stamp = self.reservation.stamp
         drift = server_drift(stamp, self.predicted.context, ServerReport(props, slots, log))
@@ -408,6 +416,7 @@ class InstanceDriver:
         if not drift:
             observation = observed_memory(log, self.predicted, self.allocations, self.projector)
             self.observed, self.exact = observation.memory, observation.exact
+            self.model_info = _model_info(models)
         await self.events.put(lc.Verified(generation, drift))
 
     # --- the end -------------------------------------------------------------------------------------------
@@ -557,3 +566,13 @@ def _describe(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return f"{type(exc).__name__}: {exc}"
+
+
+def _model_info(models: object) -> dict[str, Any] | None:
+    """The model's entry of a server's `/v1/models` answer (its first `data` item), as it said it; None when it
+    has none or it is over `MAX_MODEL_INFO_BYTES`."""
+    data = models.get("data") if isinstance(models, dict) else None
+    entry = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else None
+    if entry is None:
+        return None
+    return entry if len(msgspec.json.encode(entry)) <= MAX_MODEL_INFO_BYTES else None

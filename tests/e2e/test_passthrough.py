@@ -27,8 +27,8 @@ import pytest_asyncio
 
 from actors.frontdoor.shapes import ENDPOINTS, NOT_PASSED
 from runtime.children import free_port
-from tests.e2e.test_frontdoor import KEY, KEYED, client, instances, write_catalog
-from tests.e2e.test_mesh import cli, node, wait_nodes
+from tests.harness.frontdoor import KEY, KEYED, client, instances, write_catalog
+from tests.harness.nodes import cli, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.tiny_chat_models import IM_END, TOOL_BIAS, write_tool_chat
 
@@ -550,3 +550,18 @@ async def test_a_tenants_prompt_states_are_reused_for_its_own_keys_only(door: Do
     assert await cached(beta) == 0  # the same prompt, another tenant: computed anew, whatever a slot holds
     assert await cached(beta) > 50  # now its own
     assert await cached(acme) > 50
+
+
+async def test_the_models_list_carries_the_servers_own_figures_under_the_catalog_name(door: Door) -> None:
+    """Issue 29: `/v1/models` lacked llama-server's `meta` (n_ctx, n_vocab, n_ctx_train, …), `aliases` and
+    `architecture`: they come from the instance's own answer, as it said them."""
+    direct_url = f"http://127.0.0.1:{await door.server_port()}"
+    async with aiohttp.ClientSession() as session:
+        async with session.get(direct_url + "/v1/models") as reply:
+            (own,) = (await reply.json())["data"]
+        async with session.get(door.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}) as reply:
+            listed = {m["id"]: m for m in (await reply.json())["data"]}
+    chat = listed["chat"]
+    assert chat["meta"] == own["meta"] and chat["meta"]["n_ctx"] > 0 and chat["meta"]["n_vocab"] > 0
+    assert chat["architecture"] == own["architecture"] and chat["aliases"] == []
+    assert (await client(door.port).models.retrieve("chat")).id == "chat"  # the openai client takes it
