@@ -41,6 +41,9 @@ class TenantKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # them; "" (the default): its tenant's keys only. Another scope's states are never reused, so a right guess
     # of another tenant's prompt is not told by its cached tokens or its speed.
     cache_group: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{0,64}$")] = ""
+    # The `client` NATS users whose `mesh.generate` requests are this key's (`mesh-actor keys issue --client-user`):
+    # held to its models, class, share and cache scope. A client user bound to no key generates nothing.
+    nats_users: tuple[Annotated[str, msgspec.Meta(pattern=r"^client-[A-Za-z0-9_-]{1,120}$")], ...] = ()
 
 
 def cache_scope(key: TenantKey) -> str:

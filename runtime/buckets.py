@@ -14,7 +14,7 @@ import contextlib
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -235,6 +235,33 @@ async def watch(kv: KeyValue, ready: asyncio.Event | None, *, key: str | None = 
     finally:
         with contextlib.suppress(nats.errors.Error):
             await watcher.stop()  # type: ignore[no-untyped-call]
+
+
+async def watch_records(
+    kv: KeyValue,
+    ready: asyncio.Event | None,
+    value_type: type[T],
+    key_of: Callable[[T], str],
+    what: str,
+    *,
+    put: Callable[[T], None],
+    spoil: Callable[[str], None],
+    remove: Callable[[str], None],
+    log: Any,
+) -> None:
+    """Keeps a table of `kv`'s records as `watch` delivers them: `put` each that decodes (and names its own key),
+    `spoil` one that does not (logged: `bad_record`), `remove` a deleted one."""
+    async for entry in watch(kv, ready):
+        if removed(entry):
+            remove(entry.key)
+            continue
+        try:
+            record = decode_keyed(entry, value_type, key_of, what)
+        except BadMessage as exc:
+            log.warning("bad_record", what=what, key=entry.key, error=str(exc))
+            spoil(entry.key)
+        else:
+            put(record)
 
 
 def removed(entry: KeyValue.Entry) -> bool:

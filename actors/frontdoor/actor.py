@@ -212,17 +212,9 @@ class FrontDoorActor(ModelsOnDemand, Actor):
     async def _watch_keys(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
         """The tenants' keys as the bucket holds them. A record that does not decode, or names another key id
         than the one it is stored under, is logged and opens nothing (it still closes an open door)."""
-        async for entry in buckets.watch(kv, ready):
-            if buckets.removed(entry):
-                self._keys.remove(entry.key)
-                continue
-            try:
-                key = buckets.decode_keyed(entry, TenantKey, lambda k: k.key_id, "tenant key")
-            except BadMessage as exc:
-                ctx.log.warning("bad_tenant_key_record", key=entry.key, error=str(exc))
-                self._keys.spoil(entry.key)
-            else:
-                self._keys.put(key)
+        table = self._keys
+        await buckets.watch_records(kv, ready, TenantKey, lambda k: k.key_id, "tenant key", put=table.put,
+                                    spoil=table.spoil, remove=table.remove, log=ctx.log)  # fmt: skip
 
     # --- HTTP ----------------------------------------------------------------------------------------------
 

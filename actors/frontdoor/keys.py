@@ -106,6 +106,14 @@ class KeyTable:
     def __iter__(self) -> Iterator[TenantKey]:
         return iter(self._keys.values())
 
+    def bound(self, nats_user: str, now: float) -> TenantKey | None:
+        """The live key a `client` NATS user is bound to (`TenantKey.nats_users`); None: none, or expired. A user
+        bound to several keys is the most recently created one's."""
+        live = [
+            k for k in self._keys.values() if nats_user in k.nats_users and (k.expires_at is None or now < k.expires_at)
+        ]
+        return max(live, key=lambda k: (k.created_at, k.key_id), default=None)
+
     def get(self, key_id: str) -> TenantKey | None:
         return self._keys.get(key_id)
 

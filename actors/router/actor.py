@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
 import uuid
 from collections.abc import Callable
@@ -30,10 +29,11 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
+from actors.frontdoor.keys import KeyTable, allows
 from actors.router.links import LinkBook
 from actors.router.prefixes import Holdings
 from actors.router.routing import DEFAULT_WEIGHTS, ROUTER_VERSION, link_key, route
-from messages.errors import BAD_REQUEST, NO_INSTANCE, NOT_FOUND, TIMEOUT
+from messages.errors import BAD_REQUEST, INVALID_API_KEY, MODEL_NOT_FOUND, NO_INSTANCE, NOT_FOUND, TIMEOUT
 from messages.events import GenerateRouted, LinkMeasured
 from messages.generate import (
     GENERATING_ENDPOINTS,
@@ -53,6 +53,7 @@ from messages.generate import (
 from messages.l3 import L3Inventory
 from messages.registry import RegistryEntry
 from messages.runner import InstanceStatus
+from messages.tenants import TenantKey, cache_scope
 from runtime import buckets, tracing
 from runtime.actor import Actor, ActorContext, RequestError, request_headers
 from runtime.bus import BadMessage, NoResponders, PayloadTooLarge, RemoteError, RequestTimeout, decode_checked
@@ -94,12 +95,21 @@ class RouterActor(Actor):
         self._inflight: dict[str, int] = {}
         self._holdings: Holdings | None = None  # rebuilt after any change of reports or inventories
         self._links = LinkBook()  # what handoffs between node pairs cost: results, probes
+        self._keys = KeyTable()  # the tenants' keys: which key a `client` NATS user's requests are
 
     async def run(self, ctx: ActorContext) -> None:
         self._instances.clear()
         self._reports.clear()
         self._inventories.clear()
         self._holdings = None
+        self._keys.clear()
+        keys_ready = asyncio.Event()
+        keys = await buckets.keys(ctx.bus, ctx.subjects)
+        ctx.spawn(
+            buckets.watch_records(keys, keys_ready, TenantKey, lambda k: k.key_id, "tenant key", put=self._keys.put,
+                                  spoil=self._keys.spoil, remove=self._keys.remove, log=ctx.log),
+            "watch-keys",
+        )  # fmt: skip
         instances = await buckets.instances(ctx.bus, ctx.subjects)
         inventories = await buckets.l3(ctx.bus, ctx.subjects)
         self._registry = await buckets.registry(ctx.bus, ctx.subjects)
@@ -111,9 +121,12 @@ class RouterActor(Actor):
         async with asyncio.timeout(10):
             await instances_ready.wait()
             await inventories_ready.wait()
+            await keys_ready.wait()
 
         async def generate(request: GenerateRequest) -> GenerateResult:
-            return await self.generate(ctx, as_asked(request, requesting_client(request_headers())))
+            client = requesting_client(request_headers())
+            key = self._keys.bound(client, time.time()) if client is not None else None
+            return await self.generate(ctx, as_asked(request, client, key))
 
         await ctx.add_endpoint(
             "generate",
@@ -435,11 +448,21 @@ class RouterActor(Actor):
         return None, None
 
 
-def as_asked(request: GenerateRequest, client: str | None) -> GenerateRequest:
-    """`request` as the queue should see it: a `client` user's (nats-server names it, `client`) is its own tenant
-    in the default class with the default share, and its own cache scope, whatever it says; the mesh's own users
-    (a front door, which set them from the request's key; an admin) are taken at their word."""
+def as_asked(request: GenerateRequest, client: str | None, key: TenantKey | None = None) -> GenerateRequest:
+    """`request` as the mesh serves it. A `client` user's (nats-server names it, `client`) is its tenant key's,
+    whatever it says: the key's tenant, class, share and cache scope; refused when the user is bound to no live
+    key (`invalid_api_key`) or the key may not use the model the request names (`model_not_found`, as for an
+    absent one). The mesh's own users (a front door, which set them from the request's key; an admin) are taken
+    at their word."""
     if client is None:
         return request
-    tenant = "nats:" + re.sub(r"[^A-Za-z0-9_.-]", "_", client)[:75]  # a name the queue's tenant field takes
-    return msgspec.structs.replace(request, tenant=tenant, priority=0, weight=1.0, cache_scope=tenant)
+    if key is None:
+        raise RequestError(
+            INVALID_API_KEY, f"the NATS user {client[:64]} is bound to no tenant key: an admin binds it with "
+            "`mesh-actor keys issue --tenant T --client-user USER`",
+        )  # fmt: skip
+    if not allows(key, request.model):
+        raise RequestError(MODEL_NOT_FOUND, f"the model {request.model[:256]!r} does not exist", {"model": "?"})
+    return msgspec.structs.replace(
+        request, tenant=key.tenant, priority=key.priority, weight=key.weight, cache_scope=cache_scope(key)
+    )

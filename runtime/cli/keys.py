@@ -36,7 +36,9 @@ from runtime.cli.common import EXIT_OK, EXIT_USAGE, CliError, add_client_options
 _DURATION: Final = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT_S: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 #: The record's fields a key keeps when it is rotated (what `issue` sets).
-_SETTINGS: Final = ("models", "priority", "weight", "rpm", "tpm", "max_concurrent", "expires_at", "cache_group")
+_SETTINGS: Final = (
+    "models", "priority", "weight", "rpm", "tpm", "max_concurrent", "expires_at", "cache_group", "nats_users",
+)  # fmt: skip
 _TIMEOUT_S: Final = 10.0
 
 
@@ -52,6 +54,14 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     issue.add_argument("--rpm", type=int, help="requests per minute")
     issue.add_argument("--tpm", type=int, help="tokens (prompt + generated) per minute")
     issue.add_argument("--max-concurrent", type=int, help="requests at once")
+    issue.add_argument(
+        "--client-user",
+        action="append",
+        default=[],
+        metavar="USER",
+        help="a `client` NATS user (creds issue --role client) whose mesh.generate requests are this key's "
+        "(repeatable); a client user bound to no key generates nothing",
+    )
     issue.add_argument(
         "--cache-group",
         default="",
@@ -185,6 +195,7 @@ async def cmd_issue(args: argparse.Namespace) -> int:
         "max_concurrent": args.max_concurrent,
         "expires_at": parse_expiry(args.expires, now) if args.expires else None,
         "cache_group": args.cache_group,
+        "nats_users": tuple(args.client_user),
     }
     key, record = new_key(settings, args.tenant, now)
     await _write(args, [record], [])

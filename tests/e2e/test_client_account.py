@@ -8,13 +8,14 @@ ping would stop the generation; 400 tokens take about a second here, a ping goes
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_generate import QUIET, start_model
-from tests.e2e.test_mesh import cli, node, wait_nodes
+from tests.harness.generate import QUIET, start_model
+from tests.harness.nodes import cli, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.tiny_models import write_llama
 
@@ -31,7 +32,18 @@ async def test_a_client_streams_a_generation_across_the_accounts(tmp_path: Path)
         creds = tmp_path / "client.json"
         code, _, err = await cli("creds", "issue", "--role", "client", "--data-dir", str(data_dir), "--out", str(creds))
         assert code == 0, err
+        user = json.loads(creds.read_text())["user"]
         as_client = ("--nats-creds", str(creds), "--data-dir", str(tmp_path / "elsewhere"))
+        # a client user bound to no tenant key generates nothing (issue 30); its key binds it
+        code, out, err = await cli("generate", model.name, "hi", "-n", "2", *as_client)
+        assert code != 0 and "invalid_api_key" in err + out, err + out
+        code, _, err = await cli("keys", "issue", "--tenant", "lab", "--client-user", user, "--data-dir", str(data_dir))
+        assert code == 0, err
+        async with asyncio.timeout(20):  # the routers' watch of the keys takes a moment
+            code, _, err = await cli("generate", model.name, "hi", "-n", "2", *as_client)
+            while code != 0 and "invalid_api_key" in err:
+                code, _, err = await cli("generate", model.name, "hi", "-n", "2", *as_client)
+        assert code == 0, err
         code, out, err = await cli("generate", model.name, "Once upon a time", "-n", "400", "--temperature", "0",
                                    "--stream", *as_client)  # fmt: skip
         assert code == 0, err + out
