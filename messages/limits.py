@@ -1,6 +1,6 @@
 """Per-key limits' shared record (issue 20): what the limits bucket (`Subjects.limits_bucket`) holds for each tenant
-key with limits, keyed by its key id. Every front door rewrites it by compare-and-set (`actors/frontdoor/limits.py`
-computes it, `actors/frontdoor/limits_shared.py` stores it).
+key with limits, keyed by its key id. Every front door rewrites it by compare-and-set (`runtime/key_limits.py`
+computes it, `runtime/shared_limits.py` stores it).
 
 Times are unix seconds of the writing front door's clock. A record expires (its message's own TTL) once it would
 read the same as no record: its buckets full again and its leases over.

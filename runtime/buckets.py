@@ -42,7 +42,7 @@ REGISTRY = BucketSpec("mesh-actor: signed model registry entries")
 INSTANCES = BucketSpec("mesh-actor: llama-server instances (per-key TTL)", marker_ttl_s=60.0)
 FRONTDOORS = BucketSpec("mesh-actor: each front door's models and queues (per-key TTL)", marker_ttl_s=60.0)
 L3 = BucketSpec("mesh-actor: each live node's L3 inventory (per-key TTL)", marker_ttl_s=60.0)
-#: Per-key limits (`actors.frontdoor.limits.KeyState`, by key id), rewritten by compare-and-set on every request of
+#: Per-key limits (`runtime.key_limits.KeyState`, by key id), rewritten by compare-and-set on every request of
 #: a limited key: in memory, and each record lives (its own TTL) only until it reads the same as no record.
 LIMITS = BucketSpec("mesh-actor: tenants' keys' shared limit counters (per-key TTL)", memory=True)
 #: Tenants' API keys (`messages.tenants.TenantKey` by key id: a hash, never a secret), written by an admin only.

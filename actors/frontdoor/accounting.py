@@ -5,7 +5,7 @@ The front door calls three things: `account` around the whole request (it opens 
 end, however it ends, releases what was admitted and journals the request), `admit` once the request's model is
 known (a refusal is a 429 naming the limit, with Retry-After; a limits store out of reach is a 503), and
 `answered` with the mesh's result (its token counts are what the key is charged and what the journal says).
-The limits themselves are `limits_shared`'s.
+The limits themselves are `runtime.shared_limits`' (shared with the router, which counts NATS clients).
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from actors.frontdoor import limits, shapes
-from actors.frontdoor.limits_shared import LimitsUnavailable, SharedLimits
+from actors.frontdoor import shapes
 from messages.errors import RATE_LIMITED, UNAVAILABLE
 from messages.events import RequestUsage
 from messages.generate import GenerateResult
 from messages.subjects import Subjects
 from messages.tenants import TenantKey
+from runtime import key_limits as limits
 from runtime.bus import Bus
+from runtime.shared_limits import LimitsUnavailable, SharedLimits
 
 __all__ = ["CLIENT_LEFT", "Accounting"]
 

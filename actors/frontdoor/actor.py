@@ -28,8 +28,9 @@ tenant keys and no admin key keeps the dashboard shut (401), since no key may op
 
 Limits and usage (`accounting`, issue 20): a tenant key's rpm, tpm and max_concurrent are admitted once the
 request's model is known (before any instance is waited for or loaded) against a record every front door shares
-(`limits_shared`): a refusal is 429 `rate_limit_exceeded` naming the limit, with Retry-After; a limits store out of
-reach is 503. Every API request journals one `request_usage` event (tenant, model, status, tokens, duration).
+(`runtime.shared_limits`): a refusal is 429 `rate_limit_exceeded` naming the limit, with Retry-After; a limits
+store out of reach is 503. Every API request journals one `request_usage` event (tenant, model, status, tokens,
+duration).
 """
 
 from __future__ import annotations

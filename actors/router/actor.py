@@ -33,7 +33,16 @@ from actors.frontdoor.keys import KeyTable, allows
 from actors.router.links import LinkBook
 from actors.router.prefixes import Holdings
 from actors.router.routing import DEFAULT_WEIGHTS, ROUTER_VERSION, link_key, route
-from messages.errors import BAD_REQUEST, INVALID_API_KEY, MODEL_NOT_FOUND, NO_INSTANCE, NOT_FOUND, TIMEOUT
+from messages.errors import (
+    BAD_REQUEST,
+    INVALID_API_KEY,
+    MODEL_NOT_FOUND,
+    NO_INSTANCE,
+    NOT_FOUND,
+    RATE_LIMITED,
+    TIMEOUT,
+    UNAVAILABLE,
+)
 from messages.events import GenerateRouted, LinkMeasured
 from messages.generate import (
     GENERATING_ENDPOINTS,
@@ -54,10 +63,11 @@ from messages.l3 import L3Inventory
 from messages.registry import RegistryEntry
 from messages.runner import InstanceStatus
 from messages.tenants import TenantKey, cache_scope
-from runtime import buckets, tracing
+from runtime import buckets, key_limits, tracing
 from runtime.actor import Actor, ActorContext, RequestError, request_headers
 from runtime.bus import BadMessage, NoResponders, PayloadTooLarge, RemoteError, RequestTimeout, decode_checked
 from runtime.roles import requesting_client
+from runtime.shared_limits import LimitsUnavailable, SharedLimits
 
 __all__ = ["QUEUE_GROUP", "RouterActor"]
 
@@ -96,6 +106,7 @@ class RouterActor(Actor):
         self._holdings: Holdings | None = None  # rebuilt after any change of reports or inventories
         self._links = LinkBook()  # what handoffs between node pairs cost: results, probes
         self._keys = KeyTable()  # the tenants' keys: which key a `client` NATS user's requests are
+        self._limits: SharedLimits | None = None  # what a client user's key may still do (rpm, tpm, concurrency)
 
     async def run(self, ctx: ActorContext) -> None:
         self._instances.clear()
@@ -110,6 +121,9 @@ class RouterActor(Actor):
                                   spoil=self._keys.spoil, remove=self._keys.remove, log=ctx.log),
             "watch-keys",
         )  # fmt: skip
+        # the router's own count of the keys' requests, beside this node's front door's (`-router`: a lease each)
+        self._limits = limits = SharedLimits(ctx.bus, ctx.subjects, f"{ctx.node_id}-router", log=ctx.log)
+        ctx.spawn(limits.run(), "limits-flusher")
         instances = await buckets.instances(ctx.bus, ctx.subjects)
         inventories = await buckets.l3(ctx.bus, ctx.subjects)
         self._registry = await buckets.registry(ctx.bus, ctx.subjects)
@@ -126,7 +140,17 @@ class RouterActor(Actor):
         async def generate(request: GenerateRequest) -> GenerateResult:
             client = requesting_client(request_headers())
             key = self._keys.bound(client, time.time()) if client is not None else None
-            return await self.generate(ctx, as_asked(request, client, key))
+            asked = as_asked(request, client, key)
+            if key is None or not key_limits.limited(key):
+                return await self.generate(ctx, asked)
+            await self._admit(limits, key)
+            tokens = 0
+            try:
+                result = await self.generate(ctx, asked)
+                tokens = result.prompt_tokens + result.tokens_generated
+                return result
+            finally:
+                limits.release(key, tokens)
 
         await ctx.add_endpoint(
             "generate",
@@ -147,6 +171,18 @@ class RouterActor(Actor):
             inbox=MAX_CONCURRENT * 4,
             deadline_s=3600.0 + 2 * FORWARD_SLACK_S,
         )
+
+    @staticmethod
+    async def _admit(limits: SharedLimits, key: TenantKey) -> None:
+        """A client user's request counted against its key's limits, as a front door counts one."""
+        try:
+            refused = await limits.admit(key)
+        except LimitsUnavailable as exc:
+            raise RequestError(UNAVAILABLE, f"this key's limits cannot be checked now: {exc}") from exc
+        if refused is not None:
+            raise RequestError(
+                RATE_LIMITED, refused.message, {"limit": refused.limit, "retry_after_s": refused.retry_after_s}
+            )
 
     # --- views -------------------------------------------------------------------------------------------
 

@@ -37,7 +37,8 @@ async def test_a_client_streams_a_generation_across_the_accounts(tmp_path: Path)
         # a client user bound to no tenant key generates nothing (issue 30); its key binds it
         code, out, err = await cli("generate", model.name, "hi", "-n", "2", *as_client)
         assert code != 0 and "invalid_api_key" in err + out, err + out
-        code, _, err = await cli("keys", "issue", "--tenant", "lab", "--client-user", user, "--data-dir", str(data_dir))
+        code, _, err = await cli("keys", "issue", "--tenant", "lab", "--client-user", user, "--rpm", "3",
+                                 "--data-dir", str(data_dir))  # fmt: skip
         assert code == 0, err
         async with asyncio.timeout(20):  # the routers' watch of the keys takes a moment
             code, _, err = await cli("generate", model.name, "hi", "-n", "2", *as_client)
@@ -55,4 +56,7 @@ async def test_a_client_streams_a_generation_across_the_accounts(tmp_path: Path)
         whole = json.loads(out)
         assert whole["tokens_generated"] == 400 or len(whole["tokens"]) == 400, whole
         assert whole["text"] and whole["text"] in streamed  # the streamed chunks are the same text, in order
+        # three requests of its key's minute are spent: the fourth is refused, as a front door refuses one
+        code, out, err = await cli("generate", model.name, "hi", "-n", "2", *as_client)
+        assert code != 0 and "rate_limit_exceeded" in err + out and "rpm" in err + out, err + out
         assert "permissions violation" not in err.lower()

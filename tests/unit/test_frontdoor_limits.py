@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.frontdoor.limits import KeyState, Lease, Level, Refused, admit, advance, expires_in, limited, settle, take
 from messages.tenants import TenantKey
+from runtime.key_limits import KeyState, Lease, Level, Refused, admit, advance, expires_in, limited, settle, take
 
 T0 = 1_700_000_000.0
 LEASE = 15.0
