@@ -1,6 +1,7 @@
-"""Per-key limits (front-door core, pure): requests and tokens per minute as token buckets, and concurrent requests
-as each front door's in-flight count under a lease; one record per key (`messages.limits.KeyState`), which the
-shell keeps in a shared bucket and rewrites by compare-and-set, so every front door computes from the same record.
+"""Per-key limits (runtime core, pure; front doors and routers count against them): requests and tokens per
+minute as token buckets, and concurrent requests as each front door's in-flight count under a lease; one record
+per key (`messages.limits.KeyState`), which the shell (`shared_limits`) keeps in a shared bucket and rewrites by
+compare-and-set, so every front door computes from the same record.
 
 Rules this module keeps:
 

@@ -51,13 +51,13 @@ import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
-from actors.frontdoor import limits
-from actors.frontdoor.limits import KeyState, Refused
 from messages.subjects import Subjects
 from messages.tenants import TenantKey
 from runtime import buckets
+from runtime import key_limits as limits
 from runtime.buckets import TTL_HEADER
 from runtime.bus import Bus
+from runtime.key_limits import KeyState, Refused
 from runtime.logging import get_logger
 
 __all__ = ["ADMIT_DEADLINE_S", "LEASE_S", "MAX_TRIES", "LimitsUnavailable", "SharedLimits"]
