@@ -2,7 +2,7 @@
 throughout and at the end. Loopback only, bounded, a few minutes. Run from the repository root (as root, so
 that one node's data dir can be a small tmpfs that fills):
 
-    python -m benchmarks.chaos [--minutes 6] [--dir DIR] [--keep]
+    python -m benchmarks.chaos [--minutes 6] [--dir DIR] [--keep] [--faults member_forge,llama_kill]
 
 The mesh: `mesh-actor run` nodes `a` (embeds NATS, on a fixed port so that it comes back on the same URL), `b`
 (the front door, `--http`, a `models.toml` catalog, its key from MESH_ACTOR_API_KEY) and `c` (its data dir on a
@@ -53,6 +53,20 @@ The faults, one after another, each with what the mesh is expected to do (the ch
   JetStream store may bring back records purged shortly before the crash, with TTLs that no longer run: each
   runner removes its node's records of instances it does not drive (`phantom_records_removed`).
 
+- member_forge: a node credential issued for a node id that runs nothing (`x`, `mesh-actor creds issue --role
+  node`), used during the load for FORGE_ROUNDS rounds over FORGE_S: (1) the forged-reply attacks of
+  tests/integration/test_roles_forged_replies.py (JetStream API calls, a KV put's acknowledgement, stored-message
+  and direct gets replaying another node's records) with reply subjects = a tenant key's record, a's and b's
+  `MESH_NODES` and instance records and a's journal subjects; (2) push consumers delivering into those subjects
+  (and one into its own inbox, the control); (3) attempts to create, change, pull and acknowledge a's placement
+  consumer (`placement-reservations-a`) and the old shared one; (4) a flood of opens of empty handoff sessions
+  to a while the load's handoffs run. JetStream lives in an account of no user (runtime/roles.py), so nothing of
+  it is stored: the target subjects hold only what their owners wrote (stored-message watchers on each, and
+  per-subject counts before and after), the push consumers deliver nothing, every consumer attempt is refused
+  by the server (a permissions violation reported to the adversary), a's consumer keeps its filter, the load in
+  the window fails no more than in quiet periods, and handoffs still commit (the flood's empty sessions give
+  their places: issue 30 F10).
+
 Handoffs decode on a or b: c's staging disk (the tmpfs) is under the handoff receiver's 1 GiB free-space floor, so
 c refuses every handoff at open (`unavailable`, at once).
 
@@ -87,6 +101,7 @@ import os
 import random
 import shutil
 import signal
+import ssl
 import statistics
 import tempfile
 import time
@@ -98,24 +113,31 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats
 import nats.errors
+import nats.js.errors
 import openai
 import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from actors.l3 import layout
 from benchmarks.chaos_procs import NodeProcess, mount_small_fs, processes_of, rss_bytes, sweep, unmount
 from benchmarks.environment import print_environment
 from benchmarks.mesh_node import print_provenance
 from messages.generate import GenerateChunk, GenerateRequest, GenerateResult, Sampling
+from messages.handoff import HandoffOpen, HandoffOpened
 from messages.placement import ModelRef, PlacementDecision, PlacementRequest
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
 from messages.subjects import Subjects
 from messages.telemetry import NodeResources
 from runtime import buckets
-from runtime.bus import Bus, BusError, NoResponders, RemoteError
+from runtime.bus import Bus, BusError, NoResponders, RemoteError, encode, parse_reply, stored_answer
 from runtime.children import free_port
 from runtime.config import NatsOptions
 from runtime.generate_client import REPLY_SLACK_S, StreamGap, generate
+from runtime.roles import PLACEMENT_CONSUMER, inbox_prefix, placement_consumer
 from tests.conftest import run_cli
 from tests.tiny_models import write_llama
 
@@ -143,7 +165,16 @@ HOLD_S = 60.0  # how long the run's bookings wait for their start
 TMPFS_MIB = 128
 STOP_S = 40.0  # node_stop: longer than every TTL above
 PEER_STALL_S = 15.0  # peer_stall: three chunk deadlines (5 s), shorter than the TTLs (c stays in the view)
-FAULTS = ("llama_kill", "l3_corrupt", "peer_stall", "disk_full", "node_kill", "node_stop", "nats_kill")
+FAULTS = (
+    "llama_kill", "l3_corrupt", "peer_stall", "disk_full", "member_forge", "node_kill", "node_stop", "nats_kill",
+)  # fmt: skip
+FORGE_NODE = "x"  # member_forge: the node id of the adversary's credential (no node of that id runs)
+FORGE_S = 45.0  # how long the adversary attacks (its window); longer, up to FORGE_MAX_S, until handoffs ran in it
+FORGE_MAX_S = 90.0
+FORGE_ROUNDS = 6  # rounds of forged replies and consumer attempts, spread over the window
+FORGE_OPENERS = 2  # concurrent floods of handoff opens to a
+FORGE_OPEN_PAUSE_S = 0.02  # after each answer: up to ~50 opens a second each, bounded for two cores
+FORGE_KEY_ID = "0123456789abcdef"  # a key id to aim at when the front door has no tenant key
 
 
 def quiet_logging() -> None:
@@ -185,6 +216,31 @@ class Violations:
 
     def add(self, what: str) -> None:
         self.items.append(what)
+
+
+@dataclass
+class Adversary:
+    """What member_forge's adversary did, and what came of it."""
+
+    user: str = ""
+    calls: int = 0  # forged-reply publishes (a JetStream call with a target as its reply subject)
+    heard_live: int = 0  # JetStream's answers (stored-message headers) the run heard live on the targets
+    push_consumers: int = 0  # created by the adversary, delivering into a target
+    push_delivered: int = 0  # what those delivered (the server's count)
+    control_delivered: int = 0  # what the control consumer delivered to the adversary's own inbox
+    consumer_attempts: int = 0  # on a's placement consumer and the old shared one
+    consumer_refused: int = 0  # of those, refused by the server (a permissions violation)
+    other_errors: list[str] = field(default_factory=list)  # the server's errors for anything else
+    opens: int = 0  # handoff opens sent to a
+    opened: int = 0
+    open_refused: Counter[str] = field(default_factory=Counter)  # by code and reason
+    open_failed: Counter[str] = field(default_factory=Counter)  # no answer (timeouts, ...)
+    sessions_ended: Counter[str] = field(default_factory=Counter)  # a's aborts of its sessions, by reason
+    #: target subject -> (count before, count after, written by the owner meanwhile, stored that is not the owner's)
+    stored: dict[str, tuple[int | None, int | None, int, int]] = field(default_factory=dict)
+    consumer_kept: bool | None = None  # a's placement consumer's filter unchanged
+    handoffs: int = 0  # the load's handoffs in the window
+    handoffs_committed: int = 0  # of those, answered disaggregated (the state handed off and committed)
 
 
 # --- prompts ------------------------------------------------------------------------------------------------------
@@ -245,6 +301,8 @@ class ChaosRun:
         self.stopping = asyncio.Event()
         self.corrupted: set[str] = set()  # L3 entry ids whose segments the run flipped
         self.reported: set[str] = set()  # ledger mismatches already counted as violations
+        self.adversary: Adversary | None = None  # member_forge's counts, once it ran
+        self._forge_subs: list[Any] = []  # member_forge's watchers of its targets
 
     # -- time, paths --
 
@@ -895,6 +953,309 @@ class ChaosRun:
         )  # fmt: skip
         return streak >= 12
 
+    async def member_forge(self) -> None:
+        """A member's credential against the mesh (issue 30 F1, F10, F16): see the module's docstring."""
+        assert self.bus is not None
+        f = self.fault("member_forge", f"node credential {FORGE_NODE}")
+        adv = self.adversary = Adversary()
+        file = self.root / f"{FORGE_NODE}.creds.json"
+        code, _, err = await run_cli(
+            "creds", "issue", "--role", "node", "--node", FORGE_NODE, "--data-dir", str(self.nodes["a"].data_dir),
+            "--out", str(file),
+        )  # fmt: skip
+        if code != 0:
+            raise RuntimeError(f"creds issue exited {code}: {err.strip()[-300:]}")
+        creds = json.loads(file.read_text())
+        adv.user = creds["user"]
+        prefix = inbox_prefix(adv.user)
+        errors: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc).lower())
+
+        nc: Client | None = None
+        async with asyncio.timeout(15):  # the server loads the new user on its reload, a moment later
+            while nc is None:
+                try:
+                    nc = await nats.connect(
+                        creds["url"].split(","), user=adv.user, password=creds["password"], inbox_prefix=prefix,
+                        tls=ssl.create_default_context(cafile=creds["tls_ca"]) if creds.get("tls_ca") else None,
+                        error_cb=on_error, allow_reconnect=False, connect_timeout=5,
+                    )  # fmt: skip
+                except (nats.errors.Error, OSError):
+                    await asyncio.sleep(0.2)
+        targets = await self.forge_targets()
+        heard = await self.watch_targets(targets)
+        before = await self.forge_counts(targets)
+        consumer = placement_consumer("a")
+        kept_filter = await self.consumer_filter(consumer)
+        ended: Counter[str] = adv.sessions_ended
+        pushed: list[str] = []
+        try:
+
+            async def on_control(msg: Msg) -> None:
+                adv.control_delivered += 1
+
+            async def on_credit(msg: Msg) -> None:
+                with contextlib.suppress(ValueError, AttributeError):
+                    said = json.loads(msg.data)
+                    if said.get("type") == "aborted":
+                        ended[str(said.get("reason"))] += 1
+
+            await nc.subscribe(f"{prefix}.control", cb=on_control)
+            await nc.subscribe(f"{prefix}.credit", cb=on_credit)
+            began = time.monotonic()
+            stop = asyncio.Event()
+            floods = [asyncio.create_task(self.flood_opens(nc, prefix, stop)) for _ in range(FORGE_OPENERS)]
+            try:
+                pushed = await self.forge_push_consumers(nc, targets, prefix)
+                for n in range(FORGE_ROUNDS):
+                    await self.forge_replies(nc, targets)
+                    await self.forge_consumer_attempts(nc, prefix)
+                    await asyncio.sleep(max(0.0, began + (n + 1) * FORGE_S / FORGE_ROUNDS - time.monotonic()))
+
+                async def handed_off() -> bool:
+                    return len(self.forge_handoffs(f.started)[1]) >= 2
+
+                # Longer, while fewer than two of the load's handoffs were handed off during the flood.
+                with contextlib.suppress(TimeoutError):
+                    await self.until(handed_off, max(0.0, began + FORGE_MAX_S - time.monotonic()), "handoffs")
+            finally:
+                stop.set()
+                for outcome in await asyncio.gather(*floods, return_exceptions=True):
+                    if isinstance(outcome, BaseException):
+                        self.script_errors.append(f"member_forge flood: {type(outcome).__name__}: {outcome}")
+            await nc.flush(timeout=5)
+            await asyncio.sleep(3)  # the last answers are out, a's last empty sessions aborted
+        finally:
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await nc.close()
+        after = await self.forge_counts(targets)
+        for subject in targets:
+            seen = heard.get(subject, Counter())
+            owners, others = seen["owner"], seen["other"]
+            b, a = before.get(subject), after.get(subject)
+            extra = max(0, (a or 0) - (b or 0) - owners) if a is not None and b is not None else 0
+            adv.stored[subject] = (b, a, owners, others + extra)
+        adv.heard_live = sum(c["live"] for c in heard.values())
+        await self.forge_unwatch()
+        for name in pushed:
+            with contextlib.suppress(nats.js.errors.Error, nats.errors.Error):
+                info = await self.bus.js.consumer_info(f"KV_{self.subjects.reservations_bucket}", name)
+                adv.push_delivered += info.delivered.consumer_seq if info.config.deliver_subject in targets else 0
+            with contextlib.suppress(nats.js.errors.Error, nats.errors.Error):
+                await self.bus.js.delete_consumer(f"KV_{self.subjects.reservations_bucket}", name)
+        now_filter = await self.consumer_filter(consumer)
+        adv.consumer_kept = kept_filter is not None and now_filter == kept_filter
+        attempted = [subject for subject, _ in self.forge_attempts()]
+        refusals = [e for e in errors if "permissions violation" in e]
+        adv.consumer_refused = sum(
+            min(sum(f'"{s.lower()}"' in e for e in refusals), adv.consumer_attempts // len(attempted))
+            for s in attempted
+        )
+        adv.other_errors = [e for e in errors if not any(f'"{s.lower()}"' in e for s in attempted)]
+        handoffs, committed = self.forge_handoffs(f.started)
+        adv.handoffs, adv.handoffs_committed = len(handoffs), len(committed)
+        forged = sum(stored for _, _, _, stored in adv.stored.values())
+        f.notes.append(
+            f"{adv.calls} forged replies, {forged} stored; {adv.push_consumers} push consumers into targets "
+            f"delivered {adv.push_delivered} (control {adv.control_delivered}); {adv.consumer_refused} of "
+            f"{adv.consumer_attempts} consumer attempts refused, a's consumer kept: {adv.consumer_kept}; "
+            f"{adv.opens} opens to a ({adv.opened} opened, refused {dict(adv.open_refused)}, aborted "
+            f"{dict(ended)}); load handoffs in the window {adv.handoffs_committed} of {adv.handoffs} handed off"
+        )
+        f.recovered_s = 0.0
+        f.ok = (
+            forged == 0 and adv.push_delivered == 0 and adv.consumer_refused == adv.consumer_attempts > 0
+            and bool(adv.consumer_kept) and not adv.other_errors and adv.handoffs_committed > 0
+            and adv.control_delivered > 0
+        )  # fmt: skip
+
+    async def forge_targets(self) -> dict[str, tuple[str, str, str]]:
+        """What the adversary may not write: subject -> (its stream, the field naming the owner, the owner; "" for
+        a tenant's key, the admin's)."""
+        assert self.bus is not None
+        s = self.subjects
+        key_id = FORGE_KEY_ID
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            info = await self.bus.js.stream_info(f"KV_{s.keys_bucket}", subjects_filter=f"$KV.{s.keys_bucket}.>")
+            key_id = next(iter(sorted(info.state.subjects or {})), key_id).rpartition(".")[2]
+        targets = {f"$KV.{s.keys_bucket}.{key_id}": (f"KV_{s.keys_bucket}", "tenant", "")}
+        for node in ("a", "b"):
+            targets[f"$KV.{s.nodes_bucket}.{node}"] = (f"KV_{s.nodes_bucket}", "node_id", node)
+            instance = self.gen_on(node)
+            if instance is not None:
+                subject = f"$KV.{s.instances_bucket}.{s.instance_key(node, instance.id)}"
+                targets[subject] = (f"KV_{s.instances_bucket}", "node", node)
+        targets[s.event("runner", "instance_ready", "a")] = (s.events_stream, "node", "a")
+        targets[s.event("chaos", "forged", "a")] = (s.events_stream, "node", "a")  # a subject a never writes
+        return targets
+
+    async def watch_targets(self, targets: dict[str, tuple[str, str, str]]) -> dict[str, Counter[str]]:
+        """From now on, every message stored on a target (an ordered consumer each: deliveries as they are
+        stored, before a bucket's next write replaces them), judged the owner's or not; and what is heard live
+        there that is JetStream's answer (`runtime.bus.stored_answer`): the attacks went out."""
+        assert self.bus is not None
+        seen: dict[str, Counter[str]] = defaultdict(Counter)
+        self._forge_subs = []
+
+        def owners(msg: Msg, owner_field: str, owner: str) -> bool:
+            if not msg.data and (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
+                return True  # a record removed (its owner's runner, an expiry)
+            try:
+                record = json.loads(msg.data)
+            except ValueError:
+                return False
+            if not isinstance(record, dict):
+                return False
+            return owner_field in record if not owner else record.get(owner_field) == owner
+
+        for subject, (stream, owner_field, owner) in targets.items():
+
+            async def on_stored(msg: Msg, subject: str = subject, owner_field: str = owner_field,
+                                owner: str = owner) -> None:  # fmt: skip
+                seen[subject]["owner" if owners(msg, owner_field, owner) else "other"] += 1
+
+            async def on_live(msg: Msg, subject: str = subject) -> None:
+                seen[subject]["live"] += stored_answer(msg)
+
+            self._forge_subs.append(
+                await self.bus.js.subscribe(
+                    subject, cb=on_stored, stream=stream, ordered_consumer=True, deliver_policy=DeliverPolicy.NEW
+                )
+            )
+            self._forge_subs.append(await self.bus.nc.subscribe(subject, cb=on_live))
+        await self.bus.nc.flush(timeout=5)
+        return seen
+
+    async def forge_unwatch(self) -> None:
+        for sub in self._forge_subs:
+            with contextlib.suppress(nats.errors.Error, nats.js.errors.Error):
+                await sub.unsubscribe()
+        self._forge_subs = []
+
+    async def forge_counts(self, targets: dict[str, tuple[str, str, str]]) -> dict[str, int | None]:
+        """How many messages each target holds now (None: its stream does not exist)."""
+        assert self.bus is not None
+        counts: dict[str, int | None] = {}
+        for subject, (stream, _, _) in targets.items():
+            try:
+                info = await self.bus.js.stream_info(stream, subjects_filter=subject)
+                counts[subject] = (info.state.subjects or {}).get(subject, 0)
+            except nats.js.errors.NotFoundError:
+                counts[subject] = None
+        return counts
+
+    async def consumer_filter(self, name: str) -> str | None:
+        assert self.bus is not None
+        with contextlib.suppress(nats.js.errors.Error, nats.errors.Error):
+            info = await self.bus.js.consumer_info(self.subjects.events_stream, name)
+            return info.config.filter_subject or ",".join(info.config.filter_subjects or ())
+        return None
+
+    async def forge_replies(self, nc: Client, targets: dict[str, tuple[str, str, str]]) -> None:
+        """One round of the integration test's JetStream calls, each with every target as its reply subject.
+        A direct get replays another node's record (a's aimed at b's and the other way round)."""
+        assert self.adversary is not None
+        s = self.subjects
+        nodes, events = f"KV_{s.nodes_bucket}", s.events_stream
+
+        def last(subject: str) -> bytes:
+            return json.dumps({"last_by_subj": subject}).encode()
+
+        calls: list[tuple[str, bytes, dict[str, str] | None]] = [
+            ("$JS.API.INFO", b"", None),
+            (f"$JS.API.STREAM.INFO.{nodes}", b"", None),
+            (f"$JS.API.STREAM.CREATE.{nodes}", json.dumps({"name": nodes}).encode(), None),
+            (f"$JS.API.STREAM.MSG.GET.{nodes}", last(f"$KV.{s.nodes_bucket}.b"), None),
+            (f"$JS.API.DIRECT.GET.{nodes}", last(f"$KV.{s.nodes_bucket}.a"), None),
+            (f"$JS.API.DIRECT.GET.{nodes}", last(f"$KV.{s.nodes_bucket}.b"), None),
+            (f"$JS.API.DIRECT.GET.{events}", last(s.event("runner", "instance_ready", "b")), None),
+            # a removal of a record of its own (no reader takes it for a record): the acknowledgement
+            (f"$KV.{s.instances_bucket}.{s.instance_key(FORGE_NODE, 'forged')}", b"", {"KV-Operation": "DEL"}),
+        ]
+        for subject, body, headers in calls:
+            for target in targets:
+                await nc.publish(subject, body, reply=target, headers=headers)
+                self.adversary.calls += 1
+        await nc.flush(timeout=5)
+
+    async def forge_push_consumers(
+        self, nc: Client, targets: dict[str, tuple[str, str, str]], prefix: str
+    ) -> list[str]:  # fmt: skip
+        """Push consumers on the reservations bucket (a node may create those) delivering into each target, and
+        one into the adversary's own inbox (the control: a push consumer does deliver). Their names."""
+        assert self.adversary is not None
+        js = nc.jetstream()
+        names = []
+        for deliver in (*targets, f"{prefix}.control"):
+            config = ConsumerConfig(
+                deliver_subject=deliver, deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE,
+                inactive_threshold=FORGE_MAX_S + 60,
+            )  # fmt: skip
+            info = await js.add_consumer(f"KV_{self.subjects.reservations_bucket}", config)
+            names.append(info.name)
+            self.adversary.push_consumers += deliver in targets
+        return names
+
+    def forge_attempts(self) -> list[tuple[str, str]]:
+        """The subjects that create, change (refilter), pull and acknowledge a's placement consumer, and change
+        and pull the old shared one, with the consumer each names."""
+        stream, theirs, shared = self.subjects.events_stream, placement_consumer("a"), PLACEMENT_CONSUMER
+        nothing = f"{self.subjects.prefix}.events.nothing.>"
+        return [
+            (f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{theirs}", theirs),
+            (f"$JS.API.CONSUMER.CREATE.{stream}.{theirs}.{nothing}", theirs),
+            (f"$JS.API.CONSUMER.CREATE.{stream}.{theirs}", theirs),
+            (f"$JS.API.CONSUMER.CREATE.{stream}", theirs),  # named in the body only
+            (f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{theirs}", theirs),
+            (f"$JS.ACK.{stream}.{theirs}.1.1.1.0.0", theirs),
+            (f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{shared}", shared),
+            (f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{shared}", shared),
+        ]
+
+    async def forge_consumer_attempts(self, nc: Client, prefix: str) -> None:
+        """One round of `forge_attempts`: each must be refused by the server."""
+        assert self.adversary is not None
+        stream = self.subjects.events_stream
+        for subject, name in self.forge_attempts():
+            rewrite = {"durable_name": name, "name": name, "ack_policy": "explicit",
+                       "filter_subject": f"{self.subjects.prefix}.events.nothing.>"}  # fmt: skip
+            if "CREATE" in subject:
+                body = json.dumps({"stream_name": stream, "config": rewrite}).encode()
+            elif "MSG.NEXT" in subject:
+                body = json.dumps({"batch": 16, "expires": 1_000_000_000}).encode()
+            else:
+                body = b""
+            await nc.publish(subject, body, reply=f"{prefix}.attempt")
+            self.adversary.consumer_attempts += 1
+        await nc.flush(timeout=5)
+
+    async def flood_opens(self, nc: Client, prefix: str, stop: asyncio.Event) -> None:
+        """Opens of empty handoff sessions to a, one after another until `stop` is set: never a byte sent."""
+        assert self.adversary is not None
+        adv = self.adversary
+        subject = self.subjects.handoff("a", "open")
+        payload = encode(
+            HandoffOpen(sender_node=FORGE_NODE, identity="0" * 64, n_tokens=1, max_bytes=1 << 20,
+                        credit_subject=f"{prefix}.credit")
+        )  # fmt: skip
+        while not stop.is_set():
+            adv.opens += 1
+            try:
+                parse_reply(subject, await nc.request(subject, payload, timeout=5), HandoffOpened)
+                adv.opened += 1
+            except RemoteError as exc:
+                adv.open_refused[f"{exc.code}:{(exc.reply.details or {}).get('reason', '')}"] += 1
+            except (nats.errors.Error, BusError) as exc:
+                adv.open_failed[type(exc).__name__] += 1
+            await asyncio.sleep(FORGE_OPEN_PAUSE_S)
+
+    def forge_handoffs(self, since: float) -> tuple[list[Outcome], list[Outcome]]:
+        """The load's handoffs since `since` that are over, and those of them handed off (disaggregated)."""
+        done = [o for o in self.outcomes if o.kind == "handoff" and o.started >= since]
+        return done, [o for o in done if o.reason == "ok" and o.path == "disaggregated"]
+
     # -- the schedule --
 
     async def guarded(self, work: Callable[[], Awaitable[None]]) -> None:
@@ -1073,6 +1434,9 @@ def report(run: ChaosRun, events: list[dict[str, Any]], journal: dict[str, Any],
         if o.reason in ("hung", "wrong_answer", "mesh:internal"):
             run.violations.add(f"{o.reason}: {o.kind} at t={o.started:.0f} s")
 
+    if run.adversary is not None:
+        report_adversary(run, outcomes, run.adversary)
+
     kinds_of = Counter(e.get("type") for e in events)
     released = Counter(e.get("reason") for e in events if e.get("type") == "reservation_released")
     dropped = Counter(e.get("reason") for e in events if e.get("type") == "l3_capture_dropped")
@@ -1109,6 +1473,58 @@ def report(run: ChaosRun, events: list[dict[str, Any]], journal: dict[str, Any],
         groups[kind].append(what or kind)
     for kind, items in groups.items():
         print(f"  - {kind}: {len(items)}  (" + "; ".join(items[:3]) + ("; …" if len(items) > 3 else "") + ")")
+
+
+def report_adversary(run: ChaosRun, outcomes: list[Outcome], adv: Adversary) -> None:
+    """member_forge's counts, and the load in its window (requests begun in it and in no other fault's window)
+    against the load in quiet periods: no more failures there."""
+    forge = next(f for f in run.faults if f.name == "member_forge")
+
+    def elsewhere(o: Outcome) -> bool:
+        return any(
+            g is not forge and o.started <= g.ended + QUIET_AFTER_S and o.started + o.seconds >= g.started
+            for g in run.faults
+        )
+
+    window = [o for o in outcomes if forge.started <= o.started <= forge.ended and not elsewhere(o)]
+    quiet = [o for o in outcomes if failed_during(run, o) is None]
+    span = max(1.0, forge.ended - forge.started)
+    quiet_s = max(1.0, max((o.started for o in outcomes), default=0.0) - covered(
+        [(f.started, f.ended + QUIET_AFTER_S) for f in run.faults]
+    ))  # fmt: skip
+
+    def failed(group: list[Outcome]) -> float:
+        return sum(o.reason != "ok" for o in group) / max(1, len(group))
+
+    def p50(group: list[Outcome]) -> str:
+        good = [o.seconds for o in group if o.reason == "ok"]
+        return f"{statistics.median(good) * 1000:.0f} ms" if good else "-"
+
+    print(f"\nadversary (member_forge, user {adv.user}, {span:.0f} s)")
+    print(f"  forged replies: {adv.calls} JetStream calls with a target as reply subject; {adv.heard_live} "
+          f"stored-message answers heard live on the targets (not stored; actors drop them)")  # fmt: skip
+    for subject, (before, after, owners, stored) in adv.stored.items():
+        print(f"    {subject:<58} messages {before} -> {after}, written by its owner meanwhile {owners}, "
+              f"other {stored}")  # fmt: skip
+        if stored:
+            run.violations.add(f"member_forge: {stored} messages stored on {subject} that its owner did not write")
+    print(f"  push consumers into the targets: {adv.push_consumers}, delivered {adv.push_delivered}; the control "
+          f"(into its own inbox) delivered {adv.control_delivered}")  # fmt: skip
+    print(f"  consumer attempts on placement-reservations-a and the old shared one: {adv.consumer_attempts}, refused "
+          f"{adv.consumer_refused}; a's consumer kept its filter: {adv.consumer_kept}; other server errors "
+          f"{len(adv.other_errors)}" + (f" ({adv.other_errors[0][:160]})" if adv.other_errors else ""))  # fmt: skip
+    print(f"  handoff opens to a: {adv.opens}, opened {adv.opened}, refused "
+          + (", ".join(f"{r} {n}" for r, n in adv.open_refused.most_common()) or "0")
+          + f", unanswered {sum(adv.open_failed.values())}; a aborted its sessions: "
+          + (", ".join(f"{r} {n}" for r, n in adv.sessions_ended.most_common()) or "none"))  # fmt: skip
+    print(f"  the load's handoffs in the window: {adv.handoffs}, handed off and committed {adv.handoffs_committed}")
+    print(f"  load in the window: {len(window)} requests, {failed(window):.1%} failed, "
+          f"{sum(o.reason == 'ok' for o in window) / span:.2f} answered/s, p50 {p50(window)}; in quiet periods: "
+          f"{len(quiet)} requests, {failed(quiet):.1%} failed, {sum(o.reason == 'ok' for o in quiet) / quiet_s:.2f} "
+          f"answered/s, p50 {p50(quiet)}")  # fmt: skip
+    if failed(window) > failed(quiet):
+        reasons = Counter(o.reason for o in window if o.reason != "ok")
+        run.violations.add(f"member_forge: the load failed more in its window ({dict(reasons)}) than in quiet periods")
 
 
 async def main_async(args: argparse.Namespace) -> int:
