@@ -1,5 +1,13 @@
 """Admission (placement core, pure): a request, the cluster view and the ledgers in; one decision out.
 
+This module states the rules one node at a time: whether a node is considered (`refusal_of`), how the model
+runs on it and with how much headroom (`fit_node`), which fit is chosen (`best_of`), a split when none fits
+(`split_over`), and the decision written from them (`conclude`, `conclude_split`). The decision over a whole
+view is the fleet index's (`actors.placement.fleet`), the one decision path: the placement actor keeps one
+index across requests, and `decide` builds one for a single decision (replay, tests). A brute-force statement
+of the same decision, every node judged in turn, lives only in the tests (`tests/placement_oracle.py`), which
+hold the index to it on random fleets.
+
 Rules this module keeps:
 - Settings are the node's advertised defaults with the per-model settings the request asks for in their
   place (`bounds.effective`), accepted only within the bounds the node advertises; outside them the node is
@@ -37,7 +45,6 @@ import msgspec
 
 from actors.placement import pooled
 from actors.placement.bounds import effective, invalid, out_of_bounds
-from actors.placement.ledger import available
 from actors.placement.memory import (
     CELL_PAD,
     ESTIMATOR_VERSION,
@@ -130,22 +137,6 @@ def settings_on(node: NodeResources, wanted: PreferredSettings | None) -> Servin
     """What the model runs with on `node` (which advertises settings: `refusal_of` refused it otherwise)."""
     assert node.settings is not None
     return effective(node.settings, wanted)
-
-
-def _eligible(
-    request: PlacementRequest, view: Mapping[str, ViewEntry], now: float, unreadable: frozenset[str]
-) -> tuple[list[ViewEntry], list[NodeRejection]]:
-    eligible: list[ViewEntry] = []
-    rejections: list[NodeRejection] = []
-    for name in request.nodes or sorted(view, key=natural_key):
-        entry = view.get(name)
-        refusal = refusal_of(request, name, entry, entry.age(now) if entry else 0.0, name in unreadable)
-        if refusal is not None:
-            rejections.append(refusal)
-        else:
-            assert entry is not None
-            eligible.append(entry)
-    return eligible, rejections
 
 
 def refusal_of(
@@ -326,54 +317,35 @@ def decide(
     dry_run: bool,
     unreadable: frozenset[str] = frozenset(),
 ) -> Outcome:
-    """`unreadable` names nodes whose ledger could not be read: nothing is booked on them."""
-    geometry = model.geometry
-    request = pooled.resolved_request(request, geometry)  # an embedding or rerank model by its header
-    eligible, rejections = _eligible(request, view, now, unreadable)
-    haves = {e.resources.node_id: available(e.resources, ledgers.get(e.resources.node_id), now) for e in eligible}
-    fits: list[Fit] = []
-    for entry in eligible:
-        settings = settings_on(entry.resources, request.settings)  # _eligible kept nodes that advertise settings
-        have = haves[entry.resources.node_id]
-        result = fit_node(
-            request, geometry, entry, settings, have, layers=(0, geometry.n_layer), draft=model.draft,
-            projector=model.projector,
-        )  # fmt: skip
-        if isinstance(result, NodeRejection):
-            rejections.append(result)
-        else:
-            fits.append(result)
+    """The decision over `view` (each report with its age) and the ledgers of its nodes, made by a fleet index
+    built for this one decision. `unreadable` names nodes whose ledger could not be read: nothing is booked
+    on them."""
+    # Imported here: the index builds on this module's rules, and this entry point on the index.
+    from actors.placement.fleet import decide_once
 
-    if not fits and request.allow_multi_node:
-        split, why = _split(request, model, eligible, haves)
-        if split is not None:
-            return conclude_split(
-                request, model, view, split, rejections, now=now, decision_id=decision_id,
-                reservation_id=reservation_id, dry_run=dry_run,
-            )  # fmt: skip
-        outcome = conclude(
-            request, model, view, fits, rejections, now=now, decision_id=decision_id, reservation_id=reservation_id,
-            dry_run=dry_run,
-        )  # fmt: skip
-        message = f"{outcome.decision.message}; and no split: {why}"
-        return Outcome(msgspec.structs.replace(outcome.decision, message=message))
-
-    return conclude(
-        request, model, view, fits, rejections, now=now, decision_id=decision_id, reservation_id=reservation_id,
-        dry_run=dry_run,
+    return decide_once(
+        request, model, view, ledgers, now=now, decision_id=decision_id, reservation_id=reservation_id,
+        dry_run=dry_run, unreadable=unreadable,
     )  # fmt: skip
 
 
-def _split(
+def split_over(
     request: PlacementRequest, model: ModelFacts, eligible: Sequence[ViewEntry], haves: Mapping[str, Mapping[str, int]]
 ) -> tuple[SplitFit | None, str]:
-    """The best split over the eligible nodes, or None and why there is none."""
+    """The best split over the eligible nodes (in the order the decision lists them; `haves`: what each has
+    per device), or None and why there is none."""
     if model.draft is not None or model.projector is not None:
         return None, "a split is not sized with a draft model or a projector"
     # the request's n_gpu_layers is for one node: a split plans its own -ngl (the members take what the head does not)
     lenders = [Lender(e.resources, haves[e.resources.node_id], e.revision) for e in eligible]
     settings_of = {e.resources.node_id: settings_on(e.resources, request.settings) for e in eligible}
     return best_split(model.geometry, settings_of, lenders, ctx=request.ctx, max_ctx=request.max_ctx)
+
+
+def without_split(outcome: Outcome, why: str) -> Outcome:
+    """A refusal of a request that allowed a split, saying why no split holds the model either."""
+    message = f"{outcome.decision.message}; and no split: {why}"
+    return Outcome(msgspec.structs.replace(outcome.decision, message=message))
 
 
 def conclude_split(
@@ -612,9 +584,14 @@ __all__ = [
     "ModelRef",
     "Outcome",
     "ViewEntry",
+    "best_of",
     "conclude",
+    "conclude_split",
     "decide",
     "fit_node",
+    "refusal_of",
     "rejected",
     "settings_on",
+    "split_over",
+    "without_split",
 ]

@@ -1,31 +1,38 @@
-"""The cluster view indexed for admission (placement core, pure): `admission.decide`'s decisions, without
-sizing every node on every request.
+"""The cluster view indexed for admission (placement core, pure): the one path by which placement decides,
+without sizing every node on every request.
 
 Theory of operation. For a request with a fixed context (`ctx` given, no `max_ctx`), what the memory model
 says about a node depends on the node only through its serving settings, its CPU features and where the
 model's layers go (`weights.layer_devices`: its `-ngl` and its GPUs' split, the split being in proportion to
-what each GPU has free). So the model is sized once per distinct (settings, CPU features, layer layout) and
-context — a *sizing*, kept across requests — and each node then only compares the sizing's per-device totals
-with what its ledger leaves available: fits, headroom, or the shortfalls of its refusal. A node's derived
-state (what it has available, its split) is recomputed only when its report or its ledger changes (a report
-equal to the last but for its sequence number and time keeps it, unless a reservation became running between
-the two: the newer report sees that memory as used, so the live term no longer subtracts it).
+what each GPU has free; a draft model's layers too). So the model (with its draft model and projector, if
+any) is sized once per distinct (settings, CPU features, layer layout) and context — a *sizing*, kept across
+requests — and each node then only compares the sizing's per-device totals with what its ledger leaves
+available: fits, headroom, or the shortfalls of its refusal. A request for the largest context that fits
+(`max_ctx`, or no `ctx`) sizes each node at its own ceiling (`admission.fit_node`): that answer is the node's
+alone, kept with the node's state like any other. A node's derived state (what it has available, its split)
+is recomputed only when its report or its ledger changes (a report equal to the last but for its sequence
+number and time keeps it, unless a reservation became running between the two: the newer report sees that
+memory as used, so the live term no longer subtracts it).
 
 A *tracked* index (the placement actor's) is told of every change (`touch`: a report, a node leaving, a
-ledger) and keeps, per question (model, context, `-ngl`, required settings), a standing answer of every node
-(`_Standing`): a decision judges again only the nodes touched since that question was last asked, those whose
-report turned stale since (a heap of deadlines) and the stale ones (their refusal says how old the report
-is), then reads the answer off: the refusals in natural order, the best fit from a heap. An explicit node
-list, or ledgers read fresh from the bucket, are judged in full.
+ledger) and keeps, per question (model and companions, context, `-ngl`, required settings), a standing answer
+of every node (`_Standing`): a decision judges again only the nodes touched since that question was last
+asked, those whose report turned stale since (a heap of deadlines) and the stale ones (their refusal says how
+old the report is), then reads the answer off: the refusals in natural order, the best fit from a heap (the
+nodes a request prefers looked up first). An explicit node list, or ledgers read fresh from the bucket, are
+judged in full. When no node fits and the request allows a split, the split is planned over the nodes that
+were sized (`admission.split_over`). An untracked index built for one decision is `decide_once`
+(`admission.decide`: replay, and the placement actor's requests that size every node at its ceiling or plan a
+split, run off its event loop on a copy of the view).
 
 Rules this module keeps:
-- Decisions are exactly `admission.decide`'s, field for field: the same rejections in the same order with the
-  same messages, the same chosen node, breakdown, stamp and reservation. The chosen node is sized by
-  `admission.fit_node` itself; the others need no context ceiling, since with a fixed context a node's
-  ceiling shows only in the chosen node's breakdown, and the memory model's refusals (`unsupported_settings`)
-  do not depend on the context. `tests/unit/test_fleet_index.py` checks the equality on random fleets.
-- A request for the largest context that fits (`max_ctx`, or no `ctx`) sizes each node at its own ceiling:
-  `covers` says no, and the caller runs `admission.decide` (the full scan).
+- Decisions are the rules of `admission` applied to every node, field for field: the same rejections in the
+  same order with the same messages, the same chosen node, breakdown, stamp and reservation, or the same
+  split. The chosen node is sized by `admission.fit_node` itself; with a fixed context the others need no
+  context ceiling, since a node's ceiling then shows only in the chosen node's breakdown, and the memory
+  model's refusals (`unsupported_settings`) do not depend on the context. `tests/unit/test_fleet_index.py`
+  checks the equality on random fleets against a brute-force oracle that judges every node in turn
+  (`tests/placement_oracle.py`), for every kind of request.
 - Every table is bounded: profiles, layouts and sizings are dropped wholesale past their limits (then rebuilt
   on demand; distinct ones are few in a fleet), node states are kept only for nodes in the view.
 - The view's keys are the nodes' ids (the placement actor refuses a report stored under another key).
@@ -34,6 +41,7 @@ Nothing here reads a clock: the caller passes the time and when each report arri
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -48,19 +56,22 @@ from actors.placement.admission import (
     Outcome,
     ViewEntry,
     conclude,
-    decide,
+    conclude_split,
     fit_node,
     holds,
     insufficient,
     natural_key,
+    prefer_rank,
     refusal_of,
     settings_on,
     split_of,
+    split_over,
+    without_split,
 )
 from actors.placement.ledger import available
 from actors.placement.memory import MemoryModelError, estimate
 from actors.placement.weights import layer_devices
-from messages.model import ModelGeometry
+from messages.model import ModelGeometry, ProjectorGeometry
 from messages.placement import DeviceShortfall, NodeLedger, NodeRejection, PlacementRequest, PreferredSettings
 from messages.settings import ServingSettings
 from messages.telemetry import NodeResources
@@ -80,6 +91,11 @@ MAX_STANDING = 64
 MAX_TOUCHED = 1 << 16
 
 _REFUSED, _MISFIT, _FITS = 0, 1, 2
+
+#: What a node's answer depends on besides the node: (model token, -ngl, ctx, at the ceiling, settings).
+_Key = tuple[int, int, int | None, bool, PreferredSettings | None]
+#: A model and its companions as sized: (geometry, draft model, projector).
+_Model = tuple[ModelGeometry, ModelGeometry | None, ProjectorGeometry | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,10 +117,11 @@ class _NodeState:
     epoch: int
     have: dict[str, int]
     profile: int  # interned (settings, CPU features)
-    # the last question asked of this node and its answer: (model, -ngl, ctx, settings, sizing epoch) -> headroom
-    asked: tuple[int, int, int, PreferredSettings | None, int] | None = None
+    # the last question asked of this node and its answer: (question, sizing epoch) -> headroom
+    asked: tuple[_Key, int] | None = None
     headroom: int = 0
     refusal: NodeRejection | None = None  # when the model does not fit (or cannot run) there
+    fit: Fit | None = None  # sized at its ceiling: how the model runs there
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,35 +130,54 @@ class _Question:
 
     request: PlacementRequest
     token: int
-    geometry: ModelGeometry
-    n_gpu_layers: int
-    ctx: int
+    model: ModelFacts
+    ceiling: bool  # each node sized at its own context ceiling (`max_ctx`, or no `ctx`)
+    key: _Key
     monotonic_now: float
-    path: str  # the model file's: a node that holds it (in this version, when known) comes first
-    digest: str | None
 
     @property
     def plain(self) -> bool:  # no settings required: the common case is checked inline
         return self.request.settings is None
 
 
+@dataclass(frozen=True, slots=True)
+class _Fitting:
+    """A node the model fits on, as judged for one question: its state and headroom then, whether it lacks
+    the model's file, and (sized at its ceiling) how the model runs there."""
+
+    state: _NodeState
+    headroom: int
+    lacks: bool
+    fit: Fit | None
+    serial: int = 0  # tells a standing answer's current entry in its heap from earlier ones
+
+
+@dataclass(frozen=True, slots=True)
+class _Judged:
+    """Every node's answer to one request, in the order a decision lists them."""
+
+    refused: list[NodeRejection]  # not sized: why
+    misfits: list[tuple[NodeRejection, _NodeState]]  # sized and not fitting (with the fits: the eligible nodes)
+    best: _Fitting | None  # the fit chosen: holding the model's file, preferred, most headroom, natural order
+
+
 @dataclass(slots=True)
 class _Standing:
     """The last answer of every node of the view to one question: refused (and why), sized and not fitting
-    (and why), or fitting (its state); with when each fresh report turns stale and a heap of the fits."""
+    (and why), or fitting; with when each fresh report turns stale and a heap of the fits."""
 
     epochs: tuple[int, int]
     seen: int  # touches taken in
     refused: dict[str, NodeRejection] = field(default_factory=dict)
-    misfits: dict[str, NodeRejection] = field(default_factory=dict)
-    # its state, its headroom then, and whether it lacks the model's file
-    fits: dict[str, tuple[_NodeState, int, bool]] = field(default_factory=dict)
+    misfits: dict[str, tuple[NodeRejection, _NodeState]] = field(default_factory=dict)
+    fits: dict[str, _Fitting] = field(default_factory=dict)
     stale: set[str] = field(default_factory=set)
     due: dict[str, float] = field(default_factory=dict)  # when each fresh node's report turns stale
     deadlines: list[tuple[float, str]] = field(default_factory=list)  # a heap of `due`, lazily cleaned
     best: list[tuple[bool, int, NaturalKey, str, int]] = field(default_factory=list)  # lazily cleaned
     refused_order: list[str] | None = None
     misfit_order: list[str] | None = None
+    serial: int = 0
 
     def forget(self, name: str) -> None:
         if self.refused.pop(name, None) is not None:
@@ -170,26 +206,48 @@ class _Standing:
                 names.add(name)
         return names
 
-    def rebuild_best(self, natural: Mapping[str, NaturalKey]) -> None:
-        self.best = [(lacks, -room, natural[n], n, id(state)) for n, (state, room, lacks) in self.fits.items()]
-        heapq.heapify(self.best)
+    def add_fit(self, name: str, fitting: _Fitting, natural: Mapping[str, NaturalKey]) -> None:
+        self.serial += 1
+        fitting = dataclasses.replace(fitting, serial=self.serial)
+        self.fits[name] = fitting
+        heapq.heappush(self.best, (fitting.lacks, -fitting.headroom, natural[name], name, fitting.serial))
+        if len(self.best) > 4 * len(self.fits) + 64:
+            self.best = [(f.lacks, -f.headroom, natural[n], n, f.serial) for n, f in self.fits.items()]
+            heapq.heapify(self.best)
 
-    def answer(
-        self, natural: Mapping[str, NaturalKey]
-    ) -> tuple[list[NodeRejection], list[NodeRejection], tuple[_NodeState, int] | None]:
+    def answer(self, natural: Mapping[str, NaturalKey], prefer: tuple[str, ...]) -> _Judged:
         if self.refused_order is None:
             self.refused_order = sorted(self.refused, key=natural.__getitem__)
         if self.misfit_order is None:
             self.misfit_order = sorted(self.misfits, key=natural.__getitem__)
-        best = None
+        return _Judged(
+            refused=[self.refused[n] for n in self.refused_order],
+            misfits=[self.misfits[n] for n in self.misfit_order],
+            best=self._preferred(prefer),
+        )
+
+    def _preferred(self, prefer: tuple[str, ...]) -> _Fitting | None:
+        """The best fit for a request preferring `prefer` (in its order): a node holding the model's file
+        first, then a preferred one, then the most headroom (the heap's order, which knows no preference)."""
+        top = self._top()
+        if not prefer:
+            return top
+        preferred = [self.fits[name] for name in prefer if name in self.fits]
+        holding = next((f for f in preferred if not f.lacks), None)
+        if holding is not None:
+            return holding
+        if top is not None and not top.lacks:
+            return top  # a node that holds the file, none of them preferred
+        return preferred[0] if preferred else top
+
+    def _top(self) -> _Fitting | None:
         while self.best:
-            lacks, negative, _, name, state_id = self.best[0]
-            fit = self.fits.get(name)
-            if fit is not None and id(fit[0]) == state_id and fit[1] == -negative and fit[2] == lacks:
-                best = fit[0], fit[1]
-                break
+            *_, name, serial = self.best[0]
+            fitting = self.fits.get(name)
+            if fitting is not None and fitting.serial == serial:
+                return fitting
             heapq.heappop(self.best)  # an answer since replaced
-        return [self.refused[n] for n in self.refused_order], [self.misfits[n] for n in self.misfit_order], best
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,23 +258,24 @@ class IndexStats:
     profiles: int
     layouts: int
     sizings: int
-    sized: int  # memory-model estimates made since the index was created
+    sized: int  # memory-model sizings made since the index was created (a node at its ceiling counts one)
     resets: int  # times a table was dropped for reaching its limit
 
 
 @dataclass(slots=True)
 class FleetIndex:
-    """Caches between decisions; `decide` with the same arguments as `admission.decide` would take,
-    but the view without ages (`arrived`: when each report arrived, on the caller's monotonic clock)."""
+    """Caches between decisions; `decide` with the same arguments as `admission.decide` takes, but the view
+    without ages (`arrived`: when each report arrived, on the caller's monotonic clock)."""
 
     _nodes: dict[str, _NodeState] = field(default_factory=dict)
     _order: list[str] = field(default_factory=list)  # the view's names in natural order
     _natural: dict[str, tuple[tuple[int, int, str], ...]] = field(default_factory=dict)
-    _models: dict[int, tuple[ModelGeometry, int]] = field(default_factory=dict)  # id(geometry) -> token
+    # (id(geometry), id(draft), id(projector)) -> the three and their token
+    _models: dict[tuple[int, int, int], tuple[_Model, int]] = field(default_factory=dict)
     _next_model: int = 0
     _profiles: dict[tuple[ServingSettings, tuple[str, ...] | None], int] = field(default_factory=dict)
     _layouts: dict[tuple[int, int, tuple[float, ...]], int] = field(default_factory=dict)
-    _layout_ids: dict[tuple[tuple[int, ...], bool], int] = field(default_factory=dict)
+    _layout_ids: dict[tuple[tuple[int, ...], tuple[int, ...], bool], int] = field(default_factory=dict)
     _sizings: dict[tuple[int, int, int, int, PreferredSettings | None], Sizing] = field(default_factory=dict)
     _epoch: int = 0  # bumped when profiles or layouts are dropped: node states re-intern
     _sizing_epoch: int = 0  # bumped when sizings are dropped: nodes' remembered answers are stale
@@ -226,15 +285,15 @@ class FleetIndex:
     #: again only what changed (`_standing`); untracked, every decision judges every node.
     tracked: bool = False
     _touched: list[str] = field(default_factory=list)
-    _standing: dict[tuple[int, int, int, object, str, str | None], _Standing] = field(default_factory=dict)
+    _standing: dict[tuple[_Key, str, str | None], _Standing] = field(default_factory=dict)
 
     @staticmethod
     def covers(request: PlacementRequest) -> bool:
-        """Whether `decide` answers `request` from sizings (a fixed context), not by a full scan. A model with
-        companion files is sized by a full scan: sizings are kept per model geometry alone."""
-        plain = request.model.draft is None and request.model.mmproj is None
-        simple = request.ctx is not None and not request.max_ctx and not request.allow_multi_node
-        return simple and plain and not request.prefer
+        """Whether `decide` answers `request` from shared sizings, a comparison per node cheap enough for the
+        caller's event loop: a fixed context and no split (companions and preferences included). Otherwise it
+        sizes each node at its own ceiling, or plans a split, work that grows with the view: the placement
+        actor runs that on a copy of the view, off its loop (`admission.decide`, a one-shot index)."""
+        return request.ctx is not None and not request.max_ctx and not request.allow_multi_node
 
     def stats(self) -> IndexStats:
         return IndexStats(
@@ -261,37 +320,34 @@ class FleetIndex:
         dry_run: bool,
         fresh: Mapping[str, LedgerEntry] | None = None,
     ) -> Outcome:
-        """The decision `admission.decide` makes over `view` aged at `monotonic_now` and the ledgers of the
-        nodes it considers (`fresh` first: read from the bucket, newer than `ledgers`)."""
+        """The decision over `view` aged at `monotonic_now` and the ledgers of the nodes it considers (`fresh`
+        first: read from the bucket, newer than `ledgers`)."""
         fresh = fresh or {}
-        request = pooled.resolved_request(request, model.geometry)  # as admission.decide reads it
-        if not self.covers(request):
-            return self._full_scan(
-                request, model, view, arrived, ledgers, fresh, now, monotonic_now, decision_id, reservation_id, dry_run
-            )
+        request = pooled.resolved_request(request, model.geometry)  # an embedding or rerank model by its header
         self._keep_bounded(view)
-        geometry = model.geometry
-        token = self._token(geometry)
-        ctx = request.ctx
-        assert ctx is not None  # covers()
-        question = _Question(
-            request, token, geometry, request.n_gpu_layers, ctx, monotonic_now, model.path, model.digest
-        )
+        q = self._question(request, model, monotonic_now)
         if self.tracked and not request.nodes and not fresh:
-            refused, misfits, best = self._standing_answer(question, view, arrived, ledgers)
+            judged = self._standing_answer(q, view, arrived, ledgers)
         else:
-            refused, misfits, best = self._scan(
-                question, request.nodes or self._natural_order(view), view, arrived, ledgers, fresh
-            )
-        fits: list[Fit] = []
-        if best is not None:
-            state, headroom = best
-            settings = settings_on(state.entry.resources, request.settings)  # refusal_of refused it otherwise
-            chosen = fit_node(request, geometry, state.entry, settings, state.have, layers=(0, geometry.n_layer))
-            assert isinstance(chosen, Fit) and chosen.headroom == headroom, "sizing disagrees with fit_node"
-            fits.append(chosen)
+            judged = self._scan(q, request.nodes or self._natural_order(view), view, arrived, ledgers, fresh)
+        rejections = judged.refused + [refusal for refusal, _ in judged.misfits]
+        fits = [] if judged.best is None else [self._chosen(q, judged.best)]
+        if not fits and request.allow_multi_node:
+            eligible = [state.entry for _, state in judged.misfits]  # no node fits: every eligible one misfits
+            haves = {state.entry.resources.node_id: state.have for _, state in judged.misfits}
+            split, why = split_over(request, model, eligible, haves)
+            if split is not None:
+                return conclude_split(
+                    request, model, view, split, rejections, now=now, decision_id=decision_id,
+                    reservation_id=reservation_id, dry_run=dry_run,
+                )  # fmt: skip
+            refused = conclude(
+                request, model, view, fits, rejections, now=now, decision_id=decision_id,
+                reservation_id=reservation_id, dry_run=dry_run,
+            )  # fmt: skip
+            return without_split(refused, why)
         return conclude(
-            request, model, view, fits, refused + misfits, now=now, decision_id=decision_id,
+            request, model, view, fits, rejections, now=now, decision_id=decision_id,
             reservation_id=reservation_id, dry_run=dry_run,
         )  # fmt: skip
 
@@ -302,6 +358,28 @@ class FleetIndex:
             self._touched.clear()
             self._standing.clear()  # rebuilt by their next decision
 
+    def _question(self, request: PlacementRequest, model: ModelFacts, monotonic_now: float) -> _Question:
+        token = self._token(model)
+        ceiling = request.ctx is None or request.max_ctx
+        key = (token, request.n_gpu_layers, request.ctx, ceiling, request.settings)
+        return _Question(request, token, model, ceiling, key, monotonic_now)
+
+    def _chosen(self, q: _Question, best: _Fitting) -> Fit:
+        """How the model runs on the chosen node: as sized at its ceiling, or by `admission.fit_node` itself
+        (which also finds the node's context ceiling, part of the chosen node's breakdown)."""
+        state = best.state
+        if best.fit is not None:
+            # a heartbeat since may have replaced the node's entry (the same report, only newer)
+            return best.fit if best.fit.entry is state.entry else dataclasses.replace(best.fit, entry=state.entry)
+        model = q.model
+        settings = settings_on(state.entry.resources, q.request.settings)  # refusal_of refused it otherwise
+        chosen = fit_node(
+            q.request, model.geometry, state.entry, settings, state.have, layers=(0, model.geometry.n_layer),
+            draft=model.draft, projector=model.projector,
+        )  # fmt: skip
+        assert isinstance(chosen, Fit) and chosen.headroom == best.headroom, "sizing disagrees with fit_node"
+        return chosen
+
     def _scan(
         self,
         q: _Question,
@@ -310,13 +388,12 @@ class FleetIndex:
         arrived: Mapping[str, float],
         ledgers: Mapping[str, LedgerEntry],
         fresh: Mapping[str, LedgerEntry],
-    ) -> tuple[list[NodeRejection], list[NodeRejection], tuple[_NodeState, int] | None]:
-        """Every node of `names` judged now, in that order: (refused before sizing, sized and not fitting,
-        the best fit: holding the model's file, then most headroom, then natural order)."""
+    ) -> _Judged:
+        """Every node of `names` judged now, in that order."""
         refused: list[NodeRejection] = []
-        misfits: list[NodeRejection] = []
-        best: tuple[_NodeState, int] | None = None
-        best_key: tuple[bool, int, NaturalKey] | None = None
+        misfits: list[tuple[NodeRejection, _NodeState]] = []
+        best: _Fitting | None = None
+        best_key: tuple[bool, int, int, NaturalKey] | None = None
         for name in names:
             ledger = (fresh.get(name) if fresh else None) or ledgers.get(name, NO_LEDGER)
             kind, refusal, state = self._evaluate(q, name, view.get(name), ledger, arrived)
@@ -324,21 +401,22 @@ class FleetIndex:
                 assert refusal is not None
                 refused.append(refusal)
             elif kind == _MISFIT:
-                assert refusal is not None
-                misfits.append(refusal)
+                assert refusal is not None and state is not None
+                misfits.append((refusal, state))
             else:
                 assert state is not None
-                lacks = not holds(state.entry.resources, q.path, q.digest)
-                key = (lacks, -state.headroom, self._natural.get(name) or natural_key(name))
+                lacks = not holds(state.entry.resources, q.model.path, q.model.digest)
+                natural = self._natural.get(name) or natural_key(name)
+                key = (lacks, prefer_rank(q.request, name), -state.headroom, natural)
                 if best_key is None or key < best_key:
-                    best, best_key = (state, state.headroom), key
-        return refused, misfits, best
+                    best, best_key = _Fitting(state, state.headroom, lacks, state.fit if q.ceiling else None), key
+        return _Judged(refused, misfits, best)
 
     def _evaluate(
         self, q: _Question, name: str, entry: ViewEntry | None, ledger: LedgerEntry, arrived: Mapping[str, float]
     ) -> tuple[int, NodeRejection | None, _NodeState | None]:
-        """One node judged for `q`: (_REFUSED, why) before sizing, (_MISFIT, why) sized and not fitting, or
-        (_FITS, None, its state: headroom)."""
+        """One node judged for `q`: (_REFUSED, why) before sizing, (_MISFIT, why, its state) sized and not
+        fitting, or (_FITS, None, its state: headroom, and its fit when sized at its ceiling)."""
         if entry is None:
             return (
                 _REFUSED,
@@ -359,10 +437,9 @@ class FleetIndex:
                 state.entry = entry  # a report that only says the node is alive: every answer stands
             else:
                 state = self._state(name, entry, ledger)
-        asked = (q.token, q.n_gpu_layers, q.ctx, q.request.settings, self._sizing_epoch)
-        if state.asked != asked:
+        if state.asked != (q.key, self._sizing_epoch):
             self._answer(state, q)
-            state.asked = (q.token, q.n_gpu_layers, q.ctx, q.request.settings, self._sizing_epoch)  # epoch may move
+            state.asked = (q.key, self._sizing_epoch)  # the sizing epoch may have moved
         if state.refusal is not None:
             return _MISFIT, state.refusal, state
         return _FITS, None, state
@@ -375,11 +452,11 @@ class FleetIndex:
         view: Mapping[str, ViewEntry],
         arrived: Mapping[str, float],
         ledgers: Mapping[str, LedgerEntry],
-    ) -> tuple[list[NodeRejection], list[NodeRejection], tuple[_NodeState, int] | None]:
+    ) -> _Judged:
         """`_scan` over the whole view, from the answer to the same question last time: only the nodes touched
         since, those whose report has aged past its TTL since, and the stale ones (their refusal says how
         old) are judged again."""
-        key = (q.token, q.n_gpu_layers, q.ctx, q.request.settings, q.path, q.digest)
+        key = (q.key, q.model.path, q.model.digest)
         standing = self._standing.get(key)
         epochs = (self._epoch, self._sizing_epoch)
         if standing is None or standing.epochs != epochs or standing.seen > len(self._touched):
@@ -395,7 +472,7 @@ class FleetIndex:
             again = names
         for name in again:
             self._judge(standing, q, name, view.get(name), ledgers.get(name, NO_LEDGER), arrived)
-        return standing.answer(self._natural)
+        return standing.answer(self._natural, q.request.prefer)
 
     def _judge(
         self,
@@ -421,24 +498,33 @@ class FleetIndex:
             standing.refused[name] = refusal
             standing.refused_order = None
             return
+        assert state is not None
         if kind == _MISFIT:
             assert refusal is not None
-            standing.misfits[name] = refusal
+            standing.misfits[name] = (refusal, state)
             standing.misfit_order = None
             return
-        assert state is not None
-        lacks = not holds(state.entry.resources, q.path, q.digest)
-        standing.fits[name] = (state, state.headroom, lacks)
-        heapq.heappush(standing.best, (lacks, -state.headroom, self._natural[name], name, id(state)))
-        if len(standing.best) > 4 * len(standing.fits) + 64:
-            standing.rebuild_best(self._natural)
+        lacks = not holds(state.entry.resources, q.model.path, q.model.digest)
+        fitting = _Fitting(state, state.headroom, lacks, state.fit if q.ceiling else None)
+        standing.add_fit(name, fitting, self._natural)
+
+    # --- one node's answer --------------------------------------------------------------------------------
 
     def _answer(self, state: _NodeState, q: _Question) -> None:
-        """Sizes the model on `state`'s node (from a shared sizing): its headroom, or its refusal."""
-        name = state.entry.resources.node_id
-        ctx = q.ctx
-        sizing = self._sizing(q.token, q.geometry, state, q.n_gpu_layers, ctx, q.request.settings)
+        """Sizes the model on `state`'s node: its headroom, or its refusal."""
+        state.fit = None
         state.refusal = None
+        if q.ceiling:
+            self._answer_at_ceiling(state, q)
+        else:
+            self._answer_from_sizing(state, q)
+
+    def _answer_from_sizing(self, state: _NodeState, q: _Question) -> None:
+        """At the request's context, from a sizing shared by the nodes of the same profile and layout."""
+        name = state.entry.resources.node_id
+        ctx = q.request.ctx
+        assert ctx is not None  # not q.ceiling
+        sizing = self._sizing(q, state, ctx)
         if sizing.error is not None:
             state.headroom = -1
             state.refusal = NodeRejection(node_id=name, reason="unsupported_settings", message=sizing.error)
@@ -447,27 +533,21 @@ class FleetIndex:
         if state.headroom < 0:
             state.refusal = insufficient(name, ctx, _shortfalls(sizing, state.have))
 
-    # --- the full scan ------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _full_scan(
-        request: PlacementRequest,
-        model: ModelFacts,
-        view: Mapping[str, ViewEntry],
-        arrived: Mapping[str, float],
-        ledgers: Mapping[str, LedgerEntry],
-        fresh: Mapping[str, LedgerEntry],
-        now: float,
-        monotonic_now: float,
-        decision_id: str,
-        reservation_id: str,
-        dry_run: bool,
-    ) -> Outcome:
-        inputs = snapshot(request, view, arrived, ledgers, fresh, monotonic_now)
-        return decide(
-            request, model, inputs.view, inputs.held, now=now, decision_id=decision_id,
-            reservation_id=reservation_id, dry_run=dry_run, unreadable=inputs.unreadable,
+    def _answer_at_ceiling(self, state: _NodeState, q: _Question) -> None:
+        """At the node's own context ceiling (what fits depends on what it has): `admission.fit_node`."""
+        model = q.model
+        settings = settings_on(state.entry.resources, q.request.settings)  # refusal_of refused it otherwise
+        result = fit_node(
+            q.request, model.geometry, state.entry, settings, state.have, layers=(0, model.geometry.n_layer),
+            draft=model.draft, projector=model.projector,
         )  # fmt: skip
+        self._sized += 1
+        if isinstance(result, NodeRejection):
+            state.headroom = -1
+            state.refusal = result
+        else:
+            state.headroom = result.headroom
+            state.fit = result
 
     # --- tables -------------------------------------------------------------------------------------------
 
@@ -492,14 +572,17 @@ class FleetIndex:
             self._order = order = sorted(view, key=natural.__getitem__)
         return order
 
-    def _token(self, geometry: ModelGeometry) -> int:
-        known = self._models.get(id(geometry))
-        if known is not None and known[0] is geometry:
+    def _token(self, model: ModelFacts) -> int:
+        """The model and its companions as one number (their objects kept, so their ids stay theirs)."""
+        parts: _Model = (model.geometry, model.draft, model.projector)
+        key = (id(parts[0]), id(parts[1]), id(parts[2]))
+        known = self._models.get(key)
+        if known is not None and all(a is b for a, b in zip(known[0], parts, strict=True)):
             return known[1]
         if len(self._models) >= MAX_MODELS:
             self._models.clear()  # their sizings age out with the sizings table
         self._next_model += 1
-        self._models[id(geometry)] = (geometry, self._next_model)
+        self._models[key] = (parts, self._next_model)
         return self._next_model
 
     def _state(self, name: str, entry: ViewEntry, ledger: LedgerEntry) -> _NodeState:
@@ -543,43 +626,44 @@ class FleetIndex:
         self._sizing_epoch += 1
         self._resets += 1
 
-    def _layout(self, token: int, geometry: ModelGeometry, state: _NodeState, n_gpu_layers: int) -> int:
-        """The id of where this model's layers go on `state`'s node (with whether it has a GPU split)."""
-        ngl, split = split_of(state.entry.resources, state.have, n_gpu_layers)
+    def _layout(self, q: _Question, state: _NodeState) -> int:
+        """The id of where the model's layers (and its draft model's) go on `state`'s node, with whether it
+        has a GPU split (which places a projector, and what the host repacks)."""
+        geometry, draft = q.model.geometry, q.model.draft
+        ngl, split = split_of(state.entry.resources, state.have, q.request.n_gpu_layers)
         if len(split) > 1:
             # In proportion to free memory, which differs per node: computed per node state (the caller keeps
             # the answer until the state changes), and only the resulting layout is shared.
-            return self._layout_id(tuple(layer_devices(geometry, ngl, split)), True)
+            drafted = tuple(layer_devices(draft, ngl, split)) if draft is not None else ()
+            return self._layout_id(tuple(layer_devices(geometry, ngl, split)), drafted, True)
         # No GPU, or one that takes every offloaded layer whatever its (positive: split_of) weight.
-        key = (token, ngl, (1.0,) if split else ())
+        key = (q.token, ngl, (1.0,) if split else ())
         layout = self._layouts.get(key)
         if layout is None:
-            layout = self._layouts[key] = self._layout_id(tuple(layer_devices(geometry, ngl, key[2])), bool(split))
+            drafted = tuple(layer_devices(draft, ngl, key[2])) if draft is not None else ()
+            devices = tuple(layer_devices(geometry, ngl, key[2]))
+            layout = self._layouts[key] = self._layout_id(devices, drafted, bool(split))
         return layout
 
-    def _layout_id(self, devices: tuple[int, ...], has_split: bool) -> int:
-        return self._layout_ids.setdefault((devices, has_split), len(self._layout_ids))
+    def _layout_id(self, devices: tuple[int, ...], drafted: tuple[int, ...], has_split: bool) -> int:
+        return self._layout_ids.setdefault((devices, drafted, has_split), len(self._layout_ids))
 
-    def _sizing(
-        self,
-        token: int,
-        geometry: ModelGeometry,
-        state: _NodeState,
-        n_gpu_layers: int,
-        ctx: int,
-        wanted: PreferredSettings | None,
-    ) -> Sizing:
-        layout = self._layout(token, geometry, state, n_gpu_layers)
-        key = (token, state.profile, layout, ctx, wanted)
+    def _sizing(self, q: _Question, state: _NodeState, ctx: int) -> Sizing:
+        layout = self._layout(q, state)
+        wanted = q.request.settings
+        key = (q.token, state.profile, layout, ctx, wanted)
         sizing = self._sizings.get(key)
         if sizing is not None:
             return sizing
         node = state.entry.resources
+        model = q.model
         settings = settings_on(node, wanted)
-        ngl, split = split_of(node, state.have, n_gpu_layers)
-        features = node.host.cpu_features
+        ngl, split = split_of(node, state.have, q.request.n_gpu_layers)
         try:
-            breakdown = estimate(geometry, settings, ctx, n_gpu_layers=ngl, gpu_split=split, cpu_features=features)
+            breakdown = estimate(
+                model.geometry, settings, ctx, n_gpu_layers=ngl, gpu_split=split, cpu_features=node.host.cpu_features,
+                draft=model.draft, projector=model.projector,
+            )  # fmt: skip
             sizing = Sizing(totals=tuple((d.device, d.total_bytes) for d in breakdown.devices))
         except MemoryModelError as exc:
             sizing = Sizing(totals=(), error=str(exc))
@@ -650,4 +734,27 @@ def snapshot(
     return Inputs(view=aged, ledgers=considered, held=held, unreadable=unreadable)
 
 
-__all__ = ["NO_LEDGER", "FleetIndex", "IndexStats", "Inputs", "LedgerEntry", "Sizing", "snapshot"]
+def decide_once(
+    request: PlacementRequest,
+    model: ModelFacts,
+    view: Mapping[str, ViewEntry],
+    ledgers: Mapping[str, NodeLedger],
+    *,
+    now: float,
+    decision_id: str,
+    reservation_id: str,
+    dry_run: bool,
+    unreadable: frozenset[str] = frozenset(),
+) -> Outcome:
+    """`admission.decide`: the decision over `view` (each report with its age, as `snapshot` gives it or a
+    journal recorded it) by an index built for it; `unreadable` names nodes whose ledger does not decode."""
+    arrived = {name: -entry.age(now) for name, entry in view.items()}  # on a clock that reads 0 at the decision
+    entries: dict[str, LedgerEntry] = {name: (ledger, 1) for name, ledger in ledgers.items()}
+    entries.update((name, (None, -1)) for name in unreadable)
+    return FleetIndex().decide(
+        request, model, view, arrived, entries, now=now, monotonic_now=0.0, decision_id=decision_id,
+        reservation_id=reservation_id, dry_run=dry_run,
+    )  # fmt: skip
+
+
+__all__ = ["NO_LEDGER", "FleetIndex", "IndexStats", "Inputs", "LedgerEntry", "Sizing", "decide_once", "snapshot"]

@@ -194,12 +194,14 @@ def test_a_request_for_draft_simple_without_a_draft_is_refused_as_unsupported(mo
     assert refusal.reason == "unsupported_settings" and "needs a draft model" in refusal.message
 
 
-def test_the_fleet_index_leaves_requests_with_companions_to_the_full_scan() -> None:
+def test_the_fleet_index_answers_requests_with_companions_from_shared_sizings() -> None:
+    # One decision path: requests with companions are sized like any other with a fixed context (sizings kept
+    # per model and companions), cheap enough for the placement actor's event loop; only the largest context
+    # that fits and a split size per node, off that loop (`tests/unit/test_fleet_index.py`: the same decisions).
     assert FleetIndex.covers(msgspec.convert({"model": {"path": "m"}, "ctx": 4096}, PlacementRequest))
-    assert not FleetIndex.covers(_request(draft="d.gguf"))
-    assert not FleetIndex.covers(
-        msgspec.convert({"model": {"path": "m", "mmproj": "p"}, "ctx": 4096}, PlacementRequest)
-    )
+    assert FleetIndex.covers(_request(draft="d.gguf"))
+    assert FleetIndex.covers(msgspec.convert({"model": {"path": "m", "mmproj": "p"}, "ctx": 4096}, PlacementRequest))
+    assert not FleetIndex.covers(msgspec.convert({"model": {"path": "m"}, "max_ctx": True}, PlacementRequest))
 
 
 # ---- the runner: command line, log, observation, drift ----
