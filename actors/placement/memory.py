@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import msgspec
@@ -66,7 +66,7 @@ from actors.placement.projector import (
     validate_projector,
 )
 from actors.placement.weights import CPU_ALIGNMENT, layer_devices, repack_bytes, weights_per_device
-from messages.memory import DeviceMemory, MemoryBreakdown
+from messages.memory import ContextShape, DeviceMemory, MemoryBreakdown
 from messages.model import ModelGeometry, ProjectorGeometry
 from messages.settings import ServingSettings
 
@@ -282,144 +282,284 @@ def _estimate(
     projector: ProjectorGeometry | None = None,
     rpc_devices: int = 0,
 ) -> MemoryBreakdown:
+    """The breakdown, in the order llama-server builds it: the settings checked, the context resolved and its
+    caches sized, the layers placed with their weights, the compute buffers and outputs, then a draft model's
+    context and a projector; every part then added up per device."""
     flash_attn = settings.flash_attn == "on"
+    mtp = _validated(geometry, settings, n_gpu_layers, gpu_split, draft_model, projector, rpc_devices)
+    shape = resolve_context(geometry, settings, n_ctx)
+    target = target_caches(geometry, settings, shape)
+    mtp_caches, draft_shape = draft_caches(geometry, settings, shape) if mtp else (Caches(), None)
+
+    devices = layer_devices(geometry, n_gpu_layers, gpu_split)
+    weights = weights_per_device(geometry, devices, load_nextn=mtp, copied=range(rpc_devices))
+    repack = _host_repack(geometry, cpu_features, devices, gpu_split, rpc_devices, mtp)
+
+    n_outputs = _outputs_per_batch(settings, shape, n_ctx)
+    compute = compute_model.compute_buffers(
+        geometry,
+        shape,
+        flash_attn=flash_attn,
+        n_outputs=n_outputs,
+        draft_shape=draft_shape,
+        offloaded=any(d >= 0 for d in devices),
+        pooled=settings.kind in pooled.POOLED_KINDS,
+    )
+    output_bytes = pooled.output_row_bytes(geometry, settings) * shape.n_seq_max
+    host_extra = host_extras(geometry, settings, shape, target)
+
+    if draft_model is not None:
+        second = _draft_model_context(draft_model, settings, shape, n_gpu_layers, gpu_split, cpu_features)
+    else:  # an MTP context's layers are the model's; its logits one row per sequence
+        mtp_output = 4 * geometry.n_vocab * shape.n_seq_max if draft_shape is not None else 0
+        second = _SecondContext(caches=mtp_caches, devices=devices, output=mtp_output)
+    output_bytes += second.output
+    image = _projector_part(projector, n_gpu_layers, gpu_split, flash_attn=flash_attn)
+    host_extra += image.embeddings
+
+    placed = _DeviceBytes(rpc_devices)
+    placed.put(weights, "weights")
+    placed.put(second.weights, "draft_weights")
+    placed.add(-1, "repack", repack)
+    placed.add(-1, "repack", second.repack)
+    placed.add(image.device, "projector_weights", image.weights, alignment=CPU_ALIGNMENT)  # tensors already rounded
+    placed.add_caches(target, "kv", devices)
+    placed.add_caches(second.caches, "draft_kv", second.devices)
+    placed.add_recurrent(target, devices)
+    _place_compute(placed, geometry, shape, devices, compute, draft_shape, n_outputs, flash_attn=flash_attn)
+    for dev, n_bytes in second.compute.items():
+        placed.add(dev, "compute", n_bytes)
+    placed.add(image.device, "compute", image.compute)
+    placed.add_margins()
+    placed.host("output", output_bytes)
+    placed.host("host_extra", host_extra)
+    device_list = _device_memories(placed, devices, geometry.n_layer)
+
+    return MemoryBreakdown(
+        estimator_version=ESTIMATOR_VERSION,
+        llama_cpp_version=LLAMA_CPP_VERSION,
+        architecture=geometry.architecture,
+        context=shape,
+        kv_bytes=target.kv_total(),
+        kv_k_bytes=sum(target.k.values()),
+        kv_v_bytes=sum(target.v.values()),
+        kv_swa_bytes=sum(target.k[il] + target.v.get(il, 0) for il in target.swa_layers),
+        recurrent_bytes=target.recurrent_total(),
+        draft_kv_bytes=second.caches.kv_total(),
+        weights_bytes=sum(weights.values()),
+        repack_bytes=sum(d.repack_bytes for d in device_list),
+        compute_bytes=sum(d.compute_bytes for d in device_list),
+        compute_margin_bytes=sum(d.compute_margin_bytes for d in device_list),
+        output_bytes=output_bytes,
+        host_extra_bytes=host_extra,
+        total_bytes=sum(d.total_bytes for d in device_list),
+        devices=device_list,
+        compute_error_ratio=compute_model.MEASURED_ERROR_RATIO,
+        draft_weights_bytes=sum(second.weights.values()),
+        draft_repack_bytes=second.repack,
+        draft_output_bytes=second.output,
+        projector_weights_bytes=image.weights,
+        projector_compute_bytes=image.compute,
+    )
+
+
+def _validated(
+    geometry: ModelGeometry,
+    settings: ServingSettings,
+    n_gpu_layers: int,
+    gpu_split: Sequence[float],
+    draft_model: ModelGeometry | None,
+    projector: ProjectorGeometry | None,
+    rpc_devices: int,
+) -> bool:
+    """Refuses what llama-server refuses and what the estimate does not size (`MemoryModelError`); whether
+    the server builds an MTP context."""
     mtp = validate(geometry, settings, draft_model)
     if projector is not None:
         validate_projector(geometry, projector)
     if rpc_devices:
         _validate_split(geometry, settings, n_gpu_layers, gpu_split, rpc_devices, mtp, draft_model, projector)
-    types = spec_types(settings)
+    return mtp
 
-    shape = resolve_context(geometry, settings, n_ctx)
-    target = target_caches(geometry, settings, shape)
-    draft, draft_shape = draft_caches(geometry, settings, shape) if mtp else (Caches(), None)
 
-    devices = layer_devices(geometry, n_gpu_layers, gpu_split)
-    weights = weights_per_device(geometry, devices, load_nextn=mtp, copied=range(rpc_devices))
-    # with a GPU device the host's weights go to its host buffer type (then, mmap'd, to the plain CPU one); RPC
-    # devices have no host buffer type, so with only those the host repacks its own blocks as it would alone
-    repack = 0
-    if len(gpu_split) == rpc_devices:
-        on_host = {il for il in range(geometry.n_layer) if devices[il] < 0}
-        repack = repack_bytes(
-            geometry, cpu_features, load_nextn=mtp, output_on_host=devices[geometry.n_layer] < 0,
-            host_layers=on_host if rpc_devices else None,
-        )  # fmt: skip
+def _host_repack(
+    geometry: ModelGeometry,
+    cpu_features: frozenset[str] | None,
+    devices: Sequence[int],
+    gpu_split: Sequence[float],
+    rpc_devices: int,
+    mtp: bool,
+) -> int:
+    """The CPU backend's repacked copies of the host's weights. With a GPU device the host's weights go to its
+    host buffer type (then, mmap'd, to the plain CPU one): none. RPC devices have no host buffer type, so with
+    only those the host repacks its own blocks as it would alone."""
+    if len(gpu_split) != rpc_devices:
+        return 0
+    on_host = {il for il in range(geometry.n_layer) if devices[il] < 0}
+    return repack_bytes(
+        geometry, cpu_features, load_nextn=mtp, output_on_host=devices[geometry.n_layer] < 0,
+        host_layers=on_host if rpc_devices else None,
+    )  # fmt: skip
 
-    n_outputs_max = min(min(n_ctx, settings.batch), settings.slots * (1 + spec_n_max(settings, types)))
-    gpu_with_layers = sorted({d for d in devices if d >= 0})
-    compute = compute_model.compute_buffers(
-        geometry,
-        shape,
-        flash_attn=flash_attn,
-        n_outputs=min(shape.n_ubatch, max(1, n_outputs_max)),
-        draft_shape=draft_shape,
-        offloaded=bool(gpu_with_layers),
-        pooled=settings.kind in pooled.POOLED_KINDS,
+
+def _outputs_per_batch(settings: ServingSettings, shape: ContextShape, n_ctx: int) -> int:
+    """The outputs one micro-batch's graph is reserved for: a token per slot and its draft tokens, within the
+    batch and the context."""
+    n_outputs_max = min(min(n_ctx, settings.batch), settings.slots * (1 + spec_n_max(settings, spec_types(settings))))
+    return min(shape.n_ubatch, max(1, n_outputs_max))
+
+
+@dataclass(frozen=True, slots=True)
+class _SecondContext:
+    """The server's second context, when it has one: an MTP context over the model's own next-token layers,
+    or a draft model's (`--model-draft`), with its own layers, weights, compute buffers and logits."""
+
+    caches: Caches
+    devices: Sequence[int]  # where each of its layers lives
+    weights: dict[int, int] = field(default_factory=dict)
+    repack: int = 0
+    compute: dict[int, int] = field(default_factory=dict)  # device -> bytes
+    output: int = 0
+
+
+def _draft_model_context(
+    draft_model: ModelGeometry,
+    settings: ServingSettings,
+    shape: ContextShape,
+    n_gpu_layers: int,
+    gpu_split: Sequence[float],
+    cpu_features: frozenset[str] | None,
+) -> _SecondContext:
+    """A draft model: its own layers on devices by the same rule as the model's (llama-server passes -ngl as
+    -ngld and the same split), its context with the target's n_ctx and slots, one output row per slot."""
+    caches, model_shape = draft_model_caches(draft_model, settings, shape)
+    devices = layer_devices(draft_model, n_gpu_layers, gpu_split)
+    weights = weights_per_device(draft_model, devices, load_nextn=False)
+    repack = 0 if gpu_split else repack_bytes(draft_model, cpu_features, load_nextn=False, output_on_host=True)
+    gpus = sorted({d for d in devices if d >= 0})
+    buffers = compute_model.compute_buffers(
+        draft_model,
+        model_shape,
+        flash_attn=settings.flash_attn == "on",
+        n_outputs=min(model_shape.n_ubatch, max(1, model_shape.n_seq_max)),
+        offloaded=bool(gpus),
     )
-    output_bytes = pooled.output_row_bytes(geometry, settings) * shape.n_seq_max
-    draft_output = 4 * geometry.n_vocab * shape.n_seq_max if draft_shape is not None else 0
-    host_extra = host_extras(geometry, settings, shape, target)
+    compute = dict.fromkeys(gpus or [-1], buffers.device)
+    if gpus:
+        compute[-1] = buffers.host
+    output = 4 * draft_model.n_vocab * model_shape.n_seq_max
+    return _SecondContext(caches, devices, weights, repack, compute, output)
 
-    # A draft model: its own layers on devices by the same rule (llama-server passes -ngl as -ngld and the
-    # same split), its context with the target's n_ctx and slots, one output row per slot.
-    draft_devices = devices  # where each draft-context layer lives (an MTP context's are the model's)
-    draft_weights: dict[int, int] = {}
-    draft_repack = 0
-    draft_compute: dict[int, int] = {}
-    if draft_model is not None:
-        draft, model_shape = draft_model_caches(draft_model, settings, shape)
-        draft_devices = layer_devices(draft_model, n_gpu_layers, gpu_split)
-        draft_weights = weights_per_device(draft_model, draft_devices, load_nextn=False)
-        if not gpu_split:
-            draft_repack = repack_bytes(draft_model, cpu_features, load_nextn=False, output_on_host=True)
-        draft_gpus = sorted({d for d in draft_devices if d >= 0})
-        model_compute = compute_model.compute_buffers(
-            draft_model,
-            model_shape,
-            flash_attn=flash_attn,
-            n_outputs=min(model_shape.n_ubatch, max(1, model_shape.n_seq_max)),
-            offloaded=bool(draft_gpus),
-        )
-        for dev in draft_gpus or [-1]:
-            draft_compute[dev] = model_compute.device
-        if draft_gpus:
-            draft_compute[-1] = model_compute.host
-        draft_output = 4 * draft_model.n_vocab * model_shape.n_seq_max
-    output_bytes += draft_output
 
-    # A projector: its weights and its image graph where the CLIP backend runs; its compute buffer is the
-    # graph llama.cpp reserves at the first image (the server starts without a warm-up), counted from now.
-    projector_weights = projector_compute = 0
-    projector_at = -1
-    if projector is not None:
-        projector_at = projector_device(n_gpu_layers, tuple(gpu_split))
-        projector_weights = projector.buffer_bytes
-        projector_compute = projector_compute_bytes(projector, flash_attn=flash_attn)
-        host_extra += image_embedding_bytes(projector)
+@dataclass(frozen=True, slots=True)
+class _ProjectorPart:
+    """A projector's share: its weights and its image graph where the CLIP backend runs (-1: the host), and the
+    last image's embeddings, a host extra. Its compute buffer is the graph llama.cpp reserves at the first
+    image (the server starts without a warm-up), counted from now."""
 
-    per_device: dict[int, dict[str, int]] = {}
+    device: int = -1
+    weights: int = 0
+    compute: int = 0
+    embeddings: int = 0
 
-    def add(dev: int, key: str, n_bytes: int, alignment: int | None = None) -> None:
+
+def _projector_part(
+    projector: ProjectorGeometry | None, n_gpu_layers: int, gpu_split: Sequence[float], *, flash_attn: bool
+) -> _ProjectorPart:
+    if projector is None:
+        return _ProjectorPart()
+    return _ProjectorPart(
+        device=projector_device(n_gpu_layers, tuple(gpu_split)),
+        weights=projector.buffer_bytes,
+        compute=projector_compute_bytes(projector, flash_attn=flash_attn),
+        embeddings=image_embedding_bytes(projector),
+    )
+
+
+class _DeviceBytes:
+    """Bytes per device (-1: the host, then the RPC devices and the GPUs) and kind of buffer, each allocation
+    padded to its device's alignment."""
+
+    def __init__(self, rpc_devices: int) -> None:
+        self.rpc_devices = rpc_devices
+        self.slots: dict[int, dict[str, int]] = {-1: {}}
+
+    def add(self, dev: int, key: str, n_bytes: int, alignment: int | None = None) -> None:
         if n_bytes <= 0:
             return
         # an RPC device is a member's host memory: its CPU backend's alignment
-        align = alignment or (CPU_ALIGNMENT if dev < rpc_devices else GPU_ALIGNMENT)
-        slot = per_device.setdefault(dev, {})
+        align = alignment or (CPU_ALIGNMENT if dev < self.rpc_devices else GPU_ALIGNMENT)
+        slot = self.slots.setdefault(dev, {})
         slot[key] = slot.get(key, 0) + pad(n_bytes, align)
 
-    per_device.setdefault(-1, {})
-    for dev, n_bytes in weights.items():
-        slot = per_device.setdefault(dev, {})
-        slot["weights"] = slot.get("weights", 0) + n_bytes
-    for dev, n_bytes in draft_weights.items():
-        slot = per_device.setdefault(dev, {})
-        slot["draft_weights"] = slot.get("draft_weights", 0) + n_bytes
-    add(-1, "repack", repack)
-    add(-1, "repack", draft_repack)
-    add(projector_at, "projector_weights", projector_weights, alignment=CPU_ALIGNMENT)  # tensors already rounded
-    for caches, key, where in ((target, "kv", devices), (draft, "draft_kv", draft_devices)):
+    def put(self, table: dict[int, int], key: str) -> None:
+        """Bytes per device as they are (weights: tensors already padded), every device named kept."""
+        for dev, n_bytes in table.items():
+            slot = self.slots.setdefault(dev, {})
+            slot[key] = slot.get(key, 0) + n_bytes
+
+    def host(self, key: str, n_bytes: int) -> None:
+        self.slots[-1][key] = n_bytes
+
+    def add_caches(self, caches: Caches, key: str, where: Sequence[int]) -> None:
+        """Each layer's K and V tensors on its layer's device."""
         for il, n_bytes in caches.k.items():
-            add(where[il], key, n_bytes)
+            self.add(where[il], key, n_bytes)
         for il, n_bytes in caches.v.items():
-            add(where[il], key, n_bytes)
-    for table in (target.recurrent_r, target.recurrent_s):  # R and S are separate tensors
-        for il, n_bytes in table.items():
-            add(devices[il], "recurrent", n_bytes)
-    if rpc_devices:
+            self.add(where[il], key, n_bytes)
+
+    def add_recurrent(self, caches: Caches, where: Sequence[int]) -> None:
+        for table in (caches.recurrent_r, caches.recurrent_s):  # R and S are separate tensors
+            for il, n_bytes in table.items():
+                self.add(where[il], "recurrent", n_bytes)
+
+    def add_margins(self) -> None:
+        for slot in self.slots.values():
+            if slot.get("compute"):
+                slot["compute_margin"] = compute_margin(slot["compute"])
+
+
+def _place_compute(
+    placed: _DeviceBytes,
+    geometry: ModelGeometry,
+    shape: ContextShape,
+    devices: Sequence[int],
+    compute: compute_model.ComputeEstimate,
+    draft_shape: ContextShape | None,
+    n_outputs: int,
+    *,
+    flash_attn: bool,
+) -> None:
+    """The serving context's compute buffers on the devices that reserve them (an MTP context's beside it)."""
+    gpu_with_layers = sorted({d for d in devices if d >= 0})
+    if placed.rpc_devices:
         # a split: each device reserves the part of the graph whose weights it holds (`split_compute_buffers`)
-        n_outputs = min(shape.n_ubatch, max(1, n_outputs_max))
         split = compute_model.split_compute_buffers(
             geometry, shape, devices, flash_attn=flash_attn, n_outputs=n_outputs
         )
         for dev, n_bytes in split.items():
-            add(dev, "compute", n_bytes)
+            placed.add(dev, "compute", n_bytes)
     elif gpu_with_layers:
         # each GPU holding layers reserves the graph for them; the host keeps the embedding lookup
         for dev in gpu_with_layers:
-            add(dev, "compute", compute.device)
+            placed.add(dev, "compute", compute.device)
         nextn_devices = {devices[layer.index] for layer in geometry.layers if layer.nextn}
         for dev in nextn_devices if draft_shape is not None else ():
-            add(dev, "compute", compute.draft)
-        add(-1, "compute", compute.host)
+            placed.add(dev, "compute", compute.draft)
+        placed.add(-1, "compute", compute.host)
     else:
-        add(-1, "compute", compute.device + compute.draft)
-    for dev, n_bytes in draft_compute.items():
-        add(dev, "compute", n_bytes)
-    add(projector_at, "compute", projector_compute)
-    for slot in per_device.values():
-        if slot.get("compute"):
-            slot["compute_margin"] = compute_margin(slot["compute"])
-    per_device[-1]["output"] = output_bytes
-    per_device[-1]["host_extra"] = host_extra
+        placed.add(-1, "compute", compute.device + compute.draft)
 
+
+def _device_memories(placed: _DeviceBytes, devices: Sequence[int], n_layer: int) -> tuple[DeviceMemory, ...]:
+    """Each device's figures, the host first, then in llama.cpp's device order, with the blocks it holds."""
     device_list: list[DeviceMemory] = []
-    for dev in sorted(per_device, key=lambda d: (d >= 0, d)):
-        slot = per_device[dev]
-        placed = [il for il in range(geometry.n_layer) if devices[il] == dev]
+    for dev in sorted(placed.slots, key=lambda d: (d >= 0, d)):
+        slot = placed.slots[dev]
+        held = [il for il in range(n_layer) if devices[il] == dev]
         device_list.append(
             DeviceMemory(
-                device=device_name(dev, rpc_devices),
+                device=device_name(dev, placed.rpc_devices),
                 weights_bytes=slot.get("weights", 0),
                 repack_bytes=slot.get("repack", 0),
                 kv_bytes=slot.get("kv", 0),
@@ -432,33 +572,7 @@ def _estimate(
                 output_bytes=slot.get("output", 0),
                 host_extra_bytes=slot.get("host_extra", 0),
                 total_bytes=sum(slot.values()),
-                layers=(placed[0], placed[-1] + 1) if placed else None,
+                layers=(held[0], held[-1] + 1) if held else None,
             )
         )
-
-    return MemoryBreakdown(
-        estimator_version=ESTIMATOR_VERSION,
-        llama_cpp_version=LLAMA_CPP_VERSION,
-        architecture=geometry.architecture,
-        context=shape,
-        kv_bytes=target.kv_total(),
-        kv_k_bytes=sum(target.k.values()),
-        kv_v_bytes=sum(target.v.values()),
-        kv_swa_bytes=sum(target.k[il] + target.v.get(il, 0) for il in target.swa_layers),
-        recurrent_bytes=target.recurrent_total(),
-        draft_kv_bytes=draft.kv_total(),
-        weights_bytes=sum(weights.values()),
-        repack_bytes=sum(d.repack_bytes for d in device_list),
-        compute_bytes=sum(d.compute_bytes for d in device_list),
-        compute_margin_bytes=sum(d.compute_margin_bytes for d in device_list),
-        output_bytes=output_bytes,
-        host_extra_bytes=host_extra,
-        total_bytes=sum(d.total_bytes for d in device_list),
-        devices=tuple(device_list),
-        compute_error_ratio=compute_model.MEASURED_ERROR_RATIO,
-        draft_weights_bytes=sum(draft_weights.values()),
-        draft_repack_bytes=draft_repack,
-        draft_output_bytes=draft_output,
-        projector_weights_bytes=projector_weights,
-        projector_compute_bytes=projector_compute,
-    )
+    return tuple(device_list)

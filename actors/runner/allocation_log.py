@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from decimal import Decimal
 
@@ -306,117 +306,195 @@ def _breakdown(record: object) -> list[BreakdownRow] | None:
 
 def parse_allocation_log(text: str) -> AllocationLog:
     """Parses a llama-server log; never raises on unrelated or malformed lines."""
-    result = AllocationLog()
-    ctx: ContextAllocation | None = None
-    pending_swa: bool | None = None
-    kv_buffers: list[tuple[str, Decimal]] = []
-    rs_buffers: list[tuple[str, Decimal]] = []
-    models_loaded = 0  # llama models whose loading began: the first is the model, the second a draft
-
-    def projector() -> ProjectorAllocation:
-        if result.projector is None:
-            result.projector = ProjectorAllocation()
-        return result.projector
-
-    def current() -> ContextAllocation:
-        nonlocal ctx
-        if ctx is None:
-            ctx = ContextAllocation()
-            result.contexts.append(ctx)
-        return ctx
-
+    reader = _Reader()
     for line, record in _messages(text):
         if line is None:
-            rows = _breakdown(record)
-            if rows is not None:
-                result.breakdown = rows
-            continue
-        if m := _MODEL_BUF.match(line):
-            buffers = result.draft_model_buffers if models_loaded > 1 else result.model_buffers
-            buffers[m.group(1)] = buffers.get(m.group(1), Decimal(0)) + Decimal(m.group(2))
-        elif _MODEL_LOADER.match(line):
-            models_loaded += 1
-        elif _CTX_START.match(line):
-            ctx = ContextAllocation()
-            result.contexts.append(ctx)
-            pending_swa = None
-        elif m := _CTX_PARAM.match(line):
-            c = current()
-            if m.group(1) == "n_seq_max" and c.n_seq_max is not None:
-                # a second context whose "constructing" line was lost
-                ctx = None
-                c = current()
-            setattr(c, m.group(1), int(m.group(2)))
-        elif m := _CTX_FLAG.match(line):
-            c = current()
-            if m.group(1) == "flash_attn":
-                c.flash_attn = m.group(2)
-            else:
-                c.kv_unified = m.group(2) == "true"
-        elif m := _OUTPUT_BUF.match(line):
-            current().output_buffers[m.group(1)] = Decimal(m.group(2))
-        elif m := _ISWA.match(line):
-            pending_swa = m.group(1) == "SWA"
-        elif m := _KV_BUF.match(line):
-            kv_buffers.append((m.group(1), Decimal(m.group(2))))
-        elif m := _KV_SIZE.match(line):
-            current().kv.append(
-                KvCacheLine(
-                    size_mib=Decimal(m.group(1)),
-                    cells=int(m.group(2)),
-                    layers=int(m.group(3)),
-                    seqs=int(m.group(4)),
-                    streams=int(m.group(5)),
-                    k_type=m.group(6),
-                    k_mib=Decimal(m.group(7)),
-                    v_type=m.group(8),
-                    v_mib=Decimal(m.group(9)),
-                    swa=pending_swa,
-                    buffers=tuple(kv_buffers),
-                )
+            reader.record(record)
+        else:
+            reader.line(line)
+    return reader.result
+
+
+@dataclass
+class _Reader:
+    """What a log says so far, and what the next lines complete: the context being reported (lines before its
+    first parameter open one), the cache buffer lines waiting for their cache's size line, whether the next
+    cache is a sliding-window pair's, and how many models began loading (the first is the model, the second a
+    draft). Each kind of line has its method; `_LINES` says which line is which, in the order tried."""
+
+    result: AllocationLog = field(default_factory=AllocationLog)
+    ctx: ContextAllocation | None = None
+    pending_swa: bool | None = None
+    kv_buffers: list[tuple[str, Decimal]] = field(default_factory=list)
+    rs_buffers: list[tuple[str, Decimal]] = field(default_factory=list)
+    models_loaded: int = 0
+
+    def line(self, line: str) -> None:
+        for find, read in _LINES:
+            if m := find(line):
+                read(self, m)
+                return
+
+    def record(self, record: object) -> None:
+        rows = _breakdown(record)
+        if rows is not None:
+            self.result.breakdown = rows
+
+    def current(self) -> ContextAllocation:
+        if self.ctx is None:
+            self.ctx = ContextAllocation()
+            self.result.contexts.append(self.ctx)
+        return self.ctx
+
+    def projector(self) -> ProjectorAllocation:
+        if self.result.projector is None:
+            self.result.projector = ProjectorAllocation()
+        return self.result.projector
+
+    # --- models and contexts ---
+
+    def model_buffer(self, m: re.Match[str]) -> None:
+        buffers = self.result.draft_model_buffers if self.models_loaded > 1 else self.result.model_buffers
+        buffers[m.group(1)] = buffers.get(m.group(1), Decimal(0)) + Decimal(m.group(2))
+
+    def model_loader(self, m: re.Match[str]) -> None:
+        self.models_loaded += 1
+
+    def context_start(self, m: re.Match[str]) -> None:
+        self.ctx = ContextAllocation()
+        self.result.contexts.append(self.ctx)
+        self.pending_swa = None
+
+    def context_param(self, m: re.Match[str]) -> None:
+        c = self.current()
+        if m.group(1) == "n_seq_max" and c.n_seq_max is not None:
+            # a second context whose "constructing" line was lost
+            self.ctx = None
+            c = self.current()
+        setattr(c, m.group(1), int(m.group(2)))
+
+    def context_flag(self, m: re.Match[str]) -> None:
+        c = self.current()
+        if m.group(1) == "flash_attn":
+            c.flash_attn = m.group(2)
+        else:
+            c.kv_unified = m.group(2) == "true"
+
+    def output_buffer(self, m: re.Match[str]) -> None:
+        self.current().output_buffers[m.group(1)] = Decimal(m.group(2))
+
+    def compute_buffer(self, m: re.Match[str]) -> None:
+        c = self.current()
+        size = Decimal(m.group(2))
+        c.compute_buffers[m.group(1)] = max(size, c.compute_buffers.get(m.group(1), Decimal(0)))
+
+    # --- caches: buffer lines first, then the cache's size line ---
+
+    def iswa(self, m: re.Match[str]) -> None:
+        self.pending_swa = m.group(1) == "SWA"
+
+    def kv_buffer(self, m: re.Match[str]) -> None:
+        self.kv_buffers.append((m.group(1), Decimal(m.group(2))))
+
+    def kv_size(self, m: re.Match[str]) -> None:
+        self.current().kv.append(
+            KvCacheLine(
+                size_mib=Decimal(m.group(1)),
+                cells=int(m.group(2)),
+                layers=int(m.group(3)),
+                seqs=int(m.group(4)),
+                streams=int(m.group(5)),
+                k_type=m.group(6),
+                k_mib=Decimal(m.group(7)),
+                v_type=m.group(8),
+                v_mib=Decimal(m.group(9)),
+                swa=self.pending_swa,
+                buffers=tuple(self.kv_buffers),
             )
-            kv_buffers = []
-            pending_swa = None
-        elif m := _RS_BUF.match(line):
-            rs_buffers.append((m.group(1), Decimal(m.group(2))))
-        elif m := _RS_SIZE.match(line):
-            current().recurrent.append(
-                RecurrentLine(
-                    size_mib=Decimal(m.group(1)),
-                    cells=int(m.group(2)),
-                    layers=int(m.group(3)),
-                    seqs=int(m.group(4)),
-                    rs_seq=int(m.group(5)),
-                    r_type=m.group(6),
-                    r_mib=Decimal(m.group(7)),
-                    s_type=m.group(8),
-                    s_mib=Decimal(m.group(9)),
-                    p_mib=Decimal(m.group(10) or "0"),
-                    buffers=tuple(rs_buffers),
-                )
+        )
+        self.kv_buffers = []
+        self.pending_swa = None
+
+    def rs_buffer(self, m: re.Match[str]) -> None:
+        self.rs_buffers.append((m.group(1), Decimal(m.group(2))))
+
+    def rs_size(self, m: re.Match[str]) -> None:
+        self.current().recurrent.append(
+            RecurrentLine(
+                size_mib=Decimal(m.group(1)),
+                cells=int(m.group(2)),
+                layers=int(m.group(3)),
+                seqs=int(m.group(4)),
+                rs_seq=int(m.group(5)),
+                r_type=m.group(6),
+                r_mib=Decimal(m.group(7)),
+                s_type=m.group(8),
+                s_mib=Decimal(m.group(9)),
+                p_mib=Decimal(m.group(10) or "0"),
+                buffers=tuple(self.rs_buffers),
             )
-            rs_buffers = []
-        elif m := _COMPUTE.match(line):
-            c = current()
-            size = Decimal(m.group(2))
-            c.compute_buffers[m.group(1)] = max(size, c.compute_buffers.get(m.group(1), Decimal(0)))
-        elif m := _CLIP_BACKEND.match(line):
-            projector().backend = m.group(1)
-        elif m := _CLIP_TYPE.match(line):
-            projector().projector_type = m.group(1)
-        elif m := _CLIP_SIZE.match(line):
-            projector().model_mib = Decimal(m.group(1))
-        elif m := _CLIP_COMPUTE.match(line):
-            buffers = projector().compute_buffers
-            buffers[m.group(1)] = max(Decimal(m.group(2)), buffers.get(m.group(1), Decimal(0)))
-        elif m := _SYSTEM_INFO.search(line):
-            result.cpu_features = frozenset(_FEATURE.findall(m.group(1)))
-        elif m := _BUILD.search(line):
-            result.build_info = m.group(1).strip()
-        elif m := _UNUSED.search(line):
-            result.unused_tensors.append(m.group(1))
-        elif m := _SPEC_IMPL.search(line):
-            result.speculative.append(SpeculativeImpl(type=m.group(1)))
-        elif (m := _SPEC_N_MAX.search(line)) and result.speculative and result.speculative[-1].n_max is None:
-            result.speculative[-1].n_max = int(m.group(1))
-    return result
+        )
+        self.rs_buffers = []
+
+    # --- a projector ---
+
+    def clip_backend(self, m: re.Match[str]) -> None:
+        self.projector().backend = m.group(1)
+
+    def clip_type(self, m: re.Match[str]) -> None:
+        self.projector().projector_type = m.group(1)
+
+    def clip_size(self, m: re.Match[str]) -> None:
+        self.projector().model_mib = Decimal(m.group(1))
+
+    def clip_compute(self, m: re.Match[str]) -> None:
+        buffers = self.projector().compute_buffers
+        buffers[m.group(1)] = max(Decimal(m.group(2)), buffers.get(m.group(1), Decimal(0)))
+
+    # --- the server: its CPU backend, build, unused tensors, speculation ---
+
+    def system_info(self, m: re.Match[str]) -> None:
+        self.result.cpu_features = frozenset(_FEATURE.findall(m.group(1)))
+
+    def build(self, m: re.Match[str]) -> None:
+        self.result.build_info = m.group(1).strip()
+
+    def unused(self, m: re.Match[str]) -> None:
+        self.result.unused_tensors.append(m.group(1))
+
+    def speculative(self, m: re.Match[str]) -> None:
+        self.result.speculative.append(SpeculativeImpl(type=m.group(1)))
+
+    def speculative_n_max(self, m: re.Match[str]) -> None:
+        # the draft length printed after an implementation's line, once
+        if self.result.speculative and self.result.speculative[-1].n_max is None:
+            self.result.speculative[-1].n_max = int(m.group(1))
+
+
+_Find = Callable[[str], re.Match[str] | None]
+
+#: Which line is which: the first pattern that finds a line reads it (anchored at the message's start, or,
+#: for lines other components print around, anywhere in it).
+_LINES: tuple[tuple[_Find, Callable[[_Reader, re.Match[str]], None]], ...] = (
+    (_MODEL_BUF.match, _Reader.model_buffer),
+    (_MODEL_LOADER.match, _Reader.model_loader),
+    (_CTX_START.match, _Reader.context_start),
+    (_CTX_PARAM.match, _Reader.context_param),
+    (_CTX_FLAG.match, _Reader.context_flag),
+    (_OUTPUT_BUF.match, _Reader.output_buffer),
+    (_ISWA.match, _Reader.iswa),
+    (_KV_BUF.match, _Reader.kv_buffer),
+    (_KV_SIZE.match, _Reader.kv_size),
+    (_RS_BUF.match, _Reader.rs_buffer),
+    (_RS_SIZE.match, _Reader.rs_size),
+    (_COMPUTE.match, _Reader.compute_buffer),
+    (_CLIP_BACKEND.match, _Reader.clip_backend),
+    (_CLIP_TYPE.match, _Reader.clip_type),
+    (_CLIP_SIZE.match, _Reader.clip_size),
+    (_CLIP_COMPUTE.match, _Reader.clip_compute),
+    (_SYSTEM_INFO.search, _Reader.system_info),
+    (_BUILD.search, _Reader.build),
+    (_UNUSED.search, _Reader.unused),
+    (_SPEC_IMPL.search, _Reader.speculative),
+    (_SPEC_N_MAX.search, _Reader.speculative_n_max),
+)
