@@ -9,7 +9,7 @@ Readers that meet a type they do not know (a newer producer) still show it as pl
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -24,7 +24,10 @@ from messages.telemetry import NodeResources
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
-    """Envelope shared by every event."""
+    """Envelope shared by every event. A `PRIVATE` event (the tenants' usage) is journaled apart, in the usage
+    stream (`Subjects.usage_stream`), which the mesh's users read and no client does."""
+
+    PRIVATE: ClassVar[bool] = False
 
     id: str
     time: float
@@ -400,7 +403,9 @@ class RequestUsage(Event, frozen=True, kw_only=True, tag="request_usage"):
     """One request to the front door's API, answered or refused: whose key (`tenant` and `key_id` empty for the
     admin key or an open door), which catalog model ("" when the request named none it may use), its HTTP status
     (499: the client left first), the tokens its answer reports (0 when it has none) and how long it took. What
-    `mesh-actor usage` sums."""
+    `mesh-actor usage` sums. Private: journaled in the usage stream, which no client reads."""
+
+    PRIVATE: ClassVar[bool] = True  # whose requests, to what and how many tokens: not for other tenants' eyes
 
     tenant: str
     key_id: str

@@ -43,6 +43,11 @@ class Subjects:
         return f"{self._upper}_EVENTS"
 
     @property
+    def usage_stream(self) -> str:
+        """The journal of the tenants' usage (`request_usage`): the mesh's to read, never a client's."""
+        return f"{self._upper}_USAGE"
+
+    @property
     def nodes_bucket(self) -> str:
         return f"{self._upper}_NODES"
 
@@ -149,6 +154,17 @@ class Subjects:
 
     def events_from(self, node: str) -> str:
         return f"{self.prefix}.events.*.*.{node}"
+
+    def usage_event(self, actor: str, kind: str, node: str) -> str:
+        """Where `node` publishes a private event (`Event.PRIVATE`: the tenants' usage), in `usage_stream`."""
+        return f"{self.prefix}.usage.{actor}.{kind}.{node}"
+
+    def usage_from(self, node: str) -> str:
+        return f"{self.prefix}.usage.*.*.{node}"
+
+    @property
+    def usage_all(self) -> str:
+        return f"{self.prefix}.usage.>"
 
     def events_of(self, actor: str) -> str:
         return f"{self.prefix}.events.{actor}.>"

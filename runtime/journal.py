@@ -44,20 +44,33 @@ MSG_ID_HEADER = "Nats-Msg-Id"
 
 
 async def ensure_events_stream(bus: Bus, subjects: Subjects, *, max_age_s: float, max_bytes: int) -> None:
-    """Creates the events stream if it does not exist; updates its limits if they changed, and turns direct gets
-    on in a stream created before clients read it that way. Never deletes."""
-    name = subjects.events_stream
+    """Creates the journal's streams if they do not exist (the events stream, and the usage stream of its private
+    events); updates their limits if they changed, and turns direct gets on in a stream created before they were
+    read that way. Never deletes."""
+    await _ensure_stream(
+        bus, subjects.events_stream, subjects.events_all, "mesh-actor journal: every decision and lifecycle event",
+        max_age_s=max_age_s, max_bytes=max_bytes,
+    )  # fmt: skip
+    await _ensure_stream(
+        bus, subjects.usage_stream, subjects.usage_all, "mesh-actor journal: the tenants' usage (no client reads it)",
+        max_age_s=max_age_s, max_bytes=max_bytes,
+    )  # fmt: skip
+
+
+async def _ensure_stream(
+    bus: Bus, name: str, subject: str, description: str, *, max_age_s: float, max_bytes: int
+) -> None:
     wanted = StreamConfig(
         name=name,
-        subjects=[subjects.events_all],
+        subjects=[subject],
         storage=StorageType.FILE,
         retention=RetentionPolicy.LIMITS,
         discard=DiscardPolicy.OLD,
         max_age=max_age_s,
         max_bytes=max_bytes,
         duplicate_window=120.0,
-        description="mesh-actor journal: every decision and lifecycle event",
-        allow_direct=True,  # clients read it with direct gets: their account has no consumers (runtime.roles)
+        description=description,
+        allow_direct=True,  # read with direct gets: a client's account has no consumers (runtime.roles)
     )
     try:
         info = await bus.js.stream_info(name)
@@ -67,7 +80,7 @@ async def ensure_events_stream(bus: Bus, subjects: Subjects, *, max_age_s: float
             wanted.num_replicas = replicas
             return await bus.js.add_stream(wanted)
 
-        info = await create_replicated(bus, "journal (events stream)", create, lambda: bus.js.stream_info(name))
+        info = await create_replicated(bus, f"journal ({name})", create, lambda: bus.js.stream_info(name))
     current = info.config
     if (current.max_age, current.max_bytes, bool(current.allow_direct)) != (max_age_s, max_bytes, True):
         wanted.num_replicas = current.num_replicas  # a limits update keeps the replicas the stream has
@@ -126,7 +139,8 @@ class Journal:
         return self._max_event
 
     def record(self, event: Event) -> None:
-        subject = self._subjects.event(event.actor, event_type(event), self._node_id)
+        where = self._subjects.usage_event if event.PRIVATE else self._subjects.event
+        subject = where(event.actor, event_type(event), self._node_id)
         payload = encode(event)
         if len(payload) > self.max_event_bytes:
             self._too_large(event, len(payload))

@@ -169,7 +169,7 @@ def placement_consumer(node: str) -> str:
 def jetstream_subjects(subjects: Subjects) -> list[str]:
     """What the nodes' account routes to JetStream (in `MESH`): its API, consumers' acknowledgements and flow
     control, the buckets' and object stores' subjects, and the journal's."""
-    return ["$JS.API.>", "$JS.ACK.>", "$JS.FC.>", "$KV.>", "$O.>", subjects.events_all]
+    return ["$JS.API.>", "$JS.ACK.>", "$JS.FC.>", "$KV.>", "$O.>", subjects.events_all, subjects.usage_all]
 
 
 def _streams(subjects: Subjects) -> dict[str, str]:
@@ -189,11 +189,12 @@ def _streams(subjects: Subjects) -> dict[str, str]:
 
 def _node_streams(subjects: Subjects) -> dict[str, str]:
     """The streams a node reads and may create: the clients' (`_streams`) and the ones no client may read, the
-    tenants' keys (their hashes, scopes and limits) and the shared limit counters."""
+    tenants' keys (their hashes, scopes and limits), the shared limit counters and the tenants' usage."""
     return {
         **_streams(subjects),
         "keys": f"KV_{subjects.keys_bucket}",
         "limits": f"KV_{subjects.limits_bucket}",
+        "usage": subjects.usage_stream,
     }
 
 
@@ -300,6 +301,7 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
         subjects.telemetry(node),
         subjects.serving(node),
         subjects.events_from(node),
+        subjects.usage_from(node),  # its private events (the tenants' usage), in a stream no client reads
         f"$KV.{subjects.nodes_bucket}.{node}",
         f"$KV.{subjects.l3_bucket}.{node}",
         f"$KV.{subjects.frontdoors_bucket}.{node}",
@@ -363,6 +365,7 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
         subjects.serving_all,  # routers read every node's serving reports
         subjects.telemetry_all,
         subjects.events_all,  # routers learn links from every node's probes; `events --follow` hears new ones
+        subjects.usage_all,  # its metrics fold its tenants' usage
         "$SRV.>",  # NATS micro discovery of this node's services
         inbox,
     ]

@@ -101,6 +101,7 @@ class MetricsActor(Actor):
         node, subjects = ctx.node_id, ctx.subjects
         # Taken raw: only the types that change a figure are decoded (the subject names the type).
         await ctx.subscribe(subjects.events_from(node), msgspec.Raw, self._on_event)
+        await ctx.subscribe(subjects.usage_from(node), msgspec.Raw, self._on_event)  # the private ones
         await ctx.subscribe(subjects.serving(node), ServingReport, self._on_serving)
         core = self.core
         # What the watches' first values do not name went while nobody watched (an earlier incarnation's view).

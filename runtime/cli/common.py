@@ -26,6 +26,7 @@ from runtime.config import (
 )
 from runtime.creds import CredentialsError, with_creds_file, write_private
 from runtime.embedded import EmbeddedNatsError, read_credentials
+from runtime.roles import is_client_user
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -170,6 +171,14 @@ def prefix(args: argparse.Namespace) -> str:
         return str(explicit)
     configured = node_config(args)
     return configured.prefix if configured is not None else "mesh"
+
+
+def refuse_client(args: argparse.Namespace, what: str) -> None:
+    """A `CliError` when the command would connect as a `client` user, which may not read `what` (its account
+    has no route to it: the server would refuse, after a timeout)."""
+    user = client_options(args).user
+    if user and is_client_user(user):
+        raise CliError(f"{what} cannot be read with these credentials: a client's (the mesh's node or admin do)")
 
 
 async def connect(args: argparse.Namespace, name: str) -> Bus:

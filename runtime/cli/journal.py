@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import nats.errors
 from nats.js.errors import NotFoundError
 
 from messages.subjects import Subjects
 from runtime.bus import Bus
-from runtime.cli.common import EXIT_USAGE, CliError, add_client_options, connect, emit_json, prefix
+from runtime.cli.common import EXIT_USAGE, CliError, add_client_options, connect, emit_json, prefix, refuse_client
 from runtime.direct_get import DirectGetFailed, follow_stored, read_stored
 
 _RELATIVE = re.compile(r"^(\d+)([smhd])$")
@@ -36,6 +37,12 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         "events are <actor>.<type>.<node>) or a full subject",
     )
     events.add_argument("--since", metavar="SEQ|TIME", help="a stream sequence, an ISO time, or an age like 10m")
+    events.add_argument(
+        "--usage",
+        action="store_true",
+        help="the tenants' usage journal (request_usage; `--subject` relative to <prefix>.usage.), which the mesh's "
+        "credentials read and a client's do not",
+    )
     events.add_argument(
         "--trace", metavar="TRACE", type=_trace_id,
         help="only the events of one trace: its trace id (32 hex digits) or a traceparent of it",
@@ -71,10 +78,10 @@ def parse_since(text: str, now: datetime) -> tuple[int | None, datetime | None]:
     return None, when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
-def _filter(subjects: Subjects, pattern: str | None) -> str:
+def _filter(subjects: Subjects, pattern: str | None, *, private: bool = False) -> str:
     if not pattern:
-        return subjects.events_all
-    root = f"{subjects.prefix}.events"
+        return subjects.usage_all if private else subjects.events_all
+    root = f"{subjects.prefix}.usage" if private else f"{subjects.prefix}.events"
     full = pattern if pattern == root or pattern.startswith(root + ".") else f"{root}.{pattern}"
     tokens = full.removeprefix(root + ".").split(".")
     if len(tokens) == 2 and tokens[-1] != ">":  # <actor>.<type>: from any node (the subject's last token)
@@ -121,22 +128,26 @@ class StoredEvent:
 
 
 async def read_events(
-    bus: Bus, subjects: Subjects, pattern: str | None, *, since: str | None, follow: bool
+    bus: Bus, subjects: Subjects, pattern: str | None, *, since: str | None, follow: bool, private: bool = False
 ) -> AsyncIterator[StoredEvent]:
-    """Stored events matching `pattern`, oldest first; without `follow`, stops once caught up.
+    """Stored events matching `pattern`, oldest first; without `follow`, stops once caught up. `private`: the
+    usage stream's (`Event.PRIVATE`), which no client reads.
 
     Read with direct gets (`runtime.direct_get`), never a consumer: a client's account has no consumer API."""
     start_seq, start_time = _start(since)
+    stream = subjects.usage_stream if private else subjects.events_stream
     try:
-        info = await bus.js.stream_info(subjects.events_stream)
+        info = await bus.js.stream_info(stream)
     except NotFoundError as exc:
-        raise CliError(f"no journal: stream {subjects.events_stream} does not exist yet") from exc
+        raise CliError(f"no journal: stream {stream} does not exist yet") from exc
+    except nats.errors.Error as exc:  # the usage stream asked with a client's credentials: its account has no route
+        raise CliError(f"stream {stream} cannot be read with these credentials: {exc!r}") from exc
     if info.state.messages == 0 and not follow:
         return
     read = follow_stored if follow else read_stored
     try:
         async for stored in read(
-            bus, subjects.events_stream, _filter(subjects, pattern), start_seq=start_seq, start_time=start_time
+            bus, stream, _filter(subjects, pattern, private=private), start_seq=start_seq, start_time=start_time
         ):
             yield StoredEvent(stored.seq, stored.subject, stored.time, stored.data)
     except DirectGetFailed as exc:
@@ -145,9 +156,13 @@ async def read_events(
 
 async def cmd_events(args: argparse.Namespace) -> int:
     subjects = Subjects(prefix(args))
+    if args.usage:
+        refuse_client(args, "the tenants' usage")
     bus = await connect(args, "events")
     try:
-        async for stored in read_events(bus, subjects, args.subject, since=args.since, follow=args.follow):
+        async for stored in read_events(
+            bus, subjects, args.subject, since=args.since, follow=args.follow, private=args.usage
+        ):
             row = _render(stored.seq, stored.subject, stored.time, stored.data)
             if args.trace is not None and not _in_trace(row["event"], args.trace):
                 continue

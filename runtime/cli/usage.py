@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from messages.subjects import Subjects
-from runtime.cli.common import add_client_options, connect, emit_json, prefix
+from runtime.cli.common import add_client_options, connect, emit_json, prefix, refuse_client
 from runtime.cli.journal import parse_since, read_events
 
 __all__ = ["register", "summarize"]
@@ -78,10 +78,13 @@ async def cmd_usage(args: argparse.Namespace) -> int:
         seq, when = parse_since(args.since, datetime.now(UTC))  # a usage error exits here, before connecting
         since = when.isoformat() if when is not None else str(seq)
     subjects = Subjects(prefix(args))
+    refuse_client(args, "the tenants' usage")
     bus = await connect(args, "usage")
     events: list[dict[str, Any]] = []
     try:
-        async for stored in read_events(bus, subjects, "frontdoor.request_usage", since=since, follow=False):
+        async for stored in read_events(
+            bus, subjects, "frontdoor.request_usage", since=since, follow=False, private=True
+        ):
             try:
                 event = json.loads(stored.data)
             except ValueError:
