@@ -30,6 +30,8 @@ from runtime.logging import configure_logging
 from runtime.restart import RestartPolicy
 
 configure_logging("warning", json=True)
+#: The shared helpers' asserts explain a failure as a test module's do (they are imported after this).
+pytest.register_assert_rewrite("tests.harness")
 #: Placement refuses model files outside a node's model directories. Tests and benchmarks write their models under
 #: the temporary directory (pytest's and their own), so every node started from here (whatever starts it) may read
 #: models there; a test of the refusal passes its own value.

@@ -28,8 +28,8 @@ from messages.generate import ApiCall, GenerateRequest, GenerateResult, RelayHea
 from messages.subjects import Subjects
 from runtime.bus import Bus
 from runtime.generate_client import forward
-from tests.e2e.test_generate import client, wait_captured, wait_serving
-from tests.e2e.test_mesh import cli, node, wait_nodes
+from tests.harness.generate import client, wait_captured, wait_serving
+from tests.harness.nodes import cli, node, wait_nodes
 from tests.llama_harness import call_server, require_server
 from tests.tiny_chat_models import write_tool_chat
 

@@ -25,9 +25,9 @@ import pytest
 
 from runtime.children import free_port
 from tests.conftest import processes
-from tests.e2e.test_frontdoor import KEY, KEYED, QUIET, client, write_catalog
-from tests.e2e.test_generate import wait_ready
-from tests.e2e.test_mesh import cli, nats_env, node, wait_nodes
+from tests.harness.frontdoor import KEY, KEYED, QUIET, client, write_catalog
+from tests.harness.generate import wait_ready
+from tests.harness.nodes import cli, nats_env, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.tiny_models import write_llama
 

@@ -20,8 +20,8 @@ import openai
 import pytest
 
 from runtime.children import free_port
-from tests.e2e.test_frontdoor import QUIET, write_catalog
-from tests.e2e.test_mesh import cli, node, wait_nodes
+from tests.harness.frontdoor import QUIET, write_catalog
+from tests.harness.nodes import cli, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.tiny_models import write_llama
 

@@ -13,7 +13,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import openai
@@ -24,14 +23,12 @@ from actors.placement.gguf_header import read_header
 from actors.placement.memory import estimate
 from messages.settings import ServingSettings
 from runtime.children import free_port
-from tests.e2e.test_mesh import cli, node, wait_nodes
+from tests.harness.frontdoor import _WEDGE, KEY, KEYED, QUIET, _events, client, instances, write_catalog
+from tests.harness.nodes import cli, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.tiny_models import write_llama
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
-QUIET = ("--cache-ram", "0", "--ctx-checkpoints", "0", "--parallel", "2")
-KEY = "test-key-123"
-KEYED = {"MESH_ACTOR_API_KEY": KEY}  # the key in the environment: never on a command line
 
 
 @pytest.fixture(scope="module")
@@ -49,25 +46,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def need(model: Path, ctx: int = 2048) -> int:
     settings = ServingSettings(slots=2, cache_ram_mib=0, ctx_checkpoints=0, swa_full=True)
     return estimate(geometry_from_header(read_header(model)), settings, ctx).total_bytes
-
-
-def write_catalog(data_dir: Path, entries: dict[str, dict[str, Any]]) -> None:
-    data_dir.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for name, fields in entries.items():
-        lines.append(f"[models.{name}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in fields.items()]
-    (data_dir / "models.toml").write_text("\n".join(lines) + "\n")
-
-
-def client(port: int, key: str = KEY) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=120)
-
-
-async def instances(data_dir: Path) -> list[dict[str, Any]]:
-    code, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
-    assert code == 0
-    return [i for i in json.loads(out)["instances"] if i["state"] in ("starting", "ready")]
 
 
 async def test_completions_and_chat_whole_and_streamed_with_usage(tmp_path: Path, models: dict[str, Path]) -> None:
@@ -217,35 +195,6 @@ async def test_pinned_stays_idle_stops_and_a_model_loaded_again_resumes_from_l3(
         assert again.choices[0].text == first.choices[0].text
         assert again.usage is not None and again.usage.prompt_tokens_details is not None
         assert again.usage.prompt_tokens_details.cached_tokens == len(prompt) - 1  # restored from L3
-
-
-# Stops one thread of a running process (ptrace: PTRACE_SEIZE, then PTRACE_INTERRUPT) and keeps it stopped until
-# the process ends, reaping the traced thread's events so that the process's real parent (the runner) sees it exit.
-# Run as its own process: a tracer that dies detaches, so a failing test cannot leave a server stopped.
-_WEDGE = """
-import ctypes, os, sys
-tid = int(sys.argv[1])
-libc = ctypes.CDLL(None, use_errno=True)
-libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-for request in (0x4206, 0x4207):  # PTRACE_SEIZE, PTRACE_INTERRUPT
-    if libc.ptrace(request, tid, None, None) != 0:
-        print("ptrace:", os.strerror(ctypes.get_errno()), flush=True)
-        sys.exit(3)
-print("wedged", flush=True)
-while True:
-    try:
-        _, status = os.waitpid(tid, 0x40000000)  # __WALL: a traced thread of another process's child
-    except ChildProcessError:
-        break
-    if os.WIFEXITED(status) or os.WIFSIGNALED(status):
-        break  # otherwise a stop (the interrupt, a signal): the thread stays stopped
-"""
-
-
-async def _events(data_dir: Path, kind: str) -> list[dict[str, Any]]:
-    code, out, err = await cli("events", "--json", "--subject", kind, "--data-dir", str(data_dir))
-    assert code == 0, err
-    return [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
 
 
 async def test_a_server_whose_completions_fail_while_health_says_ok_is_restarted(

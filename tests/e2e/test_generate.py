@@ -11,25 +11,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import msgspec
 import pytest
 
-from messages.generate import GenerateChunk, GenerateRequest, GenerateResult, InstanceLoad, ServingReport
+from messages.generate import GenerateChunk, GenerateRequest, GenerateResult
 from messages.subjects import Subjects
-from runtime.bus import Bus
-from runtime.config import NatsOptions
 from runtime.generate_client import generate
-from tests.e2e.test_mesh import cli, nats_env, node, wait_nodes
+from tests.harness.generate import QUIET, client, gen, start_model, wait_captured, wait_ready, wait_serving
+from tests.harness.nodes import cli, nats_env, node, wait_nodes
 from tests.llama_harness import call_server, require_server
 from tests.tiny_models import write_gemma3, write_llama, write_qwen35
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
-QUIET = ("--cache-ram", "0", "--ctx-checkpoints", "0", "--parallel", "2")
 PROMPT = [1 + (i * 7) % 250 for i in range(300)]  # longer than the SWA window and the capture threshold
 
 
@@ -42,40 +38,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "swa": write_gemma3(root / "swa.gguf", n_swa=64),
         "hybrid": write_qwen35(root / "hybrid.gguf", n_layer=4, state_size=16, dt_rank=4),
     }
-
-
-async def start_model(data_dir: Path, model: Path, ctx: int = 2048) -> str:
-    code, out, err = await cli("place", str(model), "-c", str(ctx), "--start", "--json", "--data-dir", str(data_dir))
-    assert code == 0, err + out
-    instance_id = str(json.loads(out)["instance"]["instance_id"])
-    async with asyncio.timeout(60):
-        while True:
-            _, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
-            (instance,) = [i for i in json.loads(out)["instances"] if i["id"] == instance_id]
-            if instance["state"] == "ready":
-                return instance_id
-            assert instance["state"] == "starting", instance
-            await asyncio.sleep(0.2)
-
-
-async def gen(data_dir: Path, model: str, tokens: list[int], n: int = 32, *extra: str) -> dict[str, Any]:
-    ids = ",".join(map(str, tokens))
-    code, out, err = await cli(
-        "generate", model, ids, "--tokens", "-n", str(n), "--temperature", "0", "--json", *extra,
-        "--data-dir", str(data_dir),
-    )  # fmt: skip
-    assert code == 0, err + out
-    return dict(json.loads(out))
-
-
-async def wait_captured(data_dir: Path, n_tokens: int) -> None:
-    """Until the node's L3 lists an entry of `n_tokens` tokens (captures are committed off the reply's path)."""
-    async with asyncio.timeout(30):
-        while True:
-            code, out, _ = await cli("l3", "ls", "--json", "--data-dir", str(data_dir))
-            if code == 0 and any(e["tokens"] == n_tokens for e in json.loads(out)):
-                return
-            await asyncio.sleep(0.2)
 
 
 @pytest.mark.parametrize("kind", ["dense", "swa", "hybrid"])
@@ -138,35 +100,6 @@ async def test_routing_sends_a_prompt_to_the_instance_that_holds_it(tmp_path: Pa
         assert code == 0, err + out
         replay = json.loads(out)
         assert replay["replayed"] >= 5 + 2 and replay["changed"] == [], replay  # and the two placements
-
-
-@contextlib.asynccontextmanager
-async def client(data_dir: Path) -> Any:
-    env = await nats_env(data_dir)
-    bus = await Bus.connect(
-        NatsOptions(
-            urls=(env["MESH_ACTOR_NATS"],),
-            user=env["MESH_ACTOR_NATS_USER"],
-            password=env["MESH_ACTOR_NATS_PASSWORD"],
-        ),
-        name="test-client",
-    )
-    try:
-        yield bus
-    finally:
-        await bus.close()
-
-
-async def wait_serving(data_dir: Path, holds: Callable[[dict[str, InstanceLoad]], bool]) -> None:
-    """Until the runners' serving reports, which every router reads, say what `holds` wants (the latest load of
-    each instance, by id). A router hears a report as this test does; the next request comes after."""
-    async with client(data_dir) as bus:
-        reports = await bus.nc.subscribe(Subjects().serving_all)
-        latest: dict[str, InstanceLoad] = {}
-        async with asyncio.timeout(30):
-            while not holds(latest):
-                report = msgspec.json.decode((await reports.next_msg(timeout=30)).data, type=ServingReport)
-                latest.update({load.instance_id: load for load in report.instances})
 
 
 async def test_malformed_generate_requests_get_structured_errors_and_the_node_keeps_serving(
@@ -322,17 +255,6 @@ async def test_a_node_restores_a_prefix_computed_on_another_node_from_its_peer_s
             code, out, err = await cli("l3", "ls", "--json", "--node", "node-b", "--data-dir", str(first))
             assert code == 0, err
             assert any(e["tokens"] == len(PROMPT) - 1 for e in json.loads(out))  # kept where it was fetched to
-
-
-async def wait_ready(data_dir: Path, instance_id: str) -> None:
-    async with asyncio.timeout(60):
-        while True:
-            _, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
-            states = [i["state"] for i in json.loads(out)["instances"] if i["id"] == instance_id]
-            if states == ["ready"]:
-                return
-            assert states in ([], ["starting"]), states
-            await asyncio.sleep(0.2)
 
 
 async def test_routing_prefers_the_node_whose_store_holds_the_prefix(tmp_path: Path, models: dict[str, Path]) -> None:

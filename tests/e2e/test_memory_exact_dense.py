@@ -25,7 +25,7 @@ from actors.placement.compute import MEASURED_ERROR_RATIO
 from actors.placement.memory import cache_allocations, estimate
 from actors.runner.allocation_log import parse_allocation_log, printed_mib
 from tests import tiny_models_dense
-from tests.e2e.test_memory_exact import (
+from tests.harness.memory_exact import (
     MIB,
     PRINT_STEP,
     Case,

@@ -39,7 +39,7 @@ from actors.telemetry.resources import ggml_cpu_features
 from messages.model import ModelGeometry
 from messages.settings import ServingSettings
 from tests import tiny_models
-from tests.e2e.test_memory_repack import write_quantized_llama
+from tests.harness.quantized import write_quantized_llama
 from tests.llama_harness import require_server, run_server, server_args
 
 pytestmark = pytest.mark.e2e

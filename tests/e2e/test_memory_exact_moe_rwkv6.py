@@ -32,7 +32,7 @@ from actors.placement.compute import MEASURED_ERROR_RATIO
 from actors.placement.geometry import GeometryError
 from actors.placement.memory import cache_allocations
 from tests import tiny_models_moe_rwkv6 as tiny
-from tests.e2e.test_memory_exact import PRINT_STEP, Case, _check, _geometry, _row_step, _s
+from tests.harness.memory_exact import PRINT_STEP, Case, _check, _geometry, _row_step, _s
 from tests.llama_harness import require_server, run_server, server_args
 
 pytestmark = pytest.mark.e2e

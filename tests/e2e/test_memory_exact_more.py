@@ -33,7 +33,7 @@ from actors.placement.memory import MemoryModelError, cache_allocations, estimat
 from actors.runner.allocation_log import parse_allocation_log, printed_mib
 from messages.model import ModelGeometry
 from tests import tiny_models
-from tests.e2e.test_memory_exact import (
+from tests.harness.memory_exact import (
     MIB,
     PRINT_STEP,
     Case,

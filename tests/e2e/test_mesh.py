@@ -9,29 +9,22 @@ the start is refused for drift; killing a node leaves no llama-server behind.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from actors.placement.geometry import geometry_from_header
-from actors.placement.gguf_header import read_header
-from actors.placement.memory import estimate
 from messages.runner import RunnerAck, StartInstance
-from messages.settings import ServingSettings
 from messages.subjects import Subjects
 from runtime.bus import Bus, RemoteError
 from runtime.config import NatsOptions
-from tests.conftest import node_process, processes, run_cli
+from tests.conftest import processes
+from tests.harness.nodes import QUIET, cli, nats_env, need, node, wait_nodes
 from tests.llama_harness import call_server, require_server
 from tests.tiny_models import write_llama, write_qwen35
 
 pytestmark = pytest.mark.e2e
-QUIET = ("--cache-ram", "0", "--ctx-checkpoints", "0")
 
 
 @pytest.fixture(scope="module")
@@ -44,44 +37,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-async def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> tuple[int, str, str]:
-    return await run_cli(*args, timeout=timeout, env=env)
-
-
-@contextlib.asynccontextmanager
-async def node(data_dir: Path, node_id: str, *args: str, env: dict[str, str] | None = None) -> AsyncIterator[Any]:
-    async with node_process(data_dir, node_id, *args, env=env) as process:
-        yield process
-
-
-async def nats_env(data_dir: Path) -> dict[str, str]:
-    code, out, err = await cli("nats-env", "--json", "--data-dir", str(data_dir))
-    assert code == 0, err
-    record = json.loads(out)
-    return {
-        "MESH_ACTOR_NATS": record["url"],
-        "MESH_ACTOR_NATS_USER": record["user"],
-        "MESH_ACTOR_NATS_PASSWORD": record["password"],
-    }
-
-
-async def wait_nodes(data_dir: Path, *names: str) -> dict[str, Any]:
-    async with asyncio.timeout(30):
-        while True:
-            code, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
-            status = json.loads(out) if code == 0 else {"nodes": []}
-            if {n["node_id"] for n in status["nodes"]} >= set(names):
-                return dict(status)
-            await asyncio.sleep(0.2)
-
-
 def _servers_of(model: Path) -> list[int]:
     return processes("llama-server", str(model))
-
-
-def need(model: Path, slots: int, ctx: int) -> int:
-    settings = ServingSettings(slots=slots, cache_ram_mib=0, ctx_checkpoints=0)
-    return estimate(geometry_from_header(read_header(model)), settings, ctx).total_bytes
 
 
 async def test_same_model_refused_at_64_slots_and_admitted_at_16_on_nodes_with_a_memory_limit(

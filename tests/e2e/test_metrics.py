@@ -28,8 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from actors.metrics.catalog import INTER_TOKEN_BUCKETS, TTFT_BUCKETS
 from runtime.children import free_port
 from tests.conftest import processes
-from tests.e2e.test_frontdoor import _WEDGE, KEY, KEYED, QUIET, client, write_catalog
-from tests.e2e.test_mesh import cli, node, wait_nodes
+from tests.harness.frontdoor import _WEDGE, KEY, KEYED, QUIET, client, write_catalog
+from tests.harness.nodes import cli, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.tiny_models import write_llama
 

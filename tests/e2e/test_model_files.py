@@ -26,10 +26,21 @@ from runtime.bus import Bus, RemoteError, encode
 from runtime.children import free_port
 from runtime.config import NatsOptions
 from tests.conftest import JournalReader, node_process, of_type, run_cli, supervised
-from tests.e2e import test_runner as runner_tests
-from tests.e2e.test_mesh import QUIET, nats_env, wait_nodes
-from tests.integration.test_placement import place
-from tests.integration.test_placement import report as placement_report
+from tests.harness.nodes import QUIET, nats_env, wait_nodes
+from tests.harness.placement import place
+from tests.harness.placement import report as placement_report
+from tests.harness.runner import (
+    NODE,
+    Node,
+    _put_ledger,
+    _put_telemetry,
+    _request,
+    _reservation,
+    _settings,
+    _start,
+    _status,
+    runner,
+)
 from tests.llama_harness import call_server, require_server
 from tests.tiny_models import write_llama
 
@@ -136,41 +147,39 @@ async def test_a_runner_without_the_file_a_reservation_names_fetches_it_from_a_p
     node-a lacks the file: its runner has its files actor fetch it (at the stamped digest) before the start,
     and llama-server runs the fetched file. Without a holder, the start is refused and the memory released."""
     binary = require_server()
-    settings = runner_tests._settings(slots=1)
+    settings = _settings(slots=1)
     holder_data, data = tmp_path / "holder", tmp_path / "data"
     for directory in (holder_data, data):
         (directory / "models").mkdir(parents=True)
         (directory / "models.toml").write_text('[models.named]\npath = "named.gguf"\n')
     model = write_llama(holder_data / "models" / "named.gguf", n_layer=4, n_embd=128, n_head=4, n_ff=256)
     wanted = msgspec.structs.replace(
-        runner_tests._reservation("r-fetch", model, settings, 512), model_path="named.gguf", model_digest=digest(model)
+        _reservation("r-fetch", model, settings, 512), model_path="named.gguf", model_digest=digest(model)
     )
-    orphan = msgspec.structs.replace(
-        runner_tests._reservation("r-orphan", model, settings, 512), model_path="nowhere.gguf"
-    )
-    await runner_tests._put_ledger(bus, wanted, orphan)
-    await runner_tests._put_telemetry(bus)
+    orphan = msgspec.structs.replace(_reservation("r-orphan", model, settings, 512), model_path="nowhere.gguf")
+    await _put_ledger(bus, wanted, orphan)
+    await _put_telemetry(bus)
     holder = FilesActor("holder", holder_data, models_dir=holder_data / "models")
-    own = FilesActor(runner_tests.NODE, data, models_dir=data / "models")
+    own = FilesActor(NODE, data, models_dir=data / "models")
     async with (
         supervised(bus, [holder], node_id="holder"),
-        supervised(bus, [own], node_id=runner_tests.NODE),
-        runner_tests.runner(bus, data, binary, runner_tests.Node(settings)),
+        supervised(bus, [own], node_id=NODE),
+        runner(bus, data, binary, Node(settings)),
     ):
-        for put in ("holder", runner_tests.NODE):  # live nodes: the holders a pull asks
+        for put in ("holder", NODE):  # live nodes: the holders a pull asks
             await (await buckets.nodes(bus, S)).put(put, encode(placement_report(put, 1 << 30)))
-        await runner_tests._put_telemetry(bus)
-        ack = await runner_tests._start(bus, "r-fetch")
+        await _put_telemetry(bus)
+        ack = await _start(bus, "r-fetch")
         await journal_reader.wait_for(of_type("instance_ready", instance_id=ack.instance_id), timeout=60)
         fetched = data / "models" / "named.gguf"
         assert digest(fetched) == digest(model)
-        assert (await runner_tests._status(bus, ack.instance_id)).model_path == str(fetched)
-        (pulled,) = await journal_reader.wait_for(of_type("model_file_pulled", node=runner_tests.NODE))
+        assert (await _status(bus, ack.instance_id)).model_path == str(fetched)
+        (pulled,) = await journal_reader.wait_for(of_type("model_file_pulled", node=NODE))
         assert (pulled["path"], pulled["peer"]) == ("named.gguf", "holder")
         with pytest.raises(RemoteError) as refused:
-            await runner_tests._start(bus, "r-orphan")
+            await _start(bus, "r-orphan")
         assert refused.value.code == "model_unreadable" and "cannot be fetched" in refused.value.reply.message
-        await runner_tests._request(bus, "stop", StopInstance(instance_id=ack.instance_id))
+        await _request(bus, "stop", StopInstance(instance_id=ack.instance_id))
 
 
 async def test_a_model_placed_on_a_node_without_its_file_is_fetched_there_and_served(tmp_path: Path) -> None:

@@ -18,14 +18,11 @@ refuses to load it.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import os
 import re
 import signal
-import struct
 import subprocess
-import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +42,7 @@ from messages.model import ModelGeometry, ProjectorGeometry
 from messages.settings import ServingSettings
 from runtime.children import free_port
 from tests import tiny_models
+from tests.harness.images import image_part
 from tests.llama_harness import call_server, require_server, run_server, server_args
 from tests.tiny_projectors import write_llava_projector
 
@@ -52,24 +50,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 MIB = 1 << 20
 #: mtmd's line for each image batch it decodes into the text context, with the image's token count.
 IMAGE_BATCH = re.compile(r"decoding image batch \d+/\d+, n_tokens_batch = (\d+)")
-
-
-def png(width: int, height: int) -> bytes:
-    """A small RGB PNG (a gradient): any size, since the projector resizes every image to its own."""
-    rows = b"".join(
-        b"\x00" + bytes((x * 7 + y * 3 + c * 50) % 256 for x in range(width) for c in range(3)) for y in range(height)
-    )
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
-
-
-def image_part(width: int = 40, height: int = 24) -> dict[str, Any]:
-    url = "data:image/png;base64," + base64.b64encode(png(width, height)).decode()
-    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def chat(with_image: bool, text: str = "What is in the picture?") -> dict[str, Any]:

@@ -7,11 +7,7 @@ equals the unsplit server's token for token, and the remote device holds layers 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import signal
-import subprocess
-from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -19,7 +15,8 @@ import pytest
 from runtime.children import free_port, port_free
 from runtime.rpc_tunnel import TunnelEntrance, TunnelExit
 from runtime.tls import ensure_route_certificates
-from tests.llama_harness import call_server, require_server
+from tests.harness.rpc_split import greedy, healthy, process, tail
+from tests.llama_harness import require_server
 from tests.tiny_models import write_llama
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -31,50 +28,6 @@ def rpc_server_binary() -> str:
     if not os.access(path, os.X_OK):
         pytest.skip("llama.cpp was built without its RPC backend (CMAKE_ARGS=-DGGML_RPC=ON)")
     return str(path)
-
-
-@contextlib.asynccontextmanager
-async def process(argv: Sequence[str], log: Path) -> AsyncIterator[asyncio.subprocess.Process]:
-    """A child in its own process group, stopped with the group (SIGTERM, then SIGKILL) whatever happens."""
-    with log.open("wb") as out:
-        child = await asyncio.create_subprocess_exec(
-            *argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
-    try:
-        yield child
-    finally:
-        if child.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signal.SIGTERM)
-            try:
-                async with asyncio.timeout(10):
-                    await child.wait()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.pid, signal.SIGKILL)
-                await child.wait()
-
-
-def tail(log: Path, size: int = 3000) -> str:
-    return log.read_text(errors="replace")[-size:]
-
-
-async def healthy(port: int, child: asyncio.subprocess.Process, log: Path) -> None:
-    async with asyncio.timeout(60):
-        while True:
-            assert child.returncode is None, tail(log)
-            with contextlib.suppress(Exception):
-                if (await call_server(port, "GET", "/health", timeout_s=2)).status == 200:
-                    return
-            await asyncio.sleep(0.2)
-
-
-async def greedy(port: int) -> list[int]:
-    body = {"prompt": "Once upon a time", "n_predict": 24, "temperature": 0, "return_tokens": True}
-    reply = await call_server(port, "POST", "/completion", body, timeout_s=60)
-    tokens = reply.json()["tokens"]
-    assert isinstance(tokens, list) and tokens
-    return [int(t) for t in tokens]
 
 
 async def test_a_split_through_the_tls_tunnel_answers_as_the_unsplit_server(tmp_path: Path) -> None:

@@ -19,42 +19,42 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import blake3
 import msgspec
 import pytest
 
-from actors.placement.geometry import geometry_from_header
-from actors.placement.gguf_header import read_header
-from actors.placement.memory import estimate
-from actors.runner.actor import RunnerActor, RunnerLimits
-from actors.runner.driver import DriverFault, SignalFilter
-from actors.runner.lifecycle import Event, Timings, Verified
+from actors.runner.lifecycle import Event, Verified
 from messages.generate import GenerateRequest, GenerateResult, RunnerGenerate
-from messages.memory import MemoryBreakdown
-from messages.placement import NodeLedger, Reservation, RpcMember, SplitPart, Stamp
-from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
-from messages.settings import ServingSettings
-from messages.subjects import Subjects
-from messages.telemetry import HostInfo, NodeResources
+from messages.placement import RpcMember, SplitPart
+from messages.runner import RunnerAck, StopInstance
 from runtime import buckets
-from runtime.bus import Bus, NoResponders, RemoteError, decode, encode, parse_reply
+from runtime.bus import Bus, RemoteError, parse_reply
 from runtime.cli.runner import fetch_instances
 from runtime.restart import RestartPolicy
 from tests import tiny_models
-from tests.conftest import JournalReader, NatsServer, of_type, processes, supervised
-from tests.integration.test_cli_runner import run_cli
+from tests.conftest import JournalReader, NatsServer, of_type, processes
+from tests.harness.cli import run_cli
+from tests.harness.runner import (
+    FAST,
+    NODE,
+    SUBJECTS,
+    Node,
+    _predict,
+    _put_ledger,
+    _put_telemetry,
+    _request,
+    _reservation,
+    _settings,
+    _start,
+    _status,
+    runner,
+)
 from tests.llama_harness import call_server, require_server
 
 pytestmark = pytest.mark.e2e
-
-NODE = "node-a"
-SUBJECTS = Subjects()
-GIB = 1 << 30
 
 
 @pytest.fixture(scope="module")
@@ -65,112 +65,6 @@ def binary() -> str:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return tiny_models.write_hybrid_set(tmp_path_factory.mktemp("runner-models"), n_vocab=400, llama_layers=2)
-
-
-def _settings(**fields: Any) -> ServingSettings:
-    return msgspec.convert({"cache_ram_mib": 0, "slots": 2, **fields}, ServingSettings)
-
-
-def _predict(model: Path, settings: ServingSettings, ctx: int) -> MemoryBreakdown:
-    return estimate(geometry_from_header(read_header(model)), settings, ctx, n_gpu_layers=0)
-
-
-def _reservation(
-    rid: str, model: Path, settings: ServingSettings, ctx: int, *, multi_node: bool = False, node: str = NODE
-) -> Reservation:
-    predicted = _predict(model, settings, ctx)
-    return Reservation(
-        reservation_id=rid,
-        decision_id=f"d-{rid}",
-        node_id=node,
-        state="reserved",
-        model_path=str(model),
-        stamp=Stamp(settings=settings, ctx=ctx, n_gpu_layers=0),
-        layers=(0, 4),
-        devices=predicted.devices,
-        held={d.device: d.total_bytes for d in predicted.devices},
-        multi_node=multi_node,
-        created_at=time.time(),
-        expires_at=time.time() + 600,
-    )
-
-
-async def _put_ledger(bus: Bus, *reservations: Reservation, node: str = NODE) -> None:
-    kv = await buckets.reservations(bus, SUBJECTS)
-    await kv.put(f"node.{node}", encode(NodeLedger(node_id=node, reservations=reservations)))
-
-
-async def _put_telemetry(bus: Bus, *, usable: int = 64 * GIB, node: str = NODE) -> None:
-    now = time.time()
-    report = NodeResources(
-        node_id=node,
-        seq=1,
-        sent_at=now,
-        started_at=now,
-        ttl_s=600,
-        host=HostInfo(ram_total_bytes=usable, ram_available_bytes=usable, usable_bytes=usable, cpu_count=2),
-    )
-    kv = await buckets.nodes(bus, SUBJECTS)
-    await kv.put(node, encode(report))
-
-
-@dataclass
-class Node:
-    """What a test controls: the node's current serving settings (read by the runner at each start)."""
-
-    settings: ServingSettings | None
-
-
-FAST = RunnerLimits(timings=Timings(ready_timeout_s=60, verify_timeout_s=20, stop_grace_s=5, kill_grace_s=5))
-
-
-@contextlib.asynccontextmanager
-async def runner(
-    bus: Bus,
-    data_dir: Path,
-    binary: str,
-    node: Node,
-    *,
-    policy: RestartPolicy | None = None,
-    rewrite: Callable[[tuple[str, ...]], Sequence[str]] | None = None,
-    limits: RunnerLimits = FAST,
-    fault: DriverFault | None = None,
-    signal_filter: SignalFilter | None = None,
-) -> AsyncIterator[RunnerActor]:
-    actor = RunnerActor(
-        NODE,
-        data_dir,
-        Path(binary),
-        lambda: node.settings,
-        limits=limits,
-        restart_policy=(lambda: policy) if policy else lambda: RestartPolicy(backoff_initial_s=0.05),
-        rewrite_command=rewrite,
-        driver_fault=fault,
-        signal_filter=signal_filter,
-    )
-    async with supervised(bus, [actor], node_id=NODE):
-        yield actor
-
-
-async def _request(bus: Bus, verb: str, message: Any, *, timeout: float = 30) -> RunnerAck:
-    """A request to the runner, retried while its endpoint is not registered yet."""
-    async with asyncio.timeout(10):
-        while True:
-            try:
-                return await bus.request(SUBJECTS.runner(NODE, verb), message, RunnerAck, timeout=timeout)
-            except NoResponders:
-                await asyncio.sleep(0.02)
-
-
-async def _start(bus: Bus, rid: str) -> RunnerAck:
-    return await _request(bus, "start", StartInstance(reservation_id=rid))
-
-
-async def _status(bus: Bus, instance_id: str) -> InstanceStatus:
-    kv = await buckets.instances(bus, SUBJECTS)
-    entry = await kv.get(SUBJECTS.instance_key(NODE, instance_id))
-    assert entry.value
-    return decode(entry.value, InstanceStatus)
 
 
 def _alive(pid: int) -> bool:

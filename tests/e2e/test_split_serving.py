@@ -30,7 +30,7 @@ from runtime import tls
 from runtime.children import free_port
 from tests.cluster_harness import NODES, Cluster, cli, cluster
 from tests.conftest import processes
-from tests.e2e.test_rpc_split import greedy, healthy, process
+from tests.harness.rpc_split import greedy, healthy, process
 from tests.llama_harness import require_server
 from tests.tiny_models import write_gemma3, write_llama, write_qwen35
 

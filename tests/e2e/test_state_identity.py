@@ -32,8 +32,8 @@ from actors.runner.serving import state_identity
 from messages.placement import Reservation, Stamp
 from messages.settings import ServingSettings
 from runtime.model_files import FileDigests
-from tests.e2e.test_generate import gen, start_model, wait_captured
-from tests.e2e.test_mesh import node, wait_nodes
+from tests.harness.generate import gen, start_model, wait_captured
+from tests.harness.nodes import node, wait_nodes
 from tests.llama_harness import call_server, require_server, server_args
 from tests.tiny_models import write_phi3
 

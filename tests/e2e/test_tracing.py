@@ -27,9 +27,9 @@ from messages.generate import GenerateRequest, GenerateResult
 from runtime.bus import Bus, decode
 from runtime.children import free_port
 from runtime.config import NatsOptions
-from tests.e2e.test_frontdoor import KEY, KEYED, QUIET, write_catalog
-from tests.e2e.test_generate import gen, wait_captured, wait_ready
-from tests.e2e.test_mesh import cli, nats_env, need, node, wait_nodes
+from tests.harness.frontdoor import KEY, KEYED, QUIET, write_catalog
+from tests.harness.generate import gen, wait_captured, wait_ready
+from tests.harness.nodes import cli, nats_env, need, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.otlp_receiver import ReceivedSpan, otlp_receiver
 from tests.tiny_models import write_llama

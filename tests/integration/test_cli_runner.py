@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -13,23 +12,9 @@ from runtime.bus import Bus
 from runtime.cli import runner as runner_cli
 from runtime.cli.common import CliError
 from tests.conftest import NatsServer
+from tests.harness.cli import nats_flags, run_cli
 from tests.llama_harness import find_server
 from tests.rpc_harness import require_rpc_server
-
-
-async def run_cli(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="mesh-actor")
-    runner_cli.register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(await args.func(args))
-
-
-def nats_flags(server: NatsServer) -> list[str]:
-    options = server.options
-    assert options.user and options.password
-    secret = server.data_dir / "client-password"
-    secret.write_text(options.password + "\n")  # never in argv
-    return ["--nats", server.url, "--nats-user", options.user, "--nats-password-file", str(secret)]
 
 
 async def test_doctor_reports_engine_nvml_nats_and_jetstream_as_json(

@@ -27,9 +27,8 @@ from messages.settings import ServingSettings, SettingsBounds
 from messages.telemetry import HostInfo, LlamaServerInfo, NodeResources
 from runtime.bus import Bus, RemoteError
 from tests.conftest import JournalReader, of_type, put_telemetry, supervised
-from tests.e2e.test_runner import NODE, _put_ledger, _put_telemetry, _request, _reservation, _start
-from tests.integration.test_placement import GIB, ledger, place, wait_view
-from tests.integration.test_runner_admission import QUICK, SLEEPER
+from tests.harness.placement import GIB, ledger, place, wait_view
+from tests.harness.runner import NODE, QUICK, SLEEPER, _put_ledger, _put_telemetry, _request, _reservation, _start
 from tests.tiny_models import write_llama
 from tests.tiny_projectors import write_llava_projector
 

@@ -10,7 +10,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from runtime.bus import Bus
-from tests.integration.test_frontdoor_limits import SUBJECTS, Router, complete, doors, ready_instance
+from tests.harness.doors import SUBJECTS, Router, complete, doors, ready_instance
 
 pytestmark = pytest.mark.timeout(60)
 

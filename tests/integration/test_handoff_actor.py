@@ -8,16 +8,15 @@ import asyncio
 import contextlib
 import dataclasses
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import blake3
 import msgspec
 import pytest
 
 from actors.handoff import sender as tx
-from actors.handoff.actor import CommittedHandoff, HandoffActor, HandoffFailed, HandoffLimits
+from actors.handoff.actor import CommittedHandoff, HandoffActor, HandoffFailed
 from actors.handoff.probe import PROBE_IDENTITY
 from actors.handoff.restore import into_l3
 from actors.l3 import layout
@@ -28,23 +27,15 @@ from messages.handoff import (
     CreditGrant,
     HandoffAbort,
     HandoffCommit,
-    HandoffControl,
-    HandoffOpen,
     HandoffOpened,
     HandoffResult,
     LinkProbe,
     LinkProbeResult,
     SessionAborted,
 )
-from messages.subjects import Subjects
 from runtime.bus import Bus, RemoteError, encode, parse_reply
 from tests.conftest import JournalReader, NatsServer, of_type, supervised
-
-S = Subjects()
-IDENTITY = "1d" * 32
-FAST = HandoffLimits(
-    idle_timeout_s=0.6, window_bytes=4 << 20, open_timeout_s=5, commit_timeout_s=10, segment_bytes=1 << 20
-)
+from tests.harness.handoff import FAST, IDENTITY, HandSender, S, _until
 
 
 class Restores:
@@ -56,13 +47,6 @@ class Restores:
     async def __call__(self, state: CommittedHandoff) -> str | None:
         self.calls.append((state, state.path.read_bytes()))
         return "restored-into-test"
-
-
-async def _until(check: Callable[[], Any], timeout: float = 10.0) -> Any:
-    async with asyncio.timeout(timeout):
-        while not (value := check()):
-            await asyncio.sleep(0.02)
-        return value
 
 
 @contextlib.asynccontextmanager
@@ -106,68 +90,6 @@ async def test_multi_segment_payload_is_committed_byte_for_byte(
         report = await a.send("node-b", produced(), identity=IDENTITY, n_tokens=3, max_bytes=len(data) + 100)
         assert restores.calls[-1][1] == data and report.segments == 2
         await _until(lambda: _staging_empty(b))
-
-
-class HandSender:
-    """A sender driven by hand through the bus, for fault injection (no mock of NATS)."""
-
-    def __init__(self, bus: Bus, segments: list[bytes], *, announce: bool = False) -> None:
-        self.bus = bus
-        self.segments = segments
-        self.refs: list[SegmentRef] = []
-        offset = 0
-        for i, seg in enumerate(segments):
-            self.refs.append(SegmentRef(i, offset, len(seg), blake3.blake3(seg).hexdigest()))
-            offset += len(seg)
-        self.total = offset
-        self.announce = announce
-        self.controls: list[CreditGrant | SessionAborted] = []
-        self.opened: HandoffOpened | None = None
-
-    async def open(self) -> HandoffOpened:
-        inbox = self.bus.nc.new_inbox()
-
-        async def on_control(msg: Any) -> None:
-            self.controls.append(msgspec.json.decode(msg.data, type=HandoffControl))
-
-        await self.bus.nc.subscribe(inbox, cb=on_control)
-        request = HandoffOpen(
-            sender_node="hand",
-            identity=IDENTITY,
-            n_tokens=2,
-            tokens=(5, 6),
-            max_bytes=self.total,
-            total_bytes=self.total if self.announce else None,
-            credit_subject=inbox,
-        )
-        self.opened = await self.bus.request(S.handoff("node-b", "open"), request, HandoffOpened, timeout=5)
-        return self.opened
-
-    async def chunk(self, ref: SegmentRef, data: bytes, chunk: int = 0, **headers: str) -> None:
-        assert self.opened is not None
-        h = tx.chunk_headers(self.opened.session, ref, chunk)
-        h.update(headers)
-        await self.bus.nc.publish(self.opened.subject + ".data", data, headers=h)
-
-    async def segment(self, i: int, data: bytes | None = None, ref: SegmentRef | None = None) -> None:
-        assert self.opened is not None
-        data = self.segments[i] if data is None else data
-        step = self.opened.chunk_bytes
-        for c in range(0, len(data), step):
-            await self.chunk(ref or self.refs[i], data[c : c + step], c)
-
-    async def commit(self, **changes: Any) -> HandoffResult:
-        assert self.opened is not None
-        commit = HandoffCommit(
-            session=self.opened.session,
-            n_segments=len(self.refs),
-            total_bytes=self.total,
-            n_tokens=2,
-            payload_digest=layout.payload_root(self.refs),
-        )
-        commit = msgspec.structs.replace(commit, **changes)
-        msg = await self.bus.request_raw(self.opened.subject + ".commit", encode(commit), timeout=10)
-        return parse_reply("commit", msg, HandoffResult)
 
 
 def _segments() -> list[bytes]:

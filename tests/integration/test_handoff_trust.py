@@ -32,7 +32,7 @@ from messages.handoff import (
 from messages.subjects import Subjects
 from runtime.bus import Bus, RemoteError, encode
 from tests.conftest import JournalReader, of_type, supervised
-from tests.integration.test_handoff_actor import FAST, IDENTITY, HandSender, _until
+from tests.harness.handoff import FAST, IDENTITY, HandSender, _until
 
 S = Subjects()
 SESSION = "5e" * 16

@@ -26,7 +26,7 @@ from runtime.children import free_port
 from runtime.embedded import EmbeddedNats
 from runtime.roles import Role
 from tests.conftest import node_process, run_cli
-from tests.integration.test_roles import admin_bus, bus_when_loaded, connect_when_loaded, issued, server
+from tests.harness.nats_roles import admin_bus, bus_when_loaded, connect_when_loaded, issued, server
 from tests.tiny_models import write_llama
 
 __all__ = ["server"]  # the fixture, shared with the roles tests

@@ -27,8 +27,8 @@ from runtime import buckets
 from runtime.bus import Bus, RemoteError, encode
 from runtime.cli import l3 as l3_cli
 from tests.conftest import JournalReader, of_type, supervised
-from tests.integration.test_handoff_actor import FAST as HANDOFF
-from tests.integration.test_l3_actor import FAST, IDENTITY, KIND, SEG, _slot_file, _until, l3_node
+from tests.harness.handoff import FAST as HANDOFF
+from tests.harness.l3 import FAST, IDENTITY, KIND, SEG, _slot_file, _until, l3_node
 
 S = Subjects()
 

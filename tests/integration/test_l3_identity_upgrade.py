@@ -13,8 +13,8 @@ from actors.l3 import layout
 from actors.l3.identity import Platform, StateInputs, exact_state_identity
 from runtime.bus import Bus
 from tests.conftest import JournalReader, of_type
-from tests.integration.test_l3_actor import KIND, SEG, _slot_file, l3_node
-from tests.unit.test_l3_identity import v2_identity
+from tests.harness.l3 import KIND, SEG, _slot_file, l3_node
+from tests.harness.l3_identity import v2_identity
 
 TOKENS = list(range(1, 301))
 # an instance as `state_identity` describes it: 512 cells a slot, two slots with their own streams

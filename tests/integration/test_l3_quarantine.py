@@ -16,7 +16,7 @@ from messages.l3 import EntryRequest, VerifyReply
 from messages.subjects import Subjects
 from runtime.bus import Bus
 from tests.conftest import JournalReader, of_type
-from tests.integration.test_l3_actor import FAST, IDENTITY, KIND, SEG, _slot_file, l3_node
+from tests.harness.l3 import FAST, IDENTITY, KIND, SEG, _slot_file, l3_node
 
 S = Subjects()
 

@@ -348,7 +348,7 @@ async def test_names_outside_the_models_dir_or_not_in_the_catalog_travel_in_neit
 
 async def test_a_pull_without_a_named_peer_asks_the_live_nodes(bus: Bus, tmp_path: Path, model: Path) -> None:
     from runtime import buckets
-    from tests.integration.test_placement import report
+    from tests.harness.placement import report
 
     kv = await buckets.nodes(bus, S)
     for node in ("a", "b"):
@@ -394,7 +394,7 @@ async def test_clients_reach_no_files_subject_and_a_node_makes_no_other_node_pul
     `held` and `chunk`, never to pull (a write into their models dir), and serves only its own."""
     from runtime.embedded import EmbeddedNats
     from runtime.roles import Role
-    from tests.integration.test_roles import connect_when_loaded, issued
+    from tests.harness.nats_roles import connect_when_loaded, issued
 
     server = EmbeddedNats(tmp_path / "node", preferred_port=0, node_id="n1")
     await server.start()
@@ -426,7 +426,7 @@ async def test_placement_on_a_node_without_the_file_admits_it_from_the_facts_of_
     from actors.placement.geometry import geometry_from_header
     from actors.placement.gguf_header import read_header
     from messages.placement import ModelRef, PlacementDecision, PlacementRequest
-    from tests.integration.test_placement import place, report
+    from tests.harness.placement import place, report
 
     empty = tmp_path / "p1-models"
     empty.mkdir()
@@ -456,7 +456,7 @@ async def status(nats_server: NatsServer, *flags: str) -> tuple[int, str]:
     import io
 
     from runtime.cli import node as node_cli
-    from tests.integration.test_cli_runner import nats_flags
+    from tests.harness.cli import nats_flags
 
     parser = argparse.ArgumentParser(prog="mesh-actor")
     node_cli.register(parser.add_subparsers(dest="command", required=True))
@@ -473,7 +473,7 @@ async def test_status_shows_which_nodes_hold_each_catalog_and_registry_file(
     """`mesh-actor status` lists every file a front door's catalog or a registry entry names, each version with
     its size, blake3 and the live nodes holding it (asked `files.<node>.held`); a pull adds its node."""
     from messages.frontdoor import FrontDoorModel, FrontDoorReport
-    from tests.integration.test_placement import report
+    from tests.harness.placement import report
 
     seed = (tmp_path / "registry.nk", _seed())
     seed[0].write_bytes(seed[1])

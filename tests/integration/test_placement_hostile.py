@@ -21,8 +21,8 @@ from runtime.bus import Bus
 from runtime.embedded import EmbeddedNats
 from runtime.roles import Role
 from tests.conftest import JournalReader, of_type, put_telemetry, supervised
-from tests.integration.test_placement import GIB, SUBJECTS, ledger, report, wait_view
-from tests.integration.test_roles import admin_bus, bus_when_loaded, issued
+from tests.harness.nats_roles import admin_bus, bus_when_loaded, issued
+from tests.harness.placement import GIB, SUBJECTS, ledger, report, wait_view
 from tests.tiny_models import write_llama
 
 

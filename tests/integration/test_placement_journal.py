@@ -23,7 +23,7 @@ from runtime import buckets
 from runtime.bus import Bus, encode
 from runtime.cli import placement as placement_cli
 from tests.conftest import JournalReader, NatsServer, of_type, supervised
-from tests.integration.test_placement import GIB, SUBJECTS, ask, place, report
+from tests.harness.placement import GIB, SUBJECTS, ask, place, report
 from tests.tiny_models import write_llama
 
 NODES = 2000

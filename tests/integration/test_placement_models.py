@@ -16,8 +16,8 @@ import pytest
 from actors.placement.actor import PlacementActor
 from runtime.bus import Bus
 from tests.conftest import JournalReader, node_process, put_telemetry, run_cli, supervised
-from tests.e2e.test_mesh import wait_nodes
-from tests.integration.test_placement import GIB, SUBJECTS, ledger, report, wait_view
+from tests.harness.nodes import wait_nodes
+from tests.harness.placement import GIB, SUBJECTS, ledger, report, wait_view
 from tests.tiny_models import write_llama
 
 

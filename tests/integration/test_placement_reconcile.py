@@ -20,7 +20,7 @@ from runtime import buckets
 from runtime.bus import Bus, decode, encode
 from runtime.journal import Journal
 from tests.conftest import JournalReader, of_type, put_telemetry, supervised
-from tests.integration.test_placement import GIB, SUBJECTS, ask, ledger, place, report, wait_view
+from tests.harness.placement import GIB, SUBJECTS, ask, ledger, place, report, wait_view
 from tests.tiny_models import write_llama
 
 OBSERVED = ObservedMemory(

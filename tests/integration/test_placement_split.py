@@ -24,7 +24,7 @@ from messages.runner import InstanceState, InstanceStatus, ObservedMemory
 from runtime import buckets
 from runtime.bus import Bus, RemoteError, decode, encode
 from tests.conftest import JournalReader, of_type, put_telemetry, supervised
-from tests.integration.test_placement import SUBJECTS, ask, ledger, need, place, report, wait_view
+from tests.harness.placement import SUBJECTS, ask, ledger, need, place, report, wait_view
 from tests.tiny_models import write_llama
 
 OBSERVED = ObservedMemory(

@@ -30,7 +30,7 @@ from runtime.embedded import EmbeddedNats
 from runtime.journal import ensure_events_stream
 from runtime.roles import Role, inbox_prefix, placement_consumer
 from tests.conftest import supervised
-from tests.integration.test_roles import connect_when_loaded, issued, server
+from tests.harness.nats_roles import connect_when_loaded, issued, server
 
 __all__ = ["server"]  # the fixture, shared with test_roles
 

@@ -19,7 +19,7 @@ from messages.subjects import Subjects
 from runtime.bus import Bus, NoResponders, RemoteError, encode
 from runtime.generate_client import generate
 from tests.conftest import JournalReader, of_type, supervised
-from tests.integration.test_router_reports import ready_instance
+from tests.harness.router import ready_instance
 from tests.tiny_models import write_llama
 
 SUBJECTS = Subjects()

@@ -8,34 +8,13 @@ from pathlib import Path
 import pytest
 from nats.aio.msg import Msg
 
-from actors.placement.geometry import geometry_from_header
-from actors.placement.gguf_header import read_header
-from actors.placement.memory import estimate
 from actors.router.actor import RouterActor
 from messages.generate import GenerateRequest, GenerateResult, ServingReport
-from messages.placement import Stamp
-from messages.runner import InstanceStatus
-from messages.settings import ServingSettings
-from messages.subjects import Subjects
-from runtime import buckets
 from runtime.bus import Bus, NoResponders, RemoteError, encode
 from runtime.generate_client import generate
 from tests.conftest import supervised
+from tests.harness.router import SUBJECTS, ready_instance
 from tests.tiny_models import write_llama
-
-SUBJECTS = Subjects()
-
-
-async def ready_instance(bus: Bus, model: Path, instance: str = "i1", node: str = "n1") -> None:
-    """A ready instance's record of `model` (1 slot; the router takes the slots from a current load report)."""
-    settings = ServingSettings(slots=1)
-    record = InstanceStatus(
-        id=instance, node=node, reservation_id=f"r-{instance}", state="ready", port=1234, model_path=str(model),
-        settings=Stamp(settings=settings, ctx=512, n_gpu_layers=0),
-        predicted_memory=estimate(geometry_from_header(read_header(model)), settings, 512),
-    )  # fmt: skip
-    kv = await buckets.instances(bus, SUBJECTS)
-    await kv.put(SUBJECTS.instance_key(node, instance), encode(record))
 
 
 async def _answers(bus: Bus) -> bool:

@@ -23,7 +23,6 @@ import msgspec
 import pytest
 
 from actors.runner.actor import RunnerActor, RunnerLimits
-from actors.runner.lifecycle import Timings
 from actors.runner.serving import Serving, ServingLimits
 from messages.placement import NodeLedger
 from messages.runner import StopInstance
@@ -33,8 +32,10 @@ from runtime.children import dying_with_parent
 from runtime.model_files import FileDigests
 from tests import tiny_models
 from tests.conftest import JournalReader, of_type, supervised
-from tests.e2e.test_runner import (
+from tests.harness.runner import (
     NODE,
+    QUICK,
+    SLEEPER,
     SUBJECTS,
     _put_ledger,
     _put_telemetry,
@@ -46,9 +47,6 @@ from tests.e2e.test_runner import (
 )
 
 SETTINGS = _settings(slots=1)
-#: The "engine": sleeps until signalled (it never answers /health; these tests never need it to).
-SLEEPER = (sys.executable, "-c", "import time; time.sleep(600)")
-QUICK = RunnerLimits(timings=Timings(ready_timeout_s=300, stop_grace_s=5, kill_grace_s=5))
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,8 @@ from runtime import buckets
 from runtime.bus import Bus, decode
 from tests import tiny_models
 from tests.conftest import JournalReader, of_type
-from tests.e2e.test_runner import NODE, SUBJECTS, _put_ledger, _put_telemetry, _reservation, _start
-from tests.integration.test_runner_upkeep import SETTINGS, ledger, runner
+from tests.harness.runner import NODE, SUBJECTS, _put_ledger, _put_telemetry, _reservation, _start
+from tests.harness.upkeep import SETTINGS, ledger, runner
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import cast
 
@@ -36,42 +36,25 @@ from runtime.bus import Bus, decode, encode
 from runtime.journal import Journal
 from tests import tiny_models
 from tests.conftest import JournalReader, of_type, put_telemetry, supervised
-from tests.e2e.test_runner import (
+from tests.harness.placement import ask, place, report
+from tests.harness.runner import (
     GIB,
     NODE,
+    QUICK,
+    SLEEPER,
     SUBJECTS,
     _predict,
     _put_ledger,
     _put_telemetry,
     _reservation,
-    _settings,
     _start,
 )
-from tests.integration.test_placement import ask, place, report
-from tests.integration.test_runner_admission import QUICK, SLEEPER
-
-SETTINGS = _settings(slots=1)
+from tests.harness.upkeep import SETTINGS, ledger, runner
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_models.write_llama(tmp_path_factory.mktemp("upkeep") / "llama.gguf", n_layer=2, n_vocab=300)
-
-
-@contextlib.asynccontextmanager
-async def runner(bus: Bus, data_dir: Path) -> AsyncIterator[RunnerActor]:
-    actor = RunnerActor(
-        NODE, data_dir, Path(sys.executable), lambda: SETTINGS, limits=QUICK,
-        rewrite_command=lambda argv: SLEEPER, booking_check_s=0.2,
-    )  # fmt: skip
-    async with supervised(bus, [actor], node_id=NODE):
-        yield actor
-
-
-async def ledger(bus: Bus) -> NodeLedger:
-    entry = await (await buckets.reservations(bus, SUBJECTS)).get(f"node.{NODE}")
-    assert entry.value
-    return decode(entry.value, NodeLedger)
 
 
 async def record_keys(bus: Bus) -> set[str]:

@@ -9,8 +9,8 @@ from actors.placement.admission import ModelFacts, fetch_bytes
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from messages.telemetry import ModelFiles, NodeResources
+from tests.harness.admission import GIB, node, request, run, view
 from tests.tiny_models import write_llama
-from tests.unit.test_admission import GIB, node, request, run, view
 
 MIB = 1 << 20
 

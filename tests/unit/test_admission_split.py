@@ -13,7 +13,7 @@ from actors.placement.split import Lender, plan_split
 from actors.placement.weights import layer_devices
 from messages.settings import ServingSettings
 from messages.telemetry import GpuInfo
-from tests.unit.test_admission import QUIET, dense, hybrid, need, node, request, run, view
+from tests.harness.admission import QUIET, dense, hybrid, need, node, request, run, view
 
 __all__ = ["dense", "hybrid"]  # fixtures
 

@@ -22,7 +22,7 @@ from messages.generate import Candidate, RouteWeights
 from messages.l3 import L3Inventory
 from messages.placement import ModelRef, NodeLedger, PlacementDecision, PlacementRequest
 from messages.runner import InstanceStatus
-from tests.unit.test_metrics_fold import NODE, PREDICTED, envelope, record, reservation, telemetry
+from tests.harness.metrics import NODE, PREDICTED, envelope, record, reservation, telemetry
 
 
 def stored(event: ev.Event) -> bytes:

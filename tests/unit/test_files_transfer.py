@@ -15,7 +15,7 @@ from actors.files.part import open_part
 from actors.files.transfer import Holder, Reason, Refusal, Source
 from messages.subjects import Subjects
 from runtime.roles import Role, permissions
-from tests.unit.test_roles import allowed
+from tests.harness.permissions import allowed
 
 D1, D2 = "a" * 64, "b" * 64
 

@@ -17,31 +17,12 @@ from actors.placement.geometry import (
     UnsupportedArchitecture,
     geometry_from_header,
 )
-from actors.placement.gguf_header import GGUFHeader, GGUFValueType, SkippedArray, TensorInfo, read_header
+from actors.placement.gguf_header import read_header
 from actors.placement.registry import verify
 from messages.model import ModelGeometry
 from messages.registry import RegistryEntry
 from tests import tiny_models
-
-
-def header(arch: str, kv: dict[str, Any], tensors: tuple[TensorInfo, ...] = ()) -> GGUFHeader:
-    values: dict[str, Any] = {"general.architecture": arch}
-    for key, value in kv.items():
-        values[f"{arch}.{key}"] = tuple(value) if isinstance(value, list) else value
-    values["tokenizer.ggml.tokens"] = SkippedArray(GGUFValueType.STRING, 1000)
-    return GGUFHeader(version=3, kv=values, tensors=tensors, alignment=32, data_offset=0, file_size=0)
-
-
-def base(n_layer: int, **kv: Any) -> dict[str, Any]:
-    return {
-        "block_count": n_layer,
-        "context_length": 4096,
-        "embedding_length": 256,
-        "attention.head_count": 8,
-        "attention.head_count_kv": 2,
-        "feed_forward_length": 512,
-        **kv,
-    }
+from tests.harness.geometry import QWEN_SSM, base, header, router
 
 
 def kinds(g: ModelGeometry) -> str:
@@ -51,15 +32,6 @@ def kinds(g: ModelGeometry) -> str:
         c = "B" if layer.attention and layer.recurrent else "A" if layer.attention else "R" if layer.recurrent else "-"
         out += c.lower() if layer.swa else c
     return out
-
-
-QWEN_SSM = {
-    "ssm.conv_kernel": 4,
-    "ssm.inner_size": 4096,
-    "ssm.state_size": 128,
-    "ssm.group_count": 16,
-    "ssm.time_step_rank": 32,
-}
 
 
 def test_qwen35_9b_shape_has_8_attention_24_recurrent_and_a_nextn_block_outside_the_target() -> None:
@@ -280,10 +252,6 @@ def test_plamo2_head_size_comes_from_its_own_keys_when_layer_0_has_no_heads() ->
 def routed(g: ModelGeometry) -> list[tuple[int, int]]:
     """(expert width, experts used) per layer; (0, 0) for a dense FFN."""
     return [(layer.n_ff_exp, layer.n_expert_used) for layer in g.layers]
-
-
-def router(il: int) -> TensorInfo:
-    return TensorInfo(f"blk.{il}.ffn_gate_inp.weight", (256, 16), 0, "F32", 0, 256 * 16 * 4)
 
 
 MOE = {"expert_count": 128, "expert_used_count": 8}

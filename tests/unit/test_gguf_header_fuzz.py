@@ -26,7 +26,7 @@ from actors.placement.gguf_header import (
     SkippedArray,
     parse_header,
 )
-from tests.unit.test_gguf_header import Built, HeaderBuilder
+from tests.harness.gguf import Built, HeaderBuilder
 
 T = GGUFValueType
 Q = gguf.GGMLQuantizationType

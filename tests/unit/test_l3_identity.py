@@ -28,6 +28,7 @@ from actors.runner.serving import state_identity
 from messages.model import ModelGeometry
 from messages.placement import Companion, Reservation, RpcMember, Stamp
 from messages.settings import ServingSettings
+from tests.harness.l3_identity import v2_identity
 from tests.tiny_models import write_phi3
 
 MODEL = "ab" * 32
@@ -186,18 +187,7 @@ def test_a_split_is_shared_only_within_its_layout() -> None:
     assert len({exact_state_identity(_inputs(split=layout)) for layout in layouts}) == len(layouts)
 
 
-#: What the identity was before the per-slot context and the stream count joined it (v2), for the same inputs.
-V2_DOMAIN = b"mesh-actor/l3/exact-state-identity/v2\x00"
-V2_FIELDS = tuple(n for n in _FIELDS[StateInputs] if n not in ("n_ctx_seq", "n_stream", "split"))
 V2_IDENTITY = "2d9dbb2f6c6a4adc06f511cae8d44383309b4527cd4370f09be28a822747c919"  # computed by the v2 code
-
-
-def v2_identity(inputs: StateInputs, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The identity the v2 code gave `inputs` (less its new fields): what entries stored before carry."""
-    with monkeypatch.context() as patch:
-        patch.setattr(identity, "_DOMAIN", V2_DOMAIN)
-        patch.setitem(identity._FIELDS, StateInputs, V2_FIELDS)
-        return exact_state_identity(inputs)
 
 
 def test_no_identity_of_the_previous_version_is_an_identity_of_this_one(monkeypatch: pytest.MonkeyPatch) -> None:

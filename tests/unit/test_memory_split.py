@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from actors.placement.memory import Budgets, MemoryModelError, estimate, max_context
-from tests.unit.test_memory_model import MIB, gemma3, llama, qwen35_9b, serving
+from tests.harness.memory_model import MIB, gemma3, llama, qwen35_9b, serving
 
 
 def test_rpc_devices_come_before_the_gpus_and_take_the_offloaded_layers_in_order() -> None:

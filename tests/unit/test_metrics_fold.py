@@ -7,20 +7,16 @@ from __future__ import annotations
 import math
 import re
 import typing
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from prometheus_client.core import Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
 
 from actors.metrics.catalog import (
     CATALOG,
@@ -38,14 +34,22 @@ from messages import events as ev
 from messages.frontdoor import FrontDoorModel, FrontDoorReport
 from messages.generate import InstanceLoad, RouteDecision, RouteWeights, ServingReport
 from messages.l3 import L3Inventory
-from messages.memory import ContextShape, DeviceMemory, MemoryBreakdown
-from messages.placement import ModelRef, NodeLedger, PlacementDecision, PlacementRequest, Reservation, Stamp
-from messages.runner import InstanceState, InstanceStatus, ObservedMemory
-from messages.settings import ServingSettings
-from messages.telemetry import GpuInfo, HostInfo, NodeResources
+from messages.placement import ModelRef, NodeLedger, PlacementDecision, PlacementRequest
+from messages.runner import InstanceStatus
 from runtime.config import ConfigError, load_config
+from tests.harness.metrics import (
+    NODE,
+    _Families,
+    absent,
+    envelope,
+    record,
+    reservation,
+    samples,
+    scrape,
+    telemetry,
+    value,
+)
 
-NODE = "n1"
 ROOT = Path(__file__).resolve().parents[2]
 
 #: What llama-server 11434 answers on /metrics (`--metrics`), after one completion.
@@ -71,48 +75,6 @@ process_open_fds 9
 # --- building inputs -----------------------------------------------------------------------------------------
 
 
-def _device(name: str, **sizes: int) -> DeviceMemory:
-    fields = {k: 0 for k in ("weights_bytes", "kv_bytes", "recurrent_bytes", "draft_kv_bytes", "compute_bytes",
-                             "output_bytes", "host_extra_bytes")}  # fmt: skip
-    fields |= sizes
-    return DeviceMemory(device=name, **fields, total_bytes=sum(fields.values()))
-
-
-PREDICTED = MemoryBreakdown(
-    estimator_version="t", llama_cpp_version="t", architecture="llama",
-    context=ContextShape(n_ctx=4096, n_ctx_seq=2048, n_seq_max=2, n_stream=2, n_rs_seq=0, n_ubatch=512, swa_cells=0),
-    kv_bytes=1000, kv_k_bytes=500, kv_v_bytes=500, kv_swa_bytes=0, recurrent_bytes=0, draft_kv_bytes=0,
-    weights_bytes=5000, compute_bytes=300, output_bytes=40, host_extra_bytes=7, total_bytes=6422,
-    devices=(_device("CPU", weights_bytes=1000, kv_bytes=200, compute_bytes=100, output_bytes=40, host_extra_bytes=7),
-             _device("GPU0", weights_bytes=4000, kv_bytes=800, compute_bytes=200)),
-    compute_error_ratio=0.25, compute_margin_bytes=75,
-)  # fmt: skip
-OBSERVED = ObservedMemory(
-    kv_bytes=1000, recurrent_bytes=0, draft_kv_bytes=0, weights_bytes=5000, compute_bytes=290, output_bytes=40,
-    total_bytes=6330, devices={"CPU": 1330, "CUDA0": 5000},
-)  # fmt: skip
-
-
-def record(
-    instance: str = "i1",
-    state: InstanceState = "ready",
-    *,
-    node: str = NODE,
-    port: int | None = 8100,
-    model: str = "/models/qwen3-0.6b.gguf",
-    observed: ObservedMemory | None = OBSERVED,
-) -> InstanceStatus:
-    return InstanceStatus(
-        id=instance, node=node, reservation_id=f"r-{instance}", state=state, port=port, model_path=model,
-        settings=Stamp(settings=ServingSettings(slots=2), ctx=4096, n_gpu_layers=99), predicted_memory=PREDICTED,
-        observed_memory=observed,
-    )  # fmt: skip
-
-
-def envelope(node: str = NODE) -> dict[str, Any]:
-    return {"id": "e", "time": 0.0, "node": node, "actor": "runner"}
-
-
 def completed(
     instance: str = "i1",
     *,
@@ -131,50 +93,7 @@ def completed(
     return ev.GenerateCompleted(**envelope(node), **(values | fields))
 
 
-def telemetry(**fields: Any) -> NodeResources:
-    host = HostInfo(ram_total_bytes=64 << 30, ram_available_bytes=40 << 30, usable_bytes=40 << 30, cpu_count=16)
-    gpu = GpuInfo(index=0, name="H200", uuid="u", total_bytes=140 << 30, free_bytes=100 << 30, used_bytes=40 << 30,
-                  usable_bytes=100 << 30)  # fmt: skip
-    base = NodeResources(node_id=NODE, seq=1, sent_at=1000.0, started_at=900.0, ttl_s=15.0, host=host, gpus=(gpu,))
-    return msgspec.structs.replace(base, **fields)
-
-
-def reservation(rid: str, state: Any, held: dict[str, int]) -> Reservation:
-    return Reservation(
-        reservation_id=rid, decision_id="d", node_id=NODE, state=state, model_path="m.gguf",
-        stamp=Stamp(settings=ServingSettings(), ctx=4096, n_gpu_layers=0), layers=(0, 4), devices=(), held=held,
-        created_at=0.0, running_since=500.0 if state == "running" else None,
-    )  # fmt: skip
-
-
 # --- reading them back as a scraper does -------------------------------------------------------------------------
-
-
-class _Families(Collector):
-    def __init__(self, families: Sequence[Metric]) -> None:
-        self._families = families
-
-    def collect(self) -> Sequence[Metric]:
-        return self._families
-
-
-def scrape(metrics: NodeMetrics, now: float = 0.0, engines: dict[str, list[Metric] | None] | None = None) -> str:
-    return generate_latest(_Families(metrics.families(now, engines))).decode()
-
-
-def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
-    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
-
-
-def value(text: str, name: str, **labels: str) -> float:
-    """The one sample of `name` whose labels include `labels` (summed when several match)."""
-    found = [v for n, ls, v in samples(text) if n == name and labels.items() <= ls.items()]
-    assert found, f"no sample {name} {labels}"
-    return sum(found)
-
-
-def absent(text: str, name: str, **labels: str) -> bool:
-    return not [v for n, ls, v in samples(text) if n == name and labels.items() <= ls.items()]
 
 
 def bucket_bounds(text: str, name: str) -> list[float]:

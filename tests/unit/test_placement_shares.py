@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from actors.placement.shares import EVERY_CLIENT, booked_for, breach, exhausted, held_by, limits
 from messages.placement import NodeLedger, Reservation
 from messages.telemetry import GpuInfo, HostInfo, NodeResources
-from tests.unit.test_reservations import reservation
+from tests.harness.reservations import reservation
 
 GIB = 1 << 30
 

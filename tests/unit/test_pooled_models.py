@@ -23,9 +23,9 @@ from actors.runner.drift import ServerReport, server_drift, settings_drift
 from messages.model import ModelGeometry
 from messages.placement import PreferredSettings, Stamp
 from messages.settings import ServingSettings, SettingsBounds
+from tests.harness.admission import DEFAULT, GIB, OPEN, node, request, run, view
 from tests.tiny_models import write_llama
 from tests.tiny_pooled_models import write_llama_embedding, write_qwen3_embedding, write_qwen3_reranker
-from tests.unit.test_admission import DEFAULT, GIB, OPEN, node, request, run, view
 
 QUIET = {"cache_ram_mib": 0, "ctx_checkpoints": 0}
 

@@ -8,7 +8,7 @@ import msgspec
 from actors.placement.reservations import Release, apply
 from actors.runner.booking import Live, Rebook, Stop, lapsed, orphaned, rebook
 from messages.placement import NodeLedger, Reservation, ReservationState, SplitPart
-from tests.unit.test_reservations import GIB, STARTED, device, reservation
+from tests.harness.reservations import GIB, STARTED, device, reservation
 
 NOW = STARTED + 1000.0  # the node's clock
 

@@ -13,7 +13,7 @@ from actors.placement.memory import CacheAllocation, cache_allocations, estimate
 from actors.runner.allocation_log import parse_allocation_log, printed_mib, printed_mib_f32
 from actors.runner.observed import mib_to_bytes, observed_memory
 from messages.memory import MemoryBreakdown
-from tests.unit.test_memory_model import llama, qwen35_9b, serving
+from tests.harness.memory_model import llama, qwen35_9b, serving
 
 MIB = 1 << 20
 QWEN = qwen35_9b()

@@ -10,8 +10,8 @@ from actors.placement.booking import Booking, booking_order
 from actors.placement.ledger import available, with_reservation
 from actors.placement.reservations import Promote, Reconciler, Release, apply, observed_held
 from messages.placement import NodeLedger, Reservation, SplitPart
-from tests.unit.test_admission import node
-from tests.unit.test_reservations import GIB, T0, record, reservation
+from tests.harness.admission import node
+from tests.harness.reservations import GIB, T0, record, reservation
 
 SPLIT = SplitPart(head="h", members=("m1", "m2"))
 

@@ -9,7 +9,7 @@ import msgspec
 from actors.metrics.fold import MAX_TENANTS, NodeMetrics
 from messages import events as ev
 from runtime.cli.usage import summarize
-from tests.unit.test_metrics_fold import NODE, absent, envelope, scrape, value
+from tests.harness.metrics import NODE, absent, envelope, scrape, value
 
 
 def usage(tenant: str, model: str = "m", **fields: Any) -> ev.RequestUsage:
