@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Final
 
-from tests.tiny_models import _DENSE, _GLOBALS, _attention_dims, _ffn_dims, _spec, _transformer, _write
+from tests.tiny_models_engine import _DENSE, _GLOBALS, _attention_dims, _ffn_dims, _spec, _transformer, _write
 
 __all__ = ["CHAT_TEMPLATE", "IM_END", "TOOL_BIAS", "TOOL_CALL", "TOOL_CALL_END", "write_tool_chat"]
 

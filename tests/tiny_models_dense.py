@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.tiny_models import (
+from tests.tiny_models_engine import (
     _ATTENTION,
     _ATTENTION_BIASED,
     _DENSE,

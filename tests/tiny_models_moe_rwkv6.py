@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.tiny_models import (
+from tests.tiny_models_engine import (
     _ATTENTION,
     _ATTENTION_BIASED,
     _EXPERTS,

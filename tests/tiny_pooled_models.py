@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Final
 
-from tests.tiny_models import (
+from tests.tiny_models_engine import (
     _DENSE,
     _FFN,
     _GLOBALS,

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
-from tests import tiny_models
+from tests import tiny_models, tiny_models_engine
 
 WRITERS: dict[str, Callable[..., Path]] = {
     name: writer
@@ -81,18 +81,18 @@ def test_an_unknown_nemotron_block_kind_is_refused_by_its_letter(tmp_path: Path)
 
 
 def test_a_table_naming_an_unknown_size_is_a_clear_error(tmp_path: Path) -> None:
-    spec = tiny_models._spec("llama", 259, {"block_count": 1})
-    table = tiny_models._table("attn_q.weight embd q_width")
+    spec = tiny_models_engine._spec("llama", 259, {"block_count": 1})
+    table = tiny_models_engine._table("attn_q.weight embd q_width")
     with pytest.raises(ValueError, match="no size named 'q_width' for 'q_width'"):
-        tiny_models._write(tmp_path / "m.gguf", spec, {"embd": 64}, [table])
+        tiny_models_engine._write(tmp_path / "m.gguf", spec, {"embd": 64}, [table])
 
 
 @pytest.mark.parametrize("row", ["attn_q.weight", "attn_q.weight embd 2q+", "attn_q.weight embd (q)"])
 def test_a_malformed_table_row_is_refused_when_the_table_is_built(row: str) -> None:
     with pytest.raises(ValueError, match="bad tensor row"):
-        tiny_models._table(row)
+        tiny_models_engine._table(row)
 
 
 def test_dropping_a_tensor_a_table_lacks_is_refused() -> None:
     with pytest.raises(ValueError, match="no tensor"):
-        tiny_models._without(tiny_models._FFN, "ffn_gate_exps.weight")
+        tiny_models_engine._without(tiny_models_engine._FFN, "ffn_gate_exps.weight")
