@@ -460,7 +460,9 @@ async def test_a_node_and_a_client_work_with_their_roles_rights_only(tmp_path: P
         assert S.event("node", "node_started", "n1") in subjects
         assert all(s.endswith(".n1") for s in subjects)
         code, out, err = await cli("generate", str(model), "hello", "--json", *as_client)
-        assert "no_instance" in out + err, out + err
+        assert "invalid_api_key" in out + err, out + err  # a client user bound to no tenant key (issue 30)
+        code, out, err = await cli("usage", "--json", *as_client)  # the tenants' usage is not a client's to read
+        assert code != 0 and "cannot be read with these credentials: a client's" in err, (code, out, err)
 
         code, _, err = await cli("creds", "issue", "--role", "node", "--data-dir", str(data_dir))
         assert code == 2 and "--node" in err
