@@ -106,8 +106,9 @@ async def test_bad_requests_get_openai_errors_and_what_the_server_accepts_passes
         with pytest.raises(openai.NotFoundError) as missing:
             await api.completions.create(model="nope", prompt="x")
         assert missing.value.code == "model_not_found"
-        two = await api.completions.create(model="alpha", prompt="x", n=2, max_tokens=2, temperature=0)
-        assert [c.index for c in two.choices] == [0, 1]  # the server's own n, passed through
+        with pytest.raises(openai.BadRequestError) as two:  # the mesh books one slot a request (issue 30, F4)
+            await api.completions.create(model="alpha", prompt="x", n=2, max_tokens=2, temperature=0)
+        assert "one completion per request" in two.value.message
         async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as raw:
             headers = {"Authorization": f"Bearer {KEY}"}
             for body, status in (
