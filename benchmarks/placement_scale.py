@@ -13,8 +13,8 @@ splits keep changing under the decisions.
 Measured while the telemetry flows: `PlacementRequest(model=<a sparse file with a 9B qwen35 geometry>,
 ctx=4096)` on `mesh.placement.fit`, sequential and with `--in-flight` outstanding, interleaved with a bare
 nats-py responder answering the same request bytes with the decision's bytes (the baseline: same bytes, no
-work). Also the pure decision alone in this process, the fleet index against admission's full scan (every
-node sized, as before the index) on the same view, checked equal.
+work). Also the pure decision alone in this process, the fleet index against the full scan (every node sized,
+as before the index: `tests/placement_oracle.py`) on the same view, checked equal.
 
 At the largest size, over a `--fan-in-s` window: reports delivered into the view per second, drops (the
 server's slow-consumer count, the client library's slow-consumer errors, and reports acknowledged by
@@ -53,7 +53,7 @@ from nats.aio.msg import Msg
 from nats.errors import SlowConsumerError
 
 from actors.placement.actor import PlacementActor
-from actors.placement.admission import ModelFacts, Outcome, decide
+from actors.placement.admission import ModelFacts, Outcome
 from actors.placement.fleet import FleetIndex, snapshot
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
@@ -82,6 +82,7 @@ from runtime.embedded import find_nats_server
 from runtime.journal import ensure_events_stream
 from runtime.logging import configure_logging
 from tests import tiny_models
+from tests.placement_oracle import full_scan
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -465,7 +466,7 @@ def time_cores(
     start = time.perf_counter()
     for _ in range(full_runs):
         t0 = time.perf_counter()
-        full = decide(
+        full = full_scan(  # the old scan of every node: what the index is measured against, and must agree with
             request, facts, inputs.view, inputs.held, now=now, decision_id="d", reservation_id="r", dry_run=True,
             unreadable=inputs.unreadable,
         )  # fmt: skip
