@@ -5,12 +5,14 @@ network). A node lending memory runs its RPC server on loopback only; the bytes 
 with both ends verified under the cluster's route CA (`runtime.tls.ensure_route_certificates`: derived from the
 cluster secret every node already shares, so nothing is distributed), terminated next to each end:
 
-    llama-server --rpc 127.0.0.1:A  ->  TunnelEntrance (head node, loopback :A)
+    llama-server --rpc 127.0.0.1:A  ->  TunnelEntrance (head node, loopback :A; its server's process only)
         ==TLS, client certificate==>  TunnelExit (member node, cluster address :B, certificate required)
         ->  ggml-rpc-server (member node, loopback :C)
 
 A peer without a certificate issued under that CA completes no handshake and reaches nothing; the exit opens
-its connection to the RPC server only once the handshake succeeded. Every connect and handshake has a deadline;
+its connection to the RPC server only once the handshake succeeded. On the head, the entrance carries only the
+connections of its own llama-server process (`server_pid`, told by the kernel: `runtime.peer_process`): another
+local process reaching the entrance's port gets nothing. Every connect and handshake has a deadline;
 the two directions of a connection are copied until either side closes, and a failure of one closes both.
 """
 
@@ -23,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Final, Self
 
 from runtime.logging import get_logger
+from runtime.peer_process import peer_is
 from runtime.tls import TlsFiles
 
 __all__ = ["TunnelEntrance", "TunnelExit", "client_context", "server_context"]
@@ -173,14 +176,23 @@ class TunnelEntrance(_Listener):
     """On the head node: accepts llama-server's RPC connections on loopback and carries each over TLS (with this
     node's certificate) to a member's `TunnelExit` at `host:port`."""
 
-    def __init__(self, files: TlsFiles, host: str, port: int, on_end: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        files: TlsFiles,
+        host: str,
+        port: int,
+        on_end: Callable[[str], None] | None = None,
+        server_pid: Callable[[], Awaitable[int]] | None = None,
+    ) -> None:
         """`on_end` is told why whenever the member's side of a carried connection ends or fails, or the
         exit cannot be reached (not when llama-server closes its own side): a split's head learns so that a
-        member is gone."""
+        member is gone. `server_pid`: the process whose connections alone are carried (awaited: the server
+        starts after its entrances); None: any local process's."""
         super().__init__()
         self._context = client_context(files)
         self._remote = (host, port)
         self._on_end = on_end or (lambda reason: None)
+        self._server_pid = server_pid
 
     async def start(self, port: int = 0) -> TunnelEntrance:
         await self._listen("127.0.0.1", port, self._carry, None)
@@ -188,6 +200,9 @@ class TunnelEntrance(_Listener):
 
     async def _carry(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         host, port = self._remote
+        if self._server_pid is not None and not await self._from_server(writer):
+            writer.close()
+            return
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S + HANDSHAKE_TIMEOUT_S):
                 remote = await asyncio.open_connection(host, port, ssl=self._context, server_hostname=host)
@@ -199,3 +214,18 @@ class TunnelEntrance(_Listener):
         ended = await _splice((reader, writer), remote)
         if ended is not None:
             self._on_end(f"its RPC connection through {host}:{port} was {ended}")
+
+    async def _from_server(self, writer: asyncio.StreamWriter) -> bool:
+        """Whether the connection is the server's own (its process holds the peer socket), logged when not."""
+        assert self._server_pid is not None
+        sockname, peername = writer.get_extra_info("sockname"), writer.get_extra_info("peername")
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                pid = await self._server_pid()
+        except TimeoutError:
+            _log.warning("rpc_tunnel_refused", peer=str(peername), reason="no server started to carry for")
+            return False
+        if await asyncio.to_thread(peer_is, pid, sockname, peername):
+            return True
+        _log.warning("rpc_tunnel_refused", peer=str(peername), reason=f"not the server's process ({pid})")
+        return False

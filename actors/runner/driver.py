@@ -260,11 +260,15 @@ class InstanceDriver:
         self.port, self.command, self.observed = port, argv, None
         self.log.restart()
         await asyncio.to_thread(self.log.write, self.log.header(f"generation {generation}: {shlex.join(argv)}"))
+        if self.links is not None:
+            self.links.server_starting()
         try:
             process = await ServerProcess.spawn(argv, env=server_environment(os.environ), log=self.log)
         except OSError as exc:
             return lc.SpawnFailed(generation, str(exc))
         self.process = process
+        if self.links is not None:  # its entrances carry this process's connections only
+            self.links.server_started(process.pid)
         self._helpers += [
             tg.create_task(process.pump(), name=f"runner:{self.id}:log"),
             tg.create_task(self._watch_exit(generation, process), name=f"runner:{self.id}:exit"),

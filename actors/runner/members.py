@@ -12,6 +12,7 @@ hold one connection per member for the server's life). The links are closed when
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from messages.placement import Reservation
@@ -46,6 +47,7 @@ class MemberLinks:
         self._on_lost = on_lost
         self._timeout_s = timeout_s
         self._entrances: dict[str, tuple[Lent, TunnelEntrance]] = {}  # member -> where it lends, our entrance
+        self._server: asyncio.Future[int] = asyncio.get_running_loop().create_future()  # its pid, once spawned
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -66,12 +68,28 @@ class MemberLinks:
                 known = None
             if known is None:
                 assert self._tls is not None
-                entrance = TunnelEntrance(self._tls, lent.host, lent.port, on_end=self._lost(member))
+                entrance = TunnelEntrance(
+                    self._tls, lent.host, lent.port, on_end=self._lost(member), server_pid=self._server_pid
+                )
                 await entrance.start()
                 known = (lent, entrance)
                 self._entrances[member] = known
             endpoints.append(f"127.0.0.1:{known[1].port}")
         return tuple(endpoints)
+
+    def server_starting(self) -> None:
+        """A server is about to start: the entrances wait for its pid (not a predecessor's) before carrying."""
+        if self._server.done():
+            self._server = asyncio.get_running_loop().create_future()
+
+    def server_started(self, pid: int) -> None:
+        """The server the entrances carry for (only its process's connections): this spawn's."""
+        if self._server.done():
+            self._server = asyncio.get_running_loop().create_future()
+        self._server.set_result(pid)
+
+    async def _server_pid(self) -> int:
+        return await asyncio.shield(self._server)
 
     def _lost(self, member: str) -> Callable[[str], None]:
         return lambda detail: self._on_lost(member, detail)

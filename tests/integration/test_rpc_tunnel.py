@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import socket
 import ssl
+import sys
 from pathlib import Path
 
 import pytest
@@ -240,3 +241,38 @@ async def test_the_entrance_tells_when_the_exit_cannot_be_reached_or_verified(tm
             assert len(entrance.reasons) == 1
             assert entrance.reasons[0].startswith(f"its tunnel exit 127.0.0.1:{impostor.port} is unreachable: ")
         assert target.reached == 0
+
+
+async def test_an_entrance_carries_only_its_servers_process_connections(tmp_path: Path) -> None:
+    """Issue 30, F15: the head's entrance accepted any local process on loopback (and llama.cpp's RPC has no
+    authentication of its own). It now carries only the connections its server's process holds, as the kernel
+    tells (`/proc`); another process on the same host reaching its port gets nothing."""
+    member, head = certificates(tmp_path / "m", SECRET), certificates(tmp_path / "h", SECRET)
+    script = (
+        "import socket, sys\n"
+        "s = socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=10)\n"
+        "s.sendall(b'ping'); print(s.recv(4).decode(), flush=True); s.close()\n"
+    )
+    started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def server_pid() -> int:
+        return await started
+
+    async with Echo() as target, TunnelExit(member, target.port) as exit_:
+        await exit_.start("127.0.0.1")
+        async with TunnelEntrance(head, "127.0.0.1", exit_.port, server_pid=server_pid) as entrance:
+            await entrance.start()
+            server = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", script, str(entrance.port), stdout=asyncio.subprocess.PIPE
+            )
+            started.set_result(server.pid)  # the "server": its connection is carried
+            async with asyncio.timeout(20):
+                out, _ = await server.communicate()
+            assert out.decode().strip() == "ping" and target.reached == 1
+            async with asyncio.timeout(10):  # this test's own process is not the server: nothing carried
+                reader, writer = await asyncio.open_connection("127.0.0.1", entrance.port)
+                writer.write(b"hello")
+                await writer.drain()
+                assert await reader.read(100) == b""
+                writer.close()
+            assert target.reached == 1
