@@ -106,7 +106,6 @@ class RouterActor(Actor):
         self._holdings: Holdings | None = None  # rebuilt after any change of reports or inventories
         self._links = LinkBook()  # what handoffs between node pairs cost: results, probes
         self._keys = KeyTable()  # the tenants' keys: which key a `client` NATS user's requests are
-        self._limits: SharedLimits | None = None  # what a client user's key may still do (rpm, tpm, concurrency)
 
     async def run(self, ctx: ActorContext) -> None:
         self._instances.clear()
@@ -121,8 +120,9 @@ class RouterActor(Actor):
                                   spoil=self._keys.spoil, remove=self._keys.remove, log=ctx.log),
             "watch-keys",
         )  # fmt: skip
-        # the router's own count of the keys' requests, beside this node's front door's (`-router`: a lease each)
-        self._limits = limits = SharedLimits(ctx.bus, ctx.subjects, f"{ctx.node_id}-router", log=ctx.log)
+        # what a client user's key may still do (rpm, tpm, concurrency): the router's own count of the keys'
+        # requests, beside this node's front door's (`-router`: a lease each)
+        limits = SharedLimits(ctx.bus, ctx.subjects, f"{ctx.node_id}-router", log=ctx.log)
         ctx.spawn(limits.run(), "limits-flusher")
         instances = await buckets.instances(ctx.bus, ctx.subjects)
         inventories = await buckets.l3(ctx.bus, ctx.subjects)
