@@ -85,13 +85,13 @@ class Forwarder:
             if isinstance(plan, passthrough.Given):
                 return list(plan.tokens)
             if isinstance(plan, passthrough.Tokenize):
-                _refuse_oversize(instance, plan.text)
+                _refuse_oversize(instance, text=plan.text)
                 return await serving.api.tokenize(instance.port, plan.text, timeout_s=timeout)
             if isinstance(plan, passthrough.Template):
                 reply = await serving.api.json(instance.port, "POST", "/apply-template", plan.body, timeout_s=timeout)
                 prompt = reply.get("prompt") if isinstance(reply, dict) else None
                 if isinstance(prompt, str) and prompt:
-                    _refuse_oversize(instance, prompt)
+                    _refuse_oversize(instance, text=prompt)
                     return await serving.api.tokenize(instance.port, prompt, timeout_s=timeout)
         except ServerApiError as exc:
             _log.info("render_refused", instance_id=instance.id, endpoint=endpoint, error=str(exc))
@@ -329,13 +329,11 @@ def _refuse_oversize_sizes(instance: ServedInstance, endpoint: str, body: dict[s
     except ValueError as exc:
         raise RequestError(BAD_REQUEST, str(exc)) from exc
     for size in sizes:
-        refused = oversize(instance.context, text_bytes=size)
-        if refused is not None:
-            raise RequestError(BAD_REQUEST, *refused)
+        _refuse_oversize(instance, text_bytes=size)
 
 
-def _refuse_oversize(instance: ServedInstance, text: str) -> None:
-    refused = oversize(instance.context, text=text)
+def _refuse_oversize(instance: ServedInstance, *, text: str | None = None, text_bytes: int | None = None) -> None:
+    refused = oversize(instance.context, text=text, text_bytes=text_bytes)
     if refused is not None:
         raise RequestError(BAD_REQUEST, *refused)
 
