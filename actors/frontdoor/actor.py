@@ -70,9 +70,7 @@ from messages.errors import (
 )
 from messages.frontdoor import FrontDoorModel, FrontDoorReport, ModelState
 from messages.generate import MAX_API_BODY_BYTES, ApiCall, GenerateRequest, GenerateResult, ServingReport
-from messages.placement import PreferredSettings
 from messages.runner import MAX_MODEL_INFO_BYTES, InstanceStatus
-from messages.settings import ServingKind
 from messages.tenants import TenantKey, cache_scope
 from runtime import buckets, tracing
 from runtime.actor import Actor, ActorContext
@@ -361,7 +359,7 @@ class FrontDoorActor(ModelsOnDemand, Actor):
         self._instance_class[instance.id] = request_class
         order = GenerateRequest(
             model=instance.model_path,  # any instance of this file that serves this catalog model:
-            serves=_serves(model.entry.required_settings(), self._kind_of(model)),
+            serves=model.entry.served_as(self._kind_of(model)),
             api=ApiCall(endpoint=endpoint, body=msgspec.Raw(raw)),  # type: ignore[arg-type]
             timeout_s=max(1.0, deadline - loop.time()),
             request_id=uuid.uuid4().hex,
@@ -476,13 +474,6 @@ _ROUTER_LAG_S: Final = 5.0
 
 #: What a pass-through request adds around the client's body on the bus (its fields and headers).
 _ENVELOPE_BYTES: Final = 8 << 10
-
-
-def _serves(required: PreferredSettings | None, kind: ServingKind | None) -> PreferredSettings | None:
-    """What an instance must run to serve a catalog model: its required settings, and the kind it is for."""
-    if kind is None:
-        return required
-    return msgspec.structs.replace(required or PreferredSettings(), kind=kind)
 
 
 #: What a model's object takes of its instance's own `/v1/models` entry (the server's words, as it said them):

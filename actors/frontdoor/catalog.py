@@ -115,6 +115,14 @@ class CatalogModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         )
         return None if settings == PreferredSettings() else settings
 
+    def served_as(self, kind: ServingKind | None) -> PreferredSettings | None:
+        """What an instance must run to serve this model: its required settings, with `kind` (the entry's own,
+        or its header's as the front door read it) in place of an unnamed one; None: anything."""
+        required = self.required_settings()
+        if kind is None or (required is not None and required.kind is not None):
+            return required
+        return msgspec.structs.replace(required or PreferredSettings(), kind=kind)
+
     def model_ref(self, path: str | None = None) -> ModelRef:
         """The model a placement request names: the file (`path` as the front door resolved it, else the name
         given here) or the registry entry, with its companion files as named here (a relative name is found in
@@ -123,15 +131,15 @@ class CatalogModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             return ModelRef(registry=self.path, draft=self.draft, mmproj=self.mmproj)
         return ModelRef(path=path or self.path, draft=self.draft, mmproj=self.mmproj)
 
-    def runs_on(self, settings: ServingSettings | Stamp) -> bool:
-        """Whether an instance running with `settings` meets this model's requirements; given its whole
-        stamp, also whether it runs exactly this model's companion files (an instance of the same file with
-        another draft, or none, serves another model)."""
+    def runs_on(self, settings: ServingSettings | Stamp, kind: ServingKind | None = None) -> bool:
+        """Whether an instance running with `settings` meets this model's requirements (`served_as(kind)`);
+        given its whole stamp, also whether it runs exactly this model's companion files (an instance of the
+        same file with another draft, or none, serves another model)."""
         if isinstance(settings, Stamp):
             if not (_is(settings.draft, self.draft) and _is(settings.mmproj, self.mmproj)):
                 return False
             settings = settings.settings
-        required = self.required_settings()
+        required = self.served_as(kind)
         return required is None or required.met_by(settings)
 
     def check(self) -> None:

@@ -391,7 +391,7 @@ def header_kind_of(path: str | None) -> ServingKind | None:
 def same_model(status: InstanceStatus, entry: CatalogModel, path: str | None, kind: ServingKind | None = None) -> bool:
     """Whether `status` is an instance of the catalog model: its file, run with the settings it requires and as
     the `kind` it is for (an embedding server of a generation model's file serves another catalog entry)."""
-    if not entry.runs_on(status.settings) or (kind is not None and status.settings.settings.kind != kind):
+    if not entry.runs_on(status.settings, kind):
         return False
     if path is not None:
         return status.model_path == path
