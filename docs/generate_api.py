@@ -12,7 +12,6 @@ each Struct field), so the file changes only when the code does. Run from the re
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import inspect
 import io
@@ -41,6 +40,7 @@ from actors.router.actor import QUEUE_GROUP as ROUTER_QUEUE
 from actors.router.actor import RouterActor
 from actors.runner.actor import RunnerActor, RunnerLimits
 from actors.telemetry.actor import TelemetryActor
+from docs.generated import write_or_check
 from messages import errors
 from messages import events as ev
 from messages import files as files_messages
@@ -906,22 +906,7 @@ def render() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=COMMAND, description="Regenerate docs/api.md from the code.")
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/api.md is out of date")
-    args = parser.parse_args(argv)
-    text = render()
-    current = API_MD.read_text(encoding="utf-8") if API_MD.exists() else None
-    if args.check:
-        if current != text:
-            sys.stderr.write(f"docs/api.md is out of date: run `{COMMAND}`\n")
-            return 1
-        return 0
-    if current != text:
-        API_MD.write_text(text, encoding="utf-8")
-        sys.stdout.write("wrote docs/api.md\n")
-    else:
-        sys.stdout.write("docs/api.md is up to date\n")
-    return 0
+    return write_or_check(API_MD, render, COMMAND, argv)
 
 
 if __name__ == "__main__":

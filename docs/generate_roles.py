@@ -13,12 +13,12 @@ Run from the repository root:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from docs.generated import write_or_check
 from messages.subjects import Subjects
 from runtime import roles
 from runtime.roles import Role
@@ -183,22 +183,7 @@ def render() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=COMMAND, description="Regenerate docs/roles.md from runtime/roles.py.")
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/roles.md is out of date")
-    args = parser.parse_args(argv)
-    text = render()
-    current = ROLES_MD.read_text(encoding="utf-8") if ROLES_MD.exists() else None
-    if args.check:
-        if current != text:
-            sys.stderr.write(f"docs/roles.md is out of date: run `{COMMAND}`\n")
-            return 1
-        return 0
-    if current != text:
-        ROLES_MD.write_text(text, encoding="utf-8")
-        sys.stdout.write("wrote docs/roles.md\n")
-    else:
-        sys.stdout.write("docs/roles.md is up to date\n")
-    return 0
+    return write_or_check(ROLES_MD, render, COMMAND, argv)
 
 
 if __name__ == "__main__":
