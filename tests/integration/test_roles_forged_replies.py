@@ -177,6 +177,31 @@ async def test_a_node_cannot_change_pull_or_acknowledge_another_nodes_placement_
         await n1.close()
 
 
+async def test_a_nodes_forged_reply_cannot_acknowledge_another_nodes_delivery(server: EmbeddedNats, admin: Bus) -> None:
+    """A reply subject is a publish target too: a node that names another node's acknowledgement subject as the
+    reply of a call it may make (JetStream would answer there, and any answer acknowledges) is refused by the
+    server, and the delivery stays unacknowledged for its owner."""
+    assert server.node_credentials is not None
+    n1 = await Bus.connect(server.node_credentials.options(), name="n1")
+    stream, theirs = S.events_stream, placement_consumer("n1")
+    config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30)
+    try:
+        pulled = await n1.js.pull_subscribe(S.events_of("runner"), durable=theirs, stream=stream, config=config)
+        await n1.js.publish(S.event("runner", "instance_stopped", "n1"), b"{}", timeout=5)
+        (delivery,) = await pulled.fetch(1, timeout=5)
+        assert delivery.reply.startswith(f"$JS.ACK.{stream}.{theirs}.")
+        async with connect_when_loaded(issued(server, Role("node", "n2"))) as n2:
+            for call in ("$JS.API.INFO", f"$JS.API.STREAM.INFO.KV_{S.nodes_bucket}"):
+                await n2.nc.publish(call, b"", reply=delivery.reply)
+            await n2.refused(delivery.reply, "publish with reply of")
+        kept = await admin.js.consumer_info(stream, theirs)
+        assert kept.num_ack_pending == 1 and kept.ack_floor.stream_seq == 0  # still n1's to acknowledge
+        await delivery.ack_sync(timeout=5)
+        assert (await admin.js.consumer_info(stream, theirs)).num_ack_pending == 0
+    finally:
+        await n1.close()
+
+
 async def test_the_old_shared_placement_consumer_is_no_nodes_to_touch(server: EmbeddedNats, admin: Bus) -> None:
     """The durable every placement shared before (`placement-reservations`) may still exist: no node may change
     or pull it any more."""
