@@ -8,4 +8,4 @@ from typing import Final
 
 #: The pure modules a core may import: no I/O, no clock, no randomness, all of it passed in
 #: (`tests/test_import_rules.py` holds them, and everything else, to the import rules of the design).
-CORES: Final = frozenset({"key_limits", "restart", "roles", "sizes"})
+CORES: Final = frozenset({"key_limits", "restart", "roles", "sizes", "tickets"})
