@@ -41,6 +41,7 @@ from actors.router.actor import RouterActor
 from actors.runner.actor import RunnerActor, RunnerLimits
 from actors.telemetry.actor import TelemetryActor
 from docs.generated import write_or_check
+from messages import datapath as datapath_messages
 from messages import errors
 from messages import events as ev
 from messages import files as files_messages
@@ -555,6 +556,10 @@ def render() -> str:
             f"(under `max_payload`), headers `{files_messages.FILES_OFFSET_HEADER}`, "
             f"`{files_messages.FILES_TOTAL_HEADER}` and `{files_messages.FILES_BLAKE3_HEADER}` (the chunk's own "
             "blake3) | the files actor of that node |",
+            f"| `{S.files(node, 'offer')}` | req/reply | {_link('OfferRequest')} → {_link('DirectOffer')}: a "
+            "one-shot ticket for the direct data path (docs/datapath.md: the range then travels on a TCP stream from "
+            "the holder, each chunk with its blake3; an error reply, or no responder: the asking node uses `.chunk`) "
+            "| the files actor of that node |",
             f"| `{S.files(node, 'pull')}` | req/reply | {_link('PullRequest')} → {_link('PullReply')} (a refusal "
             "carries `details.reason`; admin credentials only) | the files actor of that node (`mesh-actor models "
             "pull`) |",
@@ -885,6 +890,10 @@ def render() -> str:
         files_messages.FileHeld,
         files_messages.FileFacts,
         files_messages.ChunkRequest,
+        files_messages.OfferRequest,
+        datapath_messages.DirectOffer,
+        datapath_messages.DataHello,
+        datapath_messages.DataAnswer,
         files_messages.PullRequest,
         files_messages.PullReply,
         handoff_messages.HandoffOpen,

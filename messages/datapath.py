@@ -39,6 +39,9 @@ class DirectOffer(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ticket: Ticket
     tls: bool  # the listener requires mutual TLS under the cluster's CA
     ttl_s: Annotated[float, msgspec.Meta(ge=0, le=3600)]
+    # Which machine a loopback listener is on (a digest of its boot id and host name): a node on another machine
+    # does not dial its own loopback for it, and uses NATS.
+    machine: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class DataHello(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -483,6 +483,8 @@ class ModelFilePulled(Event, frozen=True, kw_only=True, tag="model_file_pulled")
     resumed_from: int  # bytes of an interrupted pull kept (re-verified), not fetched again
     moved_bytes: int
     fetch_ms: float
+    transport: str = "nats"  # the path the bytes took (`PullReply.transport`: direct, direct_tls, nats, direct+nats)
+    fallback: str = ""  # why the bus carried bytes, when it did
 
 
 class ModelFilePullRefused(Event, frozen=True, kw_only=True, tag="model_file_pull_refused"):

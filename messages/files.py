@@ -9,6 +9,9 @@ Subjects `<prefix>.files.<node>.<verb>` (`Subjects.files`):
 * `.chunk` (node to node): one chunk of such a file, asked by name and digest; the reply is raw bytes with the
   chunk's place and its own blake3 in headers (`FILES_OFFSET_HEADER`, `FILES_TOTAL_HEADER`,
   `FILES_BLAKE3_HEADER`), at most what fits the server's `max_payload`. Errors are the usual error replies.
+* `.offer` (node to node): a one-shot ticket for the direct data path (messages/datapath.py): the range of
+  such a file, asked by name and digest, is then sent over a TCP stream from the holder's data listener, each
+  chunk with its own blake3; an error reply (or no responder) means the asking node uses `.chunk` instead.
 * `.pull` (an operator, `mesh-actor models pull`; or the node's own runner, for a file a start needs): fetch a
   catalog model's file from a peer into this node's models directory, verified; answered once it is there (or
   refused, with the reason in `details.reason`).
@@ -68,6 +71,18 @@ class ChunkRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     length: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]  # at most; the server caps it under max_payload
 
 
+class OfferRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A ticket for the range `offset`..`offset + length` of the file `path` at version `blake3`, in frames of
+    `chunk` bytes, for the node `receiver` (the one asking) to fetch over the direct data path."""
+
+    path: RelativeName
+    blake3: Digest
+    offset: Offset = 0
+    length: Annotated[int, msgspec.Meta(ge=1, le=1 << 40)]
+    chunk: Annotated[int, msgspec.Meta(ge=4096, le=1 << 26)]
+    receiver: NodeId
+
+
 class PullRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Fetch the file of catalog model (or registry entry) `name` into this node's models dir; or, from the node
     itself (a runner starting a model whose file it lacks), the file of relative name `path`, which a catalog or
@@ -88,5 +103,9 @@ class PullReply(msgspec.Struct, frozen=True, kw_only=True):
     peer: str = ""  # where the bytes came from ("" when the file was already here)
     already: bool = False  # the file was already here, with that digest
     resumed_from: Size = 0  # bytes of an interrupted fetch kept (verified again) and not fetched again
-    moved_bytes: Size = 0  # bytes fetched over the bus by this pull
+    moved_bytes: Size = 0  # bytes fetched from the peer by this pull (either path)
     fetch_ms: float = 0.0
+    # `direct` (plain TCP on loopback), `direct_tls` (mutual TLS under the cluster CA), `nats`, `direct+nats` (the
+    # direct stream broke off and NATS fetched the rest); "" when nothing moved
+    transport: str = ""  # the path the bytes took: direct, direct_tls, nats or direct+nats ("": nothing moved)
+    fallback: Annotated[str, msgspec.Meta(max_length=1024)] = ""  # why the bus carried bytes, when it did

@@ -100,6 +100,28 @@ class DataPathConfig:
     def loopback(cls, limits: DataLimits | None = None) -> DataPathConfig:
         return cls(limits=limits or DataLimits())
 
+    @classmethod
+    def for_node(cls, tls: TlsFiles | None, cluster_host: str | None) -> DataPathConfig:
+        """A node's: with its cluster certificates, on its cluster address (a wildcard one is dialled by this
+        host's name, which the certificate holds); without them, loopback only."""
+        if tls is None or not cluster_host:
+            return cls()
+        advertise = socket.getfqdn() if cluster_host in ("0.0.0.0", "::") else cluster_host
+        return cls(bind=cluster_host, advertise=advertise, tls=tls)
+
+
+def machine_id() -> str:
+    """This machine, as loopback offers name it: a digest of the kernel's boot id and the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.read(64)
+    except OSError:
+        boot = b""
+    return str(blake3.blake3(boot + socket.gethostname().encode()).hexdigest()[:32])
+
+
+_MACHINE: Final = machine_id()
+
 
 class DataUnavailable(Exception):
     """The direct connection could not be opened (refused, firewalled, no handshake, no ticket): use NATS."""
@@ -251,8 +273,9 @@ class DataListener:
         refusal = self._book.issue(ticket, grant, now)
         if refusal is not None:
             return refusal
-        advertise = self.config.advertise if self.tls else _LOOPBACK
-        return DirectOffer(host=advertise, port=self.port, ticket=ticket, tls=self.tls, ttl_s=ttl)
+        if self.tls:
+            return DirectOffer(host=self.config.advertise, port=self.port, ticket=ticket, tls=True, ttl_s=ttl)
+        return DirectOffer(host=_LOOPBACK, port=self.port, ticket=ticket, tls=False, ttl_s=ttl, machine=_MACHINE)
 
     def withdraw(self, offer: DirectOffer) -> None:
         self._book.withdraw(offer.ticket)
@@ -318,9 +341,7 @@ async def _close(writer: asyncio.StreamWriter) -> None:
 ChunkReader = Callable[[int, int], tuple[bytes, bytes]]
 
 
-async def send_range(
-    writer: asyncio.StreamWriter, grant: Grant[Any], read: ChunkReader, limits: DataLimits
-) -> None:
+async def send_range(writer: asyncio.StreamWriter, grant: Grant[Any], read: ChunkReader, limits: DataLimits) -> None:
     """The granted range as frames of `grant.chunk` bytes: each chunk read and hashed in a worker thread while the
     previous one is written; a receiver that takes nothing for `stall_s` is cut off."""
     plan = [
@@ -419,6 +440,8 @@ async def fetch_range(
     handed to the sink stay verified)."""
     if chunk > limits.max_chunk_bytes:
         raise DataUnavailable(f"a chunk of {chunk} bytes is over this node's {limits.max_chunk_bytes}")
+    if not offer.tls and offer.machine != _MACHINE:
+        raise DataUnavailable("the peer's listener is on the loopback of another machine")
     if offer.tls and tls is None:
         raise DataUnavailable("the peer requires mutual TLS and this node has no cluster certificates")
     context = client_context(tls) if offer.tls and tls is not None else None

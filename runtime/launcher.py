@@ -46,6 +46,7 @@ from runtime.bus import Bus, ConnectFailed
 from runtime.config import ConfigError, NatsOptions, NodeConfig
 from runtime.creds import CredentialsError, with_creds_file
 from runtime.datadir import lock_data_dir
+from runtime.datapath import DataPathConfig
 from runtime.embedded import ClusterSpec, EmbeddedNats
 from runtime.journal import Journal, ensure_events_stream
 from runtime.logging import get_logger
@@ -269,6 +270,9 @@ async def run_node(
             if engine_error:
                 log.warning("no_llama_server", reason=engine_error)
             route_tls, lending = await asyncio.to_thread(split_serving, config, engine)
+            # Bulk bytes beside the bus (docs/datapath.md): mutual TLS on the cluster address, else loopback only.
+            cluster_host = config.lend_host or (config.cluster_listen[0] if config.cluster_listen else None)
+            data_path = DataPathConfig.for_node(route_tls, cluster_host)
             facts = NodeFacts(
                 node_id=config.node_id,
                 started_at=time.time(),
@@ -290,6 +294,7 @@ async def run_node(
                 models_dir=models_dir,
                 digests=digests,
                 trusted_registry_keys=tuple(config.registry_keys),
+                datapath=data_path,
             )
             actors: list[Actor] = [
                 TelemetryActor(

@@ -61,7 +61,7 @@ Within an account, each user's `permissions` (`docs/roles.md` lists them, writte
   bucket keys (`MESH_NODES.<id>`, `MESH_L3.<id>`, `MESH_INSTANCES.<id>.>`), serves its own runner, L3 and
   handoff subjects and the queue groups every node serves (placement, generate), and requests other nodes'
   runner `generate`/`tokenize`/`render`/`start`/`stop` (router and front door), `lend` (a split's head), L3
-  peer fetch, model files (`files.<id>.held`/`.facts`/`.chunk`; a `pull` only of its own node: an admin's
+  peer fetch, model files (`files.<id>.held`/`.facts`/`.chunk`/`.offer`; a `pull` only of its own node: an admin's
   request elsewhere) and handoff subjects (but not another node's link probe, `handoff.<id>.probe`: an admin's
   request). Placement runs on every node and books memory on any node by compare-and-set, so a node may write
   every reservation ledger and every tenant's limit counters (front doors share them), and start or stop
@@ -333,6 +333,7 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
         f"{p}.files.*.held",  # model files from peers (a pull is an operator's request: admin only)
         f"{p}.files.*.facts",  # placement reads a file's header facts on a node that holds it
         f"{p}.files.*.chunk",
+        f"{p}.files.*.offer",  # a ticket for the direct data path (the bytes then travel beside the bus)
         f"{p}.handoff.*.>",  # a handoff to the receiving node
         f"{INBOX_ROOT}.>",  # replies, generate stream chunks and pings go to the requester's inbox
     ]

@@ -58,6 +58,7 @@ from actors.frontdoor.catalog import CATALOG_FILE, CatalogError, parse_catalog
 from actors.placement.geometry import GeometryError, geometry_from_header
 from actors.placement.gguf_header import GGUFFormatError, parse_header
 from actors.placement.registry import RegistryUntrusted, verify
+from messages.datapath import DirectOffer
 from messages.errors import BAD_REQUEST, BUSY, ERROR_HEADER, MESH_ERROR_HEADER, NOT_FOUND, UNAVAILABLE
 from messages.events import ModelFilePulled, ModelFilePullRefused
 from messages.files import (
@@ -68,6 +69,7 @@ from messages.files import (
     FileFacts,
     FileHeld,
     HeldRequest,
+    OfferRequest,
     PullReply,
     PullRequest,
 )
@@ -77,8 +79,19 @@ from messages.telemetry import MAX_MODEL_FILES, ModelFiles, NodeResources
 from runtime import buckets
 from runtime.actor import Actor, ActorContext, RawReply, RequestError
 from runtime.bus import BadMessage, BusError, decode_checked, encode, parse_reply
+from runtime.datapath import (
+    ChunkReader,
+    DataFailed,
+    DataListener,
+    DataPathConfig,
+    DataUnavailable,
+    fetch_range,
+    send_range,
+)
 from runtime.durable import make_dir
 from runtime.model_files import FileDigests, FileKey, ModelFileError, open_regular, resolve
+from runtime.tickets import Grant
+from runtime.tickets import Refusal as TicketRefusal
 
 __all__ = ["FilesActor", "FilesLimits"]
 
@@ -136,9 +149,11 @@ class FilesActor(Actor):
         trusted_registry_keys: tuple[str, ...] = (),
         limits: FilesLimits | None = None,
         free_space: Callable[[Path], int] = parts.free_bytes,
+        datapath: DataPathConfig | None = None,
     ) -> None:
         """`free_space` is the bytes a directory's file system may still take (a test seam: a file system of
-        any size without mounting one)."""
+        any size without mounting one). `datapath`: where this node's data listener listens and with which
+        certificates (None: no direct path; every byte over NATS)."""
         self.node_id = node_id
         self.data_dir = data_dir
         self.models_dir = models_dir
@@ -159,6 +174,8 @@ class FilesActor(Actor):
         self.holdings = ModelFiles()
         self._look_again = asyncio.Event()  # a pull landed a file: `holdings` is looked at now
         self._signed: dict[str, RegistryEntry] = {}  # registry key -> its entry, signed by a key trusted here
+        self.datapath = datapath
+        self.listener: DataListener | None = None  # this incarnation's data listener, while it runs
 
     async def run(self, ctx: ActorContext) -> None:
         self._ctx = ctx
@@ -179,6 +196,12 @@ class FilesActor(Actor):
         await ctx.add_endpoint("held", s.files(node, "held"), HeldRequest, self._on_held, workers=2)
         await ctx.add_endpoint("facts", s.files(node, "facts"), HeldRequest, self._on_facts, workers=2)
         await ctx.add_endpoint("chunk", s.files(node, "chunk"), ChunkRequest, self._on_chunk, workers=lim.chunk_workers)
+        if self.datapath is not None:
+            listener = DataListener(node, self.datapath)
+            await listener.start()
+            self.listener = listener
+            ctx.spawn(self._keep_listener(listener), "data-listener")
+        await ctx.add_endpoint("offer", s.files(node, "offer"), OfferRequest, self._on_offer, workers=2)
         await ctx.add_endpoint(
             "pull", s.files(node, "pull"), PullRequest, self._on_pull, workers=2, deadline_s=lim.pull_deadline_s
         )
@@ -194,6 +217,14 @@ class FilesActor(Actor):
             pool, self._pool = self._pool, None
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _keep_listener(self, listener: DataListener) -> None:
+        try:
+            await asyncio.Event().wait()  # lives as long as the incarnation
+        finally:
+            if self.listener is listener:
+                self.listener = None
+            await listener.close()
 
     async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -389,6 +420,40 @@ class FilesActor(Actor):
         headers = {FILES_OFFSET_HEADER: str(request.offset), FILES_TOTAL_HEADER: str(total)}
         return RawReply(data, {**headers, FILES_BLAKE3_HEADER: chunk_digest})
 
+    async def _on_offer(self, request: OfferRequest) -> DirectOffer:
+        """A one-shot ticket for a range of a file this node serves, at the version asked: the listener sends it
+        (each chunk read from that very version, or the connection ends early and the fetcher resumes)."""
+        ctx, listener = self._ctx, self.listener
+        assert ctx is not None
+        if listener is None:
+            raise RequestError(UNAVAILABLE, f"node {self.node_id} has no direct data path; use chunks")
+        path = await self._servable(ctx, request.path)
+        try:
+            key, digest = await self._blocking(_version, self.digests, path)
+        except (ModelFileError, OSError) as exc:
+            raise RequestError(NOT_FOUND, f"node {self.node_id} cannot read {request.path!r}") from exc
+        if digest != request.blake3:
+            raise RequestError(NOT_FOUND, f"node {self.node_id} holds another version of {request.path!r}")
+        if request.offset + request.length > key.size:
+            raise RequestError(BAD_REQUEST, f"the range ends past the file's {key.size} bytes")
+        read = _version_reader(path, key)
+        limits = listener.limits
+
+        async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, grant: Grant[Any]) -> None:
+            await send_range(writer, grant, read, limits)
+
+        offer = listener.offer(
+            send,
+            receiver=request.receiver,
+            digest=request.blake3,
+            offset=request.offset,
+            length=request.length,
+            chunk=request.chunk,
+        )
+        if isinstance(offer, TicketRefusal):
+            raise RequestError(BUSY, str(offer), {"reason": offer.reason.value})
+        return offer
+
     # ---- pull ----
 
     async def _on_pull(self, request: PullRequest) -> PullReply:
@@ -480,7 +545,7 @@ class FilesActor(Actor):
         resumed = part.resumed_from
         moved = 0
         failures: list[str] = []
-        peer = ""
+        peer = transport = fallback = ""
         try:
             device = (await self._blocking(os.stat, directory)).st_dev
             free = await self._blocking(self._free_space, directory)
@@ -498,7 +563,7 @@ class FilesActor(Actor):
             for peer in source.peers:
                 before = part.received
                 try:
-                    await self._fetch(ctx, peer, relative, part)
+                    transport, fallback = await self._fetch(ctx, peer, relative, part)
                     moved += part.received - before
                     break
                 except _PeerFailed as exc:
@@ -541,7 +606,14 @@ class FilesActor(Actor):
         self._names = None  # a name may have been added with the pull's catalog
         self._look_again.set()
         ctx.log.info(
-            "file_pulled", path=relative, peer=peer, bytes=source.size, moved_bytes=moved, resumed_from=resumed
+            "file_pulled",
+            path=relative,
+            peer=peer,
+            bytes=source.size,
+            moved_bytes=moved,
+            resumed_from=resumed,
+            transport=transport,
+            fallback=fallback,
         )
         ctx.emit(
             ModelFilePulled,
@@ -553,6 +625,8 @@ class FilesActor(Actor):
             resumed_from=resumed,
             moved_bytes=moved,
             fetch_ms=fetch_ms,
+            transport=transport,
+            fallback=fallback[:1024],
         )
         return msgspec.structs.replace(
             here,
@@ -562,6 +636,8 @@ class FilesActor(Actor):
             resumed_from=resumed,
             moved_bytes=moved,
             fetch_ms=fetch_ms,
+            transport=transport,
+            fallback=fallback[:1024],
         )
 
     async def _holders(self, ctx: ActorContext, relative: str, only: str | None) -> list[Holder]:
@@ -595,9 +671,66 @@ class FilesActor(Actor):
         except (BusError, nats.errors.Error) as exc:
             return exc
 
-    async def _fetch(self, ctx: ActorContext, peer: str, relative: str, part: parts.PartFile) -> None:
-        """The rest of the file from `peer`, `window` chunk requests in flight, each checked and written in
-        order (`_land`: one worker-thread hop a chunk while the others travel)."""
+    async def _fetch(self, ctx: ActorContext, peer: str, relative: str, part: parts.PartFile) -> tuple[str, str]:
+        """The rest of the file from `peer`: over the direct data path when it opens, and over NATS chunk requests
+        when it does not or for what it did not bring (a stream that broke off: its verified chunks are kept).
+        Returns the path the bytes took (`PullReply.transport`) and why NATS carried bytes, when it did."""
+        direct, why = await self._fetch_direct(ctx, peer, relative, part)
+        if part.received >= part.size:
+            return direct, ""
+        await self._fetch_chunks(ctx, peer, relative, part)
+        return (f"{direct}+nats" if direct else "nats"), why
+
+    async def _fetch_direct(self, ctx: ActorContext, peer: str, relative: str, part: parts.PartFile) -> tuple[str, str]:
+        """What the direct stream from `peer` brings of the rest (a ticket asked on `.offer`); ("", why) when it
+        moved nothing. A peer whose frames lie is refused as over NATS; any other failure leaves the rest to NATS."""
+        if self.datapath is None:
+            return "", "this node has no direct data path"
+        length = part.size - part.received
+        if length <= 0:
+            return "", ""
+        request = OfferRequest(
+            path=relative, blake3=part.digest, offset=part.received, length=length, chunk=part.chunk,
+            receiver=self.node_id,
+        )  # fmt: skip
+        try:
+            offer = await ctx.bus.request(
+                ctx.subjects.files(peer, "offer"), request, DirectOffer, timeout=self.limits.held_timeout_s
+            )
+        except (BusError, nats.errors.Error) as exc:
+            return "", f"no ticket from {peer}: {exc}"
+        transport = "direct_tls" if offer.tls else "direct"
+        before = part.received
+
+        def sink(offset: int, data: memoryview, digest: str) -> None:  # the receiving thread
+            part.write(offset, data, digest)
+
+        try:
+            await fetch_range(
+                offer,
+                receiver=self.node_id,
+                digest=part.digest,
+                offset=request.offset,
+                length=length,
+                chunk=part.chunk,
+                sink=sink,
+                tls=self.datapath.tls,
+                limits=self.datapath.limits,
+                deadline_s=self.limits.pull_deadline_s,
+            )
+        except DataUnavailable as exc:
+            ctx.log.info("file_direct_unavailable", peer=peer, path=relative, error=str(exc))
+            return "", str(exc)
+        except DataFailed as exc:
+            if exc.reason in ("chunk_refused", "frame_refused"):
+                raise _Refused(Refusal(Reason.CHUNK_REFUSED, f"over the direct path: {exc}")) from exc
+            ctx.log.warning("file_direct_failed", peer=peer, path=relative, error=str(exc), kept=part.received)
+            return (transport if part.received > before else ""), str(exc)
+        return transport, ""
+
+    async def _fetch_chunks(self, ctx: ActorContext, peer: str, relative: str, part: parts.PartFile) -> None:
+        """The rest of the file from `peer` over NATS, `window` chunk requests in flight, each checked and written
+        in order (`_land`: one worker-thread hop a chunk while the others travel)."""
         subject = ctx.subjects.files(peer, "chunk")
         plan = iter(transfer.chunk_plan(part.size, part.chunk, part.received))
         try:
@@ -640,6 +773,38 @@ def _land(part: parts.PartFile, offset: int, length: int, data: bytes, headers: 
     if refusal is None:
         part.write(offset, data, stated)
     return refusal
+
+
+def _version(digests: FileDigests, path: Path) -> tuple[FileKey, str]:
+    """The file's current version and its blake3 (worker thread; hashed once per version)."""
+    fd, key = open_regular(path)
+    try:
+        return key, digests.digest_open(fd, key, path)
+    finally:
+        os.close(fd)
+
+
+def _version_reader(path: Path, key: FileKey) -> ChunkReader:
+    """Chunks of that version of the file and their blake3 (the listener's worker threads): a file rewritten,
+    replaced or touched since the ticket was issued ends the stream (the fetcher resumes over NATS, where the
+    other version is refused)."""
+
+    def read(offset: int, length: int) -> tuple[bytes, bytes]:
+        fd, now = open_regular(path)
+        try:
+            if now != key:
+                raise OSError(f"{path.name} changed since its ticket was issued")
+            data = os.pread(fd, length, offset)
+            while len(data) < length:
+                more = os.pread(fd, length - len(data), offset + len(data))
+                if not more:
+                    break
+                data += more
+        finally:
+            os.close(fd)
+        return data, blake3.blake3(data).digest()
+
+    return read
 
 
 def _hash(data: bytes) -> str:

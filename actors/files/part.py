@@ -84,7 +84,7 @@ class PartFile:
             return []
         return parsed[1]
 
-    def write(self, offset: int, data: bytes, chunk_digest: str) -> None:
+    def write(self, offset: int, data: bytes | memoryview, chunk_digest: str) -> None:
         """The next chunk (already checked against its stated hash), at `offset` == what was received."""
         if self._fd is None or self._journal is None:
             raise OSError("the part file is closed")

@@ -32,6 +32,7 @@ from runtime.datapath import (
     DataUnavailable,
     fetch_range,
     hashed_file_reader,
+    machine_id,
     send_range,
 )
 from runtime.tickets import Grant
@@ -283,7 +284,7 @@ def frame(data: bytes, offset: int, length: int | None = None, digest: bytes | N
 
 
 def peer_offer(port: int) -> DirectOffer:
-    return DirectOffer(host="127.0.0.1", port=port, ticket="cd" * 32, tls=False, ttl_s=30)
+    return DirectOffer(host="127.0.0.1", port=port, ticket="cd" * 32, tls=False, ttl_s=30, machine=machine_id())
 
 
 async def test_a_sender_that_lies_about_a_length_an_offset_or_a_hash_is_cut_off(
@@ -338,6 +339,17 @@ async def test_a_stalled_sender_is_cut_off_and_a_cut_transfer_resumes_from_what_
         await fetch(offer(lst, path, digest, offset=rest, length=SIZE - rest), digest, sink, offset=rest,
                     length=SIZE - rest)  # fmt: skip
     assert sink.data == data
+
+
+async def test_a_loopback_offer_from_another_machine_is_not_dialled(payload: tuple[Path, bytes, str]) -> None:
+    path, _, digest = payload
+    async with listener() as lst:
+        made = offer(lst, path, digest)
+        assert made.machine == machine_id()
+        elsewhere = msgspec.structs.replace(made, machine="f" * 32)
+        with pytest.raises(DataUnavailable, match="another machine"):
+            await fetch(elsewhere, digest, Collect())
+        assert lst.refused == 0  # nothing was dialled
 
 
 async def test_a_closed_port_is_unavailable_for_the_caller_to_fall_back() -> None:
