@@ -571,6 +571,7 @@ class RpcLent(LendEvent, frozen=True, kw_only=True, tag="rpc_lent"):
 
     port: int  # the tunnel exit's port
     command: tuple[str, ...]
+    private_loopback: bool = False  # the RPC server's loopback is its own (no other local process reaches it)
 
 
 class RpcServerExited(LendEvent, frozen=True, kw_only=True, tag="rpc_server_exited"):

@@ -15,7 +15,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import msgspec
 import nats.errors
@@ -254,7 +254,11 @@ async def run_node(
                 # The journal's limits are an admin's to change: the embedded server's owner sets them with
                 # its admin user; a node on an external NATS creates the stream if it is missing (its role
                 # may), and only warns when its limits differ.
-                await _unless_stopped(_ensure_journal(config, bus if admin is options else None, admin), stop)
+                # a cluster that just formed may answer "temporarily unavailable" (or not yet) for a while
+                settle_s = JOURNAL_SETTLE_S if embedded and config.cluster_listen is not None else 0.0
+                await _unless_stopped(
+                    _ensure_journal(config, bus if admin is options else None, admin, settle_s=settle_s), stop
+                )
             except (nats.errors.NoRespondersError, TimeoutError) as exc:
                 raise JetStreamUnavailable(_jetstream_off(options)) from exc
             except nats.js.errors.APIError as exc:
@@ -416,7 +420,34 @@ def _jetstream_off(options: NatsOptions) -> str:
     )
 
 
-async def _ensure_journal(config: NodeConfig, bus: Bus | None, admin: NatsOptions) -> None:
+#: How long an embedded cluster's node keeps asking for its journal while JetStream settles (its meta leader,
+#: the stream's placement) before it says JetStream is not available.
+JOURNAL_SETTLE_S: Final = 60.0
+_SETTLE_RETRY_S: Final = 0.5
+
+
+def _unsettled(exc: Exception) -> bool:
+    """Whether JetStream's answer means "not up yet" rather than a refusal."""
+    if isinstance(exc, nats.errors.NoRespondersError | TimeoutError):
+        return True
+    return isinstance(exc, nats.js.errors.ServiceUnavailableError) and exc.err_code in _JETSTREAM_OFF
+
+
+async def _ensure_journal(config: NodeConfig, bus: Bus | None, admin: NatsOptions, *, settle_s: float = 0.0) -> None:
+    """Creates (or checks) the journal stream; asks again for up to `settle_s` while JetStream is not up yet."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            await _ensure_journal_once(config, bus, admin)
+            return
+        except (nats.errors.Error, TimeoutError) as exc:
+            if not _unsettled(exc) or time.monotonic() >= deadline:
+                raise
+            get_logger(node=config.node_id).info("journal_waits_for_jetstream", error=repr(exc))
+            await asyncio.sleep(_SETTLE_RETRY_S)
+
+
+async def _ensure_journal_once(config: NodeConfig, bus: Bus | None, admin: NatsOptions) -> None:
     if bus is not None:
         await ensure_events_stream(
             bus, config.subjects, max_age_s=config.journal_max_age_s, max_bytes=config.journal_max_bytes

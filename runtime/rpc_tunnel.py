@@ -7,7 +7,8 @@ cluster secret every node already shares, so nothing is distributed), terminated
 
     llama-server --rpc 127.0.0.1:A  ->  TunnelEntrance (head node, loopback :A; its server's process only)
         ==TLS, client certificate==>  TunnelExit (member node, cluster address :B, certificate required)
-        ->  ggml-rpc-server (member node, loopback :C)
+        ->  ggml-rpc-server (member node, loopback :C of a network namespace of its own where the host permits
+            one, `runtime.private_loopback`: no other local process reaches it)
 
 A peer without a certificate issued under that CA completes no handshake and reaches nothing; the exit opens
 its connection to the RPC server only once the handshake succeeded. On the head, the entrance carries only the
@@ -28,7 +29,7 @@ from runtime.logging import get_logger
 from runtime.peer_process import peer_is
 from runtime.tls import TlsFiles
 
-__all__ = ["TunnelEntrance", "TunnelExit", "client_context", "server_context"]
+__all__ = ["Dial", "TunnelEntrance", "TunnelExit", "client_context", "server_context"]
 
 _log = get_logger(component="rpc-tunnel")
 CHUNK: Final = 1 << 18  # a read's most; RPC moves weights in large messages, tokens in small ones
@@ -147,14 +148,19 @@ class _Listener:
         await self.close()
 
 
+#: How an exit reaches its RPC server: a new connection each time.
+Dial = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+
+
 class TunnelExit(_Listener):
     """On a member node: accepts TLS connections from other members (a client certificate under the cluster CA
-    required) on `host:port` and carries each to the RPC server on loopback `target_port`."""
+    required) on `host:port` and carries each to the RPC server: on loopback `target` (a port), or through
+    `target` (a `Dial`: the server on a loopback of its own, `runtime.private_loopback`)."""
 
-    def __init__(self, files: TlsFiles, target_port: int) -> None:
+    def __init__(self, files: TlsFiles, target: int | Dial) -> None:
         super().__init__()
         self._context = server_context(files)
-        self._target = target_port
+        self._target = target
 
     async def start(self, host: str, port: int = 0) -> TunnelExit:
         await self._listen(host, port, self._carry, self._context)
@@ -164,12 +170,18 @@ class TunnelExit(_Listener):
         peer = writer.get_extra_info("peername")
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                target = await asyncio.open_connection("127.0.0.1", self._target)
+                target = await self._dial()
         except (OSError, TimeoutError) as exc:
-            _log.warning("rpc_tunnel_target_unreachable", port=self._target, peer=str(peer), error=repr(exc))
+            where = self._target if isinstance(self._target, int) else "its own loopback"
+            _log.warning("rpc_tunnel_target_unreachable", target=where, peer=str(peer), error=repr(exc))
             writer.close()
             return
         await _splice((reader, writer), target)
+
+    async def _dial(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if isinstance(self._target, int):
+            return await asyncio.open_connection("127.0.0.1", self._target)
+        return await self._target()
 
 
 class TunnelEntrance(_Listener):

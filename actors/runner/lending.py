@@ -7,6 +7,10 @@ truth, the request only names it), and then serves the part:
     ggml-rpc-server -H 127.0.0.1 -p C -d CPU -t N   (loopback only: llama.cpp's RPC has no authentication)
     TunnelExit on this node's lending address :B     (mutual TLS under the cluster CA, runtime/rpc_tunnel.py)
 
+The RPC server's loopback is one of its own (`runtime.private_loopback`: a network namespace, which the exit
+reaches through the server's broker), so no other local process can connect to it; where the host permits no
+user namespaces, it is the host's, and `rpc_lent` says so (`private_loopback` false).
+
 and answers where the exit listens (`Lent`). One RPC server per part: a `ggml-rpc-server` serves one client at a
 time, so two heads (or two instances of one head) never share one. Asked again (the head restarts its server),
 it answers with the same exit.
@@ -40,8 +44,10 @@ from messages.errors import NOT_FOUND, UNAVAILABLE
 from messages.events import RpcLendEnded, RpcLent, RpcServerExited
 from messages.placement import NodeLedger
 from messages.runner import LendRequest, Lent
+from runtime import private_loopback
 from runtime.actor import ActorContext, RequestError
 from runtime.children import free_port, port_free
+from runtime.private_loopback import BrokerGone, PrivateLoopback
 from runtime.restart import GiveUp, RestartPolicy
 from runtime.rpc_tunnel import TunnelExit
 from runtime.tls import TlsFiles
@@ -73,8 +79,10 @@ class _Part:
     exit: TunnelExit
     log: ServerLog
     command: tuple[str, ...]
+    private: bool  # on a loopback of its own
     restarts: int = 0
     process: ServerProcess | None = None
+    broker: PrivateLoopback | None = None  # the running server's, when private
     listening: asyncio.Event = field(default_factory=asyncio.Event)
     ending: str | None = None  # why it is being ended (set before its server is stopped)
     task: asyncio.Task[None] | None = None
@@ -132,7 +140,16 @@ class Lending:
         rid = request.reservation_id
         directory = self.data_dir / "runner" / f"lend-{rid}"
         port = free_port()
-        exit_ = TunnelExit(self.config.tls, port)
+        private = await private_loopback.available()
+        parts = self._parts
+
+        async def dial() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            broker = parts[rid].broker if rid in parts else None
+            if broker is None:
+                raise BrokerGone("the RPC server is not running")
+            return await broker.dial()
+
+        exit_ = TunnelExit(self.config.tls, dial if private else port)
         await exit_.start(self.config.bind)
         try:
             log = await asyncio.to_thread(self._prepare, directory)
@@ -140,11 +157,18 @@ class Lending:
             await exit_.close()
             raise RequestError(UNAVAILABLE, f"cannot prepare {directory}: {exc}") from exc
         command = rpc_server_command(str(self.config.rpc_server), port, self.config.threads)
-        part = _Part(reservation_id=rid, head=request.head, port=port, exit=exit_, log=log, command=command)
+        part = _Part(
+            reservation_id=rid, head=request.head, port=port, exit=exit_, log=log, command=command, private=private
+        )
         self._parts[rid] = part
         part.task = ctx.spawn(self._serve(ctx, part), f"lend:{rid}")
-        ctx.log.info("rpc_lent", reservation_id=rid, head=request.head, port=exit_.port, command=shlex.join(command))
-        ctx.emit(RpcLent, reservation_id=rid, head=request.head, port=exit_.port, command=command)
+        ctx.log.info(
+            "rpc_lent", reservation_id=rid, head=request.head, port=exit_.port, command=shlex.join(command),
+            private_loopback=private,
+        )  # fmt: skip
+        ctx.emit(
+            RpcLent, reservation_id=rid, head=request.head, port=exit_.port, command=command, private_loopback=private
+        )
         return part
 
     def _prepare(self, directory: Path) -> ServerLog:  # worker thread
@@ -192,30 +216,56 @@ class Lending:
         """One RPC server process, from spawn to exit: (exit code, the log's last lines)."""
         part.listening.clear()
         part.log.begin(f"{shlex.join(part.command)}")
+        broker = PrivateLoopback() if part.private else None
+        argv: list[str] | tuple[str, ...] = part.command
+        if broker is not None:
+            argv = private_loopback.command(part.command, broker.child_fd, part.port)
         try:
-            process = await ServerProcess.spawn(part.command, env=server_environment(os.environ), log=part.log)
+            process = await ServerProcess.spawn(
+                argv,
+                env=server_environment(os.environ),
+                log=part.log,
+                pass_fds=() if broker is None else (broker.child_fd,),
+            )
         except OSError as exc:
+            if broker is not None:
+                broker.close()
             return None, f"could not start {part.command[0]}: {exc}"
-        part.process = process
+        finally:
+            if broker is not None:
+                broker.spawned()
+        part.process, part.broker = process, broker
         pump = asyncio.create_task(process.pump())
         try:
-            async with asyncio.timeout(LISTEN_TIMEOUT_S):
-                # nothing tells when another process starts listening (the RPC server's own lines stay in its
-                # stdio buffer until its first client), so the port is looked at until it is taken
-                while port_free(part.port) and process.returncode is None:  # noqa: ASYNC110
-                    await asyncio.sleep(_LISTEN_POLL_S)
-            if process.returncode is None:
+            if await self._listens(part, process, broker):
                 part.listening.set()
-        except TimeoutError:
-            process.signal(signal.SIGKILL)
-        try:
+            elif process.returncode is None:
+                process.signal(signal.SIGKILL)
             code = await process.wait()
         finally:
             part.listening.clear()
+            part.broker = None
+            if broker is not None:
+                broker.close()
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(pump, 2.0)
             pump.cancel()
         return code, part.log.tail()
+
+    @staticmethod
+    async def _listens(part: _Part, process: ServerProcess, broker: PrivateLoopback | None) -> bool:
+        """Whether the RPC server listens within `LISTEN_TIMEOUT_S`: its broker says so, or, on the host's
+        loopback, its port is looked at until it is taken (nothing else tells: the RPC server's own lines stay
+        in its stdio buffer until its first client)."""
+        if broker is not None:
+            return await broker.listening(LISTEN_TIMEOUT_S) and process.returncode is None
+        try:
+            async with asyncio.timeout(LISTEN_TIMEOUT_S):
+                while port_free(part.port) and process.returncode is None:  # noqa: ASYNC110
+                    await asyncio.sleep(_LISTEN_POLL_S)
+        except TimeoutError:
+            return False
+        return process.returncode is None
 
     async def _stop_server(self, part: _Part) -> None:
         process = part.process

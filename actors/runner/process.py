@@ -178,7 +178,13 @@ class ServerProcess:
 
     @classmethod
     async def spawn(
-        cls, argv: Sequence[str], *, env: Mapping[str, str], log: ServerLog, cwd: Path | None = None
+        cls,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        log: ServerLog,
+        cwd: Path | None = None,
+        pass_fds: Sequence[int] = (),
     ) -> ServerProcess:
         """Starts `argv` (`argv[0]` a path). Must run on the event loop's thread: the parent-death signal
         follows the thread that forked, so a child forked from a worker thread would be killed when that
@@ -193,6 +199,7 @@ class ServerProcess:
             cwd=cwd,
             env=dict(env),
             process_group=0,  # its own process group: we signal the group
+            pass_fds=tuple(pass_fds),
         )
         return cls(process, log)
 

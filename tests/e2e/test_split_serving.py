@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import ssl
 from collections.abc import Callable
 from pathlib import Path
@@ -164,6 +165,7 @@ async def test_the_front_door_loads_a_split_and_a_lost_member_is_a_crash_that_re
     async with cluster(tmp_path / "mesh", flags) as mesh:
         first = mesh.data_dir("c1")
         await until(lambda: _nodes(first), "three nodes")
+        await until(lambda: _listening(port), "the front door listening")  # it starts after the node's record
         # the catalog's model fits no node: the front door asks for a split, which it loads on demand
         api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=120)
         answer = await api.completions.create(model="big", prompt=PROMPT, max_tokens=N_PREDICT, temperature=0)
@@ -176,6 +178,11 @@ async def test_the_front_door_loads_a_split_and_a_lost_member_is_a_crash_that_re
         # a stranger (TLS without a certificate, or plain TCP) reaches nothing behind the member's exit
         [lent] = await events(first, "rpc_lent")
         await _refused(lent["port"], mesh)
+        # and its RPC server is on a loopback of its own: on the host's, its port is nobody's (issue 30, F15)
+        assert lent["private_loopback"]
+        rpc_port = int(lent["command"][lent["command"].index("-p") + 1])
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", rpc_port), timeout=2).close()
 
         # kill the member's RPC server: the head's instance crashes, naming the member, and comes back
         [pid] = await rpc_servers(first, rid)
@@ -220,6 +227,14 @@ async def released(data_dir: Path, reservation_id: str) -> bool:
 
 async def _nodes(data_dir: Path) -> bool:
     return len((await json_cli(data_dir, "status"))["nodes"]) == len(NODES)
+
+
+async def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError):
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.close()
+        return True
+    return False
 
 
 async def _refused(port: int, mesh: Cluster) -> None:
