@@ -94,14 +94,19 @@ def write_qwen35(
     dtype: str = "f32",
     n_ctx_train: int = 32768,
     sparse: bool = False,
+    rope_sections: Sequence[int] | None = None,
 ) -> Path:
     """A qwen35 hybrid: `n_layer` trunk layers (every `interval`-th full attention) + `n_nextn` MTP blocks.
 
-    `inner_size = state_size · dt_rank` (the value dimension of the gated delta net).
+    `inner_size = state_size · dt_rank` (the value dimension of the gated delta net). `rope_sections`: the
+    M-RoPE sections (released models rotate 64 of 256 dimensions: [11, 11, 10, 0]), whose sum times two is
+    the rope dimension count; default a quarter, then eighths of the head.
     """
     ssm = (conv_kernel, state_size, group_count, dt_rank)
     sizes = (n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab)
-    return _write_qwen35_family(path, "qwen35", n_layer, n_nextn, interval, sizes, ssm, dtype, n_ctx_train, sparse)
+    return _write_qwen35_family(
+        path, "qwen35", n_layer, n_nextn, interval, sizes, ssm, dtype, n_ctx_train, sparse, rope_sections=rope_sections
+    )
 
 
 def write_qwen35moe(
@@ -144,6 +149,7 @@ def _write_qwen35_family(
     sparse: bool = False,
     *,
     experts: tuple[int, int] = (0, 0),
+    rope_sections: Sequence[int] | None = None,
 ) -> Path:
     """qwen35 and qwen35moe: `sizes` are (n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab), `ssm` (conv_kernel,
     state_size, group_count, dt_rank); with experts, n_ff is the width of every expert and of the shared one."""
@@ -154,9 +160,10 @@ def _write_qwen35_family(
     header = _transformer(
         n_layer + n_nextn, n_embd, n_head, n_head_kv, n_ff, head_dim=head_dim, n_ctx_train=n_ctx_train
     )
+    sections = [head_dim // 4, head_dim // 8, head_dim // 8, 0] if rope_sections is None else list(rope_sections)
     keys = {
-        "rope.dimension_count": head_dim,
-        "rope.dimension_sections": [head_dim // 4, head_dim // 8, head_dim // 8, 0],
+        "rope.dimension_count": head_dim if rope_sections is None else 2 * sum(sections),
+        "rope.dimension_sections": sections,
         **_ssm(conv_kernel, inner, state_size, dt_rank, group_count),
         "full_attention_interval": interval,
         "nextn_predict_layers": n_nextn or None,
@@ -300,12 +307,14 @@ def write_nemotron_h(
     state_size: int = 16,
     group_count: int = 2,
     dt_rank: int = 8,
+    head_dim: int | None = None,
 ) -> Path:
     """A nemotron_h model; `layers` spells the blocks as Nemotron-H's pattern does: `M` a Mamba2 mixer,
     `*` attention, `-` an MLP. Only attention blocks have KV heads and only MLP blocks an FFN length, so
-    an MLP block has neither KV nor recurrent state."""
+    an MLP block has neither KV nor recurrent state. `head_dim`: a head size other than n_embd / n_head."""
     ssm = (conv_kernel, inner, state_size, group_count, dt_rank)
-    return _write_nemotron(path, "nemotron_h", layers, 0, (n_embd, n_head, n_head_kv, n_ff, n_vocab), ssm)
+    sizes = (n_embd, n_head, n_head_kv, n_ff, n_vocab)
+    return _write_nemotron(path, "nemotron_h", layers, 0, sizes, ssm, head_dim=head_dim)
 
 
 def write_nemotron_h_moe(
@@ -341,6 +350,8 @@ def _write_nemotron(
     sizes: tuple[int, int, int, int, int],
     ssm: tuple[int, int, int, int, int],
     experts: tuple[int, int] = (0, 0),
+    *,
+    head_dim: int | None = None,
 ) -> Path:
     """nemotron_h and nemotron_h_moe: `sizes` are (n_embd, n_head, n_head_kv, n_ff, n_vocab), `ssm`
     (conv_kernel, inner, state_size, group_count, dt_rank); with experts, n_ff is every expert's width."""
@@ -356,8 +367,9 @@ def _write_nemotron(
         **(_moe(n_expert, n_expert_used, n_ff, shared_ff=n_ff) if n_expert else {}),
         "nextn_predict_layers": n_nextn or None,
     }
-    spec = _spec(arch, n_vocab, _transformer(len(kinds), n_embd, n_head, kv_heads, ff), keys)
-    dims = _attention_dims(n_embd, n_head, n_head_kv) | _ssm_dims(conv_kernel, inner, state_size, dt_rank, group_count)
+    spec = _spec(arch, n_vocab, _transformer(len(kinds), n_embd, n_head, kv_heads, ff, head_dim=head_dim), keys)
+    dims = _attention_dims(n_embd, n_head, n_head_kv, head_dim)
+    dims |= _ssm_dims(conv_kernel, inner, state_size, dt_rank, group_count)
     dims |= _ffn_dims(n_ff, expert=n_expert, ff_exp=n_ff, ff_shexp=n_ff)
     blocks = dict(_NEMOTRON_BLOCKS)
     if n_expert:

@@ -74,13 +74,16 @@ from messages.model import LayerGeometry, ModelGeometry
 
 __all__ = ["CALIBRATION_VERSION", "MEASURED_ERROR_RATIO", "ComputeEstimate", "compute_buffers", "split_compute_buffers"]
 
-CALIBRATION_VERSION = "compute-9"
+CALIBRATION_VERSION = "compute-10"
 #: Largest relative error of the model against llama-server's reported compute buffers in calibration.
 MEASURED_ERROR_RATIO = 0.25
 
 FFN_FACTOR = 3  # gate, up and their product, n_ff wide, live at once
 EMBD_FACTOR = 5  # residual stream, FFN input, norm output and two more n_embd-wide rows
 MAMBA_IN_FACTOR = 3.5  # input projection, conv window and scan output of a Mamba layer, per input width
+#: Architectures whose recurrent blocks are `build_mamba2_layer`'s, sized around the scan as ggml-alloc places
+#: them (`_mamba2_scan_stage`, compute-10) instead of by `MAMBA_IN_FACTOR`.
+MAMBA2_SCAN_LAYER = frozenset({"mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "nemotron_h_moe"})
 #: Mixture-of-experts FFNs without a gate (a squared-ReLU up projection, computed in place): one row per
 #: routed expert instead of gate, up and their product.
 UNGATED_EXPERTS = frozenset({"nemotron_h", "nemotron_h_moe"})
@@ -212,6 +215,35 @@ def _recurrent_stage_rows(geometry: ModelGeometry) -> float | None:
     return None
 
 
+def _mamba2_scan_stage(geometry: ModelGeometry, layer: LayerGeometry, shape: ContextShape, embd_rows: int) -> int:
+    """The peak of a Mamba-2 layer (`build_mamba2_layer`) around its scan, placed as ggml-alloc places it
+    (compute-10, read from the reserve graph's nodes and checked node by node against the server's buffer).
+
+    Live at once: the n_embd-wide rows beside every stage (`embd_rows`), the input projection `zxBCdt`
+    (`2·d_inner + 2·n_group·d_state + n_head` per token, alive until z is copied out after the scan), the
+    convolution's output (`xBC`, `d_inner + 2·n_group·d_state`), and the block its input had (the conv states
+    concatenated before the micro-batch: `xBC` rows plus `d_conv - 1` per slot), freed before the scan. The scan
+    writes y (d_inner per token) and every slot's final state in one tensor, then the states of the other
+    slots are gathered (`states_extra`, one state each beside the first). The first of those two that fits
+    goes into the freed conv-input block; what does not fit goes on top. When the scan fits there, z's copy
+    (d_inner per token) is the next tensor on top.
+    """
+    t, slots = shape.n_ubatch, max(1, shape.n_seq_max)
+    groups = geometry.ssm_n_group * geometry.ssm_d_state
+    xbc = geometry.ssm_d_inner + 2 * groups
+    in_proj = 4 * t * (2 * geometry.ssm_d_inner + 2 * groups + geometry.ssm_dt_rank)
+    conv_in = 4 * (t * xbc + slots * layer.r_width)
+    scan = 4 * t * geometry.ssm_d_inner + 4 * slots * layer.s_width
+    extra = 4 * (slots - 1) * layer.s_width
+    if scan <= conv_in:
+        on_top = max(extra, 4 * t * geometry.ssm_d_inner)
+    elif extra <= conv_in:
+        on_top = scan
+    else:
+        on_top = scan + extra
+    return 4 * t * embd_rows * geometry.n_embd + in_proj + 4 * t * xbc + conv_in + on_top
+
+
 def _layer_peak(
     geometry: ModelGeometry,
     layers: list[LayerGeometry],
@@ -238,9 +270,13 @@ def _layer_peak(
     embd_rows = EMBD_FACTOR + (1 if geometry.architecture in PARALLEL_BLOCK else 0) - fewer_embd_rows
     activation = 4 * t * (ffn_rows + embd_rows * n_embd)
     if geometry.recurrent_kind == "mamba" and any(layer.recurrent for layer in layers):
-        width = 2 * geometry.ssm_d_inner + 2 * geometry.ssm_n_group * geometry.ssm_d_state + geometry.ssm_dt_rank
-        state = max(layer.r_width + layer.s_width for layer in layers if layer.recurrent)
-        mamba = int(4 * t * MAMBA_IN_FACTOR * width) + 4 * shape.n_seq_max * state
+        recurrent = [layer for layer in layers if layer.recurrent]
+        if geometry.architecture in MAMBA2_SCAN_LAYER:
+            mamba = max(_mamba2_scan_stage(geometry, layer, shape, embd_rows) for layer in recurrent)
+        else:
+            width = 2 * geometry.ssm_d_inner + 2 * geometry.ssm_n_group * geometry.ssm_d_state + geometry.ssm_dt_rank
+            state = max(layer.r_width + layer.s_width for layer in recurrent)
+            mamba = int(4 * t * MAMBA_IN_FACTOR * width) + 4 * shape.n_seq_max * state
         activation = max(activation, mamba)
     stage_rows = _recurrent_stage_rows(geometry)
     if stage_rows is not None and any(layer.recurrent for layer in layers):
