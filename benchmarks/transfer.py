@@ -38,8 +38,8 @@ def write_random(path: Path, size: int) -> None:
             left -= n
 
 
-def tcp_copy(source: Path, dest: Path) -> float:
-    """Seconds to send `source` over loopback TCP (`sendfile`) into `dest`, fsynced."""
+def tcp_copy(source: Path, dest: Path, *, fsync: bool = True) -> float:
+    """Seconds to send `source` over loopback TCP (`sendfile`) into `dest`, fsynced (unless `fsync` is False)."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
 
@@ -59,7 +59,8 @@ def tcp_copy(source: Path, dest: Path) -> float:
                 break
             out.write(buffer[:n])
         out.flush()
-        os.fsync(out.fileno())
+        if fsync:
+            os.fsync(out.fileno())
     sender.join()
     listener.close()
     return time.perf_counter() - started
@@ -90,6 +91,12 @@ def transfer_arguments(doc: str | None, *, size_mib: int = 1024, rounds: int = 1
 def quiet_logs() -> None:
     """Only warnings from the actors: their per-request logs would cost more than what is measured."""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (every thread), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rate(size: int, seconds: float) -> str:

@@ -35,15 +35,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import queue
 import secrets
 import socket
 import ssl
 import struct
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, BinaryIO, Final, Protocol
 
 import blake3
 import msgspec
@@ -62,7 +63,9 @@ __all__ = [
     "DataPathConfig",
     "DataUnavailable",
     "Sink",
+    "chunk_plan",
     "fetch_range",
+    "send_file_range",
     "send_range",
 ]
 
@@ -341,13 +344,16 @@ async def _close(writer: asyncio.StreamWriter) -> None:
 ChunkReader = Callable[[int, int], tuple[bytes, bytes]]
 
 
+def chunk_plan(grant: Grant[Any]) -> list[tuple[int, int]]:
+    """(offset, length) of every frame of a granted range."""
+    end = grant.offset + grant.length
+    return [(offset, min(grant.chunk, end - offset)) for offset in range(grant.offset, end, grant.chunk)]
+
+
 async def send_range(writer: asyncio.StreamWriter, grant: Grant[Any], read: ChunkReader, limits: DataLimits) -> None:
     """The granted range as frames of `grant.chunk` bytes: each chunk read and hashed in a worker thread while the
     previous one is written; a receiver that takes nothing for `stall_s` is cut off."""
-    plan = [
-        (offset, min(grant.chunk, grant.offset + grant.length - offset))
-        for offset in range(grant.offset, grant.offset + grant.length, grant.chunk)
-    ]
+    plan = chunk_plan(grant)
     if not plan:
         return
     loop = asyncio.get_running_loop()
@@ -368,6 +374,33 @@ async def send_range(writer: asyncio.StreamWriter, grant: Grant[Any], read: Chun
             ahead.cancel()
         with contextlib.suppress(BaseException):
             await asyncio.wait({ahead}, timeout=limits.stall_s)
+
+
+async def send_file_range(
+    writer: asyncio.StreamWriter,
+    grant: Grant[Any],
+    open_file: Callable[[], BinaryIO],
+    digests: Sequence[bytes],
+    limits: DataLimits,
+) -> None:
+    """The granted range of a file whose chunks' blake3 are known already (`digests`, one per frame: hashed when
+    that version was served before), each frame's bytes sent with `loop.sendfile` (zero copy on a plain socket;
+    under TLS the loop reads and encrypts). `open_file` (a worker thread) opens the version the digests are of."""
+    plan = chunk_plan(grant)
+    if len(digests) != len(plan):
+        raise ValueError(f"{len(digests)} digests for {len(plan)} frames")
+    loop = asyncio.get_running_loop()
+    handle = await loop.run_in_executor(None, open_file)
+    try:
+        for (offset, length), digest in zip(plan, digests, strict=True):
+            writer.write(FRAME.pack(offset, length, digest))
+            async with asyncio.timeout(limits.stall_s):
+                await writer.drain()
+                sent = await loop.sendfile(writer.transport, handle, offset, length)
+            if sent != length:
+                raise OSError(f"sent {sent} bytes at {offset}, wanted {length} (the file shrank)")
+    finally:
+        await loop.run_in_executor(None, handle.close)
 
 
 def hashed_file_reader(path: str, check: Callable[[int], None] | None = None) -> ChunkReader:
@@ -520,22 +553,68 @@ def _recv_plain(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
+#: Chunk buffers of a receiving transfer: one being received, the others queued for (or in) the sink.
+_BUFFERS: Final = 4
+
+
 def _receive_frames(sock: socket.socket, hello: DataHello, sink: Sink, clock: _Clock) -> int:
-    """The frames of the range, in order, each checked and handed to `sink` (blocking)."""
+    """The frames of the range, in order, each checked, then handed to `sink` by a second thread (the next chunk
+    is received and hashed while the sink writes this one; blocking). Every chunk verified before a failure
+    reaches the sink before the failure is raised; a failure of the sink ends the receiving."""
+    free: queue.Queue[memoryview] = queue.Queue()
+    for _ in range(_BUFFERS):
+        free.put(memoryview(bytearray(hello.chunk)))
+    verified: queue.Queue[tuple[int, memoryview, str] | None] = queue.Queue()
+    failed: list[BaseException] = []
+
+    def drain() -> None:  # the sink's thread
+        while (item := verified.get()) is not None:
+            offset, view, digest = item
+            if not failed:
+                try:
+                    sink(offset, view, digest)
+                except BaseException as exc:
+                    failed.append(exc)
+            free.put(_whole(view))
+
+    writer = threading.Thread(target=drain, name="datapath-sink", daemon=True)
+    writer.start()
     header = memoryview(bytearray(FRAME.size))
-    buffer = memoryview(bytearray(hello.chunk))
     expected, end = hello.offset, hello.offset + hello.length
-    while expected < end:
-        _recv_exactly(sock, header, clock)
-        offset, length, stated = FRAME.unpack(header)
-        want = min(hello.chunk, end - expected)
-        if offset != expected or length != want:
-            raise DataFailed("frame_refused", f"a frame of {length} bytes at {offset}, expected {want} at {expected}")
-        view = buffer[:length]
-        _recv_exactly(sock, view, clock)
-        observed = blake3.blake3(view).digest()
-        if observed != stated:
-            raise DataFailed("chunk_refused", f"the chunk at {offset} does not hash to the blake3 sent with it")
-        sink(offset, view, observed.hex())
-        expected += length
+    try:
+        while expected < end and not failed:
+            _recv_exactly(sock, header, clock)
+            offset, length, stated = FRAME.unpack(header)
+            want = min(hello.chunk, end - expected)
+            if offset != expected or length != want:
+                raise DataFailed(
+                    "frame_refused", f"a frame of {length} bytes at {offset}, expected {want} at {expected}"
+                )
+            view = _take(free, clock)[:length]
+            _recv_exactly(sock, view, clock)
+            observed = blake3.blake3(view).digest()
+            if observed != stated:
+                raise DataFailed("chunk_refused", f"the chunk at {offset} does not hash to the blake3 sent with it")
+            verified.put((offset, view, observed.hex()))
+            expected += length
+    finally:
+        verified.put(None)
+        writer.join()
+    if failed:
+        raise failed[0]
     return expected - hello.offset
+
+
+def _whole(view: memoryview) -> memoryview:
+    """The whole buffer a chunk's view is a slice of (returned to the pool)."""
+    base = view.obj
+    assert isinstance(base, bytearray)
+    return memoryview(base)
+
+
+def _take(free: queue.Queue[memoryview], clock: _Clock) -> memoryview:
+    """A free chunk buffer, once the sink is done with one (within the stall deadline: a sink that hangs)."""
+    try:
+        return free.get(timeout=clock.wait_s())
+    except queue.Empty as exc:
+        raise DataFailed("sink_stalled", f"the sink took no chunk for {clock.limits.stall_s:g}s") from exc

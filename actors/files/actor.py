@@ -38,12 +38,12 @@ import itertools
 import os
 import stat
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, BinaryIO, Final, TypeVar
 
 import blake3
 import msgspec
@@ -82,10 +82,13 @@ from runtime.bus import BadMessage, BusError, decode_checked, encode, parse_repl
 from runtime.datapath import (
     ChunkReader,
     DataFailed,
+    DataLimits,
     DataListener,
     DataPathConfig,
     DataUnavailable,
+    Handler,
     fetch_range,
+    send_file_range,
     send_range,
 )
 from runtime.durable import make_dir
@@ -96,6 +99,9 @@ from runtime.tickets import Refusal as TicketRefusal
 __all__ = ["FilesActor", "FilesLimits"]
 
 T = TypeVar("T")
+
+#: File versions whose chunk digests are remembered for sending again with sendfile (32 B a chunk: 32 KiB a GiB).
+_HASHED_VERSIONS: Final = 16
 
 #: The error code of each refusal (the reason itself travels in `details.reason`).
 _CODES: Final = {
@@ -176,6 +182,9 @@ class FilesActor(Actor):
         self._signed: dict[str, RegistryEntry] = {}  # registry key -> its entry, signed by a key trusted here
         self.datapath = datapath
         self.listener: DataListener | None = None  # this incarnation's data listener, while it runs
+        #: (file version, chunk size) -> the blake3 of each chunk sent directly so far (by index): a range whose
+        #: chunks are all known is sent again with sendfile, untouched by this process (the last few versions).
+        self._chunk_digests: OrderedDict[tuple[FileKey, int], dict[int, bytes]] = OrderedDict()
 
     async def run(self, ctx: ActorContext) -> None:
         self._ctx = ctx
@@ -436,12 +445,8 @@ class FilesActor(Actor):
             raise RequestError(NOT_FOUND, f"node {self.node_id} holds another version of {request.path!r}")
         if request.offset + request.length > key.size:
             raise RequestError(BAD_REQUEST, f"the range ends past the file's {key.size} bytes")
-        read = _version_reader(path, key)
         limits = listener.limits
-
-        async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, grant: Grant[Any]) -> None:
-            await send_range(writer, grant, read, limits)
-
+        send = self._sender(path, key, request, limits, sendfile=not listener.tls)
         offer = listener.offer(
             send,
             receiver=request.receiver,
@@ -453,6 +458,44 @@ class FilesActor(Actor):
         if isinstance(offer, TicketRefusal):
             raise RequestError(BUSY, str(offer), {"reason": offer.reason.value})
         return offer
+
+    def _sender(
+        self, path: Path, key: FileKey, request: OfferRequest, limits: DataLimits, *, sendfile: bool
+    ) -> Handler:
+        """What the listener does with the ticket's connection: the range with sendfile when every chunk's blake3
+        is known from an earlier send of this version (and the socket is plain: under TLS asyncio's sendfile
+        falls back to small reads, slower than reading whole chunks), else read and hashed chunk by chunk (and
+        remembered)."""
+        chunk = request.chunk
+        known = self._chunk_digests.get((key, chunk))
+        if known is None:
+            known = self._chunk_digests[(key, chunk)] = {}
+            while len(self._chunk_digests) > _HASHED_VERSIONS:
+                self._chunk_digests.popitem(last=False)
+        self._chunk_digests.move_to_end((key, chunk))
+        aligned = request.offset % chunk == 0
+        first = request.offset // chunk
+        count = -(-request.length // chunk)
+        digests = [known.get(first + i) for i in range(count)] if aligned else []
+        if sendfile and aligned and all(d is not None for d in digests):
+            ready = [d for d in digests if d is not None]
+
+            async def send_known(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, grant: Grant[Any]) -> None:
+                await send_file_range(writer, grant, lambda: _open_version(path, key), ready, limits)
+
+            return send_known
+        read = _version_reader(path, key)
+
+        def read_and_remember(offset: int, length: int) -> tuple[bytes, bytes]:  # worker threads
+            data, digest = read(offset, length)
+            if aligned and len(data) == length:
+                known[offset // chunk] = digest
+            return data, digest
+
+        async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, grant: Grant[Any]) -> None:
+            await send_range(writer, grant, read_and_remember, limits)
+
+        return send
 
     # ---- pull ----
 
@@ -782,6 +825,15 @@ def _version(digests: FileDigests, path: Path) -> tuple[FileKey, str]:
         return key, digests.digest_open(fd, key, path)
     finally:
         os.close(fd)
+
+
+def _open_version(path: Path, key: FileKey) -> BinaryIO:
+    """The file, opened only while it is the version `key` (worker thread)."""
+    fd, now = open_regular(path)
+    if now != key:
+        os.close(fd)
+        raise OSError(f"{path.name} changed since its ticket was issued")
+    return os.fdopen(fd, "rb")
 
 
 def _version_reader(path: Path, key: FileKey) -> ChunkReader:

@@ -21,6 +21,7 @@ import msgspec
 import pytest
 
 from actors.files.actor import FilesActor, FilesLimits
+from actors.files.transfer import chunk_bytes
 from messages.datapath import DataAnswer, DirectOffer
 from messages.files import ChunkRequest, OfferRequest
 from runtime.bus import Bus, encode
@@ -93,6 +94,12 @@ async def test_a_pull_moves_the_file_over_the_direct_path_verified_and_says_so(
         assert a.listener is not None and a.listener.refused == 0
         (event,) = await journal_reader.wait_for(of_type("model_file_pulled", node="b"))
         assert (event["transport"], event["moved_bytes"]) == ("direct", size)
+        # the holder now knows every chunk's blake3 of that version: the next pull of it is sent with sendfile
+        ((_, known),) = a._chunk_digests.items()
+        assert sorted(known) == list(range(-(-size // chunk_bytes(bus.max_payload))))
+        (models_b / "tiny.gguf").unlink()
+        again = await pull(bus, "b", "tiny", peer="a")
+        assert again.transport == "direct" and digest_of(models_b / "tiny.gguf") == digest_of(model)
 
 
 async def test_with_cluster_certificates_the_bytes_travel_inside_mutual_tls(
