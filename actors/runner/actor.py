@@ -301,13 +301,14 @@ class RunnerActor(Actor):
             driver.note_completion(ok, why)
 
     def _sync_serving(self, serving: Serving) -> None:
-        ready: dict[str, tuple[int, int, Path, object, bool]] = {}
+        ready: dict[str, tuple[int, int, Path, object, bool, bool]] = {}
         for driver in self._drivers.values():
             if driver.state == "ready" and driver.port is not None:
                 generation = (driver.port, driver.machine.restarts)
                 slots = driver.reservation.stamp.settings.slots
                 rollback = driver.predicted.recurrent_bytes == 0  # a recurrent state cannot be rewound
-                ready[driver.id] = (driver.port, slots, driver.directory / "slots", generation, rollback)
+                prompt_cache = driver.reservation.stamp.settings.cache_ram_mib != 0  # one for all its slots
+                ready[driver.id] = (driver.port, slots, driver.directory / "slots", generation, rollback, prompt_cache)
         serving.sync(ready)
         for iid in ready:
             driver = self._drivers[iid]

@@ -133,7 +133,7 @@ class Forwarder:
                 serving, instance, slot, plan, tokens, order.request_id, request.cache_scope
             )
             exchange = await self._exchange(
-                instance, path, passthrough.forward_body(body, slot), relay, order, slot=slot
+                instance, path, passthrough.forward_body(body, slot, grant.reuse), relay, order, slot=slot
             )  # fmt: skip
             counts = passthrough.answer_tokens(exchange.answers or [])
             action = plan.answered(

@@ -8,8 +8,9 @@ Rules this module keeps:
   is forwarded as it came. `pooled` (embeddings, rerank) runs no decode the mesh can reuse: forwarded as it
   came, no slot pinned, nothing captured.
 * The forwarded body is the client's own; the mesh sets only `id_slot` (the slot it chose and restored into)
-  and `cache_prompt` (true, unless the client said otherwise). Every other field (tools, grammars, schemas,
-  samplers, `n`, logprobs, stream options, reasoning fields) reaches the server unchanged.
+  and `cache_prompt` (true unless the client said otherwise; false where no cached prompt may be reused:
+  `slots.Grant.reuse`). Every other field (tools, grammars, schemas, samplers, `n`, logprobs, stream options,
+  reasoning fields) reaches the server unchanged.
 * A body is rendered the way the server renders it for that endpoint: a chat through its `/apply-template`
   (same body: tools and template arguments count), a Messages or Responses body likewise once converted to the
   chat body the server converts it to (`chat_shapes`), a completion's single text through `/tokenize` with the
@@ -288,13 +289,16 @@ def slot_decoded(slots: Any, slot: int) -> int:
     return 0
 
 
-def forward_body(body: Mapping[str, Any], slot: int | None) -> dict[str, Any]:
-    """The body to forward: the client's, with the slot the mesh chose (None: the server chooses)."""
+def forward_body(body: Mapping[str, Any], slot: int | None, reuse: bool = True) -> dict[str, Any]:
+    """The body to forward: the client's, with the slot the mesh chose (None: the server chooses). `reuse`
+    false: the server may reuse no cached prompt for it (`slots.Grant.reuse`), whatever the client asked."""
     out = dict(body)
     out.pop("id_slot", None)  # the mesh owns the slots: a client's pin would bypass restore and accounting
     if slot is not None:
         out["id_slot"] = slot
         out.setdefault("cache_prompt", True)
+    if not reuse:
+        out["cache_prompt"] = False
     return out
 
 

@@ -153,7 +153,14 @@ class ServedInstance:
     """One ready instance as serving sees it (rebuilt when its server restarts: the slots hold nothing then)."""
 
     def __init__(
-        self, instance_id: str, port: int, slots: int, slot_dir: Path, generation: object, rollback: bool
+        self,
+        instance_id: str,
+        port: int,
+        slots: int,
+        slot_dir: Path,
+        generation: object,
+        rollback: bool,
+        prompt_cache: bool = False,
     ) -> None:
         self.prefill_rate: cost.Estimate | None = None  # prompt tokens/s, from the server's own timings
         self.decode_rate: cost.Estimate | None = None  # one slot's generated tokens/s, likewise
@@ -162,7 +169,7 @@ class ServedInstance:
         self.port = port
         self.slot_dir = slot_dir
         self.generation = generation
-        self.table = SlotTable(slots, rollback=rollback)
+        self.table = SlotTable(slots, rollback=rollback, prompt_cache=prompt_cache)
         self.wakeups: list[asyncio.Future[None]] = []  # waiters for a slot, woken on every release
         self.identity: str | None = None
         self.context = PromptLimit()
@@ -230,14 +237,15 @@ class Serving:
                 instance.decode_rate = cost.observe(instance.decode_rate, rate)
                 self.changed.set()
 
-    def sync(self, ready: dict[str, tuple[int, int, Path, object, bool]]) -> None:
-        """The ready instances now: id -> (port, slots, slot dir, generation, rollback). A new generation (a
-        restarted server) starts with empty slots; instances no longer ready are forgotten once idle."""
-        for iid, (port, slots, slot_dir, generation, rollback) in ready.items():
+    def sync(self, ready: dict[str, tuple[int, int, Path, object, bool, bool]]) -> None:
+        """The ready instances now: id -> (port, slots, slot dir, generation, rollback, prompt cache). A new
+        generation (a restarted server) starts with empty slots; instances no longer ready are forgotten once
+        idle."""
+        for iid, (port, slots, slot_dir, generation, rollback, prompt_cache) in ready.items():
             known = self._instances.get(iid)
             if known is None or known.generation != generation or known.port != port:
                 identity = known.identity if known is not None else None
-                fresh = ServedInstance(iid, port, slots, slot_dir, generation, rollback)
+                fresh = ServedInstance(iid, port, slots, slot_dir, generation, rollback, prompt_cache)
                 fresh.identity = identity
                 if known is not None:
                     fresh.prefill_rate, fresh.decode_rate, fresh.state = (
@@ -531,7 +539,7 @@ class Serving:
             "prompt": tokens,
             "n_predict": request.n_predict,
             "id_slot": slot,
-            "cache_prompt": True,
+            "cache_prompt": grant.reuse,
             "return_tokens": True,
             **sampling_body(request.sampling, request.sampling.stop),
         }

@@ -15,6 +15,13 @@ Rules this module keeps:
 * A busy slot that is only finishing (its answer sent, its state being captured: `finishing`) is worth waiting
   for when it holds at least `wait_gain` more tokens of the request than the best free slot: the next turn of
   a conversation, sent as soon as its answer arrived, then extends its own prefix instead of starting cold.
+* Prompt states are reused within a cache scope only: a slot that last held another scope's state counts for
+  nothing and is erased before use (`Grant.foreign`). llama-server's host-memory prompt cache (`--cache-ram`,
+  `prompt_cache=True`) is one for all its slots, and the server loads from it whatever cached prompt matches
+  best, of any scope: so on such an instance a request may reuse anything (`Grant.reuse`, sent as
+  `cache_prompt`) only while every request the server has served since it started was of the request's own
+  scope. Once two scopes met there, none reuses until the server restarts (`forget`); give a node that serves
+  several tenants `--cache-ram 0` to keep reuse within each scope.
 * No clock and no I/O: "recently" is a counter of releases.
 """
 
@@ -70,25 +77,32 @@ def oversize(
 
 class Grant:
     """A slot handed to one request, and the prefix the server already holds for it. `foreign`: the slot holds
-    another cache scope's state, which the server must not reuse (the request goes with `cache_prompt` false)."""
+    another cache scope's state, which is erased before the request uses it. `reuse`: whether the server may
+    reuse any cached prompt for it (its `cache_prompt`; false once the instance's prompt cache held two scopes)."""
 
-    __slots__ = ("foreign", "resident", "slot")
+    __slots__ = ("foreign", "resident", "reuse", "slot")
 
-    def __init__(self, slot: int, resident: int, foreign: bool = False) -> None:
+    def __init__(self, slot: int, resident: int, foreign: bool = False, reuse: bool = True) -> None:
         self.slot = slot
         self.resident = resident
         self.foreign = foreign
+        self.reuse = reuse
 
     def __repr__(self) -> str:
-        return f"Grant(slot={self.slot}, resident={self.resident}, foreign={self.foreign})"
+        return f"Grant(slot={self.slot}, resident={self.resident}, foreign={self.foreign}, reuse={self.reuse})"
 
 
 class SlotTable:
-    def __init__(self, n_slots: int, *, rollback: bool = True, wait_gain: int = 256) -> None:
+    def __init__(
+        self, n_slots: int, *, rollback: bool = True, wait_gain: int = 256, prompt_cache: bool = False
+    ) -> None:
+        """`prompt_cache`: the server keeps a host-memory prompt cache shared by its slots (`--cache-ram` not 0)."""
         if n_slots < 1:
             raise ValueError("an instance has at least one slot")
         self.rollback = rollback
         self.wait_gain = wait_gain
+        self.prompt_cache = prompt_cache
+        self._served: set[str] = set()  # the scopes granted since the server started
         self._held: list[tuple[int, ...]] = [() for _ in range(n_slots)]
         # the cache scope whose state each slot's server cache may hold (the last it was granted to; None: nothing
         # since the server started): what it holds is another scope's even when the table does not know the tokens
@@ -170,12 +184,19 @@ class SlotTable:
         self._busy[slot] = True
         foreign = self._scope[slot] not in (None, scope)
         self._scope[slot] = scope
-        return Grant(slot, -best[0], foreign)
+        reuse = self.reuses(scope)
+        self._served.add(scope)
+        return Grant(slot, -best[0] if reuse else 0, foreign, reuse)
+
+    def reuses(self, scope: str) -> bool:
+        """Whether a request of `scope` may reuse cached prompts: always without a shared prompt cache; with one,
+        only while the server has served no other scope since it started."""
+        return not self.prompt_cache or self._served <= {scope}
 
     def reusable(self, slot: int, tokens: Sequence[int], scope: str = "") -> int:
         """How many leading tokens of `tokens` the server can reuse from what `slot` holds (none of another cache
         scope's state)."""
-        if self._scope[slot] not in (None, scope):
+        if self._scope[slot] not in (None, scope) or not self.reuses(scope):
             return 0
         held = self._held[slot]
         shared = common_prefix(held, tokens)
@@ -208,3 +229,4 @@ class SlotTable:
         """The server restarted: no slot holds anything (busy slots stay busy until released)."""
         self._held = [() for _ in self._held]
         self._scope = [None] * len(self._scope)
+        self._served.clear()

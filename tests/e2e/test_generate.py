@@ -102,6 +102,30 @@ async def test_routing_sends_a_prompt_to_the_instance_that_holds_it(tmp_path: Pa
         assert replay["replayed"] >= 5 + 2 and replay["changed"] == [], replay  # and the two placements
 
 
+async def test_a_shared_prompt_cache_reuses_nothing_once_two_cache_scopes_met(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    """Issue 30, F6: llama-server's host-memory prompt cache (`--cache-ram`) is one for all its slots, and a
+    request's slot is loaded from it with the best-matching cached prompt of anyone's: a third tenant's right
+    guess found the first tenant's prompt there, although both slots were erased. On such an instance a
+    request reuses cached prompts only while the server has served no other scope since it started."""
+    data_dir = tmp_path / "node"
+    subjects = Subjects()
+    async with node(data_dir, "shared", "--cache-ram", "16", "--ctx-checkpoints", "0", "--parallel", "2"):
+        await wait_nodes(data_dir, "shared")
+        await start_model(data_dir, models["dense"])
+        async with client(data_dir) as bus:
+
+            async def evaluated(scope: str) -> int:
+                request = GenerateRequest(model="dense", prompt=PROMPT, n_predict=2, capture=False, cache_scope=scope)
+                return (await generate(bus, subjects, request)).tokens_evaluated
+
+            assert await evaluated("tenant:acme") == len(PROMPT)
+            assert await evaluated("tenant:acme") < len(PROMPT)  # one scope so far: its own prompt is reused
+            for scope in ("tenant:beta", "tenant:beta", "tenant:gamma", "tenant:acme"):
+                assert await evaluated(scope) == len(PROMPT), scope  # two scopes met: nothing is reused
+
+
 async def test_malformed_generate_requests_get_structured_errors_and_the_node_keeps_serving(
     tmp_path: Path, models: dict[str, Path]
 ) -> None:

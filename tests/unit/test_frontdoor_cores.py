@@ -153,6 +153,8 @@ def test_only_the_slot_is_set_in_a_forwarded_body() -> None:
     assert forwarded == {**body, "id_slot": 1, "cache_prompt": True}
     assert passthrough.forward_body({**body, "cache_prompt": False}, 0)["cache_prompt"] is False  # the client's
     assert "id_slot" not in passthrough.forward_body(body, None)  # embeddings: the server picks
+    # where no cached prompt may be reused (a shared prompt cache that held two scopes), whatever the client said
+    assert passthrough.forward_body({**body, "cache_prompt": True}, 1, reuse=False)["cache_prompt"] is False
 
 
 def test_bodies_are_rendered_the_way_the_server_renders_them_or_not_at_all() -> None:

@@ -305,3 +305,33 @@ def test_among_free_slots_a_request_takes_its_own_scopes_longest_prefix() -> Non
     table.release(b.slot, (5, 6, 7, 8))
     grant = table.acquire([5, 6, 7, 8, 9], scope="tenant:a")
     assert grant is not None and grant.slot == a.slot and grant.resident == 3  # not b's longer one
+
+
+def test_a_shared_prompt_cache_allows_reuse_only_while_one_scope_was_served() -> None:
+    # issue 30, F6: llama-server loads a slot from its host-memory prompt cache with anyone's best match
+    table = SlotTable(2, prompt_cache=True)
+    first = table.acquire([1, 2, 3, 4], scope="tenant:a")
+    assert first is not None and first.reuse
+    table.release(first.slot, (1, 2, 3, 4))
+    again = table.acquire([1, 2, 3, 4, 5], scope="tenant:a")
+    assert again is not None and again.reuse and again.resident == 4  # one scope so far: its own is reused
+    table.release(again.slot, (1, 2, 3, 4, 5))
+    other = table.acquire([1, 2, 3, 4], scope="tenant:b")
+    assert other is not None and not other.reuse and other.resident == 0
+    table.release(other.slot, (1, 2, 3, 4))
+    for scope in ("tenant:a", "tenant:b", ""):  # two scopes met: the cache may hold either's prompts
+        grant = table.acquire([1, 2, 3, 4, 5], scope=scope)
+        assert grant is not None and not grant.reuse and grant.resident == 0, scope
+        assert table.reusable(grant.slot, [1, 2, 3], scope) == 0
+        table.release(grant.slot, (1, 2, 3, 4, 5))
+    table.forget()  # the server restarted: its cache is empty
+    fresh = table.acquire([1, 2], scope="tenant:b")
+    assert fresh is not None and fresh.reuse
+
+
+def test_without_a_shared_prompt_cache_every_scope_reuses_its_own_slots() -> None:
+    table = SlotTable(2)
+    for scope in ("tenant:a", "tenant:b", "tenant:a"):
+        grant = table.acquire([7, 8], scope=scope)
+        assert grant is not None and grant.reuse
+        table.release(grant.slot, (7, 8))
