@@ -2,7 +2,8 @@
 
 Pure cores: `gguf_header` (a bounded, hostile-input-safe GGUF header reader, fed a file object), `geometry`
 (header to `ModelGeometry`), `matmul_weights`, the memory model (`memory`, with `context`, `caches`,
-`weights`, `compute`, `projector`: a multimodal projector's weights, image graph and embeddings), `pooled`
+`weights`, `compute` with `graph_alloc` and `qwen35_graph`: graphs placed as ggml-alloc places them, `projector`:
+a multimodal projector's weights, image graph and embeddings), `pooled`
 (embedding and rerank models: their kind, pooling and whole-input batch),
 `bounds` (per-model settings within a node's bounds), `ledger` (what a node can still
 offer), `admission` (eligibility, node choice, stamp), `fleet` (the same decisions at fleet scale),
@@ -23,6 +24,6 @@ CORES: Final = frozenset(
     {
         "gguf_header", "geometry", "matmul_weights", "memory", "context", "caches", "weights", "compute", "bounds",
         "ledger", "admission", "fleet", "reservations", "registry", "replay", "shares", "pooled", "projector", "split",
-        "booking",
+        "booking", "graph_alloc", "qwen35_graph",
     }
 )  # fmt: skip

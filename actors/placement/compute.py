@@ -4,8 +4,9 @@ llama.cpp reserves its compute buffers by allocating a worst-case graph (`sched_
 peak of live intermediate tensors under ggml-alloc's reuse (`ggml-alloc.c`: best fit among free blocks, in
 place where an op allows, every tensor freed after its last consumer). This module models it from the terms
 that dominate that peak, each derived from the graph llama.cpp builds, with coefficients calibrated on
-llama-server's own reports (`sched_reserve: … compute buffer size`); where a graph is small and fixed (the
-Qwen3.5 MTP draft), it places that graph as ggml-alloc does (`_graph_peak`) instead:
+llama-server's own reports (`sched_reserve: … compute buffer size`); where the peak depends on which freed
+block a tensor reuses (a dense Qwen3.5 trunk and its MTP draft), it places that graph as ggml-alloc does
+(`qwen35_graph`, on `graph_alloc._graph_peak`) instead:
 
 * the attention masks, live for the whole graph: f16 (flash attention) or f32 `n_kv x n_ubatch` per KV
   cache (a sliding-window model has a second, window-sized mask);
@@ -59,6 +60,14 @@ compute-9: a split over RPC devices (`split_compute_buffers`): the host holds ev
 a member its blocks' stage with three fewer n_embd-wide rows and its own mask copy, one dense block the larger of
 mask plus attention rows and the FFN rows (measured against the members' exact allocations on dense, SWA and
 hybrid tiny models, 1-3 members: within 0.2% on most devices, worst -14.5%); unsplit graphs are unchanged.
+compute-10 (issue 27): a Mamba-2 layer (`build_mamba2_layer`: mamba2, granitehybrid, falcon-h1, nemotron_h and
+nemotron_h_moe) is sized around its scan as ggml-alloc places it (`_mamba2_scan_stage`: the input projection,
+the convolution's output, its input's freed block and what of the scan's output and the other slots' gathered
+states fits there) instead of 3.5 input widths, which was +12-15.5% at Nemotron-H widths whose d_inner is five
+n_embd; a dense Qwen3.5 trunk is placed node by node (`qwen35_graph.trunk_peak`: the first period of delta
+nets and gated attention, then one more delta net) instead of the gated-delta rows, which were +8-16.5% at
+n_embd 2048 with 1-4 slots and -4-6% with MTP rollback snapshots. Both were read from the reserve graph's nodes
+(`GGML_SCHED_DEBUG=2`) and checked on one-layer probes, then on the issue's shapes (`benchmarks/compute_shapes.py`).
 Warm-up routes every expert; the runner disables it (`--no-warmup`), so it is not modelled.
 GPU compute buffers (per-device graph splits, the host-side buffer) are not validated: no GPU build was
 available.
@@ -69,6 +78,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from actors.placement import qwen35_graph
 from messages.memory import ContextShape
 from messages.model import LayerGeometry, ModelGeometry
 
@@ -134,11 +144,6 @@ RWKV_SWIGLU_EMBD = 12
 RWKV_SWIGLU_FFN_ALONE = 4.7
 SCORE_EMBD_FACTOR = 7
 SCORE_KV_FACTOR = 2
-GGML_ALIGNMENT = 32  # the CPU buffer type's alignment, to which ggml-alloc rounds every tensor
-#: Ops ggml-alloc may compute in place over a source (`ggml_op_can_inplace`), as named in `_graph_peak`.
-INPLACE_OPS = frozenset({"add", "mul", "rms_norm", "rope", "unary", "scale", "soft_max"})
-#: Architectures whose MTP draft graph `_gated_mtp_draft` describes (Qwen3.5's dense `graph_mtp`).
-GATED_MTP_DRAFT = frozenset({"qwen35"})
 HOST_EMBD_FACTOR = 2  # with GPUs: token embeddings looked up on the host, and their copy for upload
 #: A split over RPC devices (compute-9): a member's graph starts from the residual stream the previous device
 #: sent, so it holds three n_embd-wide rows fewer than the host's, which looks the token embeddings up
@@ -279,7 +284,16 @@ def _layer_peak(
             mamba = int(4 * t * MAMBA_IN_FACTOR * width) + 4 * shape.n_seq_max * state
         activation = max(activation, mamba)
     stage_rows = _recurrent_stage_rows(geometry)
-    if stage_rows is not None and any(layer.recurrent for layer in layers):
+    whole_trunk = len(layers) == sum(1 for layer in geometry.layers if not layer.nextn)
+    placed = (
+        qwen35_graph.trunk_peak(geometry, layers, shape, n_outputs)
+        if whole_trunk and with_output and not pooled and not fewer_embd_rows
+        else None
+    )
+    if placed is not None:
+        # a dense Qwen3.5 trunk placed node by node (compute-10): its delta nets and gated attention
+        activation = max(activation, placed)
+    elif stage_rows is not None and any(layer.recurrent for layer in layers):
         state = max(layer.r_width + layer.s_width for layer in layers if layer.recurrent)
         # with rollback rows the scan writes n_rs_seq + 1 snapshots of each slot's S state, not one
         snapshots = shape.n_rs_seq * max(layer.s_width for layer in layers if layer.recurrent)
@@ -342,191 +356,6 @@ def _masks(layers: list[LayerGeometry], shape: ContextShape, *, flash_attn: bool
     if any(layer.swa for layer in layers):
         total += element * shape.swa_cells * shape.n_ubatch
     return total
-
-
-class _Arena:
-    """ggml-alloc's dynamic allocator (`ggml_dyn_tallocr`): best fit among the inner free blocks, else the
-    tail block (which grows the buffer); freed blocks merge with their neighbours. `peak` is the buffer size."""
-
-    def __init__(self) -> None:
-        self.free: list[list[int]] = [[0, 1 << 62]]  # [offset, size], by offset; the last one is the tail
-        self.peak = 0
-
-    def alloc(self, size: int) -> int:
-        size = -(-size // GGML_ALIGNMENT) * GGML_ALIGNMENT
-        best = len(self.free) - 1
-        best_size: int | None = None
-        for i, (_, block) in enumerate(self.free[:-1]):
-            if block >= size and (best_size is None or block <= best_size):
-                best, best_size = i, block
-        offset = self.free[best][0]
-        self.free[best] = [offset + size, self.free[best][1] - size]
-        if self.free[best][1] == 0:
-            del self.free[best]
-        self.peak = max(self.peak, offset + size)
-        return offset
-
-    def release(self, offset: int, size: int) -> None:
-        size = -(-size // GGML_ALIGNMENT) * GGML_ALIGNMENT
-        blocks = self.free
-        for i, (start, block) in enumerate(blocks):
-            if start + block == offset:
-                blocks[i][1] += size
-                if i + 1 < len(blocks) and offset + size == blocks[i + 1][0]:
-                    blocks[i][1] += blocks.pop(i + 1)[1]
-                return
-            if offset + size == start:
-                blocks[i] = [offset, block + size]
-                if i > 0 and blocks[i - 1][0] + blocks[i - 1][1] == offset:
-                    blocks[i - 1][1] += blocks.pop(i)[1]
-                return
-        blocks.insert(sum(1 for start, _ in blocks if start < offset), [offset, size])
-
-
-#: (name, op, bytes, sources) of one graph node; op "view" for a view of its first source
-_Node = tuple[str, str, int, tuple[str, ...]]
-
-
-def _reusable_source(
-    op: str,
-    n_bytes: int,
-    srcs: tuple[str, ...],
-    offset: dict[str, int],
-    size: dict[str, int],
-    view_of: dict[str, str],
-    children: dict[str, int],
-    views: dict[str, int],
-    outputs: frozenset[str],
-) -> str | None:
-    """The tensor whose block an in-place op takes over (`ggml_gallocr_allocate_node`): a source no other
-    node still reads and no view holds, of the same size, or the source of such a view if that view is its
-    only one; not an output, nor a tensor ggml-alloc did not place."""
-    if op not in INPLACE_OPS:
-        return None
-    for src in srcs:
-        base = view_of.get(src, src)
-        if base in outputs or base not in offset or children[src] != 1 or views.get(src, 0):
-            continue
-        if base != src and views[base] == 1 and not children.get(base, 0):
-            return base
-        if base == src and size[src] == n_bytes:
-            return src
-    return None
-
-
-def _graph_peak(inputs: list[tuple[str, int]], nodes: list[_Node], outputs: frozenset[str]) -> int:
-    """The buffer ggml-alloc reserves for a graph (`ggml_gallocr_alloc_graph_impl`): inputs first, then each
-    node in order, in place over a source it alone consumes where the op allows, every tensor freed once its
-    last consumer ran (a view keeps its source alive); outputs are never freed."""
-    arena = _Arena()
-    offset: dict[str, int] = {}
-    size = dict(inputs) | {name: n_bytes for name, _, n_bytes, _ in nodes}
-    view_of = {name: srcs[0] for name, op, _, srcs in nodes if op == "view"}
-    children: dict[str, int] = {}
-    views: dict[str, int] = {}
-    for name, n_bytes in inputs:
-        offset[name] = arena.alloc(n_bytes)
-    for _, _, _, srcs in nodes:
-        for src in srcs:
-            children[src] = children.get(src, 0) + 1
-    for src in view_of.values():
-        views[src] = views.get(src, 0) + 1
-    for name, op, n_bytes, srcs in nodes:
-        if op in ("view", "external"):
-            pass
-        elif (
-            reused := _reusable_source(op, n_bytes, srcs, offset, size, view_of, children, views, outputs)
-        ) is not None:
-            offset[name] = offset.pop(reused)  # in place: the source's block, its tail freed if larger
-            if size[reused] > n_bytes:
-                arena.release(offset[name] + n_bytes, size[reused] - n_bytes)
-        else:
-            offset[name] = arena.alloc(n_bytes)
-        for src in srcs:
-            children[src] -= 1
-            if children[src] or views.get(src, 0):
-                continue
-            base = view_of.get(src, src)
-            if base != src:
-                views[base] -= 1
-                if views[base] or children.get(base, 0):
-                    continue
-            if base in offset and base not in outputs:
-                arena.release(offset.pop(base), size[base])
-    return arena.peak
-
-
-def _gated_mtp_draft(geometry: ModelGeometry, nextn: list[LayerGeometry], shape: ContextShape) -> int | None:
-    """The compute buffer of a Qwen3.5 MTP draft context with flash attention (`qwen35.cpp` `graph_mtp`):
-    the token embedding and the target's hidden state, each normed, concatenated (2 n_embd) and projected
-    (`eh_proj`); gated attention (Q and its gate in one 2·n_head·head_dim projection, the gate copied out,
-    flash attention into the cache); a dense SwiGLU FFN; the head norm and the logits of one output per
-    slot. The peak is where ggml-alloc places them, so it is computed as ggml-alloc does (`_graph_peak`).
-    None for a draft this graph does not describe (another architecture, routed experts, widths unknown)."""
-    if geometry.architecture not in GATED_MTP_DRAFT or len(nextn) != 1:
-        return None
-    layer = nextn[0]
-    if layer.n_ff_exp or not layer.head_k or not layer.n_ff or not layer.n_head:
-        return None
-    t, n_out = shape.n_ubatch, max(1, shape.n_seq_max)
-    e, q = 4 * t * geometry.n_embd, 4 * t * layer.n_head * layer.head_k
-    kv, ff = 4 * t * layer.k_width, 4 * t * layer.n_ff
-    inputs = [
-        ("tokens", 4 * t),
-        ("h", e),
-        ("pos", 4 * t),
-        ("k_idxs", 8 * t),
-        ("v_idxs", 8 * t),
-        ("mask", _masks(nextn, shape, flash_attn=True)),
-        ("out_ids", 4 * n_out),
-    ]
-    nodes: list[_Node] = [
-        ("tok", "get_rows", e, ("tokens",)),
-        ("tok_norm", "rms_norm", e, ("tok",)),
-        ("enorm", "mul", e, ("tok_norm",)),
-        ("h_norm", "rms_norm", e, ("h",)),
-        ("hnorm", "mul", e, ("h_norm",)),
-        ("concat", "concat", 2 * e, ("enorm", "hnorm")),
-        ("eh_proj", "mul_mat", e, ("concat",)),
-        ("norm", "rms_norm", e, ("eh_proj",)),
-        ("attn_norm", "mul", e, ("norm",)),
-        ("q_full", "mul_mat", 2 * q, ("attn_norm",)),
-        ("q_view", "view", q, ("q_full",)),
-        ("q_norm", "rms_norm", q, ("q_view",)),
-        ("q_normed", "mul", q, ("q_norm",)),
-        ("q_rope", "rope", q, ("q_normed", "pos")),
-        ("v", "mul_mat", kv, ("attn_norm",)),
-        ("k", "mul_mat", kv, ("attn_norm",)),
-        ("k_view", "view", kv, ("k",)),
-        ("k_norm", "rms_norm", kv, ("k_view",)),
-        ("k_normed", "mul", kv, ("k_norm",)),
-        ("k_rope", "rope", kv, ("k_normed", "pos")),
-        ("k_rows", "view", kv, ("k_rope",)),
-        ("k_cache", "external", 0, ("k_rows", "k_idxs")),
-        ("v_rows", "view", kv, ("v",)),
-        ("v_cache", "external", 0, ("v_rows", "v_idxs")),
-        ("q_perm", "view", q, ("q_rope",)),
-        ("attn", "flash_attn_ext", q, ("q_perm", "mask", "k_cache", "v_cache")),
-        ("pregate", "view", q, ("attn",)),
-        ("gate_view", "view", q, ("q_full",)),
-        ("gate", "cont", q, ("gate_view",)),
-        ("gate_sigmoid", "unary", q, ("gate",)),
-        ("gated", "mul", q, ("pregate", "gate_sigmoid")),
-        ("attn_out", "mul_mat", e, ("gated",)),
-        ("attn_residual", "add", e, ("attn_out", "eh_proj")),
-        ("post_norm", "rms_norm", e, ("attn_residual",)),
-        ("attn_post_norm", "mul", e, ("post_norm",)),
-        ("ffn_gate", "mul_mat", ff, ("attn_post_norm",)),
-        ("ffn_up", "mul_mat", ff, ("attn_post_norm",)),
-        ("ffn_swiglu", "glu", ff, ("ffn_gate", "ffn_up")),
-        ("ffn_out", "mul_mat", e, ("ffn_swiglu",)),
-        ("post_ffn", "add", e, ("ffn_out", "attn_residual")),
-        ("head_norm", "rms_norm", e, ("post_ffn",)),
-        ("h_nextn", "mul", e, ("head_norm",)),
-        ("head_rows", "get_rows", 4 * n_out * geometry.n_embd, ("h_nextn", "out_ids")),
-        ("logits", "mul_mat", 4 * n_out * geometry.n_vocab, ("head_rows",)),
-    ]
-    return _graph_peak(inputs, nodes, frozenset({"h_nextn", "logits"}))
 
 
 def split_compute_buffers(
@@ -604,7 +433,7 @@ def compute_buffers(
     draft = 0
     if draft_shape is not None:
         nextn = [layer for layer in geometry.layers if layer.nextn]
-        gated = _gated_mtp_draft(geometry, nextn, draft_shape) if flash_attn else None
+        gated = qwen35_graph.gated_mtp_draft(geometry, nextn, draft_shape) if flash_attn else None
         draft = (
             gated
             if gated is not None

@@ -12,7 +12,7 @@ allocates for it (llama.cpp's `tools/mtmd`, `clip.cpp`), for the projector types
   warm-up (the runner passes `--no-warmup`), so this buffer is reserved at the first image
   (`reserve_compute_meta: … compute buffer size`), not at start: the runner counts it as pending until then.
   A fixed-size projector resizes every image to `image_size` square, so the graph has one shape, and it is
-  placed here node by node as ggml-alloc places it (`compute._graph_peak`: inputs first, in place over a
+  placed here node by node as ggml-alloc places it (`graph_alloc._graph_peak`: inputs first, in place over a
   source only it reads where the op allows, every tensor freed after its last reader). Measured against
   llama-server on 16 cases (`benchmarks/projector_compute.py`: towers 64-1024 wide and LLaVA-1.5-7B's at
   released widths, 32-448 pixel images, patches of 8-16, with and without a class token, pre- and post-norms,
@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import functools
 
-from actors.placement.compute import _graph_peak, _Node
 from actors.placement.context import MemoryModelError
 from actors.placement.gguf_header import GGUFHeader, KVValue, SkippedArray
+from actors.placement.graph_alloc import _graph_peak, _Node
 from messages.model import ModelGeometry, ProjectorGeometry
 
 __all__ = [
