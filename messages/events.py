@@ -510,6 +510,7 @@ class HandoffCommitted(Event, frozen=True, kw_only=True, tag="handoff_committed"
     restored: str | None  # what the restore hook reported (e.g. an L3 entry id)
     transfer_ms: float  # open to commit
     restore_ms: float
+    transport: str = "nats"  # the path the chunks took: `direct` (the data path) or `nats`
 
 
 class HandoffAborted(Event, frozen=True, kw_only=True, tag="handoff_aborted"):

@@ -21,6 +21,7 @@ from typing import Annotated, Final
 
 import msgspec
 
+from messages.datapath import DirectOffer
 from messages.l3 import Digest
 
 #: Headers of a data chunk (all decimal integers but the session and the digest).
@@ -72,6 +73,7 @@ class HandoffOpen(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     segments: tuple[SegmentSpec, ...] = ()  # the layout when known up front; () when streamed as produced
     payload_digest: Digest | None = None  # layout.payload_root of `segments`, given with them
     credit_subject: Inbox  # where the receiver sends HandoffControl messages
+    direct: bool = False  # the sender can push the chunks over the direct data path (docs/datapath.md)
 
 
 class HandoffOpened(msgspec.Struct, frozen=True, kw_only=True):
@@ -85,6 +87,9 @@ class HandoffOpened(msgspec.Struct, frozen=True, kw_only=True):
     credit: Bytes  # the initial credit limit (payload bytes the sender may publish before the next grant)
     idle_timeout_s: Seconds  # the receiver aborts a session that makes no progress for this long
     deadline_s: Seconds  # and any session older than this
+    # where to push the chunks instead of `<subject>.data` (asked with `HandoffOpen.direct`; None: over NATS): the
+    # same chunks with the same headers, each as one message of the stream; credits, commit and aborts stay on NATS
+    direct: DirectOffer | None = None
 
 
 class CreditGrant(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="credit"):

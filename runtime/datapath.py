@@ -52,7 +52,7 @@ import msgspec
 from messages.datapath import MAX_CONTROL_BYTES, DataAnswer, DataHello, DirectOffer
 from runtime.logging import get_logger
 from runtime.rpc_tunnel import client_context, server_context
-from runtime.tickets import Grant, Refusal, TicketBook
+from runtime.tickets import Grant, Reason, Refusal, TicketBook
 from runtime.tls import TlsFiles
 
 __all__ = [
@@ -65,6 +65,9 @@ __all__ = [
     "Sink",
     "chunk_plan",
     "fetch_range",
+    "open_push",
+    "push",
+    "pushed",
     "send_file_range",
     "send_range",
 ]
@@ -268,7 +271,7 @@ class DataListener:
     ) -> DirectOffer | Refusal:
         """A one-shot ticket for this transfer (`handler` runs on the connection it opens), or why not."""
         if self._server is None:
-            raise RuntimeError("the data listener is not started")
+            return Refusal(Reason.CLOSED, "the data listener is not listening")
         ticket = secrets.token_hex(32)
         now = asyncio.get_running_loop().time()
         ttl = self.limits.ticket_ttl_s
@@ -423,6 +426,82 @@ def hashed_file_reader(path: str, check: Callable[[int], None] | None = None) ->
         return data, blake3.blake3(data).digest()
 
     return read
+
+
+# ---- pushing messages (the listener takes the bytes: a handoff's receiver) ---------------------------------
+
+#: A pushed message's lengths: its headers' JSON (u32) and its payload (u32), big-endian; then both.
+PUSHED: Final = struct.Struct("!II")
+MAX_PUSH_HEADERS: Final = 4096
+
+
+async def open_push(
+    offer: DirectOffer, hello: DataHello, *, tls: TlsFiles | None, limits: DataLimits
+) -> asyncio.StreamWriter:
+    """A connection to a listener that takes the bytes (it answered the NATS request that issued `offer`), its
+    ticket accepted; write messages with `push`. Raises `DataUnavailable` when it cannot be opened."""
+    if not offer.tls and offer.machine != _MACHINE:
+        raise DataUnavailable("the peer's listener is on the loopback of another machine")
+    if offer.tls and tls is None:
+        raise DataUnavailable("the peer requires mutual TLS and this node has no cluster certificates")
+    context = client_context(tls) if offer.tls and tls is not None else None
+    writer: asyncio.StreamWriter | None = None
+    try:
+        async with asyncio.timeout(limits.connect_timeout_s + 2 * limits.hello_timeout_s):
+            reader, writer = await asyncio.open_connection(
+                offer.host,
+                offer.port,
+                ssl=context,
+                server_hostname=offer.host if context is not None else None,
+                ssl_handshake_timeout=limits.hello_timeout_s if context is not None else None,
+            )
+            writer.write(_control(hello))
+            await writer.drain()
+            (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+            if size > MAX_CONTROL_BYTES:
+                raise ValueError(f"an answer of {size} bytes (at most {MAX_CONTROL_BYTES})")
+            answer = msgspec.json.decode(await reader.readexactly(size), type=DataAnswer)
+    except (OSError, ssl.SSLError, TimeoutError, ValueError, msgspec.DecodeError, asyncio.IncompleteReadError) as exc:
+        if writer is not None:
+            await _close(writer)
+        raise DataUnavailable(f"no direct stream to {offer.host}:{offer.port}: {exc!r}") from exc
+    if not answer.ok:
+        await _close(writer)
+        raise DataUnavailable(f"the peer refused the ticket: {answer.reason}: {answer.detail}")
+    return writer
+
+
+async def push(writer: asyncio.StreamWriter, headers: dict[str, str], payload: Any, limits: DataLimits) -> None:
+    """One message (its headers, then its payload: bytes or a memoryview), drained within the stall deadline."""
+    head = msgspec.json.encode(headers)
+    writer.write(PUSHED.pack(len(head), len(payload)) + head)
+    writer.write(payload)
+    async with asyncio.timeout(limits.stall_s):
+        await writer.drain()
+
+
+async def pushed(
+    reader: asyncio.StreamReader, *, max_payload: int, stall_s: float
+) -> tuple[dict[str, str], bytes] | None:
+    """The next pushed message (None: the peer closed between messages). Each read waits at most `stall_s`; the
+    lengths are checked against their ceilings before anything is read into memory."""
+    async with asyncio.timeout(stall_s):
+        try:
+            lengths = await reader.readexactly(PUSHED.size)
+        except asyncio.IncompleteReadError as exc:
+            if not exc.partial:
+                return None
+            raise
+    head, size = PUSHED.unpack(lengths)
+    if head > MAX_PUSH_HEADERS or size > max_payload:
+        raise ValueError(
+            f"a message of {head} header and {size} payload bytes (at most {MAX_PUSH_HEADERS}, {max_payload})"
+        )
+    async with asyncio.timeout(stall_s):
+        headers = msgspec.json.decode(await reader.readexactly(head), type=dict[str, str])
+    async with asyncio.timeout(stall_s):
+        payload = await reader.readexactly(size)
+    return headers, payload
 
 
 # ---- fetching a range (the asking node's side) -------------------------------------------------------------

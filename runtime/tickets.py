@@ -35,6 +35,7 @@ class Reason(StrEnum):
     EXPIRED = "ticket_expired"  # presented after its expiry
     FOREIGN = "ticket_foreign"  # issued for another digest, range, chunk size or receiver
     FULL = "tickets_full"  # the listener holds its most live tickets (issuing, not a hello)
+    CLOSED = "listener_closed"  # the listener is not listening (issuing, not a hello)
 
 
 @dataclass(frozen=True, slots=True)

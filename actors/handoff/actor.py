@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import blake3
+import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
@@ -51,6 +52,7 @@ from actors.handoff.api import HandoffFailed, HandoffReport
 from actors.handoff.probe import probe
 from actors.l3 import layout
 from actors.l3.layout import SegmentRef
+from messages.datapath import DataHello, DirectOffer
 from messages.errors import BAD_REQUEST, BUSY, NOT_FOUND, ErrorReply
 from messages.events import HandoffAborted, HandoffCommitted
 from messages.handoff import (
@@ -84,7 +86,16 @@ from runtime.bus import (
     refuse_reply,
     reply_allowed,
 )
+from runtime.datapath import (
+    DataListener,
+    DataPathConfig,
+    DataUnavailable,
+    open_push,
+    push,
+    pushed,
+)
 from runtime.logging import get_logger
+from runtime.tickets import Grant
 
 __all__ = [
     "STAGING_DIR",
@@ -202,6 +213,8 @@ class _Session:
         # when the session is cancelled must not land in a reused descriptor).
         self.writing = threading.Lock()
         self.held: _Item | None = None  # an item taken off the queue while batching, handled next
+        self.direct = False  # chunks arrive over the direct data path
+        self.stream_ended = asyncio.Event()  # that stream is over (its last chunk judged): a commit may be judged
 
 
 class HandoffActor(Actor):
@@ -215,7 +228,10 @@ class HandoffActor(Actor):
         *,
         restore: Restore | None = None,
         limits: HandoffLimits | None = None,
+        datapath: DataPathConfig | None = None,
     ) -> None:
+        """`datapath`: where this node's data listener listens and with which certificates; with it, chunks go
+        over a direct stream between the nodes (None: every chunk over NATS)."""
         self.node_id = check_token(node_id, "node id")
         self.staging = data_dir / STAGING_DIR
         self.limits = limits or HandoffLimits()
@@ -223,6 +239,8 @@ class HandoffActor(Actor):
         self._ctx: ActorContext | None = None
         self._sessions: dict[str, _Session] = {}
         self._rx_limits: rx.ReceiverLimits | None = None
+        self.datapath = datapath
+        self.listener: DataListener | None = None  # this incarnation's data listener, while it runs
 
     @property
     def running(self) -> bool:
@@ -264,6 +282,11 @@ class HandoffActor(Actor):
             pending_bytes_limit=budget + lim.max_sessions * (1 << 20) + (16 << 20),
         )
         ctx.spawn(self._dispatch(ctx, sub), "sessions")
+        if self.datapath is not None:
+            listener = DataListener(self.node_id, self.datapath)
+            await listener.start()
+            self.listener = listener
+            ctx.spawn(self._keep_listener(listener), "data-listener")
         await ctx.add_endpoint("open", ctx.subjects.handoff(self.node_id, "open"), HandoffOpen, self._on_open)
 
         async def on_probe(request: LinkProbe) -> LinkProbeResult:
@@ -284,6 +307,14 @@ class HandoffActor(Actor):
             chunk_bytes=chunk,
             max_sessions=lim.max_sessions,
         )
+
+    async def _keep_listener(self, listener: DataListener) -> None:
+        try:
+            await asyncio.Event().wait()  # lives as long as the incarnation
+        finally:
+            if self.listener is listener:
+                self.listener = None
+            await listener.close()
 
     # -- open --
 
@@ -311,6 +342,17 @@ class HandoffActor(Actor):
         state = _Session(rx.Receiver(session, request, limits, now, window), path, fd)
         self._sessions[session] = state
         ctx.spawn(self._run_session(ctx, state), f"session:{session[:12]}")
+        direct: DirectOffer | None = None
+        if request.direct and self.listener is not None:
+            offer = self.listener.offer(
+                self._take_direct(ctx, state),
+                receiver=request.sender_node,
+                digest=request.identity,
+                offset=0,
+                length=request.max_bytes,
+                chunk=limits.chunk_bytes,
+            )
+            direct = offer if isinstance(offer, DirectOffer) else None  # no ticket left: the chunks come over NATS
         return HandoffOpened(
             session=session,
             subject=ctx.subjects.handoff_session(self.node_id, session),
@@ -318,7 +360,42 @@ class HandoffActor(Actor):
             credit=state.core.granted,
             idle_timeout_s=limits.idle_timeout_s,
             deadline_s=limits.deadline_s,
+            direct=direct,
         )
+
+    def _take_direct(
+        self, ctx: ActorContext, session: _Session
+    ) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter, Grant[Any]], Awaitable[None]]:
+        """The listener's work on the session's direct stream: each message is a chunk with the headers it would
+        have had on NATS, judged by the session's core exactly as one (order, credit, segment digests); the
+        stream ends the session's direct part when the sender closes it, stalls or sends what is not a chunk."""
+        limits = self._rx_limits
+        assert limits is not None
+
+        async def take(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, grant: Grant[Any]) -> None:
+            session.direct = True
+            try:
+                await take_chunks(reader)
+            finally:
+                session.stream_ended.set()
+
+        async def take_chunks(reader: asyncio.StreamReader) -> None:
+            core, loop = session.core, asyncio.get_running_loop()
+            while core.state not in (rx.State.DONE, rx.State.ABORTED):
+                try:
+                    message = await pushed(reader, max_payload=limits.chunk_bytes, stall_s=limits.idle_timeout_s)
+                except TimeoutError:
+                    return  # the session's own deadlines judge the silence
+                except (ValueError, msgspec.DecodeError, asyncio.IncompleteReadError) as exc:
+                    failed = rx.Failed(rx.Reason.BAD_CHUNK, f"the direct stream broke: {exc!r}"[:512], loop.time())
+                    self._perform(ctx, session, core.handle(failed))
+                    return
+                if message is None:
+                    return  # the sender closed its stream: its commit comes over NATS
+                headers, data = message
+                self._perform(ctx, session, core.handle(rx.ChunkArrived(headers, len(data), loop.time())), data)
+
+        return take
 
     def _open_sessions(self) -> list[_Session]:
         """The receiving sessions not over yet (an ended one holds no place, only its staging for a moment)."""
@@ -401,6 +478,10 @@ class HandoffActor(Actor):
                 await _reply_error(ctx, msg, reply)
                 return
             session.commit = msg
+            if session.direct and not session.stream_ended.is_set():
+                # the commit overtook the stream's last chunks (two channels): judged once the stream ended
+                ctx.spawn(self._commit_after_stream(ctx, session, commit), "commit-after-stream")
+                return
             self._perform(ctx, session, session.core.handle(rx.CommitArrived(commit, now)))
             return
         if verb == "abort":
@@ -413,6 +494,17 @@ class HandoffActor(Actor):
                 self._perform(ctx, session, session.core.handle(rx.SenderAborted(abort.reason, abort.detail, now)))
             return
         await _reply_error(ctx, msg, BadMessage(msg.subject, f"unknown verb {verb[:32]!r}").to_reply())
+
+    async def _commit_after_stream(self, ctx: ActorContext, session: _Session, commit: HandoffCommit) -> None:
+        """A commit judged once the session's direct stream ended (or after the idle timeout: the core then finds
+        what is missing)."""
+        assert self._rx_limits is not None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._rx_limits.idle_timeout_s):
+                await session.stream_ended.wait()
+        if session.core.state not in (rx.State.DONE, rx.State.ABORTED):
+            now = asyncio.get_running_loop().time()
+            self._perform(ctx, session, session.core.handle(rx.CommitArrived(commit, now)))
 
     def _perform(self, ctx: ActorContext, session: _Session, actions: Sequence[rx.Action], data: bytes = b"") -> None:
         """Carries out the core's actions; never waits (publishes are buffered by the client)."""
@@ -563,6 +655,7 @@ class HandoffActor(Actor):
                 restored=core.restored.restored,
                 transfer_ms=round((now - core.opened_at) * 1000, 3),
                 restore_ms=core.restored.restore_ms,
+                transport="direct" if session.direct else "nats",
             )
             ctx.log.info("handoff_committed", session=core.session, bytes=core.received, peer=open_.sender_node)
             return
@@ -630,11 +723,12 @@ class HandoffActor(Actor):
             if specs
             else None,
             credit_subject=inbox,
+            direct=self.datapath is not None,
         )
         with tracing.hop("handoff send", kind="client") as span:
             span.update({"mesh.node": ctx.node_id, "mesh.handoff.peer": peer, "mesh.tokens": n_tokens,
                          "mesh.handoff.max_bytes": max_bytes})  # fmt: skip
-            report = await _Send(ctx, self.limits, peer, open_, inbox).run(segments)
+            report = await _Send(ctx, self.limits, peer, open_, inbox, self.datapath).run(segments)
             span.update({"mesh.handoff.bytes": report.bytes, "mesh.handoff.segments": report.segments})
             return report
 
@@ -642,10 +736,22 @@ class HandoffActor(Actor):
 class _Send:
     """One sending session: the core, the credit subscription, the publishing loop."""
 
-    def __init__(self, ctx: ActorContext, limits: HandoffLimits, peer: str, open_: HandoffOpen, inbox: str) -> None:
+    def __init__(
+        self,
+        ctx: ActorContext,
+        limits: HandoffLimits,
+        peer: str,
+        open_: HandoffOpen,
+        inbox: str,
+        datapath: DataPathConfig | None = None,
+    ) -> None:
         self.ctx = ctx
         self.peer = peer
         self.inbox = inbox
+        self.datapath = datapath
+        self.stream: asyncio.StreamWriter | None = None  # the direct stream the chunks go on, when it opened
+        self.transport = "nats"
+        self.fallback = ""
         self.loop = asyncio.get_running_loop()
         self.core = tx.Sender(
             open_,
@@ -718,6 +824,7 @@ class _Send:
                 self._act(self.core.handle(tx.Failed(tx.Reason.CANCELLED, "the caller gave up", self.loop.time())))
                 raise
         finally:
+            await self._close_stream()
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
             with contextlib.suppress(Exception):
@@ -738,6 +845,7 @@ class _Send:
                 first = await self._first_segment(ready)
                 await self._open()
                 assert self.core.reply is not None
+                await self._open_direct(self.core.reply)
                 await self._publish_all(self.core.reply.subject + ".data", ready, first)
             finally:
                 producer.cancel()
@@ -782,9 +890,41 @@ class _Send:
             self._act(core.handle(tx.Opened(opened, self.loop.time(), expected)))
         self._check()
 
+    async def _open_direct(self, opened: HandoffOpened) -> None:
+        """The direct stream the receiver offered, when it opens; else the chunks go over NATS (and the report
+        says why)."""
+        if opened.direct is None or self.datapath is None:
+            if self.datapath is not None:
+                self.fallback = "the receiver offered no direct stream"
+            return
+        hello = DataHello(
+            ticket=opened.direct.ticket,
+            receiver=self.core.open.sender_node,
+            digest=self.core.open.identity,
+            offset=0,
+            length=self.core.open.max_bytes,
+            chunk=opened.chunk_bytes,
+        )
+        try:
+            self.stream = await open_push(opened.direct, hello, tls=self.datapath.tls, limits=self.datapath.limits)
+        except DataUnavailable as exc:
+            self.fallback = str(exc)[:1024]
+            self.log.info("handoff_direct_unavailable", session=self.core.session, error=self.fallback)
+            return
+        self.transport = "direct_tls" if opened.direct.tls else "direct"
+
+    async def _close_stream(self) -> None:
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            stream.close()
+            with contextlib.suppress(OSError, TimeoutError, Exception):
+                async with asyncio.timeout(2):
+                    await stream.wait_closed()
+
     async def _commit(self, started: float) -> HandoffReport:
         core, ctx = self.core, self.ctx
         assert core.reply is not None
+        await self._close_stream()  # every chunk is on its way; the receiver reads the stream to its end
         self._act(core.handle(tx.EndOfPayload(self.loop.time())))
         self._check()
         commit = HandoffCommit(
@@ -817,6 +957,8 @@ class _Send:
             transfer_ms=round((self.loop.time() - started) * 1000, 3),
             restored=result.restored,
             restore_ms=result.restore_ms,
+            transport=self.transport,
+            fallback=self.fallback,
         )
         self.log.info("handoff_sent", session=core.session, bytes=report.bytes, transfer_ms=report.transfer_ms)
         return report
@@ -860,7 +1002,17 @@ class _Send:
             for chunk in core.sendable():
                 # A memoryview slice: the client joins it into its write buffer without another copy.
                 part: Any = data[chunk.chunk : chunk.chunk + chunk.size]
-                await nc.publish(subject, part, headers=tx.chunk_headers(session, chunk.segment, chunk.chunk))
+                headers = tx.chunk_headers(session, chunk.segment, chunk.chunk)
+                if self.stream is None:
+                    await nc.publish(subject, part, headers=headers)
+                    continue
+                assert self.datapath is not None
+                try:
+                    await push(self.stream, headers, part, self.datapath.limits)
+                except (OSError, TimeoutError) as exc:
+                    detail = f"the direct stream broke: {exc!r}"[:512]
+                    self._act(core.handle(tx.Failed(tx.Reason.BUS_ERROR, detail, self.loop.time())))
+                    self._check()
             if not core.pending:
                 return
             self.credit.clear()

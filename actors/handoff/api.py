@@ -41,6 +41,8 @@ class HandoffReport(msgspec.Struct, frozen=True, kw_only=True):
     transfer_ms: float  # open to result, the receiver's restore included
     restored: str | None
     restore_ms: float
+    transport: str = "nats"  # the path the chunks took: `direct`, `direct_tls` (mutual TLS) or `nats`
+    fallback: str = ""  # why NATS carried them, when the direct path was asked for and could not be opened
 
 
 class HandoffAccess(Protocol):
