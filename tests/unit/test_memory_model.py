@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -13,7 +14,8 @@ from hypothesis import strategies as st
 from actors.placement.compute import MEASURED_ERROR_RATIO, compute_buffers
 from actors.placement.context import draft_settings
 from actors.placement.geometry import geometry_from_header
-from actors.placement.gguf_header import TensorInfo
+from actors.placement.gguf_header import GGUFValueType, SkippedArray, TensorInfo
+from actors.placement.graph_alloc import _graph_peak
 from actors.placement.memory import (
     LLAMA_CPP_VERSION,
     Budgets,
@@ -627,3 +629,103 @@ def test_starcoder2_mlp_keeps_one_n_ff_row() -> None:
     shape = resolve_context(g, serving(slots=1, kv_unified=True), 8192)
     got = compute_buffers(g, shape, flash_attn=True, n_outputs=1).device / MIB
     assert abs(got / 89.02 - 1) <= 0.01
+
+
+# --- compute-10: the Mamba-2 layer around its scan, the Qwen3.5 trunk placed node by node (issue 27) -----------
+
+
+def with_vocab(arch: str, kv: dict[str, Any], n_vocab: int) -> ModelGeometry:
+    """A geometry from an in-memory header whose tokenizer holds `n_vocab` tokens (the logits' width)."""
+    h = header(arch, kv)
+    tokens = SkippedArray(GGUFValueType.STRING, n_vocab)
+    return geometry_from_header(dataclasses.replace(h, kv={**h.kv, "tokenizer.ggml.tokens": tokens}))
+
+
+def nemotron_h_56() -> ModelGeometry:
+    """Issue 27's Nemotron-H: 56 blocks (27 Mamba-2, 4 attention, 25 MLP), n_embd 2048, 40 heads x 128 / 8 KV,
+    MLP 4096, Mamba-2 inner 10240 (128 heads), state 128, 8 groups, 131072 tokens."""
+    pattern = "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"
+    kv = base(len(pattern), embedding_length=2048, **{"attention.head_count": 40})
+    kv["attention.head_count_kv"] = [8 if kind == "*" else 0 for kind in pattern]
+    kv["feed_forward_length"] = [4096 if kind == "-" else 0 for kind in pattern]
+    kv.update({"attention.key_length": 128, "attention.value_length": 128, "attention.layer_norm_epsilon": 1e-5})
+    kv.update({"ssm.conv_kernel": 4, "ssm.inner_size": 10240, "ssm.state_size": 128, "ssm.group_count": 8})
+    kv["ssm.time_step_rank"] = 128
+    return with_vocab("nemotron_h", kv, 131072)
+
+
+def qwen35_2048(n_layer: int = 32, n_head: int = 16, n_ff: int = 6144, value_heads: int = 32) -> ModelGeometry:
+    """Issue 27's Qwen3.5 trunks: n_embd 2048, heads of 256 (4 KV), delta net 16 key heads of 128, 248320 tokens."""
+    ssm = {**QWEN_SSM, "ssm.inner_size": 128 * value_heads, "ssm.time_step_rank": value_heads}
+    kv = base(n_layer + 1, **ssm, nextn_predict_layers=1, embedding_length=2048, feed_forward_length=n_ff)
+    kv.update({"attention.head_count": n_head, "attention.head_count_kv": 4})
+    kv.update({"attention.key_length": 256, "attention.value_length": 256})
+    return with_vocab("qwen35", kv, 248320)
+
+
+def target_mib(g: ModelGeometry, n_ctx: int, **kw: Any) -> float:
+    """The target context's modelled compute buffer in MiB, as `estimate` sizes it (flash attention)."""
+    return estimate(g, serving(ctx_checkpoints=0, cache_ram_mib=0, **kw), n_ctx).compute_bytes / MIB
+
+
+@pytest.mark.parametrize(
+    ("n_ctx", "settings", "server_mib"),
+    [
+        (8192, {"slots": 1, "kv_unified": True}, 145.41),
+        (32768, {"slots": 4, "kv_unified": False}, 160.83),
+        (32768, {"slots": 4, "kv_unified": True, "cache_type_k": "q8_0", "cache_type_v": "q8_0"}, 184.91),
+        (8192, {"slots": 16, "kv_unified": True}, 297.52),
+    ],
+)
+def test_mamba2_layer_is_sized_around_its_scan(n_ctx: int, settings: dict[str, Any], server_mib: float) -> None:
+    """llama-server's reservation for issue 27's Nemotron-H (CPU build): the input projection, the convolution's
+    output and its input's freed block, the scan's output with every slot's state and the other slots'
+    gathered states; 3.5 input-projection widths (compute-9) over-reserved by 12-15.5% where d_inner is five
+    n_embd, and the 16-slot case was under by 4.4%."""
+    got = target_mib(nemotron_h_56(), n_ctx, **settings)
+    assert abs(got / server_mib - 1) <= 0.01
+
+
+@pytest.mark.parametrize(
+    ("geometry", "n_ctx", "settings", "server_mib"),
+    [
+        (qwen35_2048, 8192, {"slots": 1, "kv_unified": True}, 64.02),
+        (qwen35_2048, 8192, {"slots": 16, "kv_unified": True}, 133.52),
+        (lambda: qwen35_2048(64, 24, 4096, 48), 32768, {"slots": 4, "kv_unified": False}, 88.49),
+        (lambda: qwen35_2048(64, 24, 4096, 48), 8192, {"slots": 1, "kv_unified": True}, 76.02),
+    ],
+)
+def test_qwen35_trunk_is_placed_as_ggml_alloc_places_it(
+    geometry: Any, n_ctx: int, settings: dict[str, Any], server_mib: float
+) -> None:
+    """Issue 27's Qwen3.5 trunks (CPU build): the delta net's output and the slots' gathered states either fit
+    the convolution input's freed block or go on top, and the gated attention's Q-and-gate projection is the
+    peak of the 24-head trunk at one slot; the gated-delta rows (compute-9) were +8-16.5% at one to four slots
+    and under the attention stage's 76.02 MiB by nothing only by chance."""
+    got = target_mib(geometry(), n_ctx, **settings)
+    assert abs(got / server_mib - 1) <= 0.01
+
+
+def test_qwen35_rollback_snapshots_sit_in_the_delta_net_output() -> None:
+    """With MTP depth 3 the delta net's output holds four snapshots of each slot's state: the 32-layer trunk's
+    target context at 4 slots reserved 116.40 MiB (compute-9: 109.9, -5.6%)."""
+    g = qwen35_2048()
+    settings = serving(slots=4, kv_unified=True, spec_type="draft-mtp", spec_draft_n_max=3)
+    shape = resolve_context(g, settings, 8192)
+    got = compute_buffers(g, shape, flash_attn=True, n_outputs=16).device / MIB
+    assert abs(got / 116.40 - 1) <= 0.01
+
+
+def test_a_strided_view_is_never_reused_in_place() -> None:
+    """ggml-alloc reuses a source's block in place only when the layouts match: a strided slice (a delta net's
+    Q out of the convolution's channels) gets a block of its own even when it is the source's last view."""
+    inputs = [("x", 4096)]
+    nodes: list[Any] = [
+        ("wide", "mul_mat", 4096, ("x",)),
+        ("slice", "strided_view", 1024, ("wide",)),
+        ("normed", "rms_norm", 1024, ("slice",)),
+        ("out", "add", 1024, ("normed", "x")),
+    ]
+    contiguous = [(name, "view" if op == "strided_view" else op, size, srcs) for name, op, size, srcs in nodes]
+    assert _graph_peak(inputs, nodes, frozenset({"out"})) == 4096 + 4096 + 1024
+    assert _graph_peak(inputs, contiguous, frozenset({"out"})) == 4096 + 4096
