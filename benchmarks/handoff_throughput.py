@@ -1,27 +1,23 @@
-"""Benchmark: a KV handoff over NATS with credits vs a loopback TCP copy and vs a NATS blast without flow control.
+"""Benchmark: a KV handoff over the direct data path (plain and mutual TLS) and over NATS with credits, vs a
+loopback TCP copy without fsync, same run.
 
-Two handoff actors on one embedded nats-server, each in its own process (as two nodes would be). Node A sends
-`--size-mib` of random bytes to node B, which stages every chunk (pwrite), hashes every segment, judges the
-commit (tiling, counts, payload digest) and restores: here the restore hook fsyncs the staged file, so the
-result is as durable as the baseline's. Two sources: a finished file (`send(path)`: its segments read and
-hashed one by one while the previous one is sent) and the same bytes as an async iterator of segments (as
-while a prefill runs). Both processes apply the allocator policy `mesh-actor run` applies (unless
-`--default-allocator`).
+Handoff actors on one embedded nats-server, the senders in a child process (as two nodes would be). Node A
+sends `--size-mib` of random bytes from a finished file to node B, which stages every chunk (pwrite), hashes
+every segment, judges the commit (tiling, counts, payload digest) and restores: here the restore hook fsyncs the
+staged file (put `--dir` on a tmpfs to take the disk's fsync out; the baseline has none). Three paths, each a
+sender and receiver pair: `direct` (the chunks pushed on a stream to B's data listener, loopback, ticket only),
+`direct_tls` (the same inside mutual TLS under a cluster CA), and, with `--nats`, `nats` (every chunk published,
+credits). Open, credits and commit are on NATS for all three. Both processes apply the allocator policy
+`mesh-actor run` applies.
 
-Baselines, same run, same file:
-* loopback TCP: the file sent over a socket (`socket.sendfile`) into a file, fsynced; once per round, before
-  that round's two handoffs, each step after a `sync` (rounds interleave so the machine's drift hits both);
-* a raw NATS blast: the same bytes published in `max_payload` chunks as fast as the client can, with no credit,
-  to a subscriber with the client's default pending limits that does the receiver's work (write and hash).
-  The server drops what the subscriber cannot keep up with (slow consumer): the benchmark reports how much
-  arrived;
-* the NATS client's own ceiling: the same chunks published to a subject nobody listens on (what nats-py can
-  hand to the server at all, on this machine, now).
+Baseline: the file sent over a loopback TCP socket (`socket.sendfile`) into a file, not fsynced. Rounds are
+interleaved (TCP copy, then each path; a `sync` before each) and ratios are taken on medians: ratio = baseline
+time / handoff time (the issue's target for the direct path: >= 0.8). CPU seconds per GiB per process: the
+receiver (this process, `getrusage`), the sender and nats-server (`/proc/<pid>/stat`). With `--nats` the run also
+measures a raw NATS blast without flow control and the NATS client's publish ceiling. Run from the repository
+root:
 
-Ratio = median baseline time / median handoff time (the issue's target: >= 0.6); each round's ratios are
-printed too. Run from the repository root:
-
-    python -m benchmarks.handoff_throughput [--size-mib 1024] [--rounds 3] [--window-mib 32]
+    python -m benchmarks.handoff_throughput [--size-mib 1024] [--rounds 3] [--window-mib 32] [--nats]
         [--default-allocator] [--dir DIR]
 """
 
@@ -33,11 +29,12 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,17 +45,28 @@ import structlog
 
 from actors.handoff.actor import CommittedHandoff, HandoffActor, HandoffLimits, chunk_bytes
 from benchmarks.environment import print_environment
-from benchmarks.transfer import running, tcp_copy, write_random
+from benchmarks.transfer import cpu_seconds, running, tcp_copy, write_random
 from messages.subjects import Subjects
 from runtime.allocator import keep_large_buffers
 from runtime.bus import Bus
 from runtime.config import NatsOptions
+from runtime.datapath import DataPathConfig
 from runtime.embedded import EmbeddedNats
 from runtime.journal import ensure_events_stream
+from runtime.tls import TlsFiles, ensure_route_certificates
 
 MIB = 1024 * 1024
+GIB = 1024 * MIB
 IDENTITY = "1d" * 32
 SEGMENT = 32 * MIB
+SECRET = "bench-cluster-secret"
+NAMES = ["127.0.0.1", "localhost"]
+#: path -> (sender, receiver) node ids
+PAIRS: dict[str, tuple[str, str]] = {
+    "direct": ("bench-ad", "bench-b"),
+    "direct_tls": ("bench-at", "bench-bt"),
+    "nats": ("bench-a", "bench-b"),
+}
 
 
 def _fsync(path: Path) -> None:
@@ -183,31 +191,37 @@ def _write_hash(fd: int, hasher: Any, data: bytes, offset: int) -> None:
     hasher.update(data)
 
 
+def _serving(actor: HandoffActor) -> Callable[[], bool]:
+    return lambda: actor.running
+
+
 async def _sender(spec: dict[str, Any]) -> None:
-    """The sending node, in its own process: for each line on stdin, both sends, their times as one JSON line."""
+    """The sending node, in its own process: for each path named on stdin, one send from the file, its time as
+    one JSON line."""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     if spec["allocator"]:
         keep_large_buffers()  # what `mesh-actor run` does
     options = NatsOptions(urls=tuple(spec["urls"]), user=spec["user"], password=spec["password"], token=spec["token"])
     limits = HandoffLimits(segment_bytes=SEGMENT, idle_timeout_s=30.0, window_bytes=spec["window"])
-    source, size = Path(spec["source"]), int(spec["size"])
+    source, size, root = Path(spec["source"]), int(spec["size"]), Path(spec["root"])
+    tls = TlsFiles(*(Path(p) for p in spec["tls"]))
+    datapaths = {"direct": DataPathConfig(), "direct_tls": DataPathConfig(bind="127.0.0.1", tls=tls), "nats": None}
     bus = await Bus.connect(options, name="bench a")
     try:
-        a = HandoffActor("bench-a", Path(spec["root"]) / "a", limits=limits)
-        async with running(bus, a, a.node_id, lambda: a.running):
+        senders = {
+            path: HandoffActor(PAIRS[path][0], root / PAIRS[path][0], limits=limits, datapath=datapaths[path])
+            for path in PAIRS
+        }
+        async with contextlib.AsyncExitStack() as stack:
+            for actor in senders.values():
+                await stack.enter_async_context(running(bus, actor, actor.node_id, _serving(actor)))
             print(json.dumps({"ready": True}), flush=True)
-            while await asyncio.to_thread(sys.stdin.readline):
+            while line := (await asyncio.to_thread(sys.stdin.readline)).strip():
                 started = time.perf_counter()
-                report = await a.send("bench-b", source, identity=IDENTITY, n_tokens=1)
-                from_file = time.perf_counter() - started
-                assert report.bytes == size
-                await asyncio.to_thread(os.sync)  # the next send starts with no dirty pages behind it
-                started = time.perf_counter()
-                segments = _segments_of(source, size)
-                report = await a.send("bench-b", segments, identity=IDENTITY, n_tokens=1, max_bytes=size)
-                streamed = time.perf_counter() - started
-                assert report.bytes == size
-                print(json.dumps({"file": from_file, "streamed": streamed}), flush=True)
+                report = await senders[line].send(PAIRS[line][1], source, identity=IDENTITY, n_tokens=1)
+                took = time.perf_counter() - started
+                assert report.bytes == size and report.transport == line, report
+                print(json.dumps({"seconds": took}), flush=True)
     finally:
         await bus.close()
 
@@ -246,11 +260,11 @@ class _SenderProcess:
         result: dict[str, float] = json.loads(line)
         return result
 
-    async def round(self) -> dict[str, float]:
+    async def send(self, path: str) -> float:
         assert self.child.stdin is not None
-        self.child.stdin.write(b"go\n")
+        self.child.stdin.write(path.encode() + b"\n")
         await self.child.stdin.drain()
-        return await self._line(600)
+        return (await self._line(600))["seconds"]
 
     async def stop(self) -> None:
         if self.child.stdin is not None:
@@ -263,6 +277,11 @@ class _SenderProcess:
             await self.child.wait()
 
 
+def _own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 async def main_async(args: argparse.Namespace) -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     print_environment()
@@ -272,13 +291,15 @@ async def main_async(args: argparse.Namespace) -> None:
     window = args.window_mib * MIB
     budget = max(HandoffLimits().credit_budget_bytes, window + 8 * MIB)  # one session gets the whole window
     limits = HandoffLimits(segment_bytes=SEGMENT, idle_timeout_s=30.0, window_bytes=window, credit_budget_bytes=budget)
-    tcp: list[float] = []
-    from_file: list[float] = []
-    streamed: list[float] = []
+    paths = ["direct", "direct_tls", *(["nats"] if args.nats else [])]
+    times: dict[str, list[float]] = {p: [] for p in ["tcp", *paths]}
+    cpu: dict[str, dict[str, list[float]]] = {p: {"receiver": [], "sender": [], "nats-server": []} for p in times}
     with tempfile.TemporaryDirectory(dir=base, prefix="handoff-bench-") as tmp:
         root = Path(tmp)
         source = root / "slot.bin"
         await asyncio.to_thread(write_random, source, size)
+        sender_tls = ensure_route_certificates(root / "tls-a", SECRET, NAMES)
+        receiver_tls = ensure_route_certificates(root / "tls-b", SECRET, NAMES)
         server = EmbeddedNats(root / "nats", preferred_port=0)
         creds = await server.start()
         options = creds.options()
@@ -289,8 +310,16 @@ async def main_async(args: argparse.Namespace) -> None:
             print(f"  payload          {args.size_mib} MiB of random bytes, segments of {SEGMENT // MIB} MiB")
             print(f"  credit window    {window // MIB} MiB (receiver's budget {budget // MIB} MiB)")
             print(f"  allocator        {policy.reason if policy else 'defaults (--default-allocator)'}")
-            b = HandoffActor("bench-b", root / "b", limits=limits, restore=_durable)
-            async with running(bus_b, b, b.node_id, lambda: b.running):
+            print(f"  files under      {root.parent}")
+            b = HandoffActor("bench-b", root / "b", limits=limits, restore=_durable, datapath=DataPathConfig())
+            bt = HandoffActor(
+                "bench-bt", root / "bt", limits=limits, restore=_durable,
+                datapath=DataPathConfig(bind="127.0.0.1", tls=receiver_tls),
+            )  # fmt: skip
+            async with (
+                running(bus_b, b, b.node_id, lambda: b.running),
+                running(bus_b, bt, bt.node_id, lambda: bt.running),
+            ):
                 spec = {
                     "urls": list(options.urls),
                     "user": options.user,
@@ -301,21 +330,30 @@ async def main_async(args: argparse.Namespace) -> None:
                     "root": str(root),
                     "size": size,
                     "allocator": policy is not None,
+                    "tls": [str(sender_tls.ca), str(sender_tls.cert), str(sender_tls.key)],
                 }
                 sender = await _SenderProcess.start(spec)
+                pids = {"sender": sender.child.pid, "nats-server": server.pid}
                 try:
-                    for _ in range(args.rounds):  # interleaved: the machine's drift hits both alike
-                        await asyncio.to_thread(os.sync)
-                        tcp.append(await asyncio.to_thread(tcp_copy, source, root / "tcp.bin"))
-                        (root / "tcp.bin").unlink()
-                        await asyncio.to_thread(os.sync)
-                        times = await sender.round()
-                        from_file.append(times["file"])
-                        streamed.append(times["streamed"])
+                    for _ in range(args.rounds):  # interleaved: the machine's drift hits every path alike
+                        for path in ["tcp", *paths]:
+                            await asyncio.to_thread(os.sync)
+                            others = {name: cpu_seconds(pid) for name, pid in pids.items() if pid is not None}
+                            own = _own_cpu()
+                            if path == "tcp":
+                                took = await asyncio.to_thread(tcp_copy, source, root / "tcp.bin", fsync=False)
+                                (root / "tcp.bin").unlink()
+                            else:
+                                took = await sender.send(path)
+                            times[path].append(took)
+                            cpu[path]["receiver"].append(_own_cpu() - own)
+                            for name, before in others.items():
+                                cpu[path][name].append(cpu_seconds(pids[name] or 0) - before)
                 finally:
                     await sender.stop()
-            blast_s, sent, received, slow = await _blast(options, source, size, root / "blast.bin")
-            ceiling = await publish_ceiling(options, source, size)
+            if args.nats:
+                blast_s, sent, received, slow = await _blast(options, source, size, root / "blast.bin")
+                ceiling = await publish_ceiling(options, source, size)
         finally:
             await bus_b.close()
             await server.stop()
@@ -323,22 +361,36 @@ async def main_async(args: argparse.Namespace) -> None:
     def rate(seconds: float) -> str:
         return f"{size / MIB / seconds:8.0f} MiB/s"
 
-    print(f"rounds ({args.rounds}: TCP copy, handoff from the file, handoff streamed; sync before each)")
-    for i, (t, f, st) in enumerate(zip(tcp, from_file, streamed, strict=True), 1):
-        print(f"  round {i}: TCP {rate(t)}, file {rate(f)}, streamed {rate(st)};  ratios {t / f:.2f} / {t / st:.2f}")
-    tcp_s, file_s, streamed_s = (statistics.median(x) for x in (tcp, from_file, streamed))
+    print(f"rounds ({args.rounds}: {', '.join(['TCP copy', *paths])}, each a handoff from the file; sync before each)")
+    for i in range(args.rounds):
+        tcp = times["tcp"][i]
+        line = ", ".join(f"{p} {rate(times[p][i])} ({tcp / times[p][i]:.2f}x)" for p in paths)
+        print(f"  round {i + 1}: TCP {rate(tcp)}; {line}")
+    tcp_s = statistics.median(times["tcp"])
+    labels = {
+        "direct": "handoff, direct (ticket, plain TCP)",
+        "direct_tls": "handoff, direct (mutual TLS)",
+        "nats": "handoff over NATS (credits)",
+    }
     print("results (medians)")
-    print(f"  loopback TCP copy + fsync              {tcp_s:7.3f} s  {rate(tcp_s)}")
-    print(f"  handoff, file (segments read, hashed)  {file_s:7.3f} s  {rate(file_s)}")
-    print(f"  handoff, streamed segments             {streamed_s:7.3f} s  {rate(streamed_s)}")
-    print(f"  NATS client publish ceiling            {ceiling:7.3f} s  {rate(ceiling)}  (no subscriber)")
-    print(f"  NATS blast, no flow control            {blast_s:7.3f} s  (until the last message arrived)")
-    lost = sent - received
-    print(f"    messages sent {sent}, received {received}, dropped {lost} ({100 * lost / max(sent, 1):.1f}%),")
-    print(f"    slow-consumer errors reported {slow}")
-    print(f"  ratio handoff (file) / TCP             {tcp_s / file_s:7.2f}x  (target >= 0.6x)")
-    print(f"  ratio handoff (streamed) / TCP         {tcp_s / streamed_s:7.2f}x  (target >= 0.6x)")
-    print(f"  ratio handoff (file) / publish ceiling {ceiling / file_s:7.2f}x")
+    print(f"  {'loopback TCP copy, no fsync':<38} {tcp_s:7.3f} s  {rate(tcp_s)}")
+    for path in paths:
+        seconds = statistics.median(times[path])
+        print(f"  {labels[path]:<38} {seconds:7.3f} s  {rate(seconds)}")
+    for path in paths:
+        target = "  (target >= 0.8x)" if path.startswith("direct") else ""
+        print(f"  ratio {path + ' / TCP':<32} {tcp_s / statistics.median(times[path]):7.2f}x{target}")
+    if args.nats:
+        print(f"  NATS client publish ceiling            {ceiling:7.3f} s  {rate(ceiling)}  (no subscriber)")
+        print(f"  NATS blast, no flow control            {blast_s:7.3f} s  (until the last message arrived)")
+        lost = sent - received
+        print(f"    messages sent {sent}, received {received}, dropped {lost} ({100 * lost / max(sent, 1):.1f}%),")
+        print(f"    slow-consumer errors reported {slow}")
+    print("CPU seconds per GiB (medians; the TCP copy's sender and receiver are both this process)")
+    print(f"  {'':<12} {'receiver':>9} {'sender':>8} {'nats-server':>12}")
+    for path in ["tcp", *paths]:
+        cells = [statistics.median(cpu[path][p]) * GIB / size if cpu[path][p] else 0.0 for p in cpu[path]]
+        print(f"  {path:<12} {cells[0]:9.2f} {cells[1]:8.2f} {cells[2]:12.2f}")
 
 
 def main() -> None:
@@ -347,6 +399,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of TCP copy and handoffs, interleaved")
     parser.add_argument("--default-allocator", action="store_true", help="leave glibc's thresholds as they are")
     parser.add_argument("--window-mib", type=int, default=HandoffLimits().window_bytes // MIB, help="credit window")
+    parser.add_argument("--nats", action="store_true", help="also the NATS path, a raw blast and the client's ceiling")
     parser.add_argument("--as-sender", help=argparse.SUPPRESS)  # the sending node's process
     parser.add_argument("--dir", help="where the temporary files go (default: the system temp dir)")
     args = parser.parse_args()

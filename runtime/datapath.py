@@ -77,6 +77,7 @@ _log = get_logger(component="datapath")
 FRAME: Final = struct.Struct("!QI32s")
 _LENGTH: Final = struct.Struct("!I")
 _LOOPBACK: Final = "127.0.0.1"
+_READ_LIMIT: Final = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +242,7 @@ class DataListener:
             self._accepted,
             bind,
             0,
+            limit=_READ_LIMIT,  # a pushed chunk (a MiB) arrives in a few reads, not in 64 KiB steps
             ssl=context,
             ssl_handshake_timeout=self.limits.hello_timeout_s if context is not None else None,
         )
