@@ -107,6 +107,14 @@ class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # refuses a hold over its own maximum (`hold_too_long`; `--max-hold`, default 3600 s).
     hold_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 600.0
     request_id: RequestId | None = None  # the client's own correlation id, echoed in the decision
+    # Every node's refusal in `rejections` and every node's telemetry revision in `view`. Without it a decision
+    # names what it chose (its placements, and their revisions in `view`), or, refused, lists the refusals of at
+    # most `LISTED_REFUSALS` nodes, those short of memory by the least first: a bounded reply at any fleet size.
+    explain: bool = False
+
+
+#: Refusals a refused decision lists when the request did not ask for every one (`explain`).
+LISTED_REFUSALS = 16
 
 
 class Companion(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -190,8 +198,10 @@ class PlacementDecision(msgspec.Struct, frozen=True, kw_only=True):
     reservation_id: str | None = None
     reason: RejectReason | None = None  # overall reason when not admitted
     message: str = ""
-    rejections: tuple[NodeRejection, ...] = ()  # why each other node was not chosen
-    view: dict[str, int] = msgspec.field(default_factory=dict)  # node -> telemetry revision
+    # Why each other node was not chosen (with `explain`; else, refused, the nodes closest to fitting first).
+    rejections: tuple[NodeRejection, ...] = ()
+    # node -> telemetry revision: every node's (with `explain`), else the nodes the decision names.
+    view: dict[str, int] = msgspec.field(default_factory=dict)
     estimator_version: str = ""
     decided_at: float = 0.0
     request_id: str | None = None

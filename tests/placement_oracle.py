@@ -9,6 +9,7 @@ index to this statement, field for field, on random fleets.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from actors.placement import pooled
@@ -26,6 +27,7 @@ from actors.placement.admission import (
     split_over,
     without_split,
 )
+from actors.placement.fleet import brief
 from actors.placement.ledger import available
 from messages.placement import NodeLedger, NodeRejection, PlacementRequest
 
@@ -58,7 +60,31 @@ def full_scan(
     dry_run: bool,
     unreadable: frozenset[str] = frozenset(),
 ) -> Outcome:
-    """What `admission.decide` decides, every node sized (`unreadable`: nodes whose ledger does not decode)."""
+    """What `admission.decide` answers: the whole decision (`explained_scan`), brief unless the request asks for
+    every node's refusal (`fleet.brief`: the chosen node only, or the refusals closest to fitting)."""
+    outcome = explained_scan(
+        request, model, view, ledgers, now=now, decision_id=decision_id, reservation_id=reservation_id,
+        dry_run=dry_run, unreadable=unreadable,
+    )  # fmt: skip
+    if request.explain:
+        return outcome
+    return dataclasses.replace(outcome, decision=brief(outcome.decision))
+
+
+def explained_scan(
+    request: PlacementRequest,
+    model: ModelFacts,
+    view: Mapping[str, ViewEntry],
+    ledgers: Mapping[str, NodeLedger],
+    *,
+    now: float,
+    decision_id: str,
+    reservation_id: str,
+    dry_run: bool,
+    unreadable: frozenset[str] = frozenset(),
+) -> Outcome:
+    """The whole decision, every node sized and every refusal listed (`unreadable`: nodes whose ledger does not
+    decode)."""
     geometry = model.geometry
     request = pooled.resolved_request(request, geometry)  # an embedding or rerank model by its header
     eligible, rejections = _eligible(request, view, now, unreadable)
@@ -92,4 +118,4 @@ def full_scan(
     )  # fmt: skip
 
 
-__all__ = ["full_scan"]
+__all__ = ["explained_scan", "full_scan"]

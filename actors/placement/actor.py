@@ -69,6 +69,7 @@ from messages.events import (
 from messages.files import FileFacts, HeldRequest
 from messages.placement import (
     LEDGER_KEY_PREFIX,
+    LISTED_REFUSALS,
     NodeLedger,
     NodeRejection,
     PlacementDecision,
@@ -190,6 +191,8 @@ class PlacementActor(Actor):
         self._view_ready = asyncio.Event()
         self._ledger_cache: dict[str, tuple[NodeLedger | None, int]] = {}
         self._ledgers_ready = asyncio.Event()
+        self._ledger_seq = 0  # the newest revision of the reservations bucket the local copy holds
+        self._ledger_moved = asyncio.Event()  # set (and replaced) each time the local copy takes a revision
         self._records_ready = asyncio.Event()
         self._reconciler = Reconciler(claim_grace_s=claim_grace_s)
         self._index = FleetIndex(tracked=True)  # told of every change below: judges only what changed
@@ -212,6 +215,8 @@ class PlacementActor(Actor):
         self._view_ready = asyncio.Event()
         self._ledger_cache = {}
         self._ledgers_ready = asyncio.Event()
+        self._ledger_seq = 0
+        self._ledger_moved = asyncio.Event()
         self._records_ready = asyncio.Event()
         self._reconciler = Reconciler(claim_grace_s=self._claim_grace)
         self._index = FleetIndex(tracked=True)  # told of every change below: judges only what changed
@@ -277,6 +282,24 @@ class PlacementActor(Actor):
             self._ledger_cache[node] = decoded
             self._index.touch(node)
             self._reconciler.saw_ledger(node, decoded[0], self._monotonic())
+            self._ledger_seq = max(self._ledger_seq, entry.revision or 0)
+            moved, self._ledger_moved = self._ledger_moved, asyncio.Event()
+            moved.set()
+
+    async def _catch_up(self) -> bool:
+        """Waits until the local copy of the ledgers holds every write the bucket held when asked (one stream
+        info, then the watch): a decision from the copy is then as new as a read of every ledger, without
+        reading any. False when the bucket cannot be asked or the watch did not get there in time."""
+        try:
+            async with asyncio.timeout(_CHANGE_DEADLINE_S):
+                status = await self._ledgers.status()
+                last = status.stream_info.state.last_seq
+                while self._ledger_seq < last:
+                    await self._ledger_moved.wait()
+        except (nats.errors.Error, TimeoutError) as exc:
+            self._log.warning("ledgers_not_caught_up", error=repr(exc))
+            return False
+        return True
 
     async def _watch_instances(self, ctx: ActorContext) -> None:
         """The runners' instance records: what the reconcile compares the ledgers with."""
@@ -341,7 +364,13 @@ class PlacementActor(Actor):
             message = f"hold_s {request.hold_s:g} is over this placement node's maximum of {self._max_hold_s:g}s"
             ctx.log.info("placement_hold_refused", hold_s=request.hold_s, max_hold_s=self._max_hold_s)
             return rejected(
-                request, "hold_too_long", message, decision_id=decision_id, now=now, dry_run=dry_run, view=self._view
+                request,
+                "hold_too_long",
+                message,
+                decision_id=decision_id,
+                now=now,
+                dry_run=dry_run,
+                view=self._named(request),
             )
         try:
             facts = await self.models.facts(
@@ -349,11 +378,16 @@ class PlacementActor(Actor):
             )
         except ModelProblem as exc:
             decision = rejected(
-                request, exc.reason, str(exc), decision_id=decision_id, now=now, dry_run=dry_run, view=self._view
+                request,
+                exc.reason,
+                str(exc),
+                decision_id=decision_id,
+                now=now,
+                dry_run=dry_run,
+                view=self._named(request),
             )
-            if not dry_run:
-                inputs = snapshot(request, self._view, self._arrived, {}, {}, self._monotonic())
-                await self._journal(ctx, request, inputs.view, {}, None, decision)
+            if not dry_run:  # no node was considered: none is recorded (the view would be megabytes at scale)
+                await self._journal(ctx, request, {}, {}, None, decision)
             return decision
 
         reservation_id = uuid.uuid4().hex[:16]
@@ -375,6 +409,7 @@ class PlacementActor(Actor):
         decided: _Decided | None = None
         for _ in range(self._max_attempts):
             now = self._clock()
+            seen = self._ledger_seq
             if over_share:
                 left = [n for n in (request.nodes or sorted(self._view, key=natural_key)) if n not in over_share]
                 if not left:
@@ -398,15 +433,24 @@ class PlacementActor(Actor):
                     booking = shares.booked_for(outcome.reservations, requester)
                 if await self._commit(ctx, booking, decided.ledgers):
                     break
-                names = [name for name in (request.nodes or self._view) if name in self._view]
-                fresh, from_bucket = await self._read_ledgers(names), True
+                # Another placement booked first, so the local copy lagged the bucket: decided again once the
+                # copy holds what the bucket held (no ledger read), or from the bucket itself.
+                from_bucket = True
+                if not await self._catch_up():
+                    names = [name for name in (request.nodes or self._view) if name in self._view]
+                    fresh = await self._read_ledgers(names)
                 continue
             if outcome.decision.admitted or from_bucket:
                 break
-            # A refusal from the local copy may be a copy that lags the bucket: check what it relied on.
+            # A refusal from the local copy may be a copy that lags the bucket: decided again if the copy, caught
+            # up, took a revision since; else the ledgers it relied on are read from the bucket.
+            from_bucket = True
+            if await self._catch_up():
+                if self._ledger_seq == seen:
+                    break
+                continue
             suspects = [r.node_id for r in outcome.decision.rejections if r.reason in _LEDGER_REASONS]
             read = await self._read_ledgers(suspects)
-            from_bucket = True
             if all(read[name][1] == decided.ledgers.get(name, NO_LEDGER)[1] for name in read):
                 break
             fresh.update(read)
@@ -418,7 +462,7 @@ class PlacementActor(Actor):
                 decision_id=decision_id,
                 now=now,
                 dry_run=dry_run,
-                view=self._view,
+                view=self._named(request),
             )
             if not dry_run and decided is not None and decided.inputs is not None:
                 inputs = decided.inputs
@@ -439,8 +483,9 @@ class PlacementActor(Actor):
                 )
             if over_share:  # said to the client, not journaled: the share is this node's policy, as the hold is
                 rejections = (*sorted(over_share.values(), key=lambda r: natural_key(r.node_id)),)
+                listed = (*rejections, *outcome.decision.rejections)
                 answer = msgspec.structs.replace(
-                    outcome.decision, rejections=(*rejections, *outcome.decision.rejections)
+                    outcome.decision, rejections=listed if request.explain else listed[:LISTED_REFUSALS]
                 )
                 outcome = dataclasses.replace(outcome, decision=answer)
             # Checked here, where the booking can still be taken back: the shell would only fail to send it.
@@ -454,6 +499,11 @@ class PlacementActor(Actor):
             self._undo_later(ctx, booked, decision_id)
             raise
         return outcome.decision
+
+    def _named(self, request: PlacementRequest) -> Mapping[str, ViewEntry]:
+        """The view a refusal before any node was considered names: every node's revision when the request asks
+        for them (`explain`), else none (a brief answer names only what it chose)."""
+        return self._view if request.explain else {}
 
     def _client_bounds(self, requester: str | None) -> list[tuple[str, float]]:
         """The shares a client's booking is held to (the client's own, then every client's together); none for
@@ -489,11 +539,16 @@ class PlacementActor(Actor):
             f"instance or let a reservation go first"
         )
         refused = rejected(
-            request, "over_client_share", message, decision_id=decision_id, now=now, dry_run=False, view=self._view
+            request,
+            "over_client_share",
+            message,
+            decision_id=decision_id,
+            now=now,
+            dry_run=False,
+            view=self._named(request),
         )
-        return msgspec.structs.replace(
-            refused, rejections=tuple(sorted(over.values(), key=lambda r: natural_key(r.node_id)))
-        )
+        listed = tuple(sorted(over.values(), key=lambda r: natural_key(r.node_id)))
+        return msgspec.structs.replace(refused, rejections=listed if request.explain else listed[:LISTED_REFUSALS])
 
     def _undo_later(self, ctx: ActorContext, booked: tuple[Reservation, ...], decision_id: str) -> None:
         """Releases `booked` in a task of its own (the caller may be cancelled: it must not wait)."""
@@ -531,13 +586,16 @@ class PlacementActor(Actor):
         if self._index.covers(request):
             # A comparison per node against shared sizings (about a microsecond each): on the event loop,
             # which keeps the view and the ledgers still while it runs.
-            outcome = self._index.decide(
+            decision = self._index.decision(
                 request, facts, self._view, self._arrived, self._ledger_cache, now=now, monotonic_now=monotonic_now,
                 decision_id=decision_id, reservation_id=reservation_id, dry_run=dry_run, fresh=fresh,
             )  # fmt: skip
+            outcome = decision.outcome
             inputs = None
-            if not dry_run:
-                inputs = snapshot(request, self._view, self._arrived, self._ledger_cache, fresh, monotonic_now)
+            if not dry_run:  # journaled: the nodes replay needs to decide it again (`witnesses`), or every node
+                inputs = snapshot(
+                    request, self._view, self._arrived, self._ledger_cache, fresh, monotonic_now, decision.witnesses
+                )
             relied = [r.node_id for r in outcome.reservations]
             relied += [r.node_id for r in outcome.decision.rejections if r.reason in _LEDGER_REASONS]
             ledgers = {name: fresh.get(name) or self._ledger_cache.get(name, NO_LEDGER) for name in relied}

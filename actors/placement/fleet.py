@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -72,7 +73,15 @@ from actors.placement.ledger import available
 from actors.placement.memory import MemoryModelError, estimate
 from actors.placement.weights import layer_devices
 from messages.model import ModelGeometry, ProjectorGeometry
-from messages.placement import DeviceShortfall, NodeLedger, NodeRejection, PlacementRequest, PreferredSettings
+from messages.placement import (
+    LISTED_REFUSALS,
+    DeviceShortfall,
+    NodeLedger,
+    NodeRejection,
+    PlacementDecision,
+    PlacementRequest,
+    PreferredSettings,
+)
 from messages.settings import ServingSettings
 from messages.telemetry import NodeResources
 
@@ -178,6 +187,7 @@ class _Standing:
     refused_order: list[str] | None = None
     misfit_order: list[str] | None = None
     serial: int = 0
+    holders: set[str] = field(default_factory=set)  # nodes of the view reporting the model's file (any state)
 
     def forget(self, name: str) -> None:
         if self.refused.pop(name, None) is not None:
@@ -187,6 +197,7 @@ class _Standing:
         self.fits.pop(name, None)
         self.stale.discard(name)
         self.due.pop(name, None)
+        self.holders.discard(name)
 
     def expect(self, name: str, when: float) -> None:
         """`name` is judged again at `when` (when its report turns stale)."""
@@ -215,6 +226,10 @@ class _Standing:
             self.best = [(f.lacks, -f.headroom, natural[n], n, f.serial) for n, f in self.fits.items()]
             heapq.heapify(self.best)
 
+    def best_for(self, prefer: tuple[str, ...]) -> _Fitting | None:
+        """The fit a request preferring `prefer` chooses (None: no node fits)."""
+        return self._preferred(prefer)
+
     def answer(self, natural: Mapping[str, NaturalKey], prefer: tuple[str, ...]) -> _Judged:
         if self.refused_order is None:
             self.refused_order = sorted(self.refused, key=natural.__getitem__)
@@ -225,6 +240,18 @@ class _Standing:
             misfits=[self.misfits[n] for n in self.misfit_order],
             best=self._preferred(prefer),
         )
+
+    def runners_up(self, chosen: str, k: int) -> list[str]:
+        """Up to `k` fits after the heap's best (other than `chosen`), best first: what a journal records beside
+        the chosen node so that replay compares it with its closest rivals."""
+        found: list[str] = []
+        for *_, name, serial in heapq.nsmallest(4 * k + 4, self.best):
+            fitting = self.fits.get(name)
+            if fitting is not None and fitting.serial == serial and name != chosen:
+                found.append(name)
+                if len(found) == k:
+                    break
+        return found
 
     def _preferred(self, prefer: tuple[str, ...]) -> _Fitting | None:
         """The best fit for a request preferring `prefer` (in its order): a node holding the model's file
@@ -248,6 +275,42 @@ class _Standing:
                 return fitting
             heapq.heappop(self.best)  # an answer since replaced
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    """A decision, and the nodes whose reports and ledgers a journal records so that replay decides it again
+    identically (None: every node of the view). A brief admission (`brief`) needs only the chosen node and the
+    node it would fetch the model's file from; its closest rivals (the next best fits, max(2, ⌈log2 N⌉) of
+    them) are recorded with it, so that replay with another memory model sees the choice it would now make
+    among them."""
+
+    outcome: Outcome
+    witnesses: frozenset[str] | None
+
+
+def brief(decision: PlacementDecision) -> PlacementDecision:
+    """`decision` as answered to a request that did not ask for every node's refusal (`explain`): admitted, it
+    names what it chose (its placements, their revisions in `view`); refused, it lists at most
+    `LISTED_REFUSALS` refusals, the nodes short of memory by the least first (the ones that room on them would
+    serve), then the others in the decision's order; its message is the whole decision's (a count of the rest)."""
+    if decision.admitted:
+        rejections: tuple[NodeRejection, ...] = ()
+        named = [p.node_id for p in decision.placements]
+    else:
+        ranked = sorted(range(len(decision.rejections)), key=lambda i: _closeness(decision.rejections[i], i))
+        rejections = tuple(decision.rejections[i] for i in ranked[:LISTED_REFUSALS])
+        named = [r.node_id for r in rejections]
+    view = {name: decision.view[name] for name in named if name in decision.view}
+    return msgspec.structs.replace(decision, rejections=rejections, view=view)
+
+
+def _closeness(rejection: NodeRejection, position: int) -> tuple[int, int, int]:
+    """Orders refusals: short of memory first, by the largest shortfall on any device, then where it was."""
+    if rejection.reason != "insufficient_memory":
+        return 1, 0, position
+    worst = max((s.need_bytes - s.have_bytes for s in rejection.shortfalls), default=0)
+    return 0, worst, position
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,14 +385,81 @@ class FleetIndex:
     ) -> Outcome:
         """The decision over `view` aged at `monotonic_now` and the ledgers of the nodes it considers (`fresh`
         first: read from the bucket, newer than `ledgers`)."""
+        return self.decision(
+            request, model, view, arrived, ledgers, now=now, monotonic_now=monotonic_now, decision_id=decision_id,
+            reservation_id=reservation_id, dry_run=dry_run, fresh=fresh,
+        ).outcome  # fmt: skip
+
+    def decision(
+        self,
+        request: PlacementRequest,
+        model: ModelFacts,
+        view: Mapping[str, ViewEntry],
+        arrived: Mapping[str, float],
+        ledgers: Mapping[str, LedgerEntry],
+        *,
+        now: float,
+        monotonic_now: float,
+        decision_id: str,
+        reservation_id: str,
+        dry_run: bool,
+        fresh: Mapping[str, LedgerEntry] | None = None,
+    ) -> Decided:
+        """`decide`, with the nodes a journal records for replay to decide it again (`Decided.witnesses`)."""
         fresh = fresh or {}
         request = pooled.resolved_request(request, model.geometry)  # an embedding or rerank model by its header
         self._keep_bounded(view)
         q = self._question(request, model, monotonic_now)
         if self.tracked and not request.nodes and not fresh:
-            judged = self._standing_answer(q, view, arrived, ledgers)
+            standing = self._standing_answer(q, view, arrived, ledgers)
+            best = standing.best_for(request.prefer)
+            if best is not None and not request.explain:
+                return self._admitted_briefly(q, standing, best, view, now, decision_id, reservation_id, dry_run)
+            judged = standing.answer(self._natural, request.prefer)
         else:
             judged = self._scan(q, request.nodes or self._natural_order(view), view, arrived, ledgers, fresh)
+        outcome = self._conclude(q, judged, view, now, decision_id, reservation_id, dry_run)
+        if not request.explain:
+            outcome = dataclasses.replace(outcome, decision=brief(outcome.decision))
+        return Decided(outcome, None)
+
+    def _admitted_briefly(
+        self,
+        q: _Question,
+        standing: _Standing,
+        best: _Fitting,
+        view: Mapping[str, ViewEntry],
+        now: float,
+        decision_id: str,
+        reservation_id: str,
+        dry_run: bool,
+    ) -> Decided:
+        """The brief answer of a request some node fits, read off its standing answer without walking the view:
+        the decision names the chosen node (and, when it lacks the model's file, the node it would fetch it from,
+        the first holder in natural order), as the decision over the whole view would after `brief`."""
+        name = best.state.entry.resources.node_id
+        named = {name}
+        if best.lacks and standing.holders:
+            named.add(min(standing.holders, key=self._natural.__getitem__))
+        outcome = conclude(
+            q.request, q.model, {n: view[n] for n in named}, [self._chosen(q, best)], [], now=now,
+            decision_id=decision_id, reservation_id=reservation_id, dry_run=dry_run,
+        )  # fmt: skip
+        rivals = standing.runners_up(name, max(2, math.ceil(math.log2(max(2, len(view))))))
+        return Decided(dataclasses.replace(outcome, decision=brief(outcome.decision)), frozenset((*named, *rivals)))
+
+    def _conclude(
+        self,
+        q: _Question,
+        judged: _Judged,
+        view: Mapping[str, ViewEntry],
+        now: float,
+        decision_id: str,
+        reservation_id: str,
+        dry_run: bool,
+    ) -> Outcome:
+        """The decision from every node's answer (`judged`): the best fit, or a split, or every refusal."""
+        request, model = q.request, q.model
         rejections = judged.refused + [refusal for refusal, _ in judged.misfits]
         fits = [] if judged.best is None else [self._chosen(q, judged.best)]
         if not fits and request.allow_multi_node:
@@ -452,7 +582,7 @@ class FleetIndex:
         view: Mapping[str, ViewEntry],
         arrived: Mapping[str, float],
         ledgers: Mapping[str, LedgerEntry],
-    ) -> _Judged:
+    ) -> _Standing:
         """`_scan` over the whole view, from the answer to the same question last time: only the nodes touched
         since, those whose report has aged past its TTL since, and the stale ones (their refusal says how
         old) are judged again."""
@@ -472,7 +602,7 @@ class FleetIndex:
             again = names
         for name in again:
             self._judge(standing, q, name, view.get(name), ledgers.get(name, NO_LEDGER), arrived)
-        return standing.answer(self._natural, q.request.prefer)
+        return standing
 
     def _judge(
         self,
@@ -486,6 +616,8 @@ class FleetIndex:
         standing.forget(name)
         if entry is None:
             return  # left the view: a whole-view scan does not name it
+        if holds(entry.resources, q.model.path, q.model.digest):
+            standing.holders.add(name)  # what the chosen node fetches, if it lacks the file, is sized by these
         if name not in self._natural:
             self._natural[name] = natural_key(name)
         kind, refusal, state = self._evaluate(q, name, entry, ledger, arrived)
@@ -717,17 +849,19 @@ def snapshot(
     ledgers: Mapping[str, LedgerEntry],
     fresh: Mapping[str, LedgerEntry],
     monotonic_now: float,
+    only: Collection[str] | None = None,
 ) -> Inputs:
-    """What `admission.decide` is given for `request` at `monotonic_now` (`fresh` ledgers first)."""
+    """What `admission.decide` is given for `request` at `monotonic_now` (`fresh` ledgers first): the whole
+    view, or only the nodes `only` names (a decision's witnesses, `Decided`)."""
     aged = {
         name: ViewEntry(
             resources=entry.resources,
             revision=entry.revision,
             age_s=max(0.0, monotonic_now - arrived.get(name, monotonic_now)),
         )
-        for name, entry in view.items()
+        for name, entry in (view.items() if only is None else ((n, view[n]) for n in only if n in view))
     }
-    names = [name for name in (request.nodes or view) if name in view]
+    names = [name for name in (request.nodes or aged) if name in aged]
     considered = {name: fresh.get(name) or ledgers.get(name, NO_LEDGER) for name in names}
     held = {name: ledger for name, (ledger, _) in considered.items() if ledger is not None}
     unreadable = frozenset(name for name, (_, revision) in considered.items() if revision < 0)
@@ -757,4 +891,15 @@ def decide_once(
     )  # fmt: skip
 
 
-__all__ = ["NO_LEDGER", "FleetIndex", "IndexStats", "Inputs", "LedgerEntry", "Sizing", "decide_once", "snapshot"]
+__all__ = [
+    "NO_LEDGER",
+    "Decided",
+    "FleetIndex",
+    "IndexStats",
+    "Inputs",
+    "LedgerEntry",
+    "Sizing",
+    "brief",
+    "decide_once",
+    "snapshot",
+]

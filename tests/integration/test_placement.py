@@ -354,7 +354,7 @@ async def test_an_unreadable_ledger_refuses_its_node_and_placement_keeps_serving
     await wait_view(placement, "broken", "fine")
     kv = await buckets.reservations(bus, SUBJECTS)
     await kv.put(ledger_key("broken"), b'{"node_id": "broken", "reservations": [{"oops": 1}]}')
-    decision = await place(bus, ask(models["dense"]))
+    decision = await place(bus, ask(models["dense"], explain=True))
     assert decision.admitted and decision.placements[0].node_id == "fine"
     assert [(r.node_id, r.reason) for r in decision.rejections] == [("broken", "ledger_unreadable")]
     only = await place(bus, ask(models["dense"], nodes=["broken"]))
@@ -459,7 +459,24 @@ async def test_a_refusal_decided_from_a_lagging_local_copy_is_rechecked_against_
         stamp=Stamp(settings=QUIET, ctx=256, n_gpu_layers=0), layers=(0, 1), devices=(), held={"CPU": 64 * GIB},
         created_at=0.0,
     )  # fmt: skip
-    placement._ledger_cache["a"] = (NodeLedger(node_id="a", reservations=(full,)), 7)
+    # The local copy lags the bucket: it still shows the node full (an older revision), and has not taken the
+    # bucket's latest write yet, which frees the node; that write lands once the actor checks the bucket.
+    placement._ledger_cache["a"] = (NodeLedger(node_id="a", reservations=(full,)), 1)
+    placement._index.touch("a")
+    placement._ledger_seq = 0
+    kv = await buckets.reservations(bus, SUBJECTS)
+    catch_up = placement._catch_up
+    checked = 0
+
+    async def checking() -> bool:
+        nonlocal checked
+        checked += 1
+        if checked == 1:
+            await kv.create(ledger_key("a"), encode(NodeLedger(node_id="a")))
+        return await catch_up()
+
+    placement._catch_up = checking  # type: ignore[method-assign]
     decision = await place(bus, ask(models["dense"]))
     assert decision.admitted, decision.message
+    assert checked == 1  # the refusal from the lagging copy was decided again once the copy caught up
     assert [r.reservation_id for r in (await ledger(bus, "a")).reservations] == [decision.reservation_id]

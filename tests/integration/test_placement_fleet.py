@@ -91,7 +91,7 @@ async def test_a_placement_actor_over_300_simulated_nodes_answers_as_the_full_sc
         while len(placement._view) < NODES:
             await asyncio.sleep(0.05)
     facts = ModelFacts(geometry=geometry_from_header(read_header(model)), path=str(model))
-    request = PlacementRequest(model=ModelRef(path=str(model)), ctx=4096)
+    request = PlacementRequest(model=ModelRef(path=str(model)), ctx=4096, explain=True)
     async with asyncio.timeout(30):  # the view fills from the bucket before the actor adds its endpoints
         while True:
             try:
@@ -102,6 +102,12 @@ async def test_a_placement_actor_over_300_simulated_nodes_answers_as_the_full_sc
     assert fit.admitted and len(fit.view) == NODES
     assert comparable(fit) == comparable(expected(placement, request, facts, {}))
     assert {r.reason for r in fit.rejections} == {"insufficient_memory"}  # some nodes are too small
+    # Without `explain`, the answer names the chosen node only, read off the index's standing answer.
+    brief = msgspec.structs.replace(request, explain=False)
+    short = await bus.request(SUBJECTS.placement_fit, brief, PlacementDecision, timeout=10)
+    assert comparable(short) == comparable(expected(placement, brief, facts, {}))
+    assert short.rejections == () and short.view == {fit.placements[0].node_id: fit.view[fit.placements[0].node_id]}
+    assert short.placements == fit.placements
 
     # A booking lands on the chosen node; the next answer counts it, as the full scan does.
     booked = await bus.request(SUBJECTS.placement_request, request, PlacementDecision, timeout=10)

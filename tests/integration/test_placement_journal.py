@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from actors.placement.replay import differences, inputs_of, recompute
 from actors.router.routing import choose, link_key, route
 from messages.events import GenerateRouted, PlacementDecided
 from messages.generate import Candidate, RouteWeights
+from messages.placement import LISTED_REFUSALS
 from messages.telemetry import ModelFiles
 from runtime import buckets
 from runtime.bus import Bus, encode
@@ -62,17 +64,29 @@ async def test_a_decision_over_2000_nodes_is_a_small_event_and_replays_identical
         async with asyncio.timeout(30):
             while len(actor._view) < NODES:
                 await asyncio.sleep(0.05)
-        decision = await place(bus, ask(model, ctx=2048))
+        # The brief answer names the chosen node; its journal records it and its closest rivals, inline.
+        brief = await place(bus, ask(model, ctx=2048))
+        assert brief.admitted and brief.rejections == () and set(brief.view) == {brief.placements[0].node_id}
+        decision = await place(bus, ask(model, ctx=2048, explain=True))
         assert decision.admitted and len(decision.view) == NODES
-        refused = await place(bus, ask(model, ctx=2048, settings={"slots": 7}))  # 2,000 rejections
+        refused = await place(bus, ask(model, ctx=2048, settings={"slots": 7}, explain=True))  # 2,000 rejections
         assert not refused.admitted and len(refused.rejections) == NODES
+        listed = await place(bus, ask(model, ctx=2048, settings={"slots": 7}))
+        assert not listed.admitted and len(listed.rejections) == LISTED_REFUSALS and listed.message == refused.message
 
         raw = [
             msg
-            for msg in await journal_reader.wait_for(of_type("placement_decided"), count=2)
+            for msg in await journal_reader.wait_for(of_type("placement_decided"), count=4)
             if msg.get("type") == "placement_decided"
         ]
-    for recorded_event, answered in zip(raw, (decision, refused), strict=True):
+    recorded_brief = msgspec.convert(raw[0], PlacementDecided)
+    assert recorded_brief.record is None and recorded_brief.decision.decision_id == brief.decision_id
+    assert brief.placements[0].node_id in {n.node_id for n in recorded_brief.view}
+    assert len(recorded_brief.view) <= 2 + math.ceil(math.log2(NODES))  # the chosen node, a holder, its rivals
+    inputs = inputs_of(recorded_brief)
+    assert inputs is not None and inputs.geometry is not None
+    assert differences(inputs.decision, recompute(inputs, inputs.geometry)) == []
+    for recorded_event, answered in zip(raw[1:], (decision, refused, listed), strict=True):
         size = len(json.dumps(recorded_event).encode())
         assert size < 64 * 1024, size
         event = msgspec.convert(recorded_event, PlacementDecided)
@@ -84,7 +98,7 @@ async def test_a_decision_over_2000_nodes_is_a_small_event_and_replays_identical
         assert differences(inputs.decision, recompute(inputs, inputs.geometry)) == []
 
     result = await replay_cli(nats_server, capsys)
-    assert result == {"replayed": 2, "changed": [], "skipped": [], "exit_code": 0}
+    assert result == {"replayed": 4, "changed": [], "skipped": [], "exit_code": 0}
 
 
 async def test_a_small_decision_keeps_its_inputs_inline(

@@ -62,7 +62,7 @@ def test_node_without_advertised_settings_is_refused_settings_unknown(hybrid: Mo
 
 def test_stale_node_is_excluded_and_a_fresh_one_chosen(dense: ModelFacts) -> None:
     nodes = view(node("old", 32 * GIB, sent_at=NOW - 60), node("new", 4 * GIB))
-    decision = run(request(), dense, nodes).decision
+    decision = run(request(explain=True), dense, nodes).decision
     assert decision.admitted and [p.node_id for p in decision.placements] == ["new"]
     assert [(r.node_id, r.reason) for r in decision.rejections] == [("old", "telemetry_stale")]
 

@@ -5,6 +5,7 @@ model or a projector, with preferred nodes, allowing a split over nodes."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import msgspec
@@ -20,9 +21,11 @@ from actors.placement.gguf_header import read_header
 from actors.placement.memory import estimate
 from actors.placement.projector import projector_from_header
 from messages.placement import (
+    LISTED_REFUSALS,
     Companion,
     ModelRef,
     NodeLedger,
+    NodeRejection,
     PlacementDecision,
     PlacementRequest,
     PreferredSettings,
@@ -31,7 +34,7 @@ from messages.placement import (
 )
 from messages.settings import ServingSettings, SettingsBounds
 from messages.telemetry import GpuInfo, HostInfo, LlamaServerInfo, ModelFiles, NodeResources, SplitServing
-from tests.placement_oracle import full_scan
+from tests.placement_oracle import explained_scan, full_scan
 from tests.tiny_models import write_llama, write_qwen35
 from tests.tiny_projectors import write_llava_projector
 
@@ -61,6 +64,7 @@ HOLDINGS = (
     None,
     ModelFiles(),
     ModelFiles(held=(("llama.gguf", 7 * MIB, ""),)),
+    ModelFiles(held=(("llama.gguf", 9 * MIB, ""),)),  # of another size: which holder a fetch names shows
     ModelFiles(held=(("llama.gguf", 7 * MIB, "e" * 64),)),  # another version than the models' (digest "f" * 64)
     ModelFiles(held=(("qwen35.gguf", 5, "f" * 64),)),
 )
@@ -202,6 +206,8 @@ def requests(draw: st.DrawFn, kind: str | None = None) -> PlacementRequest:
         )
     if kind == "multi_node" or draw(st.integers(0, 5)) == 0:
         fields["allow_multi_node"] = True
+    if draw(st.integers(0, 3)) == 0:
+        fields["explain"] = True  # every refusal and revision; else the brief answer (`fleet.brief`)
     return msgspec.convert(fields, PlacementRequest, from_attributes=True)
 
 
@@ -408,6 +414,92 @@ def test_a_decision_recorded_without_ages_is_decided_again_as_the_full_scan_deci
     once = decide(request, model, view, held, unreadable=unreadable, **ids)
     assert once == full_scan(request, model, view, held, unreadable=unreadable, **ids)
     note(once.decision)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_brief_answer_never_admits_what_the_full_scan_refuses_and_replays_from_the_nodes_it_records(
+    data: st.DataObject, models: tuple[ModelFacts, ...]
+) -> None:
+    # The placement actor's index answers a request that does not ask for every refusal from its standing answer
+    # (the nodes touched since, the heap's best), without walking the view, and names the few nodes (`witnesses`)
+    # whose reports and ledgers its journal records. Held to the whole decision, every node judged: it never
+    # admits what the full scan refuses, chooses what it chooses, and says so (hypothesis' statistics) when it
+    # refuses what the full scan admits, which must never happen; replay over the recorded nodes alone decides
+    # it again identically.
+    index = FleetIndex(tracked=True)
+    current = Fleet()
+    ids = {"now": NOW, "decision_id": "d1", "reservation_id": "r1"}
+    clock = MONOTONIC
+    for _ in range(data.draw(st.integers(1, 8), label="steps")):
+        data.draw(changes(current, mode=data.draw(st.sampled_from(("any", "roomy")), label="kind of nodes")))
+        for name in current.touched:
+            index.touch(name)
+        current.touched.clear()
+        clock += data.draw(st.sampled_from((0.0, 0.4, 2.0, 9.0)), label="seconds pass")
+        model = data.draw(st.sampled_from(models), label="model")
+        request = msgspec.structs.replace(asking(data.draw(requests(), label="request"), model), explain=False)
+        decided = index.decision(
+            request, model, current.view, current.arrived, current.ledgers, monotonic_now=clock, dry_run=False,
+            **ids,
+        )  # fmt: skip
+        inputs = snapshot(request, current.view, current.arrived, current.ledgers, {}, clock)
+        whole = explained_scan(
+            request, model, inputs.view, inputs.held, unreadable=inputs.unreadable, dry_run=False, **ids
+        ).decision
+        answer = decided.outcome.decision
+        if answer.admitted:
+            assert whole.admitted, "admitted what the full scan refuses"
+            assert (answer.placements, answer.stamp, answer.ctx) == (whole.placements, whole.stamp, whole.ctx)
+            assert (
+                decided.outcome.reservations
+                == full_scan(
+                    request, model, inputs.view, inputs.held, unreadable=inputs.unreadable, dry_run=False, **ids
+                ).reservations
+            )
+            assert answer.rejections == () and set(answer.view) == {p.node_id for p in answer.placements}
+        elif whole.admitted:
+            event("refused what the full scan admits")
+        assert answer.admitted == whole.admitted
+        assert len(answer.rejections) <= LISTED_REFUSALS
+        assert {r.node_id for r in answer.rejections} <= {r.node_id for r in whole.rejections}
+        if decided.witnesses is None:
+            event("recorded: the whole view")
+            continue
+        event("recorded: the chosen node, its file's holder and its rivals")
+        assert len(decided.witnesses) <= 2 + max(2, math.ceil(math.log2(max(2, len(current.view)))))
+        recorded = snapshot(request, current.view, current.arrived, current.ledgers, {}, clock, decided.witnesses)
+        again = decide(
+            request, model, recorded.view, recorded.held, unreadable=recorded.unreadable, dry_run=False, **ids
+        )  # fmt: skip
+        assert again == decided.outcome
+
+
+def test_a_brief_refusal_lists_the_nodes_closest_to_fitting_first(models: tuple[ModelFacts, ...]) -> None:
+    current = Fleet()
+    for i in range(200):
+        name = f"node-{i}"
+        report = NodeResources(
+            node_id=name, seq=1, sent_at=NOW, started_at=NOW, ttl_s=15,
+            host=HostInfo(ram_total_bytes=1024 * MIB, ram_available_bytes=4 * MIB, usable_bytes=4 * MIB,
+                          cpu_count=8),
+            gpus=(gpu(0, 96, i % 50),), settings=PROFILES[0] if i % 7 else None,
+        )  # fmt: skip
+        current.view[name] = ViewEntry(resources=report, revision=i + 1)
+        current.arrived[name] = MONOTONIC
+    request = PlacementRequest(model=ModelRef(path="m.gguf"), ctx=65536)
+    fast, _ = both(FleetIndex(tracked=True), request, models[0], current, {})
+    whole = both(FleetIndex(), msgspec.structs.replace(request, explain=True), models[0], current, {})[0].decision
+    answer = fast.decision
+    assert not answer.admitted and len(whole.rejections) == 200 and len(answer.rejections) == LISTED_REFUSALS
+    assert answer.message == whole.message and set(answer.view) == {r.node_id for r in answer.rejections}
+
+    def worst(r: NodeRejection) -> int:
+        return max(s.need_bytes - s.have_bytes for s in r.shortfalls)
+
+    short = sorted((r for r in whole.rejections if r.reason == "insufficient_memory"), key=worst)
+    assert [worst(r) for r in answer.rejections] == [worst(r) for r in short[:LISTED_REFUSALS]]
+    assert all(r.reason == "insufficient_memory" for r in answer.rejections)
 
 
 def note(decision: PlacementDecision) -> None:
