@@ -107,10 +107,10 @@ class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # refuses a hold over its own maximum (`hold_too_long`; `--max-hold`, default 3600 s).
     hold_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 600.0
     request_id: RequestId | None = None  # the client's own correlation id, echoed in the decision
-    # Every node's refusal in `rejections` and every node's telemetry revision in `view`. Without it a decision
-    # names what it chose (its placements, and their revisions in `view`), or, refused, lists the refusals of at
-    # most `LISTED_REFUSALS` nodes, those short of memory by the least first: a bounded reply at any fleet size.
-    explain: bool = False
+    # Without `explain` a decision names what it chose (its placements, and their revisions in `view`), or,
+    # refused, lists the refusals of at most `LISTED_REFUSALS` nodes, those short of memory by the least first:
+    # a bounded reply at any fleet size.
+    explain: bool = False  # list every node's refusal (`rejections`) and telemetry revision (`view`)
 
 
 #: Refusals a refused decision lists when the request did not ask for every one (`explain`).
@@ -198,10 +198,8 @@ class PlacementDecision(msgspec.Struct, frozen=True, kw_only=True):
     reservation_id: str | None = None
     reason: RejectReason | None = None  # overall reason when not admitted
     message: str = ""
-    # Why each other node was not chosen (with `explain`; else, refused, the nodes closest to fitting first).
-    rejections: tuple[NodeRejection, ...] = ()
-    # node -> telemetry revision: every node's (with `explain`), else the nodes the decision names.
-    view: dict[str, int] = msgspec.field(default_factory=dict)
+    rejections: tuple[NodeRejection, ...] = ()  # why each other node was not chosen (all: `explain`; see there)
+    view: dict[str, int] = msgspec.field(default_factory=dict)  # node -> telemetry revision (all: `explain`)
     estimator_version: str = ""
     decided_at: float = 0.0
     request_id: str | None = None
