@@ -563,9 +563,12 @@ def render() -> str:
             f"| `{S.files(node, 'pull')}` | req/reply | {_link('PullRequest')} → {_link('PullReply')} (a refusal "
             "carries `details.reason`; admin credentials only) | the files actor of that node (`mesh-actor models "
             "pull`) |",
-            f"| `{S.handoff(node, 'open')}` | req/reply | {_link('HandoffOpen')} → {_link('HandoffOpened')} "
-            "(a refusal: `busy`, or `bad_request` with `details.reason`) | the handoff actor of that node (the "
-            "receiver) |",
+            f"| `{S.handoff_open(node, '<sender>')}` | req/reply | {_link('HandoffOpen')} → "
+            f"{_link('HandoffOpened')} (a node opens as itself only: nats-server lets its credential publish with "
+            "its own id there, and an open whose `sender_node` differs is `bad_request`; a refusal: `busy`, or "
+            "`bad_request` with `details.reason`) | the handoff actor of that node (the receiver) |",
+            f"| `{S.handoff(node, 'open')}` | req/reply | the same, for an operator (admin credentials only) | "
+            "the handoff actor of that node |",
             f"| `{S.handoff(node, 'probe')}` | req/reply | {_link('LinkProbe')} → {_link('LinkProbeResult')} "
             "(admin credentials only) | the handoff actor of that node (the sender of the probe's handoffs; "
             "`mesh-actor handoff bench`) |",

@@ -58,6 +58,7 @@ SAMPLES: Final[tuple[tuple[str, Right, str], ...]] = (
     ("node:n1", "publish", f"$KV.{S.registry_bucket}.model"),
     ("node:n1", "publish", S.handoff("n2", "probe")),
     ("node:n1", "publish", S.files("n2", "pull")),
+    ("node:n1", "publish", S.handoff_open("n2", "n3")),  # a handoff opened as another node
     ("node:n1", "publish", f"$JS.API.STREAM.DELETE.{S.events_stream}"),
     ("node:n1", "publish", f"$JS.API.CONSUMER.CREATE.{S.events_stream}"),
     ("node:n1", "publish", f"$JS.API.CONSUMER.DURABLE.CREATE.{S.events_stream}.{roles.placement_consumer('n2')}"),
@@ -67,6 +68,7 @@ SAMPLES: Final[tuple[tuple[str, Right, str], ...]] = (
     ("node:n1", "publish", S.telemetry("n1")),
     ("node:n1", "publish", S.event("runner", "instance_ready", "n1")),
     ("node:n1", "publish", f"$KV.{S.reservations_bucket}.node.n2"),  # placement books on every node
+    ("node:n1", "publish", S.handoff_open("n2", "n1")),  # a handoff it opens, as itself
     ("node:n1", "publish", f"$JS.API.CONSUMER.MSG.NEXT.{S.events_stream}.{roles.placement_consumer('n1')}"),
     ("node:n1", "subscribe", S.runner("n1", "start")),
 )

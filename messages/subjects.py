@@ -138,6 +138,12 @@ class Subjects:
         base = f"{self.prefix}.handoff.{node}.{session}"
         return base if verb is None else f"{base}.{verb}"
 
+    def handoff_open(self, receiver: str, sender: str) -> str:
+        """Where `sender` opens a handoff on `receiver`: the sender's node id is a token of the subject, which
+        nats-server lets a node's credential publish with its own id only (`runtime.roles`), so the receiver
+        knows who opens (a `HandoffOpen.sender_node` that differs is refused)."""
+        return f"{self.prefix}.handoff.{receiver}.{sender}.open"
+
     def handoff_sessions(self, node: str) -> str:
         """Every session message of a node's handoff actor (one subscription keeps a session's order)."""
         return f"{self.prefix}.handoff.{node}.*.*"

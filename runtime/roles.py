@@ -61,9 +61,10 @@ Within an account, each user's `permissions` (`docs/roles.md` lists them, writte
   bucket keys (`MESH_NODES.<id>`, `MESH_L3.<id>`, `MESH_INSTANCES.<id>.>`), serves its own runner, L3 and
   handoff subjects and the queue groups every node serves (placement, generate), and requests other nodes'
   runner `generate`/`tokenize`/`render`/`start`/`stop` (router and front door), `lend` (a split's head), L3
-  peer fetch, model files (`files.<id>.held`/`.facts`/`.chunk`/`.offer`; a `pull` only of its own node: an admin's
-  request elsewhere) and handoff subjects (but not another node's link probe, `handoff.<id>.probe`: an admin's
-  request). Placement runs on every node and books memory on any node by compare-and-set, so a node may write
+  peer fetch, model files (`files.<id>.held`/`.facts`/`.chunk`/`.offer`; a `pull` only of its own node: an
+  admin's request elsewhere) and handoff sessions (opened on `handoff.<id>.<its own id>.open` only, so a
+  receiver knows who opens; not another node's link probe, `handoff.<id>.probe`: an admin's request).
+  Placement runs on every node and books memory on any node by compare-and-set, so a node may write
   every reservation ledger and every tenant's limit counters (front doors share them), and start or stop
   instances anywhere: that is the trust that remains between nodes. It reads the tenants' keys (its front
   door follows them) but writes none: only an admin issues and revokes keys. It may create the mesh's streams
@@ -334,7 +335,10 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
         f"{p}.files.*.facts",  # placement reads a file's header facts on a node that holds it
         f"{p}.files.*.chunk",
         f"{p}.files.*.offer",  # a ticket for the direct data path (the bytes then travel beside the bus)
-        f"{p}.handoff.*.>",  # a handoff to the receiving node
+        f"{p}.handoff.*.{node}.open",  # a handoff's open names its sender: this node's id, no other's
+        f"{p}.handoff.*.*.data",  # and its session's messages (the session id is the receiver's secret)
+        f"{p}.handoff.*.*.commit",
+        f"{p}.handoff.*.*.abort",
         f"{INBOX_ROOT}.>",  # replies, generate stream chunks and pings go to the requester's inbox
     ]
     events = streams["events"]

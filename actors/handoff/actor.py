@@ -53,7 +53,7 @@ from actors.handoff.probe import probe
 from actors.l3 import layout
 from actors.l3.layout import SegmentRef
 from messages.datapath import DataHello, DirectOffer
-from messages.errors import BAD_REQUEST, BUSY, NOT_FOUND, ErrorReply
+from messages.errors import BAD_REQUEST, BUSY, INTERNAL, NOT_FOUND, ErrorReply
 from messages.events import HandoffAborted, HandoffCommitted
 from messages.handoff import (
     PROBE_PAYLOAD_KIND,
@@ -448,6 +448,9 @@ class HandoffActor(Actor):
         session_id, verb = parts[-2], parts[-1]
         session = self._sessions.get(session_id)
         now = asyncio.get_running_loop().time()
+        if verb == "open":  # `<node>.<sender>.open`: the token before the verb is the sender, not a session
+            ctx.spawn(self._on_bound_open(ctx, msg, session_id), "open")
+            return
         if verb == "data":
             if session is not None:
                 self._perform(
@@ -494,6 +497,36 @@ class HandoffActor(Actor):
                 self._perform(ctx, session, session.core.handle(rx.SenderAborted(abort.reason, abort.detail, now)))
             return
         await _reply_error(ctx, msg, BadMessage(msg.subject, f"unknown verb {verb[:32]!r}").to_reply())
+
+    async def _on_bound_open(self, ctx: ActorContext, msg: Msg, sender: str) -> None:
+        """An open on `<node>.<sender>.open`: nats-server lets a node publish there with its own id only, so an
+        open whose `sender_node` is another node's is refused; the rest is the endpoint's (`_on_open`)."""
+        if not reply_allowed(msg.reply):
+            refuse_reply(ctx.log, msg.subject, msg.reply)
+            return
+        try:
+            request = decode_checked(msg.data, HandoffOpen, f"message on {msg.subject!r}")
+        except BadMessage as exc:
+            await _reply_error(ctx, msg, exc.to_reply())
+            return
+        if request.sender_node != sender:
+            detail = f"sender_node {request.sender_node!r} differs from the subject's {sender!r}"
+            await _reply_error(ctx, msg, BadMessage("open", detail, "$.sender_node").to_reply())
+            return
+        try:
+            async with asyncio.timeout(self.limits.open_timeout_s):
+                opened = await self._on_open(request)
+        except RequestError as exc:
+            await _reply_error(ctx, msg, exc.reply)
+            return
+        except TimeoutError:
+            await _reply_error(ctx, msg, ErrorReply(code=BUSY, message="the open took too long; retry"))
+            return
+        except Exception as exc:  # a bug met by one open: that open's, never the actor's
+            ctx.log.exception("handoff_open_failed", sender=sender, error=repr(exc))
+            await _reply_error(ctx, msg, ErrorReply(code=INTERNAL, message=f"the open failed: {exc!r}"[:512]))
+            return
+        await _answer(ctx, msg, encode(opened))
 
     async def _commit_after_stream(self, ctx: ActorContext, session: _Session, commit: HandoffCommit) -> None:
         """A commit judged once the session's direct stream ended (or after the idle timeout: the core then finds
@@ -872,7 +905,7 @@ class _Send:
 
     async def _open(self) -> None:
         core, ctx = self.core, self.ctx
-        subject = ctx.subjects.handoff(self.peer, "open")
+        subject = ctx.subjects.handoff_open(self.peer, core.open.sender_node)
         try:
             opened = await ctx.bus.request(subject, core.open, HandoffOpened, timeout=self._remaining())
         except RemoteError as exc:

@@ -68,7 +68,7 @@ class FakeReceiver:
             elif msg.subject.endswith(".commit") and self.result is not None:
                 await msg.respond(encode(self.result(msg.data)))
 
-        self.subs.append(await self.bus.nc.subscribe(S.handoff("node-x", "open"), cb=on_open))
+        self.subs.append(await self.bus.nc.subscribe(S.handoff_open("node-x", "node-a"), cb=on_open))
         self.subs.append(await self.bus.nc.subscribe(S.handoff_sessions("node-x"), cb=on_session))
 
     async def stop(self) -> None:

@@ -159,7 +159,8 @@ def test_a_node_publishes_only_its_own_telemetry_events_and_keys() -> None:
         S.runner("n2", "generate"),
         S.runner("n2", "start"),  # the front door starts models on demand on any node
         S.l3("n2", "segment"),
-        S.handoff("n2", "open"),
+        S.handoff_open("n2", "n1"),  # a handoff opened on n2 by n1 (its own id in the subject)
+        S.handoff_session("n2", "ab" * 16, "data"),
     )
     for subject in own:
         assert allowed(rights, "publish", subject), subject
@@ -173,6 +174,8 @@ def test_a_node_publishes_only_its_own_telemetry_events_and_keys() -> None:
         f"$KV.{S.registry_bucket}.model",
         S.l3("n2", "evict"),
         S.handoff("n2", "probe"),  # an operator's request: it makes n2 send gigabytes
+        S.handoff_open("n2", "n3"),  # a handoff opened as another node
+        S.handoff("n2", "open"),  # an open naming no sender: an operator's
         S.handoff("n1", "probe"),
         "$JS.API.STREAM.DELETE.LAB_A_EVENTS",
         "$JS.API.STREAM.UPDATE.LAB_A_EVENTS",
