@@ -286,8 +286,8 @@ def _layer_peak(
     stage_rows = _recurrent_stage_rows(geometry)
     whole_trunk = len(layers) == sum(1 for layer in geometry.layers if not layer.nextn)
     placed = (
-        qwen35_graph.trunk_peak(geometry, layers, shape, n_outputs)
-        if whole_trunk and with_output and not pooled and not fewer_embd_rows
+        qwen35_graph.trunk_peak(geometry, layers, shape, n_outputs, _masks(attention, shape, flash_attn=flash_attn))
+        if whole_trunk and with_output and flash_attn and not pooled and not fewer_embd_rows
         else None
     )
     if placed is not None:

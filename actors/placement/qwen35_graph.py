@@ -71,7 +71,7 @@ def gated_mtp_draft(geometry: ModelGeometry, nextn: list[LayerGeometry], shape: 
         ("concat", "concat", 2 * e, ("enorm", "hnorm")),
         ("eh_proj", "mul_mat", e, ("concat",)),
     ]
-    nodes += _attention_block(geometry, layer, t, "d.", "eh_proj", mask="mask")
+    nodes += _attention_block(geometry, layer, t, "d.", "eh_proj", mask="mask", positions="pos")
     nodes += [
         ("head_norm", "rms_norm", e, ("d.l_out",)),
         ("h_nextn", "mul", e, ("head_norm",)),
@@ -81,11 +81,15 @@ def gated_mtp_draft(geometry: ModelGeometry, nextn: list[LayerGeometry], shape: 
     return _graph_peak(inputs, nodes, frozenset({"h_nextn", "logits"}))
 
 
-def trunk_peak(geometry: ModelGeometry, trunk: list[LayerGeometry], shape: ContextShape, n_outputs: int) -> int | None:
-    """The peak of a dense Qwen3.5 trunk's graph without its attention masks: the graph's inputs, the first
-    full period of blocks (delta nets up to and with the first attention block) and one more delta-net block,
-    each with its FFN, then the output norm and the logits of `n_outputs` rows. None for a trunk this graph does
-    not describe (another architecture, routed experts, widths unknown)."""
+def trunk_peak(
+    geometry: ModelGeometry, trunk: list[LayerGeometry], shape: ContextShape, n_outputs: int, masks: int
+) -> int | None:
+    """The peak of a dense Qwen3.5 trunk's graph beside its attention masks (`masks` bytes, which `compute`
+    counts): the graph's inputs, the first full period of blocks (delta nets up to and with the first attention
+    block) and one more delta-net block, each with its FFN, then the output norm and the logits of `n_outputs`
+    rows. The masks are placed among the inputs, after the embeddings' and positions', where they shape the
+    blocks freed below them. None for a trunk this graph does not describe (another architecture, routed
+    experts, widths unknown)."""
     if geometry.architecture not in DENSE_QWEN35 or not trunk:
         return None
     if any(layer.n_ff_exp or not layer.n_ff for layer in trunk):
@@ -106,6 +110,7 @@ def trunk_peak(geometry: ModelGeometry, trunk: list[LayerGeometry], shape: Conte
         ("rs_s_copy", 4 * slots),
         ("out_ids", 4 * n_outputs),
         ("inp_pos", 16 * t),  # M-RoPE: four positions per token
+        ("kq_mask", masks),
         ("k_idxs", 8 * t),
         ("v_idxs", 8 * t),
     ]
@@ -122,7 +127,7 @@ def trunk_peak(geometry: ModelGeometry, trunk: list[LayerGeometry], shape: Conte
         if layer.recurrent:
             nodes += _delta_net_block(geometry, layer, shape, prefix, residual)
         else:
-            nodes += _attention_block(geometry, layer, t, prefix, residual, mask=None)
+            nodes += _attention_block(geometry, layer, t, prefix, residual, mask="kq_mask", positions="inp_pos")
         residual = prefix + "l_out"
     nodes += [
         ("out_norm", "rms_norm", e, (residual,)),
@@ -130,7 +135,8 @@ def trunk_peak(geometry: ModelGeometry, trunk: list[LayerGeometry], shape: Conte
         ("out_rows", "get_rows", 4 * n_outputs * geometry.n_embd, ("h_out", "out_ids")),
         ("logits", "mul_mat", 4 * n_outputs * geometry.n_vocab, ("out_rows",)),
     ]
-    return _graph_peak(inputs, nodes, frozenset({"h_out", "logits"}))
+    # the masks live until the last attention block of the whole trunk, past the blocks placed here
+    return _graph_peak(inputs, nodes, frozenset({"h_out", "logits", "kq_mask"})) - masks
 
 
 def _delta_net_block(
@@ -191,14 +197,13 @@ def _delta_net_block(
 
 
 def _attention_block(
-    geometry: ModelGeometry, layer: LayerGeometry, t: int, p: str, residual: str, *, mask: str | None
+    geometry: ModelGeometry, layer: LayerGeometry, t: int, p: str, residual: str, *, mask: str, positions: str
 ) -> list[_Node]:
     """A gated-attention block and its FFN: Q and its gate in one `2·n_head·head_dim` projection, Q and K
-    normed and roped, K and V written into the cache, flash attention (reading `mask`, when it is an input of
-    this graph), the gate copied out of the projection and applied to the attention's output."""
+    normed and roped (by the input `positions`), K and V written into the cache, flash attention (reading the
+    input `mask`), the gate copied out of the projection and applied to the attention's output."""
     e = 4 * t * geometry.n_embd
     q, kv = 4 * t * layer.n_head * layer.head_k, 4 * t * layer.k_width
-    attention_srcs = (p + "q_perm", mask) if mask else (p + "q_perm",)
     return [
         (p + "norm", "rms_norm", e, (residual,)),
         (p + "attn_norm", "mul", e, (p + "norm",)),
@@ -206,19 +211,19 @@ def _attention_block(
         (p + "q_view", "strided_view", q, (p + "q_full",)),
         (p + "q_norm", "rms_norm", q, (p + "q_view",)),
         (p + "q_normed", "mul", q, (p + "q_norm",)),
-        (p + "q_rope", "rope", q, (p + "q_normed", "inp_pos" if mask is None else "pos")),
+        (p + "q_rope", "rope", q, (p + "q_normed", positions)),
         (p + "v", "mul_mat", kv, (p + "attn_norm",)),
         (p + "k", "mul_mat", kv, (p + "attn_norm",)),
         (p + "k_view", "view", kv, (p + "k",)),
         (p + "k_norm", "rms_norm", kv, (p + "k_view",)),
         (p + "k_normed", "mul", kv, (p + "k_norm",)),
-        (p + "k_rope", "rope", kv, (p + "k_normed", "inp_pos" if mask is None else "pos")),
+        (p + "k_rope", "rope", kv, (p + "k_normed", positions)),
         (p + "k_rows", "view", kv, (p + "k_rope",)),
         (p + "k_cache", "external", 0, (p + "k_rows", "k_idxs")),
         (p + "v_rows", "view", kv, (p + "v",)),
         (p + "v_cache", "external", 0, (p + "v_rows", "v_idxs")),
         (p + "q_perm", "view", q, (p + "q_rope",)),
-        (p + "attn", "flash_attn_ext", q, attention_srcs),
+        (p + "attn", "flash_attn_ext", q, (p + "q_perm", mask)),
         (p + "pregate", "view", q, (p + "attn",)),
         (p + "gate_view", "strided_view", q, (p + "q_full",)),
         (p + "gate", "cont", q, (p + "gate_view",)),
