@@ -543,6 +543,9 @@ def render() -> str:
             f"| `{S.l3(node, 'segment')}` | req/reply | {_link('SegmentRequest')} → raw bytes: one chunk of the "
             f"segment (under `max_payload`), headers `{l3_messages.CHUNK_OFFSET_HEADER}` and "
             f"`{l3_messages.CHUNK_TOTAL_HEADER}`; several requests are served at once | the L3 actor of that node |",
+            f"| `{S.l3(node, 'offer')}` | req/reply | {_link('SegmentOfferRequest')} → {_link('DirectOffer')}: a "
+            "one-shot ticket for the whole segment over the direct data path (docs/datapath.md; an error reply, or no "
+            "responder: the fetching node uses `.segment`) | the L3 actor of that node |",
             f"| `{S.l3(node, 'stat')}` / `{S.l3(node, 'verify')}` | req/reply | {_link('EntryRequest')} → "
             f"{_link('EntryStat')} / {_link('VerifyReply')} | the L3 actor of that node (`mesh-actor l3`) |",
             f"| `{S.l3(node, 'gc')}` / `{S.l3(node, 'evict')}` | req/reply | {_link('GcRequest')} → {_link('GcReply')}"
@@ -882,6 +885,7 @@ def render() -> str:
         l3_messages.ManifestList,
         l3_messages.ManifestRequest,
         l3_messages.SegmentRequest,
+        l3_messages.SegmentOfferRequest,
         l3_messages.EntryRequest,
         l3_messages.EntryStat,
         l3_messages.VerifyReply,

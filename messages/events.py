@@ -470,6 +470,7 @@ class L3Fetched(Event, frozen=True, kw_only=True, tag="l3_fetched"):
     bytes: int
     moved_bytes: int
     fetch_ms: float
+    transport: str = "nats"  # the path the segments took: direct, direct_tls, nats, or several joined by `+`
 
 
 class ModelFilePulled(Event, frozen=True, kw_only=True, tag="model_file_pulled"):

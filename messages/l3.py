@@ -97,6 +97,17 @@ class SegmentRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     length: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]  # at most; the server caps it under max_payload
 
 
+class SegmentOfferRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`mesh.l3.<node>.offer`: a one-shot ticket for the direct data path (messages/datapath.py) to fetch the whole
+    stored segment `digest` of `length` bytes in frames of `chunk` bytes, for the node `receiver` (the one asking).
+    The answer is a `DirectOffer`; an error reply (or no responder) means the asking node uses `.segment`."""
+
+    digest: Digest
+    length: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]
+    chunk: Annotated[int, msgspec.Meta(ge=4096, le=1 << 26)]
+    receiver: NodeId
+
+
 # ---- administration: `mesh.l3.<node>.stat` / `.verify` / `.gc` / `.evict` (what `mesh-actor l3` sends) ----
 
 

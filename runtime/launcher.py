@@ -290,7 +290,7 @@ async def run_node(
             # Relative model names (registry entries) mean the same file to placement and to the runner.
             models_dir = config.models_dir or config.data_dir / "models"
             digests = FileDigests()  # one per node: placement and the runner hash each file version once
-            l3 = L3Actor(config.node_id, config.data_dir, budget_bytes=config.l3_budget_bytes)
+            l3 = L3Actor(config.node_id, config.data_dir, budget_bytes=config.l3_budget_bytes, datapath=data_path)
             handoff = HandoffActor(config.node_id, config.data_dir, restore=into_l3(l3), datapath=data_path)
             files = FilesActor(  # model files from peers (`mesh-actor models pull`)
                 config.node_id,

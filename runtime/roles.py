@@ -330,6 +330,7 @@ def permissions(subjects: Subjects, role: Role, user: str) -> dict[str, Any] | N
         f"{p}.l3.*.manifests",  # peer fetch
         f"{p}.l3.*.manifest",
         f"{p}.l3.*.segment",
+        f"{p}.l3.*.offer",  # a ticket for a segment over the direct data path
         f"{p}.l3.*.warm",  # the scaler warms a new replica's node from its peers' stores
         f"{p}.files.*.held",  # model files from peers (a pull is an operator's request: admin only)
         f"{p}.files.*.facts",  # placement reads a file's header facts on a node that holds it

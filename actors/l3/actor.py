@@ -65,6 +65,7 @@ from runtime import buckets, tracing
 from runtime.actor import Actor, ActorContext, RequestError
 from runtime.buckets import TTL_HEADER
 from runtime.bus import BadMessage, BusError, encode
+from runtime.datapath import DataPathConfig
 from runtime.logging import get_logger
 
 __all__ = ["TTL_HEADER", "L3Actor", "L3Limits"]
@@ -132,9 +133,10 @@ class L3Actor(Actor):
         segment_bytes: int = layout.DEFAULT_SEGMENT_BYTES,
         limits: L3Limits | None = None,
         clock: Callable[[], float] = time.time,
+        datapath: DataPathConfig | None = None,
     ) -> None:
         """`budget_bytes`: what the store may hold (0 disables capture; None: `budget.default_budget` of the
-        disk it is on)."""
+        disk it is on). `datapath`: segments between nodes over the direct data path (None: over NATS only)."""
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError("an L3 budget cannot be negative")
         self.node_id = node_id
@@ -152,9 +154,13 @@ class L3Actor(Actor):
             quarantine_keep_s=self.limits.quarantine_keep_s,
         )
         self._peer_fetch = PeerFetch(
-            self._keeper, chunk_timeout_s=self.limits.chunk_timeout_s, window=self.limits.fetch_window, clock=clock
+            self._keeper,
+            chunk_timeout_s=self.limits.chunk_timeout_s,
+            window=self.limits.fetch_window,
+            clock=clock,
+            datapath=datapath,
         )
-        self._endpoints = L3Endpoints(self._keeper, node_id, busy=self._busy)
+        self._endpoints = L3Endpoints(self._keeper, node_id, busy=self._busy, datapath=datapath)
         self._ctx: ActorContext | None = None
         self._peers = PeerView()
         self._queue: asyncio.Queue[_Capture] | None = None

@@ -8,8 +8,11 @@ stays what it was and under its ceiling, no bytes past it) and hashed as it arri
 (`store_fetch.SegmentReceiver`); last the commit with the manifest (`store_fetch.commit_fetched`) under the
 keeper's lock, then one eviction pass. So a second fetch of the same entry moves nothing, a failure leaves
 nothing loadable, and a stalled peer delays only the fetch from it: every chunk request has a deadline
-(`chunk_timeout_s`). The serving side is
-`serve`; the wire format is messages/l3.py.
+(`chunk_timeout_s`). With a data path, each segment is first asked on the direct stream (a ticket from
+`.offer`, the segment's chunks in frames, each checked against its blake3 as it lands, then the segment's own
+digest at `finish`); a stream that cannot be opened or breaks off leaves that segment to the chunk requests, from
+its first byte. The event says which path the segments took. The serving side is `serve`; the wire format is
+messages/l3.py and messages/datapath.py.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from actors.l3.keeper import StoreKeeper
 from actors.l3.layout import Manifest, SegmentRef
 from actors.l3.store import CommitRefused, Store
 from actors.l3.store_fetch import SegmentReceiver
+from messages.datapath import DirectOffer
 from messages.errors import ERROR_HEADER, MESH_ERROR_HEADER
 from messages.events import L3Fetched
-from messages.l3 import CHUNK_OFFSET_HEADER, CHUNK_TOTAL_HEADER, ManifestRequest, SegmentRequest
+from messages.l3 import CHUNK_OFFSET_HEADER, CHUNK_TOTAL_HEADER, ManifestRequest, SegmentOfferRequest, SegmentRequest
 from runtime import tracing
 from runtime.actor import ActorContext
 from runtime.bus import BusError, encode, parse_reply
+from runtime.datapath import DataFailed, DataPathConfig, DataUnavailable, fetch_range
 
 __all__ = ["PeerFetch", "chunk_bytes"]
 
@@ -53,11 +58,21 @@ def chunk_bytes(max_payload: int) -> int:
 class PeerFetch:
     """Fetches entries from peers into the keeper's store (one `fetch` per fill; any number at once)."""
 
-    def __init__(self, keeper: StoreKeeper, *, chunk_timeout_s: float, window: int, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        keeper: StoreKeeper,
+        *,
+        chunk_timeout_s: float,
+        window: int,
+        clock: Callable[[], float],
+        datapath: DataPathConfig | None = None,
+    ) -> None:
+        """`datapath`: this node's certificates and the direct path's limits (None: every segment over NATS)."""
         self._keeper = keeper
         self._chunk_timeout_s = chunk_timeout_s
         self._window = window
         self._clock = clock
+        self._datapath = datapath
 
     async def fetch(self, ctx: ActorContext, store: Store, hit: L3Hit) -> None:
         """Brings `hit` from its peer into this store: the manifest, then every segment not held here,
@@ -75,6 +90,7 @@ class PeerFetch:
         started = time.monotonic()
         peer = hit.node
         receivers: dict[str, SegmentReceiver] = {}
+        paths: set[str] = set()
         keeper.fetching += 1
         try:
             raw = await self._fetch_chunks(
@@ -101,7 +117,15 @@ class PeerFetch:
             for digest, seg in wanted.items():
                 receiver = await keeper.blocking(store_fetch.receive_segment, store, digest, seg.length)
                 receivers[digest] = receiver
-                await self._fetch_segment(ctx, peer, seg, receiver)
+                path = await self._fetch_direct(ctx, peer, seg, receiver)
+                if path is None:
+                    if receiver.received:  # a stream that broke off: the segment again, from its first byte
+                        await keeper.blocking(receiver.abort)
+                        receiver = await keeper.blocking(store_fetch.receive_segment, store, digest, seg.length)
+                        receivers[digest] = receiver
+                    await self._fetch_segment(ctx, peer, seg, receiver)
+                    path = "nats"
+                paths.add(path)
                 await keeper.blocking(receiver.finish)
             keeper.catalog.pin(hit.entry)
             try:
@@ -130,10 +154,58 @@ class PeerFetch:
             keeper.fetching -= 1
         moved = sum(r.received for r in receivers.values())
         fetch_ms = round((time.monotonic() - started) * 1000, 3)
+        transport = "+".join(sorted(paths)) or "nats"
         ctx.emit(
-            L3Fetched, entry=hit.entry, peer=peer, bytes=manifest.total_bytes, moved_bytes=moved, fetch_ms=fetch_ms
+            L3Fetched,
+            entry=hit.entry,
+            peer=peer,
+            bytes=manifest.total_bytes,
+            moved_bytes=moved,
+            fetch_ms=fetch_ms,
+            transport=transport,
         )
-        ctx.log.info("l3_fetched", entry=hit.entry, peer=peer, bytes=manifest.total_bytes, moved_bytes=moved)
+        ctx.log.info(
+            "l3_fetched", entry=hit.entry, peer=peer, bytes=manifest.total_bytes, moved_bytes=moved, transport=transport
+        )
+
+    async def _fetch_direct(
+        self, ctx: ActorContext, peer: str, seg: SegmentRef, receiver: SegmentReceiver
+    ) -> str | None:
+        """The whole segment over the direct stream (a ticket asked on `.offer`), each chunk checked against its
+        blake3 as it lands and written; the path it took, or None when NATS must carry it (the stream could not
+        be opened, or broke off: what it wrote is the caller's to discard)."""
+        if self._datapath is None:
+            return None
+        chunk = min(self._datapath.limits.max_chunk_bytes, 4 << 20, seg.length) if seg.length >= 4096 else 4096
+        request = SegmentOfferRequest(digest=seg.digest, length=seg.length, chunk=chunk, receiver=ctx.node_id)
+        try:
+            offer = await ctx.bus.request(
+                ctx.subjects.l3(peer, "offer"), request, DirectOffer, timeout=self._chunk_timeout_s
+            )
+        except (BusError, nats.errors.Error) as exc:
+            ctx.log.debug("l3_direct_unavailable", peer=peer, error=str(exc))
+            return None
+
+        def sink(offset: int, data: memoryview, digest: str) -> None:  # the receiving thread
+            receiver.write(data)
+
+        try:
+            await fetch_range(
+                offer,
+                receiver=ctx.node_id,
+                digest=seg.digest,
+                offset=0,
+                length=seg.length,
+                chunk=chunk,
+                sink=sink,
+                tls=self._datapath.tls,
+                limits=self._datapath.limits,
+                deadline_s=max(self._chunk_timeout_s, seg.length / self._datapath.limits.min_rate_bytes_per_s),
+            )
+        except (DataUnavailable, DataFailed) as exc:
+            ctx.log.info("l3_direct_failed", peer=peer, segment=seg.digest[:16], error=str(exc))
+            return None
+        return "direct_tls" if offer.tls else "direct"
 
     async def _request_chunk(self, ctx: ActorContext, subject: str, request: Any) -> Msg | BaseException:
         try:

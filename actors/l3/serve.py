@@ -5,6 +5,9 @@
   `CHUNK_OFFSET_HEADER`/`CHUNK_TOTAL_HEADER`, each at most `peer.chunk_bytes` of the bus's `max_payload`:
   see messages/l3.py). Only entries in the catalog are served; the bytes are read as stored, the fetching
   side checks them (`peer`).
+* The direct data path, the serving side: `.offer` (`SegmentOfferRequest` -> `DirectOffer`): a one-shot ticket
+  for this node's data listener, which then sends the whole segment as frames, each chunk read from the store
+  and hashed (runtime/datapath.py); without a listener it is `unavailable` and the fetcher asks `.segment`.
 * Administration: `.stat` (an entry's manifest and use), `.verify` (re-hash it; a corrupt entry is
   quarantined), `.gc` (a reconcile pass, refused while a fetch or restore runs; with `quarantine`, every
   quarantined manifest is deleted first, which is what unblocks an eviction an unreadable one blocked) and
@@ -16,13 +19,18 @@ Requests are checked at the edge: a digest that does not parse is `BAD_REQUEST`,
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from typing import Any
+
+import blake3
 
 from actors.l3 import layout, store_fetch
 from actors.l3.keeper import StoreKeeper
 from actors.l3.peer import chunk_bytes
-from actors.l3.store import CorruptEntry, StoreError, UnknownEntry
-from messages.errors import BAD_REQUEST, BUSY, NOT_FOUND
+from actors.l3.store import CorruptEntry, Store, StoreError, UnknownEntry
+from messages.datapath import DirectOffer
+from messages.errors import BAD_REQUEST, BUSY, NOT_FOUND, UNAVAILABLE
 from messages.events import L3Evicted
 from messages.l3 import (
     CHUNK_OFFSET_HEADER,
@@ -36,10 +44,14 @@ from messages.l3 import (
     ManifestList,
     ManifestRequest,
     ManifestsRequest,
+    SegmentOfferRequest,
     SegmentRequest,
     VerifyReply,
 )
 from runtime.actor import ActorContext, RawReply, RequestError
+from runtime.datapath import ChunkReader, DataListener, DataPathConfig, send_range
+from runtime.tickets import Grant
+from runtime.tickets import Refusal as TicketRefusal
 
 __all__ = ["L3Endpoints"]
 
@@ -47,12 +59,22 @@ __all__ = ["L3Endpoints"]
 class L3Endpoints:
     """The handlers, bound to one keeper; `add_to` registers them for an incarnation."""
 
-    def __init__(self, keeper: StoreKeeper, node_id: str, *, busy: Callable[[], bool]) -> None:
-        """`busy`: whether a fetch or restore is running, or an entry is pinned (gc then refuses)."""
+    def __init__(
+        self,
+        keeper: StoreKeeper,
+        node_id: str,
+        *,
+        busy: Callable[[], bool],
+        datapath: DataPathConfig | None = None,
+    ) -> None:
+        """`busy`: whether a fetch or restore is running, or an entry is pinned (gc then refuses). `datapath`:
+        this node's data listener's place and certificates (None: segments are served over NATS only)."""
         self._keeper = keeper
         self.node_id = node_id
         self._busy = busy
         self._ctx: ActorContext | None = None
+        self._datapath = datapath
+        self.listener: DataListener | None = None  # this incarnation's data listener, while it runs
 
     async def add_to(self, ctx: ActorContext, *, segment_workers: int) -> None:
         self._ctx = ctx
@@ -62,6 +84,12 @@ class L3Endpoints:
         await ctx.add_endpoint(
             "segment", s.l3(node, "segment"), SegmentRequest, self._on_segment, workers=segment_workers
         )
+        if self._datapath is not None:
+            listener = DataListener(node, self._datapath)
+            await listener.start()
+            self.listener = listener
+            ctx.spawn(self._keep_listener(listener), "data-listener")
+        await ctx.add_endpoint("offer", s.l3(node, "offer"), SegmentOfferRequest, self._on_offer, workers=2)
         await ctx.add_endpoint("stat", s.l3(node, "stat"), EntryRequest, self._on_stat)
         await ctx.add_endpoint("verify", s.l3(node, "verify"), EntryRequest, self._on_verify)
         await ctx.add_endpoint("gc", s.l3(node, "gc"), GcRequest, self._on_gc)
@@ -100,6 +128,37 @@ class L3Endpoints:
         if request.offset >= total:
             raise RequestError(BAD_REQUEST, f"offset {request.offset} is past the segment's {total} bytes")
         return RawReply(data, {CHUNK_OFFSET_HEADER: str(request.offset), CHUNK_TOTAL_HEADER: str(total)})
+
+    async def _keep_listener(self, listener: DataListener) -> None:
+        try:
+            await asyncio.Event().wait()  # lives as long as the incarnation
+        finally:
+            if self.listener is listener:
+                self.listener = None
+            await listener.close()
+
+    async def _on_offer(self, request: SegmentOfferRequest) -> DirectOffer:
+        """A one-shot ticket for the whole stored segment, sent by the listener chunk by chunk (each read from the
+        store and hashed as it goes: the fetcher checks every chunk, then the segment's digest)."""
+        digest = _checked(request.digest, "digest")
+        listener = self.listener
+        if listener is None:
+            raise RequestError(UNAVAILABLE, f"node {self.node_id} has no direct data path; use .segment")
+        store = self._keeper.require_store()
+        if not await self._keeper.blocking(store_fetch.has_segment, store, digest, request.length):
+            raise RequestError(NOT_FOUND, f"node {self.node_id} holds no segment {digest} of {request.length} bytes")
+        limits = listener.limits
+        read = _segment_reader(store, digest)
+
+        async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, grant: Grant[Any]) -> None:
+            await send_range(writer, grant, read, limits)
+
+        offer = listener.offer(
+            send, receiver=request.receiver, digest=digest, offset=0, length=request.length, chunk=request.chunk
+        )
+        if isinstance(offer, TicketRefusal):
+            raise RequestError(BUSY, str(offer), {"reason": offer.reason.value})
+        return offer
 
     async def _on_stat(self, request: EntryRequest) -> EntryStat:
         entry = _checked(request.entry, "entry")
@@ -204,6 +263,16 @@ class L3Endpoints:
             freed_bytes=max(0, before - plan.bytes_after),
             pinned=tuple(e for e in wanted if e in pinned),
         )
+
+
+def _segment_reader(store: Store, digest: str) -> ChunkReader:
+    """Chunks of a stored segment and their blake3 (the listener's worker threads)."""
+
+    def read(offset: int, length: int) -> tuple[bytes, bytes]:
+        data, _ = store_fetch.read_chunk(store, digest, offset, length)
+        return data, blake3.blake3(data).digest()
+
+    return read
 
 
 def _checked(value: str, what: str) -> str:

@@ -20,7 +20,7 @@ import msgspec
 import pytest
 
 from actors.handoff.actor import CommittedHandoff, HandoffActor, HandoffFailed
-from messages.datapath import DataAnswer, DataHello
+from messages.datapath import DataAnswer, DataHello, DirectOffer
 from messages.handoff import HandoffOpen, HandoffOpened
 from runtime.bus import Bus
 from runtime.datapath import PUSHED, DataLimits, DataPathConfig
@@ -144,10 +144,10 @@ async def opened_session(bus: Bus, max_bytes: int) -> HandoffOpened:
     return await bus.request(S.handoff("node-b", "open"), request, HandoffOpened, timeout=5)
 
 
-async def raw_push(opened: HandoffOpened, hello: DataHello, then: bytes) -> bytes:
+async def raw_push(offer: DirectOffer | None, hello: DataHello, then: bytes) -> bytes:
     """Connects to the offer, sends `hello` and `then`; what the listener answered before it closed."""
-    assert opened.direct is not None
-    reader, writer = await asyncio.open_connection(opened.direct.host, opened.direct.port)
+    assert offer is not None
+    reader, writer = await asyncio.open_connection(offer.host, offer.port)
     try:
         body = msgspec.json.encode(hello)
         writer.write(len(body).to_bytes(4, "big") + body + then)
@@ -168,9 +168,9 @@ async def test_a_ticket_for_another_session_or_a_replayed_one_takes_no_chunk(bus
         hello = DataHello(ticket=opened.direct.ticket, receiver="node-a", digest=IDENTITY, offset=0,
                           length=1 << 20, chunk=opened.chunk_bytes)  # fmt: skip
         foreign = msgspec.structs.replace(hello, receiver="node-x")  # another sender: refused, the ticket used up
-        answer = await raw_push(opened, foreign, b"")
+        answer = await raw_push(opened.direct, foreign, b"")
         assert msgspec.json.decode(answer[4:], type=DataAnswer).reason == "ticket_foreign"
-        replay = await raw_push(opened, hello, b"")
+        replay = await raw_push(opened.direct, hello, b"")
         assert msgspec.json.decode(replay[4:], type=DataAnswer).reason == "ticket_used"
         assert b.listener is not None and b.listener.refused == 2
 
@@ -183,7 +183,7 @@ async def test_a_pushed_message_over_its_ceiling_aborts_the_session_before_it_is
         hello = DataHello(ticket=opened.direct.ticket, receiver="node-a", digest=IDENTITY, offset=0,
                           length=1 << 20, chunk=opened.chunk_bytes)  # fmt: skip
         lie = PUSHED.pack(2, 1 << 31) + b"{}"  # a payload of 2 GiB announced: nothing is allocated for it
-        answer = await raw_push(opened, hello, lie)
+        answer = await raw_push(opened.direct, hello, lie)
         assert msgspec.json.decode(answer[4:], type=DataAnswer).ok
         await _until(lambda: b.sessions == 0)  # aborted (bad_chunk), its staging freed
 
