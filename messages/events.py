@@ -534,6 +534,7 @@ class LinkMeasured(Event, frozen=True, kw_only=True, tag="link_measured"):
     bytes_per_s: float
     fixed_s: float
     samples: tuple[tuple[int, float], ...]  # (bytes, seconds) of each probe handoff
+    transport: str = "nats"  # the path the probe handoffs took (the rate is that path's): direct, direct_tls, nats
 
 
 class L3EvictionBlocked(Event, frozen=True, kw_only=True, tag="l3_eviction_blocked"):

@@ -164,3 +164,4 @@ class LinkProbeResult(msgspec.Struct, frozen=True, kw_only=True):
     bytes_per_s: float
     fixed_s: float
     samples: tuple[tuple[int, float], ...]  # (bytes, seconds) of each probe handoff, open to result
+    transport: str = "nats"  # the path the probe handoffs took (the rate is that path's): direct, direct_tls, nats

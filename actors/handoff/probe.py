@@ -42,12 +42,13 @@ async def probe(actor: HandoffActor, ctx: ActorContext, request: LinkProbe) -> L
     segment = min(request.bytes, layout.DEFAULT_SEGMENT_BYTES)
     block = os.urandom(segment)
     samples: list[tuple[int, float]] = []
+    paths: set[str] = set()
     # The first handoff is not timed: it pays once for what later ones reuse (buffers, staging pages).
     sizes = [request.bytes] + [size for _ in range(request.rounds) for size in (request.small_bytes, request.bytes)]
     for i, size in enumerate(sizes):
         started = time.perf_counter()
         try:
-            await actor.send(
+            report = await actor.send(
                 request.peer,
                 blocks(block, size),
                 identity=PROBE_IDENTITY,
@@ -59,8 +60,10 @@ async def probe(actor: HandoffActor, ctx: ActorContext, request: LinkProbe) -> L
             raise RequestError(UNAVAILABLE, f"probe handoff to {request.peer} failed: {exc}") from exc
         if i > 0:
             samples.append((size, time.perf_counter() - started))
+            paths.add(report.transport)
     link = cost.fit_link(samples)
     assert link is not None  # every sample has bytes and a positive time
+    transport = "+".join(sorted(paths))  # the path the measured handoffs took: the rate is that path's
     ctx.emit(
         LinkMeasured,
         src=actor.node_id,
@@ -68,9 +71,15 @@ async def probe(actor: HandoffActor, ctx: ActorContext, request: LinkProbe) -> L
         bytes_per_s=link.bytes_per_s,
         fixed_s=link.fixed_s,
         samples=tuple(samples),
+        transport=transport,
     )
     return LinkProbeResult(
-        src=actor.node_id, dst=request.peer, bytes_per_s=link.bytes_per_s, fixed_s=link.fixed_s, samples=tuple(samples)
+        src=actor.node_id,
+        dst=request.peer,
+        bytes_per_s=link.bytes_per_s,
+        fixed_s=link.fixed_s,
+        samples=tuple(samples),
+        transport=transport,
     )
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from actors.handoff.actor import CommittedHandoff, HandoffActor, HandoffFailed
 from messages.datapath import DataAnswer, DataHello, DirectOffer
-from messages.handoff import HandoffOpen, HandoffOpened
+from messages.handoff import HandoffOpen, HandoffOpened, LinkProbe, LinkProbeResult
 from runtime.bus import Bus
 from runtime.datapath import PUSHED, DataLimits, DataPathConfig
 from runtime.tls import TlsFiles, ensure_route_certificates
@@ -206,3 +206,19 @@ async def test_a_direct_stream_that_breaks_mid_session_fails_the_send_with_a_cle
             await a.send("node-b", produced(), identity=IDENTITY, n_tokens=3, max_bytes=4 << 20)
         assert failed.value.reason in ("bus_error", "receiver_aborted"), failed.value
         assert restores.calls == []
+
+
+async def test_a_link_probe_measures_the_path_the_handoffs_take(
+    bus: Bus, journal_reader: JournalReader, tmp_path: Path
+) -> None:
+    """What the handoff cost model learns is the rate of the path actually used (here the direct one)."""
+    config = DataPathConfig(limits=LIMITS)
+    async with two_nodes(bus, tmp_path, sender=config, receiver=config):
+        probe = LinkProbe(peer="node-b", bytes=4 << 20, small_bytes=64 << 10, rounds=1)
+        result = await bus.request(S.handoff("node-a", "probe"), probe, LinkProbeResult, timeout=30)
+        assert result.transport == "direct" and result.bytes_per_s > 0
+        [measured] = await journal_reader.wait_for(of_type("link_measured"))
+        assert (measured["transport"], measured["bytes_per_s"]) == ("direct", result.bytes_per_s)
+    async with two_nodes(bus, tmp_path / "nats") as _:
+        result = await bus.request(S.handoff("node-a", "probe"), probe, LinkProbeResult, timeout=30)
+        assert result.transport == "nats"
