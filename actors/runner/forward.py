@@ -32,12 +32,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from actors.runner import captures, passthrough
+from actors.runner import serving_rules as rules
 from actors.runner.fairqueue import claim_of
 from actors.runner.plan import ServingPlan, Step
 from actors.runner.server_api import MAX_EVENT_BYTES, MAX_JSON_BYTES, ServerApiError
 from actors.runner.slots import oversize
 from actors.runner.stream import ChunkStream, ClientGone
-from messages.errors import BAD_REQUEST, UNAVAILABLE
+from messages.errors import BAD_REQUEST
 from messages.events import GenerateCancelled
 from messages.generate import API_PATHS, GenerateResult, RunnerGenerate
 from messages.l3 import PrefixSource
@@ -208,9 +209,10 @@ class Forwarder:
             self._cancelled(instance, order, exchange)
         except* ServerApiError as group:
             error = group.exceptions[0]
-            if exchange.status == 0:  # no answer at all: the server is not serving
+            failure = rules.server_failure(exchange.status, str(error))  # a status said: relayed, then broken off
+            if failure.counts:
                 serving.outcome(instance.id, False, str(error))
-            raise RequestError(UNAVAILABLE, f"instance {instance.id}: {error}") from error
+            raise RequestError(failure.code, f"instance {instance.id}: {error}") from error
         serving.outcome(instance.id, True, "")
         return exchange
 

@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 from actors.handoff import cost
 from actors.handoff.api import HandoffAccess, HandoffFailed
@@ -42,6 +42,7 @@ from actors.l3.api import L3Access, L3Hit, L3Unavailable
 from actors.l3.identity import DraftSettings, Platform, StateInputs, exact_state_identity, scoped_identity
 from actors.router.prefixes import resident_prefixes
 from actors.runner import captures, passthrough
+from actors.runner import serving_rules as rules
 from actors.runner.fairqueue import Claim, Waiter, claim_of
 from actors.runner.forward import Forwarder
 from actors.runner.passthrough import AskLimits
@@ -67,7 +68,6 @@ from messages.generate import (
     PrefillResult,
     RunnerGenerate,
     ServingReport,
-    StopReason,
 )
 from messages.memory import ContextShape
 from messages.placement import Reservation
@@ -508,19 +508,21 @@ class Serving:
         request = order.request
         slot = grant.slot
         remote: PrefillResult | None = None
-        fallback = ""
         asked = time.perf_counter()
-        remote_wanted = request.prefill_node not in (None, self.node_id) and grant.resident < len(tokens) - 1
-        if remote_wanted and request.cache_scope:  # its state would land in this store under no scope of its own
-            fallback = f"prefill on {request.prefill_node} skipped: a scoped request's prompt is computed here"
-        elif remote_wanted:
+        route = rules.prefill_route(
+            request.prefill_node, self.node_id, resident=grant.resident, n_tokens=len(tokens),
+            cache_scope=request.cache_scope,
+        )  # fmt: skip
+        fallback = route.skipped
+        if route.node is not None:
             try:
                 remote = await self._remote_prefill(instance, order, tokens[:-1])  # lands in this node's L3
             except RequestError as exc:  # the handoff was to save time: the prompt is computed here instead
-                if exc.reply.code == TIMEOUT:
-                    raise  # the request's own time is spent: nobody waits for an answer computed now
-                fallback = f"prefill on {request.prefill_node} failed ({exc.reply.code}): computed here"
-                _log.warning("prefill_fallback", request_id=order.request_id, node=request.prefill_node,
+                why = rules.prefill_fallback(route.node, exc.reply.code)
+                if why is None:
+                    raise
+                fallback = why
+                _log.warning("prefill_fallback", request_id=order.request_id, node=route.node,
                              code=exc.reply.code, error=str(exc))  # fmt: skip
         source, evaluated = await captures.before_answer(
             self, instance, slot, plan, tokens, order.request_id, request.cache_scope
@@ -553,7 +555,7 @@ class Serving:
         first: float | None = None
         before_completion = time.perf_counter()
         final: dict[str, Any] = {}
-        stop: StopReason = "limit"
+        cancelled = False
 
         async def complete() -> None:
             nonlocal first, final
@@ -592,26 +594,24 @@ class Serving:
         except* ClientGone as group:
             reason = str(group.exceptions[0])
             _log.info("stream_client_gone", request_id=order.request_id, reason=reason)
-            stop = "cancelled"
+            cancelled = True
             self.emit(
                 GenerateCancelled, request_id=order.request_id, instance_id=instance.id, endpoint="",
                 tokens_generated=len(generated), reason=reason,
             )  # fmt: skip
         except* ServerApiError as group:
             error = group.exceptions[0]
-            status = getattr(error, "status", None)
-            if (status is None or status >= 500) and not _load_error(str(error)):  # the server failed, not the request
+            failure = rules.server_failure(getattr(error, "status", None), str(error))
+            if failure.counts:
                 self.outcome(instance.id, False, str(error))
-            code = BAD_REQUEST if status == 400 else UNAVAILABLE
-            raise RequestError(code, f"instance {instance.id}: {error}") from error
+            raise RequestError(failure.code, f"instance {instance.id}: {error}") from error
         self.outcome(instance.id, True, "")
         exact = int(final.get("tokens_predicted", len(generated)) or 0) == len(generated)
         timings = final.get("timings") or {}
         self.measured(instance, timings)
         if stream is None and timings:  # the server's own clock: prompt time, then the first token
             first = before_completion + (timings.get("prompt_ms", 0) + timings.get("predicted_per_token_ms", 0)) / 1000
-        if stop != "cancelled":
-            stop = {"eos": "eos", "word": "stop_word"}.get(str(final.get("stop_type")), "limit")  # type: ignore[assignment]
+        stop = rules.stop_reason(final.get("stop_type"), cancelled=cancelled)
         evaluated += int(timings.get("prompt_n", 0) or 0)
         if remote is not None:  # + the prompt's last token: a decode step of its own here, batched by a local prefill
             handoff_ms = max(0.0, handoff_ms + float(timings.get("prompt_ms", 0) or 0))
@@ -789,9 +789,6 @@ class Serving:
 
 #: 5xx answers that say the request met a full cache (a unified KV cache shared by busy slots), not that the
 #: server is broken: no evidence for health by inference, or a healthy server under load would be restarted.
-_LOAD_ERRORS: Final = ("context size has been exceeded",)
-
-
 class Ticket:
     """A request's place in an instance's queue (compared by identity)."""
 
@@ -824,8 +821,3 @@ def completed(result: GenerateResult, endpoint: str) -> dict[str, Any]:
         "path": result.path, "prefill_node": result.prefill_node, "handoff_bytes": result.handoff_bytes,
         "handoff_ms": result.handoff_ms, "prefill_fallback": result.prefill_fallback,
     }  # fmt: skip
-
-
-def _load_error(message: str) -> bool:
-    lowered = message.lower()
-    return any(text in lowered for text in _LOAD_ERRORS)

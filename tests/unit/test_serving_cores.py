@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 from actors.l3.layout import entry_id
 from actors.router.prefixes import Holdings, marks, resident_prefixes
 from actors.router.routing import choose
+from actors.runner import serving_rules as rules
 from actors.runner.slots import PromptLimit, SlotTable, common_prefix, oversize
+from messages.errors import BAD_REQUEST, TIMEOUT, UNAVAILABLE
 from messages.generate import Candidate, RouteWeights
 from messages.l3 import L3Item
 
@@ -270,10 +272,38 @@ def test_unmeasured_equal_or_unlinked_candidates_never_disaggregate() -> None:
 
 
 def test_a_full_cache_is_the_requests_failure_not_evidence_against_the_server() -> None:
-    from actors.runner.serving import _load_error
+    full = rules.server_failure(500, "llama-server answered 500: Context size has been exceeded.")
+    assert full == rules.Failure(counts=False, code=UNAVAILABLE)
+    assert rules.server_failure(500, "llama-server answered 500: Compute error.").counts
 
-    assert _load_error("llama-server answered 500: Context size has been exceeded.")
-    assert not _load_error("llama-server answered 500: Compute error.")
+
+def test_a_server_failure_counts_against_its_health_when_it_gave_no_answer_or_a_5xx() -> None:
+    # one rule for both ways of serving (the mesh's generate, a client's body passed through)
+    assert rules.server_failure(None, "connection refused") == rules.Failure(counts=True, code=UNAVAILABLE)
+    assert rules.server_failure(0, "connection reset") == rules.Failure(counts=True, code=UNAVAILABLE)
+    assert rules.server_failure(400, "bad grammar") == rules.Failure(counts=False, code=BAD_REQUEST)
+    assert rules.server_failure(200, "the stream broke off") == rules.Failure(counts=False, code=UNAVAILABLE)
+    assert rules.server_failure(503, "loading model").counts
+
+
+def test_the_prompt_is_prefilled_where_the_router_said_unless_here_held_or_scoped() -> None:
+    route = rules.prefill_route("n2", "n1", resident=0, n_tokens=100, cache_scope="")
+    assert route == rules.PrefillRoute("n2")
+    assert rules.prefill_route(None, "n1", resident=0, n_tokens=100, cache_scope="") == rules.PrefillRoute(None)
+    assert rules.prefill_route("n1", "n1", resident=0, n_tokens=100, cache_scope="").node is None  # here
+    assert rules.prefill_route("n2", "n1", resident=99, n_tokens=100, cache_scope="").node is None  # all but one held
+    scoped = rules.prefill_route("n2", "n1", resident=0, n_tokens=100, cache_scope="tenant:a")
+    assert scoped.node is None and "scoped" in scoped.skipped
+    assert rules.prefill_fallback("n2", UNAVAILABLE) == "prefill on n2 failed (unavailable): computed here"
+    assert rules.prefill_fallback("n2", TIMEOUT) is None  # the request's own time is spent
+
+
+def test_a_generation_stops_for_its_requester_or_the_servers_stop_type() -> None:
+    assert rules.stop_reason("eos", cancelled=False) == "eos"
+    assert rules.stop_reason("word", cancelled=False) == "stop_word"
+    assert rules.stop_reason("limit", cancelled=False) == "limit"
+    assert rules.stop_reason(None, cancelled=False) == "limit"
+    assert rules.stop_reason("eos", cancelled=True) == "cancelled"
 
 
 def test_a_slot_holding_another_cache_scopes_state_counts_nothing_and_is_granted_foreign() -> None:
