@@ -284,14 +284,15 @@ def _layer_peak(
             mamba = int(4 * t * MAMBA_IN_FACTOR * width) + 4 * shape.n_seq_max * state
         activation = max(activation, mamba)
     stage_rows = _recurrent_stage_rows(geometry)
-    whole_trunk = len(layers) == sum(1 for layer in geometry.layers if not layer.nextn)
-    placed = (
-        qwen35_graph.trunk_peak(geometry, layers, shape, n_outputs, _masks(attention, shape, flash_attn=flash_attn))
-        if whole_trunk and with_output and flash_attn and not pooled and not fewer_embd_rows
-        else None
-    )
+    placed = None
+    if flash_attn and not pooled:
+        # a dense Qwen3.5 trunk, or a split device's part, placed node by node (compute-10): the head (or an
+        # unsplit graph) creates every mask, a member holds copies of its own blocks' masks
+        head = not fewer_embd_rows
+        mask_layers = [layer for layer in geometry.layers if layer.attention and not layer.nextn] if head else attention
+        masks = _masks(mask_layers, shape, flash_attn=flash_attn)
+        placed = qwen35_graph.trunk_peak(geometry, layers, shape, n_outputs, masks, head=head, with_output=with_output)
     if placed is not None:
-        # a dense Qwen3.5 trunk placed node by node (compute-10): its delta nets and gated attention
         activation = max(activation, placed)
     elif stage_rows is not None and any(layer.recurrent for layer in layers):
         state = max(layer.r_width + layer.s_width for layer in layers if layer.recurrent)

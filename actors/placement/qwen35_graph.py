@@ -82,61 +82,77 @@ def gated_mtp_draft(geometry: ModelGeometry, nextn: list[LayerGeometry], shape: 
 
 
 def trunk_peak(
-    geometry: ModelGeometry, trunk: list[LayerGeometry], shape: ContextShape, n_outputs: int, masks: int
+    geometry: ModelGeometry,
+    blocks: list[LayerGeometry],
+    shape: ContextShape,
+    n_outputs: int,
+    masks: int,
+    *,
+    head: bool = True,
+    with_output: bool = True,
 ) -> int | None:
-    """The peak of a dense Qwen3.5 trunk's graph beside its attention masks (`masks` bytes, which `compute`
-    counts): the graph's inputs, the first full period of blocks (delta nets up to and with the first attention
-    block) and one more delta-net block, each with its FFN, then the output norm and the logits of `n_outputs`
-    rows. The masks are placed among the inputs, after the embeddings' and positions', where they shape the
-    blocks freed below them. None for a trunk this graph does not describe (another architecture, routed
-    experts, widths unknown)."""
-    if geometry.architecture not in DENSE_QWEN35 or not trunk:
+    """The peak of a dense Qwen3.5 trunk's graph (or of one device's part of it) beside its attention masks
+    (`masks` bytes, which `compute` counts): the graph's inputs, the first full period of `blocks` (delta nets up
+    to and with the first attention block) and one more delta-net block, each with its FFN, then, `with_output`,
+    the output norm and the logits of `n_outputs` rows. The masks are placed among the inputs, after the
+    embeddings' and positions', where they shape the blocks freed below them, and live while a later block reads
+    them. `head`: the graph starts from the token embeddings (the whole trunk, or a split's head); otherwise from
+    the hidden state a split's member receives. None for blocks this graph does not describe (another
+    architecture, routed experts, widths unknown)."""
+    if geometry.architecture not in DENSE_QWEN35 or not blocks:
         return None
-    if any(layer.n_ff_exp or not layer.n_ff for layer in trunk):
+    if any(layer.n_ff_exp or not layer.n_ff for layer in blocks):
         return None
-    if any(layer.attention and (not layer.head_k or not layer.n_head) for layer in trunk):
+    if any(layer.attention and (not layer.head_k or not layer.n_head) for layer in blocks):
         return None
-    first_attention = next((i for i, layer in enumerate(trunk) if layer.attention), len(trunk) - 1)
-    after = next((i for i in range(first_attention + 1, len(trunk)) if trunk[i].recurrent), first_attention)
-    blocks = trunk[: after + 1]
+    first_attention = next((i for i, layer in enumerate(blocks) if layer.attention), len(blocks) - 1)
+    after = next((i for i in range(first_attention + 1, len(blocks)) if blocks[i].recurrent), first_attention)
+    placed = blocks[: after + 1]
     t, slots = shape.n_ubatch, max(1, shape.n_seq_max)
     e = 4 * t * geometry.n_embd
-    inputs = [
-        ("inp_tokens", 4 * t),
-        ("inp_mixed_tokens", 4 * t),
-        ("inp_mixed_embd", e),
-        ("inp_mixed_slots", 8 * t),
-        ("inp_embd", e),  # the embeddings input the build allocates beside the tokens, read by no node
-        ("rs_s_copy", 4 * slots),
-        ("out_ids", 4 * n_outputs),
-        ("inp_pos", 16 * t),  # M-RoPE: four positions per token
-        ("kq_mask", masks),
-        ("k_idxs", 8 * t),
-        ("v_idxs", 8 * t),
-    ]
-    nodes: list[_Node] = [
-        ("embd", "get_rows", e, ("inp_tokens",)),
-        ("mixed_rows", "get_rows", e, ("inp_mixed_tokens",)),
-        ("mixed_embd", "dup", e, ("inp_mixed_embd",)),
-        # set_rows writes the looked-up rows into the copy: a view no node reads, so the copy is never freed
-        ("mixed", "view", 0, ("mixed_embd", "mixed_rows", "inp_mixed_slots")),
-    ]
+    inputs: list[tuple[str, int]]
+    nodes: list[_Node]
+    if head:
+        inputs = [
+            ("inp_tokens", 4 * t),
+            ("inp_mixed_tokens", 4 * t),
+            ("inp_mixed_embd", e),
+            ("inp_mixed_slots", 8 * t),
+            ("inp_embd", e),  # the embeddings input the build allocates beside the tokens, read by no node
+        ]
+        nodes = [
+            ("embd", "get_rows", e, ("inp_tokens",)),
+            ("mixed_rows", "get_rows", e, ("inp_mixed_tokens",)),
+            ("mixed_embd", "dup", e, ("inp_mixed_embd",)),
+            # set_rows writes the looked-up rows into the copy: a view no node reads, so the copy is never freed
+            ("mixed", "view", 0, ("mixed_embd", "mixed_rows", "inp_mixed_slots")),
+        ]
+    else:
+        inputs, nodes = [("embd", e)], []  # the hidden state the previous device sent
+    inputs.append(("rs_s_copy", 4 * slots))
+    if with_output:
+        inputs.append(("out_ids", 4 * n_outputs))
+    inputs += [("inp_pos", 16 * t), ("kq_mask", masks), ("k_idxs", 8 * t), ("v_idxs", 8 * t)]  # M-RoPE: 4 positions
     residual = "embd"
-    for il, layer in enumerate(blocks):
+    for il, layer in enumerate(placed):
         prefix = f"{il}."
         if layer.recurrent:
             nodes += _delta_net_block(geometry, layer, shape, prefix, residual)
         else:
             nodes += _attention_block(geometry, layer, t, prefix, residual, mask="kq_mask", positions="inp_pos")
         residual = prefix + "l_out"
-    nodes += [
-        ("out_norm", "rms_norm", e, (residual,)),
-        ("h_out", "mul", e, ("out_norm",)),
-        ("out_rows", "get_rows", 4 * n_outputs * geometry.n_embd, ("h_out", "out_ids")),
-        ("logits", "mul_mat", 4 * n_outputs * geometry.n_vocab, ("out_rows",)),
-    ]
-    # the masks live until the last attention block of the whole trunk, past the blocks placed here
-    return _graph_peak(inputs, nodes, frozenset({"h_out", "logits", "kq_mask"})) - masks
+    outputs = {residual}
+    if with_output:
+        nodes += [
+            ("out_norm", "rms_norm", e, (residual,)),
+            ("h_out", "mul", e, ("out_norm",)),
+            ("out_rows", "get_rows", 4 * n_outputs * geometry.n_embd, ("h_out", "out_ids")),
+            ("logits", "mul_mat", 4 * n_outputs * geometry.n_vocab, ("out_rows",)),
+        ]
+        outputs = {"h_out", "logits"}
+    if any(layer.attention for layer in blocks[len(placed) :]):
+        outputs.add("kq_mask")  # a later block of this graph reads the masks: they stay
+    return _graph_peak(inputs, nodes, frozenset(outputs)) - masks
 
 
 def _delta_net_block(
