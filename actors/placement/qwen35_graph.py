@@ -25,6 +25,8 @@ to 0.02 MiB (compute-10).
 
 from __future__ import annotations
 
+import functools
+
 from actors.placement.graph_alloc import _graph_peak, _Node
 from messages.memory import ContextShape
 from messages.model import LayerGeometry, ModelGeometry
@@ -101,6 +103,21 @@ def trunk_peak(
     architecture, routed experts, widths unknown)."""
     if geometry.architecture not in DENSE_QWEN35 or not blocks:
         return None
+    return _trunk_peak(geometry, tuple(blocks), shape, n_outputs, masks, head, with_output)
+
+
+@functools.lru_cache(maxsize=512)
+def _trunk_peak(
+    geometry: ModelGeometry,
+    blocks: tuple[LayerGeometry, ...],
+    shape: ContextShape,
+    n_outputs: int,
+    masks: int,
+    head: bool,
+    with_output: bool,
+) -> int | None:
+    """`trunk_peak`, remembered: admission sizes the same model at the same settings many times (a largest
+    context is searched by bisection), and one placement walks a few hundred nodes."""
     if any(layer.n_ff_exp or not layer.n_ff for layer in blocks):
         return None
     if any(layer.attention and (not layer.head_k or not layer.n_head) for layer in blocks):
