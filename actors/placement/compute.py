@@ -64,10 +64,12 @@ compute-10 (issue 27): a Mamba-2 layer (`build_mamba2_layer`: mamba2, granitehyb
 nemotron_h_moe) is sized around its scan as ggml-alloc places it (`_mamba2_scan_stage`: the input projection,
 the convolution's output, its input's freed block and what of the scan's output and the other slots' gathered
 states fits there) instead of 3.5 input widths, which was +12-15.5% at Nemotron-H widths whose d_inner is five
-n_embd; a dense Qwen3.5 trunk is placed node by node (`qwen35_graph.trunk_peak`: the first period of delta
-nets and gated attention, then one more delta net) instead of the gated-delta rows, which were +8-16.5% at
-n_embd 2048 with 1-4 slots and -4-6% with MTP rollback snapshots. Both were read from the reserve graph's nodes
-(`GGML_SCHED_DEBUG=2`) and checked on one-layer probes, then on the issue's shapes (`benchmarks/compute_shapes.py`).
+n_embd (and -4.4% at 16 slots); a dense Qwen3.5 trunk, alone or one device's part of a split, is placed node by
+node (`qwen35_graph.trunk_peak`: the first period of delta nets and gated attention, then one more delta net,
+the masks among the inputs) instead of the gated-delta rows, which were +8-16.5% at n_embd 2048 with 1-4 slots,
+-4-6% with MTP rollback snapshots and +28% on a split's member. Both were read from the reserve graph's nodes
+(`GGML_SCHED_DEBUG=2`) and checked on one-layer probes first, then on the issue's shapes and the families they
+touch (`benchmarks/compute_shapes.py`, `tests/e2e/test_compute_hybrid_shapes.py`).
 Warm-up routes every expert; the runner disables it (`--no-warmup`), so it is not modelled.
 GPU compute buffers (per-device graph splits, the host-side buffer) are not validated: no GPU build was
 available.

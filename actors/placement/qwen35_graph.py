@@ -16,9 +16,11 @@ states gathered and concatenated before it, the slots' recurrent states gathered
 place), Q and K normed out of strided views, the decay and beta, the net's output, its norm, the output gate z,
 the output projection and the residual; per attention block the Q-and-gate projection, Q and K normed and
 roped, K and V written into the cache, flash attention, the gate copied out and applied, the output
-projection; the FFN's gate, up, their product and down. Checked against the server's own reservation: 7
-delta-net-only and 12 full Qwen3.5 shapes (n_embd 1024-4096, 1-16 slots, unified and per-slot streams) exact
-to 0.02 MiB (compute-10).
+projection; the FFN's gate, up, their product and down. A split's member starts from the hidden state it
+receives and holds copies of its own blocks' masks. Checked against the server's own reservation (compute-10):
+7 delta-net-only one-layer probes, then 22 Qwen3.5 cases of `benchmarks/compute_shapes.py` (n_embd 2048-5120,
+1-16 slots, unified and per-slot streams, MTP rollback snapshots) within 0.01%, and a split's head and
+loopback member exact (`tests/e2e/test_compute_hybrid_shapes.py`).
 
 `gated_mtp_draft` is the MTP head's graph (`graph_mtp`) placed the same way (compute-6).
 """
