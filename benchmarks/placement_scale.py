@@ -1,5 +1,6 @@
-"""Benchmark: placement at fleet scale: `placement.fit` over 1, 10, 100 and 1,000 simulated nodes beside a bare
-NATS echo, and the telemetry fan-in of 1,000 nodes at 1 Hz into the placement actor's view.
+"""Benchmark: placement at fleet scale: `placement.fit` over 1,000, 3,000 and 10,000 simulated nodes beside a bare
+NATS echo, `placement.request` (booking and journal) at saturation with its decisions replayed from the journal,
+and the telemetry fan-in of the largest fleet at 1 Hz into the placement actor's view.
 
 For each fleet size, a fresh nats-server (JetStream, loopback, with its monitoring port, which says whether it
 cut off a slow consumer) and the real `PlacementActor` under a `Supervisor` with a running journal, in this
@@ -14,7 +15,11 @@ Measured while the telemetry flows: `PlacementRequest(model=<a sparse file with 
 ctx=4096)` on `mesh.placement.fit`, sequential and with `--in-flight` outstanding, interleaved with a bare
 nats-py responder answering the same request bytes with the decision's bytes (the baseline: same bytes, no
 work). Also the pure decision alone in this process, the fleet index against the full scan (every node sized,
-as before the index: `tests/placement_oracle.py`) on the same view, checked equal.
+as before the index: `tests/placement_oracle.py`) on the same view, checked equal (the full scan up to
+`--full-scan-max` nodes: it takes seconds per decision beyond; the index judging every node is checked equal at
+every size). Then `--bookings` requests on `mesh.placement.request` with `--in-flight` outstanding (each books a
+reservation, writes a ledger with compare-and-set and journals its decision), and every one of those decisions
+read back from the journal and decided again (`replay.recompute`), which must find no difference.
 
 At the largest size, over a `--fan-in-s` window: reports delivered into the view per second, drops (the
 server's slow-consumer count, the client library's slow-consumer errors, and reports acknowledged by
@@ -24,7 +29,7 @@ the actor's own table sizes.
 
 Run from the repository root:
 
-    python -m benchmarks.placement_scale [--sizes 1,10,100,1000] [--requests 1000] [--fan-in-s 30]
+    python -m benchmarks.placement_scale [--sizes 1000,3000,10000] [--requests 400] [--rounds 4] [--fan-in-s 20]
 """
 
 from __future__ import annotations
@@ -49,14 +54,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from nats.aio.msg import Msg
 from nats.errors import SlowConsumerError
 
+from actors.placement import decision_records
 from actors.placement.actor import PlacementActor
 from actors.placement.admission import ModelFacts, Outcome
 from actors.placement.fleet import FleetIndex, snapshot
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
+from actors.placement.replay import differences, inputs_of, recompute
 from benchmarks.bus_roundtrip import (
     Summary,
     bare_echo,
@@ -65,18 +73,21 @@ from benchmarks.bus_roundtrip import (
     print_table,
     summarize,
     supervised,
+    timed_concurrent,
     timed_sequential,
     verdict,
     wait_serving,
 )
 from benchmarks.environment import print_environment
+from messages.events import PlacementDecided
 from messages.placement import ModelRef, PlacementDecision, PlacementRequest
 from messages.settings import ServingSettings
 from messages.subjects import Subjects
 from messages.telemetry import GpuInfo, HostInfo, LlamaServerInfo, NodeResources
 from runtime import buckets
 from runtime.buckets import TTL_HEADER
-from runtime.bus import Bus, encode
+from runtime.bus import Bus, decode_checked, encode
+from runtime.cli.journal import read_events
 from runtime.config import NatsOptions
 from runtime.embedded import find_nats_server
 from runtime.journal import ensure_events_stream
@@ -324,6 +335,17 @@ def rss_bytes() -> int:
 
 
 @dataclass
+class Replayed:
+    """The journal's `placement_decided` events read back and decided again."""
+
+    decisions: int
+    differing: int
+    side_records: int  # decisions whose inputs were too large to travel in the event
+    largest_event: int
+    seconds: float
+
+
+@dataclass
 class SizeResult:
     nodes: int
     echo: Summary
@@ -333,6 +355,10 @@ class SizeResult:
     decision_bytes: int
     core_index: Summary
     core_full: Summary | None
+    bookings: Summary
+    replay: Replayed
+    rss_empty: int  # this process before the fleet reports
+    rss_full: int  # once the view holds every node
 
 
 async def measure_size(args: argparse.Namespace, n: int, model: Path, facts: ModelFacts) -> SizeResult:
@@ -365,12 +391,14 @@ async def measure_size(args: argparse.Namespace, n: int, model: Path, facts: Mod
                         )
 
                     await wait_serving(fit)
+                    rss_empty = rss_bytes()
                     simulator = await asyncio.create_subprocess_exec(
                         sys.executable, "-m", "benchmarks.placement_scale", "--simulate", server.url, str(n),
                         str(args.seed), "3600", stdout=subprocess.PIPE,
                     )  # fmt: skip
                     if not await wait_until(lambda: actor.stats().view_nodes >= n, 60):
                         raise SystemExit(f"the view has {actor.stats().view_nodes} of {n} nodes after 60 s")
+                    rss_full = rss_bytes()
                     first = await fit()
                     if not first.admitted:
                         raise SystemExit(f"{n} nodes: not admitted ({first.reason}: {first.message[:300]})")
@@ -391,8 +419,15 @@ async def measure_size(args: argparse.Namespace, n: int, model: Path, facts: Mod
                         await timed_sequential(fit, 300)
                         profiler.disable()
                         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
-                    core_index, core_full, every_node = time_cores(actor, request, facts, args.core_runs)
+                    core_index, core_full, every_node = await time_cores(
+                        actor, request, facts, args.core_runs, full_scan_max=args.full_scan_max
+                    )
                     print_size(n, first, decision_bytes, seq, conc, core_index, core_full, every_node, actor)
+                    print(f"  memory (this process)   RSS {rss_empty / MIB:.1f} MiB before the fleet reported, "
+                          f"{rss_full / MIB:.1f} MiB once the view held {n} nodes")  # fmt: skip
+                    bookings, refused = await measure_bookings(client, subjects, request, args)
+                    replayed = await replay_journal(client, subjects, facts)
+                    print_bookings(bookings, refused, replayed, args.in_flight)
                     if n == max(args.sizes):
                         await asyncio.sleep(2)  # the reports queued while the full scan held the loop go in first
                         async with bare_echo(service, ECHO_SUBJECT, reply=decision_bytes):
@@ -417,6 +452,58 @@ async def measure_size(args: argparse.Namespace, n: int, model: Path, facts: Mod
         decision_bytes=len(decision_bytes),
         core_index=core_index,
         core_full=core_full,
+        bookings=bookings,
+        replay=replayed,
+        rss_empty=rss_empty,
+        rss_full=rss_full,
+    )
+
+
+async def measure_bookings(
+    client: Bus, subjects: Subjects, request: PlacementRequest, args: argparse.Namespace
+) -> tuple[Summary, int]:
+    """`--bookings` requests on `placement.request` with `--in-flight` outstanding: each decides, books (ledger
+    compare-and-set) and journals. Their reservations expire unclaimed after a minute."""
+    booking = msgspec.structs.replace(request, hold_s=60.0)
+    refused = 0
+
+    async def book() -> PlacementDecision:
+        nonlocal refused
+        decision = await client.request(subjects.placement_request, booking, PlacementDecision, timeout=TIMEOUT_S)
+        refused += not decision.admitted
+        return decision
+
+    latencies, wall = await timed_concurrent(book, args.bookings, args.in_flight)
+    return summarize(latencies, wall), refused
+
+
+async def replay_journal(bus: Bus, subjects: Subjects, facts: ModelFacts) -> Replayed:
+    """Every `placement_decided` event of the journal decided again with today's core (inline inputs, or the
+    side record an event names)."""
+    decisions = differing = records = largest = 0
+    start = time.monotonic()
+    async for stored in read_events(bus, subjects, "placement.placement_decided", since=None, follow=False):
+        event = decode_checked(stored.data, PlacementDecided, f"event {stored.seq}")
+        largest = max(largest, len(stored.data))
+        inputs = inputs_of(event)
+        if inputs is None:
+            assert event.record is not None
+            inputs = await decision_records.fetch(bus, subjects, event.record)
+            records += 1
+        again = await asyncio.to_thread(recompute, inputs, facts.geometry)
+        decisions += 1
+        differing += bool(differences(inputs.decision, again))
+    return Replayed(decisions, differing, records, largest, time.monotonic() - start)
+
+
+def print_bookings(bookings: Summary, refused: int, replayed: Replayed, in_flight: int) -> None:
+    print(
+        f"  placement.request       {bookings.n} bookings, {in_flight} in flight: {bookings.per_s:.0f} decisions/s, "
+        f"p50 {bookings.p50_s * 1e3:.2f} ms, p99 {bookings.p99_s * 1e3:.2f} ms, {refused} refused"
+    )
+    print(
+        f"  replay from the journal {replayed.decisions} decisions decided again in {replayed.seconds:.1f} s: "
+        f"{replayed.differing} differ; {replayed.side_records} side records; largest event {replayed.largest_event} B"
     )
 
 
@@ -427,8 +514,8 @@ async def stop_simulator(process: asyncio.subprocess.Process) -> dict[str, Any]:
     return dict(json.loads(lines[-1])) if lines else {}
 
 
-def time_cores(
-    actor: PlacementActor, request: PlacementRequest, facts: ModelFacts, runs: int
+async def time_cores(
+    actor: PlacementActor, request: PlacementRequest, facts: ModelFacts, runs: int, *, full_scan_max: int
 ) -> tuple[Summary, Summary | None, Summary]:
     """The decision alone over the actor's current view: the fleet index as the actor keeps it (tracked: two
     nodes touched before each decision, about what 1,000 reports/s leave between decisions), and the full scan,
@@ -460,20 +547,28 @@ def time_cores(
     untracked, every_node = timed(FleetIndex(), 0)
     if untracked != fast:
         raise SystemExit("the tracked and the untracked fleet index disagree")
+    if len(view) > full_scan_max:
+        return core_index, None, every_node
     full_runs = 3 if len(view) > 100 else 20
     inputs = snapshot(request, view, arrived, ledgers, {}, mono)
-    latencies = []
-    start = time.perf_counter()
-    for _ in range(full_runs):
-        t0 = time.perf_counter()
-        full = full_scan(  # the old scan of every node: what the index is measured against, and must agree with
-            request, facts, inputs.view, inputs.held, now=now, decision_id="d", reservation_id="r", dry_run=True,
-            unreadable=inputs.unreadable,
-        )  # fmt: skip
-        latencies.append(time.perf_counter() - t0)
+
+    def scanned() -> tuple[Outcome, Summary]:
+        latencies = []
+        start = time.perf_counter()
+        for _ in range(full_runs):
+            t0 = time.perf_counter()
+            full = full_scan(  # the old scan of every node: what the index is measured against, and must agree with
+                request, facts, inputs.view, inputs.held, now=now, decision_id="d", reservation_id="r", dry_run=True,
+                unreadable=inputs.unreadable,
+            )  # fmt: skip
+            latencies.append(time.perf_counter() - t0)
+        return full, summarize(latencies, time.perf_counter() - start)
+
+    # In a thread: seconds per decision at 1,000 nodes, which would starve the connection's pings on the loop.
+    full, core_full = await asyncio.to_thread(scanned)
     if full != fast:
         raise SystemExit("the fleet index and the full scan disagree")
-    return core_index, summarize(latencies, time.perf_counter() - start), every_node
+    return core_index, core_full, every_node
 
 
 @dataclass
@@ -544,7 +639,7 @@ def print_size(
 ) -> None:
     stats = actor.stats()
     print(
-        f"fleet of {n} nodes: chosen {first.placements[0].node_id}, {len(first.rejections)} nodes refused; "
+        f"fleet of {n} nodes: chosen {first.placements[0].node_id} ({len(first.rejections)} refusals listed); "
         f"decision {len(decision_bytes)} B; index: {stats.index.profiles} profiles, {stats.index.layouts} layouts, "
         f"{stats.index.sizings} sizings"
     )
@@ -613,13 +708,14 @@ async def run(args: argparse.Namespace) -> None:
         print(f"  request   PlacementRequest(model=<qwen35 9B shape>, ctx={CTX}) on placement.fit")
         print(f"  rounds    {args.requests} per path and mode, {args.rounds} interleaved rounds, {args.warmup} warm-up")
         results = [await measure_size(args, n, model, facts) for n in args.sizes]
-    print("summary (sequential p50 / p99; decisions/s sequential and with in-flight requests)")
-    head = ("nodes", "echo p50", "echo p99", "fit p50", "fit p99", "x echo", "seq/s", "conc/s", "bytes")
+    print("summary (sequential p50 / p99; decisions/s sequential and with in-flight requests; bookings/s)")
+    head = ("nodes", "echo p50", "echo p99", "fit p50", "fit p99", "x echo", "seq/s", "conc/s", "bytes", "book/s")
     print("  " + "".join(f"{h:>10}" for h in head))
     for r in results:
         ms = (r.echo.p50_s, r.echo.p99_s, r.fit.p50_s, r.fit.p99_s)
         cells = [f"{r.nodes:>10}", *(f"{v * 1e3:8.3f}ms" for v in ms), f"{r.fit.p50_s / r.echo.p50_s:9.2f}x"]
         cells += [f"{r.fit.per_s:10.0f}", f"{r.fit_concurrent.per_s:10.0f}", f"{r.decision_bytes:10d}"]
+        cells += [f"{r.bookings.per_s:10.0f}"]
         print("  " + "".join(cells))
     largest = results[-1]
     print(
@@ -634,13 +730,15 @@ def main() -> None:
         print(json.dumps(asyncio.run(simulate(url, n, seed, duration))), flush=True)
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 10, 100, 1000])
-    ap.add_argument("--requests", type=int, default=1000, help="measured requests per path and mode")
+    ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1000, 3000, 10000])
+    ap.add_argument("--requests", type=int, default=400, help="measured requests per path and mode")
     ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--bookings", type=int, default=400, help="placement.request bookings at saturation")
+    ap.add_argument("--full-scan-max", type=int, default=1000, help="largest fleet the full scan is timed on")
     ap.add_argument("--in-flight", type=int, default=16)
     ap.add_argument("--core-runs", type=int, default=200, help="runs of the decision alone (fleet index)")
-    ap.add_argument("--fan-in-s", type=float, default=30.0, help="fan-in window at the largest size")
+    ap.add_argument("--fan-in-s", type=float, default=20.0, help="fan-in window at the largest size")
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--profile", action="store_true", help="cProfile 300 fits at the largest size (both sides)")
     asyncio.run(run(ap.parse_args()))

@@ -278,11 +278,13 @@ class PlacementActor(Actor):
         write, and a conflict or a refusal re-reads the bucket), so a decision costs no round trip per node."""
         async for entry in buckets.watch(self._ledgers, self._ledgers_ready):
             node = entry.key.removeprefix(LEDGER_KEY_PREFIX)
-            decoded = self._decode_ledger(node, entry.value, entry.revision or 0)
-            self._ledger_cache[node] = decoded
-            self._index.touch(node)
-            self._reconciler.saw_ledger(node, decoded[0], self._monotonic())
-            self._ledger_seq = max(self._ledger_seq, entry.revision or 0)
+            revision = entry.revision or 0
+            self._ledger_seq = max(self._ledger_seq, revision)
+            if self._ledger_cache.get(node, NO_LEDGER)[1] < revision:  # not one of ours applied already (`_wrote`)
+                decoded = self._decode_ledger(node, entry.value, revision)
+                self._ledger_cache[node] = decoded
+                self._index.touch(node)
+                self._reconciler.saw_ledger(node, decoded[0], self._monotonic())
             moved, self._ledger_moved = self._ledger_moved, asyncio.Event()
             moved.set()
 
@@ -689,13 +691,26 @@ class PlacementActor(Actor):
         return out
 
     async def _write_ledger(self, node: str, ledger: NodeLedger, revision: int) -> int | None:
-        """Compare-and-set; the new revision, or None when someone else wrote first."""
+        """Compare-and-set; the new revision, or None when someone else wrote first. What is written is the
+        local copy's at once (`_wrote`)."""
         try:
             if revision == 0:
-                return int(await self._ledgers.create(ledger_key(node), encode(ledger)))
-            return int(await self._ledgers.update(ledger_key(node), encode(ledger), last=revision))
+                written = int(await self._ledgers.create(ledger_key(node), encode(ledger)))
+            else:
+                written = int(await self._ledgers.update(ledger_key(node), encode(ledger), last=revision))
         except nats.js.errors.KeyWrongLastSequenceError:
             return None
+        self._wrote(node, ledger, written)
+        return written
+
+    def _wrote(self, node: str, ledger: NodeLedger, revision: int) -> None:
+        """A ledger this actor wrote, in the local copy before the watch brings it back: the decisions taken
+        meanwhile see the booking (else every concurrent request would pick the same node and lose its
+        compare-and-set). The watch then skips that revision and any older one of the node's."""
+        if self._ledger_cache.get(node, NO_LEDGER)[1] < revision:
+            self._ledger_cache[node] = (ledger, revision)
+            self._index.touch(node)
+            self._reconciler.saw_ledger(node, ledger, self._monotonic())
 
     async def _commit(
         self,

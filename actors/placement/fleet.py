@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import math
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -98,6 +97,9 @@ MAX_MODELS = 8
 #: touches it remembers (past either, they are dropped and rebuilt by the next decision).
 MAX_STANDING = 64
 MAX_TOUCHED = 1 << 16
+#: The next best fits a brief admission's journal records beside the chosen node (a few kilobytes each: the
+#: event stays inline, under the actor's 32 KiB, at any fleet size).
+RIVALS = 4
 
 _REFUSED, _MISFIT, _FITS = 0, 1, 2
 
@@ -281,9 +283,8 @@ class _Standing:
 class Decided:
     """A decision, and the nodes whose reports and ledgers a journal records so that replay decides it again
     identically (None: every node of the view). A brief admission (`brief`) needs only the chosen node and the
-    node it would fetch the model's file from; its closest rivals (the next best fits, max(2, ⌈log2 N⌉) of
-    them) are recorded with it, so that replay with another memory model sees the choice it would now make
-    among them."""
+    node it would fetch the model's file from; its closest rivals (the next `RIVALS` best fits) are recorded with
+    it, so that replay with another memory model sees the choice it would now make among them."""
 
     outcome: Outcome
     witnesses: frozenset[str] | None
@@ -445,7 +446,7 @@ class FleetIndex:
             q.request, q.model, {n: view[n] for n in named}, [self._chosen(q, best)], [], now=now,
             decision_id=decision_id, reservation_id=reservation_id, dry_run=dry_run,
         )  # fmt: skip
-        rivals = standing.runners_up(name, max(2, math.ceil(math.log2(max(2, len(view))))))
+        rivals = standing.runners_up(name, RIVALS)
         return Decided(dataclasses.replace(outcome, decision=brief(outcome.decision)), frozenset((*named, *rivals)))
 
     def _conclude(

@@ -453,18 +453,18 @@ async def test_a_refusal_decided_from_a_lagging_local_copy_is_rechecked_against_
     await put_telemetry(bus, report("a", need(models["dense"]) + 10 * MIB))
     await wait_view(placement, "a")
     assert (await place(bus, ask(models["dense"]), fit=True)).admitted
-    # The local copy lags the bucket: it still shows the node full, the bucket holds nothing there.
     full = Reservation(
         reservation_id="gone", decision_id="d", node_id="a", state="running", model_path="m.gguf",
         stamp=Stamp(settings=QUIET, ctx=256, n_gpu_layers=0), layers=(0, 1), devices=(), held={"CPU": 64 * GIB},
         created_at=0.0,
     )  # fmt: skip
-    # The local copy lags the bucket: it still shows the node full (an older revision), and has not taken the
-    # bucket's latest write yet, which frees the node; that write lands once the actor checks the bucket.
-    placement._ledger_cache["a"] = (NodeLedger(node_id="a", reservations=(full,)), 1)
-    placement._index.touch("a")
-    placement._ledger_seq = 0
+    # The local copy shows the node full; the bucket's next write frees it, and lands only when the actor checks
+    # the bucket after refusing: the copy lags the bucket then, and catches up before the refusal is answered.
     kv = await buckets.reservations(bus, SUBJECTS)
+    revision = await kv.create(ledger_key("a"), encode(NodeLedger(node_id="a", reservations=(full,))))
+    async with asyncio.timeout(10):
+        while placement._ledger_cache.get("a", (None, 0))[1] != revision:
+            await asyncio.sleep(0.01)
     catch_up = placement._catch_up
     checked = 0
 
@@ -472,7 +472,7 @@ async def test_a_refusal_decided_from_a_lagging_local_copy_is_rechecked_against_
         nonlocal checked
         checked += 1
         if checked == 1:
-            await kv.create(ledger_key("a"), encode(NodeLedger(node_id="a")))
+            await kv.update(ledger_key("a"), encode(NodeLedger(node_id="a")), last=revision)
         return await catch_up()
 
     placement._catch_up = checking  # type: ignore[method-assign]

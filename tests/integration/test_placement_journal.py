@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 
 from actors.placement import decision_records
 from actors.placement.actor import PlacementActor
+from actors.placement.fleet import RIVALS
 from actors.placement.replay import differences, inputs_of, recompute
 from actors.router.routing import choose, link_key, route
 from messages.events import GenerateRouted, PlacementDecided
@@ -82,7 +82,7 @@ async def test_a_decision_over_2000_nodes_is_a_small_event_and_replays_identical
     recorded_brief = msgspec.convert(raw[0], PlacementDecided)
     assert recorded_brief.record is None and recorded_brief.decision.decision_id == brief.decision_id
     assert brief.placements[0].node_id in {n.node_id for n in recorded_brief.view}
-    assert len(recorded_brief.view) <= 2 + math.ceil(math.log2(NODES))  # the chosen node, a holder, its rivals
+    assert len(recorded_brief.view) <= 2 + RIVALS  # the chosen node, a holder, its rivals
     inputs = inputs_of(recorded_brief)
     assert inputs is not None and inputs.geometry is not None
     assert differences(inputs.decision, recompute(inputs, inputs.geometry)) == []

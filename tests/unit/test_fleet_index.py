@@ -5,7 +5,6 @@ model or a projector, with preferred nodes, allowing a split over nodes."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 import msgspec
@@ -467,7 +466,7 @@ def test_a_brief_answer_never_admits_what_the_full_scan_refuses_and_replays_from
             event("recorded: the whole view")
             continue
         event("recorded: the chosen node, its file's holder and its rivals")
-        assert len(decided.witnesses) <= 2 + max(2, math.ceil(math.log2(max(2, len(current.view)))))
+        assert len(decided.witnesses) <= 2 + fleet.RIVALS
         recorded = snapshot(request, current.view, current.arrived, current.ledgers, {}, clock, decided.witnesses)
         again = decide(
             request, model, recorded.view, recorded.held, unreadable=recorded.unreadable, dry_run=False, **ids
