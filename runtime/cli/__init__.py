@@ -13,7 +13,21 @@ import inspect
 import sys
 from collections.abc import Sequence
 
-from runtime.cli import creds, generate, handoff, journal, keys, l3, model, models, node, placement, runner, usage
+from runtime.cli import (
+    creds,
+    generate,
+    handoff,
+    journal,
+    keys,
+    l3,
+    model,
+    models,
+    node,
+    placement,
+    replay,
+    runner,
+    usage,
+)  # fmt: skip
 from runtime.cli.common import CliError, OneLineParser
 from runtime.logging import configure_logging
 
@@ -21,7 +35,7 @@ from runtime.logging import configure_logging
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="mesh-actor", description="Control plane for llama-server nodes.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
-    for family in (node, placement, runner, journal, model, l3, generate, handoff, creds, models, keys, usage):
+    for family in (node, placement, replay, runner, journal, model, l3, generate, handoff, creds, models, keys, usage):
         family.register(sub)
     return parser
 

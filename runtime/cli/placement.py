@@ -1,8 +1,6 @@
-"""Placement commands: `place` (ask for a decision), `replay` (recompute recorded decisions: placement,
-routing, queue order and scaling), `registry`.
+"""Placement commands: `place` (ask for a decision) and `registry` (`replay` is `runtime.cli.replay`).
 
 `place` exits 0 when admitted and 3 when refused (1 on errors, 2 on usage), so scripts can branch on it.
-`replay` exits 3 when some recorded decision would now be different.
 """
 
 from __future__ import annotations
@@ -19,32 +17,17 @@ import msgspec
 import nacl.signing
 import nkeys
 
-from actors.frontdoor.scaling import replay as replay_scaling
-from actors.placement import decision_records
 from actors.placement.geometry import GeometryError, geometry_from_header
-from actors.placement.gguf_header import GGUFFormatError, parse_header, read_header
+from actors.placement.gguf_header import GGUFFormatError, read_header
 from actors.placement.registry import RegistryUntrusted, public_key_of, sign
-from actors.placement.replay import differences, inputs_of, recompute
-from actors.router.routing import ROUTER_VERSION, route
-from actors.runner.fairqueue import rechoose, retag
-from messages.events import (
-    DecisionInputs,
-    GenerateDequeued,
-    GenerateQueued,
-    GenerateRouted,
-    PlacementDecided,
-    ScalingDecided,
-)
-from messages.model import ModelGeometry
 from messages.placement import ModelRef, PlacementDecision, PlacementRequest
 from messages.registry import RegistryEntry
 from messages.runner import RunnerAck, StartInstance
 from messages.subjects import Subjects, check_token
 from runtime import buckets
-from runtime.bus import BadMessage, Bus, BusError, RemoteError, decode_checked, encode, once_listening
+from runtime.bus import BusError, RemoteError, encode, once_listening
 from runtime.cli.common import EXIT_USAGE, CliError, add_client_options, connect, emit_json, prefix
-from runtime.cli.journal import read_events
-from runtime.model_files import FileDigests, ModelFileError, open_regular
+from runtime.model_files import FileDigests, ModelFileError
 from runtime.sizes import format_size
 
 EXIT_REFUSED = 3
@@ -75,13 +58,6 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     place.add_argument("--start", action="store_true", help="start the admitted instance on its node")
     place.add_argument("--timeout", type=float, default=30.0, metavar="S")
     place.set_defaults(func=cmd_place)
-
-    replay = sub.add_parser(
-        "replay", help="recompute recorded placement, routing, queue and scaling decisions with today's cores"
-    )
-    add_client_options(replay)
-    replay.add_argument("--since", metavar="SEQ|TIME", help="a stream sequence, an ISO time, or an age like 1h")
-    replay.set_defaults(func=cmd_replay)
 
     registry = sub.add_parser("registry", help="signed model registry")
     verbs = registry.add_subparsers(dest="verb", required=True, metavar="VERB")
@@ -186,151 +162,6 @@ async def cmd_place(args: argparse.Namespace) -> int:
         if ack is not None:
             print(f"  instance {ack.instance_id} on {ack.node_id}: {ack.state} port {ack.port} {ack.message}")
     return 0 if decision.admitted else EXIT_REFUSED
-
-
-def _geometry_now(inputs: DecisionInputs) -> tuple[ModelGeometry | None, str]:
-    """Today's reading of the model when the file is still there (by absolute path), else the recorded one."""
-    path = inputs.model_path
-    if path and inputs.request.model.registry is None and Path(path).is_absolute():
-        try:
-            fd, key = open_regular(Path(path))  # a journal names the file: never block on a FIFO or device
-        except ModelFileError:
-            return inputs.geometry, "recorded"
-        try:
-            with os.fdopen(fd, "rb") as handle:
-                return geometry_from_header(parse_header(handle, key.size, source=path)), "file"
-        except (GGUFFormatError, GeometryError, OSError):
-            return None, "file unreadable now"
-    return inputs.geometry, "recorded"
-
-
-async def _inputs(bus: Bus, subjects: Subjects, event: PlacementDecided) -> DecisionInputs:
-    """The decision's inputs: inline in the event, or its side record (fetched and checked by digest)."""
-    inline = inputs_of(event)
-    if inline is not None:
-        return inline
-    assert event.record is not None
-    return await decision_records.fetch(bus, subjects, event.record)
-
-
-async def cmd_replay(args: argparse.Namespace) -> int:
-    subjects = Subjects(prefix(args))
-    bus = await connect(args, "replay")
-    changed: list[dict[str, Any]] = []
-    skipped: list[dict[str, Any]] = []
-    replayed = 0
-    try:
-        pattern = "placement.placement_decided"
-        async for stored in read_events(bus, subjects, pattern, since=args.since, follow=False):
-            try:
-                event = decode_checked(stored.data, PlacementDecided, f"event {stored.seq}")
-            except BadMessage as exc:
-                skipped.append({"seq": stored.seq, "reason": f"not a decision this version can read: {exc.error}"})
-                continue
-            decision_id = event.decision.decision_id
-            try:
-                inputs = await _inputs(bus, subjects, event)
-            except decision_records.RecordUnavailable as exc:
-                skipped.append({"seq": stored.seq, "decision_id": decision_id, "reason": str(exc)})
-                continue
-            geometry, source = await asyncio.to_thread(_geometry_now, inputs)
-            if geometry is None:
-                reason = f"model unreadable (geometry: {source})"
-                skipped.append({"seq": stored.seq, "decision_id": decision_id, "reason": reason})
-                continue
-            replayed += 1
-            now = await asyncio.to_thread(recompute, inputs, geometry)
-            diff = differences(inputs.decision, now)
-            if diff:
-                changed.append(
-                    {
-                        "seq": stored.seq,
-                        "decision_id": decision_id,
-                        "model": inputs.request.model.path or inputs.request.model.registry,
-                        "kind": "placement",
-                        "geometry": source,
-                        "differences": [{"path": d.path, "recorded": d.recorded, "now": d.now} for d in diff],
-                    }
-                )
-        async for stored in read_events(bus, subjects, "router.generate_routed", since=args.since, follow=False):
-            try:
-                routed = decode_checked(stored.data, GenerateRouted, f"event {stored.seq}")
-            except BadMessage as exc:
-                skipped.append({"seq": stored.seq, "reason": f"not a routing this version can read: {exc.error}"})
-                continue
-            replayed += 1
-            rerouted = route(routed.n_prompt, routed.candidates, routed.weights, routed.links, routed.link_fixed_s)
-            diff = differences(routed.decision, rerouted)
-            if diff:
-                changed.append(
-                    {
-                        "seq": stored.seq,
-                        "decision_id": routed.id,
-                        "model": routed.model,
-                        "kind": "routing",
-                        # A decision made by an older router differs where that version's rules changed.
-                        "versions": {"recorded": routed.router_version, "now": ROUTER_VERSION},
-                        "differences": [{"path": d.path, "recorded": d.recorded, "now": d.now} for d in diff],
-                    }
-                )
-        kinds: tuple[tuple[str, type[GenerateQueued] | type[GenerateDequeued]], ...] = (
-            ("runner.generate_queued", GenerateQueued), ("runner.generate_dequeued", GenerateDequeued),
-        )  # fmt: skip
-        for pattern, kind in kinds:
-            async for stored in read_events(bus, subjects, pattern, since=args.since, follow=False):
-                try:
-                    queued = decode_checked(stored.data, kind, f"event {stored.seq}")
-                except BadMessage as exc:
-                    why = f"not a queue decision this version can read: {exc.error}"
-                    skipped.append({"seq": stored.seq, "reason": why})
-                    continue
-                replayed += 1
-                if queue_diff := _queue_differences(queued):
-                    changed.append({"seq": stored.seq, "decision_id": queued.id, "model": queued.instance_id,
-                                    "kind": "queue", "differences": queue_diff})  # fmt: skip
-        async for stored in read_events(bus, subjects, "frontdoor.scaling_decided", since=args.since, follow=False):
-            try:
-                scaled = decode_checked(stored.data, ScalingDecided, f"event {stored.seq}")
-            except BadMessage as exc:
-                skipped.append({"seq": stored.seq, "reason": f"not a scaling this version can read: {exc.error}"})
-                continue
-            replayed += 1
-            if scale_diff := replay_scaling(scaled.scale, scaled.memory, scaled.now, scaled.decision):
-                changed.append({"seq": stored.seq, "decision_id": scaled.id, "model": scaled.scale.model,
-                                "kind": "scaling", "differences": [{"path": path, "recorded": was, "now": now}
-                                                                   for path, was, now in scale_diff]})  # fmt: skip
-    finally:
-        await bus.close()
-    if args.json:
-        emit_json({"replayed": replayed, "changed": changed, "skipped": skipped})
-    else:
-        for item in changed:
-            versions = item.get("versions")
-            by = f", router {versions['recorded']} -> {versions['now']}" if versions else ""
-            print(f"decision {item['decision_id']} (seq {item['seq']}, {item['model']}{by}) would now differ:")
-            for d in item["differences"]:
-                print(f"  {d['path']}: {d['recorded']!r} -> {d['now']!r}")
-        for item in skipped:
-            print(f"skipped seq {item['seq']}: {item['reason']}", file=sys.stderr)
-        print(f"{replayed} decisions replayed, {len(changed)} would differ, {len(skipped)} skipped")
-    return EXIT_REFUSED if changed else 0
-
-
-def _queue_differences(event: GenerateQueued | GenerateDequeued) -> list[dict[str, Any]]:
-    """How today's queue rules differ from a recorded queue decision: a waiter's tags from their inputs, or the
-    choice among the recorded candidates (the recorded choice is the first)."""
-    if isinstance(event, GenerateQueued):
-        recorded = event.waiter
-        now = retag(recorded)
-        return [
-            {"path": f"waiter.{name}", "recorded": getattr(recorded, name), "now": getattr(now, name)}
-            for name in ("start", "finish")
-            if getattr(recorded, name) != getattr(now, name)
-        ]
-    chosen = rechoose(event.candidates)
-    if event.candidates and chosen != event.candidates[0].request_id:
-        return [{"path": "chosen", "recorded": event.candidates[0].request_id, "now": chosen}]
-    return []
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:

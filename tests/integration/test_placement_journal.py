@@ -23,7 +23,7 @@ from messages.placement import LISTED_REFUSALS
 from messages.telemetry import ModelFiles
 from runtime import buckets
 from runtime.bus import Bus, encode
-from runtime.cli import placement as placement_cli
+from runtime.cli import replay as replay_command
 from tests.conftest import JournalReader, NatsServer, of_type, supervised
 from tests.harness.placement import GIB, SUBJECTS, ask, place, report
 from tests.tiny_models import write_llama
@@ -33,7 +33,7 @@ NODES = 2000
 
 async def replay_cli(server: NatsServer, capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
     parser = argparse.ArgumentParser(prog="mesh-actor")
-    placement_cli.register(parser.add_subparsers(dest="command", required=True))
+    replay_command.register(parser.add_subparsers(dest="command", required=True))
     options = server.options
     assert options.user and options.password
     secret = server.data_dir / "client-password"
