@@ -68,6 +68,7 @@ __all__ = [
     "open_push",
     "push",
     "pushed",
+    "receive_pushed",
     "send_file_range",
     "send_range",
 ]
@@ -504,6 +505,135 @@ async def pushed(
     async with asyncio.timeout(stall_s):
         payload = await reader.readexactly(size)
     return headers, payload
+
+
+#: Pushed messages read ahead of the event loop, at most (each a chunk: what a reading thread may hold).
+_PUSHED_AHEAD: Final = 16
+
+#: Takes one pushed message on the event loop (its headers and payload); False: read no more.
+Deliver = Callable[[dict[str, str], bytes | bytearray], bool]
+
+
+async def receive_pushed(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    deliver: Deliver,
+    *,
+    max_payload: int,
+    stall_s: float,
+) -> None:
+    """Every message pushed on an accepted connection, in order, each handed to `deliver` on the event loop.
+
+    A plain TCP connection is read by a worker thread on the socket itself (each payload copied once, out of the
+    kernel into its own buffer; no event-loop wake-up per read), at most `_PUSHED_AHEAD` messages ahead of
+    `deliver`; a TLS one through its stream (`pushed`). Returns when the peer closes between messages or
+    `deliver` says stop; raises TimeoutError when nothing arrives for `stall_s`, ValueError (or a decode error)
+    for a message over its ceilings or malformed, `asyncio.IncompleteReadError` for one cut short."""
+    detached = _detach(reader, writer)
+    if detached is None:
+        while (message := await pushed(reader, max_payload=max_payload, stall_s=stall_s)) is not None:
+            if not deliver(*message):
+                return
+        return
+    sock, early = detached
+    loop = asyncio.get_running_loop()
+    ahead = threading.Semaphore(_PUSHED_AHEAD)
+    stopped = threading.Event()
+
+    def post(headers: dict[str, str], payload: bytearray) -> None:  # the reading thread
+        ahead.acquire()
+        loop.call_soon_threadsafe(hand, headers, payload)
+
+    def hand(headers: dict[str, str], payload: bytearray) -> None:  # the event loop
+        ahead.release()
+        if stopped.is_set():
+            return
+        if not deliver(headers, payload):
+            stopped.set()
+            _shut(sock)
+
+    work = loop.run_in_executor(None, _read_pushed, sock, early, post, stopped, max_payload, stall_s)
+    try:
+        await asyncio.shield(work)  # the thread waits at most `stall_s` for each read
+    except BaseException:
+        stopped.set()
+        _shut(sock)
+        for _ in range(_PUSHED_AHEAD):  # a thread waiting to post is let go
+            ahead.release()
+        with contextlib.suppress(BaseException):
+            async with asyncio.timeout(stall_s + 5):
+                await work
+        raise
+    finally:
+        sock.close()
+    await asyncio.sleep(0)  # the messages the thread posted last are delivered before this returns
+
+
+def _detach(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[socket.socket, bytes] | None:
+    """A blocking duplicate of a plain connection's socket for a worker thread, and the bytes the stream had read
+    ahead (None under TLS, or when the stream's buffer cannot be taken). The transport stops reading; it still
+    owns, and closes, the socket."""
+    transport = writer.transport
+    raw = transport.get_extra_info("socket")
+    buffered = getattr(reader, "_buffer", None)  # CPython's StreamReader: what it read past the hello
+    if transport.get_extra_info("sslcontext") is not None or raw is None or not isinstance(buffered, bytearray):
+        return None
+    if not isinstance(transport, asyncio.ReadTransport):
+        return None
+    transport.pause_reading()
+    early = bytes(buffered)
+    buffered.clear()
+    sock = socket.socket(raw.family, raw.type, raw.proto, fileno=os.dup(raw.fileno()))
+    sock.setblocking(True)
+    return sock, early
+
+
+def _read_pushed(
+    sock: socket.socket,
+    early: bytes,
+    post: Callable[[dict[str, str], bytearray], None],
+    stopped: threading.Event,
+    max_payload: int,
+    stall_s: float,
+) -> None:
+    """The reading thread: messages from `early`, then the socket, each posted whole (blocking)."""
+    pending = memoryview(early)
+
+    def fill(view: memoryview, *, first: bool = False) -> bool:
+        nonlocal pending
+        got = min(len(pending), len(view))
+        view[:got] = pending[:got]
+        pending = pending[got:]
+        while got < len(view):
+            if stopped.is_set():
+                return False
+            sock.settimeout(stall_s)
+            try:
+                n = sock.recv_into(view[got:])
+            except OSError:
+                if stopped.is_set():
+                    return False
+                raise
+            if n == 0:
+                if first and got == 0:
+                    return False  # closed between messages
+                raise asyncio.IncompleteReadError(bytes(view[:got]), len(view))
+            got += n
+        return True
+
+    lengths = bytearray(PUSHED.size)
+    while not stopped.is_set():
+        if not fill(memoryview(lengths), first=True):
+            return
+        head, size = PUSHED.unpack(lengths)
+        if head > MAX_PUSH_HEADERS or size > max_payload:
+            ceilings = f"at most {MAX_PUSH_HEADERS} and {max_payload}"
+            raise ValueError(f"a message of {head} header and {size} payload bytes ({ceilings})")
+        raw_headers = bytearray(head)
+        payload = bytearray(size)
+        if not fill(memoryview(raw_headers)) or not fill(memoryview(payload)):
+            return
+        post(msgspec.json.decode(raw_headers, type=dict[str, str]), payload)
 
 
 # ---- fetching a range (the asking node's side) -------------------------------------------------------------

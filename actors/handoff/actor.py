@@ -92,7 +92,7 @@ from runtime.datapath import (
     DataUnavailable,
     open_push,
     push,
-    pushed,
+    receive_pushed,
 )
 from runtime.logging import get_logger
 from runtime.tickets import Grant
@@ -198,7 +198,8 @@ class _RestoreNow:
         self.action = action
 
 
-_Item = tuple[rx.Stage, bytes] | _RestoreNow | _Stop
+_Chunk = tuple[rx.Stage, bytes | bytearray]  # a chunk to stage (a NATS payload, or read off the direct stream)
+_Item = _Chunk | _RestoreNow | _Stop
 
 
 class _Session:
@@ -375,25 +376,31 @@ class HandoffActor(Actor):
         async def take(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, grant: Grant[Any]) -> None:
             session.direct = True
             try:
-                await take_chunks(reader)
+                await take_chunks(reader, writer)
             finally:
                 session.stream_ended.set()
 
-        async def take_chunks(reader: asyncio.StreamReader) -> None:
+        async def take_chunks(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             core, loop = session.core, asyncio.get_running_loop()
-            while core.state not in (rx.State.DONE, rx.State.ABORTED):
-                try:
-                    message = await pushed(reader, max_payload=limits.chunk_bytes, stall_s=limits.idle_timeout_s)
-                except TimeoutError:
-                    return  # the session's own deadlines judge the silence
-                except (ValueError, msgspec.DecodeError, asyncio.IncompleteReadError) as exc:
+            over = (rx.State.DONE, rx.State.ABORTED)
+
+            def deliver(headers: dict[str, str], data: bytes | bytearray) -> bool:
+                if core.state in over:
+                    return False
+                self._perform(ctx, session, core.handle(rx.ChunkArrived(headers, len(data), loop.time())), data)
+                return core.state not in over
+
+            try:
+                await receive_pushed(
+                    reader, writer, deliver, max_payload=limits.chunk_bytes, stall_s=limits.idle_timeout_s
+                )
+            except TimeoutError:
+                return  # the session's own deadlines judge the silence
+            except (ValueError, msgspec.DecodeError, asyncio.IncompleteReadError, OSError) as exc:
+                if core.state not in over:
                     failed = rx.Failed(rx.Reason.BAD_CHUNK, f"the direct stream broke: {exc!r}"[:512], loop.time())
                     self._perform(ctx, session, core.handle(failed))
-                    return
-                if message is None:
-                    return  # the sender closed its stream: its commit comes over NATS
-                headers, data = message
-                self._perform(ctx, session, core.handle(rx.ChunkArrived(headers, len(data), loop.time())), data)
+            # the sender closed its stream (its commit comes over NATS), or the session is over
 
         return take
 
@@ -539,7 +546,9 @@ class HandoffActor(Actor):
             now = asyncio.get_running_loop().time()
             self._perform(ctx, session, session.core.handle(rx.CommitArrived(commit, now)))
 
-    def _perform(self, ctx: ActorContext, session: _Session, actions: Sequence[rx.Action], data: bytes = b"") -> None:
+    def _perform(
+        self, ctx: ActorContext, session: _Session, actions: Sequence[rx.Action], data: bytes | bytearray = b""
+    ) -> None:
         """Carries out the core's actions; never waits (publishes are buffered by the client)."""
         core = session.core
         for action in actions:
@@ -616,7 +625,7 @@ class HandoffActor(Actor):
             self._record(ctx, session, loop.time())
 
     @staticmethod
-    def _batch(session: _Session, first: tuple[rx.Stage, bytes]) -> list[tuple[rx.Stage, bytes]]:
+    def _batch(session: _Session, first: _Chunk) -> list[_Chunk]:
         """`first` and the chunks queued behind it (up to `_BATCH_BYTES`): one worker-thread call for all."""
         batch, size = [first], first[0].size
         while size < _BATCH_BYTES and not session.queue.empty():
@@ -628,7 +637,7 @@ class HandoffActor(Actor):
             size += item[0].size
         return batch
 
-    async def _stage(self, ctx: ActorContext, session: _Session, batch: list[tuple[rx.Stage, bytes]]) -> None:
+    async def _stage(self, ctx: ActorContext, session: _Session, batch: list[_Chunk]) -> None:
         core = session.core
         if core.state is rx.State.ABORTED or session.fd is None:
             return
@@ -1103,7 +1112,7 @@ def _free(session: _Session) -> None:
         os.unlink(session.path)
 
 
-def _write_and_hash(session: _Session, batch: list[tuple[rx.Stage, bytes]]) -> list[str | None]:  # worker thread
+def _write_and_hash(session: _Session, batch: list[_Chunk]) -> list[str | None]:  # worker thread
     """Writes each chunk at its place and hashes it into its segment; a segment's blake3 where one ends."""
     digests: list[str | None] = []
     for stage, data in batch:
