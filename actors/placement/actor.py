@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
+from collections import ChainMap
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,8 @@ _CHANGE_DEADLINE_S = 10.0
 #: holder hashes a file version once, then answers from its cache).
 _MAX_FACT_PEERS = 64
 _PEER_FACTS_S = 10.0
+#: Booking requests one placement actor answers at a time (per endpoint): their writes overlap.
+BOOKING_WORKERS = 8
 #: The longest unclaimed hold a request may ask for, unless the node says otherwise (`--max-hold`).
 MAX_HOLD_S = 3600.0
 #: Whom a request on the clients' subject is counted for when nats-server named no client (an admin's).
@@ -190,6 +193,12 @@ class PlacementActor(Actor):
         self._arrived: dict[str, float] = {}  # node -> when its report arrived (our monotonic clock)
         self._view_ready = asyncio.Event()
         self._ledger_cache: dict[str, tuple[NodeLedger | None, int]] = {}
+        # Bookings whose compare-and-set is in flight, per node, and the node's ledger with them (at the revision
+        # they are written over): what decisions see (`_seen`), so concurrent requests spread instead of racing
+        # for one node. A booking is written over the ledger itself, never over another one in flight.
+        self._in_flight: dict[str, list[Reservation]] = {}
+        self._overlay: dict[str, LedgerEntry] = {}
+        self._seen: Mapping[str, LedgerEntry] = ChainMap(self._overlay, self._ledger_cache)
         self._ledgers_ready = asyncio.Event()
         self._ledger_seq = 0  # the newest revision of the reservations bucket the local copy holds
         self._ledger_moved = asyncio.Event()  # set (and replaced) each time the local copy takes a revision
@@ -214,6 +223,8 @@ class PlacementActor(Actor):
         self._view, self._arrived = {}, {}
         self._view_ready = asyncio.Event()
         self._ledger_cache = {}
+        self._in_flight, self._overlay = {}, {}
+        self._seen = ChainMap(self._overlay, self._ledger_cache)
         self._ledgers_ready = asyncio.Event()
         self._ledger_seq = 0
         self._ledger_moved = asyncio.Event()
@@ -228,9 +239,10 @@ class PlacementActor(Actor):
             await self._ledgers_ready.wait()
         ctx.spawn(self._follow_runner_events(ctx), "runner-events")
         ctx.spawn(self._reconcile_forever(ctx), "reconcile")
+        # Bookings overlap their writes (ledger, journal): each decides on the loop, seeing those in flight.
         await ctx.add_endpoint(
             "request", subjects.placement_request, PlacementRequest, lambda r: self.place(ctx, r, dry_run=False),
-            queue_group=QUEUE_GROUP,
+            queue_group=QUEUE_GROUP, workers=BOOKING_WORKERS,
         )  # fmt: skip
         await ctx.add_endpoint(
             "fit", subjects.placement_fit, PlacementRequest, lambda r: self.place(ctx, r, dry_run=True),
@@ -244,8 +256,9 @@ class PlacementActor(Actor):
             return await self.place(ctx, request, dry_run=False, requester=requester)
 
         await ctx.add_endpoint(
-            "client-request", subjects.client_placement_request, PlacementRequest, from_client, queue_group=QUEUE_GROUP
-        )
+            "client-request", subjects.client_placement_request, PlacementRequest, from_client,
+            queue_group=QUEUE_GROUP, workers=BOOKING_WORKERS,
+        )  # fmt: skip
 
     async def _watch_nodes(self, ctx: ActorContext) -> None:
         async for entry in buckets.watch(self._nodes, self._view_ready):
@@ -282,8 +295,7 @@ class PlacementActor(Actor):
             self._ledger_seq = max(self._ledger_seq, revision)
             if self._ledger_cache.get(node, NO_LEDGER)[1] < revision:  # not one of ours applied already (`_wrote`)
                 decoded = self._decode_ledger(node, entry.value, revision)
-                self._ledger_cache[node] = decoded
-                self._index.touch(node)
+                self._set_ledger(node, decoded)
                 self._reconciler.saw_ledger(node, decoded[0], self._monotonic())
             moved, self._ledger_moved = self._ledger_moved, asyncio.Event()
             moved.set()
@@ -411,7 +423,7 @@ class PlacementActor(Actor):
         decided: _Decided | None = None
         for _ in range(self._max_attempts):
             now = self._clock()
-            seen = self._ledger_seq
+            seen, overlaid = self._ledger_seq, bool(self._overlay)
             if over_share:
                 left = [n for n in (request.nodes or sorted(self._view, key=natural_key)) if n not in over_share]
                 if not left:
@@ -448,7 +460,7 @@ class PlacementActor(Actor):
             # up, took a revision since; else the ledgers it relied on are read from the bucket.
             from_bucket = True
             if await self._catch_up():
-                if self._ledger_seq == seen:
+                if self._ledger_seq == seen and not overlaid:  # (a booking in flight then may have failed since)
                     break
                 continue
             suspects = [r.node_id for r in outcome.decision.rejections if r.reason in _LEDGER_REASONS]
@@ -589,20 +601,23 @@ class PlacementActor(Actor):
             # A comparison per node against shared sizings (about a microsecond each): on the event loop,
             # which keeps the view and the ledgers still while it runs.
             decision = self._index.decision(
-                request, facts, self._view, self._arrived, self._ledger_cache, now=now, monotonic_now=monotonic_now,
+                request, facts, self._view, self._arrived, self._seen, now=now, monotonic_now=monotonic_now,
                 decision_id=decision_id, reservation_id=reservation_id, dry_run=dry_run, fresh=fresh,
             )  # fmt: skip
             outcome = decision.outcome
             inputs = None
             if not dry_run:  # journaled: the nodes replay needs to decide it again (`witnesses`), or every node
                 inputs = snapshot(
-                    request, self._view, self._arrived, self._ledger_cache, fresh, monotonic_now, decision.witnesses
+                    request, self._view, self._arrived, self._seen, fresh, monotonic_now, decision.witnesses
                 )
             relied = [r.node_id for r in outcome.reservations]
             relied += [r.node_id for r in outcome.decision.rejections if r.reason in _LEDGER_REASONS]
+            # written over the ledger as stored (not over a booking in flight), at the revision the decision saw
             ledgers = {name: fresh.get(name) or self._ledger_cache.get(name, NO_LEDGER) for name in relied}
             return _Decided(outcome, ledgers, inputs)
-        inputs = snapshot(request, self._view, self._arrived, self._ledger_cache, fresh, monotonic_now)
+        inputs = snapshot(request, self._view, self._arrived, self._seen, fresh, monotonic_now)
+        # A booking is written over the ledger as stored, at the revision the decision saw (not over one in flight).
+        stored = {name: fresh.get(name) or self._ledger_cache.get(name, NO_LEDGER) for name in inputs.ledgers}
         # Each node sized at its own ceiling, CPU work that grows with the view: off the event loop, on a copy.
         outcome = await asyncio.to_thread(
             decide,
@@ -616,7 +631,7 @@ class PlacementActor(Actor):
             dry_run=dry_run,
             unreadable=inputs.unreadable,
         )
-        return _Decided(outcome, inputs.ledgers, inputs)
+        return _Decided(outcome, stored, inputs)
 
     def stats(self) -> PlacementStats:
         """The size of what this actor keeps (bounded by the view and the index's limits)."""
@@ -703,13 +718,28 @@ class PlacementActor(Actor):
         self._wrote(node, ledger, written)
         return written
 
+    def _set_ledger(self, node: str, entry: LedgerEntry) -> None:
+        self._ledger_cache[node] = entry
+        self._overlaid(node)
+
+    def _overlaid(self, node: str) -> None:
+        """The ledger decisions see for `node`: the local copy's, with the bookings in flight there."""
+        booking = self._in_flight.get(node)
+        if booking:
+            ledger, revision = self._ledger_cache.get(node, NO_LEDGER)
+            for reservation in booking:
+                ledger = with_reservation(ledger, node, reservation)
+            self._overlay[node] = (ledger, revision)
+        else:
+            self._overlay.pop(node, None)
+        self._index.touch(node)
+
     def _wrote(self, node: str, ledger: NodeLedger, revision: int) -> None:
         """A ledger this actor wrote, in the local copy before the watch brings it back: the decisions taken
         meanwhile see the booking (else every concurrent request would pick the same node and lose its
         compare-and-set). The watch then skips that revision and any older one of the node's."""
         if self._ledger_cache.get(node, NO_LEDGER)[1] < revision:
-            self._ledger_cache[node] = (ledger, revision)
-            self._index.touch(node)
+            self._set_ledger(node, (ledger, revision))
             self._reconciler.saw_ledger(node, ledger, self._monotonic())
 
     async def _commit(
@@ -725,11 +755,18 @@ class PlacementActor(Actor):
         while (reservation := booking.next_write()) is not None:
             node = reservation.node_id
             ledger, revision = ledgers.get(node, (None, 0))
+            self._in_flight.setdefault(node, []).append(reservation)
+            self._overlaid(node)
             try:
                 new_revision = await self._write_ledger(node, with_reservation(ledger, node, reservation), revision)
             except BaseException:
                 await self._take_back(ctx, booking.failed(reservation, uncertain=True))
                 raise
+            finally:
+                self._in_flight[node].remove(reservation)
+                if not self._in_flight[node]:
+                    del self._in_flight[node]
+                self._overlaid(node)
             if new_revision is None:
                 await self._take_back(ctx, booking.failed(reservation, uncertain=False))
                 return False

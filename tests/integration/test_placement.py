@@ -480,3 +480,23 @@ async def test_a_refusal_decided_from_a_lagging_local_copy_is_rechecked_against_
     assert decision.admitted, decision.message
     assert checked == 1  # the refusal from the lagging copy was decided again once the copy caught up
     assert [r.reservation_id for r in (await ledger(bus, "a")).reservations] == [decision.reservation_id]
+
+
+async def test_concurrent_requests_spread_over_the_nodes_their_bookings_in_flight_leave_room_on(
+    bus: Bus, models: dict[str, Path]
+) -> None:
+    # Eight nodes with room for one instance each, eight requests at once to one placement actor that tries a
+    # booking twice at most: a decision sees the bookings still in flight (their compare-and-set not answered
+    # yet), so each picks another node; none is over-committed and none loses the race twice (without the
+    # bookings in flight, each would pick the node with the most room, and most would).
+    actor = PlacementActor(max_attempts=2)
+    names = [f"n{i}" for i in range(8)]
+    async with supervised(bus, [actor], node_id="p1"):
+        for i, name in enumerate(names):
+            await put_telemetry(bus, report(name, need(models["dense"]) + (10 + i) * MIB))
+        await wait_view(actor, *names)
+        decisions = await asyncio.gather(*(place(bus, ask(models["dense"])) for _ in names))
+    assert all(d.admitted for d in decisions), [d.message for d in decisions if not d.admitted]
+    assert sorted(d.placements[0].node_id for d in decisions) == sorted(names)
+    for name in names:
+        assert len((await ledger(bus, name)).reservations) == 1
