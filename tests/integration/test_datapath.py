@@ -371,3 +371,31 @@ async def test_a_sink_that_cannot_write_fails_the_fetch_with_its_own_error(paylo
             await fetch_range(offer(lst, path, digest), receiver="taker", digest=digest, offset=0, length=SIZE,
                               chunk=CHUNK, sink=full, tls=None, limits=LIMITS, deadline_s=30)  # fmt: skip
         assert caught.value.errno == errno.ENOSPC
+
+
+async def test_a_receiver_that_takes_nothing_is_cut_off_by_the_listener(tmp_path: Path) -> None:
+    data = os.urandom(32 << 20)  # more than the sockets buffer between the two ends
+    path = tmp_path / "big.bin"
+    path.write_bytes(data)
+    digest = str(blake3.blake3(data).hexdigest())
+    async with listener() as lst:
+        made = lst.offer(file_handler(path), receiver="taker", digest=digest, offset=0, length=len(data), chunk=CHUNK)
+        assert isinstance(made, DirectOffer)
+        hello = DataHello(ticket=made.ticket, receiver="taker", digest=digest, offset=0, length=len(data), chunk=CHUNK)
+        reader, writer = await asyncio.open_connection("127.0.0.1", lst.port)
+        try:
+            writer.write(framed(hello))
+            await writer.drain()
+            async with asyncio.timeout(10):  # the listener's stall_s (1 s) ends its side well within this
+                while lst._connections:
+                    await asyncio.sleep(0.05)
+            received = 0
+            with contextlib.suppress(ConnectionError):
+                async with asyncio.timeout(10):
+                    while chunk := await reader.read(1 << 20):
+                        received += len(chunk)
+            assert received < len(data)  # what the sockets held when the listener gave up, not the range
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
