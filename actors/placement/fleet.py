@@ -446,7 +446,7 @@ class FleetIndex:
             q.request, q.model, {n: view[n] for n in named}, [self._chosen(q, best)], [], now=now,
             decision_id=decision_id, reservation_id=reservation_id, dry_run=dry_run,
         )  # fmt: skip
-        rivals = standing.runners_up(name, RIVALS)
+        rivals = standing.runners_up(name, RIVALS) if not dry_run else []  # a dry run is not journaled
         return Decided(dataclasses.replace(outcome, decision=brief(outcome.decision)), frozenset((*named, *rivals)))
 
     def _conclude(
