@@ -223,9 +223,9 @@ class _Standing:
         self.serial += 1
         fitting = dataclasses.replace(fitting, serial=self.serial)
         self.fits[name] = fitting
-        heapq.heappush(self.best, (fitting.lacks, -fitting.headroom, natural[name], name, fitting.serial))
+        heapq.heappush(self.best, (fitting.lacks, -fitting.headroom, _key(natural, name), name, fitting.serial))
         if len(self.best) > 4 * len(self.fits) + 64:
-            self.best = [(f.lacks, -f.headroom, natural[n], n, f.serial) for n, f in self.fits.items()]
+            self.best = [(f.lacks, -f.headroom, _key(natural, n), n, f.serial) for n, f in self.fits.items()]
             heapq.heapify(self.best)
 
     def best_for(self, prefer: tuple[str, ...]) -> _Fitting | None:
@@ -234,9 +234,9 @@ class _Standing:
 
     def answer(self, natural: Mapping[str, NaturalKey], prefer: tuple[str, ...]) -> _Judged:
         if self.refused_order is None:
-            self.refused_order = sorted(self.refused, key=natural.__getitem__)
+            self.refused_order = sorted(self.refused, key=lambda n: _key(natural, n))
         if self.misfit_order is None:
-            self.misfit_order = sorted(self.misfits, key=natural.__getitem__)
+            self.misfit_order = sorted(self.misfits, key=lambda n: _key(natural, n))
         return _Judged(
             refused=[self.refused[n] for n in self.refused_order],
             misfits=[self.misfits[n] for n in self.misfit_order],
@@ -441,7 +441,7 @@ class FleetIndex:
         name = best.state.entry.resources.node_id
         named = {name}
         if best.lacks and standing.holders:
-            named.add(min(standing.holders, key=self._natural.__getitem__))
+            named.add(min(standing.holders, key=lambda n: _key(self._natural, n)))
         outcome = conclude(
             q.request, q.model, {n: view[n] for n in named}, [self._chosen(q, best)], [], now=now,
             decision_id=decision_id, reservation_id=reservation_id, dry_run=dry_run,
@@ -601,8 +601,12 @@ class FleetIndex:
             names |= standing.stale
             names |= standing.expired(q.monotonic_now)
             again = names
-        for name in again:
-            self._judge(standing, q, name, view.get(name), ledgers.get(name, NO_LEDGER), arrived)
+        try:
+            for name in again:
+                self._judge(standing, q, name, view.get(name), ledgers.get(name, NO_LEDGER), arrived)
+        except BaseException:
+            del self._standing[key]  # half taken in: rebuilt by the next decision
+            raise
         return standing
 
     def _judge(
@@ -803,6 +807,13 @@ class FleetIndex:
         self._sized += 1
         self._sizings[key] = sizing
         return sizing
+
+
+def _key(natural: Mapping[str, NaturalKey], name: str) -> NaturalKey:
+    """`name`'s natural sort key, kept or computed: a standing answer may still hold a node that has left the
+    view (and whose key `_keep_bounded` dropped) until the node, touched, is judged again."""
+    key = natural.get(name)
+    return key if key is not None else natural_key(name)
 
 
 def _same_report(a: NodeResources, b: NodeResources) -> bool:

@@ -533,6 +533,41 @@ def test_many_nodes_share_one_sizing_per_profile_and_layout(models: tuple[ModelF
     assert stats.nodes == 200 and stats.profiles == 2 and stats.sized == 2  # one sizing per profile, reused
 
 
+def test_a_tracked_index_takes_in_most_of_the_fleet_leaving_at_once(models: tuple[ModelFacts, ...]) -> None:
+    # Most nodes leave while their answers stand (the index drops what it kept of them before it judges them
+    # again) and the rest report anew, round after round: the standing answer's heap is rebuilt meanwhile.
+    # Every decision is the full scan's.
+    current = Fleet()
+
+    def reported(i: int, seq: int) -> None:
+        name = f"node-{i}"
+        node = NodeResources(
+            node_id=name, seq=seq, sent_at=NOW, started_at=NOW, ttl_s=15,
+            host=HostInfo(ram_total_bytes=1024 * MIB, ram_available_bytes=512 * MIB, usable_bytes=512 * MIB,
+                          cpu_count=8),
+            gpus=(gpu(0, 96, 40 + (i + seq) % 50),), settings=PROFILES[0],
+        )  # fmt: skip
+        current.revision += 1
+        current.view[name] = ViewEntry(resources=node, revision=current.revision)
+        current.arrived[name] = MONOTONIC
+        current.touched.append(name)
+
+    index = FleetIndex(tracked=True)
+    request = PlacementRequest(model=ModelRef(path="m.gguf"), ctx=4096)
+    for round_ in range(12):
+        for i in range(150):
+            if round_ < 6 or i < 20:
+                reported(i, round_ + 1)
+            elif f"node-{i}" in current.view:  # gone
+                del current.view[f"node-{i}"], current.arrived[f"node-{i}"]
+                current.touched.append(f"node-{i}")
+        for name in current.touched:
+            index.touch(name)
+        current.touched.clear()
+        fast, full = both(index, request, models[0], current, {})
+        assert fast == full and fast.decision.admitted
+
+
 def test_tables_stay_bounded_when_nodes_come_and_go(
     models: tuple[ModelFacts, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
