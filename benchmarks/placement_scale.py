@@ -426,6 +426,7 @@ async def measure_size(args: argparse.Namespace, n: int, model: Path, facts: Mod
                     print(f"  memory (this process)   RSS {rss_empty / MIB:.1f} MiB before the fleet reported, "
                           f"{rss_full / MIB:.1f} MiB once the view held {n} nodes")  # fmt: skip
                     bookings, refused = await measure_bookings(client, subjects, request, args)
+                    await asyncio.sleep(2)  # the journal stores the last decisions' events
                     replayed = await replay_journal(client, subjects, facts)
                     print_bookings(bookings, refused, replayed, args.in_flight)
                     if n == max(args.sizes):
