@@ -62,11 +62,11 @@ __all__ = [
     "DataListener",
     "DataPathConfig",
     "DataUnavailable",
+    "PushStream",
     "Sink",
     "chunk_plan",
     "fetch_range",
     "open_push",
-    "push",
     "pushed",
     "receive_pushed",
     "send_file_range",
@@ -438,9 +438,7 @@ PUSHED: Final = struct.Struct("!II")
 MAX_PUSH_HEADERS: Final = 4096
 
 
-async def open_push(
-    offer: DirectOffer, hello: DataHello, *, tls: TlsFiles | None, limits: DataLimits
-) -> asyncio.StreamWriter:
+async def open_push(offer: DirectOffer, hello: DataHello, *, tls: TlsFiles | None, limits: DataLimits) -> PushStream:
     """A connection to a listener that takes the bytes (it answered the NATS request that issued `offer`), its
     ticket accepted; write messages with `push`. Raises `DataUnavailable` when it cannot be opened."""
     if not offer.tls and offer.machine != _MACHINE:
@@ -471,16 +469,69 @@ async def open_push(
     if not answer.ok:
         await _close(writer)
         raise DataUnavailable(f"the peer refused the ticket: {answer.reason}: {answer.detail}")
-    return writer
+    return PushStream(writer, limits)
 
 
-async def push(writer: asyncio.StreamWriter, headers: dict[str, str], payload: Any, limits: DataLimits) -> None:
-    """One message (its headers, then its payload: bytes or a memoryview), drained within the stall deadline."""
+class PushStream:
+    """The sending end of a pushed stream (`open_push`): batches of messages, each its headers and payload.
+
+    On plain TCP a batch is written by a worker thread on a blocking duplicate of the socket (`sendmsg`: the
+    headers and the payload go from where they are, no copy into a write buffer, no event-loop wake-up per
+    message); under TLS through the asyncio stream. Every write waits at most the stall deadline."""
+
+    def __init__(self, writer: asyncio.StreamWriter, limits: DataLimits) -> None:
+        self._writer = writer
+        self._limits = limits
+        raw = writer.transport.get_extra_info("socket")
+        self._sock: socket.socket | None = None
+        if writer.transport.get_extra_info("sslcontext") is None and raw is not None:
+            self._sock = socket.socket(raw.family, raw.type, raw.proto, fileno=os.dup(raw.fileno()))
+            self._sock.setblocking(True)
+
+    async def send(self, batch: Sequence[tuple[dict[str, str], Any]]) -> None:
+        """Writes every message of `batch` (headers, payload: bytes or a memoryview), in order."""
+        if self._sock is None:
+            for headers, payload in batch:
+                self._writer.write(_pushed_head(headers, len(payload)))
+                self._writer.write(payload)
+                async with asyncio.timeout(self._limits.stall_s):
+                    await self._writer.drain()
+            return
+        framed = [(_pushed_head(headers, len(payload)), payload) for headers, payload in batch]
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(None, _send_blocking, self._sock, framed, self._limits.stall_s)
+        try:
+            await asyncio.shield(work)  # each sendmsg waits at most `stall_s`
+        except BaseException:
+            _shut(self._sock)
+            with contextlib.suppress(BaseException):
+                async with asyncio.timeout(self._limits.stall_s + 5):
+                    await work
+            raise
+
+    async def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        await _close(self._writer)
+
+
+def _pushed_head(headers: dict[str, str], size: int) -> bytes:
     head = msgspec.json.encode(headers)
-    writer.write(PUSHED.pack(len(head), len(payload)) + head)
-    writer.write(payload)
-    async with asyncio.timeout(limits.stall_s):
-        await writer.drain()
+    return PUSHED.pack(len(head), size) + head
+
+
+def _send_blocking(sock: socket.socket, framed: list[tuple[bytes, Any]], stall_s: float) -> None:
+    """Each message's head and payload with `sendmsg`, the rest of a partial send again (a worker thread)."""
+    sock.settimeout(stall_s)
+    for head, payload in framed:
+        parts = [memoryview(head), memoryview(payload).cast("B")]
+        while parts:
+            sent = sock.sendmsg(parts)
+            while parts and sent >= len(parts[0]):
+                sent -= len(parts[0])
+                parts.pop(0)
+            if parts and sent:
+                parts[0] = parts[0][sent:]
 
 
 async def pushed(

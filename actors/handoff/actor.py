@@ -90,8 +90,8 @@ from runtime.datapath import (
     DataListener,
     DataPathConfig,
     DataUnavailable,
+    PushStream,
     open_push,
-    push,
     receive_pushed,
 )
 from runtime.logging import get_logger
@@ -791,7 +791,7 @@ class _Send:
         self.peer = peer
         self.inbox = inbox
         self.datapath = datapath
-        self.stream: asyncio.StreamWriter | None = None  # the direct stream the chunks go on, when it opened
+        self.stream: PushStream | None = None  # the direct stream the chunks go on, when it opened
         self.transport = "nats"
         self.fallback = ""
         self.loop = asyncio.get_running_loop()
@@ -958,10 +958,8 @@ class _Send:
     async def _close_stream(self) -> None:
         stream, self.stream = self.stream, None
         if stream is not None:
-            stream.close()
-            with contextlib.suppress(OSError, TimeoutError, Exception):
-                async with asyncio.timeout(2):
-                    await stream.wait_closed()
+            with contextlib.suppress(OSError, TimeoutError):
+                await stream.close()
 
     async def _commit(self, started: float) -> HandoffReport:
         core, ctx = self.core, self.ctx
@@ -1041,16 +1039,18 @@ class _Send:
         assert core.reply is not None
         session = core.session
         while True:
+            batch: list[tuple[dict[str, str], Any]] = []
             for chunk in core.sendable():
                 # A memoryview slice: the client joins it into its write buffer without another copy.
                 part: Any = data[chunk.chunk : chunk.chunk + chunk.size]
                 headers = tx.chunk_headers(session, chunk.segment, chunk.chunk)
                 if self.stream is None:
                     await nc.publish(subject, part, headers=headers)
-                    continue
-                assert self.datapath is not None
+                else:
+                    batch.append((headers, part))  # what the credit allows, written in one go
+            if batch and self.stream is not None:
                 try:
-                    await push(self.stream, headers, part, self.datapath.limits)
+                    await self.stream.send(batch)
                 except (OSError, TimeoutError) as exc:
                     detail = f"the direct stream broke: {exc!r}"[:512]
                     self._act(core.handle(tx.Failed(tx.Reason.BUS_ERROR, detail, self.loop.time())))
