@@ -1235,7 +1235,7 @@ class ChaosRun:
         """Opens of empty handoff sessions to a, one after another until `stop` is set: never a byte sent."""
         assert self.adversary is not None
         adv = self.adversary
-        subject = self.subjects.handoff("a", "open")
+        subject = self.subjects.handoff_open("a", FORGE_NODE)  # its own id: what its credential may publish
         payload = encode(
             HandoffOpen(sender_node=FORGE_NODE, identity="0" * 64, n_tokens=1, max_bytes=1 << 20,
                         credit_subject=f"{prefix}.credit")
