@@ -456,7 +456,10 @@ class HandoffActor(Actor):
         session = self._sessions.get(session_id)
         now = asyncio.get_running_loop().time()
         if verb == "open":  # `<node>.<sender>.open`: the token before the verb is the sender, not a session
-            ctx.spawn(self._on_bound_open(ctx, msg, session_id), "open")
+            # handled within the open's trace (its traceparent, or a fresh trace), as an endpoint's request is:
+            # the session task it starts, the spans and the events it records carry it
+            with tracing.use(tracing.incoming(msg.headers)):
+                ctx.spawn(self._on_bound_open(ctx, msg, session_id), "open")
             return
         if verb == "data":
             if session is not None:
