@@ -154,7 +154,8 @@ async def read_events(
         raise CliError(f"{exc} (the journal needs allow_direct: a node started with admin rights sets it)") from exc
 
 
-async def cmd_events(args: argparse.Namespace) -> int:
+async def event_rows(args: argparse.Namespace) -> AsyncIterator[dict[str, Any]]:
+    """The rows `events` prints (`--json`'s records), as its arguments select them."""
     subjects = Subjects(prefix(args))
     if args.usage:
         refuse_client(args, "the tenants' usage")
@@ -164,12 +165,16 @@ async def cmd_events(args: argparse.Namespace) -> int:
             bus, subjects, args.subject, since=args.since, follow=args.follow, private=args.usage
         ):
             row = _render(stored.seq, stored.subject, stored.time, stored.data)
-            if args.trace is not None and not _in_trace(row["event"], args.trace):
-                continue
-            if args.json:
-                emit_json(row)
-            else:
-                print(f"{row['seq']:>8} {row['time'][:23]} {_summary(row['event'])}", flush=True)
+            if args.trace is None or _in_trace(row["event"], args.trace):
+                yield row
     finally:
         await bus.close()
+
+
+async def cmd_events(args: argparse.Namespace) -> int:
+    async for row in event_rows(args):
+        if args.json:
+            emit_json(row)
+        else:
+            print(f"{row['seq']:>8} {row['time'][:23]} {_summary(row['event'])}", flush=True)
     return 0

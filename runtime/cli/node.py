@@ -322,12 +322,9 @@ async def cmd_run(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from exc
 
 
-async def fetch_status(args: argparse.Namespace) -> tuple[list[NodeResources], list[InstanceStatus], list[Reservation]]:
-    status = await _fetch_status(args)
-    return status.nodes, status.instances, status.reservations
+class Status(msgspec.Struct, frozen=True, kw_only=True):
+    """What `status` reads of the mesh."""
 
-
-class _Status(msgspec.Struct, frozen=True, kw_only=True):
     nodes: list[NodeResources]
     instances: list[InstanceStatus]
     reservations: list[Reservation]
@@ -336,7 +333,7 @@ class _Status(msgspec.Struct, frozen=True, kw_only=True):
     files: list[ModelFile]
 
 
-async def _fetch_status(args: argparse.Namespace) -> _Status:
+async def read_status(args: argparse.Namespace) -> Status:
     subjects = Subjects(prefix(args))
     bus = await connect(args, "status")
     try:
@@ -354,7 +351,7 @@ async def _fetch_status(args: argparse.Namespace) -> _Status:
     for warning in warnings + more:
         print(f"mesh-actor: warning: skipping {warning}", file=sys.stderr)
     reservations = [r for _, ledger in ledgers for r in ledger.reservations]
-    return _Status(
+    return Status(
         nodes=[node for _, node in nodes],
         instances=instances,
         reservations=reservations,
@@ -364,9 +361,27 @@ async def _fetch_status(args: argparse.Namespace) -> _Status:
     )
 
 
+def status_record(status: Status, now: float) -> dict[str, Any]:
+    """`status --json`'s record: each node with its report's age and its store's totals, then the rest."""
+    return {
+        "nodes": [
+            {
+                **msgspec.to_builtins(node),
+                "age_s": round(max(0.0, now - node.sent_at), 3),
+                "l3": status.l3.get(node.node_id),
+            }
+            for node in status.nodes
+        ],
+        "instances": [msgspec.to_builtins(i) for i in status.instances],
+        "reservations": [msgspec.to_builtins(r) for r in status.reservations],
+        "frontdoors": [msgspec.to_builtins(d) for d in status.doors],
+        "model_files": [msgspec.to_builtins(f) for f in status.files],
+    }
+
+
 async def cmd_status(args: argparse.Namespace) -> int:
     async with asyncio.timeout(30):
-        status = await _fetch_status(args)
+        status = await read_status(args)
     nodes, instances, reservations, l3, doors = (
         status.nodes,
         status.instances,
@@ -376,22 +391,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
     )
     now = time.time()
     if args.json:
-        emit_json(
-            {
-                "nodes": [
-                    {
-                        **msgspec.to_builtins(node),
-                        "age_s": round(max(0.0, now - node.sent_at), 3),
-                        "l3": l3.get(node.node_id),
-                    }
-                    for node in nodes
-                ],
-                "instances": [msgspec.to_builtins(i) for i in instances],
-                "reservations": [msgspec.to_builtins(r) for r in reservations],
-                "frontdoors": [msgspec.to_builtins(d) for d in doors],
-                "model_files": [msgspec.to_builtins(f) for f in status.files],
-            }
-        )
+        emit_json(status_record(status, now))
         return 0
     if not nodes:
         print("no live nodes")

@@ -29,7 +29,7 @@ from messages.subjects import Subjects
 from runtime.bus import Bus
 from runtime.generate_client import forward
 from tests.harness.generate import client, wait_captured, wait_serving
-from tests.harness.nodes import cli, node, wait_nodes
+from tests.harness.nodes import cli, instances_of, node, wait_nodes
 from tests.llama_harness import call_server, require_server
 from tests.tiny_chat_models import write_tool_chat
 
@@ -241,8 +241,7 @@ async def shapes_node(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator
         instance_id = str(json.loads(out)["instance"]["instance_id"])
         async with asyncio.timeout(60):
             while True:
-                _, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
-                (instance,) = [i for i in json.loads(out)["instances"] if i["id"] == instance_id]
+                (instance,) = [i for i in await instances_of(data_dir) if i["id"] == instance_id]
                 if instance["state"] == "ready":
                     break
                 await asyncio.sleep(0.2)

@@ -33,7 +33,7 @@ from tests.e2e.test_passthrough import assert_same, normalized, post
 from tests.harness.frontdoor import KEYED, _events, client, write_catalog
 from tests.harness.generate import gen
 from tests.harness.images import image_part
-from tests.harness.nodes import cli, node, wait_nodes
+from tests.harness.nodes import cli, instances_of, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.tiny_chat_models import write_tool_chat
 from tests.tiny_models import write_llama
@@ -60,9 +60,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 async def _ready(data_dir: Path, instance_id: str) -> dict[str, Any]:
     async with asyncio.timeout(90):
         while True:
-            code, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
-            assert code == 0
-            (instance,) = [i for i in json.loads(out)["instances"] if i["id"] == instance_id]
+            (instance,) = [i for i in await instances_of(data_dir) if i["id"] == instance_id]
             if instance["state"] == "ready":
                 return dict(instance)
             assert instance["state"] == "starting", instance
@@ -130,25 +128,20 @@ async def test_a_catalog_model_with_a_draft_is_served_with_it(tmp_path: Path, mo
         api = client(port)
         done = await api.completions.create(model="spec", prompt="Hello there", max_tokens=8, temperature=0)
         assert done.usage is not None and done.usage.completion_tokens == 8
-        code, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
-        assert code == 0
-        (instance,) = [i for i in json.loads(out)["instances"] if i["state"] == "ready"]
+        (instance,) = [i for i in await instances_of(data_dir) if i["state"] == "ready"]
         assert instance["settings"]["draft"]["path"] == str(models["draft"])
         _assert_observed_is_predicted(instance)
         # the same file without the draft is another catalog model: it gets its own instance
         plain = await api.completions.create(model="plain", prompt="Hello there", max_tokens=8, temperature=0)
         assert plain.choices[0].text == done.choices[0].text  # greedy: speculation changes no token
-        _, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
-        ready = [i for i in json.loads(out)["instances"] if i["state"] == "ready"]
+        ready = [i for i in await instances_of(data_dir) if i["state"] == "ready"]
         assert sorted(bool(i["settings"].get("draft")) for i in ready) == [False, True]
     with pytest.raises(openai.APIConnectionError):  # the node is gone: nothing of it answers any more
         await client(port).models.list()
 
 
 async def _instance(data_dir: Path, instance_id: str) -> dict[str, Any]:
-    code, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
-    assert code == 0
-    (instance,) = [i for i in json.loads(out)["instances"] if i["id"] == instance_id]
+    (instance,) = [i for i in await instances_of(data_dir) if i["id"] == instance_id]
     return dict(instance)
 
 
@@ -211,8 +204,7 @@ async def test_a_catalog_model_with_a_projector_passes_images_through_and_captur
         }
         front_status, front = await post(door, "/v1/chat/completions", body)  # loads the model
         assert front_status == 200, front
-        (instance,) = [i for i in json.loads((await cli("status", "--json", "--data-dir", str(data_dir)))[1])
-                       ["instances"] if i["state"] == "ready"]  # fmt: skip
+        (instance,) = [i for i in await instances_of(data_dir) if i["state"] == "ready"]
         assert instance["settings"]["mmproj"]["path"] == str(models["mmproj"])
         direct = f"http://127.0.0.1:{instance['port']}"
         for streamed in (False, True):

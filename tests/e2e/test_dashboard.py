@@ -27,7 +27,7 @@ from runtime.children import free_port
 from tests.conftest import processes
 from tests.harness.frontdoor import KEY, KEYED, QUIET, client, write_catalog
 from tests.harness.generate import wait_ready
-from tests.harness.nodes import cli, nats_env, node, wait_nodes
+from tests.harness.nodes import cli, nats_env, node, status_of, wait_nodes
 from tests.llama_harness import require_server
 from tests.tiny_models import write_llama
 
@@ -61,9 +61,8 @@ def keep_artifact(path: Path) -> None:
 
 
 async def status_json(data_dir: Path) -> dict[str, Any]:
-    code, out, err = await cli("status", "--json", "--data-dir", str(data_dir))
-    assert code == 0, err
-    record: dict[str, Any] = json.loads(out)
+    record = await status_of(data_dir)
+    assert record is not None, f"no status from {data_dir}"
     return record
 
 

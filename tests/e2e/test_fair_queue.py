@@ -21,7 +21,7 @@ import pytest
 
 from runtime.children import free_port
 from tests.harness.frontdoor import QUIET, write_catalog
-from tests.harness.nodes import cli, node, wait_nodes
+from tests.harness.nodes import cli, events_of, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.tiny_models import write_llama
 
@@ -38,9 +38,7 @@ async def issue(data_dir: Path, tenant: str) -> str:
 
 
 async def events(data_dir: Path, kind: str) -> list[dict[str, Any]]:
-    code, out, err = await cli("events", "--json", "--subject", f"runner.{kind}", "--data-dir", str(data_dir))
-    assert code == 0, err
-    return [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+    return await events_of(data_dir, "--subject", f"runner.{kind}")
 
 
 async def test_a_short_tenant_is_not_starved_by_a_flood_and_no_slot_idles(tmp_path: Path) -> None:

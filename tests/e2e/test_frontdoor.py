@@ -24,7 +24,7 @@ from actors.placement.memory import estimate
 from messages.settings import ServingSettings
 from runtime.children import free_port
 from tests.harness.frontdoor import _WEDGE, KEY, KEYED, QUIET, _events, client, instances, write_catalog
-from tests.harness.nodes import cli, node, wait_nodes
+from tests.harness.nodes import cli, events_of, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.tiny_models import write_llama
 
@@ -154,15 +154,12 @@ async def test_two_models_take_turns_in_memory_for_one_and_no_request_is_lost(
 
         results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(16))), 240)
         assert len(results) == 16  # every request answered
-        _, out, _ = await cli("events", "--json", "--subject", "runner.instance_starting", "--data-dir", str(data_dir))
-        starts = [line for line in out.splitlines() if line.strip()]
+        starts = await events_of(data_dir, "--subject", "runner.instance_starting")
         assert 2 <= len(starts) <= 6, len(starts)  # requests grouped per model: a handful of swaps, not 16
         assert len(await instances(data_dir)) == 1  # never both at once
-        _, out, _ = await cli("events", "--json", "--subject", "frontdoor.room_made", "--data-dir", str(data_dir))
-        made = [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+        made = await events_of(data_dir, "--subject", "frontdoor.room_made")
         assert made and all(m["stopped"] and m["frees"]["CPU"] > 0 for m in made)  # each swap journaled
-        _, out, _ = await cli("events", "--json", "--subject", "frontdoor.model_refused", "--data-dir", str(data_dir))
-        (refused,) = [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+        (refused,) = await events_of(data_dir, "--subject", "frontdoor.model_refused")
         assert refused["model"] == "huge" and refused["reason"] == "never_fits" and refused["need_bytes"]["CPU"] > 0
 
 

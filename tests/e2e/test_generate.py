@@ -21,7 +21,7 @@ from messages.generate import GenerateChunk, GenerateRequest, GenerateResult
 from messages.subjects import Subjects
 from runtime.generate_client import generate
 from tests.harness.generate import QUIET, client, gen, start_model, wait_captured, wait_ready, wait_serving
-from tests.harness.nodes import cli, nats_env, node, wait_nodes
+from tests.harness.nodes import cli, events_of, nats_env, node, wait_nodes
 from tests.llama_harness import call_server, require_server
 from tests.tiny_models import write_gemma3, write_llama, write_qwen35
 
@@ -89,11 +89,7 @@ async def test_routing_sends_a_prompt_to_the_instance_that_holds_it(tmp_path: Pa
             assert again["tokens_evaluated"] <= 1
         other = [2 + (i * 3) % 200 for i in range(300)]
         assert (await gen(data_dir, "dense", other, 4, "--no-capture"))["source"] == "cold"
-        code, out, err = await cli(
-            "events", "--json", "--subject", "router.generate_routed", "--data-dir", str(data_dir)
-        )
-        assert code == 0, err
-        routed = [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+        routed = await events_of(data_dir, "--subject", "router.generate_routed")
         assert len(routed) == 5 and {r["decision"]["chosen"] for r in routed[1:4]} == {holder}
         assert all(len(r["candidates"]) == 2 for r in routed)
         code, out, err = await cli("replay", "--json", "--data-dir", str(data_dir))  # today's core agrees
@@ -379,6 +375,4 @@ async def test_prefill_on_one_node_and_decode_on_another_gives_the_local_output(
 
 
 async def events(data_dir: Path, kind: str) -> list[dict[str, Any]]:
-    code, out, err = await cli("events", "--json", "--subject", kind, "--data-dir", str(data_dir))
-    assert code == 0, err
-    return [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+    return await events_of(data_dir, "--subject", kind)

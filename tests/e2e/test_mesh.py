@@ -20,7 +20,7 @@ from messages.subjects import Subjects
 from runtime.bus import Bus, RemoteError
 from runtime.config import NatsOptions
 from tests.conftest import processes
-from tests.harness.nodes import QUIET, cli, nats_env, need, node, wait_nodes
+from tests.harness.nodes import QUIET, cli, events_of, instances_of, nats_env, need, node, status_of, wait_nodes
 from tests.llama_harness import call_server, require_server
 from tests.tiny_models import write_llama, write_qwen35
 
@@ -87,8 +87,7 @@ async def test_placed_and_started_instance_answers_and_observed_cache_bytes_equa
         instance_id = decision["instance"]["instance_id"]
         async with asyncio.timeout(60):
             while True:
-                _, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
-                (instance,) = [i for i in json.loads(out)["instances"] if i["id"] == instance_id]
+                (instance,) = [i for i in await instances_of(data_dir) if i["id"] == instance_id]
                 if instance["state"] == "ready":
                     break
                 assert instance["state"] in ("starting",), instance
@@ -107,8 +106,8 @@ async def test_placed_and_started_instance_answers_and_observed_cache_bytes_equa
         assert code == 0, err
         async with asyncio.timeout(20):
             while True:
-                _, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
-                if not json.loads(out)["reservations"]:
+                status = await status_of(data_dir)
+                if status is not None and not status["reservations"]:
                     break  # the stop released the reservation
                 await asyncio.sleep(0.2)
         assert not _servers_of(models[kind])
@@ -161,8 +160,7 @@ async def test_settings_changed_after_admission_refuse_the_start_with_drift(
             await bus.close()
         assert refused.value.code == "settings_drift"
         assert "slots" in str(refused.value.reply.details)
-        code, out, _ = await cli("events", "--json", "--subject", "runner.drift_rejected", "--data-dir", str(data_dir))
-        (event,) = [json.loads(line)["event"] for line in out.splitlines()]
+        (event,) = await events_of(data_dir, "--subject", "runner.drift_rejected")
         assert {"field": "slots", "stamped": "2", "current": "outside the node's bounds"} in event["drift"]
         assert {"field": "ubatch", "stamped": "512", "current": "256"} in event["drift"]
         assert not _servers_of(models["dense"])

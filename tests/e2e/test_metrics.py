@@ -29,7 +29,7 @@ from actors.metrics.catalog import INTER_TOKEN_BUCKETS, TTFT_BUCKETS
 from runtime.children import free_port
 from tests.conftest import processes
 from tests.harness.frontdoor import _WEDGE, KEY, KEYED, QUIET, client, write_catalog
-from tests.harness.nodes import cli, node, wait_nodes
+from tests.harness.nodes import cli, events_of, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.tiny_models import write_llama
 
@@ -147,6 +147,8 @@ async def test_a_front_doors_metrics_move_with_the_openai_clients_requests_and_e
                 and value(s, "mesh_routing_refusals_total") == 1
                 and bool(series(s, "mesh_num_requests_running"))
                 and value(s, "mesh_num_requests_running") == 0
+                # the front door's model states come with its next report (each second)
+                and value(s, "mesh_frontdoor_model_state", model="alpha", state="ready") == 1
             )
 
         samples = await scraped_until(http, settled)
@@ -289,10 +291,7 @@ async def test_failed_probes_of_a_wedged_server_are_counted_then_its_restart(tmp
             await wedge.wait()
         assert value(samples, "mesh_health_check_failures_total", **labels, check="probe") == 3
         assert value(samples, "mesh_instance_crashes_total", **labels, out_of_memory="false") == 1
-        code, out, err = await cli("events", "--json", "--subject", "runner.health_check_failed", "--data-dir",
-                                   str(data_dir))  # fmt: skip
-        assert code == 0, err
-        failed = [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+        failed = await events_of(data_dir, "--subject", "runner.health_check_failed")
         assert [(e["check"], e["consecutive"]) for e in failed] == [("probe", 1), ("probe", 2), ("probe", 3)]
         assert all(e["instance_id"] == instance["id"] for e in failed)
     assert processes("llama-server", str(model)) == []

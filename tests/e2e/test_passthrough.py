@@ -28,7 +28,7 @@ import pytest_asyncio
 from actors.frontdoor.shapes import ENDPOINTS, NOT_PASSED
 from runtime.children import free_port
 from tests.harness.frontdoor import KEY, KEYED, client, instances, write_catalog
-from tests.harness.nodes import cli, node, wait_nodes
+from tests.harness.nodes import cli, events_of, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.tiny_chat_models import IM_END, TOOL_BIAS, write_tool_chat
 
@@ -317,9 +317,7 @@ async def _slot_busy(server: str) -> bool:
 
 async def _events(data_dir: Path, kind: str) -> list[dict[str, Any]]:
     usage = ("--usage",) if kind == "frontdoor.request_usage" else ()  # the private journal of tenants' usage
-    code, out, err = await cli("events", "--json", "--subject", kind, *usage, "--data-dir", str(data_dir))
-    assert code == 0, err
-    return [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+    return await events_of(data_dir, "--subject", kind, *usage)
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])

@@ -14,7 +14,6 @@ a pooled request is captured into L3.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import pytest_asyncio
 from runtime.children import free_port
 from tests.e2e.test_passthrough import assert_same, normalized, post
 from tests.harness.frontdoor import KEYED, client, instances, write_catalog
-from tests.harness.nodes import cli, node, wait_nodes
+from tests.harness.nodes import events_of, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.tiny_pooled_models import write_llama_embedding, write_qwen3_reranker
 
@@ -160,11 +159,8 @@ async def test_the_openai_client_creates_embeddings_through_the_front_door(door:
 
 
 async def test_pooled_instances_run_as_stamped_and_their_memory_is_the_prediction(door: Door) -> None:
-    code, out, err = await cli("events", "--json", "--subject", "runner.instance_starting", "--data-dir",
-                               str(door.data_dir))  # fmt: skip
-    assert code == 0, err
-    commands = {Path(c[c.index("-m") + 1]).name: c for c in (json.loads(line)["event"]["command"]
-                                                            for line in out.splitlines() if line.strip())}  # fmt: skip
+    starts = await events_of(door.data_dir, "--subject", "runner.instance_starting")
+    commands = {Path(c[c.index("-m") + 1]).name: c for c in (e["command"] for e in starts)}
     expected = {"embed": ("embedding", "mean", EMBED_CTX // EMBED_SLOTS), "rerank": ("rerank", "rank", 1024)}
     for name, (kind, pooling, whole) in expected.items():
         instance = await door.instance(name)
@@ -194,6 +190,4 @@ async def test_nothing_of_a_pooled_request_is_captured(door: Door) -> None:
         assert status == 200, answer
     status, _ = await post(door.url, "/v1/rerank", {"model": "rerank", "query": LONG, "documents": ["d"]})
     assert status == 200
-    code, out, err = await cli("events", "--json", "--subject", "l3.l3_captured", "--data-dir", str(door.data_dir))
-    assert code == 0, err
-    assert not [line for line in out.splitlines() if line.strip()]
+    assert not await events_of(door.data_dir, "--subject", "l3.l3_captured")

@@ -22,6 +22,7 @@ import pytest
 
 from runtime.children import free_port
 from tests.conftest import node_process, run_cli
+from tests.harness.nodes import events_of
 from tests.llama_harness import require_server
 from tests.tiny_models import write_llama
 
@@ -61,9 +62,7 @@ async def until(check: Any, what: str, timeout: float) -> Any:
 
 
 async def events(data_dir: Path, subject: str) -> list[dict[str, Any]]:
-    code, out, err = await run_cli("events", "--json", "--subject", subject, "--data-dir", str(data_dir))
-    assert code == 0, err
-    return [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+    return await events_of(data_dir, "--subject", subject)
 
 
 async def test_the_load_adds_a_replica_on_the_other_node_and_idleness_retires_one(tmp_path: Path) -> None:

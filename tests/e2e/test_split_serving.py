@@ -31,6 +31,7 @@ from runtime import tls
 from runtime.children import free_port
 from tests.cluster_harness import NODES, Cluster, cli, cluster
 from tests.conftest import processes
+from tests.harness.nodes import events_of
 from tests.harness.rpc_split import greedy, healthy, process
 from tests.llama_harness import require_server
 from tests.tiny_models import write_gemma3, write_llama, write_qwen35
@@ -108,9 +109,7 @@ async def ledgers(data_dir: Path) -> list[dict[str, Any]]:
 
 
 async def events(data_dir: Path, kind: str) -> list[dict[str, Any]]:
-    code, out, err = await cli("events", "--json", "--subject", f"runner.{kind}", "--data-dir", str(data_dir))
-    assert code == 0, err
-    return [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+    return await events_of(data_dir, "--subject", f"runner.{kind}")
 
 
 async def test_models_no_node_holds_are_served_split_and_answer_as_the_unsplit_server(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from runtime.children import free_port
 from runtime.config import NatsOptions
 from tests.harness.frontdoor import KEY, KEYED, QUIET, write_catalog
 from tests.harness.generate import gen, wait_captured, wait_ready
-from tests.harness.nodes import cli, nats_env, need, node, wait_nodes
+from tests.harness.nodes import cli, events_of, nats_env, need, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.otlp_receiver import ReceivedSpan, otlp_receiver
 from tests.tiny_models import write_llama
@@ -49,12 +49,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_llama(tmp_path_factory.mktemp("tracing-models") / "alpha.gguf")
 
 
-async def all_events(data_dir: Path, *extra: str) -> list[dict[str, Any]]:
-    code, out, err = await cli("events", "--json", *extra, "--data-dir", str(data_dir))
-    assert code == 0, err
-    return [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
-
-
 def trace_of(event: dict[str, Any]) -> str:
     trace = str(event.get("trace", ""))
     return trace.split("-")[1] if trace.count("-") == 3 else ""
@@ -64,7 +58,7 @@ async def events_until(data_dir: Path, done: Any, timeout_s: float = 30) -> list
     """The journal, read again until `done` says the events looked for are in (they are published async)."""
     async with asyncio.timeout(timeout_s):
         while True:
-            events = await all_events(data_dir)
+            events = await events_of(data_dir)
             if done(events):
                 return events
             await asyncio.sleep(0.3)

@@ -8,7 +8,7 @@ from typing import Any
 
 import openai
 
-from tests.harness.nodes import cli
+from tests.harness.nodes import events_of, instances_of
 
 QUIET = ("--cache-ram", "0", "--ctx-checkpoints", "0", "--parallel", "2")
 
@@ -33,9 +33,7 @@ def client(port: int, key: str = KEY) -> openai.AsyncOpenAI:
 
 
 async def instances(data_dir: Path) -> list[dict[str, Any]]:
-    code, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
-    assert code == 0
-    return [i for i in json.loads(out)["instances"] if i["state"] in ("starting", "ready")]
+    return [i for i in await instances_of(data_dir) if i["state"] in ("starting", "ready")]
 
 
 # Stops one thread of a running process (ptrace: PTRACE_SEIZE, then PTRACE_INTERRUPT) and keeps it stopped until
@@ -62,6 +60,4 @@ while True:
 
 
 async def _events(data_dir: Path, kind: str) -> list[dict[str, Any]]:
-    code, out, err = await cli("events", "--json", "--subject", kind, "--data-dir", str(data_dir))
-    assert code == 0, err
-    return [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+    return await events_of(data_dir, "--subject", kind)

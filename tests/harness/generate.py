@@ -15,7 +15,7 @@ from messages.generate import InstanceLoad, ServingReport
 from messages.subjects import Subjects
 from runtime.bus import Bus
 from runtime.config import NatsOptions
-from tests.harness.nodes import cli, nats_env
+from tests.harness.nodes import cli, instances_of, nats_env
 
 QUIET = ("--cache-ram", "0", "--ctx-checkpoints", "0", "--parallel", "2")
 
@@ -26,8 +26,7 @@ async def start_model(data_dir: Path, model: Path, ctx: int = 2048) -> str:
     instance_id = str(json.loads(out)["instance"]["instance_id"])
     async with asyncio.timeout(60):
         while True:
-            _, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
-            (instance,) = [i for i in json.loads(out)["instances"] if i["id"] == instance_id]
+            (instance,) = [i for i in await instances_of(data_dir) if i["id"] == instance_id]
             if instance["state"] == "ready":
                 return instance_id
             assert instance["state"] == "starting", instance
@@ -86,8 +85,7 @@ async def wait_serving(data_dir: Path, holds: Callable[[dict[str, InstanceLoad]]
 async def wait_ready(data_dir: Path, instance_id: str) -> None:
     async with asyncio.timeout(60):
         while True:
-            _, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
-            states = [i["state"] for i in json.loads(out)["instances"] if i["id"] == instance_id]
+            states = [i["state"] for i in await instances_of(data_dir) if i["id"] == instance_id]
             if states == ["ready"]:
                 return
             assert states in ([], ["starting"]), states

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,10 @@ from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from actors.placement.memory import estimate
 from messages.settings import ServingSettings
+from runtime.cli import journal as journal_cli
+from runtime.cli import node as node_cli
+from runtime.cli import parser_for
+from runtime.cli.common import CliError
 from tests.conftest import node_process, run_cli
 
 QUIET = ("--cache-ram", "0", "--ctx-checkpoints", "0")
@@ -22,6 +27,33 @@ QUIET = ("--cache-ram", "0", "--ctx-checkpoints", "0")
 
 async def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> tuple[int, str, str]:
     return await run_cli(*args, timeout=timeout, env=env)
+
+
+async def status_of(data_dir: Path) -> dict[str, Any] | None:
+    """What `mesh-actor status --json --data-dir DATA_DIR` prints, read by the command's own code in this process
+    (a wait that polls it starts no process); None where the command fails (no node's NATS to reach yet)."""
+    argv = ["status", "--json", "--data-dir", str(data_dir)]
+    try:
+        async with asyncio.timeout(30):
+            status = await node_cli.read_status(parser_for(argv).parse_args(argv))
+    except CliError:
+        return None
+    return node_cli.status_record(status, time.time())
+
+
+async def instances_of(data_dir: Path) -> list[dict[str, Any]]:
+    """Every instance `status` lists (as `status_of`; the node must be reachable)."""
+    status = await status_of(data_dir)
+    assert status is not None, f"no status from {data_dir}"
+    return list(status["instances"])
+
+
+async def events_of(data_dir: Path, *args: str, timeout: float = 30) -> list[dict[str, Any]]:
+    """The events `mesh-actor events --json ARGS --data-dir DATA_DIR` prints, read by the command's own code in
+    this process (`--subject runner.generate_cancelled`, `--usage`, `--since 5m`, ...)."""
+    argv = ["events", "--json", *args, "--data-dir", str(data_dir)]
+    async with asyncio.timeout(timeout):
+        return [row["event"] async for row in journal_cli.event_rows(parser_for(argv).parse_args(argv))]
 
 
 @contextlib.asynccontextmanager
@@ -44,10 +76,9 @@ async def nats_env(data_dir: Path) -> dict[str, str]:
 async def wait_nodes(data_dir: Path, *names: str) -> dict[str, Any]:
     async with asyncio.timeout(30):
         while True:
-            code, out, _ = await cli("status", "--json", "--data-dir", str(data_dir))
-            status = json.loads(out) if code == 0 else {"nodes": []}
+            status = await status_of(data_dir) or {"nodes": []}
             if {n["node_id"] for n in status["nodes"]} >= set(names):
-                return dict(status)
+                return status
             await asyncio.sleep(0.2)
 
 

@@ -24,6 +24,7 @@ from runtime.bus import Bus
 from runtime.embedded import read_credentials
 from tests.cluster_harness import NODES, cli, cluster
 from tests.conftest import processes
+from tests.harness.nodes import events_of, status_of
 from tests.tiny_models import write_llama
 
 
@@ -73,9 +74,9 @@ async def replicas(data_dir: Path) -> dict[str, int]:
 
 
 async def status(data_dir: Path) -> dict[str, Any]:
-    code, out, err = await cli("status", "--json", "--data-dir", str(data_dir))
-    assert code == 0, err
-    return dict(json.loads(out))
+    record = await status_of(data_dir)
+    assert record is not None, f"no status from {data_dir}"
+    return record
 
 
 async def wait_nodes(data_dir: Path, names: set[str], timeout: float = 30) -> dict[str, Any]:
@@ -93,9 +94,7 @@ async def place(data_dir: Path, model: Path, *extra: str) -> tuple[int, str, str
 
 
 async def events(data_dir: Path) -> list[dict[str, Any]]:
-    code, out, err = await cli("events", "--json", "--data-dir", str(data_dir))
-    assert code == 0, err
-    return [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+    return await events_of(data_dir)
 
 
 @pytest.mark.timeout(240)
