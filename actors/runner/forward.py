@@ -4,9 +4,9 @@ For a `RunnerGenerate` whose request carries `api` (an endpoint and the client's
 
 1. for a `generate` endpoint, takes the prompt's tokens the router sent or renders them on the instance
    (`passthrough.render_plan`: `/apply-template` and `/tokenize`, as the server itself would), acquires the
-   free slot holding the longest prefix, and follows the serving plan (`plan.ServingPlan`, pure): a longer
-   prefix restored from L3, and on a model that cannot roll back, a prompt long enough to keep prefilled and
-   captured one token short before the answer;
+   free slot holding the longest prefix, and follows the serving plan on it (`captures.SlotRun`, as the mesh's
+   own generations do): a longer prefix restored from L3, and on a model that cannot roll back, a prompt long
+   enough to keep prefilled and captured one token short before the answer;
 2. forwards the body with that slot pinned (`passthrough.forward_body`) to the endpoint, and relays the
    server's status, content type and body (whole, or its server-sent events as they come) to the request's
    `stream` subject, while checking that the requester still listens: when it does not, the connection to the
@@ -19,24 +19,25 @@ For a `RunnerGenerate` whose request carries `api` (an endpoint and the client's
 
 `count` and `pooled` endpoints (token counts, embeddings, rerank) are forwarded and relayed as they came.
 Any HTTP answer, error statuses included, is the server's answer and is relayed as it is; only a server that
-does not answer is the runner's error (`unavailable`, and evidence for health by inference).
+does not answer is the runner's error (`unavailable`, and evidence for health by inference). What the answer
+means (completed or not, why it stopped, what a requester that left is charged) is `serving_rules`'. What this
+path needs of the serving shell is `served.ServingShell`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
-from actors.runner import captures, passthrough
+from actors.runner import passthrough
 from actors.runner import serving_rules as rules
+from actors.runner.captures import SlotRun
 from actors.runner.fairqueue import claim_of
-from actors.runner.plan import ServingPlan, Step
+from actors.runner.served import ServedInstance, ServingShell, refuse_oversize
 from actors.runner.server_api import MAX_EVENT_BYTES, MAX_JSON_BYTES, ServerApiError
-from actors.runner.slots import oversize
 from actors.runner.stream import ChunkStream, ClientGone
 from messages.errors import BAD_REQUEST
 from messages.events import GenerateCancelled
@@ -44,10 +45,6 @@ from messages.generate import API_PATHS, GenerateResult, RunnerGenerate
 from messages.l3 import PrefixSource
 from runtime.actor import RequestError
 from runtime.logging import get_logger
-
-if TYPE_CHECKING:
-    from actors.runner.serving import ServedInstance, Serving
-
 
 __all__ = ["Forwarder"]
 
@@ -70,36 +67,36 @@ class _Exchange:
 
 
 class Forwarder:
-    """The pass-through path of one runner incarnation's `Serving`."""
+    """The pass-through path of one runner incarnation's serving shell."""
 
-    def __init__(self, serving: Serving) -> None:
-        self._serving = serving
+    def __init__(self, shell: ServingShell) -> None:
+        self._shell = shell
 
     async def render(self, instance: ServedInstance, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's tokens as the instance renders and tokenizes this body, or None (not renderable, or the
         server refused to render it: the forwarded request then gets the server's own answer). A prompt text its
         slot could never hold is refused here (`bad_request`), before the server spends time tokenizing it."""
-        serving = self._serving
+        shell = self._shell
         plan = passthrough.render_plan(endpoint, body)
-        timeout = serving.limits.tokenize_timeout_s
+        timeout = shell.limits.tokenize_timeout_s
         try:
             if isinstance(plan, passthrough.Given):
                 return list(plan.tokens)
             if isinstance(plan, passthrough.Tokenize):
-                _refuse_oversize(instance, text=plan.text)
-                return await serving.api.tokenize(instance.port, plan.text, timeout_s=timeout)
+                refuse_oversize(instance.context, text=plan.text)
+                return await shell.api.tokenize(instance.port, plan.text, timeout_s=timeout)
             if isinstance(plan, passthrough.Template):
-                reply = await serving.api.json(instance.port, "POST", "/apply-template", plan.body, timeout_s=timeout)
+                reply = await shell.api.json(instance.port, "POST", "/apply-template", plan.body, timeout_s=timeout)
                 prompt = reply.get("prompt") if isinstance(reply, dict) else None
                 if isinstance(prompt, str) and prompt:
-                    _refuse_oversize(instance, text=prompt)
-                    return await serving.api.tokenize(instance.port, prompt, timeout_s=timeout)
+                    refuse_oversize(instance.context, text=prompt)
+                    return await shell.api.tokenize(instance.port, prompt, timeout_s=timeout)
         except ServerApiError as exc:
             _log.info("render_refused", instance_id=instance.id, endpoint=endpoint, error=str(exc))
         return None
 
     async def forward(self, instance: ServedInstance, order: RunnerGenerate, started: float) -> GenerateResult:
-        serving = self._serving
+        shell = self._shell
         request = order.request
         call = request.api
         assert call is not None and request.stream is not None  # a pass-through names both (GenerateRequest)
@@ -107,8 +104,8 @@ class Forwarder:
             body = passthrough.decode_body(bytes(call.body))
         except ValueError as exc:
             raise RequestError(BAD_REQUEST, str(exc)) from exc
-        _refuse_asks(instance, call.endpoint, body, serving.limits.asks)
-        relay = ChunkStream(serving.bus, request.stream, order.request_id, serving.limits.stream_silence_s)
+        _refuse_asks(instance, call.endpoint, body, shell.limits.asks)
+        relay = ChunkStream(shell.bus, request.stream, order.request_id, shell.limits.stream_silence_s)
         path = API_PATHS[call.endpoint]
         if passthrough.endpoint_kind(call.endpoint) != "generate":
             exchange = await self._exchange(instance, path, body, relay, order, slot=None)
@@ -117,46 +114,23 @@ class Forwarder:
         if tokens is None:  # not rendered here: the server will, so its texts are bounded first
             _refuse_oversize_sizes(instance, call.endpoint, body)
         claim = claim_of(request, len(tokens or ()), passthrough.generation_bound(call.endpoint, body))
-        grant = await serving.acquire(instance, tokens or (), claim, order.request_id, request.cache_scope)
-        slot = grant.slot
-        identity = instance.identity
-        plan = ServingPlan(
-            len(tokens) if tokens else None,
-            grant.resident,
-            store=serving.l3 is not None and identity is not None,
-            capture=request.capture and not passthrough.has_media(call.endpoint, body),
-            rollback=instance.table.rollback,
-            capture_min_tokens=serving.limits.capture_min_tokens,
-        )
-        handed_over = False
-        try:
-            source, _ = await captures.before_answer(
-                serving, instance, slot, plan, tokens, order.request_id, request.cache_scope
-            )
+        grant = await shell.acquire(instance, tokens or (), claim, order.request_id, request.cache_scope)
+        capture = request.capture and not passthrough.has_media(call.endpoint, body)
+        with SlotRun(
+            shell, instance, grant, tokens, capture=capture, request_id=order.request_id, scope=request.cache_scope
+        ) as run:
+            source, _ = await run.before_answer()
             exchange = await self._exchange(
-                instance, path, passthrough.forward_body(body, slot, grant.reuse), relay, order, slot=slot
+                instance, path, passthrough.forward_body(body, grant.slot, grant.reuse), relay, order, slot=grant.slot
             )  # fmt: skip
             counts = passthrough.answer_tokens(exchange.answers or [])
-            action = plan.answered(
-                completed=exchange.status == 200 and not exchange.cancelled, prompt_counted=counts.prompt,
-                generated=counts.generated,
+            run.answered(
+                completed=rules.relay_completed(exchange.status, cancelled=bool(exchange.cancelled)),
+                prompt_counted=counts.prompt, generated=counts.generated,
             )  # fmt: skip
-            result = self._result(instance, order, started, exchange, relay, slot=slot, source=source,
-                                  restored=plan.restored_tokens, capture=plan.capture_note,
-                                  prompt_tokens=len(tokens or ()))  # fmt: skip
-            if action.step is Step.RELEASE:
-                serving.release(instance, slot, captures.held_tokens(plan, tokens, None))
-            else:  # the captures after the answer run off the reply's path; they give the slot back
-                instance.table.finishing(slot, captures.held_tokens(plan, tokens, None))
-                after = captures.after_answer(
-                    serving, instance, slot, plan, tokens, order.request_id, scope=request.cache_scope
-                )
-                serving.spawn(after, f"capture:{order.request_id}")
-            handed_over = True
-            return result
-        finally:
-            if not handed_over:
-                serving.release(instance, slot, None)
+            return self._result(instance, order, started, exchange, relay, slot=grant.slot, source=source,
+                                restored=run.plan.restored_tokens, capture=run.plan.capture_note,
+                                prompt_tokens=len(tokens or ()))  # fmt: skip
 
     async def _exchange(
         self,
@@ -169,15 +143,15 @@ class Forwarder:
         slot: int | None,
     ) -> _Exchange:
         """The request to the server, its answer relayed, while the requester is watched."""
-        serving = self._serving
+        shell = self._shell
         exchange = _Exchange()
         data = json.dumps(body, ensure_ascii=False).encode()
 
         async def relay_answer() -> None:
             exchange.sent = time.perf_counter()
-            async with serving.api.exchange(
-                instance.port, path, data, connect_timeout_s=serving.limits.tokenize_timeout_s,
-                idle_timeout_s=serving.limits.idle_timeout_s,
+            async with shell.api.exchange(
+                instance.port, path, data, connect_timeout_s=shell.limits.tokenize_timeout_s,
+                idle_timeout_s=shell.limits.idle_timeout_s,
             ) as response:  # fmt: skip
                 exchange.status = response.status
                 await relay.head(response.status, response.headers.get("Content-Type", "application/json"))
@@ -211,9 +185,9 @@ class Forwarder:
             error = group.exceptions[0]
             failure = rules.server_failure(exchange.status, str(error))  # a status said: relayed, then broken off
             if failure.counts:
-                serving.outcome(instance.id, False, str(error))
+                shell.outcome(instance.id, False, str(error))
             raise RequestError(failure.code, f"instance {instance.id}: {error}") from error
-        serving.outcome(instance.id, True, "")
+        shell.outcome(instance.id, True, "")
         return exchange
 
     async def _relay_events(self, content: Any, relay: ChunkStream, exchange: _Exchange) -> list[Any]:
@@ -245,7 +219,7 @@ class Forwarder:
         if slot is None:
             return 0
         try:
-            slots = await self._serving.api.json(instance.port, "GET", "/slots", None, timeout_s=2)
+            slots = await self._shell.api.json(instance.port, "GET", "/slots", None, timeout_s=2)
         except ServerApiError as exc:
             _log.info("cancel_count_unknown", instance_id=instance.id, error=str(exc))
             return 0
@@ -254,9 +228,10 @@ class Forwarder:
     def _cancelled(self, instance: ServedInstance, order: RunnerGenerate, exchange: _Exchange) -> None:
         """The requester left and the connection to the server closed (the server stops): journaled with what it
         had generated."""
-        generated = max(exchange.decoded, passthrough.answer_tokens(exchange.answers or []).generated)
+        counts = passthrough.answer_tokens(exchange.answers or [])
+        generated = rules.relay_charge(counts, cancelled=True, prompt_tokens=0, decoded=exchange.decoded).generated
         _log.info("generate_cancelled", request_id=order.request_id, instance_id=instance.id, reason=exchange.cancelled)
-        self._serving.emit(
+        self._shell.emit(
             GenerateCancelled, request_id=order.request_id, instance_id=instance.id,
             endpoint=order.request.api.endpoint if order.request.api else "", tokens_generated=generated,
             reason=exchange.cancelled,
@@ -278,19 +253,18 @@ class Forwarder:
     ) -> GenerateResult:
         """The result of an exchange. A requester that left is charged what the server did all the same: the
         prompt as rendered here (when the answer never said) and the tokens the slot had decoded."""
-        counts = passthrough.answer_tokens(exchange.answers or [])
-        if exchange.cancelled:
-            counts = dataclasses.replace(
-                counts, prompt=counts.prompt or prompt_tokens, generated=max(counts.generated, exchange.decoded)
-            )
+        counts = rules.relay_charge(
+            passthrough.answer_tokens(exchange.answers or []), cancelled=bool(exchange.cancelled),
+            prompt_tokens=prompt_tokens, decoded=exchange.decoded,
+        )  # fmt: skip
         now = time.perf_counter()
         timings = next((a.get("timings") for a in reversed(exchange.answers or []) if isinstance(a, dict)
                         and isinstance(a.get("timings"), dict)), None)  # fmt: skip
         if timings is not None and counts.evaluated >= 32:
-            self._serving.measured(instance, timings)
+            self._shell.measured(instance, timings)
         first = exchange.first_data
         if exchange.whole and timings is not None and counts.generated:  # the server's clock: prompt, then a token
-            first = exchange.sent + (_ms(timings.get("prompt_ms")) + _ms(timings.get("predicted_per_token_ms"))) / 1000
+            first = exchange.sent + rules.first_token_s(timings)
         return GenerateResult(
             request_id=order.request_id,
             text="",
@@ -302,10 +276,10 @@ class Forwarder:
             tokens_evaluated=counts.evaluated,
             ttft_ms=order.routed_ms + ((first or now) - started) * 1000,
             total_ms=order.routed_ms + (now - started) * 1000,
-            node=self._serving.node_id,
+            node=self._shell.node_id,
             instance=instance.id,
             slot=slot,
-            stop_reason="cancelled" if exchange.cancelled else passthrough.answer_stop(exchange.answers or []),
+            stop_reason=rules.relay_stop(exchange.answers or [], cancelled=bool(exchange.cancelled)),
             tokens_exact=False,
             tokens_generated=counts.generated,
             decision_id=order.route.decision_id if order.route else "",
@@ -331,17 +305,7 @@ def _refuse_oversize_sizes(instance: ServedInstance, endpoint: str, body: dict[s
     except ValueError as exc:
         raise RequestError(BAD_REQUEST, str(exc)) from exc
     for size in sizes:
-        _refuse_oversize(instance, text_bytes=size)
-
-
-def _refuse_oversize(instance: ServedInstance, *, text: str | None = None, text_bytes: int | None = None) -> None:
-    refused = oversize(instance.context, text=text, text_bytes=text_bytes)
-    if refused is not None:
-        raise RequestError(BAD_REQUEST, *refused)
-
-
-def _ms(value: Any) -> float:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0 else 0.0
+        refuse_oversize(instance.context, text_bytes=size)
 
 
 def _json(data: bytes) -> Any:

@@ -7,8 +7,8 @@ node) the runner:
    already did;
 2. takes the free slot holding the longest prefix of those tokens (`slots.SlotTable`; requests queue in
    arrival order when every slot is busy, up to the request's deadline);
-3. follows the serving plan (`plan.ServingPlan`, pure; its steps in `captures.py`, shared with the
-   pass-through): when the node's L3 holds a longer prefix than the slot (at most one token short of the
+3. follows the serving plan on the slot (`captures.SlotRun`, which walks the pure `plan.ServingPlan` for the
+   pass-through too): when the node's L3 holds a longer prefix than the slot (at most one token short of the
    prompt: the server must compute the last position's logits), writes it into the instance's
    `--slot-save-path` and restores it into the slot (`/slots/{id}?action=restore`); on a model that cannot
    roll its state back, a prompt long enough to keep is first prefilled one token short and captured;
@@ -21,7 +21,9 @@ node) the runner:
    token, on every model kind.
 
 A server error is the request's error, never the runner's; the slot's contents are then unknown (it holds
-nothing), and the slot is freed whatever happens.
+nothing), and the slot is freed whatever happens. What the route, a failure and an answer mean is decided in
+`serving_rules` (pure). `Serving` is the shell the request paths are handed: the instance record, the limits
+and the faces of this shell that `captures` and `forward` use live in `served`, so neither imports this module.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from actors.handoff import cost
 from actors.handoff.api import HandoffAccess, HandoffFailed
@@ -45,10 +47,9 @@ from actors.runner import captures, passthrough
 from actors.runner import serving_rules as rules
 from actors.runner.fairqueue import Claim, Waiter, claim_of
 from actors.runner.forward import Forwarder
-from actors.runner.passthrough import AskLimits
-from actors.runner.plan import ServingPlan, Step
+from actors.runner.served import ServedInstance, ServingLimits, refuse_oversize
 from actors.runner.server_api import ServerApi, ServerApiError, sampling_body
-from actors.runner.slots import ANYONE, Grant, PromptLimit, SlotTable, oversize
+from actors.runner.slots import ANYONE, Grant, PromptLimit
 from actors.runner.state_file import PAYLOAD_KIND, SaveFailed, remove_file
 from actors.runner.stream import ChunkStream, ClientGone
 from messages.errors import BAD_REQUEST, NOT_FOUND, TIMEOUT, UNAVAILABLE
@@ -77,29 +78,10 @@ from runtime.actor import RequestError
 from runtime.bus import Bus, BusError, RemoteError, RequestTimeout
 from runtime.logging import get_logger
 
-__all__ = ["ServedInstance", "Serving", "ServingLimits", "refuse_oversize", "state_identity"]
+__all__ = ["Serving", "ServingLimits", "state_identity"]
 
 _log = get_logger(component="serving")
-
-
-def refuse_oversize(limit: PromptLimit, *, text: str | None = None, tokens: int | None = None) -> None:
-    """A prompt its slot can never hold is a client error before any work (`slots.oversize`)."""
-    refused = oversize(limit, text=text, tokens=tokens)
-    if refused is not None:
-        raise RequestError(BAD_REQUEST, *refused)
-
-
-@dataclass(frozen=True)
-class ServingLimits:
-    capture_min_tokens: int = 256  # shorter prompts are not kept in L3
-    tokenize_timeout_s: float = 10.0
-    slot_file_timeout_s: float = 120.0  # one save or restore of a slot state (a large state is seconds of disk)
-    idle_timeout_s: float = 120.0  # the server sent nothing this long during a completion (a long prefill)
-    max_generations: int = 64  # generations running or queued on this runner at once
-    report_interval_s: float = 2.0
-    report_ttl_s: float = 10.0
-    stream_silence_s: float = 5.0  # a streaming client that answers no ping this long is gone
-    asks: AskLimits = field(default_factory=AskLimits)  # what a pass-through may ask (`passthrough`)
+_DEFAULT_LIMITS: Final = ServingLimits()
 
 
 def state_identity(
@@ -149,40 +131,20 @@ def split_layout(reservation: Reservation) -> str | None:
     return ",".join(f"{first}-{last}" for first, last in (reservation.layers, *(m.layers for m in members)))
 
 
-class ServedInstance:
-    """One ready instance as serving sees it (rebuilt when its server restarts: the slots hold nothing then)."""
+@dataclass
+class _Completion:
+    """What a completion on the slot gave: the server's last answer (its counts, stop and timings), the generated
+    token ids and text, when its first token came (None: not known here), and whether the requester left."""
 
-    def __init__(
-        self,
-        instance_id: str,
-        port: int,
-        slots: int,
-        slot_dir: Path,
-        generation: object,
-        rollback: bool,
-        prompt_cache: bool = False,
-    ) -> None:
-        self.prefill_rate: cost.Estimate | None = None  # prompt tokens/s, from the server's own timings
-        self.decode_rate: cost.Estimate | None = None  # one slot's generated tokens/s, likewise
-        self.state = cost.StateSize(bytes_per_token=0.0)
-        self.id = instance_id
-        self.port = port
-        self.slot_dir = slot_dir
-        self.generation = generation
-        self.table = SlotTable(slots, rollback=rollback, prompt_cache=prompt_cache)
-        self.wakeups: list[asyncio.Future[None]] = []  # waiters for a slot, woken on every release
-        self.identity: str | None = None
-        self.context = PromptLimit()
-
-    def wake(self) -> None:
-        for waiter in self.wakeups:
-            if not waiter.done():
-                waiter.set_result(None)
-        self.wakeups.clear()
+    final: dict[str, Any] = field(default_factory=dict)
+    ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    first: float | None = None
+    cancelled: bool = False
 
 
 class Serving:
-    """The generations of one runner incarnation."""
+    """The generations of one runner incarnation: the shell the request paths are handed (`served.ServingShell`)."""
 
     def __init__(
         self,
@@ -191,7 +153,7 @@ class Serving:
         api: ServerApi,
         l3: L3Access | None,
         spawn: Callable[[Any, str], asyncio.Task[None]],
-        limits: ServingLimits = ServingLimits(),
+        limits: ServingLimits = _DEFAULT_LIMITS,
         handoff: HandoffAccess | None = None,
         subjects: Subjects | None = None,
         on_outcome: Callable[[str, bool, str], None] | None = None,
@@ -377,7 +339,19 @@ class Serving:
 
     async def _generate(self, instance: ServedInstance, order: RunnerGenerate, started: float) -> GenerateResult:
         request = order.request
-        prompt = request.prompt
+        tokens = await self._prompt_tokens(instance, order)
+        grant = await self.acquire(
+            instance, tokens, claim_of(request, len(tokens), request.n_predict), order.request_id, request.cache_scope
+        )
+        with captures.SlotRun(
+            self, instance, grant, tokens, capture=request.capture, request_id=order.request_id,
+            scope=request.cache_scope,
+        ) as run:  # fmt: skip
+            return await self._run(run, instance, grant, order, tokens, started)
+
+    async def _prompt_tokens(self, instance: ServedInstance, order: RunnerGenerate) -> list[int]:
+        """The prompt's tokens: the router's, else the prompt's own ids, else its text tokenized on the instance."""
+        prompt = order.request.prompt
         if order.tokens is not None:
             tokens = list(order.tokens)
         elif isinstance(prompt, str):
@@ -387,34 +361,7 @@ class Serving:
         if not tokens:
             raise RequestError(BAD_REQUEST, "the prompt has no tokens")
         refuse_oversize(instance.context, tokens=len(tokens))
-        grant = await self.acquire(
-            instance, tokens, claim_of(request, len(tokens), request.n_predict), order.request_id, request.cache_scope
-        )
-        plan = ServingPlan(
-            len(tokens),
-            grant.resident,
-            store=self.l3 is not None and instance.identity is not None,
-            capture=request.capture,
-            rollback=instance.table.rollback,
-            capture_min_tokens=self.limits.capture_min_tokens,
-        )
-        handed_over = False
-        try:
-            result, answer = await self._run(instance, grant, plan, order, tokens, started)
-            if plan.action.step is Step.RELEASE:
-                self.release(instance, grant.slot, captures.held_tokens(plan, tokens, None, answer))
-            else:  # the captures after the answer run off the reply's path; they give the slot back
-                instance.table.finishing(grant.slot, captures.held_tokens(plan, tokens, None, answer))
-                after = captures.after_answer(
-                    self, instance, grant.slot, plan, tokens, order.request_id, answer=answer,
-                    scope=order.request.cache_scope,
-                )  # fmt: skip
-                self.spawn(after, f"capture:{order.request_id}")
-            handed_over = True
-            return result
-        finally:
-            if not handed_over:
-                self.release(instance, grant.slot, None)
+        return tokens
 
     async def acquire(
         self,
@@ -496,51 +443,96 @@ class Serving:
 
     async def _run(
         self,
+        run: captures.SlotRun,
         instance: ServedInstance,
         grant: Grant,
-        plan: ServingPlan,
         order: RunnerGenerate,
         tokens: list[int],
         started: float,
-    ) -> tuple[GenerateResult, list[int] | None]:
-        """The generation on an acquired slot, its plan followed up to the answer: its result, and the generated
-        token ids when all are known."""
-        request = order.request
-        slot = grant.slot
-        remote: PrefillResult | None = None
+    ) -> GenerateResult:
+        """The generation on an acquired slot: its plan followed up to the answer, the completion, and the answer
+        handed to the plan (which gives the slot back, or keeps it for the captures after the answer)."""
         asked = time.perf_counter()
+        remote, fallback = await self._handed_off(instance, grant, order, tokens)
+        source, evaluated = await run.before_answer()
+        restored = run.plan.restored_tokens
+        elapsed_ms = (time.perf_counter() - asked) * 1000
+        if remote is not None and restored < remote.n_tokens:
+            raise RequestError(UNAVAILABLE, f"the state prefilled on {remote.node} could not be restored here")
+        done = await self._complete(instance, grant, order, tokens)
+        answer = rules.generation_answer(done.final, len(done.ids), cancelled=done.cancelled)
+        run.answered(
+            completed=answer.completed, prompt_counted=len(tokens), generated=answer.generated,
+            answer=done.ids if answer.ids_known else None,
+        )  # fmt: skip
+        timings = done.final.get("timings") or {}
+        evaluated += int(timings.get("prompt_n", 0) or 0) + (remote.tokens_evaluated if remote is not None else 0)
+        handoff_ms = 0.0
+        if remote is not None:  # + the prompt's last token: a decode step of its own here, batched by a local prefill
+            handoff_ms = rules.handoff_ms(
+                elapsed_ms, compute_ms=remote.compute_ms, prefill_ms=remote.prefill_ms,
+                last_token_ms=float(timings.get("prompt_ms", 0) or 0),
+            )  # fmt: skip
+        now = time.perf_counter()
+        return GenerateResult(
+            request_id=order.request_id,
+            text="".join(done.text),
+            tokens=done.ids,
+            prompt_tokens=len(tokens),
+            source=source,
+            tokens_restored=restored,
+            tokens_cached=int(timings.get("cache_n", 0) or 0),
+            tokens_evaluated=evaluated,
+            ttft_ms=order.routed_ms + ((done.first or now) - started) * 1000,
+            total_ms=order.routed_ms + (now - started) * 1000,
+            node=self.node_id,
+            instance=instance.id,
+            slot=grant.slot,
+            stop_reason=answer.stop,
+            tokens_exact=answer.exact,
+            tokens_generated=answer.generated,
+            path="disaggregated" if remote is not None else "local",
+            prefill_node=remote.node if remote is not None else None,
+            handoff_bytes=remote.bytes if remote is not None else 0,
+            handoff_ms=round(handoff_ms, 3),
+            prefill_fallback=fallback,
+            decision_id=order.route.decision_id if order.route else "",
+            capture=run.plan.capture_note,
+        )
+
+    async def _handed_off(
+        self, instance: ServedInstance, grant: Grant, order: RunnerGenerate, tokens: list[int]
+    ) -> tuple[PrefillResult | None, str]:
+        """The prompt prefilled on the node the router named and handed into this node's L3 (None: computed
+        here), and why it is computed here when the router named another node."""
+        request = order.request
         route = rules.prefill_route(
             request.prefill_node, self.node_id, resident=grant.resident, n_tokens=len(tokens),
             cache_scope=request.cache_scope,
         )  # fmt: skip
-        fallback = route.skipped
-        if route.node is not None:
-            try:
-                remote = await self._remote_prefill(instance, order, tokens[:-1])  # lands in this node's L3
-            except RequestError as exc:  # the handoff was to save time: the prompt is computed here instead
-                why = rules.prefill_fallback(route.node, exc.reply.code)
-                if why is None:
-                    raise
-                fallback = why
-                _log.warning("prefill_fallback", request_id=order.request_id, node=route.node,
-                             code=exc.reply.code, error=str(exc))  # fmt: skip
-        source, evaluated = await captures.before_answer(
-            self, instance, slot, plan, tokens, order.request_id, request.cache_scope
-        )
-        restored = plan.restored_tokens
-        evaluated += remote.tokens_evaluated if remote is not None else 0
-        # What the handoff added beyond the remote server's prompt computation (what the cost model counts as
-        # the remote prefill, from the same timings): the requests between, the remote slot save, the transfer,
-        # this store's commit, the restore into this slot (and, once the completion is back, the last prompt
-        # token's own decode step). The cost routing weighs.
-        remote_compute_ms = (remote.compute_ms or remote.prefill_ms) if remote is not None else 0.0
-        handoff_ms = (time.perf_counter() - asked) * 1000 - remote_compute_ms if remote is not None else 0.0
-        if remote is not None and restored < remote.n_tokens:
-            raise RequestError(UNAVAILABLE, f"the state prefilled on {remote.node} could not be restored here")
+        if route.node is None:
+            return None, route.skipped
+        try:
+            return await self._remote_prefill(instance, order, tokens[:-1]), route.skipped  # lands in this node's L3
+        except RequestError as exc:  # the handoff was to save time: the prompt is computed here instead
+            why = rules.prefill_fallback(route.node, exc.reply.code)
+            if why is None:
+                raise
+            _log.warning("prefill_fallback", request_id=order.request_id, node=route.node,
+                         code=exc.reply.code, error=str(exc))  # fmt: skip
+            return None, why
+
+    async def _complete(
+        self, instance: ServedInstance, grant: Grant, order: RunnerGenerate, tokens: list[int]
+    ) -> _Completion:
+        """`/completion` on the slot. With a requester's `stream` subject: its chunks published there (unless it
+        asked for none) while its liveness is checked; a requester gone stops the completion (`cancelled`). A
+        server's failure is the request's error (and, as `serving_rules.server_failure` says, the instance's)."""
+        request = order.request
         body = {
             "prompt": tokens,
             "n_predict": request.n_predict,
-            "id_slot": slot,
+            "id_slot": grant.slot,
             "cache_prompt": grant.reuse,
             "return_tokens": True,
             **sampling_body(request.sampling, request.sampling.stop),
@@ -550,54 +542,28 @@ class Serving:
             if request.stream
             else None
         )
-        generated: list[int] = []
-        text: list[str] = []
-        first: float | None = None
-        before_completion = time.perf_counter()
-        final: dict[str, Any] = {}
-        cancelled = False
-
-        async def complete() -> None:
-            nonlocal first, final
-            async for event in self.api.completion(
-                instance.port, body, connect_timeout_s=self.limits.tokenize_timeout_s,
-                idle_timeout_s=self.limits.idle_timeout_s,
-            ):  # fmt: skip
-                pieces = [t for t in event.get("tokens") or () if isinstance(t, int)]
-                content = event.get("content") or ""
-                if (pieces or content) and first is None:
-                    first = time.perf_counter()
-                generated.extend(pieces)
-                text.append(content)
-                if stream is not None and (pieces or content):
-                    await stream.send(content, pieces)
-                if event.get("stop"):
-                    final = event
-
-        async def whole() -> None:
-            # Whole: the reply lists every token id (a stream leaves out the ids of tokens whose bytes it held
-            # back as incomplete UTF-8). Closing the connection (a deadline, a requester gone) stops the server.
-            nonlocal final, generated, text
-            final = await self.api.json(instance.port, "POST", "/completion", body, timeout_s=request.timeout_s)
-            generated = [t for t in final.get("tokens") or () if isinstance(t, int)]
-            text = [str(final.get("content") or "")]
-
+        done = _Completion()
+        sent = time.perf_counter()
         try:
             if stream is None:
-                await whole()
+                await self._whole(instance, body, request.timeout_s, done)
             else:  # the requester's subject: chunks there (unless it asked for none), and its liveness checked
                 async with asyncio.TaskGroup() as tg:
                     watcher = tg.create_task(stream.watch())
-                    await (complete() if request.chunks else whole())
+                    await (
+                        self._streamed(instance, body, stream, done)
+                        if request.chunks
+                        else self._whole(instance, body, request.timeout_s, done)
+                    )
                     stream.done()  # first: the cancellation alone can be lost (`ChunkStream.watch`)
                     watcher.cancel()
         except* ClientGone as group:
             reason = str(group.exceptions[0])
             _log.info("stream_client_gone", request_id=order.request_id, reason=reason)
-            cancelled = True
+            done.cancelled = True
             self.emit(
                 GenerateCancelled, request_id=order.request_id, instance_id=instance.id, endpoint="",
-                tokens_generated=len(generated), reason=reason,
+                tokens_generated=len(done.ids), reason=reason,
             )  # fmt: skip
         except* ServerApiError as group:
             error = group.exceptions[0]
@@ -606,44 +572,37 @@ class Serving:
                 self.outcome(instance.id, False, str(error))
             raise RequestError(failure.code, f"instance {instance.id}: {error}") from error
         self.outcome(instance.id, True, "")
-        exact = int(final.get("tokens_predicted", len(generated)) or 0) == len(generated)
-        timings = final.get("timings") or {}
+        timings = done.final.get("timings") or {}
         self.measured(instance, timings)
         if stream is None and timings:  # the server's own clock: prompt time, then the first token
-            first = before_completion + (timings.get("prompt_ms", 0) + timings.get("predicted_per_token_ms", 0)) / 1000
-        stop = rules.stop_reason(final.get("stop_type"), cancelled=cancelled)
-        evaluated += int(timings.get("prompt_n", 0) or 0)
-        if remote is not None:  # + the prompt's last token: a decode step of its own here, batched by a local prefill
-            handoff_ms = max(0.0, handoff_ms + float(timings.get("prompt_ms", 0) or 0))
-        now = time.perf_counter()
-        n_generated = int(final.get("tokens_predicted", len(generated)) or len(generated))
-        plan.answered(completed=stop != "cancelled", prompt_counted=len(tokens), generated=n_generated)
-        result = GenerateResult(
-            request_id=order.request_id,
-            text="".join(text),
-            tokens=generated,
-            prompt_tokens=len(tokens),
-            source=source,
-            tokens_restored=restored,
-            tokens_cached=int(timings.get("cache_n", 0) or 0),
-            tokens_evaluated=evaluated,
-            ttft_ms=order.routed_ms + ((first or now) - started) * 1000,
-            total_ms=order.routed_ms + (now - started) * 1000,
-            node=self.node_id,
-            instance=instance.id,
-            slot=slot,
-            stop_reason=stop,
-            tokens_exact=exact,
-            tokens_generated=n_generated,
-            path="disaggregated" if remote is not None else "local",
-            prefill_node=remote.node if remote is not None else None,
-            handoff_bytes=remote.bytes if remote is not None else 0,
-            handoff_ms=round(handoff_ms, 3),
-            prefill_fallback=fallback,
-            decision_id=order.route.decision_id if order.route else "",
-            capture=plan.capture_note,
-        )
-        return result, generated if exact and stop != "cancelled" else None
+            done.first = sent + rules.first_token_s(timings)
+        return done
+
+    async def _streamed(
+        self, instance: ServedInstance, body: dict[str, Any], stream: ChunkStream, done: _Completion
+    ) -> None:
+        """The completion streamed from the server, each piece published as it comes."""
+        async for event in self.api.completion(
+            instance.port, body, connect_timeout_s=self.limits.tokenize_timeout_s,
+            idle_timeout_s=self.limits.idle_timeout_s,
+        ):  # fmt: skip
+            pieces = [t for t in event.get("tokens") or () if isinstance(t, int)]
+            content = event.get("content") or ""
+            if (pieces or content) and done.first is None:
+                done.first = time.perf_counter()
+            done.ids.extend(pieces)
+            done.text.append(content)
+            if pieces or content:
+                await stream.send(content, pieces)
+            if event.get("stop"):
+                done.final = event
+
+    async def _whole(self, instance: ServedInstance, body: dict[str, Any], timeout_s: float, done: _Completion) -> None:
+        """The completion whole: the reply lists every token id (a stream leaves out the ids of tokens whose bytes
+        it held back as incomplete UTF-8). Closing the connection (a deadline, a requester gone) stops the server."""
+        done.final = await self.api.json(instance.port, "POST", "/completion", body, timeout_s=timeout_s)
+        done.ids = [t for t in done.final.get("tokens") or () if isinstance(t, int)]
+        done.text = [str(done.final.get("content") or "")]
 
     async def _remote_prefill(
         self, instance: ServedInstance, order: RunnerGenerate, prefix: list[int]
@@ -787,8 +746,6 @@ class Serving:
         return int(timings.get("prompt_n", 0) or 0)
 
 
-#: 5xx answers that say the request met a full cache (a unified KV cache shared by busy slots), not that the
-#: server is broken: no evidence for health by inference, or a healthy server under load would be restarted.
 class Ticket:
     """A request's place in an instance's queue (compared by identity)."""
 
