@@ -36,7 +36,7 @@ from actors.runner import passthrough
 from actors.runner import serving_rules as rules
 from actors.runner.captures import SlotRun
 from actors.runner.fairqueue import claim_of
-from actors.runner.served import ServedInstance, ServingShell, refuse_oversize
+from actors.runner.served import ServedInstance, ServingShell, refuse_oversize, server_failed
 from actors.runner.server_api import MAX_EVENT_BYTES, MAX_JSON_BYTES, ServerApiError
 from actors.runner.stream import ChunkStream, ClientGone
 from messages.errors import BAD_REQUEST
@@ -182,11 +182,8 @@ class Forwarder:
         except* ClientGone:
             self._cancelled(instance, order, exchange)
         except* ServerApiError as group:
-            error = group.exceptions[0]
-            failure = rules.server_failure(exchange.status, str(error))  # a status said: relayed, then broken off
-            if failure.counts:
-                shell.outcome(instance.id, False, str(error))
-            raise RequestError(failure.code, f"instance {instance.id}: {error}") from error
+            error = group.exceptions[0]  # a status said: relayed, then broken off
+            raise server_failed(shell.outcome, instance, error, exchange.status) from error
         shell.outcome(instance.id, True, "")
         return exchange
 

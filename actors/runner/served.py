@@ -1,5 +1,6 @@
 """What the runner's request paths share (runner shell): the served instance, the serving limits, the one
-oversize refusal, and the narrow faces of the serving shell they are handed.
+oversize refusal, the one reading of a server's failure, and the narrow faces of the serving shell they are
+handed.
 
 `serving.Serving` owns the instances and their slots; the paths that serve one request on them (`captures`:
 a serving plan's steps on the slot, `forward`: the pass-through) depend on this module, never on `serving`:
@@ -11,13 +12,14 @@ pass-through, `ServingShell` (the server's API, the bus, the journal and health 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from actors.handoff import cost
 from actors.l3.api import L3Access, L3Hit
+from actors.runner import serving_rules as rules
 from actors.runner.fairqueue import Claim
 from actors.runner.passthrough import AskLimits
 from actors.runner.server_api import ServerApi
@@ -26,7 +28,7 @@ from messages.errors import BAD_REQUEST
 from runtime.actor import RequestError
 from runtime.bus import Bus
 
-__all__ = ["ServedInstance", "ServingLimits", "ServingShell", "SlotHost", "refuse_oversize"]
+__all__ = ["ServedInstance", "ServingLimits", "ServingShell", "SlotHost", "refuse_oversize", "server_failed"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,18 @@ def refuse_oversize(
     refused = oversize(limit, text=text, tokens=tokens, text_bytes=text_bytes)
     if refused is not None:
         raise RequestError(BAD_REQUEST, *refused)
+
+
+def server_failed(
+    outcome: Callable[[str, bool, str], None], instance: ServedInstance, error: Exception, status: int | None
+) -> RequestError:
+    """The request's error (to raise) for a request to the instance's server that failed with `status` (None or 0:
+    no answer), told to health by inference (`outcome`) when it counts against the instance
+    (`serving_rules.server_failure`)."""
+    failure = rules.server_failure(status, str(error))
+    if failure.counts:
+        outcome(instance.id, False, str(error))
+    return RequestError(failure.code, f"instance {instance.id}: {error}")
 
 
 class ServedInstance:

@@ -47,7 +47,7 @@ from actors.runner import captures, passthrough
 from actors.runner import serving_rules as rules
 from actors.runner.fairqueue import Claim, Waiter, claim_of
 from actors.runner.forward import Forwarder
-from actors.runner.served import ServedInstance, ServingLimits, refuse_oversize
+from actors.runner.served import ServedInstance, ServingLimits, refuse_oversize, server_failed
 from actors.runner.server_api import ServerApi, ServerApiError, sampling_body
 from actors.runner.slots import ANYONE, Grant, PromptLimit
 from actors.runner.state_file import PAYLOAD_KIND, SaveFailed, remove_file
@@ -567,10 +567,7 @@ class Serving:
             )  # fmt: skip
         except* ServerApiError as group:
             error = group.exceptions[0]
-            failure = rules.server_failure(getattr(error, "status", None), str(error))
-            if failure.counts:
-                self.outcome(instance.id, False, str(error))
-            raise RequestError(failure.code, f"instance {instance.id}: {error}") from error
+            raise server_failed(self.outcome, instance, error, getattr(error, "status", None)) from error
         self.outcome(instance.id, True, "")
         timings = done.final.get("timings") or {}
         self.measured(instance, timings)

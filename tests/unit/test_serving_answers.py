@@ -15,10 +15,11 @@ from actors.runner import serving_rules as rules
 from actors.runner.captures import SlotRun
 from actors.runner.fairqueue import Claim
 from actors.runner.passthrough import AnswerTokens
-from actors.runner.served import ServedInstance, ServingLimits, refuse_oversize
+from actors.runner.served import ServedInstance, ServingLimits, refuse_oversize, server_failed
+from actors.runner.server_api import ServerApiError
 from actors.runner.slots import ANYONE, Grant, PromptLimit
 from actors.runner.state_file import SaveFailed
-from messages.errors import BAD_REQUEST
+from messages.errors import BAD_REQUEST, UNAVAILABLE
 from runtime.actor import RequestError
 
 # ---- the mesh's own completion ----
@@ -95,6 +96,16 @@ def test_a_prompt_its_slot_can_never_hold_is_refused_by_its_tokens_its_text_or_i
         with pytest.raises(RequestError) as refused:
             refuse_oversize(limit, **asked)  # type: ignore[arg-type]
         assert refused.value.reply.code == BAD_REQUEST
+
+
+def test_a_server_that_failed_is_told_to_health_and_a_request_it_refused_is_not() -> None:
+    told: list[tuple[str, bool, str]] = []
+    instance = _instance()
+    broken = server_failed(lambda *said: told.append(said), instance, ServerApiError("connection refused"), None)
+    assert (broken.reply.code, str(broken)) == (UNAVAILABLE, "instance i1: connection refused")
+    assert told == [("i1", False, "connection refused")]
+    refused = server_failed(lambda *said: told.append(said), instance, ServerApiError("bad grammar"), 400)
+    assert refused.reply.code == BAD_REQUEST and len(told) == 1
 
 
 # ---- the plan walked on the slot ----
