@@ -10,7 +10,8 @@ around a client's own body), `plan` (one generation's serving plan: what to rest
 `parts` (which parts of other nodes' splits this node lends), `serving_rules` (where a prompt is computed, what
 a server's failure and a generation's stop mean). Shells: `actor` (endpoints, one driver per instance),
 `driver`, `process`, `reaper`, `engine`, `preflight`, `records`, `upkeep`, split serving (`lending` on a member,
-`members` on a head), and the serving path (`serving`, `forward`, `stream`, `state_file`, `server_api`).
+`members` on a head), and the serving path (`serving`, `forward`, `captures`, `served`, `stream`, `state_file`,
+`server_api`; `served` holds what `forward` and `captures` need of the serving shell, so neither imports `serving`).
 """
 
 from __future__ import annotations
