@@ -17,12 +17,6 @@ from collections.abc import Sequence
 from runtime.cli.common import CliError, OneLineParser
 from runtime.logging import configure_logging
 
-#: The families in the order `--help` lists their commands.
-FAMILIES = (
-    "node", "placement", "replay", "runner", "journal", "model", "l3", "generate", "handoff", "creds", "models",
-    "keys", "usage",
-)  # fmt: skip
-
 #: The family that registers each top-level command. A command imports only its own family (the families'
 #: imports are about two fifths of a call's start, and schedulers and scripts call `status` in loops); help and
 #: a command no family names build the whole parser. A test checks this table against the whole parser.
@@ -32,6 +26,9 @@ FAMILY_OF = {
     "fit": "model", "l3": "l3", "generate": "generate", "handoff": "handoff", "creds": "creds", "models": "models",
     "keys": "keys", "usage": "usage",
 }  # fmt: skip
+
+#: The families in the order `--help` lists their commands (the table's order).
+FAMILIES = tuple(dict.fromkeys(FAMILY_OF.values()))
 
 
 def build_parser(families: Sequence[str] = FAMILIES) -> argparse.ArgumentParser:
