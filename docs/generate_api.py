@@ -13,6 +13,7 @@ each Struct field), so the file changes only when the code does. Run from the re
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
 import io
 import json
@@ -441,9 +442,13 @@ def _error_codes() -> list[tuple[str, str, str, str]]:
 def _handoff_reasons() -> list[tuple[str, str, str]]:
     """(reason, side, meaning) for every handoff reason, from the comments beside the enum members."""
     rows: list[tuple[str, str, str]] = []
-    for module, side in ((handoff_receiver, "receiver"), (handoff_sender, "sender")):
-        comments = dict(re.findall(r'^\s+[A-Z_]+ = "(\w+)"\s*#\s*(.*)$', inspect.getsource(module.Reason), re.M))
-        rows += [(r.value, side, comments.get(r.value, "")) for r in module.Reason]
+    enums: tuple[tuple[type[enum.Enum], str], ...] = (
+        (handoff_receiver.ReceiveReason, "receiver"),
+        (handoff_sender.SendReason, "sender"),
+    )
+    for reasons, side in enums:
+        comments = dict(re.findall(r'^\s+[A-Z_]+ = "(\w+)"\s*#\s*(.*)$', inspect.getsource(reasons), re.M))
+        rows += [(r.value, side, comments.get(r.value, "")) for r in reasons]
     return rows
 
 

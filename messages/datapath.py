@@ -59,5 +59,5 @@ class DataAnswer(msgspec.Struct, frozen=True, kw_only=True):
     """The listener's word on a hello: `ok` (the frames follow), or the refusal (nothing follows)."""
 
     ok: bool
-    reason: Annotated[str, msgspec.Meta(max_length=64)] = ""  # runtime.tickets.Reason, or `busy`
+    reason: Annotated[str, msgspec.Meta(max_length=64)] = ""  # runtime.tickets.TicketReason, or `busy`
     detail: Annotated[str, msgspec.Meta(max_length=1024)] = ""

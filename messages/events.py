@@ -489,7 +489,8 @@ class ModelFilePulled(Event, frozen=True, kw_only=True, tag="model_file_pulled")
 
 
 class ModelFilePullRefused(Event, frozen=True, kw_only=True, tag="model_file_pull_refused"):
-    """A pull was refused (`reason`: `transfer.Reason`); wrong bytes were deleted, a peer's failure left the part."""
+    """A pull was refused (`reason`: `transfer.TransferReason`); wrong bytes were deleted, a peer's failure left
+    the part."""
 
     name: str
     path: str  # relative to the models dir ("" when the name named no file)

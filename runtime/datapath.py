@@ -52,7 +52,7 @@ import msgspec
 from messages.datapath import MAX_CONTROL_BYTES, DataAnswer, DataHello, DirectOffer
 from runtime.logging import get_logger
 from runtime.rpc_tunnel import client_context, server_context
-from runtime.tickets import Grant, Reason, Refusal, TicketBook
+from runtime.tickets import Grant, TicketBook, TicketReason, TicketRefusal
 from runtime.tls import TlsFiles
 
 __all__ = [
@@ -271,10 +271,10 @@ class DataListener:
 
     def offer(
         self, handler: Handler, *, receiver: str, digest: str, offset: int, length: int, chunk: int
-    ) -> DirectOffer | Refusal:
+    ) -> DirectOffer | TicketRefusal:
         """A one-shot ticket for this transfer (`handler` runs on the connection it opens), or why not."""
         if self._server is None:
-            return Refusal(Reason.CLOSED, "the data listener is not listening")
+            return TicketRefusal(TicketReason.CLOSED, "the data listener is not listening")
         ticket = secrets.token_hex(32)
         now = asyncio.get_running_loop().time()
         ttl = self.limits.ticket_ttl_s
@@ -324,7 +324,7 @@ class DataListener:
             chunk=hello.chunk,
             now=now,
         )
-        if isinstance(grant, Refusal):
+        if isinstance(grant, TicketRefusal):
             self.refused += 1
             _log.info("datapath_ticket_refused", peer=str(peer), reason=grant.reason.value, detail=grant.detail)
             writer.write(_control(DataAnswer(ok=False, reason=grant.reason.value, detail=grant.detail)))

@@ -22,12 +22,12 @@ from typing import Generic, TypeVar
 
 import blake3
 
-__all__ = ["Grant", "Reason", "Refusal", "TicketBook", "ticket_key"]
+__all__ = ["Grant", "TicketBook", "TicketReason", "TicketRefusal", "ticket_key"]
 
 H = TypeVar("H")
 
 
-class Reason(StrEnum):
+class TicketReason(StrEnum):
     """Why a hello was refused (`DataAnswer.reason`)."""
 
     UNKNOWN = "ticket_unknown"  # no such ticket was issued here (or it expired long ago and was forgotten)
@@ -39,8 +39,8 @@ class Reason(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class Refusal:
-    reason: Reason
+class TicketRefusal:
+    reason: TicketReason
     detail: str
 
     def __str__(self) -> str:
@@ -76,27 +76,27 @@ class TicketBook(Generic[H]):
     def __len__(self) -> int:
         return len(self._live)
 
-    def issue(self, ticket: str, grant: Grant[H], now: float) -> Refusal | None:
+    def issue(self, ticket: str, grant: Grant[H], now: float) -> TicketRefusal | None:
         """Records `ticket` for `grant`; refused when the book is full."""
         self.forget(now)
         if len(self._live) >= self.capacity:
-            return Refusal(Reason.FULL, f"the listener holds {len(self._live)} live tickets, its most")
+            return TicketRefusal(TicketReason.FULL, f"the listener holds {len(self._live)} live tickets, its most")
         self._live[ticket_key(ticket)] = grant
         return None
 
     def redeem(
         self, ticket: str, *, receiver: str, digest: str, offset: int, length: int, chunk: int, now: float
-    ) -> Grant[H] | Refusal:
+    ) -> Grant[H] | TicketRefusal:
         """The grant a hello opens, or why not. Any hello naming a known ticket uses it up."""
         key = ticket_key(ticket)
         if key in self._used:
-            return Refusal(Reason.USED, "this ticket opened a connection already")
+            return TicketRefusal(TicketReason.USED, "this ticket opened a connection already")
         grant = self._live.pop(key, None)
         if grant is None:
-            return Refusal(Reason.UNKNOWN, "no such ticket was issued here")
+            return TicketRefusal(TicketReason.UNKNOWN, "no such ticket was issued here")
         self._used[key] = grant.expires_at
         if now >= grant.expires_at:
-            return Refusal(Reason.EXPIRED, f"the ticket expired {now - grant.expires_at:.3f}s ago")
+            return TicketRefusal(TicketReason.EXPIRED, f"the ticket expired {now - grant.expires_at:.3f}s ago")
         asked = (receiver, digest, offset, length, chunk)
         if asked != (grant.receiver, grant.digest, grant.offset, grant.length, grant.chunk):
             wrong = [
@@ -109,7 +109,7 @@ class TicketBook(Generic[H]):
                 )
                 if a != b
             ]
-            return Refusal(Reason.FOREIGN, f"the ticket was issued for another {', '.join(wrong)}")
+            return TicketRefusal(TicketReason.FOREIGN, f"the ticket was issued for another {', '.join(wrong)}")
         return grant
 
     def withdraw(self, ticket: str) -> Grant[H] | None:

@@ -26,7 +26,7 @@
   journaled (`model_file_pulled`, `model_file_pull_refused`).
 
 One pull per destination at a time (a second is `busy`). Refusals are error replies with `details.reason`
-(`transfer.Reason`).
+(`transfer.TransferReason`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from nats.js.kv import KeyValue
 
 from actors.files import part as parts
 from actors.files import transfer
-from actors.files.transfer import Holder, Reason, Refusal
+from actors.files.transfer import Holder, TransferReason, TransferRefusal
 from actors.frontdoor.catalog import CATALOG_FILE, CatalogError, parse_catalog
 from actors.placement.geometry import GeometryError, geometry_from_header
 from actors.placement.gguf_header import GGUFFormatError, parse_header
@@ -93,8 +93,7 @@ from runtime.datapath import (
 )
 from runtime.durable import make_dir
 from runtime.model_files import FileDigests, FileKey, ModelFileError, open_regular, resolve
-from runtime.tickets import Grant
-from runtime.tickets import Refusal as TicketRefusal
+from runtime.tickets import Grant, TicketRefusal
 
 __all__ = ["FilesActor", "FilesLimits"]
 
@@ -105,14 +104,14 @@ _HASHED_VERSIONS: Final = 16
 
 #: The error code of each refusal (the reason itself travels in `details.reason`).
 _CODES: Final = {
-    Reason.NOT_NAMED: NOT_FOUND,
-    Reason.BAD_NAME: BAD_REQUEST,
-    Reason.NO_PEER: NOT_FOUND,
-    Reason.NO_SPACE: BAD_REQUEST,
-    Reason.CHUNK_REFUSED: BAD_REQUEST,
-    Reason.DIGEST_MISMATCH: BAD_REQUEST,
-    Reason.SIZE_MISMATCH: BAD_REQUEST,
-    Reason.PEER_FAILED: UNAVAILABLE,
+    TransferReason.NOT_NAMED: NOT_FOUND,
+    TransferReason.BAD_NAME: BAD_REQUEST,
+    TransferReason.NO_PEER: NOT_FOUND,
+    TransferReason.NO_SPACE: BAD_REQUEST,
+    TransferReason.CHUNK_REFUSED: BAD_REQUEST,
+    TransferReason.DIGEST_MISMATCH: BAD_REQUEST,
+    TransferReason.SIZE_MISMATCH: BAD_REQUEST,
+    TransferReason.PEER_FAILED: UNAVAILABLE,
 }
 
 
@@ -131,7 +130,7 @@ class FilesLimits:
 
 
 class _Refused(Exception):
-    def __init__(self, refusal: Refusal) -> None:
+    def __init__(self, refusal: TransferRefusal) -> None:
         super().__init__(str(refusal))
         self.refusal = refusal
         self.path = ""  # the relative name, once known
@@ -332,7 +331,7 @@ class FilesActor(Actor):
             try:
                 target = resolve(path, self.models_dir, roots=[self.models_dir])
             except ModelFileError as exc:
-                raise _Refused(Refusal(Reason.BAD_NAME, str(exc))) from exc
+                raise _Refused(TransferRefusal(TransferReason.BAD_NAME, str(exc))) from exc
             path = str(target.relative_to(Path(os.path.realpath(self.models_dir))))
         refusal = transfer.check_relative(path)
         if refusal is not None:
@@ -343,7 +342,7 @@ class FilesActor(Actor):
         try:
             return resolve(relative, self.models_dir)
         except ModelFileError as exc:
-            raise _Refused(Refusal(Reason.BAD_NAME, str(exc))) from exc
+            raise _Refused(TransferRefusal(TransferReason.BAD_NAME, str(exc))) from exc
 
     async def _servable_names(self, ctx: ActorContext) -> set[str]:
         """The relative names this node serves (its catalogs' files and trusted registry entries'), read again
@@ -535,19 +534,27 @@ class FilesActor(Actor):
                 signed_entry = signed[relative]
                 if digest not in (None, signed_entry.blake3):
                     raise _Refused(
-                        Refusal(Reason.NOT_NAMED, f"no trusted registry entry names that version of {relative!r}")
+                        TransferRefusal(
+                            TransferReason.NOT_NAMED, f"no trusted registry entry names that version of {relative!r}"
+                        )
                     )
                 digest, size = signed_entry.blake3, signed_entry.size_bytes
             elif relative not in named.values() and not any(self._same(relative, n) for n in named.values()):
                 raise _Refused(
-                    Refusal(Reason.NOT_NAMED, f"no catalog model or trusted registry entry names {relative!r}")
+                    TransferRefusal(
+                        TransferReason.NOT_NAMED, f"no catalog model or trusted registry entry names {relative!r}"
+                    )
                 )
         elif request.name in named:
             relative = self._relative(named[request.name])
         elif (entry := self._registry_entry(request.name or "")) is not None:
             relative, digest, size = self._relative(entry.file_name), entry.blake3, entry.size_bytes
         else:
-            raise _Refused(Refusal(Reason.NOT_NAMED, f"no catalog model or trusted registry entry {request.name!r}"))
+            raise _Refused(
+                TransferRefusal(
+                    TransferReason.NOT_NAMED, f"no catalog model or trusted registry entry {request.name!r}"
+                )
+            )
         dest = await self._blocking(self._destination, relative)
         if relative in self._pulling:
             raise RequestError(BUSY, f"{relative!r} is being pulled already; retry")
@@ -569,15 +576,19 @@ class FilesActor(Actor):
                 have = await self._blocking(self.digests.digest, dest)
                 have_size = (await self._blocking(os.stat, dest)).st_size
             except (ModelFileError, OSError) as exc:
-                raise _Refused(Refusal(Reason.BAD_NAME, f"{relative!r} exists here but is unusable: {exc}")) from exc
+                raise _Refused(
+                    TransferRefusal(TransferReason.BAD_NAME, f"{relative!r} exists here but is unusable: {exc}")
+                ) from exc
             if digest is not None and have != digest:
                 raise _Refused(
-                    Refusal(Reason.DIGEST_MISMATCH, f"{relative!r} here hashes to {have[:16]}…, not the signed one")
+                    TransferRefusal(
+                        TransferReason.DIGEST_MISMATCH, f"{relative!r} here hashes to {have[:16]}…, not the signed one"
+                    )
                 )
             return msgspec.structs.replace(here, size=have_size, blake3=have, already=True)
         holders = await self._holders(ctx, relative, request.peer)
         source = transfer.choose_source(holders, digest=digest, size=size)
-        if isinstance(source, Refusal):
+        if isinstance(source, TransferRefusal):
             raise _Refused(source)
         directory = dest.parent
         if not await self._blocking(directory.is_dir):
@@ -614,7 +625,7 @@ class FilesActor(Actor):
                     failures.append(f"{peer}: {exc}")
                     ctx.log.warning("file_pull_peer_failed", peer=peer, path=relative, error=str(exc))
             else:
-                raise _Refused(Refusal(Reason.PEER_FAILED, "; ".join(failures) or "no holder answered"))
+                raise _Refused(TransferRefusal(TransferReason.PEER_FAILED, "; ".join(failures) or "no holder answered"))
             observed = await self._blocking(part.finish)
             refusal = transfer.final_refusal(
                 digest=source.digest, size=source.size, observed=observed, received=part.received
@@ -625,8 +636,10 @@ class FilesActor(Actor):
             with contextlib.suppress(ModelFileError):  # verified whole: the runner need not hash it again
                 await self._blocking(self.digests.remember, dest, source.digest)
         except _Refused as exc:
-            exc.peer = peer if exc.refusal.reason in (Reason.CHUNK_REFUSED, Reason.DIGEST_MISMATCH) else ""
-            if exc.refusal.reason in (Reason.PEER_FAILED, Reason.NO_SPACE) and part.received:
+            exc.peer = (
+                peer if exc.refusal.reason in (TransferReason.CHUNK_REFUSED, TransferReason.DIGEST_MISMATCH) else ""
+            )
+            if exc.refusal.reason in (TransferReason.PEER_FAILED, TransferReason.NO_SPACE) and part.received:
                 await self._blocking(part.close)  # kept: the next pull resumes from its verified length
             else:
                 await self._blocking(part.discard)  # wrong bytes (or nothing yet): nothing of them is left
@@ -637,7 +650,9 @@ class FilesActor(Actor):
                 raise
             # the file system filled up under the pull: what was verified stays for a later pull
             await self._blocking(part.close if part.received else part.discard)
-            raise _Refused(Refusal(Reason.NO_SPACE, f"the file system filled up at {part.received} bytes")) from exc
+            raise _Refused(
+                TransferRefusal(TransferReason.NO_SPACE, f"the file system filled up at {part.received} bytes")
+            ) from exc
         except BaseException:
             await asyncio.shield(self._blocking(part.close))
             raise
@@ -766,7 +781,7 @@ class FilesActor(Actor):
             return "", str(exc)
         except DataFailed as exc:
             if exc.reason in ("chunk_refused", "frame_refused"):
-                raise _Refused(Refusal(Reason.CHUNK_REFUSED, f"over the direct path: {exc}")) from exc
+                raise _Refused(TransferRefusal(TransferReason.CHUNK_REFUSED, f"over the direct path: {exc}")) from exc
             ctx.log.warning("file_direct_failed", peer=peer, path=relative, error=str(exc), kept=part.received)
             return (transport if part.received > before else ""), str(exc)
         return transport, ""
@@ -799,7 +814,9 @@ class FilesActor(Actor):
             raise _first(group) from None
 
 
-def _land(part: parts.PartFile, offset: int, length: int, data: bytes, headers: dict[str, str]) -> Refusal | None:
+def _land(
+    part: parts.PartFile, offset: int, length: int, data: bytes, headers: dict[str, str]
+) -> TransferRefusal | None:
     """A chunk reply checked against what was asked and the blake3 stated with it, then written (worker
     thread): hashing, checking and writing a chunk cost one hop."""
     stated = headers.get(FILES_BLAKE3_HEADER, "")

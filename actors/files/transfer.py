@@ -35,9 +35,9 @@ __all__ = [
     "MAX_JOURNAL_BYTES",
     "MIN_CHUNK_BYTES",
     "Holder",
-    "Reason",
-    "Refusal",
     "Source",
+    "TransferReason",
+    "TransferRefusal",
     "check_chunk",
     "check_relative",
     "choose_source",
@@ -62,7 +62,7 @@ JOURNAL_MAGIC: Final = "mesh-actor-part 1"
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 
-class Reason(StrEnum):
+class TransferReason(StrEnum):
     """Why a transfer was refused (`details.reason` of the error reply)."""
 
     NOT_NAMED = "not_named"  # no catalog model or registry entry of that name, or the file is not one of theirs
@@ -76,8 +76,8 @@ class Reason(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class Refusal:
-    reason: Reason
+class TransferRefusal:
+    reason: TransferReason
     detail: str
 
     def __str__(self) -> str:
@@ -102,7 +102,9 @@ class Source:
     peers: tuple[str, ...]
 
 
-def choose_source(holders: Sequence[Holder], *, digest: str | None = None, size: int | None = None) -> Source | Refusal:
+def choose_source(
+    holders: Sequence[Holder], *, digest: str | None = None, size: int | None = None
+) -> Source | TransferRefusal:
     """The file to fetch: the expected `digest` (and `size`) where known (a signed registry entry), else the
     version most holders state (ties: the smallest digest, so every node picks the same); its holders in node
     order. Holders of another version are never asked for bytes."""
@@ -111,10 +113,12 @@ def choose_source(holders: Sequence[Holder], *, digest: str | None = None, size:
         if not matching:
             stated = sorted({h.digest[:16] for h in holders})
             other = f" (peers hold {', '.join(stated)})" if stated else ""
-            return Refusal(Reason.NO_PEER, f"no live node holds the file with blake3 {digest[:16]}…{other}")
+            return TransferRefusal(
+                TransferReason.NO_PEER, f"no live node holds the file with blake3 {digest[:16]}…{other}"
+            )
         return Source(digest, matching[0].size, tuple(sorted(h.node for h in matching)))
     if not holders:
-        return Refusal(Reason.NO_PEER, "no live node holds the file")
+        return TransferRefusal(TransferReason.NO_PEER, "no live node holds the file")
     versions: dict[tuple[str, int], list[str]] = {}
     for h in holders:
         versions.setdefault((h.digest, h.size), []).append(h.node)
@@ -127,15 +131,17 @@ def chunk_bytes(max_payload: int) -> int:
     return max(MIN_CHUNK_BYTES, max_payload - _HEADER_ROOM)
 
 
-def check_relative(name: str) -> Refusal | None:
+def check_relative(name: str) -> TransferRefusal | None:
     """Whether `name` can be a file inside a models dir: relative, no `..`, no empty or NUL parts."""
     if not name or "\x00" in name or len(name.encode("utf-8", errors="surrogateescape")) > 1024:
-        return Refusal(Reason.BAD_NAME, "the file name is empty, too long or contains a NUL byte")
+        return TransferRefusal(TransferReason.BAD_NAME, "the file name is empty, too long or contains a NUL byte")
     if name.startswith("/"):
-        return Refusal(Reason.BAD_NAME, f"{name!r} is absolute: only names inside the models dir travel")
+        return TransferRefusal(
+            TransferReason.BAD_NAME, f"{name!r} is absolute: only names inside the models dir travel"
+        )
     parts = name.split("/")
     if any(part in ("", ".", "..") for part in parts):
-        return Refusal(Reason.BAD_NAME, f"{name!r} is not a plain relative name inside the models dir")
+        return TransferRefusal(TransferReason.BAD_NAME, f"{name!r} is not a plain relative name inside the models dir")
     return None
 
 
@@ -202,32 +208,44 @@ def check_chunk(
     got_length: int,
     stated: str,
     observed: str,
-) -> Refusal | None:
+) -> TransferRefusal | None:
     """A chunk reply against what was asked (its offset, the file's size, the chunk's length) and against the
     blake3 its server stated for it."""
     if got_offset != offset or got_total != total:
-        return Refusal(Reason.CHUNK_REFUSED, f"a chunk at {got_offset} of {got_total}, asked {offset} of {total}")
+        return TransferRefusal(
+            TransferReason.CHUNK_REFUSED, f"a chunk at {got_offset} of {got_total}, asked {offset} of {total}"
+        )
     if got_length != length:
-        return Refusal(Reason.CHUNK_REFUSED, f"a chunk of {got_length} bytes at {offset}, asked {length}")
+        return TransferRefusal(
+            TransferReason.CHUNK_REFUSED, f"a chunk of {got_length} bytes at {offset}, asked {length}"
+        )
     if stated != observed:
-        return Refusal(Reason.CHUNK_REFUSED, f"the chunk at {offset} does not hash to the blake3 sent with it")
+        return TransferRefusal(
+            TransferReason.CHUNK_REFUSED, f"the chunk at {offset} does not hash to the blake3 sent with it"
+        )
     return None
 
 
-def space_refusal(*, free_bytes: int, need_bytes: int, keep_free_bytes: int, owed_bytes: int = 0) -> Refusal | None:
+def space_refusal(
+    *, free_bytes: int, need_bytes: int, keep_free_bytes: int, owed_bytes: int = 0
+) -> TransferRefusal | None:
     """Whether the destination's file system can take `need_bytes` more and still keep `keep_free_bytes`, beside
     the `owed_bytes` that pulls in flight on it have still to write (free now, but already promised)."""
     if need_bytes + keep_free_bytes + owed_bytes > free_bytes:
         keep = f" and keep {keep_free_bytes} free" if keep_free_bytes else ""
         owed = f", {owed_bytes} of them owed to pulls in flight" if owed_bytes else ""
-        return Refusal(Reason.NO_SPACE, f"needs {need_bytes} bytes{keep}; the file system has {free_bytes} free{owed}")
+        return TransferRefusal(
+            TransferReason.NO_SPACE, f"needs {need_bytes} bytes{keep}; the file system has {free_bytes} free{owed}"
+        )
     return None
 
 
-def final_refusal(*, digest: str, size: int, observed: str, received: int) -> Refusal | None:
+def final_refusal(*, digest: str, size: int, observed: str, received: int) -> TransferRefusal | None:
     """The whole file against the expected digest and size: anything else is refused (and deleted)."""
     if received != size:
-        return Refusal(Reason.DIGEST_MISMATCH, f"{received} bytes arrived of {size}")
+        return TransferRefusal(TransferReason.DIGEST_MISMATCH, f"{received} bytes arrived of {size}")
     if observed != digest:
-        return Refusal(Reason.DIGEST_MISMATCH, f"the file hashes to {observed[:16]}…, expected {digest[:16]}…")
+        return TransferRefusal(
+            TransferReason.DIGEST_MISMATCH, f"the file hashes to {observed[:16]}…, expected {digest[:16]}…"
+        )
     return None

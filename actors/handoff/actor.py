@@ -330,8 +330,8 @@ class HandoffActor(Actor):
             except OSError as exc:
                 raise RequestError(BUSY, f"cannot read the staging disk's free space: {exc}") from exc
             decision = self._admission(request, limits, free)  # judged again: sessions moved meanwhile
-        if isinstance(decision, rx.Refusal):
-            code = BUSY if decision.reason in (rx.Reason.BUSY, rx.Reason.NO_SPACE) else BAD_REQUEST
+        if isinstance(decision, rx.SeatRefusal):
+            code = BUSY if decision.reason in (rx.ReceiveReason.BUSY, rx.ReceiveReason.NO_SPACE) else BAD_REQUEST
             raise RequestError(code, decision.detail, {"reason": decision.reason.value})
         if decision.evict is not None:
             self._preempt(ctx, decision.evict, request.sender_node)
@@ -398,7 +398,9 @@ class HandoffActor(Actor):
                 return  # the session's own deadlines judge the silence
             except (ValueError, msgspec.DecodeError, asyncio.IncompleteReadError, OSError) as exc:
                 if core.state not in over:
-                    failed = rx.Failed(rx.Reason.BAD_CHUNK, f"the direct stream broke: {exc!r}"[:512], loop.time())
+                    failed = rx.Failed(
+                        rx.ReceiveReason.BAD_CHUNK, f"the direct stream broke: {exc!r}"[:512], loop.time()
+                    )
                     self._perform(ctx, session, core.handle(failed))
             # the sender closed its stream (its commit comes over NATS), or the session is over
 
@@ -410,14 +412,14 @@ class HandoffActor(Actor):
 
     def _admission(
         self, request: HandoffOpen, limits: rx.ReceiverLimits, free: int | None = None
-    ) -> rx.Seated | rx.Refusal:
+    ) -> rx.Seated | rx.SeatRefusal:
         """The cores' word on an open: the sender's share of the sessions (`seat`), then the rest of the
         receiver's limits with the preempted session's place counted free (`admit`; the staging disk when
         `free` is given)."""
         sessions = self._open_sessions()
         seats = [rx.Seat(s.core.session, s.core.open.sender_node, s.core.received, s.core.opened_at) for s in sessions]
         seated = rx.seat(request.sender_node, seats, limits)
-        if isinstance(seated, rx.Refusal):
+        if isinstance(seated, rx.SeatRefusal):
             return seated
         staying = [s for s in sessions if s.core.session != seated.evict]
         refusal = rx.admit(
@@ -435,7 +437,7 @@ class HandoffActor(Actor):
         session = self._sessions[session_id]
         detail = f"an empty session of {session.core.open.sender_node}, over its share, gave its place to {newcomer}"
         now = asyncio.get_running_loop().time()
-        self._perform(ctx, session, session.core.handle(rx.Failed(rx.Reason.PREEMPTED, detail, now)))
+        self._perform(ctx, session, session.core.handle(rx.Failed(rx.ReceiveReason.PREEMPTED, detail, now)))
 
     # -- the session messages, in order --
 
@@ -612,15 +614,17 @@ class HandoffActor(Actor):
                     else:
                         await self._stage(ctx, session, self._batch(session, item))
                 except OSError as exc:
-                    failed = rx.Failed(rx.Reason.STAGING_FAILED, str(exc), loop.time())
+                    failed = rx.Failed(rx.ReceiveReason.STAGING_FAILED, str(exc), loop.time())
                     self._perform(ctx, session, core.handle(failed))
                 except Exception as exc:  # a bug met by one session: that session fails, the actor keeps serving
                     ctx.log.exception("handoff_session_failed", session=core.session, error=repr(exc))
-                    self._perform(ctx, session, core.handle(rx.Failed(rx.Reason.INTERNAL, repr(exc), loop.time())))
+                    self._perform(
+                        ctx, session, core.handle(rx.Failed(rx.ReceiveReason.INTERNAL, repr(exc), loop.time()))
+                    )
                 if (deadline := core.next_deadline) is not None and loop.time() >= deadline:
                     self._perform(ctx, session, core.handle(rx.Tick(loop.time())))
         except asyncio.CancelledError:
-            core.handle(rx.Failed(rx.Reason.SHUTDOWN, "the handoff actor stopped", loop.time()))
+            core.handle(rx.Failed(rx.ReceiveReason.SHUTDOWN, "the handoff actor stopped", loop.time()))
             raise
         finally:
             self._sessions.pop(core.session, None)
@@ -704,7 +708,7 @@ class HandoffActor(Actor):
             )
             ctx.log.info("handoff_committed", session=core.session, bytes=core.received, peer=open_.sender_node)
             return
-        reason = core.reason.value if core.reason else rx.Reason.SHUTDOWN.value
+        reason = core.reason.value if core.reason else rx.ReceiveReason.SHUTDOWN.value
         ctx.emit(
             HandoffAborted,
             session=core.session,
@@ -737,7 +741,7 @@ class HandoffActor(Actor):
         most it can add up to, is required). Raises `HandoffFailed` (reason and detail) if it did not commit."""
         ctx = self._ctx
         if ctx is None:
-            raise HandoffFailed(tx.Reason.CANCELLED.value, "the handoff actor is not running")
+            raise HandoffFailed(tx.SendReason.CANCELLED.value, "the handoff actor is not running")
         check_token(peer, "peer node")
         segments: AsyncIterator[tuple[bytes, str | None]]
         specs: tuple[SegmentSpec, ...] = ()
@@ -746,7 +750,7 @@ class HandoffActor(Actor):
             try:
                 total = (await asyncio.to_thread(os.stat, source)).st_size
             except OSError as exc:
-                raise HandoffFailed(tx.Reason.SOURCE_FAILED.value, f"cannot read {source}: {exc}") from exc
+                raise HandoffFailed(tx.SendReason.SOURCE_FAILED.value, f"cannot read {source}: {exc}") from exc
             max_bytes = total
             segments = _file_segments(source, total, self.limits.segment_bytes)
         else:
@@ -840,7 +844,7 @@ class _Send:
 
     def _failed(self) -> HandoffFailed:
         core = self.core
-        reason = core.reason.value if core.reason else tx.Reason.UNEXPECTED.value
+        reason = core.reason.value if core.reason else tx.SendReason.UNEXPECTED.value
         self.ctx.emit(
             HandoffAborted,
             session=core.session,
@@ -866,7 +870,7 @@ class _Send:
             except BaseExceptionGroup as group:  # from the prefetch task group: the first error is the one
                 raise _first(group) from None
             except asyncio.CancelledError:
-                self._act(self.core.handle(tx.Failed(tx.Reason.CANCELLED, "the caller gave up", self.loop.time())))
+                self._act(self.core.handle(tx.Failed(tx.SendReason.CANCELLED, "the caller gave up", self.loop.time())))
                 raise
         finally:
             await self._close_stream()
@@ -910,7 +914,7 @@ class _Send:
         except TimeoutError:
             first = TimeoutError(f"the source produced nothing within {core.limits.deadline_s:g}s")
         if isinstance(first, BaseException):
-            self._act(core.handle(tx.Failed(tx.Reason.SOURCE_FAILED, repr(first)[:512], self.loop.time())))
+            self._act(core.handle(tx.Failed(tx.SendReason.SOURCE_FAILED, repr(first)[:512], self.loop.time())))
             raise self._failed()
         self.core = tx.Sender(core.open, core.limits, self.loop.time())
         return first
@@ -924,9 +928,9 @@ class _Send:
             self._act(core.handle(tx.OpenRefused(exc.code, exc.reply.message, self.loop.time())))
         except RequestTimeout:
             detail = f"no answer to the open within {core.limits.open_timeout_s:g}s"
-            self._act(core.handle(tx.Failed(tx.Reason.OPEN_TIMEOUT, detail, self.loop.time())))
+            self._act(core.handle(tx.Failed(tx.SendReason.OPEN_TIMEOUT, detail, self.loop.time())))
         except PayloadTooLarge as exc:  # the open (its token list) does not fit the bus's max_payload
-            self._act(core.handle(tx.Failed(tx.Reason.TOO_LARGE, str(exc), self.loop.time())))
+            self._act(core.handle(tx.Failed(tx.SendReason.TOO_LARGE, str(exc), self.loop.time())))
         except (NoResponders, BusError, nats.errors.Error) as exc:
             self._act(core.handle(tx.OpenRefused("unreachable", str(exc), self.loop.time())))
         else:
@@ -982,9 +986,9 @@ class _Send:
             result = parse_reply(core.reply.subject, reply, HandoffResult)
         except RequestTimeout:
             detail = f"no result within {core.limits.commit_timeout_s:g}s"
-            self._act(core.handle(tx.Failed(tx.Reason.COMMIT_TIMEOUT, detail, self.loop.time())))
+            self._act(core.handle(tx.Failed(tx.SendReason.COMMIT_TIMEOUT, detail, self.loop.time())))
         except (BusError, nats.errors.Error) as exc:
-            self._act(core.handle(tx.Failed(tx.Reason.BUS_ERROR, str(exc), self.loop.time())))
+            self._act(core.handle(tx.Failed(tx.SendReason.BUS_ERROR, str(exc), self.loop.time())))
         else:
             self._act(core.handle(tx.ResultArrived(result, self.loop.time())))
         self._check()
@@ -1028,7 +1032,7 @@ class _Send:
                     continue
             taken = False
             if isinstance(item, BaseException):  # the source's failure (a prefill that died): the session's
-                self._act(core.handle(tx.Failed(tx.Reason.SOURCE_FAILED, repr(item)[:512], self.loop.time())))
+                self._act(core.handle(tx.Failed(tx.SendReason.SOURCE_FAILED, repr(item)[:512], self.loop.time())))
                 self._check()
             if item is None or isinstance(item, BaseException):
                 return
@@ -1056,7 +1060,7 @@ class _Send:
                     await self.stream.send(batch)
                 except (OSError, TimeoutError) as exc:
                     detail = f"the direct stream broke: {exc!r}"[:512]
-                    self._act(core.handle(tx.Failed(tx.Reason.BUS_ERROR, detail, self.loop.time())))
+                    self._act(core.handle(tx.Failed(tx.SendReason.BUS_ERROR, detail, self.loop.time())))
                     self._check()
             if not core.pending:
                 return

@@ -21,7 +21,7 @@ __all__ = ["HandoffAccess", "HandoffFailed", "HandoffReport"]
 
 
 class HandoffFailed(Exception):
-    """A send did not commit: `reason` is the sender core's (`sender.Reason`) and `detail` says why."""
+    """A send did not commit: `reason` is the sender core's (`sender.SendReason`) and `detail` says why."""
 
     def __init__(self, reason: str, detail: str, *, session: str = "") -> None:
         super().__init__(f"handoff {reason}: {detail}")

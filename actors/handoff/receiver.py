@@ -15,7 +15,7 @@ Rules this module keeps:
   refused (`credit_exceeded`). Credit is granted back only for bytes already staged, so what sits between
   the network and the disk is bounded by the window. What every session together may have in flight stays
   within the receiver's credit budget (`session_window`), however sessions open, progress and end.
-* Every refusal has a name (`Reason`); the first check that fails aborts the session. After `ABORTED` or
+* Every refusal has a name (`ReceiveReason`); the first check that fails aborts the session. After `ABORTED` or
   `DONE` every event is ignored.
 * No sender holds a session without moving bytes. Progress against the idle timeout is a step of bytes
   (`progress_bytes`, or one chunk if smaller) received or staged, the payload's end, or the commit: not any
@@ -72,7 +72,7 @@ __all__ = [
     "CommitArrived",
     "Failed",
     "Grant",
-    "Reason",
+    "ReceiveReason",
     "Receiver",
     "ReceiverLimits",
     "Restore",
@@ -98,7 +98,7 @@ class State(enum.Enum):
     ABORTED = "aborted"
 
 
-class Reason(enum.Enum):
+class ReceiveReason(enum.Enum):
     """Why a session was refused or aborted. Stable names: they cross the bus and land in the journal."""
 
     BUSY = "busy"  # the receiver holds its maximum of sessions, or of staging bytes
@@ -217,7 +217,7 @@ class Tick:
 class Failed:
     """Something local ended the session (the staging write failed, the actor is stopping)."""
 
-    reason: Reason
+    reason: ReceiveReason
     detail: str
     now: float
 
@@ -266,7 +266,7 @@ class Answer:
 class Abort:
     """Free the staging and tell the sender (unless it was the one that aborted)."""
 
-    reason: Reason
+    reason: ReceiveReason
     detail: str
     notify_sender: bool = True
 
@@ -278,8 +278,8 @@ Action = Stage | Grant | Restore | Answer | Abort
 
 
 @dataclass(frozen=True, slots=True)
-class Refusal:
-    reason: Reason
+class SeatRefusal:
+    reason: ReceiveReason
     detail: str
 
 
@@ -320,7 +320,7 @@ def share(limits: ReceiverLimits, senders: int) -> int:
     return max(1, limits.max_sessions // max(1, senders))
 
 
-def seat(sender: str, seats: Sequence[Seat], limits: ReceiverLimits) -> Seated | Refusal:
+def seat(sender: str, seats: Sequence[Seat], limits: ReceiverLimits) -> Seated | SeatRefusal:
     """Whether `sender` may open one more session beside the open `seats`, and whose place it takes.
 
     A sender at its share (`share`, counting the senders holding seats and this one) is refused `busy`. Below
@@ -335,12 +335,12 @@ def seat(sender: str, seats: Sequence[Seat], limits: ReceiverLimits) -> Seated |
             f"sender {sender} holds {held[sender]} sessions: its share of {limits.max_sessions} among {senders} "
             f"sending nodes is {fair}"
         )
-        return Refusal(Reason.BUSY, detail)
+        return SeatRefusal(ReceiveReason.BUSY, detail)
     if len(seats) < limits.max_sessions:
         return Seated()
     over = [s for s in seats if s.received == 0 and held[s.sender] > fair]
     if not over:
-        return Refusal(Reason.BUSY, f"{len(seats)} sessions open, at most {limits.max_sessions}")
+        return SeatRefusal(ReceiveReason.BUSY, f"{len(seats)} sessions open, at most {limits.max_sessions}")
     victim = max(over, key=lambda s: (held[s.sender], s.opened_at, s.session))
     return Seated(evict=victim.session)
 
@@ -353,15 +353,17 @@ def admit(
     reserved_bytes: int,
     free_bytes: int | None = None,
     unwritten_bytes: int = 0,
-) -> Refusal | None:
+) -> SeatRefusal | None:
     """Whether a session may open: the receiver's limits, the staging disk (`free_bytes` free on it, of which
     open sessions may still write `unwritten_bytes`; None: not checked), then the open's own rules."""
     if sessions >= limits.max_sessions:
-        return Refusal(Reason.BUSY, f"{sessions} sessions open, at most {limits.max_sessions}")
+        return SeatRefusal(ReceiveReason.BUSY, f"{sessions} sessions open, at most {limits.max_sessions}")
     if open_.max_bytes > limits.max_session_bytes:
-        return Refusal(Reason.TOO_LARGE, f"{open_.max_bytes} bytes, at most {limits.max_session_bytes} per session")
+        return SeatRefusal(
+            ReceiveReason.TOO_LARGE, f"{open_.max_bytes} bytes, at most {limits.max_session_bytes} per session"
+        )
     if reserved_bytes + open_.max_bytes > limits.max_staging_bytes:
-        return Refusal(Reason.BUSY, f"staging holds {reserved_bytes} of {limits.max_staging_bytes} bytes")
+        return SeatRefusal(ReceiveReason.BUSY, f"staging holds {reserved_bytes} of {limits.max_staging_bytes} bytes")
     if free_bytes is not None:
         room = free_bytes - unwritten_bytes - limits.min_free_bytes
         if open_.max_bytes > room:
@@ -369,20 +371,26 @@ def admit(
                 f"{open_.max_bytes} bytes do not fit the staging disk: {free_bytes} free, {unwritten_bytes} "
                 f"promised to open sessions, {limits.min_free_bytes} kept free"
             )
-            return Refusal(Reason.NO_SPACE, detail)
+            return SeatRefusal(ReceiveReason.NO_SPACE, detail)
     if open_.tokens and len(open_.tokens) != open_.n_tokens:
-        return Refusal(Reason.BAD_OPEN, f"n_tokens is {open_.n_tokens} but {len(open_.tokens)} token ids are listed")
+        return SeatRefusal(
+            ReceiveReason.BAD_OPEN, f"n_tokens is {open_.n_tokens} but {len(open_.tokens)} token ids are listed"
+        )
     if open_.total_bytes is not None and open_.total_bytes > open_.max_bytes:
-        return Refusal(Reason.BAD_OPEN, f"total_bytes {open_.total_bytes} is over max_bytes {open_.max_bytes}")
+        return SeatRefusal(
+            ReceiveReason.BAD_OPEN, f"total_bytes {open_.total_bytes} is over max_bytes {open_.max_bytes}"
+        )
     if open_.segments or open_.payload_digest is not None:
         if open_.total_bytes is None or open_.payload_digest is None:
-            return Refusal(Reason.BAD_OPEN, "a layout comes with total_bytes and payload_digest")
+            return SeatRefusal(ReceiveReason.BAD_OPEN, "a layout comes with total_bytes and payload_digest")
         announced = _announced(open_)
         refusal = check_manifest(_manifest(open_, announced, open_.total_bytes, open_.payload_digest))
         if refusal is not None:
-            return Refusal(Reason.BAD_OPEN, f"announced layout refused ({refusal.rule.value}): {refusal.detail}")
+            return SeatRefusal(
+                ReceiveReason.BAD_OPEN, f"announced layout refused ({refusal.rule.value}): {refusal.detail}"
+            )
         if layout.payload_root(announced) != open_.payload_digest:
-            return Refusal(Reason.BAD_OPEN, "payload_digest is not the root of the announced segments")
+            return SeatRefusal(ReceiveReason.BAD_OPEN, "payload_digest is not the root of the announced segments")
     return None
 
 
@@ -438,7 +446,7 @@ class Receiver:
         self.opened_at = now
         self.last_progress = now
         self.restore_started: float | None = None
-        self.reason: Reason | None = None
+        self.reason: ReceiveReason | None = None
         self.detail = ""
         self.granted = min(self.window, open_.max_bytes)
         self.progress = _Progress()
@@ -509,7 +517,7 @@ class Receiver:
             return []
         allowed = _TRANSITIONS[self.state]
         if type(event) not in allowed:
-            return self._abort(Reason.UNEXPECTED, f"{type(event).__name__} while {self.state.value}")
+            return self._abort(ReceiveReason.UNEXPECTED, f"{type(event).__name__} while {self.state.value}")
         actions, moved = _HANDLERS[type(event)](self, event)
         if not self._aborted():
             self.state = moved or allowed[type(event)]
@@ -520,16 +528,16 @@ class Receiver:
     def _on_chunk(self, event: ChunkArrived) -> tuple[list[Action], State | None]:
         parsed = _parse(event.headers, self.session)
         if isinstance(parsed, str):
-            return self._abort(Reason.BAD_CHUNK, parsed), None
+            return self._abort(ReceiveReason.BAD_CHUNK, parsed), None
         index, offset, length, digest, chunk = parsed
         if not 0 < event.size <= self.limits.chunk_bytes:
             return self._abort(
-                Reason.BAD_CHUNK, f"a chunk of {event.size} bytes (at most {self.limits.chunk_bytes})"
+                ReceiveReason.BAD_CHUNK, f"a chunk of {event.size} bytes (at most {self.limits.chunk_bytes})"
             ), None
         p = self.progress
         if p.received + event.size > self.granted:
             detail = f"{p.received + event.size} bytes published, {self.granted} granted"
-            return self._abort(Reason.CREDIT_EXCEEDED, detail), None
+            return self._abort(ReceiveReason.CREDIT_EXCEEDED, detail), None
         current = p.begun[-1] if p.begun and p.begun[-1].arrived < p.begun[-1].ref.length else None
         if current is not None:
             refusal = _within(current, index, offset, length, digest, chunk)
@@ -542,7 +550,7 @@ class Receiver:
             p.begun.append(current)
         if chunk + event.size > length:
             return self._abort(
-                Reason.BAD_CHUNK, f"chunk at {chunk} of {event.size} bytes overruns segment {index}"
+                ReceiveReason.BAD_CHUNK, f"chunk at {chunk} of {event.size} bytes overruns segment {index}"
             ), None
         current.arrived += event.size
         p.received += event.size
@@ -557,28 +565,34 @@ class Receiver:
         )
         return [stage], None
 
-    def _starts(self, index: int, offset: int, length: int, digest: str, chunk: int) -> Refusal | None:
+    def _starts(self, index: int, offset: int, length: int, digest: str, chunk: int) -> SeatRefusal | None:
         """The first chunk of a new segment: the next index, where the previous ended, as announced."""
         p = self.progress
         expected = len(p.begun)
         if index < expected:
-            return Refusal(Reason.DUPLICATE, f"segment {index} again (expected {expected})")
+            return SeatRefusal(ReceiveReason.DUPLICATE, f"segment {index} again (expected {expected})")
         if index > expected or chunk != 0:
-            return Refusal(Reason.OUT_OF_ORDER, f"segment {index} chunk {chunk}, expected segment {expected} chunk 0")
+            return SeatRefusal(
+                ReceiveReason.OUT_OF_ORDER, f"segment {index} chunk {chunk}, expected segment {expected} chunk 0"
+            )
         end = p.begun[-1].ref.offset + p.begun[-1].ref.length if p.begun else 0
         if offset > end:
-            return Refusal(Reason.GAP, f"segment {index} starts at {offset}, the previous ones end at {end}")
+            return SeatRefusal(ReceiveReason.GAP, f"segment {index} starts at {offset}, the previous ones end at {end}")
         if offset < end:
-            return Refusal(Reason.OVERLAP, f"segment {index} starts at {offset}, the previous ones end at {end}")
+            return SeatRefusal(
+                ReceiveReason.OVERLAP, f"segment {index} starts at {offset}, the previous ones end at {end}"
+            )
         if not 0 < length <= MAX_SEGMENT_BYTES:
-            return Refusal(Reason.BAD_CHUNK, f"segment {index} has length {length}")
+            return SeatRefusal(ReceiveReason.BAD_CHUNK, f"segment {index} has length {length}")
         ceiling = self.open.max_bytes if self.open.total_bytes is None else self.open.total_bytes
         if offset + length > ceiling:
-            return Refusal(Reason.TOO_LARGE, f"segment {index} ends at {offset + length}, past {ceiling} bytes")
+            return SeatRefusal(
+                ReceiveReason.TOO_LARGE, f"segment {index} ends at {offset + length}, past {ceiling} bytes"
+            )
         if self._announced:
             claimed = SegmentRef(index, offset, length, digest)
             if index >= len(self._announced) or self._announced[index] != claimed:
-                return Refusal(Reason.LAYOUT_MISMATCH, f"segment {index} is not the one announced at open")
+                return SeatRefusal(ReceiveReason.LAYOUT_MISMATCH, f"segment {index} is not the one announced at open")
         return None
 
     def _on_staged(self, event: ChunkStaged) -> tuple[list[Action], State | None]:
@@ -589,10 +603,10 @@ class Receiver:
         if event.digest is not None:
             claimed = p.begun[event.index].ref if event.index < len(p.begun) else None
             if claimed is None or len(p.observed) != event.index:
-                return self._abort(Reason.STAGING_FAILED, f"segment {event.index} staged out of turn"), None
+                return self._abort(ReceiveReason.STAGING_FAILED, f"segment {event.index} staged out of turn"), None
             if event.digest != claimed.digest:
                 detail = f"segment {event.index} hashes to {event.digest[:16]}…, its header says {claimed.digest[:16]}…"
-                return self._abort(Reason.DIGEST_MISMATCH, detail), None
+                return self._abort(ReceiveReason.DIGEST_MISMATCH, detail), None
             p.observed.append(claimed)
         ceiling = self._ceiling
         if self.granted < ceiling and self.granted - p.staged <= self.window // 2:
@@ -621,30 +635,36 @@ class Receiver:
         self.restore_started = self.last_progress
         return [Restore(tuple(p.observed), p.received, commit.payload_digest)], State.RESTORING
 
-    def _commit_refusal(self, commit: HandoffCommit) -> Refusal | None:
+    def _commit_refusal(self, commit: HandoffCommit) -> SeatRefusal | None:
         p, open_ = self.progress, self.open
         if p.begun and p.begun[-1].arrived < p.begun[-1].ref.length:
-            return Refusal(Reason.INCOMPLETE, f"segment {len(p.begun) - 1} is not complete")
+            return SeatRefusal(ReceiveReason.INCOMPLETE, f"segment {len(p.begun) - 1} is not complete")
         if commit.n_tokens != open_.n_tokens:
-            return Refusal(Reason.TOKENS, f"commit says {commit.n_tokens} tokens, the open {open_.n_tokens}")
+            return SeatRefusal(ReceiveReason.TOKENS, f"commit says {commit.n_tokens} tokens, the open {open_.n_tokens}")
         if commit.n_segments != len(p.observed):
-            return Refusal(Reason.SEGMENT_COUNT, f"commit says {commit.n_segments} segments, {len(p.observed)} arrived")
+            return SeatRefusal(
+                ReceiveReason.SEGMENT_COUNT, f"commit says {commit.n_segments} segments, {len(p.observed)} arrived"
+            )
         if commit.total_bytes != p.received:
-            return Refusal(Reason.TOTAL, f"commit says {commit.total_bytes} bytes, {p.received} arrived")
+            return SeatRefusal(ReceiveReason.TOTAL, f"commit says {commit.total_bytes} bytes, {p.received} arrived")
         if open_.total_bytes is not None and open_.total_bytes != p.received:
-            return Refusal(Reason.TOTAL, f"the open announced {open_.total_bytes} bytes, {p.received} arrived")
+            return SeatRefusal(
+                ReceiveReason.TOTAL, f"the open announced {open_.total_bytes} bytes, {p.received} arrived"
+            )
         if self._announced and len(self._announced) != len(p.observed):
-            return Refusal(Reason.SEGMENT_COUNT, f"{len(self._announced)} announced, {len(p.observed)} arrived")
+            return SeatRefusal(
+                ReceiveReason.SEGMENT_COUNT, f"{len(self._announced)} announced, {len(p.observed)} arrived"
+            )
         observed = tuple(p.observed)
         root = layout.payload_root(observed)
         if open_.payload_digest is not None and open_.payload_digest != root:
-            return Refusal(Reason.PAYLOAD_DIGEST, "the payload differs from the digest announced at open")
+            return SeatRefusal(ReceiveReason.PAYLOAD_DIGEST, "the payload differs from the digest announced at open")
         refusal = validate(_manifest(open_, observed, p.received, commit.payload_digest), observed, root)
         if refusal is None:
             return None
         if refusal.rule.value == "payload_digest":
-            return Refusal(Reason.PAYLOAD_DIGEST, refusal.detail)
-        return Refusal(Reason.TILING, f"{refusal.rule.value}: {refusal.detail}")
+            return SeatRefusal(ReceiveReason.PAYLOAD_DIGEST, refusal.detail)
+        return SeatRefusal(ReceiveReason.TILING, f"{refusal.rule.value}: {refusal.detail}")
 
     def _on_restored(self, event: Restored) -> tuple[list[Action], State | None]:
         self.restored = event
@@ -661,25 +681,27 @@ class Receiver:
         return [Answer(result)], None
 
     def _on_restore_failed(self, event: RestoreFailed) -> tuple[list[Action], State | None]:
-        return self._abort(Reason.RESTORE_FAILED, event.detail), None
+        return self._abort(ReceiveReason.RESTORE_FAILED, event.detail), None
 
     def _on_sender_aborted(self, event: SenderAborted) -> tuple[list[Action], State | None]:
         if self.state is State.RESTORING:
             return [], None  # verified already: the restore finishes; the sender just stopped waiting for it
-        return self._abort(Reason.SENDER_ABORTED, f"{event.reason}: {event.detail}"[:1024], notify=False), None
+        return self._abort(ReceiveReason.SENDER_ABORTED, f"{event.reason}: {event.detail}"[:1024], notify=False), None
 
     def _on_tick(self, event: Tick) -> tuple[list[Action], State | None]:
         deadline = self.next_deadline
         if deadline is None or event.now < deadline:
             return [], None
         if self.state is State.RESTORING:
-            return self._abort(Reason.RESTORE_TIMEOUT, f"no restore within {self.limits.restore_timeout_s:g}s"), None
+            return self._abort(
+                ReceiveReason.RESTORE_TIMEOUT, f"no restore within {self.limits.restore_timeout_s:g}s"
+            ), None
         if event.now >= self.opened_at + self.limits.deadline_s:
-            return self._abort(Reason.EXPIRED, f"the session outlived {self.limits.deadline_s:g}s"), None
+            return self._abort(ReceiveReason.EXPIRED, f"the session outlived {self.limits.deadline_s:g}s"), None
         first = self._first_chunk_deadline()
         if first is not None and event.now >= first and event.now < self.last_progress + self.limits.idle_timeout_s:
             detail = f"no chunk within {self.limits.first_chunk_timeout_s:g}s of the open"
-            return self._abort(Reason.EMPTY, detail), None
+            return self._abort(ReceiveReason.EMPTY, detail), None
         rate = self._rate_deadline()
         if rate is not None and event.now >= rate and event.now < self.last_progress + self.limits.idle_timeout_s:
             elapsed = event.now - self.opened_at
@@ -687,9 +709,11 @@ class Receiver:
                 f"{self.progress.received} bytes in {elapsed:.1f}s, under "
                 f"{self.limits.min_rate_bytes_per_s:g} bytes/s after {self.limits.rate_grace_s:g}s"
             )
-            return self._abort(Reason.TOO_SLOW, detail), None
+            return self._abort(ReceiveReason.TOO_SLOW, detail), None
         idle = self.limits.idle_timeout_s
-        return self._abort(Reason.STALLED, f"no progress for {idle:g}s ({self.progress.received} bytes arrived)"), None
+        return self._abort(
+            ReceiveReason.STALLED, f"no progress for {idle:g}s ({self.progress.received} bytes arrived)"
+        ), None
 
     def _on_failed(self, event: Failed) -> tuple[list[Action], State | None]:
         return self._abort(event.reason, event.detail), None
@@ -697,7 +721,7 @@ class Receiver:
     def _aborted(self) -> bool:
         return self.state is State.ABORTED  # a handler may have aborted
 
-    def _abort(self, reason: Reason, detail: str, *, notify: bool = True) -> list[Action]:
+    def _abort(self, reason: ReceiveReason, detail: str, *, notify: bool = True) -> list[Action]:
         self.state = State.ABORTED
         self.reason, self.detail = reason, detail
         actions: list[Action] = [Abort(reason, detail, notify_sender=notify)]
@@ -707,17 +731,20 @@ class Receiver:
         return actions
 
 
-def _within(current: _Segment, index: int, offset: int, length: int, digest: str, chunk: int) -> Refusal | None:
+def _within(current: _Segment, index: int, offset: int, length: int, digest: str, chunk: int) -> SeatRefusal | None:
     """A chunk in the middle of the current segment: the same segment, the next position."""
     ref = current.ref
     if index < ref.index or (index == ref.index and chunk < current.arrived):
-        return Refusal(Reason.DUPLICATE, f"segment {index} chunk {chunk} again (at {ref.index}:{current.arrived})")
+        return SeatRefusal(
+            ReceiveReason.DUPLICATE, f"segment {index} chunk {chunk} again (at {ref.index}:{current.arrived})"
+        )
     if index > ref.index or chunk > current.arrived:
-        return Refusal(
-            Reason.OUT_OF_ORDER, f"segment {index} chunk {chunk}, expected segment {ref.index} chunk {current.arrived}"
+        return SeatRefusal(
+            ReceiveReason.OUT_OF_ORDER,
+            f"segment {index} chunk {chunk}, expected segment {ref.index} chunk {current.arrived}",
         )
     if (offset, length, digest) != (ref.offset, ref.length, ref.digest):
-        return Refusal(Reason.BAD_CHUNK, f"segment {index}'s offset, length or digest changed mid-segment")
+        return SeatRefusal(ReceiveReason.BAD_CHUNK, f"segment {index}'s offset, length or digest changed mid-segment")
     return None
 
 

@@ -23,7 +23,7 @@ Rules this module keeps:
   digest, byte and segment counts equal the sender's own.
 
 States: `OPENING` → `STREAMING` (segments queued and sent as credit allows) → `COMMITTING` → `DONE`; any of
-them → `ABORTED` (the reason is `Reason`; `notify_receiver` says whether the receiver must be told).
+them → `ABORTED` (the reason is `SendReason`; `notify_receiver` says whether the receiver must be told).
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ __all__ = [
     "Finished",
     "OpenRefused",
     "Opened",
-    "Reason",
     "ReceiverAborted",
     "ResultArrived",
     "SegmentReady",
     "SendChunk",
     "SendCommit",
+    "SendReason",
     "Sender",
     "SenderLimits",
     "State",
@@ -79,7 +79,7 @@ class State(enum.Enum):
     ABORTED = "aborted"
 
 
-class Reason(enum.Enum):
+class SendReason(enum.Enum):
     OPEN_REFUSED = "open_refused"  # the receiver refused the open (busy, too large, a bad layout, …)
     OPEN_TIMEOUT = "open_timeout"  # no answer to the open in time
     RECEIVER_STALLED = "receiver_stalled"  # no credit within the idle timeout while chunks waited for it
@@ -164,7 +164,7 @@ class Tick:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    reason: Reason
+    reason: SendReason
     detail: str
     now: float
 
@@ -191,7 +191,7 @@ class SendCommit:
 
 @dataclass(frozen=True, slots=True)
 class Abort:
-    reason: Reason
+    reason: SendReason
     detail: str
     notify_receiver: bool
 
@@ -233,7 +233,7 @@ class Sender:
         self.sent = 0  # payload bytes handed out to publish
         self.produced = 0  # payload bytes of the segments queued
         self.segments: list[SegmentRef] = []
-        self.reason: Reason | None = None
+        self.reason: SendReason | None = None
         self.detail = ""
         self.result: HandoffResult | None = None
         self._queue: deque[SendChunk] = deque()
@@ -271,7 +271,7 @@ class Sender:
             return []
         allowed = _TRANSITIONS[self.state]
         if type(event) not in allowed:
-            return self._abort(Reason.UNEXPECTED, f"{type(event).__name__} while {self.state.value}")
+            return self._abort(SendReason.UNEXPECTED, f"{type(event).__name__} while {self.state.value}")
         actions = _HANDLERS[type(event)](self, event)
         if not self._aborted():
             self.state = allowed[type(event)]
@@ -294,12 +294,12 @@ class Sender:
         reply = event.reply
         if reply.subject != event.subject:
             detail = f"the receiver named session subject {reply.subject[:80]!r}, the protocol's is {event.subject!r}"
-            return self._abort(Reason.BAD_REPLY, detail, notify=False)
+            return self._abort(SendReason.BAD_REPLY, detail, notify=False)
         if reply.chunk_bytes < self.limits.min_chunk_bytes or reply.credit < 0:
             detail = (
                 f"chunks of {reply.chunk_bytes} bytes (at least {self.limits.min_chunk_bytes}), credit {reply.credit}"
             )
-            return self._abort(Reason.BAD_REPLY, detail, notify=False)
+            return self._abort(SendReason.BAD_REPLY, detail, notify=False)
         self.reply = reply
         self.chunk_bytes = min(reply.chunk_bytes, self.limits.max_chunk_bytes)
         self.credit_stall_s = min(max(reply.idle_timeout_s, 0.0), self.limits.credit_stall_s)
@@ -308,7 +308,7 @@ class Sender:
         return []
 
     def _on_open_refused(self, event: OpenRefused) -> list[Action]:
-        return self._abort(Reason.OPEN_REFUSED, f"{event.reason}: {event.detail}", notify=False)
+        return self._abort(SendReason.OPEN_REFUSED, f"{event.reason}: {event.detail}", notify=False)
 
     def _on_credit(self, event: Credit) -> list[Action]:
         if event.limit > self.limit:
@@ -317,16 +317,16 @@ class Sender:
         return []
 
     def _on_receiver_aborted(self, event: ReceiverAborted) -> list[Action]:
-        return self._abort(Reason.RECEIVER_ABORTED, f"{event.reason}: {event.detail}", notify=False)
+        return self._abort(SendReason.RECEIVER_ABORTED, f"{event.reason}: {event.detail}", notify=False)
 
     def _on_segment(self, event: SegmentReady) -> list[Action]:
         assert self.reply is not None
         if self._queue:
-            return self._abort(Reason.UNEXPECTED, "a segment queued before the previous one was sent")
+            return self._abort(SendReason.UNEXPECTED, "a segment queued before the previous one was sent")
         if not 0 < event.length <= layout.MAX_SEGMENT_BYTES or not layout.is_digest(event.digest):
-            return self._abort(Reason.SOURCE_FAILED, f"a segment of {event.length} bytes or with a bad digest")
+            return self._abort(SendReason.SOURCE_FAILED, f"a segment of {event.length} bytes or with a bad digest")
         if self.produced + event.length > self.open.max_bytes:
-            return self._abort(Reason.TOO_LARGE, f"the payload passed max_bytes {self.open.max_bytes}")
+            return self._abort(SendReason.TOO_LARGE, f"the payload passed max_bytes {self.open.max_bytes}")
         ref = SegmentRef(len(self.segments), self.produced, event.length, event.digest)
         self.segments.append(ref)
         self.produced += event.length
@@ -336,10 +336,10 @@ class Sender:
 
     def _on_end(self, event: EndOfPayload) -> list[Action]:
         if self._queue:
-            return self._abort(Reason.UNEXPECTED, "the payload ended with chunks still unsent")
+            return self._abort(SendReason.UNEXPECTED, "the payload ended with chunks still unsent")
         if self.open.total_bytes is not None and self.produced != self.open.total_bytes:
             return self._abort(
-                Reason.SOURCE_FAILED, f"{self.produced} bytes produced, {self.open.total_bytes} announced"
+                SendReason.SOURCE_FAILED, f"{self.produced} bytes produced, {self.open.total_bytes} announced"
             )
         self.commit_sent = event.now
         commit = HandoffCommit(
@@ -355,7 +355,7 @@ class Sender:
         result = event.result
         self.result = result
         if not result.committed:
-            return self._abort(Reason.COMMIT_REFUSED, f"{result.reason}: {result.detail}", notify=False)
+            return self._abort(SendReason.COMMIT_REFUSED, f"{result.reason}: {result.detail}", notify=False)
         sent = (self.session, self.produced, len(self.segments), layout.payload_root(self.segments))
         said = (result.session, result.bytes, result.segments, result.payload_digest)
         if said != sent:
@@ -364,7 +364,7 @@ class Sender:
                 f"{str(result.payload_digest)[:16]}…; sent {self.produced} bytes in {len(self.segments)}, "
                 f"digest {sent[3][:16]}…"
             )
-            return self._abort(Reason.RESULT_MISMATCH, detail, notify=False)
+            return self._abort(SendReason.RESULT_MISMATCH, detail, notify=False)
         return [Finished(result)]
 
     def _on_tick(self, event: Tick) -> list[Action]:
@@ -372,13 +372,13 @@ class Sender:
         if deadline is None or event.now < deadline:
             return []
         if event.now >= self.started + self.limits.deadline_s:
-            return self._abort(Reason.EXPIRED, f"the handoff outlived {self.limits.deadline_s:g}s")
+            return self._abort(SendReason.EXPIRED, f"the handoff outlived {self.limits.deadline_s:g}s")
         if self.state is State.OPENING:
-            return self._abort(Reason.OPEN_TIMEOUT, f"no answer to the open within {self.limits.open_timeout_s:g}s")
+            return self._abort(SendReason.OPEN_TIMEOUT, f"no answer to the open within {self.limits.open_timeout_s:g}s")
         if self.state is State.COMMITTING:
-            return self._abort(Reason.COMMIT_TIMEOUT, f"no result within {self.limits.commit_timeout_s:g}s")
+            return self._abort(SendReason.COMMIT_TIMEOUT, f"no result within {self.limits.commit_timeout_s:g}s")
         detail = f"no credit for {self.credit_stall_s:g}s ({self.sent} bytes sent, {self.limit} granted)"
-        return self._abort(Reason.RECEIVER_STALLED, detail)
+        return self._abort(SendReason.RECEIVER_STALLED, detail)
 
     def _on_failed(self, event: Failed) -> list[Action]:
         return self._abort(event.reason, event.detail)
@@ -386,7 +386,7 @@ class Sender:
     def _aborted(self) -> bool:
         return self.state is State.ABORTED  # a handler may have aborted
 
-    def _abort(self, reason: Reason, detail: str, *, notify: bool = True) -> list[Action]:
+    def _abort(self, reason: SendReason, detail: str, *, notify: bool = True) -> list[Action]:
         self.state = State.ABORTED
         self.reason, self.detail = reason, detail
         self._queue.clear()

@@ -8,7 +8,7 @@ Rules this module keeps:
 * A manifest tiles its payload exactly: segment i is at position i, starts where segment i-1 ended (the first
   at 0), is not empty, and the lengths add up to `total_bytes`. No gap, overlap, duplicate or reorder passes.
 * The rules are the tables `_MANIFEST_RULES` (the manifest alone) and `_OBSERVED_RULES` (against what was
-  observed), checked in order; the first that fails is the `Refusal`, naming its `Rule`. `None` means valid.
+  observed), checked in order; the first that fails is the `ManifestRefusal`, naming its `Rule`. `None` means valid.
 * The same rules judge a manifest read back at startup (`check_manifest`, `check_present`), so a file that
   was tampered with or half-written by something else is refused, not loaded.
 """
@@ -32,7 +32,7 @@ from actors.l3.layout import (
     is_payload_kind,
 )
 
-__all__ = ["Refusal", "Rule", "check_manifest", "check_present", "validate"]
+__all__ = ["ManifestRefusal", "Rule", "check_manifest", "check_present", "validate"]
 
 
 class Rule(enum.Enum):
@@ -53,76 +53,84 @@ class Rule(enum.Enum):
     SEGMENT_UNREADABLE = "segment_unreadable"  # a stored segment cannot be read (an I/O error, not a file)
 
 
-class Refusal(msgspec.Struct, frozen=True, kw_only=True):
+class ManifestRefusal(msgspec.Struct, frozen=True, kw_only=True):
     rule: Rule
     detail: str
     index: int | None = None  # the segment concerned, where there is one
 
 
-_Check = Callable[[Manifest], Refusal | None]
+_Check = Callable[[Manifest], ManifestRefusal | None]
 
 
-def _version(m: Manifest) -> Refusal | None:
+def _version(m: Manifest) -> ManifestRefusal | None:
     if m.version != MANIFEST_VERSION:
-        return Refusal(rule=Rule.VERSION, detail=f"manifest version {m.version}, expected {MANIFEST_VERSION}")
+        return ManifestRefusal(rule=Rule.VERSION, detail=f"manifest version {m.version}, expected {MANIFEST_VERSION}")
     return None
 
 
-def _identity(m: Manifest) -> Refusal | None:
-    return None if is_digest(m.identity) else Refusal(rule=Rule.IDENTITY, detail="identity is not a blake3 digest")
+def _identity(m: Manifest) -> ManifestRefusal | None:
+    return (
+        None if is_digest(m.identity) else ManifestRefusal(rule=Rule.IDENTITY, detail="identity is not a blake3 digest")
+    )
 
 
-def _payload_kind(m: Manifest) -> Refusal | None:
+def _payload_kind(m: Manifest) -> ManifestRefusal | None:
     if is_payload_kind(m.payload_kind):
         return None
-    return Refusal(rule=Rule.PAYLOAD_KIND, detail="payload kind must be 1-32 of [a-z0-9_]")
+    return ManifestRefusal(rule=Rule.PAYLOAD_KIND, detail="payload kind must be 1-32 of [a-z0-9_]")
 
 
-def _tokens(m: Manifest) -> Refusal | None:
+def _tokens(m: Manifest) -> ManifestRefusal | None:
     if m.n_tokens != len(m.tokens):
-        return Refusal(rule=Rule.TOKENS, detail=f"n_tokens is {m.n_tokens} but {len(m.tokens)} token ids are listed")
+        return ManifestRefusal(
+            rule=Rule.TOKENS, detail=f"n_tokens is {m.n_tokens} but {len(m.tokens)} token ids are listed"
+        )
     if len(m.tokens) > MAX_TOKENS:
-        return Refusal(rule=Rule.TOKENS, detail=f"more than {MAX_TOKENS} tokens")
+        return ManifestRefusal(rule=Rule.TOKENS, detail=f"more than {MAX_TOKENS} tokens")
     if any(not 0 <= t <= MAX_TOKEN_ID for t in m.tokens):
-        return Refusal(rule=Rule.TOKENS, detail="a token id is outside [0, 2^31)")
+        return ManifestRefusal(rule=Rule.TOKENS, detail="a token id is outside [0, 2^31)")
     return None
 
 
-def _digests(m: Manifest) -> Refusal | None:
+def _digests(m: Manifest) -> ManifestRefusal | None:
     if not is_digest(m.payload_digest):
-        return Refusal(rule=Rule.DIGEST_SYNTAX, detail="payload digest is not a blake3 digest")
+        return ManifestRefusal(rule=Rule.DIGEST_SYNTAX, detail="payload digest is not a blake3 digest")
     for position, seg in enumerate(m.segments):
         if not is_digest(seg.digest):
-            return Refusal(rule=Rule.DIGEST_SYNTAX, detail="segment digest is not a blake3 digest", index=position)
+            return ManifestRefusal(
+                rule=Rule.DIGEST_SYNTAX, detail="segment digest is not a blake3 digest", index=position
+            )
     return None
 
 
-def _tiling(m: Manifest) -> Refusal | None:
+def _tiling(m: Manifest) -> ManifestRefusal | None:
     running = 0
     for position, seg in enumerate(m.segments):
         if seg.index != position:
-            return Refusal(
+            return ManifestRefusal(
                 rule=Rule.INDEX, detail=f"segment at position {position} says index {seg.index}", index=position
             )
         if seg.offset != running:
             kind = "gap" if seg.offset > running else "overlap"
-            return Refusal(
+            return ManifestRefusal(
                 rule=Rule.OFFSET,
                 detail=f"{kind}: offset {seg.offset}, previous segments end at {running}",
                 index=position,
             )
         if not 0 < seg.length <= MAX_SEGMENT_BYTES:
-            return Refusal(rule=Rule.LENGTH, detail=f"segment length {seg.length}", index=position)
+            return ManifestRefusal(rule=Rule.LENGTH, detail=f"segment length {seg.length}", index=position)
         running += seg.length
     if running != m.total_bytes:
-        return Refusal(rule=Rule.TOTAL, detail=f"segments add up to {running} bytes, total_bytes is {m.total_bytes}")
+        return ManifestRefusal(
+            rule=Rule.TOTAL, detail=f"segments add up to {running} bytes, total_bytes is {m.total_bytes}"
+        )
     return None
 
 
 _MANIFEST_RULES: Final[tuple[_Check, ...]] = (_version, _identity, _payload_kind, _tokens, _digests, _tiling)
 
 
-def check_manifest(manifest: Manifest) -> Refusal | None:
+def check_manifest(manifest: Manifest) -> ManifestRefusal | None:
     """The manifest's own rules: format, identity, tokens, digest syntax, exact tiling of total_bytes."""
     for rule in _MANIFEST_RULES:
         refusal = rule(manifest)
@@ -131,26 +139,30 @@ def check_manifest(manifest: Manifest) -> Refusal | None:
     return None
 
 
-def validate(manifest: Manifest, observed_segments: Sequence[SegmentRef], payload_digest: str) -> Refusal | None:
+def validate(
+    manifest: Manifest, observed_segments: Sequence[SegmentRef], payload_digest: str
+) -> ManifestRefusal | None:
     """Whether `manifest` may be committed: its own rules, then each observed segment (as stored, hashed
     from its bytes) equal to the one it names, and the payload re-hashed from those bytes equal to its digest."""
     refusal = check_manifest(manifest)
     if refusal is not None:
         return refusal
     if len(observed_segments) != len(manifest.segments):
-        return Refusal(
+        return ManifestRefusal(
             rule=Rule.SEGMENT_COUNT,
             detail=f"observed {len(observed_segments)} segments, the manifest names {len(manifest.segments)}",
         )
     for position, (named, seen) in enumerate(zip(manifest.segments, observed_segments, strict=True)):
         if named != seen:
-            return Refusal(rule=Rule.SEGMENT_MISMATCH, detail=f"named {named}, observed {seen}", index=position)
+            return ManifestRefusal(rule=Rule.SEGMENT_MISMATCH, detail=f"named {named}, observed {seen}", index=position)
     if payload_digest != manifest.payload_digest:
-        return Refusal(rule=Rule.PAYLOAD_DIGEST, detail="the re-hashed payload differs from the manifest's digest")
+        return ManifestRefusal(
+            rule=Rule.PAYLOAD_DIGEST, detail="the re-hashed payload differs from the manifest's digest"
+        )
     return None
 
 
-def check_present(manifest: Manifest, stored_sizes: Mapping[str, int]) -> Refusal | None:
+def check_present(manifest: Manifest, stored_sizes: Mapping[str, int]) -> ManifestRefusal | None:
     """The manifest's own rules, then every segment it names present in the store with its length
     (`stored_sizes`: digest -> size of the stored file). Content is not re-hashed here (`validate` does)."""
     refusal = check_manifest(manifest)
@@ -159,9 +171,11 @@ def check_present(manifest: Manifest, stored_sizes: Mapping[str, int]) -> Refusa
     for position, seg in enumerate(manifest.segments):
         size = stored_sizes.get(seg.digest)
         if size is None:
-            return Refusal(
+            return ManifestRefusal(
                 rule=Rule.SEGMENT_MISSING, detail=f"segment {seg.digest[:16]}… is not stored", index=position
             )
         if size != seg.length:
-            return Refusal(rule=Rule.SEGMENT_SIZE, detail=f"stored {size} bytes, expected {seg.length}", index=position)
+            return ManifestRefusal(
+                rule=Rule.SEGMENT_SIZE, detail=f"stored {size} bytes, expected {seg.length}", index=position
+            )
     return None

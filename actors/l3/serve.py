@@ -50,8 +50,7 @@ from messages.l3 import (
 )
 from runtime.actor import ActorContext, RawReply, RequestError
 from runtime.datapath import ChunkReader, DataListener, DataPathConfig, send_range
-from runtime.tickets import Grant
-from runtime.tickets import Refusal as TicketRefusal
+from runtime.tickets import Grant, TicketRefusal
 
 __all__ = ["L3Endpoints"]
 

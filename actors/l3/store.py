@@ -62,7 +62,7 @@ import msgspec
 import structlog
 
 from actors.l3 import layout
-from actors.l3.commit import Refusal, Rule, check_manifest, check_present, validate
+from actors.l3.commit import ManifestRefusal, Rule, check_manifest, check_present, validate
 from actors.l3.files import (
     COPY_BUFFER_BYTES,
     OPEN_CREATE,
@@ -117,7 +117,7 @@ class StoreError(Exception):
 
 
 class CommitRefused(StoreError):
-    def __init__(self, refusal: Refusal) -> None:
+    def __init__(self, refusal: ManifestRefusal) -> None:
         super().__init__(f"commit refused ({refusal.rule.value}): {refusal.detail}")
         self.refusal = refusal
 
@@ -125,7 +125,7 @@ class CommitRefused(StoreError):
 class CorruptEntry(StoreError):
     """A stored entry's bytes do not match its manifest; it has been quarantined."""
 
-    def __init__(self, entry: str, refusal: Refusal) -> None:
+    def __init__(self, entry: str, refusal: ManifestRefusal) -> None:
         super().__init__(f"entry {entry[:16]}… is corrupt ({refusal.rule.value}): {refusal.detail}")
         self.entry = entry
         self.refusal = refusal
@@ -376,7 +376,7 @@ class Store:
         if refusal is not None:
             self._corrupt(manifest, refusal)
 
-    def _read_back(self, manifest: Manifest, out: int | None) -> Refusal | None:
+    def _read_back(self, manifest: Manifest, out: int | None) -> ManifestRefusal | None:
         """Reads and hashes each stored segment (`_READERS` at once), writing the very bytes it hashed to `out`
         at their offset (when given), then checks the payload digest recomputed from what was hashed. A
         segment that cannot be read (missing, resized, a read error) is a refusal (the first in order); an
@@ -389,26 +389,28 @@ class Store:
                 results = list(pool.map(lambda seg: self._read_segment(seg, out), segments))
         seen: list[SegmentRef] = []
         for result in results:
-            if isinstance(result, Refusal):
+            if isinstance(result, ManifestRefusal):
                 return result
             seen.append(result)
         if layout.payload_root(seen) != manifest.payload_digest:
-            return Refusal(rule=Rule.PAYLOAD_DIGEST, detail="the payload digest recomputed from the segments differs")
+            return ManifestRefusal(
+                rule=Rule.PAYLOAD_DIGEST, detail="the payload digest recomputed from the segments differs"
+            )
         return None
 
-    def _read_segment(self, seg: SegmentRef, out: int | None) -> SegmentRef | Refusal:
+    def _read_segment(self, seg: SegmentRef, out: int | None) -> SegmentRef | ManifestRefusal:
         """Re-hashes one stored segment (copying it to `out` at its offset when given)."""
         try:
             fd = os.open(self.segment_file(seg.digest), OPEN_READ)
         except FileNotFoundError:
-            return Refusal(rule=Rule.SEGMENT_MISSING, detail="segment is not stored", index=seg.index)
+            return ManifestRefusal(rule=Rule.SEGMENT_MISSING, detail="segment is not stored", index=seg.index)
         except OSError as exc:
             return _unreadable(seg, exc)
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size != seg.length:
                 detail = f"stored {info.st_size} bytes, expected {seg.length}"
-                return Refusal(rule=Rule.SEGMENT_SIZE, detail=detail, index=seg.index)
+                return ManifestRefusal(rule=Rule.SEGMENT_SIZE, detail=detail, index=seg.index)
             os.set_blocking(fd, True)
             try:
                 digest, got = hash_fd(fd, seg.length, thread_buffer(), out, seg.offset)
@@ -417,12 +419,16 @@ class Store:
         finally:
             os.close(fd)
         if got != seg.length:
-            return Refusal(rule=Rule.SEGMENT_SIZE, detail=f"read {got} bytes, expected {seg.length}", index=seg.index)
+            return ManifestRefusal(
+                rule=Rule.SEGMENT_SIZE, detail=f"read {got} bytes, expected {seg.length}", index=seg.index
+            )
         if digest != seg.digest:
-            return Refusal(rule=Rule.SEGMENT_MISMATCH, detail="segment bytes do not hash to its name", index=seg.index)
+            return ManifestRefusal(
+                rule=Rule.SEGMENT_MISMATCH, detail="segment bytes do not hash to its name", index=seg.index
+            )
         return SegmentRef(seg.index, seg.offset, seg.length, digest)
 
-    def _corrupt(self, manifest: Manifest, refusal: Refusal) -> NoReturn:
+    def _corrupt(self, manifest: Manifest, refusal: ManifestRefusal) -> NoReturn:
         """Quarantines the stored entry if it is this manifest (not a newer one, nor a peer's), then raises."""
         entry = layout.entry_id(manifest.identity, manifest.tokens)
         try:
@@ -678,7 +684,7 @@ class Store:
             return None, f"unreadable: {exc}"[:200]
         refusal = check_present(manifest, sizes)
         if refusal is None and layout.manifest_name(layout.entry_id(manifest.identity, manifest.tokens)) != name:
-            refusal = Refusal(rule=Rule.IDENTITY, detail="the manifest is filed under another entry's name")
+            refusal = ManifestRefusal(rule=Rule.IDENTITY, detail="the manifest is filed under another entry's name")
         if refusal is None and verify_content:
             refusal = self._read_back(manifest, None)
         if refusal is not None:
@@ -686,7 +692,9 @@ class Store:
         return manifest, None
 
 
-def _unreadable(seg: SegmentRef, exc: OSError) -> Refusal:
+def _unreadable(seg: SegmentRef, exc: OSError) -> ManifestRefusal:
     if exc.errno in _TRANSIENT_ERRNOS:  # not the segment's fault: let the caller retry
         raise exc
-    return Refusal(rule=Rule.SEGMENT_UNREADABLE, detail=f"cannot read it: {exc.strerror or exc}", index=seg.index)
+    return ManifestRefusal(
+        rule=Rule.SEGMENT_UNREADABLE, detail=f"cannot read it: {exc.strerror or exc}", index=seg.index
+    )

@@ -21,7 +21,7 @@ import blake3
 import structlog
 
 from actors.l3 import layout
-from actors.l3.commit import Refusal, Rule, check_manifest, validate
+from actors.l3.commit import ManifestRefusal, Rule, check_manifest, validate
 from actors.l3.files import (
     OPEN_CREATE,
     fsync_dir,
@@ -92,7 +92,7 @@ def commit_fetched(store: Store, manifest: Manifest, received: Mapping[str, Segm
         elif intact(store.segment_file(seg.digest), seg.digest, seg.length):
             observed.append(seg)
         else:
-            raise CommitRefused(Refusal(rule=Rule.SEGMENT_MISSING, detail="not stored here", index=seg.index))
+            raise CommitRefused(ManifestRefusal(rule=Rule.SEGMENT_MISSING, detail="not stored here", index=seg.index))
     refusal = validate(manifest, observed, layout.payload_root(observed))
     if refusal is not None:
         raise CommitRefused(refusal)

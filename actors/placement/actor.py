@@ -38,7 +38,7 @@ import nats.js.errors
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.object_store import ObjectStore
 
-from actors.files.transfer import Holder, Refusal, choose_source
+from actors.files.transfer import Holder, TransferRefusal, choose_source
 from actors.placement import decision_records, shares
 from actors.placement.admission import ModelFacts, Outcome, ViewEntry, decide, natural_key, rejected
 from actors.placement.booking import Booking, booking_order
@@ -357,7 +357,7 @@ class PlacementActor(Actor):
 
         found = [f for f in await asyncio.gather(*(ask(node) for node in nodes)) if f is not None]
         source = choose_source([Holder(node=f.node_id, size=f.size, digest=f.blake3) for f in found])
-        if isinstance(source, Refusal):
+        if isinstance(source, TransferRefusal):
             return None
         held = next(f for f in found if f.blake3 == source.digest)
         ctx.log.info("model_facts_from_peers", path=path, blake3=source.digest, holders=list(source.peers))

@@ -44,7 +44,7 @@ from actors.placement.split import node_share
 from actors.runner import lifecycle as lc
 from actors.runner import upkeep
 from actors.runner.admission import (
-    Refusal,
+    StartRefused,
     check_memory,
     check_reservation,
     claim,
@@ -402,7 +402,9 @@ class RunnerActor(Actor):
                     model.geometry, stamp.settings, stamp.ctx, draft.geometry if draft else None
                 )
             except MemoryModelError as exc:
-                raise Refusal(UNSUPPORTED, f"llama-server would refuse these settings: {exc}", releases=True) from exc
+                raise StartRefused(
+                    UNSUPPORTED, f"llama-server would refuse these settings: {exc}", releases=True
+                ) from exc
             try:
                 async with asyncio.timeout(self.limits.claim_budget_s):
                     claimed = await self._claim(
@@ -411,18 +413,18 @@ class RunnerActor(Actor):
             except TimeoutError as exc:
                 # a claim may have landed unseen: give the reservation up rather than leave it claimed by nobody
                 message = f"the node's buckets did not answer within {self.limits.claim_budget_s:g}s"
-                raise Refusal(UNAVAILABLE, message, releases=True) from exc
+                raise StartRefused(UNAVAILABLE, message, releases=True) from exc
             directory = self.data_dir / "runner" / instance_id
             try:
                 server_log = await asyncio.to_thread(self._prepare_directory, directory, frozenset(self._drivers))
             except OSError as exc:  # after the claim: still journaled, so placement releases the memory
-                raise Refusal(DATA_DIR_UNWRITABLE, f"cannot prepare {directory}: {exc}", releases=True) from exc
+                raise StartRefused(DATA_DIR_UNWRITABLE, f"cannot prepare {directory}: {exc}", releases=True) from exc
             except asyncio.CancelledError:  # the deadline or the actor's end, after the claim: nothing will run
                 message = "the start was cancelled after its claim; the reservation is given up"
-                cancelled = Refusal(UNAVAILABLE, message, releases=True)
+                cancelled = StartRefused(UNAVAILABLE, message, releases=True)
                 self._refused(ctx, rid, reservation, instance_id, cancelled)
                 raise
-        except Refusal as refusal:
+        except StartRefused as refusal:
             raise self._refused(ctx, rid, reservation, instance_id, refusal) from refusal
         assert self.engine_path is not None  # check_reservation refused a node without one
         self._longest_token[instance_id] = model.geometry.longest_token_bytes
@@ -489,12 +491,12 @@ class RunnerActor(Actor):
                 checked.model_digest,
                 checked.stamp,
             ):
-                raise Refusal(RESERVATION_STATE, f"reservation {rid} changed while being started", releases=False)
+                raise StartRefused(RESERVATION_STATE, f"reservation {rid} changed while being started", releases=False)
             check_memory(reservation, predicted, telemetry, current)
             claimed_ledger = claim(current, rid, self.node_id, instance_id)
             if await self._node.write_ledger(ctx, claimed_ledger, revision):
                 return find(claimed_ledger, rid, self.node_id)
-        raise Refusal(
+        raise StartRefused(
             UNAVAILABLE,
             f"the ledger of node {self.node_id} kept changing; reservation {rid} not claimed after "
             f"{self.limits.claim_attempts} attempts: retry",
@@ -502,7 +504,7 @@ class RunnerActor(Actor):
         )
 
     def _refused(
-        self, ctx: ActorContext, rid: str, reservation: Reservation | None, instance_id: str, refusal: Refusal
+        self, ctx: ActorContext, rid: str, reservation: Reservation | None, instance_id: str, refusal: StartRefused
     ) -> RequestError:
         """A refusal that makes the reservation unusable here is journaled, so placement releases its memory."""
         if refusal.releases and reservation is not None:

@@ -7,7 +7,7 @@ the shell read (the node's ledger, its telemetry, its serving settings, the mode
 
 Rules this module keeps:
 
-* A refusal is a `Refusal` with a stable `code`. One that makes the reservation unusable on this node has
+* A refusal is a `StartRefused` with a stable `code`. One that makes the reservation unusable on this node has
   `releases=True`: the shell journals it (`instance_refused`), so placement releases the memory at once.
 * Clocks of different hosts are never compared. `expires_at` is written with placement's clock, so the runner
   does not look at it: expiring reservations is placement's job. For the same reason every reservation in
@@ -41,7 +41,7 @@ from messages.runner import FieldDrift
 from messages.telemetry import NodeResources
 
 __all__ = [
-    "Refusal",
+    "StartRefused",
     "check_memory",
     "check_reservation",
     "claim",
@@ -53,7 +53,7 @@ __all__ = [
 _EVERY_RESERVATION_HOLDS = float("-inf")
 
 
-class Refusal(Exception):
+class StartRefused(Exception):
     """The start is refused. `releases`: the reservation cannot be used on this node (journal it, so placement
     releases its memory); otherwise it is someone else's or a passing condition, and is left alone."""
 
@@ -82,7 +82,7 @@ def find(ledger: NodeLedger | None, reservation_id: str, node_id: str) -> Reserv
     for reservation in ledger.reservations if ledger is not None else ():
         if reservation.reservation_id == reservation_id:
             return reservation
-    raise Refusal(NOT_FOUND, f"no reservation {reservation_id!r} on node {node_id}", releases=False)
+    raise StartRefused(NOT_FOUND, f"no reservation {reservation_id!r} on node {node_id}", releases=False)
 
 
 def check_reservation(
@@ -103,18 +103,18 @@ def check_reservation(
         if split is None or split.head != node_id or not reservation.stamp.rpc:
             head = split.head if split is not None else "its head"
             message = f"reservation {rid} is this node's part of a split headed by {head}: the head starts it"
-            raise Refusal(UNSUPPORTED, message, releases=False)
+            raise StartRefused(UNSUPPORTED, message, releases=False)
         if not can_head_split:
             message = f"node {node_id} has no cluster certificates (--cluster-secret-file): it cannot head a split"
-            raise Refusal(UNSUPPORTED, message, releases=True)
+            raise StartRefused(UNSUPPORTED, message, releases=True)
     if reservation.state != "reserved":
-        raise Refusal(RESERVATION_STATE, f"reservation {rid} is {reservation.state}, not reserved", releases=False)
+        raise StartRefused(RESERVATION_STATE, f"reservation {rid} is {reservation.state}, not reserved", releases=False)
     if not has_engine:
-        raise Refusal(ENGINE_UNAVAILABLE, f"node {node_id} has no llama-server to run", releases=True)
+        raise StartRefused(ENGINE_UNAVAILABLE, f"node {node_id} has no llama-server to run", releases=True)
     if running >= max_instances:
-        raise Refusal(TOO_MANY_INSTANCES, f"node {node_id} runs {running} instances", releases=False)
+        raise StartRefused(TOO_MANY_INSTANCES, f"node {node_id} runs {running} instances", releases=False)
     if drift:
-        raise Refusal(
+        raise StartRefused(
             SETTINGS_DRIFT,
             "the node's settings changed since admission: " + describe_drift(drift),
             releases=True,
@@ -130,7 +130,7 @@ def check_memory(
     need = {device.device: device.total_bytes for device in predicted.devices}
     if node is None:
         message = f"node {reservation.node_id} has no current telemetry; cannot check its memory"
-        raise Refusal(TELEMETRY_STALE, message, releases=True, need_bytes=need)
+        raise StartRefused(TELEMETRY_STALE, message, releases=True, need_bytes=need)
     others = without(ledger, reservation.reservation_id) if ledger is not None else None
     have = available(node, others, _EVERY_RESERVATION_HOLDS)
     short = {d: n for d, n in need.items() if n > have.get(d, 0)}
@@ -138,7 +138,7 @@ def check_memory(
         message = "the model no longer fits: " + ", ".join(
             f"{d} needs {n} bytes, has {have.get(d, 0)}" for d, n in short.items()
         )
-        raise Refusal(
+        raise StartRefused(
             INSUFFICIENT_MEMORY,
             message,
             releases=True,
@@ -153,7 +153,7 @@ def claim(ledger: NodeLedger | None, reservation_id: str, node_id: str, instance
     reservation = find(ledger, reservation_id, node_id)
     if reservation.state != "reserved":
         message = f"reservation {reservation_id} is {reservation.state}, not reserved"
-        raise Refusal(RESERVATION_STATE, message, releases=False)
+        raise StartRefused(RESERVATION_STATE, message, releases=False)
     assert ledger is not None  # find found it there
     claimed = msgspec.structs.replace(reservation, state="starting", instance_id=instance_id)
     return replaced(ledger, claimed)

@@ -8,7 +8,7 @@ upkeep, read as no ledger at its revision, so `upkeep` writes what runs over it 
 start still refuses it: `ledger_unreadable`). The model file's name comes from that ledger, so it is hostile
 too: it is resolved and opened by `runtime.model_files` (no NUL, no 200 KB name, no `../` out of the models
 dir, nothing but a regular file, never a blocking open of a FIFO), in a worker thread, and every failure is a
-`Refusal(model_unreadable)`, never an exception. A registry-admitted file's blake3 is checked with
+`StartRefused(model_unreadable)`, never an exception. A registry-admitted file's blake3 is checked with
 `FileDigests` (each file version hashed once); a hash that outlasts the request's budget keeps running, and
 a retry waits for the same one. A stamp's companion files (a draft model, a multimodal projector) are read
 the same way, always against the digest admission stamped. A file the node lacks (a relative name, not in
@@ -34,7 +34,7 @@ from nats.js.kv import KeyValue
 from actors.placement.geometry import GeometryError, geometry_from_header
 from actors.placement.gguf_header import GGUFFormatError, GGUFHeader, parse_header
 from actors.placement.projector import ProjectorError, projector_from_header
-from actors.runner.admission import Refusal
+from actors.runner.admission import StartRefused
 from messages.errors import BUSY, LEDGER_UNREADABLE, MODEL_MISMATCH, MODEL_UNREADABLE, UNAVAILABLE
 from messages.files import PullReply, PullRequest
 from messages.model import ModelGeometry, ProjectorGeometry
@@ -50,7 +50,7 @@ __all__ = ["FetchFile", "LedgerRead", "ModelFiles", "NodeState", "ProjectorFile"
 _Facts = TypeVar("_Facts", ModelGeometry, ProjectorGeometry)
 
 #: Brings a file this node lacks (its relative name, the stamped digest or None) from a peer within a budget;
-#: raises `Refusal` when it cannot be had now.
+#: raises `StartRefused` when it cannot be had now.
 FetchFile = Callable[[str, str | None, float], Awaitable[None]]
 
 
@@ -86,7 +86,7 @@ class NodeState:
             marker = getattr(exc, "entry", None)
             return LedgerRead(None, (marker.revision or 0) if marker is not None else 0)
         except (nats.errors.Error, TimeoutError) as exc:
-            raise Refusal(UNAVAILABLE, f"cannot read the reservations bucket: {exc!r}", releases=False) from exc
+            raise StartRefused(UNAVAILABLE, f"cannot read the reservations bucket: {exc!r}", releases=False) from exc
         revision = entry.revision or 0
         if not entry.value:
             return LedgerRead(None, revision)
@@ -98,7 +98,7 @@ class NodeState:
                 "ledger_unreadable", revision=revision, bytes=len(entry.value), error=_short(str(exc)), strict=strict
             )
             if strict:
-                raise Refusal(LEDGER_UNREADABLE, str(exc), releases=False) from exc
+                raise StartRefused(LEDGER_UNREADABLE, str(exc), releases=False) from exc
             return LedgerRead(None, revision, unreadable=str(exc))
         return LedgerRead(ledger, revision)
 
@@ -111,7 +111,7 @@ class NodeState:
         except nats.js.errors.KeyWrongLastSequenceError:
             return False
         except (nats.errors.Error, TimeoutError) as exc:
-            raise Refusal(UNAVAILABLE, f"cannot write the reservations bucket: {exc!r}", releases=False) from exc
+            raise StartRefused(UNAVAILABLE, f"cannot write the reservations bucket: {exc!r}", releases=False) from exc
         if revision and revision == self._unreadable_at:
             self._unreadable_at = None
             ctx.log.error(
@@ -129,7 +129,7 @@ class NodeState:
         except nats.js.errors.KeyNotFoundError:
             return None
         except (nats.errors.Error, TimeoutError) as exc:
-            raise Refusal(UNAVAILABLE, f"cannot read the nodes bucket: {exc!r}", releases=False) from exc
+            raise StartRefused(UNAVAILABLE, f"cannot read the nodes bucket: {exc!r}", releases=False) from exc
         if not entry.value:  # expired: a delete marker
             return None
         try:
@@ -187,15 +187,15 @@ class ModelFiles:
             async with asyncio.timeout_at(until):
                 path, found = await asyncio.to_thread(_read_facts, name, self.models_dir, facts)
         except TimeoutError as exc:
-            raise Refusal(
+            raise StartRefused(
                 UNAVAILABLE, f"reading the header of {name[:200]!r} took over {budget_s:g}s; retry", releases=False
             ) from exc
         except (ModelFileError, GGUFFormatError, GeometryError, ProjectorError, OSError, ValueError) as exc:
-            raise Refusal(MODEL_UNREADABLE, f"cannot use {role} {_short(name)}: {exc}", releases=True) from exc
+            raise StartRefused(MODEL_UNREADABLE, f"cannot use {role} {_short(name)}: {exc}", releases=True) from exc
         if digest is not None:
             actual = await self._digest(path, until, budget_s)
             if actual != digest:
-                raise Refusal(
+                raise StartRefused(
                     MODEL_MISMATCH,
                     f"{path} is not the file admission was made for (blake3 {actual[:16]}…, expected {digest[:16]}…)",
                     releases=True,
@@ -213,14 +213,14 @@ class ModelFiles:
             async with asyncio.timeout_at(until):
                 return await asyncio.shield(future)
         except TimeoutError as exc:
-            raise Refusal(
+            raise StartRefused(
                 UNAVAILABLE,
                 f"the blake3 of {path} is still being computed (over {budget_s:g}s so far); retry: "
                 "the digest is kept once done",
                 releases=False,
             ) from exc
         except (ModelFileError, OSError) as exc:
-            raise Refusal(MODEL_UNREADABLE, f"cannot read {path}: {exc}", releases=True) from exc
+            raise StartRefused(MODEL_UNREADABLE, f"cannot read {path}: {exc}", releases=True) from exc
 
     def _finished_hash(self, path: Path, done: asyncio.Future[str]) -> None:
         self._hashing.pop(path, None)
@@ -258,15 +258,15 @@ async def pull_missing(ctx: ActorContext, name: str, digest: str | None, budget_
     try:
         reply = await ctx.bus.request(subject, request, PullReply, timeout=max(budget_s, 0.1))
     except RequestTimeout as exc:
-        raise Refusal(UNAVAILABLE, fetching, releases=False) from exc
+        raise StartRefused(UNAVAILABLE, fetching, releases=False) from exc
     except RemoteError as exc:
         if exc.code in (BUSY, UNAVAILABLE):
-            raise Refusal(UNAVAILABLE, f"{fetching} ({exc.reply.message})", releases=False) from exc
+            raise StartRefused(UNAVAILABLE, f"{fetching} ({exc.reply.message})", releases=False) from exc
         message = f"{_short(name)} is not on this node and cannot be fetched: {exc.reply.message}"
-        raise Refusal(MODEL_UNREADABLE, message, releases=True) from exc
+        raise StartRefused(MODEL_UNREADABLE, message, releases=True) from exc
     except BusError as exc:
         message = f"{_short(name)} is not on this node and cannot be fetched: {exc}"
-        raise Refusal(MODEL_UNREADABLE, message, releases=True) from exc
+        raise StartRefused(MODEL_UNREADABLE, message, releases=True) from exc
     ctx.log.info("model_file_fetched", path=reply.path, peer=reply.peer, bytes=reply.size, moved=reply.moved_bytes)
 
 

@@ -31,7 +31,7 @@ import nats.js.errors
 
 from actors.placement.ledger import device_sizes
 from actors.placement.reservations import apply
-from actors.runner.admission import Refusal
+from actors.runner.admission import StartRefused
 from actors.runner.booking import Live, Rebook, lapsed, orphaned, rebook
 from actors.runner.preflight import NodeState
 from actors.runner.records import FINAL_STATES
@@ -56,7 +56,7 @@ async def clear_predecessor(ctx: ActorContext, node: NodeState, *, deadline_s: f
         async with asyncio.timeout(deadline_s):
             removed = await _delete_records(ctx, node.node_id)
             released = await _release_orphans(ctx, node)
-    except (nats.errors.Error, TimeoutError, Refusal) as exc:
+    except (nats.errors.Error, TimeoutError, StartRefused) as exc:
         # Placement's reconcile releases them once the records expire; the next incarnation tries again.
         ctx.log.warning("predecessor_not_cleared", error=repr(exc))
         return
@@ -134,7 +134,7 @@ async def keep_booked(
                 ctx.log.warning("phantom_records_removed", records=dropped)
         try:
             await check_bookings(ctx, node, live, stop, clock)
-        except (nats.errors.Error, TimeoutError, Refusal) as exc:  # the bus is away: the next pass tries again
+        except (nats.errors.Error, TimeoutError, StartRefused) as exc:  # the bus is away: the next pass tries again
             ctx.log.warning("bookings_not_checked", error=repr(exc))
 
 

@@ -189,7 +189,7 @@ async def test_receiver_death_fails_the_send_and_frees_its_staging(
         await receiver.__aexit__(None, None, None)  # the receiving node goes away mid-transfer
         with pytest.raises(HandoffFailed) as failed:
             await asyncio.wait_for(send, 10)
-        assert failed.value.reason == tx.Reason.RECEIVER_STALLED.value
+        assert failed.value.reason == tx.SendReason.RECEIVER_STALLED.value
         assert not any(b.staging.iterdir())
         [event] = await journal_reader.wait_for(of_type("handoff_aborted", node="test-node", role="sender"))
         assert event["reason"] == "receiver_stalled"

@@ -104,7 +104,7 @@ async def test_state_is_never_published_into_a_subject_the_receiver_names(bus: B
         async with sender(bus, tmp_path) as a:
             with pytest.raises(HandoffFailed) as failed:
                 await a.send("node-x", source, identity=IDENTITY, n_tokens=1)
-            assert failed.value.reason == tx.Reason.BAD_REPLY.value
+            assert failed.value.reason == tx.SendReason.BAD_REPLY.value
             await bus.nc.flush()
     finally:
         await fake.stop()
@@ -127,7 +127,7 @@ async def test_a_receivers_idle_timeout_is_capped_by_the_senders_credit_stall(bu
             elapsed = time.monotonic() - started
     finally:
         await fake.stop()
-    assert failed.value.reason == tx.Reason.RECEIVER_STALLED.value  # not `expired` at the session's deadline
+    assert failed.value.reason == tx.SendReason.RECEIVER_STALLED.value  # not `expired` at the session's deadline
     assert elapsed < 10
 
 
@@ -144,7 +144,7 @@ async def test_a_result_that_names_another_payload_is_not_a_commit(bus: Bus, tmp
         async with sender(bus, tmp_path) as a:
             with pytest.raises(HandoffFailed) as failed:
                 await a.send("node-x", source, identity=IDENTITY, n_tokens=1)
-            assert failed.value.reason == tx.Reason.RESULT_MISMATCH.value
+            assert failed.value.reason == tx.SendReason.RESULT_MISMATCH.value
             # the same receiver telling the truth commits
             ref = SegmentRef(0, 0, len(data), blake3.blake3(data).hexdigest())
             fake.result = lambda _: HandoffResult(

@@ -1,7 +1,7 @@
 """One registry of error codes (`messages.errors.REGISTRY`): every code the code base can put on the wire is in it.
 
 The wire's codes are the first argument (or `code=`) of `RequestError`, `ErrorReply`, the front door's
-`ApiError` and the runner's start `Refusal`. Each such argument that names a value (a constant, a module's
+`ApiError` and the runner's `StartRefused`. Each such argument that names a value (a constant, a module's
 name for one, a string) is resolved in its module and must be a registered code; arguments computed at run
 time (a peer's code passed on, a table's value) are checked where the table is (`_CODES` of the files actor).
 The bus's numeric header and the front door's status both read the registry.
@@ -49,7 +49,7 @@ def _code_argument(call: ast.Call) -> ast.expr | None:
 def _carrier(call: ast.Call, module: str) -> bool:
     name = call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", "")
     # the runner's start refusals become RequestErrors with their code (`RunnerActor._refused`)
-    return name in CARRIERS or (name == "Refusal" and module.startswith("actors.runner"))
+    return name in CARRIERS or (name == "StartRefused" and module.startswith("actors.runner"))
 
 
 def _resolve(node: ast.expr, namespace: dict[str, Any]) -> str | None:
@@ -91,9 +91,9 @@ def test_every_code_raised_anywhere_is_in_the_registry() -> None:
 
 def test_the_files_actors_table_maps_every_reason_to_a_registered_code() -> None:
     from actors.files.actor import _CODES
-    from actors.files.transfer import Reason
+    from actors.files.transfer import TransferReason
 
-    assert set(_CODES) <= set(Reason)
+    assert set(_CODES) <= set(TransferReason)
     assert all(code in REGISTRY for code in _CODES.values())
 
 

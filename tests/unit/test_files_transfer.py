@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from actors.files import transfer
 from actors.files.part import open_part
-from actors.files.transfer import Holder, Reason, Refusal, Source
+from actors.files.transfer import Holder, Source, TransferReason, TransferRefusal
 from messages.subjects import Subjects
 from runtime.roles import Role, permissions
 from tests.harness.permissions import allowed
@@ -23,7 +23,7 @@ D1, D2 = "a" * 64, "b" * 64
 @pytest.mark.parametrize("name", ["/etc/passwd", "../up.gguf", "a/../../b.gguf", "", "a//b", "./a", "x\x00y"])
 def test_names_that_are_not_plain_relative_names_never_travel(name: str) -> None:
     refusal = transfer.check_relative(name)
-    assert refusal is not None and refusal.reason is Reason.BAD_NAME
+    assert refusal is not None and refusal.reason is TransferReason.BAD_NAME
 
 
 @pytest.mark.parametrize("name", ["tiny.gguf", "qwen/qwen-0.5b.gguf", "a..b.gguf"])
@@ -57,28 +57,30 @@ def test_a_chunk_is_checked_against_what_was_asked_and_its_own_hash() -> None:
     assert transfer.check_chunk(**ok) is None  # type: ignore[arg-type]
     for change in ({"got_offset": 4}, {"got_total": 12}, {"got_length": 3}, {"observed": D2}):
         refusal = transfer.check_chunk(**{**ok, **change})  # type: ignore[arg-type]
-        assert refusal is not None and refusal.reason is Reason.CHUNK_REFUSED, change
+        assert refusal is not None and refusal.reason is TransferReason.CHUNK_REFUSED, change
 
 
 def test_the_whole_file_must_hash_to_the_expected_digest() -> None:
     assert transfer.final_refusal(digest=D1, size=10, observed=D1, received=10) is None
     wrong = transfer.final_refusal(digest=D1, size=10, observed=D2, received=10)
-    assert wrong is not None and wrong.reason is Reason.DIGEST_MISMATCH
+    assert wrong is not None and wrong.reason is TransferReason.DIGEST_MISMATCH
     short = transfer.final_refusal(digest=D1, size=10, observed=D1, received=9)
-    assert short is not None and short.reason is Reason.DIGEST_MISMATCH
+    assert short is not None and short.reason is TransferReason.DIGEST_MISMATCH
 
 
 def test_a_full_disk_is_a_refusal_before_any_byte_moves() -> None:
     assert transfer.space_refusal(free_bytes=100, need_bytes=100, keep_free_bytes=0) is None
     refusal = transfer.space_refusal(free_bytes=100, need_bytes=80, keep_free_bytes=30)
-    assert refusal == Refusal(Reason.NO_SPACE, "needs 80 bytes and keep 30 free; the file system has 100 free")
+    assert refusal == TransferRefusal(
+        TransferReason.NO_SPACE, "needs 80 bytes and keep 30 free; the file system has 100 free"
+    )
 
 
 def test_free_bytes_a_pull_in_flight_will_write_are_not_free_for_another() -> None:
     assert transfer.space_refusal(free_bytes=100, need_bytes=60, keep_free_bytes=0, owed_bytes=40) is None
     refusal = transfer.space_refusal(free_bytes=100, need_bytes=60, keep_free_bytes=0, owed_bytes=41)
-    assert refusal == Refusal(
-        Reason.NO_SPACE, "needs 60 bytes; the file system has 100 free, 41 of them owed to pulls in flight"
+    assert refusal == TransferRefusal(
+        TransferReason.NO_SPACE, "needs 60 bytes; the file system has 100 free, 41 of them owed to pulls in flight"
     )
 
 
@@ -87,11 +89,11 @@ def test_the_version_fetched_is_the_signed_one_or_the_one_most_holders_state() -
     assert transfer.choose_source(holders) == Source(D1, 10, ("a", "b"))
     assert transfer.choose_source(holders, digest=D2, size=10) == Source(D2, 10, ("c",))
     signed_elsewhere = transfer.choose_source(holders, digest="c" * 64)
-    assert isinstance(signed_elsewhere, Refusal) and signed_elsewhere.reason is Reason.NO_PEER
+    assert isinstance(signed_elsewhere, TransferRefusal) and signed_elsewhere.reason is TransferReason.NO_PEER
     wrong_size = transfer.choose_source(holders, digest=D2, size=11)
-    assert isinstance(wrong_size, Refusal)
+    assert isinstance(wrong_size, TransferRefusal)
     nobody = transfer.choose_source([])
-    assert isinstance(nobody, Refusal) and nobody.reason is Reason.NO_PEER
+    assert isinstance(nobody, TransferRefusal) and nobody.reason is TransferReason.NO_PEER
     tie = transfer.choose_source([Holder("x", 5, D2), Holder("y", 5, D1)])
     assert tie == Source(D1, 5, ("y",))  # every node picks the same version
 

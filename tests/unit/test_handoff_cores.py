@@ -101,7 +101,7 @@ class Wire:
     def restored(self) -> bool:
         return any(isinstance(a, rx.Restore) for a in self.actions)
 
-    def aborted(self) -> rx.Reason | None:
+    def aborted(self) -> rx.ReceiveReason | None:
         aborts = [a for a in self.actions if isinstance(a, rx.Abort)]
         assert len(aborts) <= 1
         return aborts[0].reason if aborts else None
@@ -132,30 +132,30 @@ def test_credit_is_granted_only_for_staged_bytes_and_bounds_what_may_be_publishe
     ref = wire.refs[0]
     for c in range(0, 5 * CHUNK, CHUNK):
         wire.core.handle(rx.ChunkArrived(tx.chunk_headers(wire.core.session, ref, c), CHUNK, 0.1))
-    assert wire.core.reason is rx.Reason.CREDIT_EXCEEDED
+    assert wire.core.reason is rx.ReceiveReason.CREDIT_EXCEEDED
 
 
 @pytest.mark.parametrize(
     ("fault", "reason"),
     [
-        ("duplicate", rx.Reason.DUPLICATE),
-        ("reorder", rx.Reason.OUT_OF_ORDER),
-        ("gap", rx.Reason.GAP),
-        ("overlap", rx.Reason.OVERLAP),
-        ("corrupt", rx.Reason.DIGEST_MISMATCH),
-        ("drop", rx.Reason.SEGMENT_COUNT),
-        ("digest_lie", rx.Reason.PAYLOAD_DIGEST),
-        ("count_lie", rx.Reason.SEGMENT_COUNT),
-        ("total_lie", rx.Reason.TOTAL),
-        ("tokens_lie", rx.Reason.TOKENS),
-        ("layout", rx.Reason.LAYOUT_MISMATCH),
-        ("chunk_dup", rx.Reason.DUPLICATE),
-        ("chunk_skip", rx.Reason.OUT_OF_ORDER),
-        ("bad_header", rx.Reason.BAD_CHUNK),
-        ("mid_segment_commit", rx.Reason.INCOMPLETE),
+        ("duplicate", rx.ReceiveReason.DUPLICATE),
+        ("reorder", rx.ReceiveReason.OUT_OF_ORDER),
+        ("gap", rx.ReceiveReason.GAP),
+        ("overlap", rx.ReceiveReason.OVERLAP),
+        ("corrupt", rx.ReceiveReason.DIGEST_MISMATCH),
+        ("drop", rx.ReceiveReason.SEGMENT_COUNT),
+        ("digest_lie", rx.ReceiveReason.PAYLOAD_DIGEST),
+        ("count_lie", rx.ReceiveReason.SEGMENT_COUNT),
+        ("total_lie", rx.ReceiveReason.TOTAL),
+        ("tokens_lie", rx.ReceiveReason.TOKENS),
+        ("layout", rx.ReceiveReason.LAYOUT_MISMATCH),
+        ("chunk_dup", rx.ReceiveReason.DUPLICATE),
+        ("chunk_skip", rx.ReceiveReason.OUT_OF_ORDER),
+        ("bad_header", rx.ReceiveReason.BAD_CHUNK),
+        ("mid_segment_commit", rx.ReceiveReason.INCOMPLETE),
     ],
 )
-def test_faults_are_refused_by_name_and_nothing_is_restored(fault: str, reason: rx.Reason) -> None:
+def test_faults_are_refused_by_name_and_nothing_is_restored(fault: str, reason: rx.ReceiveReason) -> None:
     segs = _segments(SIZES)
     announce = fault not in ("gap", "overlap", "drop", "count_lie", "total_lie")
     wire = Wire(_open(segs, announce=announce), segs)
@@ -221,7 +221,7 @@ def test_stalled_sender_is_aborted_at_the_deadline_the_core_names() -> None:
     assert deadline == pytest.approx(wire.core.last_progress + LIMITS.idle_timeout_s)
     assert wire.core.handle(rx.Tick(deadline - 0.001)) == []
     [abort] = wire.core.handle(rx.Tick(deadline))
-    assert isinstance(abort, rx.Abort) and abort.reason is rx.Reason.STALLED
+    assert isinstance(abort, rx.Abort) and abort.reason is rx.ReceiveReason.STALLED
 
 
 def test_a_commit_that_fails_is_answered_with_the_refusal() -> None:
@@ -237,11 +237,13 @@ def test_open_is_refused_when_the_layout_lies_or_limits_are_reached() -> None:
     segs = _segments(SIZES)
     good = _open(segs)
     assert rx.admit(replace(good, payload_digest="cd" * 32), LIMITS, sessions=0, reserved_bytes=0).reason is (  # type: ignore[union-attr]
-        rx.Reason.BAD_OPEN
+        rx.ReceiveReason.BAD_OPEN
     )
     assert rx.admit(replace(good, total_bytes=good.max_bytes - 1), LIMITS, sessions=0, reserved_bytes=0) is not None
-    assert rx.admit(good, LIMITS, sessions=LIMITS.max_sessions, reserved_bytes=0).reason is rx.Reason.BUSY  # type: ignore[union-attr]
-    assert rx.admit(replace(good, tokens=(1,)), LIMITS, sessions=0, reserved_bytes=0).reason is rx.Reason.BAD_OPEN  # type: ignore[union-attr]
+    assert rx.admit(good, LIMITS, sessions=LIMITS.max_sessions, reserved_bytes=0).reason is rx.ReceiveReason.BUSY  # type: ignore[union-attr]
+    assert (
+        rx.admit(replace(good, tokens=(1,)), LIMITS, sessions=0, reserved_bytes=0).reason is rx.ReceiveReason.BAD_OPEN
+    )  # type: ignore[union-attr]
 
 
 def test_sender_never_publishes_past_its_credit_and_commits_the_root_of_what_it_sent() -> None:
@@ -291,7 +293,7 @@ def test_sender_gives_up_when_no_credit_comes() -> None:
     sender.handle(tx.SegmentReady(5000, blake3.blake3(segs[0]).hexdigest(), 0.0))
     assert len(sender.sendable()) == 1 and sender.blocked
     [abort] = sender.handle(tx.Tick(2.0))
-    assert isinstance(abort, tx.Abort) and abort.reason is tx.Reason.RECEIVER_STALLED and abort.notify_receiver
+    assert isinstance(abort, tx.Abort) and abort.reason is tx.SendReason.RECEIVER_STALLED and abort.notify_receiver
 
 
 _HEADER_NAMES = [
@@ -391,7 +393,7 @@ def test_a_session_grants_within_its_own_window() -> None:
     core.handle(rx.ChunkArrived(tx.chunk_headers(core.session, ref, 2 * CHUNK), CHUNK, 0.3))
     assert core.reason is None
     core.handle(rx.ChunkArrived(tx.chunk_headers(core.session, ref, 3 * CHUNK), CHUNK, 0.4))
-    assert core.reason is rx.Reason.CREDIT_EXCEEDED
+    assert core.reason is rx.ReceiveReason.CREDIT_EXCEEDED
     with pytest.raises(ValueError, match="two chunks"):
         rx.Receiver("u" * 32, open_, LIMITS, now=0.0, window=CHUNK)
     with pytest.raises(ValueError, match="every session"):

@@ -28,7 +28,7 @@ def test_one_sender_alone_may_hold_every_session_but_not_one_more() -> None:
     assert rx.seat("mallory", seats, LIMITS) == rx.Seated()
     full = [*seats, _seat("s3", "mallory", opened_at=3)]
     refusal = rx.seat("mallory", full, LIMITS)
-    assert isinstance(refusal, rx.Refusal) and refusal.reason is rx.Reason.BUSY
+    assert isinstance(refusal, rx.SeatRefusal) and refusal.reason is rx.ReceiveReason.BUSY
     assert "its share of 4 among 1 sending nodes is 4" in refusal.detail
 
 
@@ -38,14 +38,14 @@ def test_a_newcomer_takes_the_place_of_the_newest_empty_session_of_a_sender_over
     # Two senders: two places each. The one over it cannot open more, even once a place is free.
     three = [*seats[:2], _seat("h0", "honest", received=5 * CHUNK)]
     refusal = rx.seat("mallory", three, LIMITS)
-    assert isinstance(refusal, rx.Refusal) and refusal.reason is rx.Reason.BUSY and "share" in refusal.detail
+    assert isinstance(refusal, rx.SeatRefusal) and refusal.reason is rx.ReceiveReason.BUSY and "share" in refusal.detail
     assert rx.seat("honest", three, LIMITS) == rx.Seated()
 
 
 def test_a_session_that_moves_bytes_is_never_preempted() -> None:
     seats = [_seat(f"s{i}", "busy-node", received=CHUNK, opened_at=i) for i in range(4)]
     refusal = rx.seat("honest", seats, LIMITS)
-    assert isinstance(refusal, rx.Refusal) and refusal.reason is rx.Reason.BUSY
+    assert isinstance(refusal, rx.SeatRefusal) and refusal.reason is rx.ReceiveReason.BUSY
     assert "4 sessions open, at most 4" in refusal.detail
     # among the senders over their share, the one holding most gives its empty place first
     mixed = [_seat("a0", "a", opened_at=5), _seat("b0", "b", opened_at=1), _seat("b1", "b", opened_at=2)]
@@ -56,7 +56,7 @@ def test_a_session_that_moves_bytes_is_never_preempted() -> None:
 def test_a_sender_under_its_share_waits_when_no_sender_is_over_it() -> None:
     seats = [_seat(f"s{i}", f"node-{i}") for i in range(4)]  # four senders, one place each: everyone at its share
     refusal = rx.seat("node-5", seats, LIMITS)
-    assert isinstance(refusal, rx.Refusal) and refusal.reason is rx.Reason.BUSY
+    assert isinstance(refusal, rx.SeatRefusal) and refusal.reason is rx.ReceiveReason.BUSY
 
 
 @given(
@@ -74,8 +74,8 @@ def test_a_seat_never_exceeds_the_bounds_nor_cuts_a_session_that_moves_bytes(
         _seat(f"s{i}", who, received=CHUNK if moving else 0, opened_at=t) for i, (who, moving, t) in enumerate(held)
     ]
     decision = rx.seat(sender, seats, limits)
-    if isinstance(decision, rx.Refusal):
-        assert decision.reason is rx.Reason.BUSY
+    if isinstance(decision, rx.SeatRefusal):
+        assert decision.reason is rx.ReceiveReason.BUSY
         return
     staying = [s for s in seats if s.session != decision.evict]
     assert len(staying) < max_sessions or len(seats) > max_sessions  # a place is free for it
@@ -99,7 +99,7 @@ def test_an_empty_session_is_aborted_at_its_first_chunk_deadline_long_before_the
     assert core.next_deadline == 102.0  # not 110 (the idle timeout)
     assert core.handle(rx.Tick(101.9)) == []
     [abort] = core.handle(rx.Tick(102.0))
-    assert isinstance(abort, rx.Abort) and abort.reason is rx.Reason.EMPTY and abort.notify_sender
+    assert isinstance(abort, rx.Abort) and abort.reason is rx.ReceiveReason.EMPTY and abort.notify_sender
 
 
 def test_a_first_chunk_in_time_leaves_the_session_to_the_idle_timeout() -> None:

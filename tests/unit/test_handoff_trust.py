@@ -63,7 +63,7 @@ def test_a_receivers_huge_idle_timeout_is_capped_by_the_senders_own_credit_stall
     assert sender.next_deadline == 30.0  # was 900 (the deadline): the 1e9 was believed
     assert sender.handle(tx.Tick(29.9)) == []
     [abort] = sender.handle(tx.Tick(30.0))
-    assert isinstance(abort, tx.Abort) and abort.reason is tx.Reason.RECEIVER_STALLED
+    assert isinstance(abort, tx.Abort) and abort.reason is tx.SendReason.RECEIVER_STALLED
 
 
 def test_a_shorter_receiver_timeout_is_kept() -> None:
@@ -85,14 +85,14 @@ def test_a_shorter_receiver_timeout_is_kept() -> None:
 def test_a_session_subject_other_than_the_protocols_is_refused_before_any_byte(subject: str) -> None:
     sender = tx.Sender(_open(CHUNK), tx.SenderLimits(), now=0.0)
     [abort] = sender.handle(tx.Opened(_opened(subject=subject), 0.0, SUBJECT))
-    assert isinstance(abort, tx.Abort) and abort.reason is tx.Reason.BAD_REPLY and not abort.notify_receiver
+    assert isinstance(abort, tx.Abort) and abort.reason is tx.SendReason.BAD_REPLY and not abort.notify_receiver
     assert sender.state is tx.State.ABORTED and sender.sendable() == []
 
 
 def test_a_tiny_chunk_is_refused_and_a_huge_one_is_capped() -> None:
     sender = tx.Sender(_open(CHUNK), tx.SenderLimits(), now=0.0)
     [abort] = sender.handle(tx.Opened(_opened(chunk_bytes=1), 0.0, SUBJECT))
-    assert isinstance(abort, tx.Abort) and abort.reason is tx.Reason.BAD_REPLY
+    assert isinstance(abort, tx.Abort) and abort.reason is tx.SendReason.BAD_REPLY
     sender = _streaming(_opened(chunk_bytes=1 << 30, credit=1 << 30), max_chunk_bytes=CHUNK)
     sender.handle(tx.SegmentReady(4 * CHUNK, "cd" * 32, 0.0))
     assert [c.size for c in sender.sendable()] == [CHUNK] * 4
@@ -125,7 +125,7 @@ def test_a_commit_counts_only_when_the_result_names_the_payload_sent() -> None:
     ):
         sender, _ = _committing(data)
         [abort] = sender.handle(tx.ResultArrived(lie, 1.0))
-        assert isinstance(abort, tx.Abort) and abort.reason is tx.Reason.RESULT_MISMATCH, lie
+        assert isinstance(abort, tx.Abort) and abort.reason is tx.SendReason.RESULT_MISMATCH, lie
 
 
 @pytest.mark.parametrize(
@@ -186,7 +186,7 @@ def test_a_byte_every_few_seconds_does_not_keep_a_session_alive() -> None:
     deadline = session.core.next_deadline
     assert deadline is not None and deadline <= LIMITS.idle_timeout_s  # counted from the open: no progress since
     [abort] = session.tick(deadline)
-    assert isinstance(abort, rx.Abort) and abort.reason is rx.Reason.STALLED
+    assert isinstance(abort, rx.Abort) and abort.reason is rx.ReceiveReason.STALLED
 
 
 def test_full_chunks_are_progress_and_the_payloads_end_too() -> None:
@@ -217,7 +217,7 @@ def test_a_sender_averaging_under_the_minimum_rate_is_too_slow() -> None:
             break
         session.send(CHUNK, now)
     [abort] = aborted
-    assert isinstance(abort, rx.Abort) and abort.reason is rx.Reason.TOO_SLOW
+    assert isinstance(abort, rx.Abort) and abort.reason is rx.ReceiveReason.TOO_SLOW
     assert now < 30  # not the whole deadline
 
 
@@ -236,14 +236,14 @@ def test_an_open_the_staging_disk_cannot_hold_is_refused() -> None:
     open_ = _open(64 << 30)  # 64 GiB: admitted whatever the free disk before
     big = rx.ReceiverLimits(chunk_bytes=CHUNK, window_bytes=8 * CHUNK, min_free_bytes=1 << 30)
     refusal = rx.admit(open_, big, sessions=0, reserved_bytes=0, free_bytes=10 << 30)
-    assert refusal is not None and refusal.reason is rx.Reason.NO_SPACE
+    assert refusal is not None and refusal.reason is rx.ReceiveReason.NO_SPACE
     small = _open(1 << 30)
     assert rx.admit(small, big, sessions=0, reserved_bytes=0, free_bytes=3 << 30) is None
     # what open sessions may still write is not free: two such sessions do not both fit
     free = (5 << 30) // 2
     assert rx.admit(small, big, sessions=0, reserved_bytes=0, free_bytes=free) is None
     refusal = rx.admit(small, big, sessions=1, reserved_bytes=1 << 30, free_bytes=free, unwritten_bytes=1 << 30)
-    assert refusal is not None and refusal.reason is rx.Reason.NO_SPACE
+    assert refusal is not None and refusal.reason is rx.ReceiveReason.NO_SPACE
     assert rx.admit(small, big, sessions=0, reserved_bytes=0) is None  # not checked without a figure
 
 

@@ -10,7 +10,7 @@ import pytest
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from actors.placement.memory import estimate
-from actors.runner.admission import Refusal, check_memory, check_reservation, claim, find
+from actors.runner.admission import StartRefused, check_memory, check_reservation, claim, find
 from messages.memory import MemoryBreakdown
 from messages.placement import NodeLedger, Reservation, RpcMember, SplitPart, Stamp
 from messages.runner import FieldDrift
@@ -50,7 +50,7 @@ def node(usable: int) -> NodeResources:
     return NodeResources(node_id="n", seq=1, sent_at=time.time(), started_at=0.0, ttl_s=15, host=host)
 
 
-def refusal(excinfo: pytest.ExceptionInfo[Refusal]) -> tuple[str, bool]:
+def refusal(excinfo: pytest.ExceptionInfo[StartRefused]) -> tuple[str, bool]:
     return excinfo.value.code, excinfo.value.releases
 
 
@@ -76,30 +76,30 @@ def test_a_split_is_started_by_its_head_only_and_only_where_the_cluster_certific
     )
     head = reservation("r", predicted, multi_node=True, stamp=stamp, split=SplitPart(head="n", members=("m",)))
     check(head)  # the head's part, on a node that reaches its members
-    with pytest.raises(Refusal) as uncertified:
+    with pytest.raises(StartRefused) as uncertified:
         check(head, can_head_split=False)
     assert refusal(uncertified) == ("unsupported", True)  # it never will here: released
     member = msgspec.structs.replace(head, split=SplitPart(head="h", members=("n",)))
-    with pytest.raises(Refusal) as lent:
+    with pytest.raises(StartRefused) as lent:
         check(member)  # a part this node lends: its head starts the instance, the part stays booked
     assert refusal(lent) == ("unsupported", False)
     assert "headed by h" in str(lent.value)
 
 
 def test_checks_refuse_in_order_and_say_whether_the_reservation_is_released(predicted: MemoryBreakdown) -> None:
-    with pytest.raises(Refusal) as multi:  # a part of a split with no head named: not this node's to start
+    with pytest.raises(StartRefused) as multi:  # a part of a split with no head named: not this node's to start
         check(reservation("r", predicted, multi_node=True, state="starting"))
     assert refusal(multi) == ("unsupported", False)
-    with pytest.raises(Refusal) as taken:
+    with pytest.raises(StartRefused) as taken:
         check(reservation("r", predicted, state="starting"), has_engine=False)
     assert refusal(taken) == ("reservation_state", False)
-    with pytest.raises(Refusal) as engine:
+    with pytest.raises(StartRefused) as engine:
         check(reservation("r", predicted), has_engine=False, drift=DRIFT)
     assert refusal(engine) == ("engine_unavailable", True)
-    with pytest.raises(Refusal) as full:
+    with pytest.raises(StartRefused) as full:
         check(reservation("r", predicted), running=4, drift=DRIFT)
     assert refusal(full) == ("too_many_instances", False)
-    with pytest.raises(Refusal) as drift:
+    with pytest.raises(StartRefused) as drift:
         check(reservation("r", predicted), drift=DRIFT)
     assert refusal(drift) == ("settings_drift", True) and drift.value.drift == DRIFT
     assert "slots: stamped 1, now 2" in drift.value.message
@@ -115,7 +115,7 @@ def test_a_reservation_past_its_expiry_is_neither_refused_nor_free_memory(predic
     need = mine.held["CPU"]
     ledger = NodeLedger(node_id="n", reservations=(mine, old))
     check_memory(mine, predicted, node(2 * need), ledger)
-    with pytest.raises(Refusal) as short:
+    with pytest.raises(StartRefused) as short:
         check_memory(mine, predicted, node(2 * need - 1), ledger)
     assert refusal(short) == ("insufficient_memory", True)
     assert short.value.need_bytes == {"CPU": need} and short.value.have_bytes == {"CPU": need - 1}
@@ -123,7 +123,7 @@ def test_a_reservation_past_its_expiry_is_neither_refused_nor_free_memory(predic
 
 def test_no_telemetry_is_a_releasing_refusal_naming_what_is_needed(predicted: MemoryBreakdown) -> None:
     mine = reservation("r", predicted)
-    with pytest.raises(Refusal) as stale:
+    with pytest.raises(StartRefused) as stale:
         check_memory(mine, predicted, None, NodeLedger(node_id="n", reservations=(mine,)))
     assert refusal(stale) == ("telemetry_stale", True) and stale.value.need_bytes == mine.held
 
@@ -134,13 +134,13 @@ def test_the_claim_moves_only_this_reservation_to_starting_with_the_instance_id(
     claimed = claim(ledger, "r", "n", "i-1")
     assert claimed.reservations[0] == other
     assert claimed.reservations[1] == msgspec.structs.replace(mine, state="starting", instance_id="i-1")
-    with pytest.raises(Refusal) as twice:
+    with pytest.raises(StartRefused) as twice:
         claim(claimed, "r", "n", "i-2")
     assert refusal(twice) == ("reservation_state", False)
-    with pytest.raises(Refusal) as gone:
+    with pytest.raises(StartRefused) as gone:
         claim(ledger, "r-gone", "n", "i-3")
     assert refusal(gone) == ("not_found", False)
-    with pytest.raises(Refusal):
+    with pytest.raises(StartRefused):
         find(None, "r", "n")
 
 
