@@ -3,11 +3,11 @@
 Builds a store of `--entries` entries, each holding `--tokens` token ids (so each manifest lists that many
 ids: what makes a manifest large) and a small random payload, then times, in interleaved rounds:
 
-- **pass, nothing to evict**: what follows every capture when the store fits (`Catalog.plan` + `apply`);
+- **pass, nothing to evict**: what follows every capture when the store fits (`EntryIndex.plan` + `apply`);
 - **pass, one entry evicted**: the same with a budget one byte short, so the least recently used entry goes:
   the decision, then `Store.apply_eviction` deleting its manifest and segments (the keeper's lock is held for
   both); the evicted entry is ingested again, untimed, for the next round;
-- **reconcile**: what a start (or `mesh-actor l3 gc`) does once, re-reading every manifest to fill the catalog.
+- **reconcile**: what a start (or `mesh-actor l3 gc`) does once, re-reading every manifest to fill the entry_index.
 
 Before this change (base commit 5eb2da8), every pass re-read and parsed every manifest in a worker thread
 while holding the store's lock (`Store.enforce_budget`); the figures of that code are in
@@ -32,23 +32,23 @@ from pathlib import Path
 import structlog
 
 from actors.l3 import layout
-from actors.l3.catalog import Catalog
+from actors.l3.entry_index import EntryIndex
 from actors.l3.store import Inventory, Store
 
 IDENTITY = "1d" * 32
 PAYLOAD = layout.MIN_SEGMENT_BYTES
 
 
-def _catalog(inventory: Inventory) -> Catalog:
-    """The catalog as the keeper fills it from a reconcile pass (`keeper.StoreKeeper.refill`)."""
-    catalog = Catalog()
+def _entry_index(inventory: Inventory) -> EntryIndex:
+    """The entry index as the keeper fills it from a reconcile pass (`keeper.StoreKeeper.refill`)."""
+    entry_index = EntryIndex()
     for e in inventory.entries:
-        catalog.add(
+        entry_index.add(
             e.entry, identity=e.identity, n_tokens=e.n_tokens, bytes=e.bytes, last_use=e.mtime_ns / 1e9,
             segments=e.segments,
         )  # fmt: skip
-    catalog.set_segments(inventory.segment_bytes)
-    return catalog
+    entry_index.set_segments(inventory.segment_bytes)
+    return entry_index
 
 
 def _tokens(i: int, n: int) -> list[int]:
@@ -90,21 +90,21 @@ def main() -> None:
         print(f"            manifests {manifests / 2**20:.1f} MiB in all")
 
         fits, evict_one, reconcile = [], [], []
-        catalog = _catalog(store.reconcile())
-        total = catalog.stored_bytes
+        entry_index = _entry_index(store.reconcile())
+        total = entry_index.stored_bytes
         clock = time.time()
         evicted: list[str] = []
 
         def one() -> None:
-            plan = catalog.plan(total - 1)
-            catalog.apply(plan)
+            plan = entry_index.plan(total - 1)
+            entry_index.apply(plan)
             store.apply_eviction(plan.evict, plan.free)
             assert len(plan.evict) == 1
             evicted.append(plan.evict[0])
 
         for _ in range(args.rounds):
-            reconcile.append(_timed(lambda: _catalog(store.reconcile())))
-            fits.append(_timed(lambda: catalog.apply(catalog.plan(total))))
+            reconcile.append(_timed(lambda: _entry_index(store.reconcile())))
+            fits.append(_timed(lambda: entry_index.apply(entry_index.plan(total))))
             evict_one.append(_timed(one))
             entry = evicted[-1]  # put it back, untimed, as the most recent use
             index = next(i for i in range(args.entries) if layout.entry_id(IDENTITY, _tokens(i, args.tokens)) == entry)
@@ -113,7 +113,7 @@ def main() -> None:
             store.flush()
             clock += 1
             segments = [(s.digest, s.length) for s in m.segments]
-            catalog.add(entry, identity=IDENTITY, n_tokens=m.n_tokens, bytes=m.total_bytes, last_use=clock,
+            entry_index.add(entry, identity=IDENTITY, n_tokens=m.n_tokens, bytes=m.total_bytes, last_use=clock,
                         segments=segments)  # fmt: skip
 
         def row(name: str, xs: list[float]) -> None:

@@ -68,12 +68,12 @@ from messages.generate import (
     Tokenize,
     Tokens,
 )
-from messages.limits import KeyState
 from messages.placement import NodeLedger, PlacementDecision, PlacementRequest, RejectReason
 from messages.registry import RegistryEntry
 from messages.runner import InstanceStatus, LendRequest, Lent, RunnerAck, StartInstance, StopInstance
 from messages.subjects import DEFAULT_PREFIX, Subjects
 from messages.telemetry import NodeResources
+from messages.tenant_limits import KeyState
 from messages.tenants import TenantKey
 from runtime import buckets
 from runtime.bus import BadMessage, decode_checked, error_headers

@@ -1,6 +1,6 @@
 """Per-key limits (runtime core, pure; front doors and routers count against them): requests and tokens per
 minute as token buckets, and concurrent requests as each front door's in-flight count under a lease; one record
-per key (`messages.limits.KeyState`), which the shell (`shared_limits`) keeps in a shared bucket and rewrites by
+per key (`messages.tenant_limits.KeyState`), which the shell (`shared_limits`) keeps in a shared bucket and rewrites by
 compare-and-set, so every front door computes from the same record.
 
 Rules this module keeps:
@@ -28,7 +28,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from messages.limits import KeyState, Lease, Level
+from messages.tenant_limits import KeyState, Lease, Level
 from messages.tenants import TenantKey
 
 __all__ = [

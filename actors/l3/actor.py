@@ -3,7 +3,7 @@
 It owns one `Store` (`<data_dir>/l3`) through its `keeper.StoreKeeper`, the only writer of it: every blocking
 store call runs in the keeper's worker threads, and store mutations (ingest, the commit of a fetch,
 eviction, gc) are serialised by the keeper's lock; network waits never hold it. The decisions are the pure
-cores' (`catalog`: what is held, pinned, listed; `prefix`: the longest stored prefix; `budget`: what an
+cores' (`entry_index`: what is held, pinned, listed; `prefix`: the longest stored prefix; `budget`: what an
 eviction pass removes; `commit`: what may be loadable). The same object is the runner's `L3Access`
 (in-process: a state file never crosses the bus locally): while the actor is not running, `lookup` finds
 nothing, `materialize` raises `L3Unavailable` and `capture` drops the file (with an `l3_capture_dropped`
@@ -11,7 +11,7 @@ event when it can). This module is the actor's lifecycle, capture, materialize a
 parts are `peer` (fetching an entry from a peer) and `serve` (the endpoints peers and `mesh-actor l3` call).
 
 * Start: `reconcile` (temporary files removed, bad manifests quarantined: `l3_quarantined`, orphan segments
-  collected), the catalog filled, the budget enforced once, the endpoints added, the inventory published.
+  collected), the entry index filled, the budget enforced once, the endpoints added, the inventory published.
 * Quarantine: a task deletes quarantined manifests when the policy says (`budget.quarantine_due`: after
   `quarantine_retention_s`, or `quarantine_keep_s` once the store needs its room), sleeping until the next
   one is due or the store needs room; the segments only they named are freed (`l3_quarantine_cleared`). So
@@ -53,7 +53,7 @@ from nats.js.kv import KeyValue
 from actors.l3 import layout
 from actors.l3.api import CaptureOutcome, L3Hit, L3Unavailable
 from actors.l3.budget import default_budget
-from actors.l3.catalog import PeerView, items_within
+from actors.l3.entry_index import PeerView, items_within
 from actors.l3.keeper import StoreKeeper
 from actors.l3.peer import PeerFetch
 from actors.l3.serve import L3Endpoints
@@ -182,7 +182,7 @@ class L3Actor(Actor):
             return None
         probes = self.limits.max_probes
         try:
-            local = self._keeper.catalog.lookup(identity, tokens, max_tokens=max_tokens, max_probes=probes)
+            local = self._keeper.entry_index.lookup(identity, tokens, max_tokens=max_tokens, max_probes=probes)
             peer = self._peers.lookup(
                 identity,
                 tokens,
@@ -196,7 +196,7 @@ class L3Actor(Actor):
         if peer is not None:
             return L3Hit(entry=peer.entry, n_tokens=peer.n_tokens, bytes=peer.bytes, node=peer.node, source="l3_peer")
         if local is not None:
-            held = self._keeper.catalog.get(local.entry)
+            held = self._keeper.entry_index.get(local.entry)
             size = held.bytes if held else 0
             return L3Hit(entry=local.entry, n_tokens=local.n_tokens, bytes=size, node=self.node_id, source="l3_local")
         return None
@@ -283,14 +283,14 @@ class L3Actor(Actor):
         self._keeper.changed.set()
         ctx.log.info(
             "l3_started",
-            entries=len(self._keeper.catalog),
-            bytes=self._keeper.catalog.stored_bytes,
+            entries=len(self._keeper.entry_index),
+            bytes=self._keeper.entry_index.stored_bytes,
             budget=self.budget_bytes,
         )
 
     def _busy(self) -> bool:
         """A fetch or a restore is running, or an entry is pinned: gc (which rereads the disk) must wait."""
-        return bool(self._keeper.fetching or self._flights or self._keeper.catalog.pinned())
+        return bool(self._keeper.fetching or self._flights or self._keeper.entry_index.pinned())
 
     def _default_budget(self, store_bytes: int) -> int:  # worker thread
         usage = shutil.disk_usage(self.root)
@@ -332,8 +332,8 @@ class L3Actor(Actor):
         except ValueError as exc:
             self._drop(job, f"refused: {exc}")
             return
-        if entry in self._keeper.catalog:  # the same state again: a use, not a second copy
-            self._keeper.catalog.touch(entry, self._clock())
+        if entry in self._keeper.entry_index:  # the same state again: a use, not a second copy
+            self._keeper.entry_index.touch(entry, self._clock())
             await self._keeper.blocking(store.touch, entry)
             self._keeper.changed.set()
             job.settle(CaptureOutcome(entry=entry))
@@ -351,20 +351,20 @@ class L3Actor(Actor):
             async with self._keeper.mutate:
                 await self._keeper.clear_quarantine(ctx, store)
         if not self._keeper.room_for(size):
-            stored, blocked = self._keeper.catalog.stored_bytes, self._keeper.catalog.eviction_blocked
+            stored, blocked = self._keeper.entry_index.stored_bytes, self._keeper.entry_index.eviction_blocked
             detail = f"{stored} + {size} bytes over the budget {self.budget_bytes}; unreadable in quarantine: "
             self._drop(job, f"eviction_blocked: {detail}{', '.join(blocked[:3])}")
             return
         started = time.monotonic()
-        self._keeper.catalog.pin(entry)
+        self._keeper.entry_index.pin(entry)
         try:
             async with self._keeper.mutate:
-                before = self._keeper.catalog.stored_bytes
+                before = self._keeper.entry_index.stored_bytes
                 manifest = await self._keeper.blocking(
                     store.ingest, job.source, identity=job.identity, tokens=job.tokens, payload_kind=job.payload_kind
                 )
                 ingest_ms = (time.monotonic() - started) * 1000
-                self._keeper.catalog.add(
+                self._keeper.entry_index.add(
                     entry,
                     identity=job.identity,
                     n_tokens=len(job.tokens),
@@ -382,8 +382,8 @@ class L3Actor(Actor):
             self._drop(job, f"io_error: {exc}")
             return
         finally:
-            self._keeper.catalog.unpin(entry)
-        if entry not in self._keeper.catalog:  # evicted at once: a budget smaller than pinned entries need
+            self._keeper.entry_index.unpin(entry)
+        if entry not in self._keeper.entry_index:  # evicted at once: a budget smaller than pinned entries need
             job.settle(CaptureOutcome(entry=None, reason="over_budget: evicted at once"))
             return
         job.settle(CaptureOutcome(entry=entry))  # loadable from here on; the flush makes it durable
@@ -438,9 +438,9 @@ class L3Actor(Actor):
     async def _fill_entry(self, ctx: ActorContext, hit: L3Hit) -> Path:
         store = self._keeper.require_store()
         entry = hit.entry
-        self._keeper.catalog.pin(entry)
+        self._keeper.entry_index.pin(entry)
         try:
-            if entry not in self._keeper.catalog:
+            if entry not in self._keeper.entry_index:
                 if hit.source != "l3_peer" or hit.node == self.node_id:
                     raise L3Unavailable(f"entry {entry[:16]}… is no longer stored")
                 await self._peer_fetch.fetch(ctx, store, hit)
@@ -456,12 +456,12 @@ class L3Actor(Actor):
                 raise L3Unavailable(f"entry {entry[:16]}… is no longer stored") from exc
             except StoreError as exc:  # an unreadable manifest: reconcile (the next start, or gc) quarantines it
                 raise L3Unavailable(str(exc)) from exc
-            self._keeper.catalog.touch(entry, self._clock())
+            self._keeper.entry_index.touch(entry, self._clock())
             await self._keeper.blocking(store.touch, entry)
             self._keeper.changed.set()
             return staged
         finally:
-            self._keeper.catalog.unpin(entry)
+            self._keeper.entry_index.unpin(entry)
 
     # ---- warm ------------------------------------------------------------------------------------------
 
@@ -472,11 +472,11 @@ class L3Actor(Actor):
         if ctx is None:
             raise RequestError(UNAVAILABLE, "the node's L3 store is starting")
         store = self._keeper.require_store()
-        room = max(0, min(request.max_bytes, self.budget_bytes - self._keeper.catalog.stored_bytes))
+        room = max(0, min(request.max_bytes, self.budget_bytes - self._keeper.entry_index.stored_bytes))
         fetched = already = failed = 0
         moved = 0
         for peer in self._peers.hottest(request.identity, max_entries=request.max_entries, max_bytes=room):
-            if peer.entry in self._keeper.catalog:
+            if peer.entry in self._keeper.entry_index:
                 already += 1
                 continue
             hit = L3Hit(entry=peer.entry, n_tokens=peer.n_tokens, bytes=peer.bytes, node=peer.node, source="l3_peer")
@@ -527,7 +527,7 @@ class L3Actor(Actor):
     def inventory(self) -> L3Inventory:
         """What this node publishes now."""
         max_items = items_within(self._ctx.bus.max_payload if self._ctx else 1 << 20)
-        return self._keeper.catalog.inventory(
+        return self._keeper.entry_index.inventory(
             self.node_id, budget_bytes=self.budget_bytes, max_items=max_items, sent_at=self._clock()
         )
 

@@ -127,7 +127,7 @@ class PeerFetch:
                     path = "nats"
                 paths.add(path)
                 await keeper.blocking(receiver.finish)
-            keeper.catalog.pin(hit.entry)
+            keeper.entry_index.pin(hit.entry)
             try:
                 async with keeper.mutate:
                     try:
@@ -135,7 +135,7 @@ class PeerFetch:
                     except BaseException:  # segments may have landed without their manifest
                         keeper.unsure = True
                         raise
-                    keeper.catalog.add(
+                    keeper.entry_index.add(
                         hit.entry,
                         identity=manifest.identity,
                         n_tokens=manifest.n_tokens,
@@ -145,7 +145,7 @@ class PeerFetch:
                     )
                     await keeper.enforce(ctx, store)
             finally:
-                keeper.catalog.unpin(hit.entry)
+                keeper.entry_index.unpin(hit.entry)
         except CommitRefused as exc:
             raise L3Unavailable(f"the entry from {peer} was refused: {exc}") from exc
         finally:

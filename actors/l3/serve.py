@@ -3,7 +3,7 @@
 * Peer fetch, the serving side: `mesh.l3.<node>.manifests` (the entries held, as a listing),
   `.manifest` and `.segment` (one chunk of the stored manifest or of a segment per request, raw bytes with
   `CHUNK_OFFSET_HEADER`/`CHUNK_TOTAL_HEADER`, each at most `peer.chunk_bytes` of the bus's `max_payload`:
-  see messages/l3.py). Only entries in the catalog are served; the bytes are read as stored, the fetching
+  see messages/l3.py). Only entries in the entry index are served; the bytes are read as stored, the fetching
   side checks them (`peer`).
 * The direct data path, the serving side: `.offer` (`SegmentOfferRequest` -> `DirectOffer`): a one-shot ticket
   for this node's data listener, which then sends the whole segment as frames, each chunk read from the store
@@ -95,14 +95,14 @@ class L3Endpoints:
         await ctx.add_endpoint("evict", s.l3(node, "evict"), EvictRequest, self._on_evict)
 
     async def _on_manifests(self, request: ManifestsRequest) -> ManifestList:
-        listed = [e for e in self._keeper.catalog.entries() if request.identity in (None, e.identity)]
-        inventory = self._keeper.catalog.inventory(self.node_id, budget_bytes=0, max_items=len(listed), sent_at=0)
+        listed = [e for e in self._keeper.entry_index.entries() if request.identity in (None, e.identity)]
+        inventory = self._keeper.entry_index.inventory(self.node_id, budget_bytes=0, max_items=len(listed), sent_at=0)
         items = tuple(i for i in inventory.items if request.identity in (None, i.identity))
         return ManifestList(node_id=self.node_id, items=items[: request.limit], truncated=len(items) > request.limit)
 
     async def _on_manifest(self, request: ManifestRequest) -> RawReply:
         entry = _checked(request.entry, "entry")
-        if entry not in self._keeper.catalog:
+        if entry not in self._keeper.entry_index:
             raise RequestError(NOT_FOUND, f"node {self.node_id} holds no entry {entry}")
         try:
             data = await self._keeper.blocking(store_fetch.manifest_bytes, self._keeper.require_store(), entry)
@@ -161,7 +161,7 @@ class L3Endpoints:
 
     async def _on_stat(self, request: EntryRequest) -> EntryStat:
         entry = _checked(request.entry, "entry")
-        held = self._keeper.catalog.get(entry)
+        held = self._keeper.entry_index.get(entry)
         if held is None:
             raise RequestError(NOT_FOUND, f"node {self.node_id} holds no entry {entry}")
         try:
@@ -178,17 +178,17 @@ class L3Endpoints:
             payload_digest=manifest.payload_digest,
             segments=len(manifest.segments),
             last_use=held.last_use,
-            pinned=entry in self._keeper.catalog.pinned(),
+            pinned=entry in self._keeper.entry_index.pinned(),
         )
 
     async def _on_verify(self, request: EntryRequest) -> VerifyReply:
         entry = _checked(request.entry, "entry")
         ctx = self._ctx
         assert ctx is not None
-        if entry not in self._keeper.catalog:
+        if entry not in self._keeper.entry_index:
             raise RequestError(NOT_FOUND, f"node {self.node_id} holds no entry {entry}")
         store = self._keeper.require_store()
-        self._keeper.catalog.pin(entry)
+        self._keeper.entry_index.pin(entry)
         try:
             manifest = await self._keeper.blocking(store.load_manifest, entry)
             await self._keeper.blocking(store.verify, manifest)
@@ -198,7 +198,7 @@ class L3Endpoints:
         except StoreError as exc:
             return VerifyReply(node_id=self.node_id, entry=entry, ok=False, detail=str(exc))
         finally:
-            self._keeper.catalog.unpin(entry)
+            self._keeper.entry_index.unpin(entry)
         return VerifyReply(node_id=self.node_id, entry=entry, ok=True)
 
     async def _on_gc(self, request: GcRequest) -> GcReply:
@@ -238,15 +238,15 @@ class L3Endpoints:
         async with self._keeper.mutate:
             if request.entry is not None:
                 wanted = [_checked(request.entry, "entry")]
-                if wanted[0] not in self._keeper.catalog:
+                if wanted[0] not in self._keeper.entry_index:
                     raise RequestError(NOT_FOUND, f"node {self.node_id} holds no entry {wanted[0]}")
             else:
-                wanted = [e.entry for e in self._keeper.catalog.entries()]
-            pinned = self._keeper.catalog.pinned()
+                wanted = [e.entry for e in self._keeper.entry_index.entries()]
+            pinned = self._keeper.entry_index.pinned()
             chosen = tuple(e for e in wanted if e not in pinned)
-            before = self._keeper.catalog.stored_bytes
+            before = self._keeper.entry_index.stored_bytes
             await self._keeper.blocking(store.remove_entries, chosen)
-            self._keeper.catalog.remove(chosen)
+            self._keeper.entry_index.remove(chosen)
             plan = await self._keeper.enforce(ctx, store)  # frees the segments nothing names now
             if chosen:
                 ctx.emit(

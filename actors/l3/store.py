@@ -7,7 +7,7 @@ it saw, through the durable-file primitives of `files`. The store's side of peer
 committing an entry received from a peer) is `store_fetch`. One `Store` per directory, and `reconcile` and
 `apply_eviction` only while nothing ingests or commits a fetch (the actor serialises them): they delete
 segments no manifest names, which includes those of an ingest still running. What an eviction removes is
-decided by the caller's catalog (`catalog.Catalog.plan`), never by re-reading manifests here. While a
+decided by the caller's entry index (`entry_index.EntryIndex.plan`), never by re-reading manifests here. While a
 manifest that cannot be parsed sits in the store, `reconcile` deletes no segment.
 
 On disk, under the store root::
@@ -519,7 +519,7 @@ class Store:
             os.utime(self.manifest_file(entry))
 
     def apply_eviction(self, evict: Iterable[str], free: Iterable[str]) -> None:
-        """Carries out an eviction pass the caller's catalog decided (`catalog.Catalog.plan`): manifests
+        """Carries out an eviction pass the caller's entry index decided (`entry_index.EntryIndex.plan`): manifests
         first, then the segments no kept entry names."""
         evicted = tuple(evict)
         freed = tuple(free)

@@ -20,7 +20,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from actors.metrics.catalog import ENGINE_PREFIX
+from actors.metrics.families import ENGINE_PREFIX
 
 __all__ = ["relabel"]
 

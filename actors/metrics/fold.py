@@ -13,7 +13,7 @@ shell as it arrives:
   is current.
 
 `families` renders them, with each instance's own llama-server families that the shell scraped (`engine`), as
-prometheus-client metric families (the table of names is `catalog.CATALOG`). Rules it keeps:
+prometheus-client metric families (the table of names is `families.FAMILIES`). Rules it keeps:
 
 * Only this node's figures: an event recorded by another node is ignored (each node is scraped on its own, so
   a fleet's sum counts every event once).
@@ -33,8 +33,8 @@ from typing import Any, Final
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from actors.metrics.catalog import (
-    CATALOG,
+from actors.metrics.families import (
+    FAMILIES,
     FRONTDOOR_STATES,
     INSTANCE_STATES,
     OBSERVED_KINDS,
@@ -133,7 +133,7 @@ def _le(bound: float) -> str:
     return repr(float(bound))
 
 
-_SPECS: Final = {spec.name: spec for spec in CATALOG}
+_SPECS: Final = {spec.name: spec for spec in FAMILIES}
 
 
 class NodeMetrics:
@@ -367,7 +367,7 @@ class NodeMetrics:
         engines = engines or {}
         gauges = self._gauges(now, engines)
         out: list[Metric] = []
-        for spec in CATALOG:
+        for spec in FAMILIES:
             if spec.kind == "counter":
                 counter = CounterMetricFamily(spec.name, spec.help, labels=spec.labels)
                 for labels, value in sorted(self._counters.get(spec.name, {}).items()):

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.metrics.catalog import INTER_TOKEN_BUCKETS, TTFT_BUCKETS
+from actors.metrics.families import INTER_TOKEN_BUCKETS, TTFT_BUCKETS
 from runtime.children import free_port
 from tests.conftest import processes
 from tests.harness.frontdoor import _WEDGE, KEY, KEYED, QUIET, client, write_catalog

@@ -18,8 +18,8 @@ import pytest
 
 from actors.l3 import layout, store_fetch
 from actors.l3.budget import Eviction, StoredEntry, plan_eviction
-from actors.l3.catalog import Catalog
 from actors.l3.commit import Rule
+from actors.l3.entry_index import EntryIndex
 from actors.l3.files import COPY_BUFFER_BYTES as _COPY_BUFFER_BYTES
 from actors.l3.layout import DigestError, Manifest, SegmentRef
 from actors.l3.store import (
@@ -356,35 +356,35 @@ def test_an_eviction_plan_applied_to_the_store_frees_exactly_its_segments(tmp_pa
     assert len(inventory.entries) == 2
 
 
-def _catalog(store: Store, *, last_use: dict[str, float] | None = None) -> Catalog:
-    """The catalog the L3 actor keeps, as a reconcile pass fills it (`keeper.refill`)."""
+def _entry_index(store: Store, *, last_use: dict[str, float] | None = None) -> EntryIndex:
+    """The entry index the L3 actor keeps, as a reconcile pass fills it (`keeper.refill`)."""
     inventory = store.reconcile()
-    catalog = Catalog()
+    entry_index = EntryIndex()
     for e in inventory.entries:
         seen = (last_use or {}).get(e.entry, e.mtime_ns / 1e9)
-        catalog.add(
+        entry_index.add(
             e.entry, identity=e.identity, n_tokens=e.n_tokens, bytes=e.bytes, last_use=seen, segments=e.segments
         )
-    catalog.set_segments(inventory.segment_bytes)
-    catalog.set_quarantine(
+    entry_index.set_segments(inventory.segment_bytes)
+    entry_index.set_quarantine(
         {q.name: q.segments for q in inventory.quarantined if q.readable},
         (q.name for q in inventory.quarantined if not q.readable),
         sum(q.bytes for q in inventory.quarantined),
     )
-    return catalog
+    return entry_index
 
 
-def _evict(store: Store, catalog: Catalog, budget: int) -> Eviction:
-    """One pass as the actor runs it: decided and applied to the catalog, then the files go."""
-    plan = catalog.plan(budget)
-    catalog.apply(plan)
+def _evict(store: Store, entry_index: EntryIndex, budget: int) -> Eviction:
+    """One pass as the actor runs it: decided and applied to the entry index, then the files go."""
+    plan = entry_index.plan(budget)
+    entry_index.apply(plan)
     store.apply_eviction(plan.evict, plan.free)
     return plan
 
 
 def test_the_budget_holds_under_a_burst_of_captures_and_evicts_least_recently_used(tmp_path: Path) -> None:
     store = Store(tmp_path / "l3", segment_bytes=SEG)
-    catalog = Catalog()
+    entry_index = EntryIndex()
     budget = 7 * SEG  # room for three 2-segment entries, not four
     manifests = []
     for i in range(10):
@@ -392,18 +392,20 @@ def test_the_budget_holds_under_a_burst_of_captures_and_evicts_least_recently_us
         m = _ingest(store, tmp_path / "slot.bin", (i,))
         manifests.append(m)
         segments = [(seg.digest, seg.length) for seg in m.segments]
-        catalog.add(_entry(m), identity=IDENTITY, n_tokens=1, bytes=m.total_bytes, last_use=float(i), segments=segments)
-        catalog.touch(_entry(manifests[0]), 100.0 + i)  # the first entry keeps being restored: most recently used
-        catalog.pin(_entry(m))
-        plan = _evict(store, catalog, budget)
-        catalog.unpin(_entry(m))
-        assert plan.fits and plan.bytes_after <= budget and catalog.stored_bytes == plan.bytes_after
-        assert store.reconcile().bytes == plan.bytes_after  # the catalog's count is the disk's
+        entry_index.add(
+            _entry(m), identity=IDENTITY, n_tokens=1, bytes=m.total_bytes, last_use=float(i), segments=segments
+        )
+        entry_index.touch(_entry(manifests[0]), 100.0 + i)  # the first entry keeps being restored: most recently used
+        entry_index.pin(_entry(m))
+        plan = _evict(store, entry_index, budget)
+        entry_index.unpin(_entry(m))
+        assert plan.fits and plan.bytes_after <= budget and entry_index.stored_bytes == plan.bytes_after
+        assert store.reconcile().bytes == plan.bytes_after  # the entry index's count is the disk's
     kept = {e.entry for e in store.reconcile().entries}
     assert (
         kept
         == {_entry(manifests[0]), _entry(manifests[8]), _entry(manifests[9])}
-        == {e.entry for e in catalog.entries()}
+        == {e.entry for e in entry_index.entries()}
     )
     for m in manifests:
         if _entry(m) in kept:
@@ -419,7 +421,7 @@ def test_a_restore_recorded_with_touch_survives_eviction_across_restarts(tmp_pat
         os.utime(store.manifest_file(_entry(ms[-1])), ns=(i * 10**9, i * 10**9))  # committed at t = 0, 1, 2 s
     store.touch(_entry(ms[0]))  # restored now: the most recent use, kept in the manifest's mtime
     fresh = Store(tmp_path / "l3", segment_bytes=SEG)  # a fresh start, no clock passed
-    plan = _evict(fresh, _catalog(fresh), 2 * SEG)
+    plan = _evict(fresh, _entry_index(fresh), 2 * SEG)
     assert plan.evict == (_entry(ms[1]),)
 
 
@@ -432,21 +434,21 @@ def test_eviction_never_frees_what_a_pinned_quarantined_or_unreadable_manifest_n
     store.quarantine(_entry(ms[3]), "test")
     truncated = layout.encode_manifest(ms[1])[:-40]
     store.manifest_file(_entry(ms[1])).write_bytes(truncated)  # reconcile quarantines it, unreadable
-    catalog = _catalog(store)
-    assert catalog.eviction_blocked == (layout.manifest_name(_entry(ms[1])),)
-    catalog.pin(_entry(ms[2]))
-    blocked = _evict(store, catalog, 0)
+    entry_index = _entry_index(store)
+    assert entry_index.eviction_blocked == (layout.manifest_name(_entry(ms[1])),)
+    entry_index.pin(_entry(ms[2]))
+    blocked = _evict(store, entry_index, 0)
     assert blocked.evict == () and blocked.free == () and not blocked.fits  # its segments are unknown
     assert all(store.segment_file(s.digest).exists() for m in ms for s in m.segments)
-    quarantined_bytes = catalog.quarantine_bytes
-    assert quarantined_bytes > 0 and catalog.stored_bytes == 8 * SEG + quarantined_bytes  # quarantine counts
+    quarantined_bytes = entry_index.quarantine_bytes
+    assert quarantined_bytes > 0 and entry_index.stored_bytes == 8 * SEG + quarantined_bytes  # quarantine counts
     # repaired by hand: the readable manifest in quarantine keeps its segments, and nothing blocks
     (store.root / layout.QUARANTINE_DIR / layout.manifest_name(_entry(ms[1]))).write_bytes(
         layout.encode_manifest(ms[1])
     )
-    catalog = _catalog(store)
-    catalog.pin(_entry(ms[2]))
-    plan = _evict(store, catalog, 0)
+    entry_index = _entry_index(store)
+    entry_index.pin(_entry(ms[2]))
+    plan = _evict(store, entry_index, 0)
     assert set(plan.evict) == {_entry(ms[0])} and not plan.fits
     for m in ms[1:]:  # quarantined, pinned, quarantined: kept
         assert all(store.segment_file(s.digest).exists() for s in m.segments)

@@ -8,7 +8,7 @@ import pytest
 
 from actors.l3 import layout
 from actors.l3.budget import Quarantined, next_quarantine_due, quarantine_due
-from actors.l3.catalog import Catalog
+from actors.l3.entry_index import EntryIndex
 from actors.l3.layout import entry_id
 
 ID = "1d" * 32
@@ -52,28 +52,28 @@ def _seg(n: int) -> tuple[str, int]:
 
 
 def test_a_deleted_quarantine_frees_the_segments_only_it_named_at_the_next_pass() -> None:
-    catalog = Catalog()
+    entry_index = EntryIndex()
     bad = entry_id(ID, [1])
     kept = entry_id(ID, [2])
-    catalog.add(bad, identity=ID, n_tokens=1, bytes=200, last_use=1.0, segments=[_seg(1), _seg(2)])
-    catalog.add(kept, identity=ID, n_tokens=1, bytes=100, last_use=2.0, segments=[_seg(2)])
-    catalog.quarantine(bad, layout.manifest_name(bad), manifest_bytes=40, at=50.0)
-    assert catalog.quarantine_held() == [Quarantined(name=layout.manifest_name(bad), since=50.0)]
-    assert catalog.plan(1 << 20).free == ()  # evidence: its segments are kept
-    catalog.unquarantine([layout.manifest_name(bad)])
-    assert catalog.quarantined == 0 and catalog.quarantine_bytes == 0 and catalog.quarantine_held() == []
-    plan = catalog.plan(1 << 20)
+    entry_index.add(bad, identity=ID, n_tokens=1, bytes=200, last_use=1.0, segments=[_seg(1), _seg(2)])
+    entry_index.add(kept, identity=ID, n_tokens=1, bytes=100, last_use=2.0, segments=[_seg(2)])
+    entry_index.quarantine(bad, layout.manifest_name(bad), manifest_bytes=40, at=50.0)
+    assert entry_index.quarantine_held() == [Quarantined(name=layout.manifest_name(bad), since=50.0)]
+    assert entry_index.plan(1 << 20).free == ()  # evidence: its segments are kept
+    entry_index.unquarantine([layout.manifest_name(bad)])
+    assert entry_index.quarantined == 0 and entry_index.quarantine_bytes == 0 and entry_index.quarantine_held() == []
+    plan = entry_index.plan(1 << 20)
     assert plan.free == (f"{1:064x}",) and plan.evict == ()  # the segment the kept entry names stays
 
 
 def test_deleting_an_unreadable_quarantine_unblocks_eviction_and_a_foreign_file_is_never_the_policys() -> None:
-    catalog = Catalog()
-    catalog.add(entry_id(ID, [1]), identity=ID, n_tokens=1, bytes=100, last_use=1.0, segments=[_seg(1)])
+    entry_index = EntryIndex()
+    entry_index.add(entry_id(ID, [1]), identity=ID, n_tokens=1, bytes=100, last_use=1.0, segments=[_seg(1)])
     torn = _name(9)
-    catalog.set_quarantine({}, [torn, "notes.txt"], 70, since={torn: 5.0, "notes.txt": 1.0}, sizes={torn: 30})
-    assert list(catalog.eviction_blocked) == [torn, "notes.txt"]
-    assert [q.name for q in catalog.quarantine_held()] == [torn]  # an operator's file is left to the operator
-    catalog.unquarantine([torn])
-    assert list(catalog.eviction_blocked) == ["notes.txt"] and catalog.quarantine_bytes == 40
-    catalog.unquarantine(["notes.txt"])  # `gc --quarantine` deletes every file there
-    assert not catalog.eviction_blocked and catalog.plan(0).evict != ()
+    entry_index.set_quarantine({}, [torn, "notes.txt"], 70, since={torn: 5.0, "notes.txt": 1.0}, sizes={torn: 30})
+    assert list(entry_index.eviction_blocked) == [torn, "notes.txt"]
+    assert [q.name for q in entry_index.quarantine_held()] == [torn]  # an operator's file is left to the operator
+    entry_index.unquarantine([torn])
+    assert list(entry_index.eviction_blocked) == ["notes.txt"] and entry_index.quarantine_bytes == 40
+    entry_index.unquarantine(["notes.txt"])  # `gc --quarantine` deletes every file there
+    assert not entry_index.eviction_blocked and entry_index.plan(0).evict != ()

@@ -18,15 +18,15 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.metrics.catalog import (
-    CATALOG,
+from actors.metrics.engine import relabel
+from actors.metrics.families import (
     E2E_BUCKETS,
+    FAMILIES,
     INTER_TOKEN_BUCKETS,
     TOKEN_BUCKETS,
     TTFT_BUCKETS,
     exported_name,
 )
-from actors.metrics.engine import relabel
 from actors.metrics.fold import EVENT_TYPES, BoundedLabel, NodeMetrics, model_name
 from actors.placement.ledger import available
 from actors.runner.passthrough import answer_stop
@@ -414,17 +414,17 @@ def test_both_exposition_formats_parse_with_every_family_named() -> None:
     families = metrics.families(0.0, {"i1": relabel(ENGINE_TEXT, metrics.engine_targets()[0].labels)})
     prometheus = {f.name for f in text_string_to_metric_families(generate_latest(_Families(families)).decode())}
     openmetrics = {f.name for f in parse_openmetrics(generate_openmetrics(_Families(families)).decode())}
-    ours = {spec.name for spec in CATALOG}
+    ours = {spec.name for spec in FAMILIES}
     assert ours <= prometheus and ours <= openmetrics
     assert "llamacpp:tokens_predicted" in prometheus and "llamacpp:tokens_predicted" in openmetrics
 
 
 def test_every_family_is_documented_in_operations() -> None:
     text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
-    missing = [exported_name(spec) for spec in CATALOG if f"`{exported_name(spec)}`" not in text]
+    missing = [exported_name(spec) for spec in FAMILIES if f"`{exported_name(spec)}`" not in text]
     assert not missing, f"docs/operations.md does not list {missing}"
-    assert len({spec.name for spec in CATALOG}) == len(CATALOG)
-    assert all(re.fullmatch(r"mesh_[a-z0-9_]+", spec.name) for spec in CATALOG)
+    assert len({spec.name for spec in FAMILIES}) == len(FAMILIES)
+    assert all(re.fullmatch(r"mesh_[a-z0-9_]+", spec.name) for spec in FAMILIES)
 
 
 def test_a_metrics_listener_beyond_loopback_needs_the_api_key(tmp_path: Path) -> None:

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 __all__ = [
-    "CATALOG",
     "E2E_BUCKETS",
     "ENGINE_PREFIX",
     "ENGINE_UP",
+    "FAMILIES",
     "INTER_TOKEN_BUCKETS",
     "TOKEN_BUCKETS",
     "TTFT_BUCKETS",
@@ -93,7 +93,7 @@ RESERVATION_STATES: Final = ("reserved", "starting", "running")
 INSTANCE_STATES: Final = ("starting", "ready", "restarting", "stopping", "stuck", "stopped", "failed", "rejected")
 FRONTDOOR_STATES: Final = ("ready", "starting", "stopped")
 
-CATALOG: Final[tuple[Spec, ...]] = (
+FAMILIES: Final[tuple[Spec, ...]] = (
     # --- serving, as vLLM and Dynamo name it ---------------------------------------------------------------
     _g("mesh_num_requests_running", "Requests generating on the instance's slots (vLLM's num_requests_running).",
        INSTANCE),

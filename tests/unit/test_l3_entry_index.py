@@ -1,4 +1,4 @@
-"""The L3 catalog and peer view (pure): pins, last use, inventory order and cap, peer hits."""
+"""The L3 entry_index and peer view (pure): pins, last use, inventory order and cap, peer hits."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from actors.l3.catalog import ITEM_BYTES, Catalog, PeerView, items_within
+from actors.l3.entry_index import ITEM_BYTES, EntryIndex, PeerView, items_within
 from actors.l3.layout import entry_id
 from messages.l3 import L3Inventory, L3Item
 from runtime.bus import encode
@@ -16,40 +16,40 @@ from runtime.config import ConfigError, load_config
 ID = "1d" * 32
 
 
-def _catalog(*lengths: int) -> Catalog:
-    catalog = Catalog()
+def _entry_index(*lengths: int) -> EntryIndex:
+    entry_index = EntryIndex()
     for n in lengths:
         tokens = list(range(1, n + 1))
-        catalog.add(entry_id(ID, tokens), identity=ID, n_tokens=n, bytes=n * 10, last_use=float(n))
-    return catalog
+        entry_index.add(entry_id(ID, tokens), identity=ID, n_tokens=n, bytes=n * 10, last_use=float(n))
+    return entry_index
 
 
 def test_lookup_finds_the_longest_stored_prefix_and_forgets_removed_entries() -> None:
-    catalog = _catalog(10, 20, 30)
+    entry_index = _entry_index(10, 20, 30)
     query = list(range(1, 41))
-    hit = catalog.lookup(ID, query, max_tokens=40)
+    hit = entry_index.lookup(ID, query, max_tokens=40)
     assert hit is not None and hit.n_tokens == 30
-    assert catalog.lookup(ID, query, max_tokens=25) is not None
-    catalog.remove([hit.entry])
-    again = catalog.lookup(ID, query, max_tokens=40)
+    assert entry_index.lookup(ID, query, max_tokens=25) is not None
+    entry_index.remove([hit.entry])
+    again = entry_index.lookup(ID, query, max_tokens=40)
     assert again is not None and again.n_tokens == 20
 
 
 def test_pins_are_counted_per_entry() -> None:
-    catalog = _catalog(5)
+    entry_index = _entry_index(5)
     entry = entry_id(ID, [1, 2, 3, 4, 5])
-    catalog.pin(entry)
-    catalog.pin(entry)
-    catalog.unpin(entry)
-    assert catalog.pinned() == {entry}
-    catalog.unpin(entry)
-    assert catalog.pinned() == frozenset()
+    entry_index.pin(entry)
+    entry_index.pin(entry)
+    entry_index.unpin(entry)
+    assert entry_index.pinned() == {entry}
+    entry_index.unpin(entry)
+    assert entry_index.pinned() == frozenset()
 
 
 def test_inventory_lists_most_recent_first_and_says_when_truncated() -> None:
-    catalog = _catalog(1, 2, 3, 4)
-    catalog.touch(entry_id(ID, [1]), now=100.0)
-    inventory = catalog.inventory("n", budget_bytes=1000, max_items=2, sent_at=5.0)
+    entry_index = _entry_index(1, 2, 3, 4)
+    entry_index.touch(entry_id(ID, [1]), now=100.0)
+    inventory = entry_index.inventory("n", budget_bytes=1000, max_items=2, sent_at=5.0)
     assert [i.n_tokens for i in inventory.items] == [1, 4]
     assert (inventory.entries, inventory.tokens, inventory.truncated) == (4, 10, True)
 
@@ -155,9 +155,11 @@ def _seg(n: int) -> tuple[str, int]:
     return (f"{n:064x}", 100)
 
 
-def _stored(catalog: Catalog, name: str, use: float, *segs: int) -> str:
+def _stored(entry_index: EntryIndex, name: str, use: float, *segs: int) -> str:
     entry = entry_id(ID, [use_token(name)])
-    catalog.add(entry, identity=ID, n_tokens=1, bytes=100 * len(segs), last_use=use, segments=[_seg(s) for s in segs])
+    entry_index.add(
+        entry, identity=ID, n_tokens=1, bytes=100 * len(segs), last_use=use, segments=[_seg(s) for s in segs]
+    )
     return entry
 
 
@@ -166,57 +168,57 @@ def use_token(name: str) -> int:
 
 
 def test_a_pass_is_decided_from_the_catalog_and_applied_to_it_in_the_same_step() -> None:
-    catalog = Catalog()
-    old = _stored(catalog, "old", 1.0, 1, 2)
-    mid = _stored(catalog, "mid", 2.0, 2, 3)  # shares segment 2 with `old`
-    new = _stored(catalog, "new", 3.0, 4)
-    assert catalog.stored_bytes == 400
-    plan = catalog.plan(300)
+    entry_index = EntryIndex()
+    old = _stored(entry_index, "old", 1.0, 1, 2)
+    mid = _stored(entry_index, "mid", 2.0, 2, 3)  # shares segment 2 with `old`
+    new = _stored(entry_index, "new", 3.0, 4)
+    assert entry_index.stored_bytes == 400
+    plan = entry_index.plan(300)
     assert plan.evict == (old,) and plan.free == (f"{1:064x}",) and plan.fits  # segment 2 is still mid's
-    catalog.apply(plan)
-    assert old not in catalog and catalog.stored_bytes == 300
-    assert catalog.lookup(ID, [use_token("old")], max_tokens=1) is None  # a restore asking now finds it gone
-    catalog.pin(mid)  # a restore pinned it before the next pass: kept, the pass says it cannot fit
-    plan = catalog.plan(100)
+    entry_index.apply(plan)
+    assert old not in entry_index and entry_index.stored_bytes == 300
+    assert entry_index.lookup(ID, [use_token("old")], max_tokens=1) is None  # a restore asking now finds it gone
+    entry_index.pin(mid)  # a restore pinned it before the next pass: kept, the pass says it cannot fit
+    plan = entry_index.plan(100)
     assert plan.evict == (new,) and not plan.fits
-    catalog.apply(plan)
-    assert mid in catalog and catalog.stored_bytes == 200
+    entry_index.apply(plan)
+    assert mid in entry_index and entry_index.stored_bytes == 200
 
 
 def test_quarantine_keeps_its_segments_and_counts_against_the_budget() -> None:
-    catalog = Catalog()
-    bad = _stored(catalog, "bad", 1.0, 1)
-    good = _stored(catalog, "good", 2.0, 2)
-    catalog.quarantine(bad, "x.json", manifest_bytes=50)
-    assert catalog.quarantined == 1 and catalog.stored_bytes == 250
-    plan = catalog.plan(120)
+    entry_index = EntryIndex()
+    bad = _stored(entry_index, "bad", 1.0, 1)
+    good = _stored(entry_index, "good", 2.0, 2)
+    entry_index.quarantine(bad, "x.json", manifest_bytes=50)
+    assert entry_index.quarantined == 1 and entry_index.stored_bytes == 250
+    plan = entry_index.plan(120)
     assert plan.evict == (good,) and plan.free == (f"{2:064x}",) and not plan.fits  # evidence is kept
     assert plan.bytes_after == 150
-    catalog.quarantine(good, "x.json")  # a second copy under the same name: both kept
-    assert catalog.quarantined == 2
+    entry_index.quarantine(good, "x.json")  # a second copy under the same name: both kept
+    assert entry_index.quarantined == 2
 
 
 def test_an_unreadable_quarantined_manifest_blocks_every_eviction() -> None:
-    catalog = Catalog()
-    _stored(catalog, "a", 1.0, 1)
-    catalog.set_quarantine({}, ["torn.json"], 30)
-    assert catalog.eviction_blocked == ("torn.json",)
-    plan = catalog.plan(0)
+    entry_index = EntryIndex()
+    _stored(entry_index, "a", 1.0, 1)
+    entry_index.set_quarantine({}, ["torn.json"], 30)
+    assert entry_index.eviction_blocked == ("torn.json",)
+    plan = entry_index.plan(0)
     assert plan.evict == () and plan.free == () and plan.bytes_after == 130 and not plan.fits
-    inventory = catalog.inventory("n", budget_bytes=0, max_items=10, sent_at=0)
+    inventory = entry_index.inventory("n", budget_bytes=0, max_items=10, sent_at=0)
     assert inventory.eviction_blocked and inventory.quarantined == 1 and inventory.bytes == 130
-    catalog.set_quarantine({}, [], 0)  # `gc --quarantine` deleted it
-    assert catalog.plan(0).evict != ()
+    entry_index.set_quarantine({}, [], 0)  # `gc --quarantine` deleted it
+    assert entry_index.plan(0).evict != ()
 
 
 def test_orphan_segments_are_freed_first_and_a_rescan_replaces_the_sizes() -> None:
-    catalog = Catalog()
-    kept = _stored(catalog, "kept", 1.0, 1)
-    catalog.set_segments({f"{1:064x}": 100, f"{9:064x}": 500})  # an ingest refused after its segment landed
-    plan = catalog.plan(1000)
+    entry_index = EntryIndex()
+    kept = _stored(entry_index, "kept", 1.0, 1)
+    entry_index.set_segments({f"{1:064x}": 100, f"{9:064x}": 500})  # an ingest refused after its segment landed
+    plan = entry_index.plan(1000)
     assert plan.evict == () and plan.free == (f"{9:064x}",)
-    catalog.apply(plan)
-    assert catalog.stored_bytes == 100 and kept in catalog
+    entry_index.apply(plan)
+    assert entry_index.stored_bytes == 100 and kept in entry_index
 
 
 def test_the_hottest_entries_of_an_identity_are_the_peers_most_recent_in_turns_within_the_bounds() -> None:

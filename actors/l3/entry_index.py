@@ -2,7 +2,7 @@
 
 Rules this module keeps:
 
-* `Catalog` mirrors the store's committed entries (filled from `Store.reconcile`, kept current by the actor
+* `EntryIndex` mirrors the store's committed entries (filled from `Store.reconcile`, kept current by the actor
   after every ingest, fetch, eviction and quarantine) with each entry's last use on the caller's clock, and
   the entries pinned right now (being committed or restored: a count per entry, so two restores of one
   entry pin it until both end). Pinned entries are what an eviction pass must keep.
@@ -43,7 +43,7 @@ from actors.l3.layout import MAX_TOKENS, is_digest, is_quarantine_name
 from actors.l3.prefix import DEFAULT_MAX_PROBES, Hit, PrefixIndex
 from messages.l3 import MAX_BYTES, L3Inventory, L3Item
 
-__all__ = ["ITEM_BYTES", "Catalog", "CatalogEntry", "PeerHit", "PeerView", "items_within"]
+__all__ = ["ITEM_BYTES", "EntryIndex", "IndexedEntry", "PeerHit", "PeerView", "items_within"]
 
 #: An upper bound on one encoded `L3Item` (two digests, two integers, array framing).
 ITEM_BYTES: Final = 170
@@ -54,7 +54,7 @@ def items_within(payload_bytes: int, *, share: float = 0.25) -> int:
     return max(1, int(payload_bytes * share) // ITEM_BYTES)
 
 
-class CatalogEntry(msgspec.Struct, frozen=True, kw_only=True):
+class IndexedEntry(msgspec.Struct, frozen=True, kw_only=True):
     entry: str
     identity: str
     n_tokens: int
@@ -63,9 +63,9 @@ class CatalogEntry(msgspec.Struct, frozen=True, kw_only=True):
     segments: tuple[str, ...] = ()  # the digests the manifest names, in order (repeats allowed)
 
 
-class Catalog:
+class EntryIndex:
     def __init__(self) -> None:
-        self._entries: dict[str, CatalogEntry] = {}
+        self._entries: dict[str, IndexedEntry] = {}
         self._index = PrefixIndex()
         self._pins: dict[str, int] = {}
         self._sizes: dict[str, int] = {}  # every stored segment: digest -> bytes
@@ -96,10 +96,10 @@ class Catalog:
         """The quarantined manifests that cannot be parsed (while any is there, no segment may be freed)."""
         return tuple(sorted(self._unreadable))
 
-    def get(self, entry: str) -> CatalogEntry | None:
+    def get(self, entry: str) -> IndexedEntry | None:
         return self._entries.get(entry)
 
-    def entries(self) -> list[CatalogEntry]:
+    def entries(self) -> list[IndexedEntry]:
         """Most recently used first."""
         return sorted(self._entries.values(), key=lambda e: (-e.last_use, e.entry))
 
@@ -114,7 +114,7 @@ class Catalog:
         segments: Sequence[tuple[str, int]] = (),
     ) -> None:
         """Records a committed entry and the segments it names ((digest, length) each, as in its manifest)."""
-        self._entries[entry] = CatalogEntry(
+        self._entries[entry] = IndexedEntry(
             entry=entry,
             identity=identity,
             n_tokens=n_tokens,
@@ -191,7 +191,7 @@ class Catalog:
         return dict(self._sizes)
 
     def plan(self, budget: int) -> Eviction:
-        """One eviction pass over what the catalog holds: the least recently used unpinned entries until the
+        """One eviction pass over what the entry index holds: the least recently used unpinned entries until the
         store fits `budget`. Nothing at all while `eviction_blocked`."""
         total = self.stored_bytes
         if self._unreadable:
@@ -240,7 +240,7 @@ class Catalog:
         return frozenset(self._pins)
 
     def pins(self) -> dict[str, int]:
-        """The pin counts (a catalog rebuilt by a reconcile pass keeps them: the restores still run)."""
+        """The pin counts (a entry index rebuilt by a reconcile pass keeps them: the restores still run)."""
         return dict(self._pins)
 
     def keep_pins(self, pins: Mapping[str, int]) -> None:
