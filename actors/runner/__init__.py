@@ -8,7 +8,8 @@ admission), `booking` (what a starting runner releases, what runs unbooked), `sl
 around a client's own body), `plan` (one generation's serving plan: what to restore, when to capture), `chat_shapes`
 (Messages and Responses bodies as the chat bodies the server renders), `server_json` (JSON as the server writes it),
 `parts` (which parts of other nodes' splits this node lends), `serving_rules` (where a prompt is computed, what
-a server's failure and a generation's stop mean). Shells: `actor` (endpoints, one driver per instance),
+a server's failure and a generation's stop mean), `renders` (the prompts an instance rendered, by the body they
+came from). Shells: `actor` (endpoints, one driver per instance),
 `driver`, `process`, `reaper`, `engine`, `preflight`, `records`, `upkeep`, split serving (`lending` on a member,
 `members` on a head), and the serving path (`serving`, `forward`, `captures`, `served`, `stream`, `state_file`,
 `server_api`; `served` holds what `forward` and `captures` need of the serving shell, so neither imports `serving`).
@@ -23,6 +24,6 @@ from typing import Final
 CORES: Final = frozenset(
     {
         "command", "drift", "lifecycle", "limits", "allocation_log", "observed", "health", "admission", "booking",
-        "slots", "fairqueue", "passthrough", "plan", "chat_shapes", "server_json", "parts", "serving_rules",
+        "slots", "fairqueue", "passthrough", "plan", "chat_shapes", "server_json", "parts", "serving_rules", "renders",
     }
 )  # fmt: skip

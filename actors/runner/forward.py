@@ -36,6 +36,7 @@ from actors.runner import passthrough
 from actors.runner import serving_rules as rules
 from actors.runner.captures import SlotRun
 from actors.runner.fairqueue import claim_of
+from actors.runner.renders import Rendered, render_key
 from actors.runner.served import ServedInstance, ServingShell, refuse_oversize, server_failed
 from actors.runner.server_api import MAX_EVENT_BYTES, MAX_JSON_BYTES, ServerApiError
 from actors.runner.stream import ChunkStream, ClientGone
@@ -72,36 +73,53 @@ class Forwarder:
     def __init__(self, shell: ServingShell) -> None:
         self._shell = shell
 
-    async def render(self, instance: ServedInstance, endpoint: str, body: dict[str, Any]) -> list[int] | None:
-        """The prompt's tokens as the instance renders and tokenizes this body, or None (not renderable, or the
-        server refused to render it: the forwarded request then gets the server's own answer). A prompt text its
-        slot could never hold is refused here (`bad_request`), before the server spends time tokenizing it."""
-        shell = self._shell
+    async def render(
+        self, instance: ServedInstance, endpoint: str, body: dict[str, Any], raw: bytes
+    ) -> list[int] | None:
+        """The prompt's tokens as the instance renders and tokenizes this body (`raw`: the body as it came), or
+        None (not renderable, or the server refused to render it: the forwarded request then gets the server's
+        own answer). A prompt text its slot could never hold is refused here (`bad_request`), before the server
+        spends time tokenizing it. The same body sent again is answered from the instance's `renders` memo."""
         plan = passthrough.render_plan(endpoint, body)
+        if plan is None:
+            return None
+        if isinstance(plan, passthrough.Given):
+            return list(plan.tokens)
+        key = render_key(endpoint, raw)
+        known = instance.renders.get(key, time.monotonic())
+        if known is not None:
+            refuse_oversize(instance.context, text_bytes=known.text_bytes)  # as when it was rendered
+            return list(known.tokens)
+        shell = self._shell
         timeout = shell.limits.tokenize_timeout_s
         try:
-            if isinstance(plan, passthrough.Given):
-                return list(plan.tokens)
-            if isinstance(plan, passthrough.Tokenize):
-                refuse_oversize(instance.context, text=plan.text)
-                return await shell.api.tokenize(instance.port, plan.text, timeout_s=timeout)
-            if isinstance(plan, passthrough.Template):
-                reply = await shell.api.json(instance.port, "POST", "/apply-template", plan.body, timeout_s=timeout)
-                prompt = reply.get("prompt") if isinstance(reply, dict) else None
-                if isinstance(prompt, str) and prompt:
-                    refuse_oversize(instance.context, text=prompt)
-                    return await shell.api.tokenize(instance.port, prompt, timeout_s=timeout)
+            text = plan.text if isinstance(plan, passthrough.Tokenize) else await self._template(instance, plan)
+            if text is None:
+                return None
+            size = len(text.encode("utf-8", errors="surrogatepass"))
+            refuse_oversize(instance.context, text_bytes=size)
+            tokens = await shell.api.tokenize(instance.port, text, timeout_s=timeout)
         except ServerApiError as exc:
             _log.info("render_refused", instance_id=instance.id, endpoint=endpoint, error=str(exc))
-        return None
+            return None
+        instance.renders.put(key, Rendered(tuple(tokens), size), time.monotonic())
+        return tokens
+
+    async def _template(self, instance: ServedInstance, plan: passthrough.Template) -> str | None:
+        """The prompt text the server's `/apply-template` renders from a chat body (None: it rendered none)."""
+        timeout = self._shell.limits.tokenize_timeout_s
+        reply = await self._shell.api.json(instance.port, "POST", "/apply-template", plan.body, timeout_s=timeout)
+        prompt = reply.get("prompt") if isinstance(reply, dict) else None
+        return prompt if isinstance(prompt, str) and prompt else None
 
     async def forward(self, instance: ServedInstance, order: RunnerGenerate, started: float) -> GenerateResult:
         shell = self._shell
         request = order.request
         call = request.api
         assert call is not None and request.stream is not None  # a pass-through names both (GenerateRequest)
+        raw = bytes(call.body)
         try:
-            body = passthrough.decode_body(bytes(call.body))
+            body = passthrough.decode_body(raw)
         except ValueError as exc:
             raise RequestError(BAD_REQUEST, str(exc)) from exc
         _refuse_asks(instance, call.endpoint, body, shell.limits.asks)
@@ -110,7 +128,7 @@ class Forwarder:
         if passthrough.endpoint_kind(call.endpoint) != "generate":
             exchange = await self._exchange(instance, path, body, relay, order, slot=None)
             return self._result(instance, order, started, exchange, relay, slot=-1)
-        tokens = list(order.tokens) if order.tokens else await self.render(instance, call.endpoint, body)
+        tokens = list(order.tokens) if order.tokens else await self.render(instance, call.endpoint, body, raw)
         if tokens is None:  # not rendered here: the server will, so its texts are bounded first
             _refuse_oversize_sizes(instance, call.endpoint, body)
         claim = claim_of(request, len(tokens or ()), passthrough.generation_bound(call.endpoint, body))

@@ -22,6 +22,7 @@ from actors.l3.api import L3Access, L3Hit
 from actors.runner import serving_rules as rules
 from actors.runner.fairqueue import Claim
 from actors.runner.passthrough import AskLimits
+from actors.runner.renders import RenderMemo
 from actors.runner.server_api import ServerApi
 from actors.runner.slots import ANYONE, Grant, PromptLimit, SlotTable, oversize
 from messages.errors import BAD_REQUEST
@@ -90,6 +91,7 @@ class ServedInstance:
         self.wakeups: list[asyncio.Future[None]] = []  # waiters for a slot, woken on every release
         self.identity: str | None = None
         self.context = PromptLimit()
+        self.renders = RenderMemo()  # the prompts this incarnation of its server rendered, by body
 
     def wake(self) -> None:
         for waiter in self.wakeups:

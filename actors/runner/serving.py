@@ -276,11 +276,12 @@ class Serving:
     async def render(self, instance_id: str, call: ApiCall) -> list[int]:
         """A pass-through body's prompt tokens as the instance renders them (none when it has no single prompt)."""
         instance = self.instance(instance_id)
+        raw = bytes(call.body)
         try:
-            body = passthrough.decode_body(bytes(call.body))
+            body = passthrough.decode_body(raw)
         except ValueError as exc:
             raise RequestError(BAD_REQUEST, str(exc)) from exc
-        return await self._forwarder.render(instance, call.endpoint, body) or []
+        return await self._forwarder.render(instance, call.endpoint, body, raw) or []
 
     def busy(self, instance_id: str) -> bool:
         """Whether a generation runs on the instance or waits for one of its slots."""
