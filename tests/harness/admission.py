@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import msgspec
 import pytest
 
@@ -21,7 +23,14 @@ NOW = 1_000_000.0
 GIB = 1 << 30
 
 
-QUIET = {"cache_ram_mib": 0, "ctx_checkpoints": 0}  # no host extras: keeps the arithmetic readable
+class Quiet(TypedDict):
+    """`ServingSettings` keywords for a server with no host extras: `ServingSettings(**QUIET)`."""
+
+    cache_ram_mib: int
+    ctx_checkpoints: int
+
+
+QUIET: Quiet = {"cache_ram_mib": 0, "ctx_checkpoints": 0}  # no host extras: keeps the arithmetic readable
 
 
 DEFAULT = ServingSettings(cache_ram_mib=0, ctx_checkpoints=0)

@@ -19,8 +19,10 @@ STARTED = 1_700_000_000.0  # the node process's start time, on the node's clock
 
 
 def device() -> DeviceMemory:
-    sizes = dict.fromkeys(("weights_bytes", "kv_bytes", "recurrent_bytes", "draft_kv_bytes", "compute_bytes"), 0)
-    return DeviceMemory(device="CPU", **sizes, output_bytes=0, host_extra_bytes=100, total_bytes=2 * GIB)
+    return DeviceMemory(
+        device="CPU", weights_bytes=0, kv_bytes=0, recurrent_bytes=0, draft_kv_bytes=0, compute_bytes=0,
+        output_bytes=0, host_extra_bytes=100, total_bytes=2 * GIB,
+    )  # fmt: skip
 
 
 def _zeros(struct: type, **given: object) -> dict[str, object]:

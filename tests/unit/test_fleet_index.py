@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import msgspec
 import pytest
@@ -33,6 +34,7 @@ from messages.placement import (
 )
 from messages.settings import ServingSettings, SettingsBounds
 from messages.telemetry import GpuInfo, HostInfo, LlamaServerInfo, ModelFiles, NodeResources, SplitServing
+from tests.harness.admission import Quiet
 from tests.placement_oracle import explained_scan, full_scan
 from tests.tiny_models import write_llama, write_qwen35
 from tests.tiny_projectors import write_llava_projector
@@ -40,7 +42,7 @@ from tests.tiny_projectors import write_llava_projector
 MIB = 1 << 20
 NOW = 1_000_000.0
 MONOTONIC = 5_000.0
-QUIET = {"cache_ram_mib": 0, "ctx_checkpoints": 0}
+QUIET: Quiet = {"cache_ram_mib": 0, "ctx_checkpoints": 0}
 #: What nodes advertise: several sharing one profile, one llama-server refuses for these models (a quantized V
 #: cache without flash attention), one that speculates with a draft model (refused without one), and none.
 PROFILES: tuple[ServingSettings | None, ...] = (
@@ -67,6 +69,18 @@ HOLDINGS = (
     ModelFiles(held=(("llama.gguf", 7 * MIB, "e" * 64),)),  # another version than the models' (digest "f" * 64)
     ModelFiles(held=(("qwen35.gguf", 5, "f" * 64),)),
 )
+
+
+class Ids(TypedDict):
+    """The clock and identities of one decision: the same keywords for the index and the full scan."""
+
+    now: float
+    decision_id: str
+    reservation_id: str
+
+
+class IdsAndDryRun(Ids):
+    dry_run: bool
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +295,7 @@ def fleets(draw: st.DrawFn, mode: str) -> Fleet:
 def both(
     index: FleetIndex, request: PlacementRequest, model: ModelFacts, current: Fleet, fresh: dict[str, LedgerEntry]
 ) -> tuple[Outcome, Outcome]:
-    ids = {"now": NOW, "decision_id": "d1", "reservation_id": "r1"}
+    ids: Ids = {"now": NOW, "decision_id": "d1", "reservation_id": "r1"}
     dry_run = request.hold_s == 600.0 and bool(current.revision % 2)
     fast = index.decide(
         request, model, current.view, current.arrived, current.ledgers, monotonic_now=MONOTONIC, dry_run=dry_run,
@@ -324,7 +338,7 @@ def test_a_tracked_index_judging_only_what_changed_decides_exactly_what_the_full
     # (models, contexts, -ngl, settings) interleaved, each with its own standing answer.
     index = FleetIndex(tracked=True)
     current = Fleet()
-    ids = {"now": NOW, "decision_id": "d1", "reservation_id": "r1"}
+    ids: Ids = {"now": NOW, "decision_id": "d1", "reservation_id": "r1"}
     clock = MONOTONIC
     for _ in range(data.draw(st.integers(1, 10), label="steps")):
         if data.draw(st.booleans(), label="change"):
@@ -363,7 +377,7 @@ def test_every_kind_of_request_is_decided_by_the_index_exactly_as_by_the_full_sc
         (model, asking(data.draw(requests(kind), label="request"), model))
         for model in data.draw(st.lists(st.sampled_from(models_of(kind, models)), min_size=1, max_size=3))
     ]
-    ids = {"now": NOW, "decision_id": "d1", "reservation_id": "r1"}
+    ids: Ids = {"now": NOW, "decision_id": "d1", "reservation_id": "r1"}
     clock = MONOTONIC
     for _ in range(data.draw(st.integers(1, 6), label="steps")):
         if data.draw(st.booleans(), label="change"):
@@ -409,7 +423,7 @@ def test_a_decision_recorded_without_ages_is_decided_again_as_the_full_scan_deci
     request = asking(data.draw(requests(), label="request"), model)
     held = {name: ledger for name, (ledger, _) in current.ledgers.items() if ledger is not None}
     unreadable = frozenset(name for name, (_, revision) in current.ledgers.items() if revision < 0)
-    ids = {"now": NOW, "decision_id": "d1", "reservation_id": "r1", "dry_run": False}
+    ids: IdsAndDryRun = {"now": NOW, "decision_id": "d1", "reservation_id": "r1", "dry_run": False}
     once = decide(request, model, view, held, unreadable=unreadable, **ids)
     assert once == full_scan(request, model, view, held, unreadable=unreadable, **ids)
     note(once.decision)
@@ -428,7 +442,7 @@ def test_a_brief_answer_never_admits_what_the_full_scan_refuses_and_replays_from
     # it again identically.
     index = FleetIndex(tracked=True)
     current = Fleet()
-    ids = {"now": NOW, "decision_id": "d1", "reservation_id": "r1"}
+    ids: Ids = {"now": NOW, "decision_id": "d1", "reservation_id": "r1"}
     clock = MONOTONIC
     for _ in range(data.draw(st.integers(1, 8), label="steps")):
         data.draw(changes(current, mode=data.draw(st.sampled_from(("any", "roomy")), label="kind of nodes")))

@@ -384,7 +384,7 @@ def test_routed_experts_size_the_ffn_rows_by_experts_used_times_expert_width() -
     assert ffn_stage("qwen3moe", 24, 8) == per_token * (8 * 256 + 5 * 256)
     assert ffn_stage("qwen3moe", 96, 8) == per_token * (3 * 8 * 96 + 8 * 256 + 5 * 256)
     # nemotron's experts have no gate: one squared-ReLU row each, then the outputs
-    nemotron = {**QWEN_SSM, "ssm.inner_size": 64, "ssm.state_size": 16, "ssm.group_count": 1}
+    nemotron: dict[str, Any] = {**QWEN_SSM, "ssm.inner_size": 64, "ssm.state_size": 16, "ssm.group_count": 1}
     nemotron |= {"block_count": 3, "attention.head_count_kv": [0, 2, 0], "feed_forward_length": [0, 0, 512]}
     assert ffn_stage("nemotron_h_moe", 512, 6, **nemotron) == per_token * (6 * 512 + 6 * 256 + 5 * 256)
 

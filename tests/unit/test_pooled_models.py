@@ -23,11 +23,11 @@ from actors.runner.drift import ServerReport, server_drift, settings_drift
 from messages.model import ModelGeometry
 from messages.placement import PreferredSettings, Stamp
 from messages.settings import ServingSettings, SettingsBounds
-from tests.harness.admission import DEFAULT, GIB, OPEN, node, request, run, view
+from tests.harness.admission import DEFAULT, GIB, OPEN, Quiet, node, request, run, view
 from tests.tiny_models import write_llama
 from tests.tiny_pooled_models import write_llama_embedding, write_qwen3_embedding, write_qwen3_reranker
 
-QUIET = {"cache_ram_mib": 0, "ctx_checkpoints": 0}
+QUIET: Quiet = {"cache_ram_mib": 0, "ctx_checkpoints": 0}
 
 
 def _geometry(path: Path) -> ModelGeometry:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import msgspec
 import pytest
@@ -45,8 +46,24 @@ NOW = 1_000_000.0
 GIB = 1 << 30
 SETTINGS = ServingSettings(slots=2, cache_ram_mib=0, ctx_checkpoints=0)
 
+
+class TowerShape(TypedDict, total=False):
+    """The tower arguments of `write_llava_projector` a measured shape sets (the rest are its defaults)."""
+
+    n_embd: int
+    n_head: int
+    n_ff: int
+    n_layer: int
+    image_size: int
+    patch_size: int
+    mm_hidden: int
+    class_embedding: bool
+    pre_norm: bool
+    post_norm: bool
+
+
 #: (tower shape, flash attention, the compute buffer llama-server printed at the first image, MiB).
-MEASURED: list[tuple[dict[str, object], bool, str]] = [
+MEASURED: list[tuple[TowerShape, bool, str]] = [
     ({"n_embd": 64, "n_head": 4, "n_ff": 128, "n_layer": 2, "image_size": 32, "patch_size": 8}, True, "0.02"),
     ({"n_embd": 256, "n_head": 4, "n_ff": 1024, "n_layer": 2, "image_size": 224, "patch_size": 14}, True, "1.58"),
     ({"n_embd": 128, "n_head": 2, "n_ff": 512, "n_layer": 3, "image_size": 112, "patch_size": 16,
@@ -72,7 +89,7 @@ MEASURED: list[tuple[dict[str, object], bool, str]] = [
 TEXT_EMBD = 128  # the text model these projectors were measured beside
 
 
-def _projector(path: Path, **shape: object) -> ProjectorGeometry:
+def _projector(path: Path, **shape: Unpack[TowerShape]) -> ProjectorGeometry:
     return projector_from_header(read_header(write_llava_projector(path, text_embd=TEXT_EMBD, sparse=True, **shape)))
 
 
@@ -165,7 +182,7 @@ def test_a_model_file_is_not_a_projector(files: dict[str, Path]) -> None:
 
 @pytest.mark.parametrize(("shape", "flash_attn", "printed"), MEASURED)
 def test_the_image_graph_is_placed_as_llama_server_reserves_it(
-    tmp_path: Path, shape: dict[str, object], flash_attn: bool, printed: str
+    tmp_path: Path, shape: TowerShape, flash_attn: bool, printed: str
 ) -> None:
     projector = _projector(tmp_path / "p.gguf", **shape)
     assert printed_mib(projector_compute_bytes(projector, flash_attn=flash_attn)) == Decimal(printed)

@@ -3,8 +3,9 @@ runner events repaired from instance records, and changes that re-check the revi
 
 from __future__ import annotations
 
-from actors.placement.reservations import Promote, Reconciler, Release, apply, released_by_event
+from actors.placement.reservations import Change, Promote, Reconciler, Release, apply, released_by_event
 from messages.placement import NodeLedger, Reservation
+from messages.runner import InstanceState
 from tests.harness.reservations import GIB, STARTED, T0, record, reservation
 
 
@@ -12,7 +13,7 @@ def ledger(*reservations: Reservation) -> NodeLedger:
     return NodeLedger(node_id="a", reservations=reservations)
 
 
-def changes(rec: Reconciler, book: NodeLedger, now: float, *, complete: bool = True) -> tuple[object, ...]:
+def changes(rec: Reconciler, book: NodeLedger, now: float, *, complete: bool = True) -> tuple[Change, ...]:
     return rec.changes("a", book, node_started_at=STARTED, now=now, records_complete=complete)
 
 
@@ -58,7 +59,12 @@ def test_a_lost_instance_stopped_is_repaired_from_the_final_record() -> None:
     rec.saw_ledger("a", running, T0)
     rec.saw_record("i1", record("i1", "ready"), T0)
     assert changes(rec, running, T0 + 5) == ()
-    for final, reason in (("stopped", "stopped"), ("failed", "failed"), ("rejected", "rejected")):
+    finals: tuple[tuple[InstanceState, str], ...] = (
+        ("stopped", "stopped"),
+        ("failed", "failed"),
+        ("rejected", "rejected"),
+    )
+    for final, reason in finals:
         rec.saw_record("i1", record("i1", final), T0)
         (release,) = changes(rec, running, T0 + 10)
         assert isinstance(release, Release) and release.reason == reason

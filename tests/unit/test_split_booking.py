@@ -9,15 +9,22 @@ import pytest
 from actors.placement.booking import Booking, booking_order
 from actors.placement.ledger import available, with_reservation
 from actors.placement.reservations import Promote, Reconciler, Release, apply, observed_held
-from messages.placement import NodeLedger, Reservation, SplitPart
+from messages.placement import NodeLedger, Reservation, ReservationState, SplitPart
 from tests.harness.admission import node
 from tests.harness.reservations import GIB, T0, record, reservation
 
 SPLIT = SplitPart(head="h", members=("m1", "m2"))
 
 
-def part(node_id: str, rid: str = "r1", **fields: object) -> Reservation:
-    return msgspec.structs.replace(reservation(rid, **fields), node_id=node_id, split=SPLIT, multi_node=True)
+def part(
+    node_id: str,
+    rid: str = "r1",
+    state: ReservationState = "reserved",
+    instance: str | None = None,
+    **fields: object,
+) -> Reservation:
+    booked = reservation(rid, state, instance, **fields)
+    return msgspec.structs.replace(booked, node_id=node_id, split=SPLIT, multi_node=True)
 
 
 def ledger_of(node_id: str, *reservations: Reservation) -> NodeLedger:
