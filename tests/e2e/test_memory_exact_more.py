@@ -22,6 +22,7 @@ the dense `feed_forward_length` the geometry used to stand in for them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 
@@ -441,7 +442,7 @@ def _without_expert_widths(geometry: ModelGeometry) -> ModelGeometry:
 
 @pytest.mark.parametrize("case", MOE_COMPUTE_CASES, ids=[c.id for c in MOE_COMPUTE_CASES])
 def test_moe_compute_buffer_follows_the_routed_expert_width(
-    case: Case, moe_models: dict[str, Path], binary: str, record_property: pytest.RecordProperty
+    case: Case, moe_models: dict[str, Path], binary: str, record_property: Callable[[str, object], None]
 ) -> None:
     log, error = _check(case, moe_models, binary)
     measured = float(sum((sum(c.compute_buffers.values(), Decimal(0)) for c in log.contexts), Decimal(0)))

@@ -22,13 +22,13 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.metrics.families import INTER_TOKEN_BUCKETS, TTFT_BUCKETS
 from runtime.children import free_port
 from tests.conftest import processes
 from tests.harness.frontdoor import _WEDGE, KEY, KEYED, QUIET, client, write_catalog
+from tests.harness.metrics import parse_openmetrics
 from tests.harness.nodes import cli, events_of, node, wait_nodes
 from tests.llama_harness import require_server
 from tests.tiny_models import write_llama
@@ -186,15 +186,15 @@ async def test_a_front_doors_metrics_move_with_the_openai_clients_requests_and_e
         assert series(samples, "llamacpp:requests_processing", **labels)
 
         # memory: what status says, figure for figure
-        status = await status_json(data_dir)
+        shown = await status_json(data_dir)
         assert_memory_equals_status(samples, instance, "door")
         held: dict[str, int] = {}
-        for r in status["reservations"]:
+        for r in shown["reservations"]:
             for device, size in r["held"].items():
                 held[device] = held.get(device, 0) + size
         for device, size in held.items():
             assert value(samples, "mesh_node_memory_reserved_bytes", node="door", device=device) == size
-        (node_status,) = status["nodes"]
+        (node_status,) = shown["nodes"]
         assert value(samples, "mesh_l3_budget_bytes", node="door") == node_status["l3"]["budget_bytes"]
 
         # an invented model name is nowhere

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -148,7 +149,7 @@ async def test_models_no_node_holds_are_served_split_and_answer_as_the_unsplit_s
             rid = decision["reservation_id"]
             assert len(await rpc_servers(first, rid)) == len(members)  # one per member, running
             await json_cli(first, "stop", instance["id"])
-            await until(lambda rid=rid: released(first, rid), f"{kind}: every part released, every RPC server gone")
+            await until(functools.partial(released, first, rid), f"{kind}: every part released, every RPC server gone")
         assert set(sizes.values()) == {2, 3}, sizes  # splits over two nodes and over three
 
 

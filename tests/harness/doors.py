@@ -62,7 +62,7 @@ class Router:
     async def _answer(self, msg: Msg) -> None:
         order = decode(msg.data, GenerateRequest)
         assert order.api is not None and order.stream is not None
-        body = json.loads(bytes(order.api.body))  # type: ignore[arg-type]
+        body = json.loads(bytes(order.api.body))
         text = body.get("prompt") or " ".join(m["content"] for m in body.get("messages", ()))
         prompt, generated = len(str(text).split()), int(body.get("max_tokens") or 1)
         self.held += 1

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
 from prometheus_client.core import Metric
 from prometheus_client.exposition import generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics_exposition
+from prometheus_client.openmetrics import parser as openmetrics_parser
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -21,11 +23,20 @@ from messages.telemetry import GpuInfo, HostInfo, NodeResources
 NODE = "n1"
 
 
-def _device(name: str, **sizes: int) -> DeviceMemory:
-    fields = {k: 0 for k in ("weights_bytes", "kv_bytes", "recurrent_bytes", "draft_kv_bytes", "compute_bytes",
-                             "output_bytes", "host_extra_bytes")}  # fmt: skip
-    fields |= sizes
-    return DeviceMemory(device=name, **fields, total_bytes=sum(fields.values()))
+def _device(
+    name: str,
+    *,
+    weights_bytes: int = 0,
+    kv_bytes: int = 0,
+    compute_bytes: int = 0,
+    output_bytes: int = 0,
+    host_extra_bytes: int = 0,
+) -> DeviceMemory:
+    return DeviceMemory(
+        device=name, weights_bytes=weights_bytes, kv_bytes=kv_bytes, recurrent_bytes=0, draft_kv_bytes=0,
+        compute_bytes=compute_bytes, output_bytes=output_bytes, host_extra_bytes=host_extra_bytes,
+        total_bytes=weights_bytes + kv_bytes + compute_bytes + output_bytes + host_extra_bytes,
+    )  # fmt: skip
 
 
 PREDICTED = MemoryBreakdown(
@@ -89,7 +100,7 @@ class _Families(Collector):
         return self._families
 
 
-def scrape(metrics: NodeMetrics, now: float = 0.0, engines: dict[str, list[Metric] | None] | None = None) -> str:
+def scrape(metrics: NodeMetrics, now: float = 0.0, engines: Mapping[str, Sequence[Metric] | None] | None = None) -> str:
     return generate_latest(_Families(metrics.families(now, engines))).decode()
 
 
@@ -106,3 +117,15 @@ def value(text: str, name: str, **labels: str) -> float:
 
 def absent(text: str, name: str, **labels: str) -> bool:
     return not [v for n, ls, v in samples(text) if n == name and labels.items() <= ls.items()]
+
+
+def parse_openmetrics(text: str) -> Iterable[Metric]:
+    """prometheus_client's OpenMetrics parser, typed: the function itself is not annotated."""
+    parse: Callable[[str], Iterable[Metric]] = openmetrics_parser.text_string_to_metric_families
+    return parse(text)
+
+
+def generate_openmetrics(registry: Collector) -> bytes:
+    """prometheus_client's OpenMetrics exposition, typed: the function itself is not annotated."""
+    generate: Callable[[Collector], bytes] = openmetrics_exposition.generate_latest
+    return generate(registry)

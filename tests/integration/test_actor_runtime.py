@@ -258,7 +258,7 @@ class SwallowingActor(Actor):
                         raise
 
         if self.in_run:
-            ctx.spawn(asyncio.sleep(3600), "plain")  # type: ignore[arg-type]
+            ctx.spawn(asyncio.sleep(3600), "plain")
             self.ready.set()
             with contextlib.suppress(asyncio.CancelledError):  # lost while "starting"
                 await asyncio.sleep(3600)

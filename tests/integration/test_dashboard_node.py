@@ -92,7 +92,7 @@ async def test_the_dashboard_follows_the_mesh_and_comes_back_after_a_nats_outage
     url = f"http://127.0.0.1:{port}/ui/stream"
 
     def telemetry(d: dict[str, Any]) -> bool:
-        return (d["op"] == "event" and d["value"]["type"] == "telemetry_changed") or d["op"] == "node"
+        return bool((d["op"] == "event" and d["value"]["type"] == "telemetry_changed") or d["op"] == "node")
 
     async with (
         node_with_front_door(tmp_path, nats_server, port),

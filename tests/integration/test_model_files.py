@@ -187,7 +187,8 @@ async def test_each_node_reports_the_named_files_it_holds_and_a_pull_adds_one_at
         async with asyncio.timeout(10):
             while [h[:2] for h in a.holdings.held] != [("tiny.gguf", size)]:
                 await asyncio.sleep(0.02)
-        assert b.holdings.held == () and b.holdings.pull_bytes_per_s is None
+        before = b.holdings  # a local: narrowing `b.holdings.held` to () would outlive the pull that changes it
+        assert before.held == () and before.pull_bytes_per_s is None
         await pull(bus, "b", "tiny", peer="a")
         digest = digest_of(model)  # b verified what it pulled; a hashed its file when b asked who holds it
         async with asyncio.timeout(5):

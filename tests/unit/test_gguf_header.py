@@ -113,9 +113,9 @@ def test_small_arrays_are_materialized_as_tuples(tmp_path: Path) -> None:
         w.add_array("a.floats", [0.5, 1.25])
         w.add_array("a.bools", [True, False, True])
         w.add_array("a.strs", ["x", "yz", ""])
-        w.add_key_value("a.u8", [1, 2, 255], T.ARRAY, sub_type=T.UINT8)
-        w.add_key_value("a.i64", [-(2**63), 2**63 - 1], T.ARRAY, sub_type=T.INT64)
-        w.add_key_value("a.f64", [1e-300], T.ARRAY, sub_type=T.FLOAT64)
+        w.add_key_value("a.u8", [1, 2, 255], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT8)
+        w.add_key_value("a.i64", [-(2**63), 2**63 - 1], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT64)
+        w.add_key_value("a.f64", [1e-300], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT64)
 
     write_with_gguf_writer(path, fill)
     h = read_header(path)

@@ -186,9 +186,10 @@ LYING_FIELDS = [
 @pytest.mark.parametrize("field", LYING_FIELDS)
 @pytest.mark.parametrize("value", [2**60, 2**28, 2**20])
 def test_lying_count_is_refused_in_bounded_memory(field: str, value: int) -> None:
-    data = bytearray(BASE.data)
-    struct.pack_into("<Q", data, BASE.at[field], value)
-    data = bytes(data)
+    lying = bytearray(BASE.data)
+    struct.pack_into("<Q", lying, BASE.at[field], value)
+    data = bytes(lying)
+    result: GGUFHeader | GGUFFormatError
     tracemalloc.start()
     try:
         result = parse_header(io.BytesIO(data), len(data), limits=LIMITS)

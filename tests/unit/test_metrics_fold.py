@@ -13,9 +13,8 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client.core import Metric
 from prometheus_client.exposition import generate_latest
-from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
-from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.metrics.engine import relabel
@@ -34,7 +33,7 @@ from messages import events as ev
 from messages.frontdoor import FrontDoorModel, FrontDoorReport
 from messages.generate import InstanceLoad, RouteDecision, RouteWeights, ServingReport
 from messages.l3 import L3Inventory
-from messages.placement import ModelRef, NodeLedger, PlacementDecision, PlacementRequest
+from messages.placement import ModelRef, NodeLedger, PlacementDecision, PlacementRequest, RejectReason
 from messages.runner import InstanceStatus
 from runtime.config import ConfigError, load_config
 from tests.harness.metrics import (
@@ -42,6 +41,8 @@ from tests.harness.metrics import (
     _Families,
     absent,
     envelope,
+    generate_openmetrics,
+    parse_openmetrics,
     record,
     reservation,
     samples,
@@ -333,7 +334,10 @@ def test_store_and_front_door_gauges_and_their_events() -> None:
 def test_placement_decisions_count_by_outcome_and_reason() -> None:
     metrics = NodeMetrics(NODE)
     request = PlacementRequest(model=ModelRef(path="/m.gguf"), ctx=4096)
-    for admitted, reason in ((True, None), (False, "insufficient_memory"), (False, "insufficient_memory")):
+    outcomes: tuple[tuple[bool, RejectReason | None], ...] = (
+        (True, None), (False, "insufficient_memory"), (False, "insufficient_memory"),
+    )  # fmt: skip
+    for admitted, reason in outcomes:
         decision = PlacementDecision(decision_id="d", admitted=admitted, dry_run=False, model=request.model,
                                      reason=reason)  # fmt: skip
         metrics.event(ev.PlacementDecided(**envelope(), request=request, decision=decision))
@@ -376,7 +380,7 @@ def test_llama_servers_families_are_relabelled_merged_and_kept_to_its_own() -> N
     metrics = served(record("i1", port=8100), record("i2", port=8101, model="/m/other.gguf"), record("i3", port=None))
     targets = metrics.engine_targets()
     assert [(t.instance_id, t.port) for t in targets] == [("i1", 8100), ("i2", 8101)]  # ready, with a port
-    engines = {t.instance_id: relabel(ENGINE_TEXT, t.labels) for t in targets}
+    engines: dict[str, list[Metric] | None] = {t.instance_id: relabel(ENGINE_TEXT, t.labels) for t in targets}
     engines["i2"] = None  # its /metrics did not answer
     text = scrape(metrics, engines=engines)
     assert value(text, "llamacpp:tokens_predicted_total", node=NODE, model="qwen3-0.6b", instance="i1") == 4

@@ -94,7 +94,7 @@ def test_a_prompt_its_slot_can_never_hold_is_refused_by_its_tokens_its_text_or_i
     refuse_oversize(limit, tokens=8, text="x" * 32, text_bytes=32)  # at the limit: served
     for asked in ({"tokens": 9}, {"text": "x" * 33}, {"text_bytes": 33}):
         with pytest.raises(RequestError) as refused:
-            refuse_oversize(limit, **asked)  # type: ignore[arg-type]
+            refuse_oversize(limit, **asked)
         assert refused.value.reply.code == BAD_REQUEST
 
 
