@@ -16,6 +16,7 @@ import json
 import secrets
 import time
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import aiohttp
 import openai
@@ -36,10 +37,18 @@ from tests.harness.doors import SUBJECTS, Router, client, complete, doors, ready
 pytestmark = pytest.mark.timeout(120)
 
 
+class Limits(TypedDict, total=False):
+    """A key's limits (`TenantKey`'s own fields): those not given are unlimited."""
+
+    rpm: int
+    tpm: int
+    max_concurrent: int
+
+
 # --- the mesh, played --------------------------------------------------------------------------------------------
 
 
-async def issue(bus: Bus, tenant: str, **limits: int) -> tuple[str, TenantKey]:
+async def issue(bus: Bus, tenant: str, **limits: Unpack[Limits]) -> tuple[str, TenantKey]:
     """A tenant key (what a client presents, and its record) stored in the keys bucket."""
     key_id, secret = secrets.token_hex(8), secrets.token_hex(32)
     record = TenantKey(
@@ -151,9 +160,11 @@ async def test_usage_sums_equal_the_answers_own_usage(
                         sums["beta"][2] + chat.usage.completion_tokens]  # fmt: skip
         with pytest.raises(openai.NotFoundError):  # refused: journaled too, with no tokens
             await client(a, beta).completions.create(model="absent", prompt="x", max_tokens=1)
-        bad = {"url": f"http://127.0.0.1:{b}/v1/completions", "data": b"{not json",
-               "headers": {"Authorization": f"Bearer {beta}"}}  # fmt: skip
-        async with aiohttp.ClientSession() as session, session.post(**bad) as response:  # not JSON: journaled too
+        url, headers = f"http://127.0.0.1:{b}/v1/completions", {"Authorization": f"Bearer {beta}"}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url=url, data=b"{not json", headers=headers) as response,  # not JSON: journaled too
+        ):
             assert response.status == 400
     parser = argparse.ArgumentParser(prog="mesh-actor")
     usage_cli.register(parser.add_subparsers(dest="command", required=True))
@@ -238,7 +249,7 @@ async def test_nats_unavailable_is_a_503_and_the_front_door_serves_again_after(
 # --- the shared limits, driven directly ------------------------------------------------------------------------
 
 
-def key_record(**limits: int) -> TenantKey:
+def key_record(**limits: Unpack[Limits]) -> TenantKey:
     return TenantKey(
         key_id=secrets.token_hex(8), tenant="acme", secret_sha256="0" * 64, created_at=time.time(), **limits
     )

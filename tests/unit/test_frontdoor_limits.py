@@ -14,8 +14,11 @@ T0 = 1_700_000_000.0
 LEASE = 15.0
 
 
-def key(**limits: int | None) -> TenantKey:
-    return TenantKey(key_id="0123456789abcdef", tenant="acme", secret_sha256="0" * 64, created_at=T0, **limits)
+def key(*, rpm: int | None = None, tpm: int | None = None, max_concurrent: int | None = None) -> TenantKey:
+    return TenantKey(
+        key_id="0123456789abcdef", tenant="acme", secret_sha256="0" * 64, created_at=T0,
+        rpm=rpm, tpm=tpm, max_concurrent=max_concurrent,
+    )  # fmt: skip
 
 
 def admit_n(state: KeyState | None, k: TenantKey, now: float, *, node: str = "a", in_flight: int = 0) -> KeyState:
