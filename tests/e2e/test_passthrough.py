@@ -24,6 +24,12 @@ import openai
 import pydantic
 import pytest
 import pytest_asyncio
+from anthropic.types import MessageParam, RawMessageDeltaEvent
+from openai.types.chat import (
+    ChatCompletionFunctionToolParam,
+    ChatCompletionMessageFunctionToolCall,
+    ChatCompletionMessageParam,
+)
 
 from actors.frontdoor.shapes import ENDPOINTS, NOT_PASSED
 from runtime.children import free_port
@@ -38,7 +44,7 @@ QUIET = ("--cache-ram", "0", "--ctx-checkpoints", "0", "--parallel", "2")
 VOLATILE = frozenset({"id", "created", "created_at", "completed_at", "timings", "model", "system_fingerprint",
                       "id_slot", "tokens_cached"})  # fmt: skip
 
-WEATHER = {
+WEATHER: ChatCompletionFunctionToolParam = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -46,8 +52,11 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"days": {"type": "integer"}}, "required": ["days"]},
     },
 }
-USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-TURNS = [
+QUESTION = "What is the weather in Paris?"
+USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": QUESTION}]
+#: The same turn in the Anthropic client's types (its `MessageParam` is not the OpenAI client's).
+ANTHROPIC_USER: list[MessageParam] = [{"role": "user", "content": QUESTION}]
+TURNS: list[ChatCompletionMessageParam] = [
     *USER,
     {
         "role": "assistant",
@@ -259,7 +268,7 @@ async def test_the_openai_client_parses_retrieves_calls_tools_and_streams_usage(
         response_format=Weather,
         max_tokens=60,
         temperature=0,
-        logit_bias=closing,  # type: ignore[arg-type]
+        logit_bias=closing,
     )
     assert isinstance(parsed.choices[0].message.parsed, Weather)
     assert (await api.models.retrieve("chat")).id == "chat"
@@ -271,12 +280,13 @@ async def test_the_openai_client_parses_retrieves_calls_tools_and_streams_usage(
         messages=USER,
         tools=[WEATHER],
         tool_choice="required",
-        logit_bias=TOOL_BIAS,  # type: ignore[list-item]
+        logit_bias=TOOL_BIAS,
         max_tokens=120,
         temperature=0,
     )
     calls = tools.choices[0].message.tool_calls
-    assert calls and calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    assert calls and isinstance(calls[0], ChatCompletionMessageFunctionToolCall)  # not a custom tool's call
+    assert calls[0].function.name == "get_weather"
     stream = await api.chat.completions.create(
         model="chat",
         messages=USER,
@@ -293,19 +303,22 @@ async def test_the_openai_client_parses_retrieves_calls_tools_and_streams_usage(
 async def test_the_anthropic_client_creates_streams_and_counts(door: Door) -> None:
     api = anthropic.AsyncAnthropic(base_url=door.url, api_key=KEY, max_retries=0, timeout=120)
     greedy = {"temperature": 0}  # (this client sends no temperature of its own)
-    message = await api.messages.create(model="chat", max_tokens=8, messages=USER, extra_body=greedy)  # type: ignore[arg-type]
+    message = await api.messages.create(model="chat", max_tokens=8, messages=ANTHROPIC_USER, extra_body=greedy)
     assert message.model == "chat" and message.role == "assistant" and message.usage.output_tokens >= 1
     # The client's raw event stream (its accumulating helper needs `message_start`, which llama-server sends with
     # its first decoded text: a random model's first bytes are often an incomplete character, so it sends none)
-    stream = await api.messages.create(model="chat", max_tokens=8, messages=USER, stream=True, extra_body=greedy)  # type: ignore[arg-type]
+    stream = await api.messages.create(
+        model="chat", max_tokens=8, messages=ANTHROPIC_USER, stream=True, extra_body=greedy
+    )
     events = [event async for event in stream]
     assert events[-1].type == "message_stop"
     (delta,) = [e for e in events if e.type == "message_delta"]
+    assert isinstance(delta, RawMessageDeltaEvent)
     assert delta.usage.output_tokens == message.usage.output_tokens and delta.delta.stop_reason == message.stop_reason
-    counted = await api.messages.count_tokens(model="chat", messages=USER)  # type: ignore[arg-type]
+    counted = await api.messages.count_tokens(model="chat", messages=ANTHROPIC_USER)
     assert counted.input_tokens == message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
     with pytest.raises(anthropic.NotFoundError) as missing:
-        await api.messages.create(model="nope", max_tokens=8, messages=USER)  # type: ignore[arg-type]
+        await api.messages.create(model="nope", max_tokens=8, messages=ANTHROPIC_USER)
     body = missing.value.body
     assert isinstance(body, dict) and body["type"] == "error" and body["error"]["type"] == "not_found_error"
 
