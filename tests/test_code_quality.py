@@ -1,4 +1,4 @@
-"""The quality bar as tests: ruff (lint and format) and strict mypy over the project's packages and scripts."""
+"""The quality bar as tests: ruff (lint and format) and strict mypy over the project's packages, scripts and tests."""
 
 from __future__ import annotations
 

@@ -204,10 +204,9 @@ async def test_the_dashboard_shows_a_two_node_mesh_live_in_a_real_browser(tmp_pa
                     rows = page.locator('#journal tr[data-type="generate_completed"]')
                     before = await rows.count()
                     await api.completions.create(model="alpha", prompt="Hello again", max_tokens=2, temperature=0)
-                    await page.wait_for_function(
-                        f"document.querySelectorAll('#journal tr[data-type=\"generate_completed\"]').length > {before}",
-                        timeout=EVENT_MS,
-                    )
+                    # a locator's assertion, not wait_for_function: the page's CSP (script-src 'self') forbids the
+                    # eval that wait_for_function polls with once its first check is false
+                    await playwright_api.expect(rows).not_to_have_count(before, timeout=EVENT_MS)
 
                     # a routing decision opens with its inputs and today's router's verdict
                     await page.locator('#journal tr[data-type="generate_routed"]').first.click(timeout=WAIT_MS)
