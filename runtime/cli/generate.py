@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 
-from messages.generate import GenerateChunk, GenerateRequest
+from messages.generate import GenerateChunk, GenerateRequest, GenerateResult
 from messages.subjects import Subjects
 from runtime import tracing
 from runtime.bus import BusError, RemoteError
@@ -85,28 +86,40 @@ def _request(args: argparse.Namespace) -> GenerateRequest:
         raise CliError(str(exc), EXIT_USAGE) from exc
 
 
-async def cmd_generate(args: argparse.Namespace) -> int:
+async def run_generate(
+    args: argparse.Namespace, show: Callable[[GenerateChunk], Awaitable[None]] | None = None
+) -> tuple[GenerateResult, tracing.TraceContext]:
+    """The generation `generate` asks for (`show`: each chunk as it streams), and the client's trace context."""
     request = _request(args)
-    stream = args.stream and not args.json
     bus = await connect(args, "generate")
-
-    async def show(chunk: GenerateChunk) -> None:
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
-
     # the client's own span: the router's hop is its child, and every event of the request carries its trace id
     trace = args.traceparent or tracing.child(tracing.fresh())
     try:
         with tracing.use(trace):
-            result = await generate(bus, Subjects(prefix(args)), request, show if stream else None)
+            return await generate(bus, Subjects(prefix(args)), request, show), trace
     except RemoteError as exc:
         raise CliError(f"{exc.code}: {exc.reply.message}") from exc
     except (BusError, StreamGap) as exc:
         raise CliError(str(exc)) from exc
     finally:
         await bus.close()
+
+
+def generate_record(result: GenerateResult, trace: tracing.TraceContext) -> dict[str, Any]:
+    """What `generate --json` prints."""
+    return {**msgspec.to_builtins(result), "trace": trace.traceparent}
+
+
+async def cmd_generate(args: argparse.Namespace) -> int:
+    stream = args.stream and not args.json
+
+    async def show(chunk: GenerateChunk) -> None:
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+
+    result, trace = await run_generate(args, show if stream else None)
     if args.json:
-        emit_json({**msgspec.to_builtins(result), "trace": trace.traceparent})
+        emit_json(generate_record(result, trace))
         return EXIT_OK
     if stream:
         sys.stdout.write("\n")

@@ -99,15 +99,20 @@ async def _inventories(bus: Bus, subjects: Subjects) -> list[L3Inventory]:
     return [inventory for key, inventory in found if key == inventory.node_id]
 
 
-async def cmd_ls(args: argparse.Namespace) -> int:
+async def read_inventories(args: argparse.Namespace) -> list[L3Inventory]:
+    """The live nodes' L3 inventories (`--node`: that node's alone), as `l3 ls` reads them."""
     subjects = Subjects(prefix(args))
     async with asyncio.timeout(REQUEST_TIMEOUT_S):
         bus = await connect(args, "l3 ls")
         try:
-            inventories = [i for i in await _inventories(bus, subjects) if args.node in (None, i.node_id)]
+            return [i for i in await _inventories(bus, subjects) if args.node in (None, i.node_id)]
         finally:
             await bus.close()
-    rows: list[dict[str, Any]] = [
+
+
+def ls_rows(inventories: list[L3Inventory]) -> list[dict[str, Any]]:
+    """What `l3 ls --json` prints: one row per entry a node holds."""
+    return [
         {
             "node": inv.node_id,
             "entry": item.entry,
@@ -118,6 +123,11 @@ async def cmd_ls(args: argparse.Namespace) -> int:
         for inv in inventories
         for item in inv.items
     ]
+
+
+async def cmd_ls(args: argparse.Namespace) -> int:
+    inventories = await read_inventories(args)
+    rows = ls_rows(inventories)
     if args.json:
         emit_json(rows)
         return EXIT_OK

@@ -129,14 +129,19 @@ def print_decision(decision: PlacementDecision) -> None:
             print(f"  {placement.node_id:<14} {d.device:<6} {layers:<8} {sizes} {have:>11}")
 
 
-async def cmd_place(args: argparse.Namespace) -> int:
+async def run_place(args: argparse.Namespace) -> tuple[PlacementDecision, RunnerAck | None]:
+    """Placement's decision on the request `place` makes, and with `--start` the runner's answer to the start of
+    what it admitted."""
     request = _request(args)
     subjects = Subjects(prefix(args))
     bus = await connect(args, "place")
     try:
         subject = subjects.placement_fit if args.fit else subjects.placement_request
-        try:
-            decision = await bus.request(subject, request, PlacementDecision, timeout=args.timeout)
+        deadline = asyncio.get_running_loop().time() + args.timeout
+        try:  # a node just started may not have its placement actor listening yet: wait for it, as for the runner
+            decision = await once_listening(
+                lambda: bus.request(subject, request, PlacementDecision, timeout=args.timeout), deadline
+            )
         except BusError as exc:
             raise CliError(str(exc)) from exc
         ack: RunnerAck | None = None
@@ -152,11 +157,21 @@ async def cmd_place(args: argparse.Namespace) -> int:
                 raise CliError(f"admitted, but the start on {node} failed: {exc}") from exc
     finally:
         await bus.close()
+    return decision, ack
+
+
+def place_record(decision: PlacementDecision, ack: RunnerAck | None) -> dict[str, Any]:
+    """What `place --json` prints."""
+    out: dict[str, Any] = msgspec.to_builtins(decision)
+    if ack is not None:
+        out["instance"] = msgspec.to_builtins(ack)
+    return out
+
+
+async def cmd_place(args: argparse.Namespace) -> int:
+    decision, ack = await run_place(args)
     if args.json:
-        out: dict[str, Any] = msgspec.to_builtins(decision)
-        if ack is not None:
-            out["instance"] = msgspec.to_builtins(ack)
-        emit_json(out)
+        emit_json(place_record(decision, ack))
     else:
         print_decision(decision)
         if ack is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,16 +13,24 @@ import msgspec
 from messages.generate import InstanceLoad, ServingReport
 from messages.subjects import Subjects
 from runtime.bus import Bus
+from runtime.cli import generate as generate_cli
+from runtime.cli import l3 as l3_cli
+from runtime.cli import placement as placement_cli
+from runtime.cli.common import CliError
 from runtime.config import NatsOptions
-from tests.harness.nodes import cli, instances_of, nats_env
+from tests.harness.nodes import instances_of, nats_env, parsed
 
 QUIET = ("--cache-ram", "0", "--ctx-checkpoints", "0", "--parallel", "2")
 
 
 async def start_model(data_dir: Path, model: Path, ctx: int = 2048) -> str:
-    code, out, err = await cli("place", str(model), "-c", str(ctx), "--start", "--json", "--data-dir", str(data_dir))
-    assert code == 0, err + out
-    instance_id = str(json.loads(out)["instance"]["instance_id"])
+    """`mesh-actor place MODEL -c CTX --start` (its code, in this process), then until the instance is ready."""
+    async with asyncio.timeout(120):
+        decision, ack = await placement_cli.run_place(
+            parsed("place", str(model), "-c", str(ctx), "--start", "--json", "--data-dir", str(data_dir))
+        )
+    assert decision.admitted and ack is not None, decision
+    instance_id = ack.instance_id
     async with asyncio.timeout(60):
         while True:
             (instance,) = [i for i in await instances_of(data_dir) if i["id"] == instance_id]
@@ -34,22 +41,25 @@ async def start_model(data_dir: Path, model: Path, ctx: int = 2048) -> str:
 
 
 async def gen(data_dir: Path, model: str, tokens: list[int], n: int = 32, *extra: str) -> dict[str, Any]:
+    """What `mesh-actor generate MODEL IDS --tokens -n N --temperature 0 --json EXTRA...` prints (its code, in
+    this process)."""
     ids = ",".join(map(str, tokens))
-    code, out, err = await cli(
+    args = parsed(
         "generate", model, ids, "--tokens", "-n", str(n), "--temperature", "0", "--json", *extra,
         "--data-dir", str(data_dir),
     )  # fmt: skip
-    assert code == 0, err + out
-    return dict(json.loads(out))
+    async with asyncio.timeout(120):
+        return generate_cli.generate_record(*await generate_cli.run_generate(args))
 
 
 async def wait_captured(data_dir: Path, n_tokens: int) -> None:
     """Until the node's L3 lists an entry of `n_tokens` tokens (captures are committed off the reply's path)."""
+    args = parsed("l3", "ls", "--json", "--data-dir", str(data_dir))
     async with asyncio.timeout(30):
         while True:
-            code, out, _ = await cli("l3", "ls", "--json", "--data-dir", str(data_dir))
-            if code == 0 and any(e["tokens"] == n_tokens for e in json.loads(out)):
-                return
+            with contextlib.suppress(CliError, TimeoutError):  # no node's NATS to reach yet, or no inventory
+                if any(e["tokens"] == n_tokens for e in l3_cli.ls_rows(await l3_cli.read_inventories(args))):
+                    return
             await asyncio.sleep(0.2)
 
 

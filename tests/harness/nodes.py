@@ -4,9 +4,9 @@ their NATS environment, waiting for them to join.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,7 +19,7 @@ from messages.settings import ServingSettings
 from runtime.cli import journal as journal_cli
 from runtime.cli import node as node_cli
 from runtime.cli import parser_for
-from runtime.cli.common import CliError
+from runtime.cli.common import CliError, client_options, connection_record
 from tests.conftest import node_process, run_cli
 
 QUIET = ("--cache-ram", "0", "--ctx-checkpoints", "0")
@@ -29,13 +29,18 @@ async def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 12
     return await run_cli(*args, timeout=timeout, env=env)
 
 
+def parsed(*argv: str) -> argparse.Namespace:
+    """`mesh-actor ARGV...`'s arguments as the command's own parser reads them (to run its code in this process:
+    a setup or a poll starts no process; the CLI's own tests run the real command)."""
+    return parser_for(argv).parse_args(argv)
+
+
 async def status_of(data_dir: Path) -> dict[str, Any] | None:
     """What `mesh-actor status --json --data-dir DATA_DIR` prints, read by the command's own code in this process
     (a wait that polls it starts no process); None where the command fails (no node's NATS to reach yet)."""
-    argv = ["status", "--json", "--data-dir", str(data_dir)]
     try:
         async with asyncio.timeout(30):
-            status = await node_cli.read_status(parser_for(argv).parse_args(argv))
+            status = await node_cli.read_status(parsed("status", "--json", "--data-dir", str(data_dir)))
     except CliError:
         return None
     return node_cli.status_record(status, time.time())
@@ -51,9 +56,9 @@ async def instances_of(data_dir: Path) -> list[dict[str, Any]]:
 async def events_of(data_dir: Path, *args: str, timeout: float = 30) -> list[dict[str, Any]]:
     """The events `mesh-actor events --json ARGS --data-dir DATA_DIR` prints, read by the command's own code in
     this process (`--subject runner.generate_cancelled`, `--usage`, `--since 5m`, ...)."""
-    argv = ["events", "--json", *args, "--data-dir", str(data_dir)]
+    argv = parsed("events", "--json", *args, "--data-dir", str(data_dir))
     async with asyncio.timeout(timeout):
-        return [row["event"] async for row in journal_cli.event_rows(parser_for(argv).parse_args(argv))]
+        return [row["event"] async for row in journal_cli.event_rows(argv)]
 
 
 @contextlib.asynccontextmanager
@@ -63,9 +68,8 @@ async def node(data_dir: Path, node_id: str, *args: str, env: dict[str, str] | N
 
 
 async def nats_env(data_dir: Path) -> dict[str, str]:
-    code, out, err = await cli("nats-env", "--json", "--data-dir", str(data_dir))
-    assert code == 0, err
-    record = json.loads(out)
+    """How a client reaches the node's NATS, as `mesh-actor nats-env --json` says (its code, in this process)."""
+    record = connection_record(client_options(parsed("nats-env", "--json", "--data-dir", str(data_dir))))
     return {
         "MESH_ACTOR_NATS": record["url"],
         "MESH_ACTOR_NATS_USER": record["user"],

@@ -1,8 +1,9 @@
 """`mesh-actor place --start` while the admitted node's runner does not listen yet (a node starting: its telemetry,
-and so placement's admission, come before its runner's endpoints): a real nats-server, the CLI as a process,
-placement and the runner played by responders, the runner's coming up late or never.
+and so placement's admission, come before its runner's endpoints), or while no placement actor listens yet (a
+node that has just said it runs): a real nats-server, the CLI as a process, placement and the runner played by
+responders, coming up late or never.
 
-No responders means the start was never sent, so the CLI asks again until its `--timeout`; a runner that never
+No responders means the request was never sent, so the CLI asks again until its `--timeout`; a runner that never
 listens is a clear error once that passes.
 """
 
@@ -75,6 +76,25 @@ async def test_a_start_sent_before_the_runner_listens_reaches_it(
     assert code == 0, err
     assert json.loads(out)["instance"]["instance_id"] == "i1"
     assert len(starts) == 1  # asked until someone listened, then once
+
+
+async def test_a_place_sent_before_placement_listens_gets_its_decision(
+    bus: Bus, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    model = tiny_models.write_llama(tmp_path / "m.gguf")
+    placing = await _place(nats_server, model, timeout_s=20)
+    await asyncio.sleep(2.0)  # nothing listens on placement's subject yet
+    assert not placing.done()
+    await _admit_on_n1(bus, model)
+
+    async def runner(msg: Msg) -> None:
+        await msg.respond(encode(RunnerAck(instance_id="i1", node_id="n1", state="ready", port=1234)))
+
+    await bus.nc.subscribe(SUBJECTS.runner("n1", "start"), cb=runner)
+    async with asyncio.timeout(30):
+        code, out, err = await placing
+    assert code == 0, err
+    assert json.loads(out)["reservation_id"] == "r1"
 
 
 async def test_a_runner_that_never_listens_is_a_clear_error_after_the_timeout(
