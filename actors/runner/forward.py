@@ -76,19 +76,19 @@ class Forwarder:
         self._shell = shell
 
     async def render(
-        self, instance: ServedInstance, endpoint: str, body: dict[str, Any], raw: bytes
+        self, instance: ServedInstance, endpoint: str, body: dict[str, Any], key: bytes | None = None
     ) -> list[int] | None:
-        """The prompt's tokens as the instance renders and tokenizes this body (`raw`: the body as it came), or
-        None (not renderable, or the server refused to render it: the forwarded request then gets the server's
-        own answer). A prompt text its slot could never hold is refused here (`bad_request`), before the server
-        spends time tokenizing it. The same body sent again is answered from the instance's `renders` memo."""
+        """The prompt's tokens as the instance renders and tokenizes this body, or None (not renderable, or the
+        server refused to render it: the forwarded request then gets the server's own answer). A prompt text its
+        slot could never hold is refused here (`bad_request`), before the server spends time tokenizing it.
+        `key`: the body's in the instance's render memo (`renders.render_key`), which answers a body sent again
+        unchanged; None: the memo is not used."""
         plan = passthrough.render_plan(endpoint, body)
         if plan is None:
             return None
         if isinstance(plan, passthrough.Given):
             return list(plan.tokens)
-        key = render_key(endpoint, raw)
-        known = instance.renders.get(key, time.monotonic())
+        known = instance.renders.get(key, time.monotonic()) if key is not None else None
         if known is not None:
             refuse_oversize(instance.context, text_bytes=known.text_bytes)  # as when it was rendered
             return list(known.tokens)
@@ -104,7 +104,8 @@ class Forwarder:
         except ServerApiError as exc:
             _log.info("render_refused", instance_id=instance.id, endpoint=endpoint, error=str(exc))
             return None
-        instance.renders.put(key, Rendered(tuple(tokens), size), time.monotonic())
+        if key is not None:
+            instance.renders.put(key, Rendered(tuple(tokens), size), time.monotonic())
         return tokens
 
     async def _template(self, instance: ServedInstance, plan: passthrough.Template) -> str | None:
@@ -130,7 +131,12 @@ class Forwarder:
         if passthrough.endpoint_kind(call.endpoint) != "generate":
             exchange = await self._exchange(instance, path, body, relay, order, slot=None)
             return self._result(instance, order, started, exchange, relay, slot=-1)
-        tokens = list(order.tokens) if order.tokens else await self.render(instance, call.endpoint, body, raw)
+        if order.tokens:  # the router's
+            tokens: list[int] | None = list(order.tokens)
+        else:  # the memo's only for this request's own cache scope (`renders`)
+            tokens = await self.render(
+                instance, call.endpoint, body, render_key(request.cache_scope, call.endpoint, raw)
+            )
         if tokens is None:  # not rendered here: the server will, so its texts are bounded first
             _refuse_oversize_sizes(instance, call.endpoint, body)
         claim = claim_of(request, len(tokens or ()), passthrough.generation_bound(call.endpoint, body))

@@ -8,8 +8,10 @@ endpoint and the same bytes give the same tokens: `RenderMemo` keeps them, per i
 
 Rules this module keeps:
 
-* The key is the endpoint and a digest of the client's body as it came, byte for byte: only a body sent again
-  unchanged is answered from here. Nothing of the body is interpreted.
+* The key is the request's cache scope, the endpoint and a digest of the client's body as it came, byte for byte:
+  only a body sent again unchanged is answered from here, and only to its own scope (a render answered sooner
+  would tell a tenant that another sent the same body: scopes share no prompt state, not even this). Nothing of
+  the body is interpreted.
 * An entry lives `ttl_s` (a template may read the date: a day's change is picked up within that time; a stale
   entry would cost a slot choice time, never an answer's correctness, as the server renders what it is sent).
 * Bounded: at most `max_entries` entries and `max_tokens` tokens in all, the least recently used leaving first;
@@ -39,11 +41,13 @@ class Rendered:
     text_bytes: int
 
 
-def render_key(endpoint: str, body: bytes) -> bytes:
-    """The memo's key of a body sent to `endpoint`: a digest of both (the body as it came, byte for byte)."""
-    digest = hashlib.blake2b(endpoint.encode(), digest_size=20)
-    digest.update(b"\0")
-    digest.update(body)
+def render_key(scope: str, endpoint: str, body: bytes) -> bytes:
+    """The memo's key of a body sent to `endpoint` by a request of cache scope `scope`: a digest of all three (the
+    body as it came, byte for byte)."""
+    digest = hashlib.blake2b(scope.encode(), digest_size=20)
+    for part in (endpoint.encode(), body):
+        digest.update(b"\0")
+        digest.update(part)
     return digest.digest()
 
 

@@ -274,14 +274,14 @@ class Serving:
             raise RequestError(UNAVAILABLE, f"instance {instance_id}: {exc}") from exc
 
     async def render(self, instance_id: str, call: ApiCall) -> list[int]:
-        """A pass-through body's prompt tokens as the instance renders them (none when it has no single prompt)."""
+        """A pass-through body's prompt tokens as the instance renders them (none when it has no single prompt).
+        Asked by the router, which does not say the request's cache scope: never from the render memo."""
         instance = self.instance(instance_id)
-        raw = bytes(call.body)
         try:
-            body = passthrough.decode_body(raw)
+            body = passthrough.decode_body(bytes(call.body))
         except ValueError as exc:
             raise RequestError(BAD_REQUEST, str(exc)) from exc
-        return await self._forwarder.render(instance, call.endpoint, body, raw) or []
+        return await self._forwarder.render(instance, call.endpoint, body) or []
 
     def busy(self, instance_id: str) -> bool:
         """Whether a generation runs on the instance or waits for one of its slots."""

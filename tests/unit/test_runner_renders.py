@@ -20,12 +20,13 @@ def _rendered(n: int, size: int = 10) -> Rendered:
     return Rendered(tuple(range(n)), size)
 
 
-def test_a_body_is_known_by_its_endpoint_and_its_exact_bytes() -> None:
+def test_a_body_is_known_by_its_scope_its_endpoint_and_its_exact_bytes() -> None:
     body = b'{"messages":[{"role":"user","content":"hi"}]}'
-    assert render_key("chat", body) == render_key("chat", bytes(body))
-    assert render_key("chat", body) != render_key("messages", body)
-    assert render_key("chat", body) != render_key("chat", body.replace(b":", b": ", 1))  # bytes, not meaning
-    assert render_key("chat", body) != render_key("cha", b"t\0" + body)  # the endpoint's end is marked
+    assert render_key("", "chat", body) == render_key("", "chat", bytes(body))
+    assert render_key("", "chat", body) != render_key("", "messages", body)
+    assert render_key("", "chat", body) != render_key("tenant-a", "chat", body)  # another tenant's: not shared
+    assert render_key("", "chat", body) != render_key("", "chat", body.replace(b":", b": ", 1))  # bytes, not meaning
+    assert render_key("", "chat", body) != render_key("", "cha", b"t\0" + body)  # each part's end is marked
 
 
 def test_an_entry_is_used_until_its_time_is_up() -> None:
@@ -82,9 +83,9 @@ def _instance() -> ServedInstance:
     return ServedInstance("i1", 8080, 2, slot_dir=None, generation=1, rollback=True)  # type: ignore[arg-type]
 
 
-def _chat(text: str) -> tuple[dict[str, Any], bytes]:
+def _chat(text: str, scope: str = "") -> tuple[dict[str, Any], bytes]:
     body = {"model": "m", "messages": [{"role": "user", "content": text}], "stream": True}
-    return body, json.dumps(body).encode()
+    return body, render_key(scope, "chat", json.dumps(body).encode())
 
 
 def test_the_same_body_again_is_rendered_from_the_memo_without_asking_the_server() -> None:
@@ -99,11 +100,15 @@ def test_the_same_body_again_is_rendered_from_the_memo_without_asking_the_server
     assert again == first == [ord(c) for c in "<user>hello"]
     assert shell.api.calls == ["/apply-template", "/tokenize"]  # no round trip the second time
 
-    other, other_raw = _chat("hello!")
-    asyncio.run(forwarder.render(instance, "chat", other, other_raw))
+    other, other_key = _chat("hello!")
+    asyncio.run(forwarder.render(instance, "chat", other, other_key))
     assert len(shell.api.calls) == 4  # another body is rendered by the server
+    asyncio.run(forwarder.render(instance, "chat", body, _chat("hello", scope="tenant-a")[1]))
+    assert len(shell.api.calls) == 6  # the same body of another cache scope too
     asyncio.run(forwarder.render(_instance(), "chat", body, raw))
-    assert len(shell.api.calls) == 6  # another incarnation of the server renders for itself
+    assert len(shell.api.calls) == 8  # another incarnation of the server renders for itself
+    asyncio.run(forwarder.render(instance, "chat", body))
+    assert len(shell.api.calls) == 10  # without a key (the router's render: no scope said), no memo
 
 
 def test_a_remembered_prompt_is_still_refused_when_its_slot_can_no_longer_hold_it() -> None:
