@@ -22,7 +22,7 @@ import pytest
 
 from runtime.children import free_port
 from tests.conftest import node_process, run_cli
-from tests.harness.nodes import events_of
+from tests.harness.nodes import events_of, instances_of, joined_node
 from tests.llama_harness import require_server
 from tests.tiny_models import write_llama
 
@@ -48,8 +48,8 @@ async def cli_json(data_dir: Path, *args: str) -> Any:
 
 
 async def live(data_dir: Path, model: Path) -> list[dict[str, Any]]:
-    status = await cli_json(data_dir, "status")
-    return [i for i in status["instances"] if i["model_path"] == str(model) and i["state"] in ("starting", "ready")]
+    instances = await instances_of(data_dir)
+    return [i for i in instances if i["model_path"] == str(model) and i["state"] in ("starting", "ready")]
 
 
 async def until(check: Any, what: str, timeout: float) -> Any:
@@ -74,76 +74,71 @@ async def test_the_load_adds_a_replica_on_the_other_node_and_idleness_retires_on
     data_a.mkdir()
     (data_a / "models.toml").write_text(catalog(busy, kept))
     http = free_port()
-    node_b = tmp_path / "node-b.json"
-    async with node_process(data_a, "a", *FLAGS, "--http", str(http)):
-        code, _, err = await run_cli("creds", "issue", "--role", "node", "--node", "b", "--data-dir", str(data_a),
-                                     "--out", str(node_b))  # fmt: skip
+    async with node_process(data_a, "a", *FLAGS, "--http", str(http)), joined_node(data_a, data_b, "b", *FLAGS):
+        # min_replicas: `kept` runs before anyone asks for it
+        (first_kept,) = await until(lambda: live(data_a, kept), "kept started by min_replicas", 120)
+
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", max_retries=0,
+                                    timeout=300)  # fmt: skip
+        served = 0
+        stop = asyncio.Event()
+
+        async def worker(n: int) -> None:
+            nonlocal served
+            i = 0
+            while not stop.is_set():
+                i += 1
+                answer = await client.completions.create(
+                    model="busy", prompt=f"{n}.{i}:{PROMPT}", max_tokens=48, temperature=0,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                assert answer.usage is not None and answer.usage.completion_tokens == 48
+                served += 1
+
+        async def both_serve() -> list[dict[str, Any]] | None:
+            instances = await live(data_a, busy)
+            ready = [i for i in instances if i["state"] == "ready"]
+            if len(ready) < 2:
+                return None
+            done = await events(data_a, "runner.generate_completed")
+            by_instance = {i["id"]: sum(1 for e in done if e["instance_id"] == i["id"]) for i in ready}
+            return ready if all(n >= 3 for n in by_instance.values()) else None
+
+        async with client, asyncio.TaskGroup() as group:
+            for n in range(WORKERS):
+                group.create_task(worker(n))
+            try:
+                replicas = await until(both_serve, "a second replica serving part of the load", 240)
+            finally:
+                stop.set()
+        assert {r["node"] for r in replicas} == {"a", "b"}, replicas  # the new one went to the other node
+        decided = await events(data_a, "frontdoor.scaling_decided")
+        added = [e for e in decided if e["decision"]["action"] == "add" and e["scale"]["model"] == "busy"]
+        assert len(added) == 1 and "over the target" in added[0]["decision"]["reason"], added
+        assert added[0]["decision"]["expected_wait_s"] > 0.2
+        (ready_event,) = [e for e in await events(data_a, "frontdoor.replica_added") if e["model"] == "busy"]
+        assert ready_event["instance_node"] != added[0]["scale"]["replicas"][0]["node"] and not ready_event["error"]
+        # its node's store was warmed with the states the first replica's completions left in its peer's
+        assert ready_event["warmed_entries"] >= 1 and ready_event["warmed_bytes"] > 0, ready_event
+
+        # idle after the load: one of the two is retired after replica_idle_s, never below one
+        await until(lambda: _count_is(data_a, busy, 1), "one replica retired after the load", 60)
+        decided = await events(data_a, "frontdoor.scaling_decided")
+        (retired,) = [e for e in decided if e["decision"]["action"] == "retire"]
+        assert retired["decision"]["retire"] in {r["id"] for r in replicas}
+        assert "idle for" in retired["decision"]["reason"]
+
+        # min_replicas: a stopped `kept` is started again
+        code, _, err = await run_cli("stop", first_kept["id"], "--data-dir", str(data_a), timeout=60)
         assert code == 0, err
-        async with node_process(data_b, "b", *FLAGS, "--nats-creds", str(node_b)):
-            # min_replicas: `kept` runs before anyone asks for it
-            (first_kept,) = await until(lambda: live(data_a, kept), "kept started by min_replicas", 120)
 
-            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", max_retries=0,
-                                        timeout=300)  # fmt: skip
-            served = 0
-            stop = asyncio.Event()
+        async def restarted() -> list[dict[str, Any]] | None:
+            again = [i for i in await live(data_a, kept) if i["id"] != first_kept["id"] and i["state"] == "ready"]
+            return again or None
 
-            async def worker(n: int) -> None:
-                nonlocal served
-                i = 0
-                while not stop.is_set():
-                    i += 1
-                    answer = await client.completions.create(
-                        model="busy", prompt=f"{n}.{i}:{PROMPT}", max_tokens=48, temperature=0,
-                        extra_body={"ignore_eos": True},
-                    )  # fmt: skip
-                    assert answer.usage is not None and answer.usage.completion_tokens == 48
-                    served += 1
-
-            async def both_serve() -> list[dict[str, Any]] | None:
-                instances = await live(data_a, busy)
-                ready = [i for i in instances if i["state"] == "ready"]
-                if len(ready) < 2:
-                    return None
-                done = await events(data_a, "runner.generate_completed")
-                by_instance = {i["id"]: sum(1 for e in done if e["instance_id"] == i["id"]) for i in ready}
-                return ready if all(n >= 3 for n in by_instance.values()) else None
-
-            async with client, asyncio.TaskGroup() as group:
-                for n in range(WORKERS):
-                    group.create_task(worker(n))
-                try:
-                    replicas = await until(both_serve, "a second replica serving part of the load", 240)
-                finally:
-                    stop.set()
-            assert {r["node"] for r in replicas} == {"a", "b"}, replicas  # the new one went to the other node
-            decided = await events(data_a, "frontdoor.scaling_decided")
-            added = [e for e in decided if e["decision"]["action"] == "add" and e["scale"]["model"] == "busy"]
-            assert len(added) == 1 and "over the target" in added[0]["decision"]["reason"], added
-            assert added[0]["decision"]["expected_wait_s"] > 0.2
-            (ready_event,) = [e for e in await events(data_a, "frontdoor.replica_added") if e["model"] == "busy"]
-            assert ready_event["instance_node"] != added[0]["scale"]["replicas"][0]["node"] and not ready_event["error"]
-            # its node's store was warmed with the states the first replica's completions left in its peer's
-            assert ready_event["warmed_entries"] >= 1 and ready_event["warmed_bytes"] > 0, ready_event
-
-            # idle after the load: one of the two is retired after replica_idle_s, never below one
-            await until(lambda: _count_is(data_a, busy, 1), "one replica retired after the load", 60)
-            decided = await events(data_a, "frontdoor.scaling_decided")
-            (retired,) = [e for e in decided if e["decision"]["action"] == "retire"]
-            assert retired["decision"]["retire"] in {r["id"] for r in replicas}
-            assert "idle for" in retired["decision"]["reason"]
-
-            # min_replicas: a stopped `kept` is started again
-            code, _, err = await run_cli("stop", first_kept["id"], "--data-dir", str(data_a), timeout=60)
-            assert code == 0, err
-
-            async def restarted() -> list[dict[str, Any]] | None:
-                again = [i for i in await live(data_a, kept) if i["id"] != first_kept["id"] and i["state"] == "ready"]
-                return again or None
-
-            await until(restarted, "kept started again after its instance was stopped", 120)
-            replay = await cli_json(data_a, "replay")
-            kinds = await events(data_a, "frontdoor.scaling_decided")
+        await until(restarted, "kept started again after its instance was stopped", 120)
+        replay = await cli_json(data_a, "replay")
+        kinds = await events(data_a, "frontdoor.scaling_decided")
     assert replay["changed"] == [] and replay["replayed"] >= len(kinds) >= 4, replay
     with contextlib.suppress(FileNotFoundError):
         for log in (tmp_path / "A.a.log", tmp_path / "B.b.log"):

@@ -67,6 +67,21 @@ async def node(data_dir: Path, node_id: str, *args: str, env: dict[str, str] | N
         yield process
 
 
+@contextlib.asynccontextmanager
+async def joined_node(
+    leader: Path, data_dir: Path, node_id: str, *args: str, stderr: Path | None = None
+) -> AsyncIterator[Path]:
+    """A second node on the first's NATS, as an operator adds one: `mesh-actor creds issue --role node --node
+    NODE_ID` on the running first node (data dir `leader`), then `mesh-actor run --nats-creds FILE` with them.
+    Yields the credentials file (what a command acting as that node passes as `--nats-creds`)."""
+    creds = data_dir.with_name(f"{data_dir.name}.{node_id}.creds.json")
+    issue = ("creds", "issue", "--role", "node", "--node", node_id, "--data-dir", str(leader), "--out", str(creds))
+    code, _, err = await cli(*issue)
+    assert code == 0, err
+    async with node_process(data_dir, node_id, "--nats-creds", str(creds), *args, stderr=stderr):
+        yield creds
+
+
 async def nats_env(data_dir: Path) -> dict[str, str]:
     """How a client reaches the node's NATS, as `mesh-actor nats-env --json` says (its code, in this process)."""
     record = connection_record(client_options(parsed("nats-env", "--json", "--data-dir", str(data_dir))))

@@ -27,6 +27,7 @@ from runtime.embedded import EmbeddedNats
 from runtime.roles import Role
 from tests.conftest import node_process, run_cli
 from tests.harness.nats_roles import admin_bus, bus_when_loaded, connect_when_loaded, issued, server
+from tests.harness.nodes import joined_node
 from tests.tiny_models import write_llama
 
 __all__ = ["server"]  # the fixture, shared with the roles tests
@@ -68,69 +69,67 @@ async def test_keys_issued_through_node_a_scope_both_doors_and_revoked_there_are
     write_catalog(data_a, models)
     write_catalog(data_b, models)
     port_a, port_b = free_port(), free_port()
-    node_b_creds = tmp_path / "node-b.json"
-    async with node_process(data_a, "a", "--http", str(port_a), stderr=tmp_path / "a.stderr"):
-        code, _, err = await run_cli("creds", "issue", "--role", "node", "--node", "b", "--data-dir", str(data_a),
-                                     "--out", str(node_b_creds))  # fmt: skip
-        assert code == 0, err
+    async with (
+        node_process(data_a, "a", "--http", str(port_a), stderr=tmp_path / "a.stderr"),
+        joined_node(data_a, data_b, "b", "--http", str(port_b), stderr=tmp_path / "b.stderr") as node_b_creds,
+    ):
         joined = ("--nats-creds", str(node_b_creds))
-        async with node_process(data_b, "b", *joined, "--http", str(port_b), stderr=tmp_path / "b.stderr"):
-            A = ("--data-dir", str(data_a))
-            # a node says "running" as its actors start: its door listens a moment later
-            async with asyncio.timeout(30):
-                while True:
-                    try:
-                        opened = await listed(port_b, "sk-anything")
-                        break
-                    except openai.APIConnectionError:
-                        await asyncio.sleep(0.1)
-            assert opened == ["a", "b"]  # no keys yet: the doors are open
-            issued_key = await keys("issue", "--tenant", "lab", "--models", "a", "--rpm", "5", *A)
-            assert {"key", "key_id", "tenant"} <= set(issued_key)
-            key = str(issued_key["key"])
-            assert issued_key["tenant"] == "lab" and key.startswith(f"mk_{issued_key['key_id']}_")
-            async with asyncio.timeout(5):  # both doors follow the bucket
-                while [await listed(port_a, key), await listed(port_b, key)] != [["a"], ["a"]]:
-                    await asyncio.sleep(0.05)
-            with pytest.raises(openai.NotFoundError):
-                await api(port_b, key).models.retrieve("b")
-            assert await listed(port_b, "sk-anything") is None  # a key exists: the doors are closed
-            second = str((await keys("issue", "--tenant", "lab", *A))["key"])
-            other = str((await keys("issue", "--tenant", "other", "--models", "b", "--expires", "1d", *A))["key"])
+        A = ("--data-dir", str(data_a))
+        # a node says "running" as its actors start: its door listens a moment later
+        async with asyncio.timeout(30):
+            while True:
+                try:
+                    opened = await listed(port_b, "sk-anything")
+                    break
+                except openai.APIConnectionError:
+                    await asyncio.sleep(0.1)
+        assert opened == ["a", "b"]  # no keys yet: the doors are open
+        issued_key = await keys("issue", "--tenant", "lab", "--models", "a", "--rpm", "5", *A)
+        assert {"key", "key_id", "tenant"} <= set(issued_key)
+        key = str(issued_key["key"])
+        assert issued_key["tenant"] == "lab" and key.startswith(f"mk_{issued_key['key_id']}_")
+        async with asyncio.timeout(5):  # both doors follow the bucket
+            while [await listed(port_a, key), await listed(port_b, key)] != [["a"], ["a"]]:
+                await asyncio.sleep(0.05)
+        with pytest.raises(openai.NotFoundError):
+            await api(port_b, key).models.retrieve("b")
+        assert await listed(port_b, "sk-anything") is None  # a key exists: the doors are closed
+        second = str((await keys("issue", "--tenant", "lab", *A))["key"])
+        other = str((await keys("issue", "--tenant", "other", "--models", "b", "--expires", "1d", *A))["key"])
 
-            shown = await keys("ls", *A)
-            assert sorted(str(k["tenant"]) for k in shown) == ["lab", "lab", "other"]
-            text = json.dumps(shown)
-            assert "secret_sha256" not in text and key.rsplit("_", 1)[1] not in text
-            assert [k["rpm"] for k in shown if k["models"] == ["a"]] == [5]
-            assert len(await keys("ls", "--tenant", "lab", *A)) == 2
+        shown = await keys("ls", *A)
+        assert sorted(str(k["tenant"]) for k in shown) == ["lab", "lab", "other"]
+        text = json.dumps(shown)
+        assert "secret_sha256" not in text and key.rsplit("_", 1)[1] not in text
+        assert [k["rpm"] for k in shown if k["models"] == ["a"]] == [5]
+        assert len(await keys("ls", "--tenant", "lab", *A)) == 2
 
-            async with asyncio.timeout(5):
-                while await listed(port_b, second) != ["a", "b"]:
-                    await asyncio.sleep(0.05)
-            revoked = await keys("revoke", "--tenant", "lab", *A)
-            revoked_at = time.monotonic()
-            assert len(revoked["revoked"]) == 2
-            # on node B, as its watch delivers it: milliseconds; the deadline leaves room for a loaded machine
-            async with asyncio.timeout(5.0):
-                while await listed(port_b, key) is not None or await listed(port_b, second) is not None:
-                    await asyncio.sleep(0.02)
-            assert time.monotonic() - revoked_at < 5.0
-            assert await listed(port_b, other) == ["b"]  # another tenant's key is untouched
+        async with asyncio.timeout(5):
+            while await listed(port_b, second) != ["a", "b"]:
+                await asyncio.sleep(0.05)
+        revoked = await keys("revoke", "--tenant", "lab", *A)
+        revoked_at = time.monotonic()
+        assert len(revoked["revoked"]) == 2
+        # on node B, as its watch delivers it: milliseconds; the deadline leaves room for a loaded machine
+        async with asyncio.timeout(5.0):
+            while await listed(port_b, key) is not None or await listed(port_b, second) is not None:
+                await asyncio.sleep(0.02)
+        assert time.monotonic() - revoked_at < 5.0
+        assert await listed(port_b, other) == ["b"]  # another tenant's key is untouched
 
-            rotated = await keys("rotate", "--tenant", "other", *A)
-            assert rotated["models"] == ["b"] and rotated["expires_at"]
-            async with asyncio.timeout(5):
-                while await listed(port_b, str(rotated["key"])) != ["b"] or await listed(port_b, other) is not None:
-                    await asyncio.sleep(0.05)
+        rotated = await keys("rotate", "--tenant", "other", *A)
+        assert rotated["models"] == ["b"] and rotated["expires_at"]
+        async with asyncio.timeout(5):
+            while await listed(port_b, str(rotated["key"])) != ["b"] or await listed(port_b, other) is not None:
+                await asyncio.sleep(0.05)
 
-            # a node's credentials read the keys (its front door does) but write none
-            code, _, err = await run_cli("keys", "issue", "--tenant", "x", *joined, "--data-dir", str(data_b))
-            assert code == 1 and "admin" in err, err
-            code, _, err = await run_cli("keys", "revoke", "--key-id", "0" * 16, *A)
-            assert code == 1 and "no key" in err
-            code, _, err = await run_cli("keys", "issue", "--tenant", "bad name!", *A)
-            assert code == 2 and "tenant" in err, err
+        # a node's credentials read the keys (its front door does) but write none
+        code, _, err = await run_cli("keys", "issue", "--tenant", "x", *joined, "--data-dir", str(data_b))
+        assert code == 1 and "admin" in err, err
+        code, _, err = await run_cli("keys", "revoke", "--key-id", "0" * 16, *A)
+        assert code == 1 and "no key" in err
+        code, _, err = await run_cli("keys", "issue", "--tenant", "bad name!", *A)
+        assert code == 2 and "tenant" in err, err
     for log in ("a.stderr", "b.stderr"):  # neither node needed a right it lacks
         assert "permissions violation" not in (tmp_path / log).read_text().lower(), log
 

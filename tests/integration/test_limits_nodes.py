@@ -19,6 +19,7 @@ import pytest
 from actors.frontdoor.accounting import REFUSALS_WINDOW_S
 from runtime.children import free_port
 from tests.conftest import node_process, run_cli
+from tests.harness.nodes import joined_node
 from tests.tiny_models import write_llama
 
 pytestmark = pytest.mark.timeout(240)
@@ -47,13 +48,8 @@ async def test_an_rpm_key_has_one_budget_on_two_nodes_and_usage_counts_both(tmp_
     write_catalog(data_a, model)
     write_catalog(data_b, model)
     port_a, port_b = free_port(), free_port()
-    node_b_creds = tmp_path / "node-b.json"
     async with node_process(data_a, "a", "--http", str(port_a), stderr=tmp_path / "a.stderr"):
-        code, _, err = await run_cli("creds", "issue", "--role", "node", "--node", "b", "--data-dir", str(data_a),
-                                     "--out", str(node_b_creds))  # fmt: skip
-        assert code == 0, err
-        joined = ("--nats-creds", str(node_b_creds))
-        async with node_process(data_b, "b", *joined, "--http", str(port_b), stderr=tmp_path / "b.stderr"):
+        async with joined_node(data_a, data_b, "b", "--http", str(port_b), stderr=tmp_path / "b.stderr"):
             code, out, err = await run_cli(
                 "keys", "issue", "--tenant", "lab", "--models", "m", "--rpm", "3", "--data-dir", str(data_a), "--json"
             )
