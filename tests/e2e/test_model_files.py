@@ -26,7 +26,7 @@ from runtime.bus import Bus, RemoteError, encode
 from runtime.children import free_port
 from runtime.config import NatsOptions
 from tests.conftest import JournalReader, node_process, of_type, run_cli, supervised
-from tests.harness.nodes import QUIET, nats_env, wait_nodes
+from tests.harness.nodes import QUIET, instances_of, nats_env, wait_nodes
 from tests.harness.placement import place
 from tests.harness.placement import report as placement_report
 from tests.harness.runner import (
@@ -66,12 +66,11 @@ async def place_and_start(env: dict[str, str], path: str, node: str) -> str:
         await bus.close()
 
 
-async def ready(env: dict[str, str], instance_id: str) -> dict[str, Any]:
+async def ready(data_dir: Path, instance_id: str) -> dict[str, Any]:
     """The instance's status once it is ready (as `mesh-actor status --json` shows it)."""
     async with asyncio.timeout(90):
         while True:
-            _, out, _ = await run_cli("status", "--json", env=env)
-            (instance,) = [i for i in json.loads(out)["instances"] if i["id"] == instance_id]
+            (instance,) = [i for i in await instances_of(data_dir) if i["id"] == instance_id]
             if instance["state"] == "ready":
                 return dict(instance)
             assert instance["state"] == "starting", instance
@@ -130,7 +129,7 @@ async def test_a_node_without_the_file_pulls_it_from_its_peer_and_serves_it(tmp_
             assert code == 1 and "not_named" in err, err + out
 
             instance_id = await place_and_start(env, "tiny.gguf", "b")
-            instance = await ready(env, instance_id)
+            instance = await ready(data_a, instance_id)
             assert instance["node"] == "b" and instance["model_path"] == str(pulled), instance
             response = await call_server(
                 instance["port"], "POST", "/completion", {"prompt": "hi", "n_predict": 4}, timeout_s=60
@@ -197,7 +196,7 @@ async def test_a_model_placed_on_a_node_without_its_file_is_fetched_there_and_se
         async with node_process(data_b, "b", "--parallel", "1", *QUIET, env=env):
             await wait_nodes(data_a, "a", "b")
             instance_id = await place_and_start(env, "tiny.gguf", "b")
-            instance = await ready(env, instance_id)
+            instance = await ready(data_a, instance_id)
             fetched = data_b / "models" / "tiny.gguf"
             assert instance["model_path"] == str(fetched) and digest(fetched) == digest(model)
             response = await call_server(
