@@ -13,7 +13,7 @@ The baseline, in the same run and interleaved with it: a bare `nc.subscribe` res
 same request bytes with the decision's bytes (so the same bytes cross the wire, and no work is done).
 Reported per model: p50/p99/mean latency and decisions/s, sequential and with `--in-flight` requests
 outstanding, the ratios to the echo; where a decision's time goes, from timers patched around the actor's
-steps for a pass of their own (model facts, ledger reads, `admission.decide`); and two parts measured
+steps for a pass of their own (model facts, ledger reads, `fleet.decide`); and two parts measured
 alone: the pure core in this process, and one ledger read (KV get of a missing key). `--profile` adds a
 cProfile of the sequential decisions (client and actor both run here, so both sides show).
 
@@ -42,7 +42,8 @@ from nats.aio.msg import Msg
 
 from actors.placement import actor as placement_actor
 from actors.placement.actor import PlacementActor, ledger_key
-from actors.placement.admission import ModelFacts, ViewEntry, decide
+from actors.placement.admission import ModelFacts, ViewEntry
+from actors.placement.fleet import decide
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from benchmarks.bus_roundtrip import (
@@ -138,7 +139,7 @@ async def publish_telemetry(bus: Bus, subjects: Subjects, report: NodeResources)
 
 
 def time_core(request: PlacementRequest, facts: ModelFacts, view: dict[str, ViewEntry], n: int) -> Summary:
-    """`admission.decide` alone, as the actor calls it for a dry run with empty ledgers."""
+    """`fleet.decide` alone, as the actor calls it for a dry run with empty ledgers."""
     latencies = []
     start = time.perf_counter()
     for i in range(n):
@@ -158,7 +159,7 @@ def step_timers() -> Iterator[dict[str, list[float]]]:
         (PLACE, PlacementActor, "place"),
         ("  model facts (cached header)", PlacementActor, "_model_facts"),
         ("  ledger reads from the bucket", PlacementActor, "_read_ledgers"),
-        ("  admission.decide (pure core)", placement_actor, "decide"),
+        ("  fleet.decide (pure core)", placement_actor, "decide"),
     )
     found: dict[str, list[float]] = {name: [] for name, _, _ in steps}
 
@@ -295,7 +296,7 @@ async def run(args: argparse.Namespace) -> None:
                     rest_us = (fit_timed.p50_s - summarize(steps[PLACE], 1.0).p50_s) * 1e6
                     print(f"    {'rest: bus, endpoint, codec (p50 difference)':<44}{rest_us:9.1f} µs")
                     print(f"  alone (p50 / p99 wall, {args.core_runs} runs)")
-                    print(_row("admission.decide, in this process, no bus", core))
+                    print(_row("fleet.decide, in this process, no bus", core))
                     print(_row("one ledger read (KV get, missing key)", kv))
                     outcomes[label] = (seq["bare echo"], seq["placement.fit"], conc["placement.fit"], core)
 

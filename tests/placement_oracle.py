@@ -60,7 +60,7 @@ def full_scan(
     dry_run: bool,
     unreadable: frozenset[str] = frozenset(),
 ) -> Outcome:
-    """What `admission.decide` answers: the whole decision (`explained_scan`), brief unless the request asks for
+    """What `fleet.decide` answers: the whole decision (`explained_scan`), brief unless the request asks for
     every node's refusal (`fleet.brief`: the chosen node only, or the refusals closest to fitting)."""
     outcome = explained_scan(
         request, model, view, ledgers, now=now, decision_id=decision_id, reservation_id=reservation_id,

@@ -14,6 +14,8 @@ is imported, so a module with side effects cannot hide from them):
   messages, and in-process only through an interface.
 * `runtime/` imports no actor, except the two places that wire actors together (`runtime/launcher.py`,
   `runtime/cli/`), and nothing outside them imports those two.
+* No module of ours imports itself through others (no import cycle, deferred and TYPE_CHECKING imports
+  included): a module that needs its importer's type names a Protocol of its own.
 
 Exceptions are listed below, each with its reason; one that no longer happens fails the test, so the list
 only shrinks.
@@ -188,3 +190,53 @@ def test_the_rules_see_what_they_forbid() -> None:
     assert _verdict(known["runtime.bus"], "actors.l3.actor", known) is not None
     assert _verdict(shell, "runtime.launcher", known) is not None
     assert _verdict(known["messages.events"], "runtime.bus", known) is not None
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of `graph` (its strongly connected components of more than one module), Tarjan's."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while (member := stack.pop()) != node:
+                component.append(member)
+            if component:
+                cycles.append(sorted([node, *component]))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def _import_graph() -> dict[str, set[str]]:
+    known = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in known}
+    for module in known.values():
+        for imported, _ in _imports(module, known):
+            while imported and imported not in known:  # `from actors.l3.store import Store`: the module
+                imported = imported.rpartition(".")[0]
+            if imported and imported != module.name and known[imported].kind != "package":
+                graph[module.name].add(imported)
+    return graph
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    assert _cycles(_import_graph()) == []
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert _cycles(graph) == [["a", "b", "c"]]

@@ -14,29 +14,44 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Final
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Final, Protocol
 
 import blake3
 
 from actors.handoff import cost
-from actors.handoff.api import HandoffFailed
+from actors.handoff.api import HandoffFailed, HandoffReport
 from actors.l3 import layout
 from messages.errors import BAD_REQUEST, UNAVAILABLE
 from messages.events import LinkMeasured
 from messages.handoff import PROBE_PAYLOAD_KIND, LinkProbe, LinkProbeResult
 from runtime.actor import ActorContext, RequestError
 
-if TYPE_CHECKING:
-    from actors.handoff.actor import HandoffActor
+__all__ = ["PROBE_IDENTITY", "Sender", "blocks", "probe"]
 
-__all__ = ["PROBE_IDENTITY", "blocks", "probe"]
+
+class Sender(Protocol):
+    """What a probe needs of the handoff actor: its node id, and a handoff sent with the full protocol."""
+
+    node_id: str
+
+    async def send(
+        self,
+        peer: str,
+        source: AsyncIterable[bytes],
+        *,
+        identity: str,
+        n_tokens: int,
+        payload_kind: str,
+        max_bytes: int | None,
+    ) -> HandoffReport: ...
+
 
 #: The identity probes carry: no model's, so no store or server ever takes the payload.
 PROBE_IDENTITY: Final = blake3.blake3(b"mesh-actor/handoff/link-probe/v1").hexdigest()
 
 
-async def probe(actor: HandoffActor, ctx: ActorContext, request: LinkProbe) -> LinkProbeResult:
+async def probe(actor: Sender, ctx: ActorContext, request: LinkProbe) -> LinkProbeResult:
     if request.peer == actor.node_id:
         raise RequestError(BAD_REQUEST, "a node does not probe a link to itself", {"path": "peer"})
     segment = min(request.bytes, layout.DEFAULT_SEGMENT_BYTES)

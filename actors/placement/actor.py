@@ -40,9 +40,9 @@ from nats.js.object_store import ObjectStore
 
 from actors.files.transfer import Holder, TransferRefusal, choose_source
 from actors.placement import decision_records, shares
-from actors.placement.admission import ModelFacts, Outcome, ViewEntry, decide, natural_key, rejected
+from actors.placement.admission import ModelFacts, Outcome, ViewEntry, natural_key, rejected
 from actors.placement.booking import Booking, booking_order
-from actors.placement.fleet import NO_LEDGER, FleetIndex, IndexStats, Inputs, LedgerEntry, snapshot
+from actors.placement.fleet import NO_LEDGER, FleetIndex, IndexStats, Inputs, LedgerEntry, decide, snapshot
 from actors.placement.ledger import with_reservation
 from actors.placement.model_reader import ModelProblem, ModelReader
 from actors.placement.reservations import (

@@ -60,7 +60,6 @@ from messages.placement import (
     Companion,
     DeviceShortfall,
     ModelRef,
-    NodeLedger,
     NodePlacement,
     NodeRejection,
     PlacementDecision,
@@ -303,30 +302,6 @@ def _overall(rejections: Sequence[NodeRejection], view: Mapping[str, ViewEntry])
     if len(rejections) > _SUMMARY_NODES:  # every node is in `rejections`; the message stays readable
         summary += f"; and {len(rejections) - _SUMMARY_NODES} more nodes (see rejections)"
     return reason, f"no node can take the model: {summary}"
-
-
-def decide(
-    request: PlacementRequest,
-    model: ModelFacts,
-    view: Mapping[str, ViewEntry],
-    ledgers: Mapping[str, NodeLedger],
-    *,
-    now: float,
-    decision_id: str,
-    reservation_id: str,
-    dry_run: bool,
-    unreadable: frozenset[str] = frozenset(),
-) -> Outcome:
-    """The decision over `view` (each report with its age) and the ledgers of its nodes, made by a fleet index
-    built for this one decision. `unreadable` names nodes whose ledger could not be read: nothing is booked
-    on them."""
-    # Imported here: the index builds on this module's rules, and this entry point on the index.
-    from actors.placement.fleet import decide_once
-
-    return decide_once(
-        request, model, view, ledgers, now=now, decision_id=decision_id, reservation_id=reservation_id,
-        dry_run=dry_run, unreadable=unreadable,
-    )  # fmt: skip
 
 
 def split_over(
@@ -587,7 +562,6 @@ __all__ = [
     "best_of",
     "conclude",
     "conclude_split",
-    "decide",
     "fit_node",
     "refusal_of",
     "rejected",

@@ -21,8 +21,8 @@ asked, those whose report turned stale since (a heap of deadlines) and the stale
 old the report is), then reads the answer off: the refusals in natural order, the best fit from a heap (the
 nodes a request prefers looked up first). An explicit node list, or ledgers read fresh from the bucket, are
 judged in full. When no node fits and the request allows a split, the split is planned over the nodes that
-were sized (`admission.split_over`). An untracked index built for one decision is `decide_once`
-(`admission.decide`: replay, and the placement actor's requests that size every node at its ceiling or plan a
+were sized (`admission.split_over`). An untracked index built for one decision is `decide`
+(`fleet.decide`: replay, and the placement actor's requests that size every node at its ceiling or plan a
 split, run off its event loop on a copy of the view).
 
 Rules this module keeps:
@@ -330,7 +330,7 @@ class IndexStats:
 
 @dataclass(slots=True)
 class FleetIndex:
-    """Caches between decisions; `decide` with the same arguments as `admission.decide` takes, but the view
+    """Caches between decisions; `decide` with the same arguments as `fleet.decide` takes, but the view
     without ages (`arrived`: when each report arrived, on the caller's monotonic clock)."""
 
     _nodes: dict[str, _NodeState] = field(default_factory=dict)
@@ -358,7 +358,7 @@ class FleetIndex:
         """Whether `decide` answers `request` from shared sizings, a comparison per node cheap enough for the
         caller's event loop: a fixed context and no split (companions and preferences included). Otherwise it
         sizes each node at its own ceiling, or plans a split, work that grows with the view: the placement
-        actor runs that on a copy of the view, off its loop (`admission.decide`, a one-shot index)."""
+        actor runs that on a copy of the view, off its loop (`fleet.decide`, a one-shot index)."""
         return request.ctx is not None and not request.max_ctx and not request.allow_multi_node
 
     def stats(self) -> IndexStats:
@@ -847,7 +847,7 @@ def _shortfalls(sizing: Sizing, have: Mapping[str, int]) -> list[DeviceShortfall
 
 @dataclass(frozen=True, slots=True)
 class Inputs:
-    """`admission.decide`'s inputs: the view with each report's age, the ledgers of the nodes a request
+    """`fleet.decide`'s inputs: the view with each report's age, the ledgers of the nodes a request
     considers (`ledgers`, with their revisions; `held`, those that exist) and those that do not decode."""
 
     view: dict[str, ViewEntry]
@@ -865,7 +865,7 @@ def snapshot(
     monotonic_now: float,
     only: Collection[str] | None = None,
 ) -> Inputs:
-    """What `admission.decide` is given for `request` at `monotonic_now` (`fresh` ledgers first): the whole
+    """What `fleet.decide` is given for `request` at `monotonic_now` (`fresh` ledgers first): the whole
     view, or only the nodes `only` names (a decision's witnesses, `Decided`)."""
     aged = {
         name: ViewEntry(
@@ -882,7 +882,7 @@ def snapshot(
     return Inputs(view=aged, ledgers=considered, held=held, unreadable=unreadable)
 
 
-def decide_once(
+def decide(
     request: PlacementRequest,
     model: ModelFacts,
     view: Mapping[str, ViewEntry],
@@ -894,8 +894,9 @@ def decide_once(
     dry_run: bool,
     unreadable: frozenset[str] = frozenset(),
 ) -> Outcome:
-    """`admission.decide`: the decision over `view` (each report with its age, as `snapshot` gives it or a
-    journal recorded it) by an index built for it; `unreadable` names nodes whose ledger does not decode."""
+    """One decision by an index built for it (replay, and the placement actor's requests that size every node at
+    its ceiling or plan a split): the decision over `view` (each report with its age, as `snapshot` gives it or
+    a journal recorded it); `unreadable` names nodes whose ledger does not decode."""
     arrived = {name: -entry.age(now) for name, entry in view.items()}  # on a clock that reads 0 at the decision
     entries: dict[str, LedgerEntry] = {name: (ledger, 1) for name, ledger in ledgers.items()}
     entries.update((name, (None, -1)) for name in unreadable)
@@ -914,6 +915,6 @@ __all__ = [
     "LedgerEntry",
     "Sizing",
     "brief",
-    "decide_once",
+    "decide",
     "snapshot",
 ]

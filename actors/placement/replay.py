@@ -15,7 +15,8 @@ from typing import Any
 
 import msgspec
 
-from actors.placement.admission import ModelFacts, Outcome, ViewEntry, decide
+from actors.placement.admission import ModelFacts, Outcome, ViewEntry
+from actors.placement.fleet import decide
 from messages.events import DecisionInputs, PlacementDecided
 from messages.model import ModelGeometry
 from messages.placement import Companion, PlacementDecision

@@ -7,7 +7,8 @@ from typing import TypedDict
 import msgspec
 import pytest
 
-from actors.placement.admission import ModelFacts, Outcome, ViewEntry, decide
+from actors.placement.admission import ModelFacts, Outcome, ViewEntry
+from actors.placement.fleet import decide
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from actors.placement.memory import estimate

@@ -327,7 +327,8 @@ async def test_replay_finds_a_changed_decision_after_a_core_change_and_none_othe
 
     def changed_core(request: PlacementRequest, facts: Any, view: Any, ledgers: Any, **kw: Any) -> Outcome:
         # A core that stamps one more slot than the node advertises.
-        from actors.placement.admission import ViewEntry, decide
+        from actors.placement.admission import ViewEntry
+        from actors.placement.fleet import decide
 
         def bump(node: NodeResources) -> NodeResources:
             assert node.settings is not None

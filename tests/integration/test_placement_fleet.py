@@ -11,7 +11,8 @@ import msgspec
 import pytest
 
 from actors.placement.actor import PlacementActor, ledger_key
-from actors.placement.admission import ModelFacts, ViewEntry, decide
+from actors.placement.admission import ModelFacts, ViewEntry
+from actors.placement.fleet import decide
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from messages.placement import ModelRef, NodeLedger, PlacementDecision, PlacementRequest

@@ -14,10 +14,10 @@ import msgspec
 import pytest
 
 from actors.frontdoor.catalog import CatalogError, parse_catalog
-from actors.placement.admission import ModelFacts, ViewEntry, decide
+from actors.placement.admission import ModelFacts, ViewEntry
 from actors.placement.caches import cache_allocations
 from actors.placement.context import resolve_context
-from actors.placement.fleet import FleetIndex
+from actors.placement.fleet import FleetIndex, decide
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from actors.placement.memory import Budgets, MemoryModelError, estimate, max_context

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from actors.placement import fleet
-from actors.placement.admission import ModelFacts, Outcome, ViewEntry, decide
-from actors.placement.fleet import FleetIndex, LedgerEntry, snapshot
+from actors.placement.admission import ModelFacts, Outcome, ViewEntry
+from actors.placement.fleet import FleetIndex, LedgerEntry, decide, snapshot
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from actors.placement.memory import estimate
@@ -367,7 +367,7 @@ def test_every_kind_of_request_is_decided_by_the_index_exactly_as_by_the_full_sc
 ) -> None:
     # Requests the index once left to a full scan (a draft model, a projector, the largest context that fits,
     # a split allowed, preferred nodes), asked of the placement actor's tracked index, of an untracked one and of
-    # a one-shot one (`admission.decide`, as replay asks it), on a fleet that changes and ages between them. A
+    # a one-shot one (`fleet.decide`, as replay asks it), on a fleet that changes and ages between them. A
     # few requests are asked again and again (the answers the indexes keep are read back), now and then with
     # the context ceiling asked for or not (two questions that differ only there).
     tracked, untracked = FleetIndex(tracked=True), FleetIndex()

@@ -15,8 +15,9 @@ from typing import TypedDict, Unpack
 import msgspec
 import pytest
 
-from actors.placement.admission import ModelFacts, ViewEntry, decide
+from actors.placement.admission import ModelFacts, ViewEntry
 from actors.placement.caches import cache_allocations
+from actors.placement.fleet import decide
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from actors.placement.memory import Budgets, MemoryModelError, compute_margin, estimate, max_context
