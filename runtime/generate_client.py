@@ -8,7 +8,8 @@ unsubscribes, so the runner's next ping finds no listener and stops the generati
 
 `forward` does the same for a pass-through request (`api`): the relayed answer's head goes to `on_head` and its
 data, in order, to `on_data`; it always subscribes, so a requester that leaves stops the server's work whether
-the answer is streamed or whole.
+the answer is streamed or whole. `forward_until_taken` asks again while an answer says nothing ran, by one policy
+(`ask_again`): the caller's own router away or full, nobody listening, a router whose view lags.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Final
 
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
+from messages.errors import BUSY, NO_INSTANCE
 from messages.generate import (
     RELAY_HEADER,
     RELAY_SEQ_HEADER,
@@ -31,9 +35,9 @@ from messages.generate import (
     RelayHead,
 )
 from messages.subjects import Subjects
-from runtime.bus import BadMessage, Bus, BusError, decode_checked
+from runtime.bus import NO_RESPONDERS_RETRY_S, BadMessage, Bus, BusError, NoResponders, RemoteError, decode_checked
 
-__all__ = ["StreamGap", "forward", "generate"]
+__all__ = ["ROUTER_LAG_S", "Again", "StreamGap", "ask_again", "forward", "forward_until_taken", "generate"]
 
 #: How long the reply may take beyond the generation's own timeout (routing and forwarding).
 REPLY_SLACK_S = 15.0
@@ -42,8 +46,48 @@ REPLY_SLACK_S = 15.0
 SETTLE_S = 5.0
 
 
+#: How long a router may lag behind its caller in seeing an instance ready (its `no_instance` is asked again).
+ROUTER_LAG_S: Final = 5.0
+#: How soon a router that lags is asked again.
+LAG_RETRY_S: Final = 0.2
+
+
 class StreamGap(Exception):
     """The reply came but some chunks never did (the bus dropped them: a slow consumer)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Again:
+    """Nothing ran: ask again, of `router` (a subject; None: any node's router), `delay_s` from now."""
+
+    router: str | None
+    delay_s: float
+
+
+def ask_again(
+    error: Exception, tried: str | None, *, own: str | None, now: float, first_try: float, deadline: float
+) -> Again | None:
+    """Whether a request whose try of `tried` (None: any node's router) failed with `error` is asked again, of
+    which router and when; None: `error` is the answer. Only an answer that says nothing ran is asked again,
+    never past `deadline`:
+
+    - the caller's `own` router does not listen (restarting) or is full (`busy`: its workers all hold
+      generations): any node's router, at once;
+    - nobody listens (a node starting): its own router first again, every `NO_RESPONDERS_RETRY_S`;
+    - `no_instance` from a router whose view of the records lags the caller's, which saw the instance ready:
+      every `LAG_RETRY_S`, for at most `ROUTER_LAG_S` after the first try."""
+    if (
+        tried is not None
+        and tried == own
+        and (isinstance(error, NoResponders) or (isinstance(error, RemoteError) and error.reply.code == BUSY))
+    ):
+        return Again(None, 0.0)
+    if isinstance(error, NoResponders):
+        return Again(own, NO_RESPONDERS_RETRY_S) if now + NO_RESPONDERS_RETRY_S < deadline else None
+    if isinstance(error, RemoteError) and error.reply.code == NO_INSTANCE:
+        lag_until = min(deadline, first_try + ROUTER_LAG_S)
+        return Again(own, LAG_RETRY_S) if now + LAG_RETRY_S < lag_until else None
+    return None
 
 
 async def generate(
@@ -222,3 +266,33 @@ async def forward(
     finally:
         with contextlib.suppress(nats.errors.Error):
             await sub.unsubscribe()
+
+
+async def forward_until_taken(
+    bus: Bus,
+    subjects: Subjects,
+    request: GenerateRequest,
+    on_head: Callable[[RelayHead], Awaitable[None]],
+    on_data: Callable[[bytes], Awaitable[None]],
+    *,
+    deadline: float,
+    own_router: str | None = None,
+    on_gone: Callable[[GenerateResult], None] | None = None,
+) -> GenerateResult:
+    """`forward`, to `own_router` first (a request the queue group handed to a frozen peer's router would wait
+    there until its deadline), asked again as `ask_again` says while an answer says nothing ran; each try carries
+    the time left to `deadline` (the loop's clock) as its timeout."""
+    loop = asyncio.get_running_loop()
+    first_try = loop.time()
+    router = own_router
+    while True:
+        timed = msgspec.structs.replace(request, timeout_s=max(1.0, deadline - loop.time()))
+        try:
+            return await forward(bus, subjects, timed, on_head, on_data, router=router, on_gone=on_gone)
+        except (NoResponders, RemoteError) as exc:
+            again = ask_again(exc, router, own=own_router, now=loop.time(), first_try=first_try, deadline=deadline)
+            if again is None:
+                raise
+        router = again.router
+        if again.delay_s:
+            await asyncio.sleep(again.delay_s)

@@ -2,8 +2,8 @@
 Pure cores `catalog` (models.toml), `keys` (tenants' API keys and their scopes), `lifecycle` (what to stop to
 make room, what idles out), `scaling` (when to add or retire
 a replica) and `shapes` (the HTTP surface: paths, keys, error shapes, the model renamed in answers); the shells:
-`actor` serves HTTP, `relay` carries an answer back to its client, `ondemand` starts and stops models (the
-actor's other half), `replicas` carries out the scaling of the catalog's models,
+`actor` serves HTTP, `relay` carries an answer back to its client, `ondemand` starts and stops models (a part
+the actor holds, `FrontDoorActor.demand`), `replicas` carries out the scaling of the catalog's models,
 `accounting` admits, settles and journals each request against the per-key limits every front door (and
 router) shares (`runtime.key_limits`, pure; `runtime.shared_limits`, their bucket)."""
 

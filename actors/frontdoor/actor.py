@@ -7,7 +7,7 @@ answer whole or streamed (server-sent events in OpenAI's chunk format, then `dat
 capture apply. A client that disconnects stops its generation (the handler is cancelled, the stream's
 subscription goes, the runner's next ping finds nobody).
 
-Models on demand and replicas are `ondemand`'s (the actor's other half: one start per model, room made by
+Models on demand and replicas are `ondemand`'s (a part the actor holds, `demand`: one start per model, room made by
 `lifecycle`, idle stops, the scaler's additions and retirements); an answer is relayed by `relay`. Every
 completion is captured into L3 after its reply (the runner does it), so a stopped model resumes from its states
 when it is loaded again. Requests for one model are grouped while a swap is pending (`lifecycle`);
@@ -52,31 +52,27 @@ from actors.frontdoor import shapes
 from actors.frontdoor.accounting import Accounting
 from actors.frontdoor.catalog import Catalog
 from actors.frontdoor.keys import KeyRefused, KeyTable, allows, authenticate
-from actors.frontdoor.lifecycle import ArrivalOrder
-from actors.frontdoor.ondemand import ModelDemand, ModelsOnDemand, same_model
+from actors.frontdoor.ondemand import ModelDemand, ModelsOnDemand
 from actors.frontdoor.relay import Relay, bus_failure, error_response
-from actors.frontdoor.replicas import ReplicaScaler
 from actors.runner import passthrough
 from messages.errors import (
     BAD_REQUEST,
-    BUSY,
     INTERNAL,
     INVALID_API_KEY,
     MODEL_NOT_FOUND,
-    NO_INSTANCE,
     REQUEST_TOO_LARGE,
     UNAVAILABLE,
     UNKNOWN_ENDPOINT,
 )
-from messages.frontdoor import FrontDoorModel, FrontDoorReport, ModelState
-from messages.generate import MAX_API_BODY_BYTES, ApiCall, GenerateRequest, GenerateResult, ServingReport
+from messages.frontdoor import FrontDoorReport
+from messages.generate import MAX_API_BODY_BYTES, ApiCall, GenerateRequest, GenerateResult
 from messages.runner import MAX_MODEL_INFO_BYTES, InstanceStatus
 from messages.tenants import TenantKey, cache_scope
 from runtime import buckets, tracing
 from runtime.actor import Actor, ActorContext
 from runtime.buckets import TTL_HEADER
-from runtime.bus import BadMessage, BusError, NoResponders, RemoteError, once_listening
-from runtime.generate_client import StreamGap, forward
+from runtime.bus import BusError, RemoteError
+from runtime.generate_client import StreamGap, forward_until_taken
 
 __all__ = ["TENANT_KEY", "FrontDoorActor"]
 
@@ -91,7 +87,7 @@ BODY_TIMEOUT_S: Final = 30.0
 TENANT_KEY: Final = web.RequestKey[TenantKey | None]("tenant_key")
 
 
-class FrontDoorActor(ModelsOnDemand, Actor):
+class FrontDoorActor(Actor):
     name = "frontdoor"
     description = "OpenAI-compatible HTTP front door over mesh.generate, with models loaded on demand"
 
@@ -113,37 +109,22 @@ class FrontDoorActor(ModelsOnDemand, Actor):
     ) -> None:
         self.host = host
         self.port = port
-        self.catalog = catalog
-        self.models_dir = models_dir
         self.api_key = api_key
+        self.demand = ModelsOnDemand(catalog, models_dir, clock=clock, group_swaps=group_swaps, min_idle_s=min_idle_s)
         self._clock = clock
         self._wall_clock = wall_clock  # keys expire at a unix time
         self._keys = KeyTable()
-        # Grouping off: no grace for the model just used, and requests in arrival order across models.
-        self._min_idle_s = min_idle_s if group_swaps else 0.0
-        self._order = None if group_swaps else ArrivalOrder()
-        self._order_moved = asyncio.Event()
         self._on_listening = on_listening
         self._metrics = metrics  # the node's metrics, in the format a scraper's Accept header asks for
         self._dashboard = dashboard  # adds its routes; answers the path under which it checks keys itself
         self._dashboard_prefix: str | None = None
-        self._models = {name: ModelDemand(name, entry) for name, entry in catalog.models.items()}
-        self._instances: dict[str, InstanceStatus] = {}
-        self._instances_moved = asyncio.Event()  # set (then replaced) on every change of an instance record
-        self._instance_used: dict[str, float] = {}
-        self._instance_class: dict[str, int] = {}  # instance -> the class of the last request sent to it
-        self._scaler: ReplicaScaler | None = None
-        self._starts: set[asyncio.Task[InstanceStatus]] = set()  # shared by a model's waiters; cancelled at the end
         self.bound_port: int | None = None
 
     # --- lifetime ----------------------------------------------------------------------------------------
 
     async def run(self, ctx: ActorContext) -> None:
         self._ctx = ctx
-        self._instances.clear()
-        kv = await buckets.instances(ctx.bus, ctx.subjects)
-        ready = asyncio.Event()
-        ctx.spawn(self._watch_instances(ctx, kv, ready), "watch-instances")
+        ready = await self.demand.follow(ctx)
         self._keys.clear()
         keys_ready = asyncio.Event()
         ctx.spawn(self._watch_keys(ctx, await buckets.keys(ctx.bus, ctx.subjects), keys_ready), "watch-keys")
@@ -163,50 +144,22 @@ class FrontDoorActor(ModelsOnDemand, Actor):
         server = getattr(site, "_server", None)
         sockets = getattr(server, "sockets", None) or []
         self.bound_port = sockets[0].getsockname()[1] if sockets else self.port
-        ctx.log.info("frontdoor_listening", host=self.host, port=self.bound_port, models=sorted(self._models))
+        ctx.log.info("frontdoor_listening", host=self.host, port=self.bound_port, models=sorted(self.demand.models))
         if self._on_listening is not None:
             self._on_listening(self.bound_port)
         ctx.spawn(self._serve_until_stopped(runner), "http")
-        ctx.spawn(self._stop_idle(ctx), "idle")
         self._reports = await buckets.frontdoors(ctx.bus, ctx.subjects)
         ctx.spawn(self._publish_reports(ctx), "reports")
-        self._scaler = ReplicaScaler(
-            ctx, self.catalog.models, self._live_instances_of, self._add_replica, self._stop_instance, clock=self._clock
-        )
-        if self._scaler.active:
-            await ctx.subscribe(ctx.subjects.serving_all, ServingReport, self._scaler.on_report)
-            ctx.spawn(self._scaler.watch_doors(self._reports), "replica-leader")
-            ctx.spawn(self._scaler.run(), "replicas")
+        await self.demand.keep(ctx, self._reports)
 
     async def _serve_until_stopped(self, runner: web.AppRunner) -> None:
         try:
             await asyncio.Event().wait()
         finally:
-            for task in self._starts:
-                task.cancel()
+            self.demand.cancel_starts()
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(10):
                     await runner.cleanup()
-
-    async def _watch_instances(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
-        async for entry in buckets.watch(kv, ready):
-            if buckets.removed(entry):
-                gone = self._instances.pop(entry.key, None)
-                if gone is not None:  # what this front door knew of its use goes with it
-                    self._instance_used.pop(gone.id, None)
-                    self._instance_class.pop(gone.id, None)
-                    if self._scaler is not None:
-                        self._scaler.forget(gone.id)
-            else:
-                try:
-                    self._instances[entry.key] = buckets.decode_keyed(
-                        entry, InstanceStatus, lambda s: ctx.subjects.instance_key(s.node, s.id), "instance"
-                    )
-                except BadMessage as exc:
-                    ctx.log.warning("bad_instance_record", key=entry.key, error=str(exc))
-                    self._instances.pop(entry.key, None)
-            self._instances_moved.set()  # wake what waits for an instance to change, then a fresh event
-            self._instances_moved = asyncio.Event()
 
     async def _watch_keys(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
         """The tenants' keys as the bucket holds them. A record that does not decode, or names another key id
@@ -293,7 +246,7 @@ class FrontDoorActor(ModelsOnDemand, Actor):
         return prefix is not None and (path == prefix or path.startswith(prefix + "/"))
 
     def _model_object(self, name: str, m: ModelDemand) -> dict[str, Any]:
-        ready = self._ready_of(m)
+        ready = self.demand.ready_of(m)
         # the catalog's kind, else what the running instance was stamped with (read from the model's header)
         kind = m.entry.kind or (ready.settings.settings.kind if ready is not None else None)
         described = {"id": name, "object": "model", "created": 0, "owned_by": "mesh-actor",
@@ -303,7 +256,7 @@ class FrontDoorActor(ModelsOnDemand, Actor):
 
     async def _list_models(self, request: web.Request) -> web.Response:
         tenant = request.get(TENANT_KEY)
-        data = [self._model_object(name, m) for name, m in sorted(self._models.items()) if allows(tenant, name)]
+        data = [self._model_object(name, m) for name, m in sorted(self.demand.models.items()) if allows(tenant, name)]
         return web.json_response({"object": "list", "data": data})
 
     async def _get_model(self, request: web.Request) -> web.Response:
@@ -312,7 +265,7 @@ class FrontDoorActor(ModelsOnDemand, Actor):
 
     def _model(self, name: str, request: web.Request) -> ModelDemand:
         """The catalog model `name`, if the request's key may see it; else exactly the answer for no such model."""
-        model = self._models.get(name)
+        model = self.demand.models.get(name)
         if model is None or not allows(request.get(TENANT_KEY), name):
             raise shapes.ApiError(MODEL_NOT_FOUND, f"the model {name!r} does not exist (see /v1/models)",
                                   param="model")  # fmt: skip
@@ -355,19 +308,17 @@ class FrontDoorActor(ModelsOnDemand, Actor):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + model.entry.timeout_s
         request_class = _request_class(request.get(TENANT_KEY))
-        instance = await self._instance_for(model, deadline, request_class)
-        self._instance_class[instance.id] = request_class
+        instance = await self.demand.instance_for(model, deadline, request_class)
         order = GenerateRequest(
             model=instance.model_path,  # any instance of this file that serves this catalog model:
-            serves=model.entry.served_as(self._kind_of(model)),
+            serves=model.entry.served_as(self.demand.kind_of(model)),
             api=ApiCall(endpoint=endpoint, body=msgspec.Raw(raw)),  # type: ignore[arg-type]
             timeout_s=max(1.0, deadline - loop.time()),
             request_id=uuid.uuid4().hex,
             **_queue_claim(request.get(TENANT_KEY)),
         )
         relay = Relay(request, name, shape)
-        model.active += 1
-        try:
+        with self.demand.in_use(model, instance, request_class):
             span.update({"mesh.request_id": order.request_id})
             try:
                 # A client that leaves is charged what the server did all the same (the runner says what)
@@ -386,65 +337,24 @@ class FrontDoorActor(ModelsOnDemand, Actor):
                 error = shapes.ApiError(UNAVAILABLE, f"the mesh did not carry the answer: {exc}")
                 return await relay.failed(error)
             return await relay.finish()
-        finally:
-            model.active -= 1
-            model.last_used = self._clock()
-            self._instance_used[instance.id] = model.last_used
 
     async def _forward(
         self, order: GenerateRequest, relay: Relay, deadline: float, on_gone: Callable[[GenerateResult], None]
     ) -> GenerateResult:
-        """`order` through this node's own router (a request the queue group handed to a frozen peer's router
-        would wait there until its deadline), any node's while it is away (restarting) or full (`busy`: its
-        workers all hold generations), asked again while none listens (nothing was sent, nothing relayed)."""
-        loop = asyncio.get_running_loop()
-        bus, subjects = self._ctx.bus, self._ctx.subjects
-        own = subjects.router_generate(self._ctx.node_id)
-
-        async def once() -> GenerateResult:
-            timed = msgspec.structs.replace(order, timeout_s=max(1.0, deadline - loop.time()))
-            try:
-                return await forward(bus, subjects, timed, relay.head, relay.data, router=own, on_gone=on_gone)
-            except NoResponders:
-                pass
-            except RemoteError as exc:
-                if exc.reply.code != BUSY:
-                    raise
-            return await forward(bus, subjects, timed, relay.head, relay.data, on_gone=on_gone)
-
-        # This door saw the instance ready (its own watch of the records): a router whose watch has not yet says
-        # `no_instance` for a moment. Nothing ran: asked again, for at most `_ROUTER_LAG_S`.
-        lag_until = min(deadline, loop.time() + _ROUTER_LAG_S)
-        while True:
-            try:
-                return await once_listening(once, deadline)
-            except RemoteError as exc:
-                if exc.reply.code != NO_INSTANCE or loop.time() + 0.2 >= lag_until:
-                    raise
-            await asyncio.sleep(0.2)
+        """`order` through this node's own router first, asked again while an answer says nothing ran (this door
+        saw the instance ready: a router whose watch has not yet says `no_instance` for a moment)."""
+        own = self._ctx.subjects.router_generate(self._ctx.node_id)
+        return await forward_until_taken(
+            self._ctx.bus, self._ctx.subjects, order, relay.head, relay.data, deadline=deadline, own_router=own,
+            on_gone=on_gone,
+        )  # fmt: skip
 
     def report(self, node_id: str) -> FrontDoorReport:
-        models = []
-        for name, m in sorted(self._models.items()):
-            path = self._path_of(m.entry)
-            kind = self._kind_of(m)
-            ready = [s for s in self._instances.values() if s.state == "ready" and same_model(s, m.entry, path, kind)]
-            held = sum(s.observed_memory.total_bytes if s.observed_memory else s.predicted_memory.total_bytes
-                       for s in ready)  # fmt: skip
-            state: ModelState = "ready" if ready else "starting" if m.starting and not m.starting.done() else "stopped"
-            models.append(
-                FrontDoorModel(
-                    name=name, path=m.entry.path, state=state, instances=tuple(sorted(s.id for s in ready)),
-                    held_bytes=held, queued=m.waiting + m.held, active=m.active, pinned=m.entry.pinned,
-                    priority=m.entry.priority, idle_ttl_s=m.entry.idle_ttl_s, ctx=m.entry.ctx,
-                    max_queue=m.entry.max_queue, settings=m.entry.required_settings(),
-                )
-            )  # fmt: skip
         return FrontDoorReport(
             node_id=node_id,
             address=f"http://{self.host}:{self.bound_port}",
             auth=self.api_key is not None or self._keys.holds_any,
-            models=tuple(models),
+            models=self.demand.report(),
             sent_at=time.time(),
         )
 
@@ -468,9 +378,6 @@ class FrontDoorActor(ModelsOnDemand, Actor):
 
 #: The longest model name a request may give (a catalog name; what the journal records of a refused one).
 MAX_MODEL_NAME: Final = 256
-
-#: How long a router may lag behind this door in seeing an instance ready (its `no_instance` is asked again).
-_ROUTER_LAG_S: Final = 5.0
 
 #: What a pass-through request adds around the client's body on the bus (its fields and headers).
 _ENVELOPE_BYTES: Final = 8 << 10

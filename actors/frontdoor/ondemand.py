@@ -5,7 +5,8 @@ model's required serving settings); when it refuses for memory, `lifecycle.plan_
 once, with need and have). Instances with an `idle_ttl_s` stop when idle that long (never below the model's
 `min_replicas`). Replicas: `replicas.ReplicaScaler` decides, the methods here carry it out.
 
-`ModelsOnDemand` is the front door actor's half that starts and stops models; `actor` is the HTTP half.
+`ModelsOnDemand` is the front door's part that starts and stops models and follows the instance records; the
+HTTP part (`actor.FrontDoorActor`) holds one and asks it for a ready instance of a model (`instance_for`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
+from nats.js.kv import KeyValue
 
 from actors.frontdoor import shapes
 from actors.frontdoor.catalog import Catalog, CatalogModel
@@ -30,13 +32,15 @@ from actors.placement.gguf_header import GGUFFormatError, read_header
 from actors.placement.ledger import device_sizes
 from messages.errors import INSUFFICIENT_MEMORY, NOT_PLACED, QUEUE_FULL, TIMEOUT, UNAVAILABLE
 from messages.events import IdleStopped, ModelLoaded, ModelLoading, ModelRefused, RoomMade
+from messages.frontdoor import FrontDoorModel, ModelState
+from messages.generate import ServingReport
 from messages.placement import NodeLedger, PlacementDecision, PlacementRequest
 from messages.runner import InstanceStatus, RunnerAck, StartInstance, StopInstance
 from messages.settings import ServingKind
 from messages.telemetry import NodeResources
 from runtime import buckets
 from runtime.actor import ActorContext
-from runtime.bus import BusError, RemoteError, once_listening
+from runtime.bus import BadMessage, BusError, RemoteError, once_listening
 from runtime.model_files import ModelFileError, resolve
 
 __all__ = ["ModelDemand", "ModelsOnDemand", "same_model"]
@@ -58,33 +62,127 @@ class ModelDemand:
 
 
 class ModelsOnDemand:
-    """The front door's models on demand; the actor (`FrontDoorActor`) holds the state it uses."""
+    """The front door's models on demand: each catalog model's requests and its one start in flight, the instance
+    records as the bucket holds them, idle stops and replicas (`replicas.ReplicaScaler` decides)."""
 
-    catalog: Catalog
-    models_dir: Path
-    _ctx: ActorContext
-    _clock: Callable[[], float]
-    _models: dict[str, ModelDemand]
-    _instances: dict[str, InstanceStatus]
-    _instances_moved: asyncio.Event
-    _instance_used: dict[str, float]
-    _instance_class: dict[str, int]
-    _min_idle_s: float
-    _order: ArrivalOrder | None
-    _order_moved: asyncio.Event
-    _scaler: ReplicaScaler | None
-    _starts: set[asyncio.Task[InstanceStatus]]
+    def __init__(
+        self,
+        catalog: Catalog,
+        models_dir: Path,
+        *,
+        clock: Callable[[], float],
+        group_swaps: bool = True,
+        min_idle_s: float = 1.0,
+    ) -> None:
+        self.catalog = catalog
+        self.models_dir = models_dir
+        self._clock = clock
+        # Grouping off: no grace for the model just used, and requests in arrival order across models.
+        self._min_idle_s = min_idle_s if group_swaps else 0.0
+        self._order = None if group_swaps else ArrivalOrder()
+        self._order_moved = asyncio.Event()
+        self.models = {name: ModelDemand(name, entry) for name, entry in catalog.models.items()}
+        self.instances: dict[str, InstanceStatus] = {}  # the instance records, by bucket key
+        self._instances_moved = asyncio.Event()  # set (then replaced) on every change of an instance record
+        self._instance_used: dict[str, float] = {}
+        self._instance_class: dict[str, int] = {}  # instance -> the class of the last request sent to it
+        self._scaler: ReplicaScaler | None = None
+        self._starts: set[asyncio.Task[InstanceStatus]] = set()  # shared by a model's waiters; cancelled at the end
+        self._ctx: ActorContext
+
+    # --- lifetime ---------------------------------------------------------------------------------------------
+
+    async def follow(self, ctx: ActorContext) -> asyncio.Event:
+        """Follows the instance records from here on; the event is set once the current ones are in."""
+        self._ctx = ctx
+        self.instances.clear()
+        kv = await buckets.instances(ctx.bus, ctx.subjects)
+        ready = asyncio.Event()
+        ctx.spawn(self._watch_instances(ctx, kv, ready), "watch-instances")
+        return ready
+
+    async def keep(self, ctx: ActorContext, doors: KeyValue) -> None:
+        """Stops idle instances, and adds and retires replicas (`doors`: the front doors' reports, which say
+        which one leads the scaling)."""
+        ctx.spawn(self._stop_idle(ctx), "idle")
+        self._scaler = ReplicaScaler(
+            ctx, self.catalog.models, self._live_instances_of, self._add_replica, self._stop_instance, clock=self._clock
+        )
+        if self._scaler.active:
+            await ctx.subscribe(ctx.subjects.serving_all, ServingReport, self._scaler.on_report)
+            ctx.spawn(self._scaler.watch_doors(doors), "replica-leader")
+            ctx.spawn(self._scaler.run(), "replicas")
+
+    def cancel_starts(self) -> None:
+        """Cancels the starts in flight (the front door is stopping)."""
+        for task in self._starts:
+            task.cancel()
+
+    async def _watch_instances(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
+        async for entry in buckets.watch(kv, ready):
+            if buckets.removed(entry):
+                gone = self.instances.pop(entry.key, None)
+                if gone is not None:  # what this front door knew of its use goes with it
+                    self._instance_used.pop(gone.id, None)
+                    self._instance_class.pop(gone.id, None)
+                    if self._scaler is not None:
+                        self._scaler.forget(gone.id)
+            else:
+                try:
+                    self.instances[entry.key] = buckets.decode_keyed(
+                        entry, InstanceStatus, lambda s: ctx.subjects.instance_key(s.node, s.id), "instance"
+                    )
+                except BadMessage as exc:
+                    ctx.log.warning("bad_instance_record", key=entry.key, error=str(exc))
+                    self.instances.pop(entry.key, None)
+            self._instances_moved.set()  # wake what waits for an instance to change, then a fresh event
+            self._instances_moved = asyncio.Event()
+
+    # --- what the HTTP part asks -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def in_use(self, model: ModelDemand, instance: InstanceStatus, request_class: int) -> Iterator[None]:
+        """While a request of `request_class` for `model` generates on `instance` (what idle stops and making
+        room read: the model in use, the instance's last use and class)."""
+        self._instance_class[instance.id] = request_class
+        model.active += 1
+        try:
+            yield
+        finally:
+            model.active -= 1
+            model.last_used = self._clock()
+            self._instance_used[instance.id] = model.last_used
+
+    def report(self) -> tuple[FrontDoorModel, ...]:
+        """Each catalog model as this front door sees it (its report's models)."""
+        models = []
+        for name, m in sorted(self.models.items()):
+            path = self.path_of(m.entry)
+            kind = self.kind_of(m)
+            ready = [s for s in self.instances.values() if s.state == "ready" and same_model(s, m.entry, path, kind)]
+            held = sum(s.observed_memory.total_bytes if s.observed_memory else s.predicted_memory.total_bytes
+                       for s in ready)  # fmt: skip
+            state: ModelState = "ready" if ready else "starting" if m.starting and not m.starting.done() else "stopped"
+            models.append(
+                FrontDoorModel(
+                    name=name, path=m.entry.path, state=state, instances=tuple(sorted(s.id for s in ready)),
+                    held_bytes=held, queued=m.waiting + m.held, active=m.active, pinned=m.entry.pinned,
+                    priority=m.entry.priority, idle_ttl_s=m.entry.idle_ttl_s, ctx=m.entry.ctx,
+                    max_queue=m.entry.max_queue, settings=m.entry.required_settings(),
+                )
+            )  # fmt: skip
+        return tuple(models)
 
     # --- one start per model, its requests waiting together -----------------------------------------------------
 
-    def _kind_of(self, model: ModelDemand) -> ServingKind | None:
+    def kind_of(self, model: ModelDemand) -> ServingKind | None:
         """What an instance of the model runs: its entry's kind, else the one its header gives (read once);
         None while unknown (no local file yet: then any kind of instance of the file serves it)."""
         if model.kind is None:
-            model.kind = header_kind_of(self._path_of(model.entry))
+            model.kind = header_kind_of(self.path_of(model.entry))
         return model.kind
 
-    def _path_of(self, entry: CatalogModel) -> str | None:
+    def path_of(self, entry: CatalogModel) -> str | None:
         if entry.registry:
             return None
         try:
@@ -92,14 +190,14 @@ class ModelsOnDemand:
         except ModelFileError:
             return None
 
-    def _ready_of(self, model: ModelDemand) -> InstanceStatus | None:
-        path, kind = self._path_of(model.entry), self._kind_of(model)
-        for status in sorted(self._instances.values(), key=lambda s: s.id):
+    def ready_of(self, model: ModelDemand) -> InstanceStatus | None:
+        path, kind = self.path_of(model.entry), self.kind_of(model)
+        for status in sorted(self.instances.values(), key=lambda s: s.id):
             if status.state == "ready" and status.port is not None and same_model(status, model.entry, path, kind):
                 return status
         return None
 
-    async def _instance_for(self, model: ModelDemand, deadline: float, request_class: int = 0) -> InstanceStatus:
+    async def instance_for(self, model: ModelDemand, deadline: float, request_class: int = 0) -> InstanceStatus:
         if self._order is None:
             return await self._grouped(model, deadline, request_class)
         if model.waiting + model.held >= model.entry.max_queue:
@@ -127,7 +225,7 @@ class ModelsOnDemand:
     ) -> InstanceStatus:
         """A ready instance of `model`, after waiting with its other requests for the one start in flight (which
         may make room as the highest class among them may: `lifecycle.plan_room`)."""
-        ready = self._ready_of(model)
+        ready = self.ready_of(model)
         if ready is not None:
             return ready
         if not queued and model.waiting >= model.entry.max_queue:
@@ -136,7 +234,7 @@ class ModelsOnDemand:
         model.classes[request_class] += 1
         try:
             while True:
-                ready = self._ready_of(model)
+                ready = self.ready_of(model)
                 if ready is not None:
                     return ready
                 if model.starting is None or model.starting.done():
@@ -177,7 +275,7 @@ class ModelsOnDemand:
         """Places and starts one instance of `model`, making room when memory is short."""
         ctx = self._ctx
         entry = model.entry
-        ref = entry.model_ref(self._path_of(entry))
+        ref = entry.model_ref(self.path_of(entry))
         placement = PlacementRequest(
             model=ref, ctx=entry.ctx, settings=entry.required_settings(), request_id=f"frontdoor-{model.name}"
         )
@@ -250,18 +348,18 @@ class ModelsOnDemand:
     # --- replicas (`replicas.ReplicaScaler` decides; these carry it out) ------------------------------------
 
     def _live_instances_of(self, name: str) -> list[InstanceStatus]:
-        model = self._models[name]
-        path = self._path_of(model.entry)
-        return [s for s in self._instances.values() if same_model(s, model.entry, path, self._kind_of(model))]
+        model = self.models[name]
+        path = self.path_of(model.entry)
+        return [s for s in self.instances.values() if same_model(s, model.entry, path, self.kind_of(model))]
 
     async def _add_replica(self, name: str, nodes: tuple[str, ...], prefer: tuple[str, ...] = ()) -> InstanceStatus:
         """One more instance of `name`: on one of `nodes` (those without one) when one fits, else wherever one
         fits, `prefer`'s nodes first among those alike (placement's rule); never by stopping other models'
         instances (a replica uses room that is free)."""
-        entry = self._models[name].entry
+        entry = self.models[name].entry
         deadline = asyncio.get_running_loop().time() + entry.timeout_s
         placement = PlacementRequest(
-            model=entry.model_ref(self._path_of(entry)), ctx=entry.ctx, settings=entry.required_settings(),
+            model=entry.model_ref(self.path_of(entry)), ctx=entry.ctx, settings=entry.required_settings(),
             request_id=f"replica-{name}", prefer=prefer,
         )  # fmt: skip
         for choice in (nodes, ()) if nodes else ((),):
@@ -273,10 +371,10 @@ class ModelsOnDemand:
 
     def _keeps(self, model: str | None) -> bool:
         """Whether stopping one more instance of `model` would leave fewer than its `min_replicas`."""
-        if model is None or model not in self._models:
+        if model is None or model not in self.models:
             return False
         live = [s for s in self._live_instances_of(model) if s.state in ("starting", "ready", "restarting")]
-        return len(live) <= self._models[model].entry.min_replicas
+        return len(live) <= self.models[model].entry.min_replicas
 
     async def _until_ready(self, instance_id: str, deadline: float) -> InstanceStatus:
         async with asyncio.timeout_at(deadline):
@@ -290,7 +388,7 @@ class ModelsOnDemand:
                 await self._instances_change()
 
     def _by_id(self, instance_id: str) -> InstanceStatus | None:
-        return next((s for s in self._instances.values() if s.id == instance_id), None)
+        return next((s for s in self.instances.values() if s.id == instance_id), None)
 
     async def _stop_instance(self, instance_id: str) -> None:
         status = self._by_id(instance_id)
@@ -312,7 +410,7 @@ class ModelsOnDemand:
         held: dict[str, dict[str, int]] = {}
         running = []
         records, _ = await buckets.read_all(self._ctx.bus, self._ctx.subjects.reservations_bucket, NodeLedger)
-        live = {s.id for s in self._instances.values()}
+        live = {s.id for s in self.instances.values()}
         for _, ledger in records:
             for r in ledger.reservations:
                 if r.instance_id is not None and r.instance_id in live:
@@ -331,11 +429,11 @@ class ModelsOnDemand:
                             held=dict(r.held), last_used=self._clock(), in_use=True,
                         )
                     )  # fmt: skip
-        for status in self._instances.values():
+        for status in self.instances.values():
             if status.state in ("stopped", "failed", "rejected") and status.id not in held:
                 continue  # ended, and its memory released
-            model = next((m for m in self._models.values()
-                          if same_model(status, m.entry, self._path_of(m.entry), self._kind_of(m))), None)  # fmt: skip
+            model = next((m for m in self.models.values()
+                          if same_model(status, m.entry, self.path_of(m.entry), self.kind_of(m))), None)  # fmt: skip
             running.append(
                 Running(
                     instance_id=status.id,
