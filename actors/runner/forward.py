@@ -191,20 +191,12 @@ class Forwarder:
                     large = len(whole) > _PARSE_ON_LOOP_BYTES
                     exchange.answers = [await asyncio.to_thread(_json, whole) if large else _json(whole)]
 
-        async def watch() -> None:
-            try:
-                await relay.watch()
-            except ClientGone as gone:
-                exchange.cancelled = str(gone)
-                exchange.decoded = await self._decoded(instance, slot)  # before the connection closes
-                raise
+        async def gone(why: ClientGone) -> None:
+            exchange.cancelled = str(why)
+            exchange.decoded = await self._decoded(instance, slot)  # before the connection closes
 
         try:
-            async with asyncio.TaskGroup() as tg:
-                watcher = tg.create_task(watch())
-                await relay_answer()
-                relay.done()  # first: the cancellation alone can be lost (`ChunkStream.watch`)
-                watcher.cancel()
+            await relay.watched(relay_answer(), gone)
         except* ClientGone:
             self._cancelled(instance, order, exchange)
         except* ServerApiError as group:

@@ -549,15 +549,11 @@ class Serving:
             if stream is None:
                 await self._whole(instance, body, request.timeout_s, done)
             else:  # the requester's subject: chunks there (unless it asked for none), and its liveness checked
-                async with asyncio.TaskGroup() as tg:
-                    watcher = tg.create_task(stream.watch())
-                    await (
-                        self._streamed(instance, body, stream, done)
-                        if request.chunks
-                        else self._whole(instance, body, request.timeout_s, done)
-                    )
-                    stream.done()  # first: the cancellation alone can be lost (`ChunkStream.watch`)
-                    watcher.cancel()
+                await stream.watched(
+                    self._streamed(instance, body, stream, done)
+                    if request.chunks
+                    else self._whole(instance, body, request.timeout_s, done)
+                )
         except* ClientGone as group:
             reason = str(group.exceptions[0])
             _log.info("stream_client_gone", request_id=order.request_id, reason=reason)

@@ -10,6 +10,8 @@ with `ClientGone`: the generation stops.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats.errors
 
@@ -28,6 +30,8 @@ from runtime.bus import Bus, encode
 _HEADROOM = 1024
 
 __all__ = ["ChunkStream", "ClientGone"]
+
+T = TypeVar("T")
 
 
 class ClientGone(Exception):
@@ -71,6 +75,26 @@ class ChunkStream:
     def done(self) -> None:
         """The answer is complete: `watch` returns (it checks after each ping and each pause)."""
         self._done = True
+
+    async def watched(self, work: Awaitable[T], on_gone: Callable[[ClientGone], Awaitable[None]] | None = None) -> T:
+        """`work` while the requester is watched (`watch`): once nobody listens, `on_gone` runs (while the work's
+        own connection is still open), the work is cancelled and `ClientGone` raised in an `ExceptionGroup`, with
+        whatever the work raised as it ended."""
+
+        async def watch() -> None:
+            try:
+                await self.watch()
+            except ClientGone as gone:
+                if on_gone is not None:
+                    await on_gone(gone)
+                raise
+
+        async with asyncio.TaskGroup() as tg:
+            watcher = tg.create_task(watch())
+            result = await work
+            self.done()  # first: the cancellation alone can be lost (`watch`)
+            watcher.cancel()
+        return result
 
     async def watch(self) -> None:
         """Raises `ClientGone` once nobody listens on the subject (or answers for too long); returns once `done`.
