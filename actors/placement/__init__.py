@@ -9,8 +9,9 @@ a multimodal projector's weights, image graph and embeddings), `pooled`
 offer), `admission` (eligibility, node choice, stamp), `fleet` (the same decisions at fleet scale),
 `split` (a model over several nodes with llama.cpp's RPC backend), `booking` (one decision's reservations
 over several ledgers, all or none), `reservations` (the reservation lifecycle), `shares` (what one client may
-hold booked), `registry` (signed entries), `replay` (recomputing a recorded decision). Shells: `actor` (the
-view, CAS ledgers, the endpoints), `model_reader` (model files and registry entries, in worker threads),
+hold booked), `registry` (signed entries), `replay` (recomputing a recorded decision), `intake` (a node's
+heartbeat told from a new report without decoding it whole). Shells: `actor` (the view, CAS ledgers, the
+endpoints), `model_reader` (model files and registry entries, in worker threads),
 `decision_records` (large decisions' inputs in the object store).
 """
 
@@ -24,6 +25,6 @@ CORES: Final = frozenset(
     {
         "gguf_header", "geometry", "matmul_weights", "memory", "context", "caches", "weights", "compute", "bounds",
         "ledger", "admission", "fleet", "reservations", "registry", "replay", "shares", "pooled", "projector", "split",
-        "booking", "graph_alloc", "qwen35_graph",
+        "booking", "graph_alloc", "qwen35_graph", "intake",
     }
 )  # fmt: skip

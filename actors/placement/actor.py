@@ -1,7 +1,9 @@
 """Placement actor (shell): answers `mesh.placement.request` and `mesh.placement.fit`, keeps reservations.
 
 - The cluster view comes only from events: a watch on the nodes KV bucket (telemetry with per-key TTL; an
-  expired key arrives as an empty delete marker and removes the node). Each report's arrival is noted on
+  expired key arrives as an empty delete marker and removes the node). A report that repeats the node's last
+  but for its sequence number and time is taken in as a heartbeat (`intake.py`: not decoded whole, the index not
+  told); any other is decoded in full. Each report's arrival is noted on
   this actor's monotonic clock: staleness is the time since it arrived, never a comparison with the time
   the node wrote into it.
 - Ledgers (memory held per node) live in the reservations KV bucket, key `node.<id>`. A decision reads the
@@ -43,6 +45,7 @@ from actors.placement import decision_records, shares
 from actors.placement.admission import ModelFacts, Outcome, ViewEntry, natural_key, rejected
 from actors.placement.booking import Booking, booking_order
 from actors.placement.fleet import NO_LEDGER, FleetIndex, IndexStats, Inputs, LedgerEntry, decide, snapshot
+from actors.placement.intake import Known, heartbeat_of, remember
 from actors.placement.ledger import with_reservation
 from actors.placement.model_reader import ModelProblem, ModelReader
 from actors.placement.reservations import (
@@ -140,6 +143,7 @@ class PlacementStats:
     view_nodes: int
     ledgers: int
     reports_seen: int  # telemetry reports applied to the view since the actor started
+    heartbeats: int  # of those, the ones that repeated the node's last (`intake`: not decoded whole, not indexed)
     index: IndexStats
 
 
@@ -191,6 +195,7 @@ class PlacementActor(Actor):
         self._inline_event_bytes = inline_event_bytes
         self._view: dict[str, ViewEntry] = {}
         self._arrived: dict[str, float] = {}  # node -> when its report arrived (our monotonic clock)
+        self._known: dict[str, Known] = {}  # node -> its last report decoded in full (`intake`: its heartbeats)
         self._view_ready = asyncio.Event()
         self._ledger_cache: dict[str, tuple[NodeLedger | None, int]] = {}
         # Bookings whose compare-and-set is in flight, per node, and the node's ledger with them (at the revision
@@ -206,6 +211,7 @@ class PlacementActor(Actor):
         self._reconciler = Reconciler(claim_grace_s=claim_grace_s)
         self._index = FleetIndex(tracked=True)  # told of every change below: judges only what changed
         self._reports_seen = 0
+        self._heartbeats = 0
         self.models = ModelReader(
             trusted_registry_keys=trusted_registry_keys, models_dir=models_dir, digests=digests, roots=model_roots
         )
@@ -220,7 +226,7 @@ class PlacementActor(Actor):
         self._registry = await buckets.registry(ctx.bus, subjects)
         self._instances = await buckets.instances(ctx.bus, subjects)
         self._records: ObjectStore = await decision_records.open_store(ctx.bus, subjects)
-        self._view, self._arrived = {}, {}
+        self._view, self._arrived, self._known = {}, {}, {}
         self._view_ready = asyncio.Event()
         self._ledger_cache = {}
         self._in_flight, self._overlay = {}, {}
@@ -262,18 +268,30 @@ class PlacementActor(Actor):
 
     async def _watch_nodes(self, ctx: ActorContext) -> None:
         async for entry in buckets.watch(self._nodes, self._view_ready):
+            key, payload = entry.key, entry.value
             if buckets.removed(entry):
-                self._forget_node(entry.key)  # expired (delete marker) or removed
+                self._forget_node(key)  # expired (delete marker) or removed
+                continue
+            # The same report again, only newer (most are): its first fields decoded, the rest compared, and the
+            # index not told (`intake`, `FleetIndex.refreshed`).
+            node = heartbeat_of(self._known.get(key), key, payload or b"")
+            if node is not None:
+                self._view[key] = view_entry = ViewEntry(resources=node, revision=entry.revision or 0)
+                self._arrived[key] = self._monotonic()
+                self._index.refreshed(key, view_entry)
+                self._heartbeats += 1
+                self._saw_report(node)
                 continue
             try:
                 node = buckets.decode_keyed(entry, NodeResources, lambda n: n.node_id, "telemetry of node")
             except BadMessage as exc:
-                ctx.log.warning("bad_telemetry", key=entry.key, error=str(exc))
-                self._forget_node(entry.key)  # what it said before is no longer what it says
+                ctx.log.warning("bad_telemetry", key=key, error=str(exc))
+                self._forget_node(key)  # what it said before is no longer what it says
                 continue
-            self._view[entry.key] = ViewEntry(resources=node, revision=entry.revision or 0)
-            self._arrived[entry.key] = self._monotonic()
-            self._index.touch(entry.key)
+            self._view[key] = ViewEntry(resources=node, revision=entry.revision or 0)
+            self._arrived[key] = self._monotonic()
+            self._known[key] = remember(node, payload or b"")
+            self._index.touch(key)
             self._saw_report(node)
 
     def _saw_report(self, node: NodeResources) -> None:
@@ -284,6 +302,7 @@ class PlacementActor(Actor):
     def _forget_node(self, node: str) -> None:
         self._view.pop(node, None)
         self._arrived.pop(node, None)
+        self._known.pop(node, None)
         self._index.touch(node)
 
     async def _watch_ledgers(self) -> None:
@@ -637,7 +656,7 @@ class PlacementActor(Actor):
         """The size of what this actor keeps (bounded by the view and the index's limits)."""
         return PlacementStats(
             view_nodes=len(self._view), ledgers=len(self._ledger_cache), reports_seen=self._reports_seen,
-            index=self._index.stats(),
+            heartbeats=self._heartbeats, index=self._index.stats(),
         )  # fmt: skip
 
     async def _journal(

@@ -326,6 +326,7 @@ class IndexStats:
     sizings: int
     sized: int  # memory-model sizings made since the index was created (a node at its ceiling counts one)
     resets: int  # times a table was dropped for reaching its limit
+    touches: int = 0  # (tracked) changes told (`touch`): each judges the node again at the next decision
 
 
 @dataclass(slots=True)
@@ -351,6 +352,7 @@ class FleetIndex:
     #: again only what changed (`_standing`); untracked, every decision judges every node.
     tracked: bool = False
     _touched: list[str] = field(default_factory=list)
+    _touches: int = 0
     _standing: dict[tuple[_Key, str, str | None], _Standing] = field(default_factory=dict)
 
     @staticmethod
@@ -369,6 +371,7 @@ class FleetIndex:
             sizings=len(self._sizings),
             sized=self._sized,
             resets=self._resets,
+            touches=self._touches,
         )
 
     def decide(
@@ -445,7 +448,7 @@ class FleetIndex:
         if best.lacks and standing.holders:
             named.add(min(standing.holders, key=lambda n: _key(self._natural, n)))
         outcome = conclude(
-            q.request, q.model, {n: view[n] for n in named}, [self._chosen(q, best)], [], now=now,
+            q.request, q.model, {n: view[n] for n in named}, [self._chosen(q, best, view)], [], now=now,
             decision_id=decision_id, reservation_id=reservation_id, dry_run=dry_run,
         )  # fmt: skip
         rivals = standing.runners_up(name, RIVALS) if not dry_run else []  # a dry run is not journaled
@@ -464,10 +467,12 @@ class FleetIndex:
         """The decision from every node's answer (`judged`): the best fit, or a split, or every refusal."""
         request, model = q.request, q.model
         rejections = judged.refused + [refusal for refusal, _ in judged.misfits]
-        fits = [] if judged.best is None else [self._chosen(q, judged.best)]
+        fits = [] if judged.best is None else [self._chosen(q, judged.best, view)]
         if not fits and request.allow_multi_node:
-            eligible = [state.entry for _, state in judged.misfits]  # no node fits: every eligible one misfits
-            haves = {state.entry.resources.node_id: state.have for _, state in judged.misfits}
+            # no node fits: every eligible one misfits
+            states = [_caught_up(state, view) for _, state in judged.misfits]
+            eligible = [state.entry for state in states]
+            haves = {state.entry.resources.node_id: state.have for state in states}
             split, why = split_over(request, model, eligible, haves)
             if split is not None:
                 return conclude_split(
@@ -486,10 +491,22 @@ class FleetIndex:
 
     def touch(self, name: str) -> None:
         """(`tracked` indexes) `name`'s report, arrival or ledger changed, or it left the view."""
+        self._touches += 1
         self._touched.append(name)
         if len(self._touched) > MAX_TOUCHED:
             self._touched.clear()
             self._standing.clear()  # rebuilt by their next decision
+
+    def refreshed(self, name: str, entry: ViewEntry) -> None:
+        """(`tracked` indexes) `name` reported again what it reported last (`entry`: only its sequence number, time
+        of sending, revision and arrival are new; `intake.heartbeat_of`). No answer changes, so the node is not
+        judged again for it: each standing answer judges it when its earlier report would have turned stale (and
+        finds it fresh), and a decision that names it reads its entry from the view (`_caught_up`). Unless a
+        reservation became running between the two reports: the newer one sees that memory as used, so what the
+        node offers changes (`_sees_the_same`), and it is touched."""
+        state = self._nodes.get(name)
+        if state is not None and not _sees_the_same(state.entry.resources, entry.resources, state.ledger):
+            self.touch(name)
 
     def _question(self, request: PlacementRequest, model: ModelFacts, monotonic_now: float) -> _Question:
         token = self._token(model)
@@ -497,10 +514,10 @@ class FleetIndex:
         key = (token, request.n_gpu_layers, request.ctx, ceiling, request.settings)
         return _Question(request, token, model, ceiling, key, monotonic_now)
 
-    def _chosen(self, q: _Question, best: _Fitting) -> Fit:
+    def _chosen(self, q: _Question, best: _Fitting, view: Mapping[str, ViewEntry]) -> Fit:
         """How the model runs on the chosen node: as sized at its ceiling, or by `admission.fit_node` itself
         (which also finds the node's context ceiling, part of the chosen node's breakdown)."""
-        state = best.state
+        state = _caught_up(best.state, view)
         if best.fit is not None:
             # a heartbeat since may have replaced the node's entry (the same report, only newer)
             return best.fit if best.fit.entry is state.entry else dataclasses.replace(best.fit, entry=state.entry)
@@ -822,6 +839,20 @@ def _same_report(a: NodeResources, b: NodeResources) -> bool:
     """Whether two reports of a node say the same but for their sequence number and time of sending (every
     other field, present or future, compared)."""
     return msgspec.structs.replace(a, seq=b.seq, sent_at=b.sent_at) == b
+
+
+def _caught_up(state: _NodeState, view: Mapping[str, ViewEntry]) -> _NodeState:
+    """`state` with its node's entry as the view has it now: a heartbeat taken in since (`FleetIndex.refreshed`)
+    replaces the entry, as judging the node again would; every answer stands."""
+    current = view.get(state.entry.resources.node_id)
+    if (
+        current is not None
+        and current is not state.entry
+        and _same_report(state.entry.resources, current.resources)
+        and _sees_the_same(state.entry.resources, current.resources, state.ledger)
+    ):
+        state.entry = current
+    return state
 
 
 def _sees_the_same(a: NodeResources, b: NodeResources, ledger: NodeLedger | None) -> bool:

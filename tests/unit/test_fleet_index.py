@@ -251,6 +251,7 @@ class Fleet:
     ledgers: dict[str, LedgerEntry] = field(default_factory=dict)
     revision: int = 0
     touched: list[str] = field(default_factory=list)  # what changed, for a tracked index
+    heartbeats: list[str] = field(default_factory=list)  # of those, the reports that only said the same again
 
 
 @st.composite
@@ -265,7 +266,9 @@ def changes(draw: st.DrawFn, current: Fleet, *, mode: str = "any") -> None:
             old = current.view[name].resources
             again = msgspec.structs.replace(old, seq=old.seq + 1, sent_at=old.sent_at + 1)
             current.view[name] = ViewEntry(resources=again, revision=current.revision)
-            current.arrived[name] = MONOTONIC - draw(st.sampled_from((0.0, 3.0, 15.1)))
+            # it arrives after the report it repeats (the actor's clock does not go back)
+            current.arrived[name] = max(current.arrived[name], MONOTONIC - draw(st.sampled_from((0.0, 3.0, 15.1))))
+            current.heartbeats.append(name)
         elif what == "gone":
             current.view.pop(name, None)
             current.arrived.pop(name, None)
@@ -346,6 +349,47 @@ def test_a_tracked_index_judging_only_what_changed_decides_exactly_what_the_full
         for name in current.touched:
             index.touch(name)
         current.touched.clear()
+        clock += data.draw(st.sampled_from((0.0, 0.4, 2.0, 9.0)), label="seconds pass")
+        model = data.draw(st.sampled_from(models), label="model")
+        request = asking(data.draw(requests(), label="request"), model)
+        fast = index.decide(
+            request, model, current.view, current.arrived, current.ledgers, monotonic_now=clock, dry_run=True,
+            fresh={}, **ids,
+        )  # fmt: skip
+        inputs = snapshot(request, current.view, current.arrived, current.ledgers, {}, clock)
+        full = full_scan(request, model, inputs.view, inputs.held, unreadable=inputs.unreadable, dry_run=True, **ids)
+        assert fast == full
+        note(fast.decision)
+
+
+def tell(index: FleetIndex, current: Fleet) -> None:
+    """What the placement actor tells its index of the changes since the last decision: a node whose every change
+    was a heartbeat (`intake.heartbeat_of`) is `refreshed`, any other touched."""
+    for name in dict.fromkeys(current.touched):
+        if current.touched.count(name) == current.heartbeats.count(name):
+            index.refreshed(name, current.view[name])
+        else:
+            index.touch(name)
+    current.touched.clear()
+    current.heartbeats.clear()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_tracked_index_told_only_of_new_reports_not_heartbeats_decides_exactly_what_the_full_scan_decides(
+    data: st.DataObject, models: tuple[ModelFacts, ...]
+) -> None:
+    # Issue 28: a heartbeat (the same report, only newer) is not a touch: the node is judged again only when its
+    # older report would have turned stale, and a decision naming it reads its newer report from the view. Brief
+    # and explained answers alike, so the chosen node's report and revision are compared too.
+    index = FleetIndex(tracked=True)
+    current = Fleet()
+    ids: Ids = {"now": NOW, "decision_id": "d1", "reservation_id": "r1"}
+    clock = MONOTONIC
+    for _ in range(data.draw(st.integers(1, 12), label="steps")):
+        if data.draw(st.booleans(), label="change"):
+            data.draw(changes(current))
+        tell(index, current)
         clock += data.draw(st.sampled_from((0.0, 0.4, 2.0, 9.0)), label="seconds pass")
         model = data.draw(st.sampled_from(models), label="model")
         request = asking(data.draw(requests(), label="request"), model)
@@ -609,9 +653,9 @@ def test_tables_stay_bounded_when_nodes_come_and_go(
     assert index.stats().resets > 0
 
 
-@pytest.mark.parametrize("tracked", [False, True])
+@pytest.mark.parametrize(("tracked", "refreshed"), [(False, False), (True, False), (True, True)])
 def test_a_heartbeat_after_a_reservation_became_running_frees_what_the_report_now_shows(
-    models: tuple[ModelFacts, ...], tracked: bool
+    models: tuple[ModelFacts, ...], tracked: bool, refreshed: bool
 ) -> None:
     # The live term subtracts what the report cannot see yet: a reservation ready after the report was taken. A
     # heartbeat (the same report, only newer) sent after it became running shows its memory as used, so the
@@ -640,7 +684,10 @@ def test_a_heartbeat_after_a_reservation_became_running_frees_what_the_report_no
     assert before == full and not before.decision.admitted  # usable - 128 MiB unseen < need
     heartbeat = msgspec.structs.replace(report, seq=2, sent_at=NOW)  # sent after running_since
     current.view["a"] = ViewEntry(resources=heartbeat, revision=2)
-    index.touch("a")
+    if refreshed:
+        index.refreshed("a", current.view["a"])  # as the actor tells it of a heartbeat: it must judge the node again
+    else:
+        index.touch("a")
     after, full = both(index, request, dense, current, {})
     assert full.decision.admitted
     assert after == full
@@ -673,9 +720,10 @@ def test_nodes_whose_gpus_place_the_model_alike_but_its_draft_model_not_are_size
     assert index.stats().layouts == 2
 
 
-@pytest.mark.parametrize("tracked", [False, True])
+@pytest.mark.parametrize(("tracked", "refreshed"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("ctx", [None, 256])
 def test_a_heartbeat_keeps_a_nodes_answer_at_its_ceiling_and_the_decision_names_the_newer_report(
-    models: tuple[ModelFacts, ...], tracked: bool
+    models: tuple[ModelFacts, ...], tracked: bool, refreshed: bool, ctx: int | None
 ) -> None:
     # A node sized at its own ceiling keeps that answer through a report that only says it is alive, but the
     # decision is made on the newer report (its revision is the one the placement records).
@@ -688,12 +736,15 @@ def test_a_heartbeat_keeps_a_nodes_answer_at_its_ceiling_and_the_decision_names_
     )  # fmt: skip
     current = Fleet(view={"a": ViewEntry(resources=report, revision=1)}, arrived={"a": MONOTONIC})
     index = FleetIndex(tracked=tracked)
-    request = PlacementRequest(model=ModelRef(path="m.gguf"), max_ctx=True)
+    request = PlacementRequest(model=ModelRef(path="m.gguf"), max_ctx=ctx is None, ctx=ctx)
     before, full = both(index, request, dense, current, {})
     assert before == full and before.decision.admitted
     heartbeat = msgspec.structs.replace(report, seq=2, sent_at=NOW)
     current.view["a"] = ViewEntry(resources=heartbeat, revision=2)
-    index.touch("a")
+    if refreshed:  # as the actor tells it of a heartbeat (issue 28): not judged again, yet named as it is now
+        index.refreshed("a", current.view["a"])
+    else:
+        index.touch("a")
     sized = index.stats().sized
     after, full = both(index, request, dense, current, {})
     assert after == full and after.decision.placements[0].telemetry_revision == 2
