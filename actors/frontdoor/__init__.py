@@ -1,5 +1,5 @@
 """Front door: the HTTP server of OpenAI's and Anthropic's APIs over `mesh.generate`, with models on demand.
-Pure cores `catalog` (models.toml), `keys` (tenants' API keys and their scopes), `lifecycle` (what to stop to
+Pure cores `catalog` (models.toml), `keys` (tenants' API keys and their scopes), `ondemand_rules` (what to stop to
 make room, what idles out), `scaling` (when to add or retire
 a replica) and `shapes` (the HTTP surface: paths, keys, error shapes, the model renamed in answers); the shells:
 `actor` serves HTTP, `relay` carries an answer back to its client, `ondemand` starts and stops models (a part
@@ -10,4 +10,4 @@ router) shares (`runtime.key_limits`, pure; `runtime.shared_limits`, their bucke
 from typing import Final
 
 #: The pure cores (`tests/test_import_rules.py` holds them, and everything else, to the design's import rules).
-CORES: Final = frozenset({"catalog", "keys", "lifecycle", "scaling", "shapes"})
+CORES: Final = frozenset({"catalog", "keys", "ondemand_rules", "scaling", "shapes"})

@@ -8,9 +8,9 @@ capture apply. A client that disconnects stops its generation (the handler is ca
 subscription goes, the runner's next ping finds nobody).
 
 Models on demand and replicas are `ondemand`'s (a part the actor holds, `demand`: one start per model, room made by
-`lifecycle`, idle stops, the scaler's additions and retirements); an answer is relayed by `relay`. Every
+`ondemand_rules`, idle stops, the scaler's additions and retirements); an answer is relayed by `relay`. Every
 completion is captured into L3 after its reply (the runner does it), so a stopped model resumes from its states
-when it is loaded again. Requests for one model are grouped while a swap is pending (`lifecycle`);
+when it is loaded again. Requests for one model are grouped while a swap is pending (`ondemand_rules`);
 `group_swaps=False` serves them in arrival order instead, the behaviour grouping is measured against
 (`benchmarks/frontdoor_swap.py`).
 

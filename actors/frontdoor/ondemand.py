@@ -1,6 +1,6 @@
 """Models on demand (front-door shell): a request for a catalog model without a ready instance waits (at most
 `max_queue` per model, beyond that 429) while one start is in flight for that model: placement is asked (with the
-model's required serving settings); when it refuses for memory, `lifecycle.plan_room` says which instances to stop
+model's required serving settings); when it refuses for memory, `ondemand_rules.plan_room` says which instances to stop
 (they are stopped, and placement is asked again), to wait for busy ones, or that the model never fits (507 at
 once, with need and have). Instances with an `idle_ttl_s` stop when idle that long (never below the model's
 `min_replicas`). Replicas: `replicas.ReplicaScaler` decides, the methods here carry it out.
@@ -23,7 +23,7 @@ from nats.js.kv import KeyValue
 
 from actors.frontdoor import shapes
 from actors.frontdoor.catalog import Catalog, CatalogModel
-from actors.frontdoor.lifecycle import ArrivalOrder, NeverFits, Running, Stop, Wait, idle_expired, plan_room
+from actors.frontdoor.ondemand_rules import ArrivalOrder, NeverFits, Running, Stop, Wait, idle_expired, plan_room
 from actors.frontdoor.relay import bus_failure
 from actors.frontdoor.replicas import ReplicaScaler
 from actors.placement import pooled
@@ -224,7 +224,7 @@ class ModelsOnDemand:
         self, model: ModelDemand, deadline: float, request_class: int = 0, *, queued: bool = False
     ) -> InstanceStatus:
         """A ready instance of `model`, after waiting with its other requests for the one start in flight (which
-        may make room as the highest class among them may: `lifecycle.plan_room`)."""
+        may make room as the highest class among them may: `ondemand_rules.plan_room`)."""
         ready = self.ready_of(model)
         if ready is not None:
             return ready

@@ -26,7 +26,7 @@ buckets, feeds what it saw, and writes the ledgers this module returns, with com
   on `node_restarted`.
 - A record that disappears releases only the claims seen before it disappeared: a runner whose reservation
   was released all the same (its node reported for the whole grace without it) re-books it while its server
-  still runs (see `actors/runner/booking.py`), and that booking gets `claim_grace_s` for the record to
+  still runs (see `actors/runner/ledger_rules.py`), and that booking gets `claim_grace_s` for the record to
   return, as a new claim does. So the ledger converges to what runs in both directions: what stopped running
   is released, what runs is booked again.
 - Runner events (`instance_ready`, `instance_stopped`, ...) are the fast path to the same outcomes; an event

@@ -2,7 +2,7 @@
 
 `mesh.runner.<node>.start` takes a reservation id. The reservation (read from the node's ledger, never from
 the caller) says which model runs with which stamp. Before anything starts, the runner admits it again on
-the worker side (`admission`, the decisions; `preflight`, the reading): the node's serving settings and
+the worker side (`start_checks`, the decisions; `preflight`, the reading): the node's serving settings and
 engine build must equal the stamp, the model file named by the (peer-written, so hostile) ledger must be a
 readable GGUF (and, from a signed registry entry, the signed file), and the model, re-sized now, must fit
 what the node has minus what its other reservations hold. Then the runner claims the reservation on the
@@ -41,19 +41,12 @@ from actors.handoff.api import HandoffAccess
 from actors.l3.api import L3Access
 from actors.placement.memory import MemoryModelError, cache_allocations, estimate
 from actors.placement.split import node_share
-from actors.runner import lifecycle as lc
+from actors.runner import instance_lifecycle as lc
 from actors.runner import upkeep
-from actors.runner.admission import (
-    StartRefused,
-    check_memory,
-    check_reservation,
-    claim,
-    find,
-)
-from actors.runner.booking import Live
 from actors.runner.command import with_files
 from actors.runner.drift import settings_drift
 from actors.runner.driver import CommandRewrite, DriverFault, InstanceDriver, SignalFilter
+from actors.runner.ledger_rules import Live
 from actors.runner.lending import Lending, LendingConfig
 from actors.runner.limits import RunnerLimits, default_restart_policy
 from actors.runner.members import MemberLinks
@@ -63,6 +56,13 @@ from actors.runner.records import TTL_HEADER
 from actors.runner.server_api import ServerApi
 from actors.runner.serving import Serving, ServingLimits, state_identity
 from actors.runner.slots import PromptLimit
+from actors.runner.start_checks import (
+    StartRefused,
+    check_memory,
+    check_reservation,
+    claim,
+    find,
+)
 from messages.errors import (
     DATA_DIR_UNWRITABLE,
     NOT_FOUND,

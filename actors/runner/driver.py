@@ -1,6 +1,6 @@
 """One instance's driver (runner shell): performs the lifecycle machine's actions and feeds back what happened.
 
-`InstanceDriver.run` feeds `Start()` to the instance's `lifecycle.Lifecycle`, then performs each action the
+`InstanceDriver.run` feeds `Start()` to the instance's `instance_lifecycle.Lifecycle`, then performs each action the
 machine returns (spawn, verify, signal, deadline, report) and feeds back each observation (spawned, healthy,
 verified, exited, unresponsive, stop requested, deadline passed) until the machine reaches a final phase.
 The helpers of one server generation (log pump, exit watcher, /health pollers, verification) run in the
@@ -29,8 +29,7 @@ from typing import Any, Literal
 import msgspec
 
 from actors.placement.memory import CacheAllocation
-from actors.runner import lifecycle as lc
-from actors.runner.admission import describe_drift
+from actors.runner import instance_lifecycle as lc
 from actors.runner.allocation_log import parse_allocation_log
 from actors.runner.command import build_command, server_environment
 from actors.runner.drift import ServerReport, server_drift, split_drift
@@ -42,6 +41,7 @@ from actors.runner.process import MIB, ServerLog, ServerProcess
 from actors.runner.reaper import reap
 from actors.runner.records import write_status
 from actors.runner.server_api import ServerApi, ServerApiError
+from actors.runner.start_checks import describe_drift
 from messages.events import (
     DriftRejected,
     HealthCheckFailed,

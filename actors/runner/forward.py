@@ -95,7 +95,7 @@ class Forwarder:
         shell = self._shell
         timeout = shell.limits.tokenize_timeout_s
         try:
-            text = plan.text if isinstance(plan, passthrough.Tokenize) else await self._template(instance, plan)
+            text = plan.text if isinstance(plan, passthrough.PromptText) else await self._template(instance, plan)
             if text is None:
                 return None
             size = len(text.encode("utf-8", errors="surrogatepass"))

@@ -18,7 +18,7 @@ it answers with the same exit.
 Supervision: the RPC server runs in its own process group and dies with the runner (parent-death signal, as
 llama-server does, `process.py`), its output goes to `runner/lend-<reservation>/rpc-server.log` (size-bounded).
 When it exits unasked, `rpc_server_exited` is journaled and it is restarted on the same port after the restart
-policy's backoff; the head sees its connection end and restarts its instance (`lifecycle.MemberLost`). Past the
+policy's backoff; the head sees its connection end and restarts its instance (`instance_lifecycle.MemberLost`). Past the
 policy's limit the part is given up (`rpc_lend_ended`). A part ends when its booking leaves this node's ledger
 (`reconcile`, on every change of the ledger: the head's instance stopped or failed and placement released the
 split), and every part ends when the runner stops.

@@ -1,10 +1,10 @@
-"""The runner's deadlines and bounds, in one place (the lifecycle's own deadlines are `lifecycle.Timings`)."""
+"""The runner's deadlines and bounds, in one place (the lifecycle's own deadlines are `instance_lifecycle.Timings`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.runner.lifecycle import Timings
+from actors.runner.instance_lifecycle import Timings
 from runtime.restart import RestartPolicy
 
 __all__ = ["RunnerLimits", "default_restart_policy"]

@@ -6,7 +6,7 @@ loopback, dialling that member's tunnel exit with mutual TLS under the cluster C
 `--rpc 127.0.0.1:<entrance>,…` in the stamp's member order, so the device `RPC<i>` is the stamp's member `i`.
 
 When a carried connection ends, or a member's exit cannot be reached, `on_lost(member, detail)` is called: the
-driver turns it into `lifecycle.MemberLost`, a crash naming the member once the server has loaded (its buffers
+driver turns it into `instance_lifecycle.MemberLost`, a crash naming the member once the server has loaded (its buffers
 hold one connection per member for the server's life). The links are closed when the instance ends.
 """
 

@@ -37,9 +37,9 @@ __all__ = [
     "AskLimits",
     "EndpointKind",
     "Given",
+    "PromptText",
     "SseCutter",
     "Template",
-    "Tokenize",
     "answer_stop",
     "answer_tokens",
     "decode_body",
@@ -77,7 +77,7 @@ class Template:
 
 
 @dataclass(frozen=True)
-class Tokenize:
+class PromptText:
     """Tokenize `text` as the server tokenizes a completion's prompt (specials added and parsed)."""
 
     text: str
@@ -113,7 +113,7 @@ _CHAT_SHAPES: Final = {
 }
 
 
-def render_plan(endpoint: str, body: Mapping[str, Any]) -> Template | Tokenize | Given | None:
+def render_plan(endpoint: str, body: Mapping[str, Any]) -> Template | PromptText | Given | None:
     """How the instance renders this body's prompt, or None when it has no single prompt the mesh can render."""
     if endpoint in _CHAT_SHAPES:
         try:
@@ -129,7 +129,7 @@ def render_plan(endpoint: str, body: Mapping[str, Any]) -> Template | Tokenize |
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # one prompt in a list: the server runs it as one
     if isinstance(prompt, str) and prompt:
-        return Tokenize(prompt)
+        return PromptText(prompt)
     if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < 1 << 31 for t in prompt):
         return Given(tuple(prompt))
     return None

@@ -15,7 +15,7 @@ the same way, always against the digest admission stamped. A file the node lacks
 the models dir) is first fetched from a peer by the node's files actor (`pull_missing`, `mesh.files.<id>.pull`:
 only a file a catalog or trusted registry entry names, at the stamped digest when there is one); a fetch that
 outlasts the budget keeps running there, and the start is refused `unavailable` (retry) meanwhile. The
-decisions are `actors.runner.admission`'s; this module moves bytes.
+decisions are `actors.runner.start_checks`'s; this module moves bytes.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from nats.js.kv import KeyValue
 from actors.placement.geometry import GeometryError, geometry_from_header
 from actors.placement.gguf_header import GGUFFormatError, GGUFHeader, parse_header
 from actors.placement.projector import ProjectorError, projector_from_header
-from actors.runner.admission import StartRefused
+from actors.runner.start_checks import StartRefused
 from messages.errors import BUSY, LEDGER_UNREADABLE, MODEL_MISMATCH, MODEL_UNREADABLE, UNAVAILABLE
 from messages.files import PullReply, PullRequest
 from messages.model import ModelGeometry, ProjectorGeometry

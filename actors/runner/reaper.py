@@ -18,7 +18,7 @@ import asyncio
 import signal
 from collections.abc import Awaitable, Callable
 
-from actors.runner.lifecycle import Timings
+from actors.runner.instance_lifecycle import Timings
 from actors.runner.process import ServerProcess
 
 __all__ = ["reap"]

@@ -1,6 +1,6 @@
 """Keeping the node's instance records and bookings true to what this runner runs (runner shell).
 
-The decisions are `actors.runner.booking`'s; this module reads and writes the buckets.
+The decisions are `actors.runner.ledger_rules`'s; this module reads and writes the buckets.
 
 - `clear_predecessor`, once at the start of each incarnation, before anything can start: deletes every
   `<node>.*` record in `MESH_INSTANCES` (none is this incarnation's: its servers died with its predecessor,
@@ -10,7 +10,7 @@ The decisions are `actors.runner.booking`'s; this module reads and writes the bu
   A ledger that does not decode is replaced by an empty one (nothing of this incarnation runs yet).
 - `keep_booked`, every few seconds while the runner lives: an instance whose reservation is missing from the
   ledger (released while the runner could not refresh its records) is booked again, or stopped when it no
-  longer fits (see `booking.py` for which and why); and a record of this node that says an instance is live
+  longer fits (see `ledger_rules.py` for which and why); and a record of this node that says an instance is live
   when this runner drives no such instance is removed (`drop_phantoms`): records normally go by their TTL,
   but a NATS server killed with -9 brought records purged before its crash back from its store, their TTLs
   no longer running (benchmarks/chaos.py), and they would have listed a dead instance for ever. The ledger is
@@ -31,10 +31,10 @@ import nats.js.errors
 
 from actors.placement.ledger import device_sizes
 from actors.placement.reservations import apply
-from actors.runner.admission import StartRefused
-from actors.runner.booking import Live, Rebook, lapsed, orphaned, rebook
+from actors.runner.ledger_rules import Live, Rebook, lapsed, orphaned, rebook
 from actors.runner.preflight import NodeState
 from actors.runner.records import FINAL_STATES
+from actors.runner.start_checks import StartRefused
 from messages.events import ReservationRebooked, ReservationReleased
 from messages.placement import NodeLedger
 from messages.runner import InstanceStatus

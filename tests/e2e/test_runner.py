@@ -26,7 +26,7 @@ import blake3
 import msgspec
 import pytest
 
-from actors.runner.lifecycle import Event, Verified
+from actors.runner.instance_lifecycle import Event, Verified
 from messages.generate import GenerateRequest, GenerateResult, RunnerGenerate
 from messages.placement import RpcMember, SplitPart
 from messages.runner import RunnerAck, StopInstance

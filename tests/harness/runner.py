@@ -20,7 +20,7 @@ from actors.placement.gguf_header import read_header
 from actors.placement.memory import estimate
 from actors.runner.actor import RunnerActor, RunnerLimits
 from actors.runner.driver import DriverFault, SignalFilter
-from actors.runner.lifecycle import Timings
+from actors.runner.instance_lifecycle import Timings
 from messages.memory import MemoryBreakdown
 from messages.placement import NodeLedger, Reservation, Stamp
 from messages.runner import InstanceStatus, RunnerAck, StartInstance

@@ -9,7 +9,7 @@ import pytest
 
 from actors.frontdoor import shapes
 from actors.frontdoor.catalog import CatalogError, parse_catalog
-from actors.frontdoor.lifecycle import ArrivalOrder, NeverFits, Running, Stop, Wait, idle_expired, plan_room
+from actors.frontdoor.ondemand_rules import ArrivalOrder, NeverFits, Running, Stop, Wait, idle_expired, plan_room
 from actors.runner import passthrough
 from messages.errors import INSUFFICIENT_MEMORY, MODEL_NOT_FOUND, NO_INSTANCE, REGISTRY, http_status, retryable
 from messages.placement import DeviceShortfall, PreferredSettings
@@ -160,8 +160,8 @@ def test_only_the_slot_is_set_in_a_forwarded_body() -> None:
 def test_bodies_are_rendered_the_way_the_server_renders_them_or_not_at_all() -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     assert passthrough.render_plan("chat", chat) == passthrough.Template(chat)
-    assert passthrough.render_plan("completions", {"prompt": "hi"}) == passthrough.Tokenize("hi")
-    assert passthrough.render_plan("completions", {"prompt": ["hi"]}) == passthrough.Tokenize("hi")
+    assert passthrough.render_plan("completions", {"prompt": "hi"}) == passthrough.PromptText("hi")
+    assert passthrough.render_plan("completions", {"prompt": ["hi"]}) == passthrough.PromptText("hi")
     assert passthrough.render_plan("completions", {"prompt": [1, 2]}) == passthrough.Given((1, 2))
     assert passthrough.render_plan("completions", {"prompt": [[1, 2]]}) == passthrough.Given((1, 2))
     for endpoint, body in (

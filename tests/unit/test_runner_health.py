@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 
 from actors.runner.health import InferenceHealth, out_of_memory
-from actors.runner.lifecycle import (
+from actors.runner.instance_lifecycle import (
     DeadlinePassed,
     Exited,
     Healthy,

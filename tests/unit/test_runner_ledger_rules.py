@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from actors.placement.reservations import Release, apply
-from actors.runner.booking import Live, Rebook, Stop, lapsed, orphaned, rebook
+from actors.runner.ledger_rules import Live, Rebook, Stop, lapsed, orphaned, rebook
 from messages.placement import NodeLedger, Reservation, ReservationState, SplitPart
 from tests.harness.reservations import GIB, STARTED, device, reservation
 

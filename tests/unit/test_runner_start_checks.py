@@ -10,7 +10,7 @@ import pytest
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from actors.placement.memory import estimate
-from actors.runner.admission import StartRefused, check_memory, check_reservation, claim, find
+from actors.runner.start_checks import StartRefused, check_memory, check_reservation, claim, find
 from messages.memory import MemoryBreakdown
 from messages.placement import NodeLedger, Reservation, RpcMember, SplitPart, Stamp
 from messages.runner import FieldDrift

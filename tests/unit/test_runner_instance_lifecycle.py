@@ -7,7 +7,7 @@ import copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.runner.lifecycle import (
+from actors.runner.instance_lifecycle import (
     Action,
     DeadlinePassed,
     Event,
