@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 
+from actors.router.routing import route
+from messages.events import GenerateRouted
 from messages.generate import GenerateChunk, GenerateRequest, GenerateResult
 from messages.subjects import Subjects
 from runtime.generate_client import generate
@@ -355,10 +358,22 @@ async def test_prefill_on_one_node_and_decode_on_another_gives_the_local_output(
             body = {"prompt": other, "n_predict": 32, "temperature": 0, "cache_prompt": False, "return_tokens": True}
             reply = await call_server(port, "POST", "/completion", body, timeout_s=60)
             assert split["tokens"] == json.loads(reply.body)["tokens"]  # 32 greedy tokens, token for token
-            # The router has now measured this link; both nodes prefill alike, so by cost it stays local.
+            # Whichever node's router takes the request (the queue group's choice) decides with what it has learned
+            # of the link: its choice is its core's on those inputs, and with both nodes prefilling alike (the same
+            # server on the same cores; a loaded machine may measure one slower for a while) the core keeps the
+            # prompt local: the handoff would only add to it.
             third = [5 + (i * 17) % 240 for i in range(300)]
             chosen = await gen(first, model.name, third, 4, "--no-capture")
-            assert chosen["path"] == "local", chosen
+            (event,) = [
+                e for e in await events(first, "router.generate_routed") if e["request_id"] == chosen["request_id"]
+            ]
+            routed = msgspec.convert(event, GenerateRouted)
+            redecided = route(routed.n_prompt, routed.candidates, routed.weights, routed.links, routed.link_fixed_s)
+            assert redecided == routed.decision, routed
+            assert (chosen["path"] == "local") == (routed.decision.prefill_node is None), (chosen, routed)
+            rate = max(c.prefill_tokens_per_s for c in routed.candidates)
+            alike = [msgspec.structs.replace(c, prefill_tokens_per_s=rate) for c in routed.candidates]
+            assert route(routed.n_prompt, alike, routed.weights, routed.links, routed.link_fixed_s).prefill_node is None
             if kind != "dense":
                 return
             # The operator's link probe: real handoffs node-b -> node-a, then the break-even of this model.
