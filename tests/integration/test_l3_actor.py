@@ -43,7 +43,9 @@ async def test_capture_is_published_found_and_materialized_byte_for_byte(
         l3.capture(source, identity=IDENTITY, tokens=tokens, payload_kind=KIND)
         [captured] = await journal_reader.wait_for(of_type("l3_captured", node="node-a"))
         assert (captured["n_tokens"], captured["bytes"], captured["new_bytes"]) == (100, len(data), len(data))
-        assert not source.exists()  # the L3 side owns and deletes the slot file
+        async with asyncio.timeout(5):  # the L3 side owns and deletes the slot file (once the capture is settled)
+            while source.exists():
+                await asyncio.sleep(0.01)
 
         async def published() -> L3Inventory | None:
             inv = await _inventory(bus, "node-a")
