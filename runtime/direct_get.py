@@ -159,14 +159,26 @@ async def follow_stored(
                 async for message in read_stored(
                     bus, stream, subjects, start_seq=cursor[0], start_time=cursor[1], batch=batch
                 ):
+                    _unless_cancelled()
                     cursor = (message.seq + 1, None)
                     yield message
+                _unless_cancelled()
                 if cursor != before:
                     break
             await doorbell.next_msg(timeout=None)
             while doorbell.pending_msgs:  # one read serves every ring already heard
                 await doorbell.next_msg(timeout=None)
+            _unless_cancelled()
             rings += 1
     finally:
         with contextlib.suppress(nats.errors.Error):
             await doorbell.unsubscribe()
+
+
+def _unless_cancelled() -> None:
+    """Raises the cancellation the client library swallowed: on Python 3.11 a cancel that lands as a request's
+    answer or a message arrives is lost inside nats-py (`asyncio.wait_for` returns the result), and a follower
+    asked to stop would read on for ever (the task still counts the request: `cancelling()`)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError("cancelled while the client library held the call")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import UTC, datetime
 from typing import Any
 
@@ -125,3 +126,33 @@ async def test_a_journal_created_before_direct_gets_gets_them_at_the_next_start(
     assert name == old.events_stream and not (await bus.js.stream_info(name)).config.allow_direct
     await ensure_events_stream(bus, old, max_age_s=3600.0, max_bytes=64 << 20)
     assert (await bus.js.stream_info(name)).config.allow_direct
+
+
+async def test_a_follower_whose_cancellation_the_client_library_swallowed_still_stops(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On Python 3.11 nats-py's `asyncio.wait_for` can return a request's answer and drop the cancel that landed
+    # with it; the task still counts that cancel (`cancelling()`). Played here by a read that swallows one.
+    async def swallowing(*args: Any, **kwargs: Any) -> tuple[list[StoredMessage], int]:
+        found = await read_batch(*args, **kwargs)
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):  # swallowed, as the library does
+            await asyncio.sleep(0)
+        return found
+
+    monkeypatch.setattr(direct_get, "read_batch", swallowing)
+    await _publish(bus, 2)
+
+    async def follow() -> None:
+        async for _ in follow_stored(bus, S.events_stream, S.event("test", "*", "n1")):
+            pass
+
+    task = asyncio.create_task(follow())
+    done, _ = await asyncio.wait({task}, timeout=5)
+    try:
+        assert task in done and task.cancelled(), "the follower read on after its cancellation"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
