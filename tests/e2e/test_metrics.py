@@ -29,7 +29,7 @@ from runtime.children import free_port
 from tests.conftest import processes
 from tests.harness.frontdoor import _WEDGE, KEY, KEYED, QUIET, client, write_catalog
 from tests.harness.metrics import parse_openmetrics
-from tests.harness.nodes import cli, events_of, node, wait_nodes
+from tests.harness.nodes import cli, events_of, node, wait_listening, wait_nodes
 from tests.llama_harness import require_server
 from tests.tiny_models import write_llama
 
@@ -113,6 +113,7 @@ async def test_a_front_doors_metrics_move_with_the_openai_clients_requests_and_e
     http, metrics = free_port(), free_port()
     async with node(data_dir, "door", *QUIET, "--http", str(http), "--metrics", str(metrics), env=KEYED):
         await wait_nodes(data_dir, "door")
+        await wait_listening(http, metrics)
         for port in (http, metrics):  # the key rule holds on both listeners
             for key in (None, "wrong-key"):
                 status, _, body = await scrape(port, key)
@@ -217,6 +218,7 @@ async def test_a_node_without_a_front_door_serves_metrics_on_loopback_for_mesh_g
     assert code == 2 and "beyond loopback" in err, err  # no key, no listener beyond loopback
     async with node(data_dir, "plain", *QUIET, "--metrics", str(port)):
         await wait_nodes(data_dir, "plain")
+        await wait_listening(port)
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session,
             session.get(f"http://127.0.0.1:{port}/v1/models") as other,
@@ -269,6 +271,7 @@ async def test_failed_probes_of_a_wedged_server_are_counted_then_its_restart(tmp
     probing = ("--health-probe-interval", "1", "--health-probe-timeout", "2")
     async with node(data_dir, "wedged", *QUIET, *probing, "--metrics", str(port)):
         await wait_nodes(data_dir, "wedged")
+        await wait_listening(port)
         code, _, err = await cli("place", str(model), "-c", "2048", "--start", "--data-dir", str(data_dir))
         assert code == 0, err
         (instance,) = [i for i in (await status_json(data_dir))["instances"] if i["state"] == "ready"]

@@ -104,3 +104,19 @@ async def wait_nodes(data_dir: Path, *names: str) -> dict[str, Any]:
 def need(model: Path, slots: int, ctx: int) -> int:
     settings = ServingSettings(slots=slots, cache_ram_mib=0, ctx_checkpoints=0)
     return estimate(geometry_from_header(read_header(model)), settings, ctx).total_bytes
+
+
+async def wait_listening(*ports: int, timeout: float = 30) -> None:
+    """Until each loopback port accepts a connection: a node prints "running" when its actors start, and its HTTP
+    listeners (front door, metrics) bind a moment later, each in its actor."""
+    async with asyncio.timeout(timeout):
+        for port in ports:
+            while True:
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", port)
+                except OSError:
+                    await asyncio.sleep(0.1)
+                    continue
+                writer.close()
+                await writer.wait_closed()
+                break
