@@ -90,6 +90,9 @@ class NodeConfig:
     # cluster listener's host; a wildcard listener advertises the host's name).
     lend: bool = True
     lend_host: str | None = None
+    # Bulk bytes (model files, L3 segments, handoffs) on a direct stream beside the bus (docs/datapath.md); False:
+    # every byte over NATS, as to a firewalled peer (this node neither offers nor dials the direct path).
+    direct_path: bool = True
 
     @property
     def subjects(self) -> Subjects:
@@ -278,6 +281,7 @@ _OPTIONS: dict[str, Callable[[Any], Any]] = {
     "clients_share": _share,
     "lend": _bool,
     "lend_host": str,
+    "direct_path": _bool,
     "nats": _urls,
     "nats_user": str,
     "nats_password": str,
@@ -458,6 +462,7 @@ def load_config(
         clients_share=values.get("clients_share", 0.5),
         lend=values.get("lend", True),
         lend_host=values.get("lend_host"),
+        direct_path=values.get("direct_path", True),
     )
 
 

@@ -274,9 +274,10 @@ async def run_node(
             if engine_error:
                 log.warning("no_llama_server", reason=engine_error)
             route_tls, lending = await asyncio.to_thread(split_serving, config, engine)
-            # Bulk bytes beside the bus (docs/datapath.md): mutual TLS on the cluster address, else loopback only.
+            # Bulk bytes beside the bus (docs/datapath.md): mutual TLS on the cluster address, else loopback only;
+            # none with --no-direct-path (every byte over NATS).
             cluster_host = config.lend_host or (config.cluster_listen[0] if config.cluster_listen else None)
-            data_path = DataPathConfig.for_node(route_tls, cluster_host)
+            data_path = DataPathConfig.for_node(route_tls, cluster_host) if config.direct_path else None
             facts = NodeFacts(
                 node_id=config.node_id,
                 started_at=time.time(),

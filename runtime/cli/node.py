@@ -207,6 +207,11 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         help="the address other nodes reach this node's split lending on (default: the --cluster-listen host)",
     )  # fmt: skip
     run.add_argument(
+        "--no-direct-path", dest="direct_path", action="store_false", default=None,
+        help="move model files, L3 segments and handoffs over NATS only, as to a firewalled peer (default: on a "
+        "direct stream beside the bus; docs/datapath.md)",
+    )  # fmt: skip
+    run.add_argument(
         "--otlp", metavar="URL",
         help="export each request's hops as OpenTelemetry spans to this OTLP/HTTP collector (e.g. "
         "http://127.0.0.1:4318; needs the otlp extra)",
@@ -279,6 +284,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         "clients_share": args.clients_share,
         "lend": args.lend,
         "lend_host": args.lend_host,
+        "direct_path": args.direct_path,
         "prefix": args.prefix,
         "nats": ",".join(args.nats) if args.nats else None,
         "nats_user": args.nats_user,

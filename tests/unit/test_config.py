@@ -170,3 +170,11 @@ def test_the_client_share_is_a_fraction_of_each_node_half_by_default(tmp_path: P
     for bad in ("0", "1.5", "-0.1", "half"):
         with pytest.raises(ConfigError, match="--client-share"):
             load_config({"data_dir": str(tmp_path), "client_share": bad}, {})
+
+
+def test_the_direct_data_path_is_on_unless_turned_off(tmp_path: Path) -> None:
+    assert load_config({"data_dir": str(tmp_path)}, {}).direct_path is True
+    assert load_config({"data_dir": str(tmp_path), "direct_path": False}, {}).direct_path is False
+    assert load_config({"data_dir": str(tmp_path)}, {"MESH_ACTOR_DIRECT_PATH": "false"}).direct_path is False
+    (tmp_path / "config.toml").write_text("direct_path = false\n")
+    assert load_config({"data_dir": str(tmp_path)}, {}).direct_path is False
