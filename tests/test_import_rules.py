@@ -240,3 +240,26 @@ def test_no_module_imports_itself_through_others() -> None:
 def test_the_cycle_finder_finds_cycles() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
     assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def _test_module_imports() -> list[str]:
+    """Imports of a test module (`tests/unit|integration|e2e/test_*.py`) by any module under tests/: shared
+    helpers live in `tests/harness`, so a test module is free to change without breaking another."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "tests" and any(p.startswith("test_") for p in parts[1:]):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    return found
+
+
+def test_tests_share_helpers_through_the_harness_not_each_other() -> None:
+    assert _test_module_imports() == []

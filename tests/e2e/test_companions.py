@@ -29,11 +29,11 @@ from actors.runner.allocation_log import printed_mib
 from actors.runner.observed import mib_to_bytes
 from actors.runner.state_file import state_tokens
 from runtime.children import free_port
-from tests.e2e.test_passthrough import assert_same, normalized, post
 from tests.harness.frontdoor import KEYED, _events, client, write_catalog
 from tests.harness.generate import gen
 from tests.harness.images import image_part
 from tests.harness.nodes import cli, instances_of, node, wait_nodes
+from tests.harness.passthrough import assert_same, normalized, post
 from tests.llama_harness import require_server
 from tests.tiny_chat_models import write_tool_chat
 from tests.tiny_models import write_llama

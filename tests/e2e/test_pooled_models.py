@@ -22,9 +22,9 @@ import pytest
 import pytest_asyncio
 
 from runtime.children import free_port
-from tests.e2e.test_passthrough import assert_same, normalized, post
 from tests.harness.frontdoor import KEYED, client, instances, write_catalog
 from tests.harness.nodes import events_of, node, wait_nodes
+from tests.harness.passthrough import assert_same, normalized, post
 from tests.llama_harness import require_server
 from tests.tiny_pooled_models import write_llama_embedding, write_qwen3_reranker
 

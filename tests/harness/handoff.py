@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ from actors.handoff import sender as tx
 from actors.handoff.actor import HandoffLimits
 from actors.l3 import layout
 from actors.l3.layout import SegmentRef
+from messages.datapath import DataHello, DirectOffer
 from messages.handoff import (
     CreditGrant,
     HandoffCommit,
@@ -103,3 +105,19 @@ class HandSender:
         commit = msgspec.structs.replace(commit, **changes)
         msg = await self.bus.request_raw(self.opened.subject + ".commit", encode(commit), timeout=10)
         return parse_reply("commit", msg, HandoffResult)
+
+
+async def raw_push(offer: DirectOffer | None, hello: DataHello, then: bytes) -> bytes:
+    """Connects to the offer, sends `hello` and `then`; what the listener answered before it closed."""
+    assert offer is not None
+    reader, writer = await asyncio.open_connection(offer.host, offer.port)
+    try:
+        body = msgspec.json.encode(hello)
+        writer.write(len(body).to_bytes(4, "big") + body + then)
+        await writer.drain()
+        async with asyncio.timeout(10):
+            return await reader.read(65536)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()

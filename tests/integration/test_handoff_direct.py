@@ -20,13 +20,13 @@ import msgspec
 import pytest
 
 from actors.handoff.actor import CommittedHandoff, HandoffActor, HandoffFailed
-from messages.datapath import DataAnswer, DataHello, DirectOffer
+from messages.datapath import DataAnswer, DataHello
 from messages.handoff import HandoffOpen, HandoffOpened, LinkProbe, LinkProbeResult
 from runtime.bus import Bus
 from runtime.datapath import PUSHED, DataLimits, DataPathConfig
 from runtime.tls import TlsFiles, ensure_route_certificates
 from tests.conftest import JournalReader, of_type, supervised
-from tests.harness.handoff import FAST, IDENTITY, S, _until
+from tests.harness.handoff import FAST, IDENTITY, S, _until, raw_push
 
 LIMITS = DataLimits(stall_s=2.0, rate_grace_s=60.0)
 NAMES = ["127.0.0.1", "localhost"]
@@ -142,22 +142,6 @@ async def opened_session(bus: Bus, max_bytes: int) -> HandoffOpened:
         credit_subject=bus.nc.new_inbox(), direct=True,
     )  # fmt: skip
     return await bus.request(S.handoff("node-b", "open"), request, HandoffOpened, timeout=5)
-
-
-async def raw_push(offer: DirectOffer | None, hello: DataHello, then: bytes) -> bytes:
-    """Connects to the offer, sends `hello` and `then`; what the listener answered before it closed."""
-    assert offer is not None
-    reader, writer = await asyncio.open_connection(offer.host, offer.port)
-    try:
-        body = msgspec.json.encode(hello)
-        writer.write(len(body).to_bytes(4, "big") + body + then)
-        await writer.drain()
-        async with asyncio.timeout(10):
-            return await reader.read(65536)
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
 
 
 async def test_a_ticket_for_another_session_or_a_replayed_one_takes_no_chunk(bus: Bus, tmp_path: Path) -> None:

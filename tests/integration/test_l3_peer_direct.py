@@ -22,8 +22,8 @@ from runtime.bus import Bus, RemoteError
 from runtime.datapath import DataLimits, DataPathConfig
 from runtime.tls import TlsFiles, ensure_route_certificates
 from tests.conftest import JournalReader, of_type
+from tests.harness.handoff import raw_push
 from tests.harness.l3 import IDENTITY, KIND, SEG, _slot_file, _until, l3_node
-from tests.integration.test_handoff_direct import raw_push
 
 S = Subjects()
 LIMITS = DataLimits(stall_s=2.0, rate_grace_s=60.0)

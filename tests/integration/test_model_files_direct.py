@@ -28,7 +28,7 @@ from runtime.bus import Bus, encode
 from runtime.datapath import FRAME, DataLimits, DataPathConfig, machine_id
 from runtime.tls import TlsFiles, ensure_route_certificates
 from tests.conftest import JournalReader, of_type, supervised
-from tests.integration.test_model_files import (
+from tests.harness.model_files import (
     S,
     answering,
     digest_of,
