@@ -29,7 +29,7 @@ from typing import Any
 
 from actors.handoff import cost
 from benchmarks.environment import print_environment
-from benchmarks.mesh_node import cli, connect, print_provenance, write_model
+from benchmarks.mesh_node import cli, connect, print_provenance, start_model, write_model
 from messages.generate import GenerateRequest, GenerateResult, InstanceLoad, Sampling, ServingReport
 from messages.subjects import Subjects
 from runtime.bus import Bus, decode_checked
@@ -38,19 +38,6 @@ from tests.conftest import node_process
 
 FLAGS = ("--parallel", "1", "--cache-ram", "0", "--ctx-checkpoints", "0")
 CTX = 4096
-
-
-async def _place(data_dir: Path, model: Path, node_id: str) -> str:
-    decision = await cli(
-        "place", str(model), "-c", str(CTX), "--node", node_id, "--start", "--json", "--data-dir", str(data_dir)
-    )
-    instance_id = str(decision["instance"]["instance_id"])
-    async with asyncio.timeout(300):
-        while True:
-            status = await cli("status", "--json", "--data-dir", str(data_dir))
-            if any(i["id"] == instance_id and i["state"] == "ready" for i in status["instances"]):
-                return instance_id
-            await asyncio.sleep(0.3)
 
 
 async def _ask(bus: Bus, instance: str, prompt: list[int], prefill_node: str) -> tuple[float, GenerateResult]:
@@ -104,8 +91,8 @@ async def main_async(args: argparse.Namespace) -> None:
                 "MESH_ACTOR_NATS_PASSWORD": env["password"],
             }  # fmt: skip
             async with node_process(fast_dir, "fast", *FLAGS, "--threads", "2", env=join, ready_s=60):
-                slow_id = await _place(slow_dir, model, "slow")
-                fast_id = await _place(slow_dir, model, "fast")
+                slow_id = (await start_model(slow_dir, model, CTX, "slow"))["id"]
+                fast_id = (await start_model(slow_dir, model, CTX, "fast"))["id"]
                 bus = await connect(slow_dir)
                 try:
                     for n in (256, 256, 128):  # warm both servers and their measured prefill rates

@@ -19,73 +19,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import random
 import shutil
 import statistics
 import tempfile
-import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from benchmarks.environment import print_environment
-from benchmarks.mesh_node import cli, connect, print_provenance, write_model
-from messages.generate import GenerateChunk, GenerateRequest, GenerateResult, Sampling
-from messages.subjects import Subjects
-from runtime.generate_client import generate
-from tests.conftest import node_process, run_cli
+from benchmarks.mesh_node import cli, print_provenance, start_model, timed_generate, two_nodes, write_model
+from messages.generate import GenerateResult
 from tests.harness.nodes import events_of
 
 FLAGS = ("--parallel", "1", "--cache-ram", "0", "--ctx-checkpoints", "0")
 PATHS = {"direct": (), "nats": ("--no-direct-path",)}
-
-
-@contextlib.asynccontextmanager
-async def pair(data_a: Path, data_b: Path, b_flags: tuple[str, ...]) -> AsyncIterator[None]:
-    """Node a (its embedded NATS) and node b joined to it with a node's credentials."""
-    async with node_process(data_a, "a", *FLAGS, ready_s=60):
-        creds = data_a.with_name("node-b.json")
-        code, _, err = await run_cli("creds", "issue", "--role", "node", "--node", "b", "--data-dir", str(data_a),
-                                     "--out", str(creds))  # fmt: skip
-        if code != 0:
-            raise RuntimeError(f"mesh-actor creds issue failed ({code}): {err[-2000:]}")
-        async with node_process(data_b, "b", *FLAGS, *b_flags, "--nats-creds", str(creds), ready_s=60):
-            yield
-
-
-async def start_on(data_dir: Path, model: Path, ctx: int, node_id: str) -> str:
-    decision = await cli(
-        "place", str(model), "-c", str(ctx), "--node", node_id, "--start", "--json", "--data-dir", str(data_dir)
-    )
-    instance_id = str(decision["instance"]["instance_id"])
-    async with asyncio.timeout(300):
-        while True:
-            status = await cli("status", "--json", "--data-dir", str(data_dir))
-            if any(i["id"] == instance_id and i["state"] == "ready" for i in status["instances"]):
-                return instance_id
-            await asyncio.sleep(0.3)
-
-
-async def timed(data_dir: Path, model: str, prompt: list[int]) -> tuple[float, GenerateResult]:
-    """Client-side time to the first chunk, and the reply."""
-    bus = await connect(data_dir)
-    first: list[float] = []
-
-    async def on_chunk(chunk: GenerateChunk) -> None:
-        if not first:
-            first.append(time.perf_counter())
-
-    try:
-        request = GenerateRequest(
-            model=model, prompt=prompt, n_predict=4, sampling=Sampling(temperature=0), timeout_s=3600
-        )
-        started = time.perf_counter()
-        result = await generate(bus, Subjects(), request, on_chunk)
-    finally:
-        await bus.close()
-    return ((first[0] if first else time.perf_counter()) - started) * 1000, result
 
 
 async def wait_listed(data_dir: Path, n_tokens: int, node_id: str) -> None:
@@ -121,19 +69,19 @@ async def main() -> None:
     ctx = args.tokens + 64
     prompt = [random.Random(20261205).randrange(4, 32000) for _ in range(args.tokens)]
     data_a = root / "node-a"
-    async with pair(data_a, root / "node-b-fill", ()):
-        filler = await start_on(data_a, model, ctx, "a")
-        cold_ms, cold = await timed(data_a, filler, prompt)
+    async with two_nodes(data_a, root / "node-b-fill", None, *FLAGS):
+        filler = (await start_model(data_a, model, ctx, "a"))["id"]
+        cold_ms, cold = await timed_generate(data_a, filler, prompt)
         await wait_listed(data_a, args.tokens - 1, "a")
     rows: list[tuple[str, float, GenerateResult, dict[str, Any]]] = []
     for round_no in range(args.rounds):
         for path, b_flags in PATHS.items():
             data_b = root / f"node-b-{round_no}-{path}"
-            async with pair(data_a, data_b, b_flags):
-                instance = await start_on(data_a, model, ctx, "b")
+            async with two_nodes(data_a, data_b, None, *FLAGS, b_flags=b_flags):
+                instance = (await start_model(data_a, model, ctx, "b"))["id"]
                 await wait_listed(data_a, args.tokens - 1, "a")
                 os.sync()  # written pages to disk first: neither path pays the other's writeback
-                ms, result = await timed(data_a, instance, prompt)
+                ms, result = await timed_generate(data_a, instance, prompt)
                 rows.append((path, ms, result, await fetched(data_a)))
             shutil.rmtree(data_b, ignore_errors=True)
             print(f"  round {round_no + 1} {path:7} ttft {ms:8.1f} ms ({result.source})", flush=True)

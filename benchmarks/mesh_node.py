@@ -22,8 +22,11 @@ from typing import Any
 import blake3
 
 from actors.runner.engine import find_llama_server
+from messages.generate import GenerateChunk, GenerateRequest, GenerateResult, Sampling
+from messages.subjects import Subjects
 from runtime.bus import Bus
 from runtime.config import NatsOptions
+from runtime.generate_client import generate
 from tests.conftest import node_process, run_cli
 from tests.tiny_models import sparse_files, write_llama
 
@@ -61,22 +64,26 @@ async def node(data_dir: Path, *flags: str) -> AsyncIterator[asyncio.subprocess.
 
 
 @contextlib.asynccontextmanager
-async def two_nodes(data_a: Path, data_b: Path, port: int, *flags: str) -> AsyncIterator[None]:
-    """Node `a` (its embedded NATS server, a front door on `port`) and node `b` joined to it with a node's
-    credentials, both run with `flags`."""
-    async with node_process(data_a, "a", *flags, "--http", str(port), ready_s=60):
+async def two_nodes(
+    data_a: Path, data_b: Path, port: int | None, *flags: str, b_flags: tuple[str, ...] = ()
+) -> AsyncIterator[None]:
+    """Node `a` (its embedded NATS server, a front door on `port` unless None) and node `b` joined to it with a
+    node's credentials, both run with `flags` (and `b` with `b_flags` too)."""
+    door = ("--http", str(port)) if port is not None else ()
+    async with node_process(data_a, "a", *flags, *door, ready_s=60):
         creds = data_a.with_name("node-b.json")
         code, _, err = await run_cli("creds", "issue", "--role", "node", "--node", "b", "--data-dir", str(data_a),
                                      "--out", str(creds))  # fmt: skip
         if code != 0:
             raise RuntimeError(f"mesh-actor creds issue failed ({code}): {err[-2000:]}")
-        async with node_process(data_b, "b", *flags, "--nats-creds", str(creds), ready_s=60):
+        async with node_process(data_b, "b", *flags, *b_flags, "--nats-creds", str(creds), ready_s=60):
             yield
 
 
-async def start_model(data_dir: Path, model: Path, ctx: int) -> dict[str, Any]:
-    """Places and starts `model`; returns its instance record once ready."""
-    decision = await cli("place", str(model), "-c", str(ctx), "--start", "--json", "--data-dir", str(data_dir))
+async def start_model(data_dir: Path, model: Path, ctx: int, node: str | None = None) -> dict[str, Any]:
+    """Places and starts `model` (on `node`, or where placement chooses); returns its instance record once ready."""
+    on = ("--node", node) if node is not None else ()
+    decision = await cli("place", str(model), "-c", str(ctx), *on, "--start", "--json", "--data-dir", str(data_dir))
     instance_id = decision["instance"]["instance_id"]
     async with asyncio.timeout(300):
         while True:
@@ -85,6 +92,27 @@ async def start_model(data_dir: Path, model: Path, ctx: int) -> dict[str, Any]:
                 if instance["id"] == instance_id and instance["state"] == "ready":
                     return dict(instance)
             await asyncio.sleep(0.3)
+
+
+async def timed_generate(data_dir: Path, model: str, prompt: list[int]) -> tuple[float, GenerateResult]:
+    """`prompt` through `mesh.generate` (4 tokens, greedy): the client-side time to the first chunk in ms, and the
+    reply."""
+    bus = await connect(data_dir)
+    first: list[float] = []
+
+    async def on_chunk(chunk: GenerateChunk) -> None:
+        if not first:
+            first.append(time.perf_counter())
+
+    try:
+        request = GenerateRequest(
+            model=model, prompt=prompt, n_predict=4, sampling=Sampling(temperature=0), timeout_s=3600
+        )
+        started = time.perf_counter()
+        result = await generate(bus, Subjects(), request, on_chunk)
+    finally:
+        await bus.close()
+    return ((first[0] if first else time.perf_counter()) - started) * 1000, result
 
 
 async def connect(data_dir: Path) -> Bus:

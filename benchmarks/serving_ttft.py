@@ -21,36 +21,13 @@ import asyncio
 import random
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from benchmarks.environment import print_environment
-from benchmarks.mesh_node import cli, connect, node, print_provenance, start_model, write_model
-from messages.generate import GenerateChunk, GenerateRequest, GenerateResult, Sampling
-from messages.subjects import Subjects
-from runtime.generate_client import generate
+from benchmarks.mesh_node import cli, node, print_provenance, start_model, timed_generate, write_model
+from messages.generate import GenerateResult
 
 FLAGS = ("--parallel", "2", "--cache-ram", "0", "--ctx-checkpoints", "0")
-
-
-async def timed(data_dir: Path, prompt: list[int]) -> tuple[float, GenerateResult]:
-    """Client-side time to the first chunk, and the reply."""
-    bus = await connect(data_dir)
-    first: list[float] = []
-
-    async def on_chunk(chunk: GenerateChunk) -> None:
-        if not first:
-            first.append(time.perf_counter())
-
-    try:
-        request = GenerateRequest(
-            model="bench-0.5b", prompt=prompt, n_predict=4, sampling=Sampling(temperature=0), timeout_s=3600
-        )
-        started = time.perf_counter()
-        result = await generate(bus, Subjects(), request, on_chunk)
-    finally:
-        await bus.close()
-    return ((first[0] if first else time.perf_counter()) - started) * 1000, result
 
 
 async def wait_captured(data_dir: Path, n_tokens: int) -> None:
@@ -80,12 +57,12 @@ async def main() -> None:
         data_dir = root / f"node-{len(rows['cold'])}"
         async with node(data_dir, *FLAGS):
             await start_model(data_dir, model, ctx)
-            rows["cold"].append(await timed(data_dir, prompt))
+            rows["cold"].append(await timed_generate(data_dir, "bench-0.5b", prompt))
             await wait_captured(data_dir, args.tokens - 1)
         async with node(data_dir, *FLAGS):  # a full restart: the store is all that is left
             await start_model(data_dir, model, ctx)
-            rows["restored"].append(await timed(data_dir, prompt))
-            rows["warm"].append(await timed(data_dir, prompt))
+            rows["restored"].append(await timed_generate(data_dir, "bench-0.5b", prompt))
+            rows["warm"].append(await timed_generate(data_dir, "bench-0.5b", prompt))
     print(
         f"\nresults ({args.tokens}-token prompt, 4 tokens generated, {args.rounds} round(s); client-side first chunk)"
     )
