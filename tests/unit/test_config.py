@@ -44,6 +44,7 @@ def test_nats_table_in_file_configures_urls_and_credentials(tmp_path: Path) -> N
         ({"telemetry_interval": "5", "telemetry_ttl": "5"}, {}, "must be longer"),
         ({}, {"MESH_ACTOR_SERVING_SLOTS": "0"}, "serving settings"),
         ({}, {"MESH_ACTOR_SERVING_CACHE_TYPE_K": "q3_k"}, "cache_type_k"),
+        ({}, {"MESH_ACTOR_DIRECT_PATH": "sometimes"}, "MESH_ACTOR_DIRECT_PATH"),
     ],
 )
 def test_invalid_values_name_their_source(
