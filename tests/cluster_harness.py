@@ -21,6 +21,7 @@ from tests.conftest import mesh_actor_command, run_cli
 __all__ = ["NODES", "Cluster", "cli", "cluster"]
 
 NODES = ("c1", "c2", "c3")
+ALARMS = ("warning", "error", "critical")
 
 
 async def cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
@@ -50,6 +51,17 @@ class Cluster:
             with contextlib.suppress(OSError):
                 tails.append(f"--- {path.name}:\n" + path.read_text(errors="replace")[-3000:])
         return "\n".join(tails)
+
+    def log_tails(self, lines: int = 25) -> str:
+        """The last `lines` lines of each started node's log, its warnings and errors before them."""
+        parts = []
+        for name in self.processes:
+            with contextlib.suppress(OSError):
+                logged = self.stderr(name).read_text(errors="replace").splitlines()
+                alarms = [line for line in logged[:-lines] if any(f'"level": "{lv}"' in line for lv in ALARMS)]
+                parts.append(f"--- {name}'s log (warnings and errors, then its last {lines} lines):")
+                parts += [*alarms[-lines:], *logged[-lines:]]
+        return "\n".join(parts)
 
     async def start(self, name: str) -> asyncio.subprocess.Process:
         joins = [a for other in NODES for a in ("--join", f"127.0.0.1:{self.ports[other]}")]
@@ -126,5 +138,8 @@ async def cluster(root: Path, flags: Mapping[str, Sequence[str]] | None = None) 
             await mesh.start(name)
         await asyncio.gather(*(mesh.ready(name) for name in NODES))
         yield mesh
+    except Exception as exc:  # a failing test shows what each node logged last (a CI run keeps no files)
+        exc.add_note(mesh.log_tails())
+        raise
     finally:
         await mesh.stop_all()

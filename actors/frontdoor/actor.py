@@ -214,8 +214,15 @@ class FrontDoorActor(Actor):
             return error_response(error, shape, status=405)
         except web.HTTPException as exc:
             return error_response(shapes.ApiError(BAD_REQUEST, exc.reason or "HTTP error"), shape, status=exc.status)
-        except (asyncio.CancelledError, ConnectionResetError):
+        except ConnectionResetError:
             raise  # the client went away: its generation stops with this handler
+        except asyncio.CancelledError:
+            if _being_cancelled():
+                raise  # the client went away (or the door closes): its generation stops with this handler
+            # a task this request waited on was cancelled under it (a shared start, a bus call): the client gets
+            # an answer it can retry on, not a connection closed without one
+            self._ctx.log.warning("frontdoor_request_lost_its_work", path=request.path)
+            return error_response(shapes.ApiError(UNAVAILABLE, "the work this request waited on was cancelled"), shape)
         except Exception as exc:  # a bug met by one request: that request fails, the front door keeps serving
             self._ctx.log.exception("frontdoor_request_failed", path=request.path, error=repr(exc))
             return error_response(shapes.ApiError(INTERNAL, "the front door failed on this request"), shape)
@@ -410,3 +417,9 @@ def _queue_claim(key: TenantKey | None) -> dict[str, Any]:
     if key is None:
         return {}
     return {"tenant": key.tenant, "priority": key.priority, "weight": key.weight, "cache_scope": cache_scope(key)}
+
+
+def _being_cancelled() -> bool:
+    """Whether the running task itself is asked to stop (not merely handed a CancelledError from what it awaited)."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0

@@ -97,6 +97,28 @@ async def test_placement_that_never_listens_is_a_503_within_the_deadline_naming_
     assert 1.0 <= waited < 5.0, waited  # it kept asking until the model's deadline, then answered
 
 
+async def test_a_start_cancelled_under_its_waiting_request_is_an_answer_and_the_door_serves_on(
+    bus: Bus, tmp_path: Path
+) -> None:
+    # the model's one start (which its requests share) is cancelled while a request waits on it, as a bus call
+    # cancelled under it would: the request is answered 503 (seen: the connection closed with no answer)
+    door, port = await _door(bus, tmp_path, timeout_s=1.5)
+    async with supervised(bus, [door]):
+        async with asyncio.timeout(10):
+            bound = await port
+        asking = asyncio.create_task(_ask(bound))
+        async with asyncio.timeout(10):
+            while (start := door.demand.models["m"].starting) is None:
+                await asyncio.sleep(0.05)
+        start.cancel()
+        async with asyncio.timeout(15):
+            status, headers, body = await asking
+        assert status == 503 and "Retry-After" in headers and "cancelled" in str(body["error"]), body
+        async with asyncio.timeout(15):  # the door still answers the next request (placement never listens)
+            again, _, body = await _ask(bound)
+        assert again == 503 and "placement" in str(body["error"]), body
+
+
 async def test_a_request_for_a_loaded_model_made_before_the_router_listens_waits_for_it(
     bus: Bus, tmp_path: Path
 ) -> None:
