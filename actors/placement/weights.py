@@ -20,6 +20,10 @@ Pure core: no I/O.
 
 from __future__ import annotations
 
+import bisect
+import functools
+import math
+from array import array
 from collections.abc import Container, Iterable, Sequence
 
 from actors.placement.context import MemoryModelError, pad
@@ -108,25 +112,33 @@ def layer_devices(geometry: ModelGeometry, n_gpu_layers: int, gpu_split: Sequenc
     Mirrors `load_tensors`: the last `n_gpu_layers` of the n_layer+1 "layers" (blocks, then the output
     layer) are offloaded, split over the GPUs in proportion to `gpu_split` with float32 cumulative fractions.
     """
-    n_all = geometry.n_layer
+    return list(_layer_devices(geometry.n_layer, n_gpu_layers, tuple(gpu_split)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_devices(n_all: int, n_gpu_layers: int, gpu_split: tuple[float, ...]) -> tuple[int, ...]:
+    """`layer_devices` by value (a node's layout and its memory estimate ask the same one in turn). The float32
+    arithmetic of llama.cpp in Python floats: each sum and quotient of two float32 values computed in double
+    precision, then rounded to float32 (`array("f")`), is the float32 operation's result (double rounding is
+    harmless for +, -, *, / from 53 to 24 bits); numpy's own float32 computation is the tests' oracle."""
     if not gpu_split:
-        return [-1] * (n_all + 1)
+        return (-1,) * (n_all + 1)
     ngl = n_gpu_layers if n_gpu_layers >= 0 else n_all + 1
     start = max(n_all + 1 - ngl, 0)
     act = min(ngl, n_all + 1)
-    import numpy as np  # here: float32 as llama.cpp computes it; only a GPU split needs it (numpy loads slowly)
-
-    weights = np.asarray(gpu_split, dtype=np.float32)
-    if np.any(weights < 0) or float(weights.sum()) <= 0:
-        raise MemoryModelError("the GPU split needs non-negative weights with a positive sum")
+    weights = array("f", gpu_split)  # each weight as float32 (one too large for it: inf, refused here)
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(w > 0 for w in weights):
+        raise MemoryModelError("the GPU split needs finite, non-negative weights with a positive sum")
     if act == 0:
-        return [-1] * (n_all + 1)
-    cumulative = np.cumsum(weights, dtype=np.float32)
-    splits = cumulative / np.float32(cumulative[-1])
-    # One vectorised search over every offloaded layer, in the same float32 arithmetic as llama.cpp.
-    positions = np.arange(act, dtype=np.float32) / np.float32(act)
-    offloaded = np.searchsorted(splits, positions, side="right").tolist()
-    return [-1] * start + [int(d) for d in offloaded] + [-1] * (n_all + 1 - start - act)
+        return (-1,) * (n_all + 1)
+    cumulative = array("f")
+    for w in weights:
+        cumulative.append((cumulative[-1] if cumulative else 0.0) + w)
+    total = cumulative[-1]
+    splits = array("f", [c / total for c in cumulative]).tolist()
+    positions = array("f", [i / act for i in range(act)]).tolist()
+    offloaded = [bisect.bisect_right(splits, x) for x in positions]  # numpy's searchsorted, side="right"
+    return (-1,) * start + tuple(offloaded) + (-1,) * (n_all + 1 - start - act)
 
 
 def weights_per_device(
