@@ -101,7 +101,7 @@ CTX = 4096
 TIMEOUT_S = 10.0
 ECHO_SUBJECT = "bench.placement.echo"
 NODE_TTL_S = 15.0
-MOVE_EVERY = 10  # one report in this many moves the node's free memory
+MOVE_EVERY = 10  # one report in this many moves the node's free memory, each node at its own phase
 TARGET_P99_S = 0.005
 
 
@@ -119,13 +119,14 @@ class SimNode:
     host_used: int
     features: tuple[str, ...]
     settings: ServingSettings | None
+    phase: int = 0  # which of its reports move: not every node's at once (a fleet-wide storm)
     seq: int = 0
     started_at: float = 0.0
     last: NodeResources | None = None
 
     def report(self, rng: random.Random, now: float) -> NodeResources:
         self.seq += 1
-        if self.seq > 1 and self.seq % MOVE_EVERY == 0:
+        if self.seq > 1 and (self.seq + self.phase) % MOVE_EVERY == 0:
             self.gpu_used = [min(self.gpu_size, max(0, u + rng.randrange(-2 * GIB, 2 * GIB))) for u in self.gpu_used]
             self.host_used = min(self.host_total, max(0, self.host_used + rng.randrange(-4 * GIB, 4 * GIB)))
         elif self.last is not None:  # nothing moved: the same report, only newer
@@ -194,6 +195,7 @@ def fleet(n: int, seed: int) -> list[SimNode]:
                 host_used=int(host * rng.uniform(0.1, 0.9)),
                 features=rng.choice((("AVX2",), ("AVX2", "AVX512"), ("NEON", "DOTPROD"))),
                 settings=settings,
+                phase=i % MOVE_EVERY,
                 started_at=time.time(),
             )
         )
