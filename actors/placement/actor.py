@@ -267,8 +267,8 @@ class PlacementActor(Actor):
         )  # fmt: skip
 
     async def _watch_nodes(self, ctx: ActorContext) -> None:
-        # each report is taken in as the client delivers it (`buckets.follow`: at 10,000 nodes a second, the KV
-        # watcher's queues and entries per message cost as much as the intake itself)
+        # each report is taken in as the client delivers it (`buckets.follow`: no KV watcher entry, queues or task
+        # per message, about a tenth of the actor's busy time at 3,000 reports a second)
         await buckets.follow(self._nodes, self._view_ready, lambda change: self._take_report(ctx, change))
 
     def _take_report(self, ctx: ActorContext, change: buckets.Change) -> None:

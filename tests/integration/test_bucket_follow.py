@@ -38,9 +38,12 @@ async def watched(kv: KeyValue, seen: list[Change]) -> None:
 
 
 async def until(condition: Callable[[], bool], what: str) -> None:
-    async with asyncio.timeout(15):
-        while not condition():
-            await asyncio.sleep(0.02)
+    try:
+        async with asyncio.timeout(15):
+            while not condition():
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        raise AssertionError(f"not within 15 s: {what}") from None
 
 
 async def test_follow_gives_what_the_watcher_gives_current_values_first_then_each_change(bus: Bus) -> None:
