@@ -37,13 +37,16 @@ def report(
     sent_at: float | None = None,
     ttl_s: float = 600,
     seq: int = 1,
+    started_at: float | None = None,
 ) -> NodeResources:
     now = time.time()
+    if started_at is None:
+        started_at = now if sent_at is None else sent_at - 60
     return NodeResources(
         node_id=node_id,
         seq=seq,
         sent_at=now if sent_at is None else sent_at,
-        started_at=now if sent_at is None else sent_at - 60,
+        started_at=started_at,
         ttl_s=ttl_s,
         host=HostInfo(ram_total_bytes=64 * GIB, ram_available_bytes=usable, usable_bytes=usable, cpu_count=2),
         llama_server=LlamaServerInfo(path="llama-server", version="test", build_info="") if settings else None,
