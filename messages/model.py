@@ -28,19 +28,33 @@ RecurrentKind = Literal["none", "mamba", "gated_delta", "rwkv", "shortconv"]
 HeaderPooling = Literal["", "none", "mean", "cls", "last", "rank"]
 
 
-class RepackGroup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Weights of one ggml type that llama.cpp's CPU backend may repack (see `actors.placement.weights`).
+class RepackGroup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Weights of one ggml type that llama.cpp's CPU backend may copy out of the mapped file into one of its
+    extra buffers, `CPU_REPACK` or `AMX` (see `actors.placement.weights`).
 
-    The weights a matrix multiplication reads (2-D, or 3-D expert stacks), grouped by type and by
-    `rows_multiple`, the greatest power of two up to 16 dividing their row count (`ne[1]`), which is what
-    the repack kernels check. `bytes` is the sum of their sizes each rounded up to 32 bytes, as a CPU
-    buffer holds them.
+    The weights a matrix multiplication reads (2-D, or 3-D expert stacks), grouped by type, by `rows_multiple`,
+    the greatest power of two up to 16 dividing their row count (`ne[1]`), which is what the repack kernels
+    check, and by whether the AMX kernels take them. `bytes` is the sum of their sizes each rounded up to 32
+    bytes, as a CPU buffer holds them; `amx_bytes` their sum in the AMX buffer (the AMX layout, each rounded up
+    to 32 bytes) on a CPU with AMX, 0 when the AMX kernels do not take them (or for a geometry encoded before).
     """
 
     type: str  # ggml type name in lower case, e.g. "q4_k"
     rows_multiple: Annotated[int, msgspec.Meta(ge=1, le=16)]
     count: NonNegative
     bytes: NonNegative
+    amx_bytes: NonNegative = 0
+
+
+class MappedEdge(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One tensor at an end of the file's tensor data, before (or after) the first (last) tensor that the CPU
+    backend always keeps in the mapped file: the mapped buffer spans from the first to the last tensor it keeps,
+    so each of these leaves it when the CPU backend copies it elsewhere (`group` says when) or, for a `nextn`
+    block's tensor, when the MTP layers are not loaded."""
+
+    bytes: NonNegative
+    nextn: bool = False
+    group: RepackGroup | None = None  # the tensor as a group of one; None: a tensor never copied
 
 
 class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -124,6 +138,10 @@ class ModelGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # quantized matmul weights of the output layer (output.weight, or the tied token embeddings that
     # llama.cpp duplicates as the output matrix) that the CPU backend may repack
     output_repack: tuple[RepackGroup, ...] = ()
+    # The tensors at the start and at the end of the file's tensor data, in file order from each end, up to the
+    # first one always kept in the mapped file (() : none, or a geometry encoded before they existed)
+    mapped_head: tuple[MappedEdge, ...] = ()
+    mapped_tail: tuple[MappedEdge, ...] = ()
     # An embedding or rerank model: the pooling type its header declares ("" when none), the width of its output
     # embeddings (`embedding_length_out`; 0: n_embd), and whether it has a classification head (`cls`,
     # `cls.output`), which rank pooling scores with (without one llama.cpp ranks by a raw hidden state).

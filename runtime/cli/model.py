@@ -307,13 +307,13 @@ def _fit_table(b: MemoryBreakdown) -> str:
         f"estimator {b.estimator_version}, validated against {b.llama_cpp_version}",
         "",
     ]
-    columns = ("weights", "repack", "KV", "recurrent", "draft KV", "compute", "margin", "output", "host extra", "total")
+    columns = ("weights", "copies", "KV", "recurrent", "draft KV", "compute", "margin", "output", "host extra", "total")
     header = f"{'device':<8}" + "".join(f"{name:>13}" for name in columns) + f"{'budget':>13}  fits"
     lines.append(header)
     for d in b.devices:
         values = (
             d.weights_bytes,
-            d.repack_bytes,
+            d.repack_bytes + d.amx_bytes,
             d.kv_bytes,
             d.recurrent_bytes,
             d.draft_kv_bytes,
@@ -328,7 +328,7 @@ def _fit_table(b: MemoryBreakdown) -> str:
         lines.append(f"{d.device:<8}" + "".join(f"{format_size(v):>13}" for v in values) + f"{budget:>13}  {fits}")
     totals = (
         b.weights_bytes,
-        b.repack_bytes,
+        b.repack_bytes + b.amx_bytes,
         b.kv_bytes,
         b.recurrent_bytes,
         b.draft_kv_bytes,
@@ -342,7 +342,8 @@ def _fit_table(b: MemoryBreakdown) -> str:
     lines.append("")
     lines.append(
         f"exact: KV {b.kv_bytes} B, recurrent {b.recurrent_bytes} B, draft KV {b.draft_kv_bytes} B, "
-        f"weights {b.weights_bytes} B, repack {b.repack_bytes} B; compute modelled, with a margin of its "
+        f"weights {b.weights_bytes} B, copies: repack {b.repack_bytes} B, AMX {b.amx_bytes} B; "
+        f"compute modelled, with a margin of its "
         f"measured error bound ({b.compute_error_ratio:.0%}: {b.compute_margin_bytes} B) included in the total"
     )
     if b.projector_weights_bytes:

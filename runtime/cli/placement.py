@@ -117,12 +117,12 @@ def print_decision(decision: PlacementDecision) -> None:
         f"-fa {s.flash_attn} -ub {s.ubatch} --spec-type {s.spec_type} --spec-draft-n-max {s.spec_draft_n_max} "
         f"-ngl {decision.stamp.n_gpu_layers}"
     )
-    header = f"  {'NODE':<14} {'DEVICE':<6} {'LAYERS':<8} {'WEIGHTS':>11} {'REPACK':>11} {'KV':>11} {'RECURRENT':>11}"
+    header = f"  {'NODE':<14} {'DEVICE':<6} {'LAYERS':<8} {'WEIGHTS':>11} {'COPIES':>11} {'KV':>11} {'RECURRENT':>11}"
     print(header + f" {'DRAFT KV':>11} {'COMPUTE':>11} {'MARGIN':>11} {'HOST EXTRA':>11} {'TOTAL':>11} {'HAVE':>11}")
     for placement in decision.placements:
         for d in placement.breakdown.devices:
             layers = f"{d.layers[0]}-{d.layers[1] - 1}" if d.layers else "-"
-            cells = [d.weights_bytes, d.repack_bytes, d.kv_bytes, d.recurrent_bytes, d.draft_kv_bytes]
+            cells = [d.weights_bytes, d.repack_bytes + d.amx_bytes, d.kv_bytes, d.recurrent_bytes, d.draft_kv_bytes]
             cells += [d.compute_bytes, d.compute_margin_bytes]
             sizes = " ".join(f"{format_size(n):>11}" for n in (*cells, d.host_extra_bytes, d.total_bytes))
             have = format_size(d.budget_bytes) if d.budget_bytes is not None else "-"

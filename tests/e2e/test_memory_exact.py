@@ -29,7 +29,7 @@ import pytest
 from actors.placement.compute import MEASURED_ERROR_RATIO, compute_buffers
 from actors.placement.context import draft_settings
 from actors.placement.memory import MemoryModelError, cache_allocations, estimate, resolve_context
-from actors.runner.allocation_log import parse_allocation_log, printed_mib
+from actors.runner.allocation_log import parse_allocation_log
 from tests import tiny_models
 from tests.harness.memory_exact import (
     MIB,
@@ -41,6 +41,8 @@ from tests.harness.memory_exact import (
     _geometry,
     _row_step,
     _s,
+    node_features,
+    printed_model_buffers,
 )
 from tests.llama_harness import require_server, run_server, server_args
 
@@ -186,8 +188,8 @@ def test_sparse_qwen35_9b_shape_matches_llama_server(tmp_path: Path, binary: str
     log = parse_allocation_log(run.log)
     _assert_context(log, geometry, settings, 8192)
     assert _assert_caches(log, geometry, settings, 8192) >= 1
-    breakdown = estimate(geometry, settings, 8192)
-    assert log.model_buffers == {"CPU_Mapped": printed_mib(breakdown.weights_bytes)}
+    breakdown = estimate(geometry, settings, 8192, cpu_features=node_features())
+    assert log.model_buffers == printed_model_buffers(breakdown)
     assert breakdown.recurrent_bytes == 4 * 52_690_944  # REFERENCE: 1 slot, times 1 + 3 rollback rows
     assert breakdown.kv_bytes == 32_768 * 8192
 

@@ -23,7 +23,7 @@ import pytest
 
 from actors.placement.compute import MEASURED_ERROR_RATIO
 from actors.placement.memory import cache_allocations, estimate
-from actors.runner.allocation_log import parse_allocation_log, printed_mib
+from actors.runner.allocation_log import parse_allocation_log
 from tests import tiny_models_dense
 from tests.harness.memory_exact import (
     MIB,
@@ -35,6 +35,8 @@ from tests.harness.memory_exact import (
     _geometry,
     _row_step,
     _s,
+    node_features,
+    printed_model_buffers,
 )
 from tests.llama_harness import require_server, run_server, server_args
 
@@ -278,8 +280,8 @@ def test_released_widths_compute_buffer_within_the_stated_bound(
     log = parse_allocation_log(run.log)
     _assert_context(log, geometry, case.settings, case.n_ctx)
     assert _assert_caches(log, geometry, case.settings, case.n_ctx) >= 1
-    breakdown = estimate(geometry, case.settings, case.n_ctx)
-    assert log.model_buffers == {"CPU_Mapped": printed_mib(breakdown.weights_bytes)}
+    breakdown = estimate(geometry, case.settings, case.n_ctx, cpu_features=node_features())
+    assert log.model_buffers == printed_model_buffers(breakdown)
     measured = float(sum((sum(c.compute_buffers.values(), Decimal(0)) for c in log.contexts), Decimal(0)))
     error = (breakdown.compute_bytes / MIB - measured) / measured
     record_property("compute_server_mib", f"{measured:.2f}")

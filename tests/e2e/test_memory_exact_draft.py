@@ -5,8 +5,8 @@ whose vocabulary differs), starts the server with every allocation-relevant flag
 them, and compares what it logs with the prediction:
 
 * the draft model's own mapped buffer (the second model the server loads) prints as its declared tensor bytes,
-  and the model's buffer as the model's; with quantized draft weights, the draft's `CPU_REPACK` buffer as its
-  predicted repack bytes;
+  and the model's buffer as the model's; with quantized draft weights, the draft's `CPU_REPACK` and (on a CPU
+  with AMX) `AMX` buffers as its predicted copies;
 * the draft context (the server's second llama context): n_ctx, n_ctx_seq, slots and micro-batch as predicted,
   every KV line (cells, layers, seqs, streams, the -ctkd/-ctvd types, K and V figures), and its logits buffer;
 * the observed footprint the runner derives from the log recovers every exact figure (KV, draft KV, weights,
@@ -39,6 +39,7 @@ from actors.telemetry.resources import ggml_cpu_features
 from messages.model import ModelGeometry
 from messages.settings import ServingSettings
 from tests import tiny_models
+from tests.harness.memory_exact import allocated, printed_model_buffers
 from tests.harness.quantized import write_quantized_llama
 from tests.llama_harness import require_server, run_server, server_args
 
@@ -117,18 +118,16 @@ def test_draft_model_allocations_match_llama_server_exactly(case: Case, models: 
     geometry, draft = _geometry(models["llama"]), _geometry(models[case.draft])
     features = ggml_cpu_features(read_host().cpu_flags)
     run = run_server(models["llama"], _server_args(case, models[case.draft]), binary=binary)
-    assert run.healthy, run.log[-3000:]
+    assert allocated(run), run.log[-3000:]
     log = parse_allocation_log(run.log)
     predicted = estimate(geometry, case.settings, case.n_ctx, draft=draft, cpu_features=features)
     allocations = cache_allocations(geometry, case.settings, case.n_ctx, draft)
 
     # weights: each model's buffers, the draft's loaded second
-    assert log.model_buffers == {"CPU_Mapped": printed_mib(predicted.weights_bytes)}
-    draft_buffers = {"CPU_Mapped": printed_mib(predicted.draft_weights_bytes)}
-    if predicted.draft_repack_bytes:
-        draft_buffers["CPU_REPACK"] = printed_mib(predicted.draft_repack_bytes)
-    assert log.draft_model_buffers == draft_buffers
-    assert predicted.draft_repack_bytes == predicted.repack_bytes  # the f32 model repacks nothing
+    assert log.model_buffers == printed_model_buffers(predicted)
+    assert log.draft_model_buffers == printed_model_buffers(predicted, draft=True)
+    # the f32 model has no copies (neither repacked nor taken by AMX): all are the draft's
+    assert (predicted.draft_repack_bytes, predicted.draft_amx_bytes) == (predicted.repack_bytes, predicted.amx_bytes)
 
     # the draft context: the target's n_ctx and slots, its own layers and cache types, one output per slot
     assert len(log.contexts) == 2
@@ -155,8 +154,8 @@ def test_draft_model_allocations_match_llama_server_exactly(case: Case, models: 
     memory = observation.memory
     assert (memory.kv_bytes, memory.draft_kv_bytes) == (predicted.kv_bytes, predicted.draft_kv_bytes)
     assert (memory.weights_bytes, memory.draft_weights_bytes) == (
-        predicted.weights_bytes + predicted.repack_bytes - predicted.draft_repack_bytes,
-        predicted.draft_weights_bytes + predicted.draft_repack_bytes,
+        predicted.weights_bytes,
+        predicted.draft_weights_bytes + predicted.draft_repack_bytes + predicted.draft_amx_bytes,
     )
     assert memory.output_bytes == predicted.output_bytes
 

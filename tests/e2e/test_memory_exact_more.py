@@ -31,7 +31,7 @@ import pytest
 
 from actors.placement.compute import MEASURED_ERROR_RATIO
 from actors.placement.memory import MemoryModelError, cache_allocations, estimate
-from actors.runner.allocation_log import parse_allocation_log, printed_mib
+from actors.runner.allocation_log import parse_allocation_log
 from messages.model import ModelGeometry
 from tests import tiny_models
 from tests.harness.memory_exact import (
@@ -44,6 +44,8 @@ from tests.harness.memory_exact import (
     _geometry,
     _row_step,
     _s,
+    node_features,
+    printed_model_buffers,
 )
 from tests.llama_harness import require_server, run_server, server_args
 
@@ -370,7 +372,8 @@ def test_plamo2_caches_match_before_its_first_graph_stalls(case: Case, models: d
     log = parse_allocation_log(run.log)
     _assert_context(log, geometry, case.settings, case.n_ctx)
     assert _assert_caches(log, geometry, case.settings, case.n_ctx) == 1
-    assert log.model_buffers == {"CPU_Mapped": printed_mib(estimate(geometry, case.settings, case.n_ctx).weights_bytes)}
+    breakdown = estimate(geometry, case.settings, case.n_ctx, cpu_features=node_features())
+    assert log.model_buffers == printed_model_buffers(breakdown)
 
 
 # --- routed experts: the compute buffer follows n_expert_used x n_ff_exp ------------------------------------

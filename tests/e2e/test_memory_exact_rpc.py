@@ -35,6 +35,7 @@ from actors.telemetry.resources import ggml_cpu_features
 from messages.memory import DeviceMemory
 from messages.settings import ServingSettings
 from tests import tiny_models
+from tests.harness.memory_exact import allocated, node_features
 from tests.harness.quantized import write_quantized_llama
 from tests.llama_harness import require_server, run_server, server_args
 from tests.rpc_harness import require_rpc_server, rpc_servers
@@ -143,7 +144,7 @@ def test_each_member_allocates_what_the_split_predicts(case: Case, models: dict[
     geometry = geometry_from_header(read_header(path))
     breakdown = estimate(
         geometry, case.settings, case.n_ctx, n_gpu_layers=case.n_gpu_layers, gpu_split=case.split,
-        rpc_devices=case.members,
+        rpc_devices=case.members, cpu_features=node_features(),
     )  # fmt: skip
     with rpc_servers(case.members) as members:
         endpoints = [m.endpoint for m in members]
@@ -156,7 +157,7 @@ def test_each_member_allocates_what_the_split_predicts(case: Case, models: dict[
     remote = {r.endpoint: r for r in remote_devices(log).values()}
     devices = {d.device: d for d in breakdown.devices}
     errors: dict[str, float] = {}
-    for i, (endpoint, allocated) in enumerate(zip(endpoints, allocations, strict=True)):
+    for i, (endpoint, own) in enumerate(zip(endpoints, allocations, strict=True)):
         predicted = devices.get(f"RPC{i}")
         printed = remote.get(endpoint)
         if predicted is None:  # a member the split gives nothing (never planned, but llama.cpp allows it)
@@ -166,17 +167,18 @@ def test_each_member_allocates_what_the_split_predicts(case: Case, models: dict[
         caches = predicted.kv_bytes + predicted.recurrent_bytes
         n_caches = len(printed.cache_mib)
         # the member's own lines: model, one buffer per cache, then the compute buffer (the last reservation)
-        assert allocated[0] == predicted.weights_bytes, f"RPC{i} model buffer {allocated[0]}"
-        assert sum(allocated[1 : 1 + n_caches]) == caches, f"RPC{i} cache buffers {allocated[1 : 1 + n_caches]}"
+        assert own[0] == predicted.weights_bytes, f"RPC{i} model buffer {own[0]}"
+        assert sum(own[1 : 1 + n_caches]) == caches, f"RPC{i} cache buffers {own[1 : 1 + n_caches]}"
         assert printed.model_mib == printed_mib(predicted.weights_bytes)
         assert (n_caches == 0) == (caches == 0)
         assert printed.compute_mib is not None
-        assert allocated[-1] == max(allocated[1 + n_caches :])  # a compute buffer that grew is allocated again
-        errors[f"RPC{i}"] = (predicted.compute_bytes - allocated[-1]) / allocated[-1]
+        assert own[-1] == max(own[1 + n_caches :])  # a compute buffer that grew is own again
+        errors[f"RPC{i}"] = (predicted.compute_bytes - own[-1]) / own[-1]
     # the head: the token embeddings and its own blocks mapped (repacked as a host alone would), its caches
     host = devices["CPU"]
     assert log.model_buffers.get("CPU_Mapped") == printed_mib(_mapped_range(path, breakdown.devices))
     assert log.model_buffers.get("CPU_REPACK", Decimal(0)) == printed_mib(host.repack_bytes)
+    assert log.model_buffers.get("AMX", Decimal(0)) == printed_mib(host.amx_bytes)
     target = log.target
     assert target is not None
     lines = [line.buffers for line in target.kv] + [line.buffers for line in target.recurrent]
@@ -216,10 +218,12 @@ def test_the_head_repacks_its_own_quantized_blocks_and_no_member_does(binary: st
     with rpc_servers(1) as members:
         extra = ["--rpc", members[0].endpoint, "-ngl", "3", "-ts", "1"]
         run = run_server(path, server_args(settings, 2048, extra=extra), binary=binary)
-        allocated = members[0].allocations()
-    assert run.healthy, run.log[-3000:]
+        allocations = members[0].allocations()
+    assert allocated(run), run.log[-3000:]
     log = parse_allocation_log(run.log)
     assert devices["CPU"].layers == (0, 2) and devices["RPC0"].layers == (2, 4)
-    assert devices["CPU"].repack_bytes > 0
-    assert log.model_buffers["CPU_REPACK"] == printed_mib(devices["CPU"].repack_bytes)
-    assert allocated[0] == devices["RPC0"].weights_bytes
+    host = devices["CPU"]
+    assert host.repack_bytes + host.amx_bytes > 0  # repacked, or on a CPU with AMX taken by its kernels
+    assert log.model_buffers.get("CPU_REPACK", Decimal(0)) == printed_mib(host.repack_bytes)
+    assert log.model_buffers.get("AMX", Decimal(0)) == printed_mib(host.amx_bytes)
+    assert allocations[0] == devices["RPC0"].weights_bytes

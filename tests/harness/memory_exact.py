@@ -5,6 +5,8 @@ they are compared.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import signal
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -14,10 +16,14 @@ import msgspec
 from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from actors.placement.memory import CACHE_TYPES, cache_allocations, estimate, resolve_context
+from actors.placement.weights import AMX
 from actors.runner.allocation_log import AllocationLog, parse_allocation_log, printed_mib, printed_mib_f32
+from actors.telemetry.probes import read_host
+from actors.telemetry.resources import ggml_cpu_features
+from messages.memory import MemoryBreakdown
 from messages.model import ModelGeometry
 from messages.settings import ServingSettings
-from tests.llama_harness import run_server, server_args
+from tests.llama_harness import ServerRun, run_server, server_args
 
 MIB = 1 << 20
 
@@ -44,6 +50,38 @@ class Case:
         if s.spec_type != "none":
             parts.append(f"{s.spec_type}{s.spec_draft_n_max}-{s.spec_draft_type_k}")
         return "_".join(parts)
+
+
+@functools.cache
+def node_features() -> tuple[str, ...] | None:
+    """This machine's llama.cpp CPU features, as its telemetry advertises them (they decide the CPU backend's
+    copies of weights: AMX, repack)."""
+    return ggml_cpu_features(read_host().cpu_flags)
+
+
+def printed_model_buffers(breakdown: MemoryBreakdown, *, draft: bool = False) -> dict[str, Decimal]:
+    """The model buffers a CPU-only llama-server prints for the model (or its draft model): the mapped file,
+    and the CPU backend's `CPU_REPACK` and `AMX` copies when it makes any."""
+    if draft:
+        sizes = (breakdown.draft_weights_bytes, breakdown.draft_repack_bytes, breakdown.draft_amx_bytes)
+    else:
+        repack = breakdown.repack_bytes - breakdown.draft_repack_bytes
+        sizes = (breakdown.weights_bytes, repack, breakdown.amx_bytes - breakdown.draft_amx_bytes)
+    named = zip(("CPU_Mapped", "CPU_REPACK", "AMX"), sizes, strict=True)
+    return {name: printed_mib(n) for i, (name, n) in enumerate(named) if n or i == 0}
+
+
+def allocated(run: ServerRun) -> bool:
+    """The server came up, or allocated everything and then faulted in the AMX kernels of a machine whose CPU
+    advertises AMX without running it (a VM that exposes the AMX flags but not its tile state: SIGILL or
+    SIGSEGV at the warm-up, with weights in the AMX buffer). Its allocations are printed before the fault, so
+    they are compared all the same; any other failure to come up is a failure."""
+    if run.healthy:
+        return True
+    faulted = run.returncode in (-signal.SIGILL, -signal.SIGSEGV)
+    amx = frozenset(node_features() or ()) >= AMX
+    log = parse_allocation_log(run.log)
+    return faulted and amx and "AMX" in {**log.model_buffers, **log.draft_model_buffers}
 
 
 def _s(**kw: object) -> ServingSettings:
@@ -111,8 +149,8 @@ def _check(case: Case, models: dict[str, Path], binary: str) -> tuple[Allocation
     _assert_context(log, geometry, case.settings, case.n_ctx)
     _assert_caches(log, geometry, case.settings, case.n_ctx)
 
-    breakdown = estimate(geometry, case.settings, case.n_ctx)
-    assert log.model_buffers == {"CPU_Mapped": printed_mib(breakdown.weights_bytes)}
+    breakdown = estimate(geometry, case.settings, case.n_ctx, cpu_features=node_features())
+    assert log.model_buffers == printed_model_buffers(breakdown)
     target = log.target
     assert target is not None
     assert target.output_buffers["CPU"] == printed_mib(4 * geometry.n_vocab * case.settings.slots)

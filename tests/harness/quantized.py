@@ -1,4 +1,4 @@
-"""Tiny quantized GGUF models written for tests (a llama whose tensors a server repacks)."""
+"""Tiny quantized GGUF models written for tests (a llama whose tensors a server repacks, or copies for AMX)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,11 @@ T = gguf.GGMLQuantizationType
 
 TYPES = {
     "f32": T.F32,
+    "f16": T.F16,
     "q4_0": T.Q4_0,
+    "q4_1": T.Q4_1,
+    "q5_k": T.Q5_K,
+    "iq4_xs": T.IQ4_XS,
     "q8_0": T.Q8_0,
     "mxfp4": T.MXFP4,
     "q4_k": T.Q4_K,
@@ -60,8 +64,8 @@ def write_quantized_llama(
     def add(name: str, shape: tuple[int, ...], role: str | None = None) -> None:
         qtype = TYPES[types.get(role, "f32")] if role else T.F32
         data = rng.normal(0.0, 0.02, size=tuple(reversed(shape))).astype(np.float32)
-        if qtype == T.F32:
-            writer.add_tensor(name, data)
+        if qtype in (T.F32, T.F16):
+            writer.add_tensor(name, data.astype(np.float16) if qtype == T.F16 else data)
             return
         if qtype in QUANTIZED_BY_GGUF:
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
