@@ -168,8 +168,9 @@ def _pad(n: int) -> int:
 
 
 def _amx_size(t: TensorInfo, kind: str) -> int:
-    """The weight's bytes in the AMX buffer (unpadded), 0 when the AMX kernels do not take it (a 2-D MUL_MAT
-    weight only)."""
+    """The weight's bytes in the AMX buffer (unpadded), 0 when the AMX kernels do not take it (a MUL_MAT weight
+    only). As `ggml_backend_amx_get_alloc_size` has it: a quantized weight takes ne[1] rows in the AMX layout,
+    whatever its ne[2]; an F16 one its whole bytes."""
     n_cols, n_rows = t.shape[0], t.shape[1]
     if n_rows % _AMX_ROWS:
         return 0
@@ -184,15 +185,19 @@ def _amx_size(t: TensorInfo, kind: str) -> int:
 
 def _candidate(t: TensorInfo, *, expert: bool) -> tuple[_Key, int] | None:
     """A matmul weight the CPU backend may copy: its group key and its AMX size (0: not taken by AMX). Float
-    weights are only ever copied by AMX (F16); quantized ones by AMX or the repack kernels."""
+    weights are only ever copied by AMX (F16); quantized ones by AMX or the repack kernels. The repack kernels
+    take 2-D weights (3-D for experts); the AMX kernels any MUL_MAT weight, so also a 3-D one (an MLA model's
+    `attn_k_b`), which no repack kernel takes: its rows multiple is then 1, which no repack rule accepts."""
     kind = t.type_name.lower()
-    if len(t.shape) < 2 or _n_dims(t.shape) != (3 if expert else 2):
+    dims = _n_dims(t.shape)
+    if len(t.shape) < 2 or dims not in ((3,) if expert else (2, 3)):
         return None
     amx = 0 if expert else _amx_size(t, kind)
-    if kind in _FLOAT_TYPES and not amx:
+    repackable = expert or dims == 2
+    if (kind in _FLOAT_TYPES or not repackable) and not amx:
         return None
     rows = t.shape[1]
-    multiple = 16
+    multiple = 16 if repackable else 1
     while multiple > 1 and rows % multiple:
         multiple //= 2
     return (kind, multiple, amx > 0), amx

@@ -302,6 +302,7 @@ def node_share(breakdown: MemoryBreakdown, devices: Sequence[DeviceMemory]) -> M
         kv_bytes=total("kv_bytes"),
         recurrent_bytes=total("recurrent_bytes"),
         repack_bytes=total("repack_bytes"),
+        amx_bytes=total("amx_bytes"),
         compute_bytes=total("compute_bytes"),
         compute_margin_bytes=total("compute_margin_bytes"),
         output_bytes=total("output_bytes"),

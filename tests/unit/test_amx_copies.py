@@ -17,8 +17,11 @@ import msgspec
 import pytest
 
 from actors.placement.geometry import geometry_from_header
-from actors.placement.gguf_header import read_header
+from actors.placement.gguf_header import GGUFHeader, TensorInfo, read_header
+from actors.placement.matmul_weights import repack_groups
 from actors.placement.memory import estimate
+from actors.placement.split import node_share
+from actors.placement.weights import copied
 from actors.runner.allocation_log import AllocationLog
 from actors.runner.observed import observed_memory
 from messages.settings import ServingSettings
@@ -120,3 +123,27 @@ def test_an_observation_refuses_an_amx_buffer_it_did_not_predict(tmp_path: Path)
     printed = {buffer: Decimal(mib) for buffer, mib in PRINTED["all-types"][4].items()}
     observation = observed_memory(AllocationLog(model_buffers=printed), plain, ())
     assert "weights_bytes" not in observation.exact
+
+
+def test_a_splits_amx_copies_are_the_heads_alone(tmp_path: Path) -> None:
+    # RPC devices have no host buffer type: the head copies its own blocks, and a member's share holds none
+    geometry = geometry_from_header(read_header(_model(tmp_path, "f16-rows-1000")))
+    split = estimate(geometry, SETTINGS, 512, n_gpu_layers=2, gpu_split=(1.0,), rpc_devices=1, cpu_features=XEON_AMX)
+    devices = {d.device: d for d in split.devices}
+    assert devices["CPU"].amx_bytes == split.amx_bytes > 0
+    assert node_share(split, [devices["RPC0"]]).amx_bytes == 0
+    assert node_share(split, [devices["CPU"]]).amx_bytes == split.amx_bytes
+
+
+def test_a_3d_matmul_weight_is_taken_by_amx_as_its_allocation_sizes_it_and_never_repacked() -> None:
+    # an MLA model's attn_k_b {128, 512, n_head}: MUL_MAT, not 2-D. ggml_backend_amx_get_alloc_size sizes a
+    # quantized one as ne[1] rows of the AMX layout (whatever ne[2]), an F16 one as its bytes
+    q8 = TensorInfo("blk.0.attn_k_b.weight", (128, 512, 16), 8, "Q8_0", 0, 16 * 512 * 4 * 34)
+    f16 = TensorInfo("blk.0.attn_k_b.weight", (128, 512, 16), 1, "F16", 0, 16 * 512 * 128 * 2)
+    for tensor, amx in ((q8, 512 * 4 * (34 + 4)), (f16, f16.n_bytes)):
+        header = GGUFHeader(version=3, kv={}, tensors=(tensor,), alignment=32, data_offset=0, file_size=tensor.n_bytes)
+        layers, _ = repack_groups(header, 1)
+        (group,) = layers[0]
+        assert (group.amx_bytes, group.rows_multiple) == (amx, 1)
+        assert copied(group, frozenset(WITHOUT_AMX)) is None  # no repack kernel takes a 3-D MUL_MAT weight
+        assert copied(group, frozenset(XEON_AMX)) == ("amx", amx)
