@@ -286,34 +286,26 @@ def _estimate(
     caches sized, the layers placed with their weights, the compute buffers and outputs, then a draft model's
     context and a projector; every part then added up per device."""
     flash_attn = settings.flash_attn == "on"
-    mtp = _validated(geometry, settings, n_gpu_layers, gpu_split, draft_model, projector, rpc_devices)
-    shape = resolve_context(geometry, settings, n_ctx)
-    target = target_caches(geometry, settings, shape)
-    mtp_caches, draft_shape = draft_caches(geometry, settings, shape) if mtp else (Caches(), None)
+    parts = _model_parts(geometry, settings, n_ctx, draft_model, projector)
+    if rpc_devices:
+        _validate_split(geometry, settings, n_gpu_layers, gpu_split, rpc_devices, parts.mtp, draft_model, projector)
+    mtp, shape, target, draft_shape = parts.mtp, parts.shape, parts.target, parts.draft_shape
 
     devices = layer_devices(geometry, n_gpu_layers, gpu_split)
     weights = weights_per_device(geometry, devices, load_nextn=mtp, copied=range(rpc_devices))
     copies = _host_copies(geometry, cpu_features, devices, gpu_split, rpc_devices, mtp)
     weights[-1] -= copies.unmapped
 
-    n_outputs = _outputs_per_batch(settings, shape, n_ctx)
-    compute = compute_model.compute_buffers(
-        geometry,
-        shape,
-        flash_attn=flash_attn,
-        n_outputs=n_outputs,
-        draft_shape=draft_shape,
-        offloaded=any(d >= 0 for d in devices),
-        pooled=settings.kind in pooled.POOLED_KINDS,
-    )
-    output_bytes = pooled.output_row_bytes(geometry, settings) * shape.n_seq_max
-    host_extra = host_extras(geometry, settings, shape, target)
+    n_outputs = parts.n_outputs
+    compute = parts.compute(any(d >= 0 for d in devices))
+    output_bytes = parts.output_bytes
+    host_extra = parts.host_extra
 
     if draft_model is not None:
         second = _draft_model_context(draft_model, settings, shape, n_gpu_layers, gpu_split, cpu_features)
     else:  # an MTP context's layers are the model's; its logits one row per sequence
         mtp_output = 4 * geometry.n_vocab * shape.n_seq_max if draft_shape is not None else 0
-        second = _SecondContext(caches=mtp_caches, devices=devices, output=mtp_output)
+        second = _SecondContext(caches=parts.mtp_caches, devices=devices, output=mtp_output)
     output_bytes += second.output
     image = _projector_part(projector, n_gpu_layers, gpu_split, flash_attn=flash_attn)
     host_extra += image.embeddings
@@ -367,23 +359,68 @@ def _estimate(
     )
 
 
-def _validated(
+@dataclass(frozen=True, eq=False)
+class _ModelParts:
+    """What an estimate does not owe to where the layers go: the settings checked, the context and its caches,
+    the outputs, the host extras and the compute buffers (which differ only by whether any layer is offloaded).
+    Shared by every layout of one model under one set of settings (`_model_parts`): a new split of a node's
+    GPUs only places them again. Read only, as every caller treats them."""
+
+    geometry: ModelGeometry
+    settings: ServingSettings
+    mtp: bool
+    shape: ContextShape
+    target: Caches
+    mtp_caches: Caches
+    draft_shape: ContextShape | None
+    n_outputs: int
+    output_bytes: int
+    host_extra: int
+    _compute: dict[bool, compute_model.ComputeEstimate] = field(default_factory=dict, compare=False)
+
+    def compute(self, offloaded: bool) -> compute_model.ComputeEstimate:
+        found = self._compute.get(offloaded)
+        if found is None:
+            found = self._compute[offloaded] = compute_model.compute_buffers(
+                self.geometry,
+                self.shape,
+                flash_attn=self.settings.flash_attn == "on",
+                n_outputs=self.n_outputs,
+                draft_shape=self.draft_shape,
+                offloaded=offloaded,
+                pooled=self.settings.kind in pooled.POOLED_KINDS,
+            )
+        return found
+
+
+@functools.lru_cache(maxsize=1024)
+def _model_parts(
     geometry: ModelGeometry,
     settings: ServingSettings,
-    n_gpu_layers: int,
-    gpu_split: Sequence[float],
+    n_ctx: int,
     draft_model: ModelGeometry | None,
     projector: ProjectorGeometry | None,
-    rpc_devices: int,
-) -> bool:
-    """Refuses what llama-server refuses and what the estimate does not size (`MemoryModelError`); whether
-    the server builds an MTP context."""
+) -> _ModelParts:
+    """Refuses what llama-server refuses and what the estimate does not size (`MemoryModelError`, raised again
+    on every call: an error is not cached); otherwise the layout-free parts, memoised by value."""
     mtp = validate(geometry, settings, draft_model)
     if projector is not None:
         validate_projector(geometry, projector)
-    if rpc_devices:
-        _validate_split(geometry, settings, n_gpu_layers, gpu_split, rpc_devices, mtp, draft_model, projector)
-    return mtp
+    shape = resolve_context(geometry, settings, n_ctx)
+    target = target_caches(geometry, settings, shape)
+    mtp_caches, draft_shape = draft_caches(geometry, settings, shape) if mtp else (Caches(), None)
+    return _ModelParts(
+        geometry=geometry,
+        settings=settings,
+        mtp=mtp,
+        shape=shape,
+        target=target,
+        mtp_caches=mtp_caches,
+        draft_shape=draft_shape,
+        n_outputs=_outputs_per_batch(settings, shape, n_ctx),
+        output_bytes=pooled.output_row_bytes(geometry, settings) * shape.n_seq_max,
+        host_extra=host_extras(geometry, settings, shape, target),
+    )
 
 
 def _host_copies(
