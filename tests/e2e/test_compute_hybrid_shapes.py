@@ -100,6 +100,7 @@ SPLITS = [
 @pytest.mark.parametrize(
     ("model", "n_gpu_layers", "n_ctx", "settings"), SPLITS, ids=[f"{m}-ngl{n}-np{s.slots}" for m, n, _, s in SPLITS]
 )
+@pytest.mark.timeout(360)  # beyond its server's own deadline (300 s)
 def test_a_hybrid_split_over_loopback_holds_each_devices_compute_buffer(
     model: str, n_gpu_layers: int, n_ctx: int, settings: ServingSettings, models: dict[str, Path]
 ) -> None:

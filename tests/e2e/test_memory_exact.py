@@ -177,6 +177,7 @@ def test_fit_memory_breakdown_record_agrees_with_the_exact_lines(models: dict[st
     assert host.model_mib == breakdown.weights_bytes // MIB
 
 
+@pytest.mark.timeout(660)  # beyond its server's own deadline (600 s)
 def test_sparse_qwen35_9b_shape_matches_llama_server(tmp_path: Path, binary: str) -> None:
     """A Qwen3.5-9B geometry (32 layers + 1 nextn, 8 attention / 24 recurrent) as a sparse file: weights,
     KV, recurrent state and MTP KV as the server reports them, at a realistic scale (~40 s to load)."""
@@ -194,6 +195,7 @@ def test_sparse_qwen35_9b_shape_matches_llama_server(tmp_path: Path, binary: str
     assert breakdown.kv_bytes == 32_768 * 8192
 
 
+@pytest.mark.timeout(360)  # beyond its server's own deadline (300 s)
 def test_qwen35_mtp_draft_compute_is_placed_as_llama_server_places_it(tmp_path: Path, binary: str) -> None:
     """The MTP context's compute buffer at Qwen3.5-9B widths (4 blocks + nextn, sparse; 4 slots, 8192
     cells, depth 3) is the server's figure to the print step: the draft graph is placed node by node as

@@ -270,6 +270,7 @@ def realistic_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
 
 
 @pytest.mark.parametrize("case", REALISTIC_CASES, ids=[c.id for c in REALISTIC_CASES])
+@pytest.mark.timeout(360)  # beyond its server's own deadline (300 s)
 def test_released_widths_compute_buffer_within_the_stated_bound(
     case: Case, realistic_models: dict[str, Path], binary: str, record_property: Callable[[str, object], None]
 ) -> None:
@@ -296,6 +297,7 @@ COMMAND_R_COMPUTE_ERROR = 0.01
 
 
 @pytest.mark.parametrize("slots", [1, 4])
+@pytest.mark.timeout(360)  # beyond its server's own deadline (300 s)
 def test_command_r_parallel_block_reserves_no_extra_row(
     slots: int, realistic_models: dict[str, Path], binary: str
 ) -> None:
