@@ -198,7 +198,7 @@ class InstanceRefused(InstanceEvent, frozen=True, kw_only=True, tag="instance_re
 class InstanceCrashed(InstanceEvent, frozen=True, kw_only=True, tag="instance_crashed"):
     exit_code: int | None
     restart_in_s: float | None  # None: the restart limit is reached (an instance_failed follows)
-    reason: str = ""  # e.g. "llama-server exited with code -9", "stopped answering /health: …"
+    reason: str = ""  # e.g. "llama-server was killed by SIGKILL (…)", "stopped answering /health: …"
     log_tail: str
     # its log ends in an allocation failure, or it was SIGKILLed (what the kernel's OOM killer sends)
     out_of_memory: bool = False

@@ -31,6 +31,7 @@ the shell keeps checking `/health` and feeds `Unresponsive` after repeated failu
 from __future__ import annotations
 
 import enum
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -67,6 +68,7 @@ __all__ = [
     "Unresponsive",
     "Verified",
     "Verify",
+    "exit_reason",
 ]
 
 
@@ -411,7 +413,7 @@ class Lifecycle:
     def _exited(self, event: Event, now: float) -> list[Action]:
         assert isinstance(event, Exited)
         self.pid = None
-        return self._crashed(event.code, f"llama-server exited with code {event.code}", now)
+        return self._crashed(event.code, exit_reason(event.code), now)
 
     def _stop(self, event: Event, now: float) -> list[Action]:
         assert isinstance(event, StopRequested)
@@ -506,3 +508,26 @@ _TRANSITIONS: dict[tuple[Phase, type], _Transition] = {
     (Phase.STUCK, DeadlinePassed): Lifecycle._kill_again,
     (Phase.STUCK, StopRequested): Lifecycle._stop_while_terminating,
 }
+
+
+#: The usual causes of the signals that end llama-server, for the operator reading the crash.
+_SIGNAL_CAUSES = {
+    signal.SIGKILL: "the kernel's out-of-memory killer, or an operator",
+    signal.SIGILL: "an instruction this CPU refused: a build for another CPU, or a VM that advertises a feature "
+    "(such as AMX) it does not run",
+    signal.SIGSEGV: "a memory fault in the engine",
+    signal.SIGABRT: "the engine aborted; its log says why",
+}
+
+
+def exit_reason(code: int | None) -> str:
+    """Why llama-server ended, from its exit status (negative: the signal that killed it, named with its usual
+    cause)."""
+    if code is None or code >= 0:
+        return f"llama-server exited with code {code}"
+    try:
+        sig = signal.Signals(-code)
+    except ValueError:
+        return f"llama-server was killed by signal {-code}"
+    cause = _SIGNAL_CAUSES.get(sig)
+    return f"llama-server was killed by {sig.name}" + (f" ({cause})" if cause else "")

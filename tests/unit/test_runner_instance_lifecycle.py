@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import signal
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -36,6 +37,7 @@ from actors.runner.instance_lifecycle import (
     Unresponsive,
     Verified,
     Verify,
+    exit_reason,
 )
 from messages.runner import FieldDrift, InstanceState
 from runtime.restart import RestartPolicy
@@ -78,7 +80,7 @@ def test_a_crash_restarts_after_backoff_and_the_restart_is_reported() -> None:
     m = machine()
     ready(m)
     assert m.handle(Exited(1, code=-9), 5) == [
-        ReportCrashed(-9, 1, "llama-server exited with code -9"),
+        ReportCrashed(-9, 1, "llama-server was killed by SIGKILL (the kernel's out-of-memory killer, or an operator)"),
         SetDeadline(1),
     ]
     assert (m.state, m.restarts, m.pid) == ("restarting", 1, None)
@@ -460,3 +462,13 @@ def test_a_crash_names_a_member_exactly_when_that_members_loss_stopped_the_proce
                 lost = event.member
             if isinstance(action, ReportCrashed):
                 assert action.member == lost
+
+
+def test_a_signal_that_ended_the_server_is_named_with_its_usual_cause() -> None:
+    assert exit_reason(1) == "llama-server exited with code 1"
+    assert exit_reason(139) == "llama-server exited with code 139"  # a shell's 128 + SIGSEGV: a code as it is
+    illegal = exit_reason(-int(signal.SIGILL))
+    assert illegal.startswith("llama-server was killed by SIGILL (") and "AMX" in illegal
+    assert exit_reason(-int(signal.SIGSEGV)) == "llama-server was killed by SIGSEGV (a memory fault in the engine)"
+    assert exit_reason(-int(signal.SIGUSR2)) == "llama-server was killed by SIGUSR2"
+    assert exit_reason(-200) == "llama-server was killed by signal 200"
