@@ -28,6 +28,7 @@ from actors.metrics.families import INTER_TOKEN_BUCKETS, TTFT_BUCKETS
 from runtime.children import free_port
 from tests.conftest import processes
 from tests.harness.frontdoor import _WEDGE, KEY, KEYED, QUIET, client, write_catalog
+from tests.harness.generate import wait_ready
 from tests.harness.metrics import parse_openmetrics
 from tests.harness.nodes import cli, events_of, node, wait_listening, wait_nodes
 from tests.llama_harness import require_server
@@ -226,6 +227,7 @@ async def test_a_node_without_a_front_door_serves_metrics_on_loopback_for_mesh_g
             assert other.status == 404  # only /metrics here
         code, out, err = await cli("place", str(model), "-c", "2048", "--start", "--json", "--data-dir", str(data_dir))
         assert code == 0, err
+        await wait_ready(data_dir, json.loads(out)["instance"]["instance_id"])  # the start answers "starting"
         code, out, err = await cli("generate", "alpha", "Hello", "-n", "5", "--json", "--data-dir", str(data_dir))
         assert code == 0, err
         result = json.loads(out)
