@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from actors.placement.context import pad
 from actors.placement.gguf_header import GGUFHeader, TensorInfo
 from messages.model import MappedEdge, RepackGroup
 
@@ -133,6 +134,7 @@ _MATMUL_ID_BLOCK_TENSORS = frozenset(
 )
 _FLOAT_TYPES = frozenset({"f32", "f16", "bf16", "f64", "i8", "i16", "i32", "i64"})
 _BLOCK_WEIGHT = re.compile(r"^blk\.([0-9]+)\.(.+)\.weight$")
+_BLOCK = re.compile(r"^blk\.([0-9]+)\.")  # any tensor of a block
 _REPACK_ALIGNMENT = 32  # the CPU buffer types' tensor alignment
 
 
@@ -161,10 +163,6 @@ _AMX_ROWS = 32  # TILE_N * 2: the result's rows (the weight's ne[1]) must be a m
 _MAX_EDGE = 64  # tensors kept per end of the file: beyond, the mapped span is taken whole (an upper bound)
 
 _Key = tuple[str, int, bool]  # (type, rows multiple, taken by the AMX kernels)
-
-
-def _pad(n: int) -> int:
-    return (n + _REPACK_ALIGNMENT - 1) // _REPACK_ALIGNMENT * _REPACK_ALIGNMENT
 
 
 def _amx_size(t: TensorInfo, kind: str) -> int:
@@ -209,8 +207,8 @@ def _group(found: dict[_Key, list[tuple[int, int]]]) -> tuple[RepackGroup, ...]:
             type=kind,
             rows_multiple=multiple,
             count=len(sizes),
-            bytes=sum(_pad(n) for n, _ in sizes),
-            amx_bytes=sum(_pad(amx) for _, amx in sizes) if amx_taken else 0,
+            bytes=sum(pad(n, _REPACK_ALIGNMENT) for n, _ in sizes),
+            amx_bytes=sum(pad(amx, _REPACK_ALIGNMENT) for _, amx in sizes) if amx_taken else 0,
         )
         for (kind, multiple, amx_taken), sizes in sorted(found.items())
     )
@@ -260,11 +258,10 @@ def mapped_edges(
     def edge(t: TensorInfo) -> MappedEdge | None:
         found = None if t.name == "token_embd.weight" else _matmul(t, names, n_layer_all)[1]
         group = None
-        if found is not None:
-            (kind, multiple, amx_taken), amx = found
-            amx_bytes = _pad(amx) if amx_taken else 0
-            group = RepackGroup(type=kind, rows_multiple=multiple, count=1, bytes=_pad(t.n_bytes), amx_bytes=amx_bytes)
-        m = _BLOCK_WEIGHT.match(t.name) or re.match(r"^blk\.([0-9]+)\.", t.name)
+        if found is not None:  # the tensor as a group of one
+            key, amx = found
+            (group,) = _group({key: [(t.n_bytes, amx)]})
+        m = _BLOCK.match(t.name)
         nextn = m is not None and first_nextn <= int(m.group(1)) < n_layer_all
         if group is None and not nextn:
             return None

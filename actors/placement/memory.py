@@ -479,7 +479,7 @@ def _draft_model_context(
     copies = HostCopies()
     if not gpu_split:
         copies = host_copies(draft_model, cpu_features, load_nextn=False, output_on_host=True)
-    weights[-1] = weights.get(-1, 0) - copies.unmapped
+    weights[-1] -= copies.unmapped  # the host always holds the draft's token embeddings
     gpus = sorted({d for d in devices if d >= 0})
     buffers = compute_model.compute_buffers(
         draft_model,

@@ -34,12 +34,10 @@ from actors.placement.gguf_header import read_header
 from actors.placement.memory import MemoryModelError, estimate
 from actors.runner.allocation_log import parse_allocation_log, printed_mib, printed_mib_f32
 from actors.runner.observed import observed_memory
-from actors.telemetry.probes import read_host
-from actors.telemetry.resources import ggml_cpu_features
 from messages.model import ModelGeometry
 from messages.settings import ServingSettings
 from tests import tiny_models
-from tests.harness.memory_exact import allocated, printed_model_buffers
+from tests.harness.memory_exact import allocated, node_features, printed_model_buffers
 from tests.harness.quantized import write_quantized_llama
 from tests.llama_harness import require_server, run_server, server_args
 
@@ -116,11 +114,10 @@ def _server_args(case: Case, draft: Path) -> list[str]:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_draft_model_allocations_match_llama_server_exactly(case: Case, models: dict[str, Path], binary: str) -> None:
     geometry, draft = _geometry(models["llama"]), _geometry(models[case.draft])
-    features = ggml_cpu_features(read_host().cpu_flags)
     run = run_server(models["llama"], _server_args(case, models[case.draft]), binary=binary)
     assert allocated(run), run.log[-3000:]
     log = parse_allocation_log(run.log)
-    predicted = estimate(geometry, case.settings, case.n_ctx, draft=draft, cpu_features=features)
+    predicted = estimate(geometry, case.settings, case.n_ctx, draft=draft, cpu_features=node_features())
     allocations = cache_allocations(geometry, case.settings, case.n_ctx, draft)
 
     # weights: each model's buffers, the draft's loaded second

@@ -30,8 +30,6 @@ from actors.placement.geometry import geometry_from_header
 from actors.placement.gguf_header import read_header
 from actors.placement.memory import estimate
 from actors.runner.allocation_log import parse_allocation_log, printed_mib, remote_devices
-from actors.telemetry.probes import read_host
-from actors.telemetry.resources import ggml_cpu_features
 from messages.memory import DeviceMemory
 from messages.settings import ServingSettings
 from tests import tiny_models
@@ -209,10 +207,9 @@ def test_the_head_repacks_its_own_quantized_blocks_and_no_member_does(binary: st
         types={role: "q4_0" for role in ("q", "k", "v", "o", "gate", "up", "down")},
     )  # fmt: skip
     geometry = geometry_from_header(read_header(path))
-    features = ggml_cpu_features(read_host().cpu_flags)
     settings = _s(slots=1)
     breakdown = estimate(
-        geometry, settings, 2048, n_gpu_layers=3, gpu_split=(1.0,), rpc_devices=1, cpu_features=features
+        geometry, settings, 2048, n_gpu_layers=3, gpu_split=(1.0,), rpc_devices=1, cpu_features=node_features()
     )
     devices = {d.device: d for d in breakdown.devices}
     with rpc_servers(1) as members:

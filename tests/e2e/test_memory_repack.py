@@ -31,10 +31,8 @@ from actors.placement.gguf_header import read_header
 from actors.placement.memory import estimate
 from actors.runner.allocation_log import parse_allocation_log, printed_mib
 from actors.runner.observed import observed_memory
-from actors.telemetry.probes import read_host
-from actors.telemetry.resources import ggml_cpu_features
 from messages.settings import ServingSettings
-from tests.harness.memory_exact import allocated, printed_model_buffers
+from tests.harness.memory_exact import allocated, node_features, printed_model_buffers
 from tests.harness.quantized import write_quantized_llama
 from tests.llama_harness import require_server, run_server, server_args
 
@@ -110,9 +108,9 @@ def binary() -> str:
     return require_server()
 
 
-@pytest.fixture(scope="module")
-def node_features() -> tuple[str, ...]:
-    features = ggml_cpu_features(read_host().cpu_flags)
+@pytest.fixture(scope="module", name="node_features")
+def readable_node_features() -> tuple[str, ...]:
+    features = node_features()
     if features is None:
         pytest.skip("this machine's CPU flags are not readable")
     return features
