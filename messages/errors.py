@@ -72,8 +72,8 @@ REGISTRY: Final[dict[str, ErrorCode]] = {
                   "never counts toward restarts), or the reply would exceed `max_payload`"),
         ErrorCode(TIMEOUT, 504, True, "the actor did not answer within its request deadline (time in the inbox "
                   "included; the handler is cancelled)"),
-        ErrorCode(NO_INSTANCE, 503, True, "`generate`: no ready instance serves the model the request names (one "
-                  "may be starting)"),
+        ErrorCode(NO_INSTANCE, 503, True, "`generate`: no ready instance serves the model the request names, and "
+                  "none that was starting became ready within the request's `timeout_s`"),
         ErrorCode(INVALID_API_KEY, 401, False, "the front door needs a valid API key", "the front door"),
         ErrorCode(MODEL_NOT_FOUND, 404, False, "the front door's catalog has no such model", "the front door"),
         ErrorCode(UNKNOWN_ENDPOINT, 404, False, "the front door serves no such path", "the front door"),

@@ -1,18 +1,22 @@
 """Router actor (shell): `mesh.generate` on every node (queue group), forwarded to the chosen runner.
 
-What it keeps, from the bus only (nothing a client says): the ready instances (`MESH_INSTANCES`), each node's
-serving report (`mesh.serving.<node>`: slots, busy, queued, resident prefixes; not used once older than its
-TTL on this actor's clock), each node's L3 inventory (`MESH_L3`) and the registry (for model names).
+What it keeps, from the bus only (nothing a client says): the ready instances (`MESH_INSTANCES`) and those on their
+way to ready (starting, or restarting after a crash), each node's serving report (`mesh.serving.<node>`: slots,
+busy, queued, resident prefixes; not used once older than its TTL on this actor's clock), each node's L3 inventory
+(`MESH_L3`) and the registry (for model names).
 
-A request names a model by instance id, registry name, model path as placed, or a bare file name (with or
-without `.gguf`). Only instances on nodes whose serving report is current are candidates (a node killed before
-it could remove its records sends none). With more than one candidate and a text prompt, the prompt is tokenized
-once on one of them (a pass-through body is rendered by the instance: `mesh.runner.<node>.render`), so prefixes
-can be compared; the runner then skips its own tokenization. Each candidate is credited with the prefix it holds
-(`prefixes.Holdings`), `routing.choose` picks one, the decision is journaled (`generate_routed`, replayable) and
-the request goes to `mesh.runner.<node>.generate` with the tokens and the time spent here. When the chosen
-runner does not answer at all (no responders) or no longer has the instance, nothing ran: the choice is made
-again without it (and journaled again). Any other error reply of the runner passes through unchanged.
+A request names a model by instance id, registry name, model path as placed, or a bare file name (with or without
+`.gguf`). Only instances on nodes whose serving report is current are candidates (a node killed before it could
+remove its records sends none). When none is ready but one of the model is starting (`place --start` answers then; a
+crashed server restarting), the request waits for it within its own `timeout_s`, which the generation then has less
+of; only when nothing of the model is on its way is the answer `no_instance` at once. With more than one candidate
+and a text prompt, the prompt is tokenized once on one of them (a pass-through body is rendered by the instance:
+`mesh.runner.<node>.render`), so prefixes can be compared; the runner then skips its own tokenization. Each
+candidate is credited with the prefix it holds (`prefixes.Holdings`), `routing.choose` picks one, the decision is
+journaled (`generate_routed`, replayable) and the request goes to `mesh.runner.<node>.generate` with the tokens and
+the time spent here. When the chosen runner does not answer at all (no responders) or no longer has the instance,
+nothing ran: the choice is made again without it (and journaled again). Any other error reply of the runner passes
+through unchanged.
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ QUEUE_GROUP: Final = "generate"
 MAX_CONCURRENT: Final = 256
 #: Extra time a forwarded request waits beyond the generation's own timeout (the runner answers by then).
 FORWARD_SLACK_S: Final = 5.0
+#: The states of an instance on its way to ready: a request for its model waits for it.
+ON_ITS_WAY: Final = frozenset({"starting", "restarting"})
 
 
 class _NotThere(Exception):
@@ -100,6 +106,8 @@ class RouterActor(Actor):
         self._monotonic = monotonic
         self._tokenize_timeout_s = tokenize_timeout_s
         self._instances: dict[str, InstanceStatus] = {}
+        self._on_its_way: dict[str, InstanceStatus] = {}  # starting or restarting
+        self._instances_changed = asyncio.Event()  # set (and replaced) on every change of either
         self._reports: dict[str, tuple[ServingReport, float]] = {}  # node -> (report, arrival)
         self._inventories: dict[str, L3Inventory] = {}
         self._inflight: dict[str, int] = {}
@@ -109,6 +117,7 @@ class RouterActor(Actor):
 
     async def run(self, ctx: ActorContext) -> None:
         self._instances.clear()
+        self._on_its_way.clear()
         self._reports.clear()
         self._inventories.clear()
         self._holdings = None
@@ -189,8 +198,11 @@ class RouterActor(Actor):
     async def _watch_instances(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
         async for entry in buckets.watch(kv, ready):
             instance_id = entry.key.rsplit(".", 1)[-1]  # keys are <node>.<instance id>
+            self._instances.pop(instance_id, None)
+            self._on_its_way.pop(instance_id, None)
+            self._instances_changed.set()
+            self._instances_changed = asyncio.Event()
             if buckets.removed(entry):
-                self._instances.pop(instance_id, None)
                 continue
             try:
                 status = buckets.decode_keyed(
@@ -198,12 +210,11 @@ class RouterActor(Actor):
                 )
             except BadMessage as exc:
                 ctx.log.warning("bad_instance_record", key=entry.key, error=str(exc))
-                self._instances.pop(instance_id, None)
                 continue
             if status.state == "ready" and status.port is not None:
                 self._instances[instance_id] = status
-            else:
-                self._instances.pop(instance_id, None)
+            elif status.state in ON_ITS_WAY:
+                self._on_its_way[instance_id] = status
 
     async def _watch_inventories(self, ctx: ActorContext, kv: KeyValue, ready: asyncio.Event) -> None:
         async for entry in buckets.watch(kv, ready):
@@ -268,8 +279,44 @@ class RouterActor(Actor):
 
     # --- requests --------------------------------------------------------------------------------------------
 
-    async def _matching(self, model: str) -> list[InstanceStatus]:
-        ready = list(self._instances.values())
+    async def _candidates(self, request: GenerateRequest, pool: dict[str, InstanceStatus]) -> list[InstanceStatus]:
+        """The instances of `pool` that may serve `request`: of its model and catalog entry, on a node whose
+        serving report is current (one killed before it could remove its records may be dead: never scored, so
+        it can never win a tie as "idle"), and not on a forced prefill node."""
+        wanted = request.serves  # a catalog model's instances only (its settings and kind)
+        fresh = self._fresh_nodes()
+        matching = [
+            s
+            for s in await self._matching(request.model, list(pool.values()))
+            if (wanted is None or wanted.met_by(s.settings.settings)) and s.node in fresh
+        ]
+        if request.prefill_node is not None and any(s.node != request.prefill_node for s in matching):
+            # a forced disaggregated generation decodes elsewhere than where it prefills
+            matching = [s for s in matching if s.node != request.prefill_node]
+        return matching
+
+    async def _ready_or_awaited(
+        self, ctx: ActorContext, request: GenerateRequest, request_id: str
+    ) -> tuple[list[InstanceStatus], float]:
+        """The ready instances that may serve `request`; when there are none but one is on its way (starting,
+        restarting), waits for it within the request's `timeout_s`. Returns them and the seconds waited (0: none)."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + request.timeout_s
+        waited = False
+        while not (matching := await self._candidates(request, self._instances)):
+            coming = await self._candidates(request, self._on_its_way)
+            if not coming or loop.time() >= deadline:
+                break
+            waited = True
+            ctx.log.info("generate_awaits_start", request_id=request_id, model=request.model,
+                         instances=sorted(s.id for s in coming))  # fmt: skip
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await self._instances_changed.wait()
+        return matching, loop.time() - start if waited else 0.0
+
+    async def _matching(self, model: str, ready: list[InstanceStatus]) -> list[InstanceStatus]:
         by_id = [s for s in ready if s.id == model]
         if by_id:
             return by_id
@@ -319,18 +366,10 @@ class RouterActor(Actor):
                 {"path": "$.stream"},
             )  # fmt: skip
         request_id = request.request_id or uuid.uuid4().hex
-        wanted = request.serves  # a catalog model's instances only (its settings and kind)
-        matching = [
-            s for s in await self._matching(request.model) if wanted is None or wanted.met_by(s.settings.settings)
-        ]
-        if request.prefill_node is not None and any(s.node != request.prefill_node for s in matching):
-            # a forced disaggregated generation decodes elsewhere than where it prefills
-            matching = [s for s in matching if s.node != request.prefill_node]
+        matching, waited_s = await self._ready_or_awaited(ctx, request, request_id)
+        if matching and waited_s > 0:  # the generation has what is left of its time
+            request = msgspec.structs.replace(request, timeout_s=max(request.timeout_s - waited_s, 0.001))
         loads = self._loads()
-        fresh = self._fresh_nodes()
-        # an instance whose node sends no current report may be dead (a node killed before it could remove its
-        # records): it is never scored, so it can never win a tie as "idle"
-        matching = [s for s in matching if s.node in fresh]
         tokens = request.prompt if isinstance(request.prompt, list) else None
         tokenized_by: str | None = None  # the model file whose tokenizer made `tokens` from the text
         if isinstance(request.prompt, str) and len(matching) > 1:
@@ -391,7 +430,10 @@ class RouterActor(Actor):
                          "mesh.route.candidates": len(candidates), "mesh.route.chosen": decision.chosen,
                          "mesh.route.prefill_node": decision.prefill_node})  # fmt: skip
             if decision.chosen is None:
-                raise RequestError(NO_INSTANCE, f"no ready instance serves {request.model!r}", {"model": request.model})
+                why = f"no ready instance serves {request.model!r}"
+                if waited_s > 0 and not matching:
+                    why += f": none of those starting became ready within {waited_s:.3g}s"
+                raise RequestError(NO_INSTANCE, why, {"model": request.model})
             chosen = next(c for c in candidates if c.instance_id == decision.chosen)
             span.update({"mesh.route.node": chosen.node, "mesh.route.source": chosen.source,
                          "mesh.route.held_tokens": chosen.held_tokens})  # fmt: skip
